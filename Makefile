@@ -1,0 +1,25 @@
+# Two commands: `make train` (set up, train the embedded default) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+WORKDIR ?= workdirs/digits_mlp
+
+.PHONY: setup train test clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "dpjax needs Python >= 3.11, found " + sys.version.split()[0]'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+train: setup
+	$(PY) -m dpjax.train --config configs/digits_mlp.py --workdir $(WORKDIR)
+
+test: setup
+	$(PY) -m pytest -n 2 -q
+
+clean:
+	rm -rf $(VENV) workdirs
