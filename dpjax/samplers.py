@@ -1,0 +1,282 @@
+"""Batch samplers: which examples form the logical batch of step t.
+
+Every sampler is a frozen dataclass whose `indices(step)` is a pure function
+of (seed, step): resuming at step t costs O(b) (Poisson, fixed size) or one
+O(N) epoch assignment (balls-and-bins, shuffle), never a replay of earlier
+steps. The accountant (`dpjax.accounting`) builds its privacy analysis from
+the same object, so what is sampled is what is accounted.
+
+| name | batch of step t | accounting |
+|---|---|---|
+| `poisson` | each example independently with prob. q = b/N | Poisson-subsampled Gaussian |
+| `balls_and_bins` | each epoch, every example in one uniform of T = ceil(N/b) batches | Chua et al. 2025 (seed 000) |
+| `shuffle` | one permutation per epoch, consecutive batches of b | deterministic upper bound |
+| `deterministic` | dataset order, consecutive batches of b | Gaussian, once per epoch |
+| `fixed_size` | an independent uniform b-subset | MoG (Ganesh, seed 004), FS-RDP (Birrell et al., seed 001) |
+| `fixed_size_with_replacement` | b independent uniform draws | see `dpjax.accounting` |
+
+Epoch-based samplers (`balls_and_bins`, `shuffle`, `deterministic`) have
+T = ceil(N/b) steps per epoch. For `shuffle` and `deterministic` the last
+batch of an epoch holds the remainder N - (T-1)·b (smaller than b when b does
+not divide N); every example is used exactly once per epoch.
+
+Randomness: step t of a per-step sampler uses a generator seeded by
+(seed, stream, t); epoch e of a per-epoch sampler by (seed, stream, e). The
+streams are disjoint from truncation, noise and initialisation.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from typing import ClassVar
+
+import ml_collections
+import numpy as np
+
+SAMPLER_NAMES = (
+    'poisson',
+    'balls_and_bins',
+    'shuffle',
+    'deterministic',
+    'fixed_size',
+    'fixed_size_with_replacement',
+)
+
+# Stream identifiers keep the sampler's randomness independent of other
+# consumers of the root seed (truncation in `batching`, noise in `dp_step`).
+SAMPLER_STREAM = 0x5A4D
+
+
+def _generator(seed: int, *key: int) -> np.random.Generator:
+  """A numpy generator that is a pure function of (seed, *key)."""
+  return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, SAMPLER_STREAM, *key])))
+
+
+def _index_dtype(num_examples: int) -> np.dtype:
+  """int32 halves the memory of per-epoch permutations when N < 2^31."""
+  return np.dtype(np.int32) if num_examples < 2**31 else np.dtype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler(abc.ABC):
+  """Base class: a logical batch of example indices for every step."""
+
+  num_examples: int
+  batch_size: int
+  seed: int = 0
+
+  name: ClassVar[str]
+
+  def __post_init__(self):
+    _check_int('num_examples', self.num_examples, 1)
+    _check_int('sampler.batch_size', self.batch_size, 1)
+    if self.batch_size > self.num_examples:
+      raise ValueError(
+          f'sampler.batch_size = {self.batch_size} must be in [1, N = '
+          f'{self.num_examples}] (the number of training examples).')
+
+  @abc.abstractmethod
+  def indices(self, step: int) -> np.ndarray:
+    """The example indices (int64, sorted) of the logical batch of `step`."""
+
+  @property
+  def expected_batch_size(self) -> float:
+    """E[n_t]; the DP step divides the noisy sum by this, never by n_t."""
+    return float(self.batch_size)
+
+  @property
+  def steps_per_epoch(self) -> int:
+    """ceil(N / b): one pass over the data in expectation."""
+    return math.ceil(self.num_examples / self.batch_size)
+
+  @property
+  def sampling_probability(self) -> float:
+    """Probability that a given example is in a given step's batch."""
+    return self.batch_size / self.num_examples
+
+  @property
+  def is_epoch_based(self) -> bool:
+    """True when the privacy unit is the epoch (each example once per epoch)."""
+    return False
+
+  def epoch_of(self, step: int) -> int:
+    return step // self.steps_per_epoch
+
+  def _check_step(self, step: int) -> int:
+    step = int(step)
+    if step < 0:
+      raise ValueError(f'step must be >= 0, got {step}.')
+    return step
+
+
+@dataclasses.dataclass(frozen=True)
+class PoissonSampler(Sampler):
+  """Each example joins each batch independently with probability q = b/N.
+
+  Sampled in O(n_t): n_t ~ Binomial(N, q), then n_t distinct indices
+  uniformly at random. Conditionally on its size a Poisson batch is a uniform
+  subset of that size, so this is exactly Poisson sampling.
+  """
+
+  name: ClassVar[str] = 'poisson'
+
+  @property
+  def expected_batch_size(self) -> float:
+    return self.sampling_probability * self.num_examples
+
+  def indices(self, step: int) -> np.ndarray:
+    rng = _generator(self.seed, self._check_step(step))
+    size = rng.binomial(self.num_examples, self.sampling_probability)
+    return np.sort(rng.choice(self.num_examples, size=size, replace=False)).astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedSizeSampler(Sampler):
+  """Each step an independent uniformly random b-subset (without replacement)."""
+
+  name: ClassVar[str] = 'fixed_size'
+
+  def indices(self, step: int) -> np.ndarray:
+    rng = _generator(self.seed, self._check_step(step))
+    return np.sort(rng.choice(self.num_examples, size=self.batch_size, replace=False)).astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedSizeWithReplacementSampler(Sampler):
+  """Each step b independent uniform draws; an example may appear twice."""
+
+  name: ClassVar[str] = 'fixed_size_with_replacement'
+
+  def indices(self, step: int) -> np.ndarray:
+    rng = _generator(self.seed, self._check_step(step))
+    return np.sort(rng.integers(0, self.num_examples, size=self.batch_size, dtype=np.int64))
+
+
+@dataclasses.dataclass(frozen=True)
+class _EpochSampler(Sampler):
+  """A sampler that partitions the data into T batches per epoch."""
+
+  @property
+  def is_epoch_based(self) -> bool:
+    return True
+
+  @abc.abstractmethod
+  def _epoch_assignment(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order, offsets): batch t of the epoch is order[offsets[t]:offsets[t+1]]."""
+
+  def indices(self, step: int) -> np.ndarray:
+    step = self._check_step(step)
+    epoch, t = divmod(step, self.steps_per_epoch)
+    order, offsets = self._cached_assignment(epoch)
+    return np.sort(order[offsets[t]:offsets[t + 1]]).astype(np.int64)
+
+  def _cached_assignment(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    # One epoch's assignment is kept per sampler object (O(N) memory); a
+    # frozen dataclass cannot hold the cache as a field, hence the dict.
+    cache = self.__dict__.setdefault('_assignment_cache', {})
+    if epoch not in cache:
+      cache.clear()
+      cache[epoch] = self._epoch_assignment(epoch)
+    return cache[epoch]
+
+
+@dataclasses.dataclass(frozen=True)
+class BallsAndBinsSampler(_EpochSampler):
+  """Each epoch, every example goes to one of T = ceil(N/b) batches uniformly.
+
+  Chua et al. 2025, "Balls-and-Bins Sampling for DP-SGD" (seed 000). Drawn
+  exactly as: bin sizes ~ Multinomial(N, (1/T, ..., 1/T)), then a uniform
+  permutation cut into consecutive runs of those sizes (given the sizes, the
+  assignment of i.i.d. uniform bins is a uniform arrangement). Each batch size
+  is Binomial(N, 1/T) marginally.
+  """
+
+  name: ClassVar[str] = 'balls_and_bins'
+
+  @property
+  def sampling_probability(self) -> float:
+    return 1.0 / self.steps_per_epoch
+
+  @property
+  def expected_batch_size(self) -> float:
+    return self.num_examples / self.steps_per_epoch
+
+  def _epoch_assignment(self, epoch):
+    rng = _generator(self.seed, 1 << 40, epoch)
+    num_bins = self.steps_per_epoch
+    sizes = rng.multinomial(self.num_examples, np.full(num_bins, 1.0 / num_bins))
+    order = rng.permutation(self.num_examples).astype(_index_dtype(self.num_examples))
+    return order, np.concatenate([[0], np.cumsum(sizes)])
+
+
+@dataclasses.dataclass(frozen=True)
+class ShuffleSampler(_EpochSampler):
+  """One uniform permutation per epoch, cut into consecutive batches of b.
+
+  The last batch of each epoch holds the remainder N - (T-1)·b.
+  """
+
+  name: ClassVar[str] = 'shuffle'
+
+  def _epoch_assignment(self, epoch):
+    rng = _generator(self.seed, 1 << 41, epoch)
+    order = rng.permutation(self.num_examples).astype(_index_dtype(self.num_examples))
+    return order, _consecutive_offsets(self.num_examples, self.batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeterministicSampler(_EpochSampler):
+  """The dataset order, consecutive batches of b (the last one holds the rest)."""
+
+  name: ClassVar[str] = 'deterministic'
+
+  def indices(self, step: int) -> np.ndarray:
+    step = self._check_step(step)
+    t = step % self.steps_per_epoch
+    stop = min((t + 1) * self.batch_size, self.num_examples)
+    return np.arange(t * self.batch_size, stop, dtype=np.int64)
+
+  def _epoch_assignment(self, epoch):
+    return (np.arange(self.num_examples, dtype=_index_dtype(self.num_examples)),
+            _consecutive_offsets(self.num_examples, self.batch_size))
+
+
+def _consecutive_offsets(num_examples: int, batch_size: int) -> np.ndarray:
+  return np.minimum(np.arange(0, num_examples + batch_size, batch_size), num_examples)[
+      : math.ceil(num_examples / batch_size) + 1]
+
+
+_SAMPLERS = {
+    cls.name: cls
+    for cls in (PoissonSampler, BallsAndBinsSampler, ShuffleSampler, DeterministicSampler,
+                FixedSizeSampler, FixedSizeWithReplacementSampler)
+}
+assert tuple(_SAMPLERS) == SAMPLER_NAMES
+
+
+def make_sampler(config: ml_collections.ConfigDict, num_examples: int) -> Sampler:
+  """Builds the sampler named by `config.sampler.name`, seeded by `config.seed`.
+
+  Args:
+    config: the training config (reads `sampler.name`, `sampler.batch_size`,
+      `seed`). The accountant calls this same function on the same config.
+    num_examples: N, the number of training examples.
+  """
+  name = config.sampler.name
+  if name not in _SAMPLERS:
+    raise ValueError(f'sampler.name = {name!r} is unknown; valid: {", ".join(SAMPLER_NAMES)}.')
+  return _SAMPLERS[name](num_examples=num_examples, batch_size=config.sampler.batch_size,
+                         seed=config.seed)
+
+
+def sampler_class(name: str) -> type[Sampler]:
+  if name not in _SAMPLERS:
+    raise ValueError(f'sampler name {name!r} is unknown; valid: {", ".join(SAMPLER_NAMES)}.')
+  return _SAMPLERS[name]
+
+
+def _check_int(field: str, value, minimum: int) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+    raise ValueError(f'{field} must be an integer >= {minimum}, got {value!r}.')
