@@ -1,0 +1,111 @@
+"""Per-step sampling + batching + gather time versus the dataset size N.
+
+Question: does one step of the data pipeline cost O(b), independent of N?
+For each sampler and N, times `Batcher.logical_batch(step)` plus
+`source.gather` of every physical batch over consecutive steps on the
+synthetic source (O(1) memory in N), and reports the median per-step time
+over repeats. Epoch samplers (balls-and-bins, shuffle) pay one O(N)
+permutation per epoch; their figure is the amortised per-step cost over whole
+epochs when the epoch is short enough, and the steady-state (within-epoch)
+median otherwise, both reported.
+
+Run:
+  python scripts/bench_data_pipeline.py                 # N = 1e4, 1e7
+  python scripts/bench_data_pipeline.py --sizes 1e4 1e6 1e7 1e8 --out scripts/results/data_pipeline_scale.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import time
+
+import ml_collections
+import numpy as np
+
+from dpjax import batching, data, samplers
+
+
+def make(name: str, num_examples: int, batch_size: int, physical: int):
+  config = ml_collections.ConfigDict({'seed': 0, 'sampler': {'name': name, 'batch_size': batch_size}})
+  sampler = samplers.make_sampler(config, num_examples)
+  cap = batching.resolve_max_batch_size(sampler, physical, num_steps=10**6, delta=1e-6)
+  return batching.Batcher(sampler, physical, cap)
+
+
+def time_steps(batcher, source, steps: list[int]) -> list[float]:
+  """Seconds per step of sampling + batching (+ gathering, unless source is None)."""
+  times = []
+  for step in steps:
+    start = time.perf_counter()
+    logical = batcher.logical_batch(step)
+    if source is not None:
+      for indices, _ in logical.physical_batches():
+        source.gather(indices)
+    times.append(time.perf_counter() - start)
+  return times
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--sizes', type=float, nargs='+', default=[1e4, 1e7])
+  parser.add_argument('--batch-size', type=int, default=256)
+  parser.add_argument('--physical-batch-size', type=int, default=128)
+  parser.add_argument('--input-dim', type=int, default=784)
+  parser.add_argument('--steps', type=int, default=60, help='timed steps per repeat')
+  parser.add_argument('--repeats', type=int, default=5)
+  parser.add_argument('--samplers', nargs='+', default=list(samplers.SAMPLER_NAMES))
+  parser.add_argument('--out', default='scripts/results/data_pipeline.json')
+  args = parser.parse_args()
+
+  results = []
+  for name in args.samplers:
+    for n_float in args.sizes:
+      n = int(n_float)
+      batcher = make(name, n, args.batch_size, args.physical_batch_size)
+      source = data.SyntheticSource(n, (args.input_dim,), 10)
+      per_epoch = batcher.sampler.steps_per_epoch
+      medians, sampling, amortised = [], [], []
+      for r in range(args.repeats):
+        start_step = r * 7919 + 1  # Different steps (and epochs) per repeat.
+        time_steps(batcher, source, [start_step])  # Warm the epoch cache / allocator.
+        times = time_steps(batcher, source, list(range(start_step + 1, start_step + 1 + args.steps)))
+        medians.append(statistics.median(times))
+        sampling.append(statistics.median(time_steps(
+            batcher, None, list(range(start_step + 1, start_step + 1 + args.steps)))))
+        if batcher.sampler.is_epoch_based and per_epoch <= 2000:
+          first = (r + 10) * per_epoch  # An epoch not touched before: includes its assignment.
+          amortised.append(sum(time_steps(batcher, source, list(range(first, first + per_epoch)))) / per_epoch)
+      row = dict(sampler=name, num_examples=n, batch_size=args.batch_size,
+                 physical_batch_size=args.physical_batch_size, steps_per_epoch=per_epoch,
+                 median_step_seconds=statistics.median(medians),
+                 median_sampling_seconds=statistics.median(sampling),
+                 amortised_step_seconds=statistics.median(amortised) if amortised else None,
+                 max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+      results.append(row)
+      print(f"{name:28s} N={n:>11,d}  median {row['median_step_seconds'] * 1e3:7.3f} ms/step"
+            f"  (sampling+batching alone {row['median_sampling_seconds'] * 1e3:6.3f} ms)"
+            + (f"  amortised {row['amortised_step_seconds'] * 1e3:7.3f} ms/step" if amortised else ''))
+
+  ratios, sampling_ratios = {}, {}
+  lo, hi = int(min(args.sizes)), int(max(args.sizes))
+  for name in args.samplers:
+    rows = {r['num_examples']: r for r in results if r['sampler'] == name}
+    ratios[name] = rows[hi]['median_step_seconds'] / rows[lo]['median_step_seconds']
+    sampling_ratios[name] = rows[hi]['median_sampling_seconds'] / rows[lo]['median_sampling_seconds']
+  print('ratio per-step time N=%d / N=%d:' % (hi, lo), {k: round(v, 3) for k, v in ratios.items()})
+  print('  sampling+batching alone:', {k: round(v, 3) for k, v in sampling_ratios.items()})
+  os.makedirs(os.path.dirname(args.out) or '.', exist_ok=True)
+  with open(args.out, 'w') as f:
+    json.dump(dict(machine=dict(cpus=os.cpu_count(), python=platform.python_version()),
+                   args=vars(args), results=results, ratio_large_over_small=ratios,
+                   sampling_ratio_large_over_small=sampling_ratios), f, indent=2)
+  print('wrote', args.out)
+
+
+if __name__ == '__main__':
+  main()
