@@ -106,7 +106,8 @@ def test_shuffle_lower_bound_is_below_deterministic(epochs):
 
 
 def test_more_epochs_give_larger_lower_bounds():
-  deltas = [max_test.balls_and_bins_lower_bound_delta(1.0, 50, 1.0, num_epochs=e) for e in (1, 2, 4)]
+  deltas = [max_test.balls_and_bins_lower_bound_delta(1.0, 50, 1.0, num_epochs=e)
+            for e in (1, 2, 4)]
   assert deltas[0] < deltas[1] < deltas[2]
   epsilons = [max_test.shuffle_lower_bound_epsilon(1.0, 50, 1e-5, num_epochs=e) for e in (1, 2, 4)]
   assert epsilons[0] < epsilons[1] < epsilons[2]

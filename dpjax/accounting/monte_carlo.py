@@ -21,8 +21,8 @@ Solving for ε on one sample set is valid because δ⁺(ε) is non-increasing in
 ε* failed, which has probability ≤ β.
 
 Importance sampling (Algorithm 5) with one event A per epoch, at a level ε_c ≤ ε:
-  P‖Q: A = {max_t x_t ≥ C₁}, C₁ = σ²ε_c/E + 1/2, since L_e ≤ (2 max_t x_t − 1)/(2σ²);
-  Q‖P: A = {max_t x_t < C₂}, C₂ = σ²(log T − ε_c/E) + 1/2, since L_e ≥ (2 max_t x_t − 1)/(2σ²) − log T.
+  P‖Q: A = {max_t x_t ≥ C₁}, C₁ = σ²ε_c/E + 1/2, as L_e ≤ (2 max_t x_t − 1)/(2σ²);
+  Q‖P: A = {max_t x_t < C₂}, C₂ = σ²(log T − ε_c/E) + 1/2, as L_e ≥ (2 max_t x_t − 1)/(2σ²) − log T.
 For P‖Q, f > 0 ⟹ Σ_e L_e > ε ≥ ε_c ⟹ some L_e > ε_c/E ⟹ some epoch is in A (Q‖P alike with
 L_e < −ε_c/E). One epoch (E = 1) this is Algorithm 5 exactly. Several epochs (the paper leaves
 this open, Appendix B.4): conditioning epoch 1 on A alone would be wrong, since the epoch that
@@ -365,7 +365,7 @@ class _Epoch:
     Under A = {max_t x_t ≥ C}: case 1 (x_1 ≥ C, others free) has probability
     (1 − F_1)/Pr(A); otherwise x_1 < C and the other T − 1 have max ≥ C.
     """
-    sigma, n = self.sigma, self.num_steps - 1
+    sigma = self.sigma
     if self.threshold is None:
       return 1 + sigma * rng.standard_normal(size), None
     c = self.threshold
