@@ -1,0 +1,258 @@
+"""The DP-SGD logical step with virtual batching, and the PRNG streams it uses.
+
+A logical step t is K ≥ 0 physical batches of the same static shape P (K
+varies with the sampled batch size; K = 0 happens under Poisson sampling):
+
+  acc = init_accumulator(params)
+  for batch in physical_batches:            # K times, one compiled program
+    acc = accumulate(params, acc, batch)    # += Σ_i w_i · clip_C(g_i)
+  params, opt_state, metrics = apply(params, opt_state, acc, noise_key(seed, t))
+
+`apply` releases  ĝ = (Σ_i w_i · clip_C(g_i) + N(0, σ²C² I)) / b  and takes an
+optax step on ĝ. The noise is added ONCE per logical step, to the sum over all
+K physical batches (Abadi et al. 2016, Alg. 1; docs/accounting.md: noise std
+on the *sum* of clipped gradients is σ·C), and the divisor is the sampler's
+`expected_batch_size` b (q·N for Poisson, b for fixed-size samplers), never
+the realised number of rows: dividing by a data-dependent count would change
+the sensitivity (seed 002; optax's `differentially_private_aggregate` makes
+this mistake for padded / Poisson batches).
+
+With `private=False` the same pipeline runs without clipping or noise, so the
+update is SGD on Σ_i w_i · g_i / b (the mean gradient when b is the number of
+rows).
+
+Models must be per-example (no BatchNorm) and deterministic (no dropout), see
+`dpjax.models`. Metrics are monitoring values computed from the raw batch:
+they are NOT differentially private and must not be released as if they were.
+
+Randomness: the Gaussian noise comes from JAX's Threefry PRNG keyed by
+(seed, NOISE_STREAM, step). It is reproducible, not a cryptographically secure
+sampler (the usual caveat for floating-point DP implementations).
+"""
+
+from collections.abc import Sequence
+import functools
+import math
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from dpjax import clipping as clipping_lib
+from dpjax import models
+
+Params = Any
+Batch = dict[str, jax.Array]
+
+# fold_in ids of the JAX PRNG streams derived from config.seed. The sampler
+# and batcher use their own (numpy) streams; these never share a key.
+NOISE_STREAM = 1
+INIT_STREAM = 2
+
+LABEL_FORMATS = ('int', 'one_hot')
+
+
+def _check_seed(seed: int) -> None:
+  if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    raise ValueError(f'config.seed must be an int >= 0, got {seed!r}.')
+
+
+def noise_key(seed: int, step: int) -> jax.Array:
+  """Key of step's DP noise: fold_in(fold_in(PRNGKey(seed), NOISE_STREAM), step).
+
+  A pure function of (seed, step): resuming from a checkpoint at step t
+  redraws exactly the noise of an uninterrupted run.
+  """
+  _check_seed(seed)
+  if isinstance(step, bool) or not isinstance(step, int) or not (
+      0 <= step < 2**32):
+    raise ValueError(f'step must be an int in [0, 2**32), got {step!r}.')
+  root = jax.random.fold_in(jax.random.PRNGKey(seed), NOISE_STREAM)
+  return jax.random.fold_in(root, step)
+
+
+def init_params(model: nn.Module, seed: int, input_shape: Sequence[int],
+                input_dtype: Any = None) -> Params:
+  """Initial parameters from key fold_in(PRNGKey(seed), INIT_STREAM)."""
+  _check_seed(seed)
+  dtype = models.input_dtype(model) if input_dtype is None else input_dtype
+  key = jax.random.fold_in(jax.random.PRNGKey(seed), INIT_STREAM)
+  variables = model.init(key, jnp.zeros((1, *input_shape), dtype))
+  extra = set(variables) - {'params'}
+  if extra:
+    raise ValueError(f'model has non-parameter collections {sorted(extra)} '
+                     '(e.g. batch statistics); DP training needs a stateless, '
+                     'per-example model.')
+  return variables['params']
+
+
+def make_loss_fn(model: nn.Module,
+                 label_format: str = 'int') -> clipping_lib.LossFn:
+  """Single-example softmax cross-entropy: (params, x_i, y_i) -> (loss, logits)."""
+  if label_format not in LABEL_FORMATS:
+    raise ValueError(f'label_format={label_format!r}; valid: {LABEL_FORMATS}.')
+
+  def loss_fn(params, x, y):
+    logits = model.apply({'params': params}, x[None])[0]
+    if label_format == 'int':
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    else:
+      loss = optax.softmax_cross_entropy(logits, y)
+    return loss, logits
+  return loss_fn
+
+
+class Accumulator(NamedTuple):
+  """Running sums over the physical batches of one logical step."""
+  grad_sum: Params  # Σ_i w_i · clip_C(g_i) (private) or Σ_i w_i · g_i.
+  stats: clipping_lib.ClipStats
+
+
+class DPStep:
+  """DP-SGD (or non-private SGD) logical step over K physical batches.
+
+  `accumulate` and `apply` are each compiled once: all physical batches share
+  one static shape and every per-step quantity (K, the number of real rows,
+  the noise key) is data, not a trace-time constant.
+
+  Warning: `accumulate` and `apply` donate the accumulator passed to them;
+  use the returned one and start each step from `init_accumulator`.
+  """
+
+  def __init__(self, model: nn.Module,
+               optimizer: optax.GradientTransformation, *,
+               clip_norm: float | None, noise_multiplier: float | None,
+               expected_batch_size: float, private: bool = True,
+               clipping: str = 'auto', label_format: str = 'int'):
+    """Validates everything before any compute.
+
+    Args:
+      model: a dpjax.models module (per-example, deterministic).
+      optimizer: applied to the noisy mean gradient ĝ.
+      clip_norm: C > 0 (inf only with noise_multiplier = 0). Ignored if not
+        private.
+      noise_multiplier: σ ≥ 0; noise std on the summed gradient is σ·C.
+        Ignored if not private.
+      expected_batch_size: b > 0, the sampler's `expected_batch_size`.
+      private: False runs the non-private baseline (no clipping, no noise).
+      clipping: `config.privacy.clipping` ('auto', 'vmap', 'ghost').
+      label_format: 'int' labels [P] or 'one_hot' [P, classes].
+    """
+    if not (hasattr(optimizer, 'init') and hasattr(optimizer, 'update')):
+      raise ValueError('optimizer must be an optax.GradientTransformation.')
+    b = float(expected_batch_size)
+    if not (b > 0 and math.isfinite(b)):
+      raise ValueError('expected_batch_size must be finite and > 0 (the '
+                       "sampler's expected_batch_size), got "
+                       f'{expected_batch_size!r}.')
+    self.model = model
+    self.optimizer = optimizer
+    self.private = bool(private)
+    self.expected_batch_size = b
+    self.label_format = label_format
+    loss_fn = make_loss_fn(model, label_format)
+    if self.private:
+      self.clip_norm = clipping_lib.validate_clip_norm(clip_norm)
+      sigma = math.nan if noise_multiplier is None else float(noise_multiplier)
+      if not (sigma >= 0 and math.isfinite(sigma)):
+        raise ValueError('config.privacy.noise_multiplier must be finite and '
+                         f'>= 0, got {noise_multiplier!r}.')
+      if sigma > 0 and math.isinf(self.clip_norm):
+        raise ValueError('config.privacy.clip_norm=inf with noise_multiplier '
+                         f'{sigma} > 0 would need infinite noise; set a '
+                         'finite clip_norm.')
+      self.noise_multiplier = sigma
+      self._sum_fn = clipping_lib.make_clipped_sum_fn(
+          clipping, loss_fn, self.clip_norm)
+    else:
+      if clipping not in clipping_lib.CLIPPING_METHODS:
+        raise ValueError(f'config.privacy.clipping={clipping!r}; valid: '
+                         f'{clipping_lib.CLIPPING_METHODS}.')
+      self.clip_norm = None
+      self.noise_multiplier = 0.0
+      self._sum_fn = functools.partial(clipping_lib.grad_sum, loss_fn)
+    self._traces = {'accumulate': 0, 'apply': 0}
+    self.accumulate = jax.jit(self._accumulate, donate_argnums=(1,))
+    self.apply = jax.jit(self._apply, donate_argnums=(2,))
+
+  def init_accumulator(self, params: Params) -> Accumulator:
+    """Zero sums with the structure of params."""
+    return Accumulator(
+        jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+        clipping_lib.ClipStats.zeros())
+
+  def _accumulate(self, params: Params, acc: Accumulator,
+                  batch: Batch) -> Accumulator:
+    """acc + this physical batch's Σ_i w_i · clip_C(g_i) and statistics."""
+    self._traces['accumulate'] += 1
+    g, stats = self._sum_fn(params, batch)
+    return Accumulator(jax.tree.map(jnp.add, acc.grad_sum, g),
+                       jax.tree.map(jnp.add, acc.stats, stats))
+
+  def _apply(self, params: Params, opt_state: optax.OptState,
+             acc: Accumulator, noise_key: jax.Array):
+    """ĝ = (acc.grad_sum + N(0, σ²C²)) / b; one optax step on ĝ."""
+    self._traces['apply'] += 1
+    g = acc.grad_sum
+    if self.private and self.noise_multiplier > 0:
+      std = self.noise_multiplier * self.clip_norm
+      noise = optax.tree.random_like(noise_key, g, jax.random.normal)
+      g = jax.tree.map(lambda s, z: s + std * z, g, noise)
+    g = jax.tree.map(lambda s: s / self.expected_batch_size, g)
+    updates, opt_state = self.optimizer.update(g, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    s = acc.stats
+    finite_rows = s.num_rows - s.num_nonfinite.astype(jnp.float32)
+    metrics = {
+        'loss': s.loss_sum / jnp.maximum(finite_rows, 1.0),
+        'accuracy': s.correct / jnp.maximum(s.num_rows, 1.0),
+        'num_examples': s.num_rows,
+        'num_clipped': s.num_clipped,
+        'num_nonfinite': s.num_nonfinite,
+        # ‖Σ_i w_i clip(g_i)‖ / b: the mean clipped gradient before noise.
+        'grad_norm': optax.tree.norm(acc.grad_sum) / self.expected_batch_size,
+        'noisy_grad_norm': optax.tree.norm(g),
+        # Mean per-example ‖g_i‖ before clipping (helps choose C).
+        'example_grad_norm': s.grad_norm_sum / jnp.maximum(finite_rows, 1.0),
+    }
+    return params, opt_state, metrics
+
+  def compile_count(self, fn: str | None = None) -> int:
+    """Compilations so far of 'accumulate' or 'apply'; None: their total.
+
+    Counted as traces of the jitted Python bodies (each trace is one XLA
+    compilation). A healthy run stays at 1 each whatever K is.
+    """
+    if fn is None:
+      return sum(self._traces.values())
+    if fn not in self._traces:
+      raise ValueError(f'fn={fn!r}; valid: {tuple(self._traces)} or None.')
+    return self._traces[fn]
+
+
+
+@functools.partial(jax.jit, static_argnames=('model', 'label_format'))
+def eval_step(model: nn.Module, params: Params, batch: Batch,
+              label_format: str = 'int') -> dict[str, jax.Array]:
+  """Sums over the real rows of a padded eval batch (sum them over batches).
+
+  Returns {'loss_sum': Σ w_i·loss_i, 'correct': Σ w_i·[argmax = label],
+  'num_examples': Σ w_i}; accuracy = correct / num_examples. One batched
+  forward pass (valid because models never mix examples).
+  """
+  w = batch['weight'].astype(jnp.float32)
+  logits = model.apply({'params': params}, batch['x'])
+  y = batch['y']
+  if label_format == 'int':
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    labels = y
+  else:
+    losses = optax.softmax_cross_entropy(logits, y)
+    labels = jnp.argmax(y, axis=-1)
+  return {
+      'loss_sum': jnp.sum(jnp.where(w > 0, w * losses, 0.0)),
+      'correct': jnp.sum(w * (jnp.argmax(logits, -1) == labels)),
+      'num_examples': jnp.sum(w),
+  }

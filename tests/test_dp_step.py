@@ -1,0 +1,310 @@
+"""dpjax.dp_step: the logical DP-SGD step against closed forms."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from scipy import stats as scipy_stats
+
+from dpjax import clipping
+from dpjax import dp_step
+from dpjax import models
+
+D, K = 8, 4  # Input features, classes.
+MODEL = models.MLP(num_classes=K, hidden_sizes=(32,), activation='tanh')
+
+
+def _params(model=MODEL, d=D, seed=0):
+  """Fan-in scaled numpy parameters (avoids compiling jax.random in init)."""
+  rng = np.random.default_rng(seed)
+  shapes = jax.eval_shape(
+      lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, d))))['params']
+  return jax.tree.map(
+      lambda s: (rng.normal(size=s.shape) / np.sqrt(s.shape[0])).astype(
+          np.float32), shapes)
+
+
+def _rows(n, seed=1):
+  rng = np.random.default_rng(seed)
+  return (rng.normal(size=(n, D)).astype(np.float32) * 2,
+          rng.integers(0, K, n).astype(np.int32))
+
+
+def _physical_batches(x, y, p, garbage=False):
+  """Split n real rows into ceil(n/p) batches of p rows, padding the last."""
+  n = len(y)
+  num = -(-n // p)
+  pad = num * p - n
+  fill = np.nan if garbage else 0.0
+  xs = np.r_[x, np.full((pad, D), fill, np.float32)]
+  ys = np.r_[y, np.full(pad, K - 1, np.int32)]
+  ws = np.r_[np.ones(n), np.zeros(pad)].astype(np.float32)
+  return [{'x': xs[i * p:(i + 1) * p], 'y': ys[i * p:(i + 1) * p],
+           'weight': ws[i * p:(i + 1) * p]} for i in range(num)]
+
+
+@functools.cache
+def _standard_step(label_format='int'):
+  """One DPStep shared by tests (each instance costs an XLA compile)."""
+  return dp_step.DPStep(MODEL, optax.sgd(0.5), clip_norm=0.5,
+                        noise_multiplier=1.0, expected_batch_size=10,
+                        label_format=label_format)
+
+
+def _run_step(step, params, batches, seed=0, t=0, optimizer_state=None):
+  opt_state = (step.optimizer.init(params) if optimizer_state is None
+               else optimizer_state)
+  acc = step.init_accumulator(params)
+  for b in batches:
+    acc = step.accumulate(params, acc, b)
+  return step.apply(params, opt_state, acc, dp_step.noise_key(seed, t))
+
+
+@jax.jit
+def _mean_loss_grad(params, x, y):
+  """∇ of the mean loss by one batched pass: the non-private reference."""
+  def mean_loss(p):
+    logits = MODEL.apply({'params': p}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  return jax.grad(mean_loss)(params)
+
+
+def _assert_trees_close(a, b, **kw):
+  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, **kw), a, b)
+
+
+def test_no_clipping_no_noise_is_sgd_on_the_mean_gradient():
+  params, (x, y) = _params(), _rows(10)
+  lr = 0.3
+  g = _mean_loss_grad(params, x, y)  # Σ_i g_i / 10.
+  batches = _physical_batches(x, y, 4)  # K = 3, two padding rows.
+  private = dp_step.DPStep(MODEL, optax.sgd(lr), clip_norm=math.inf,
+                           noise_multiplier=0.0, expected_batch_size=10)
+  # Non-private, b = 16 != 10 rows: the divisor is the expected batch size.
+  nonprivate = dp_step.DPStep(MODEL, optax.sgd(lr), clip_norm=None,
+                              noise_multiplier=None, expected_batch_size=16,
+                              private=False)
+  for step, b in ((private, 10), (nonprivate, 16)):
+    new, _, metrics = _run_step(step, params, batches)
+    want = jax.tree.map(lambda p, g: p - lr * g * 10 / b, params, g)
+    _assert_trees_close(new, want, rtol=1e-5, atol=1e-6)
+    assert int(metrics['num_clipped']) == 0
+    assert float(metrics['num_examples']) == 10
+
+
+def test_padded_batches_give_the_same_update():
+  params, (x, y) = _params(), _rows(5, seed=2)
+  step = _standard_step()
+  a, _, ma = _run_step(step, params, _physical_batches(x, y, 5), t=3)
+  b, _, mb = _run_step(step, params,  # P = 8: three NaN padding rows.
+                       _physical_batches(x, y, 8, garbage=True), t=3)
+  jax.tree.map(np.testing.assert_array_equal, a, b)  # Bit-exact.
+  for k in ma:
+    np.testing.assert_array_equal(ma[k], mb[k])
+
+
+def test_accumulating_k_batches_equals_the_one_shot_clipped_sum():
+  params, (x, y) = _params(), _rows(10, seed=3)
+  step = _standard_step()
+  acc = step.init_accumulator(params)
+  for b in _physical_batches(x, y, 4):
+    acc = step.accumulate(params, acc, b)
+  one_shot = jax.jit(clipping.per_example_clipped_sum, static_argnums=(0, 3))
+  want, want_stats = one_shot(dp_step.make_loss_fn(MODEL), params,
+                              _physical_batches(x, y, 12)[0], 0.5)
+  _assert_trees_close(acc.grad_sum, want, rtol=1e-6, atol=1e-7)
+  for field in clipping.ClipStats._fields:
+    np.testing.assert_allclose(getattr(acc.stats, field),
+                               getattr(want_stats, field), rtol=1e-6)
+  assert int(acc.stats.num_clipped) > 0
+
+
+def test_noise_is_added_once_and_signal_scaled_by_one_over_b():
+  """update(K batches) − update(K = 0) with the same key = −lr·Σclip(g)/b."""
+  params, (x, y) = _params(), _rows(10, seed=4)
+  step = _standard_step()
+  lr, b = 0.5, step.expected_batch_size
+  batches = _physical_batches(x, y, 4)
+  with_data, _, _ = _run_step(step, params, batches, t=5)
+  noise_only, _, metrics = _run_step(step, params, [], t=5)  # K = 0.
+  acc = step.init_accumulator(params)
+  for batch in batches:
+    acc = step.accumulate(params, acc, batch)
+  diff = jax.tree.map(lambda u, v: u - v, with_data, noise_only)
+  _assert_trees_close(diff, jax.tree.map(lambda s: -lr * s / b, acc.grad_sum),
+                      rtol=1e-4, atol=1e-6)
+  assert float(metrics['num_examples']) == 0
+  assert float(metrics['loss']) == 0 and float(metrics['grad_norm']) == 0
+
+
+def test_noise_std_is_sigma_c_over_b():
+  """K = 0 and SGD(lr=1): update = −σC/b · z, z ~ N(0, I), on ~100k coords."""
+  model = models.MLP(num_classes=10, hidden_sizes=(128,))
+  params = _params(model, d=784)
+  sigma, c, b = 1.3, 0.7, 50.0
+  step = dp_step.DPStep(model, optax.sgd(1.0), clip_norm=c,
+                        noise_multiplier=sigma, expected_batch_size=b)
+  opt_state = step.optimizer.init(params)
+
+  def z(t, seed=0):
+    new, _, _ = step.apply(params, opt_state, step.init_accumulator(params),
+                           dp_step.noise_key(seed, t))
+    leaves = jax.tree.map(lambda p, q: (p - q) / (-sigma * c / b), new, params)
+    return leaves, np.concatenate([np.ravel(l) for l in jax.tree.leaves(
+        leaves)]).astype(np.float64)
+
+  leaves, z0 = z(0)
+  n = z0.size
+  assert n == 784 * 128 + 128 + 128 * 10 + 10
+  # Σ z² ~ χ²(n): two-sided test at 1e-4 (std within ~1%).
+  chi2 = np.sum(z0**2)
+  p = 2 * min(scipy_stats.chi2.cdf(chi2, n), scipy_stats.chi2.sf(chi2, n))
+  assert p > 1e-4, np.sqrt(chi2 / n)
+  assert abs(z0.mean()) < 5 / np.sqrt(n)
+  assert scipy_stats.kstest(z0, 'norm').pvalue > 1e-4
+  for leaf in jax.tree.leaves(leaves):  # Every leaf gets its own noise.
+    if leaf.size >= 128:
+      assert abs(np.std(leaf) - 1) < 6 / np.sqrt(2 * leaf.size)
+  # A pure function of (seed, step), fresh for each step and each seed.
+  np.testing.assert_array_equal(z(0)[1], z0)
+  for other in (z(1)[1], z(0, seed=1)[1]):
+    assert abs(np.corrcoef(z0, other)[0, 1]) < 5 / np.sqrt(n)
+  assert step.compile_count('apply') == 1
+
+
+def test_compiles_once_across_steps_with_varying_k():
+  params, (x, y) = _params(), _rows(40, seed=5)
+  opt = optax.sgd(0.1, momentum=0.9)
+  for private in (True, False):
+    step = dp_step.DPStep(MODEL, opt, clip_norm=1.0, noise_multiplier=1.0,
+                          expected_batch_size=8, private=private)
+    opt_state, p = opt.init(params), params
+    start = 0
+    for t, k in enumerate((0, 1, 3, 0, 2, 1)):
+      acc = step.init_accumulator(p)
+      for _ in range(k):
+        rows = slice(start % 36, start % 36 + 4)
+        start += 4
+        batch = {'x': x[rows], 'y': y[rows],
+                 'weight': np.r_[np.ones(3), np.zeros(1)].astype(np.float32)}
+        acc = step.accumulate(p, acc, batch)
+      p, opt_state, metrics = step.apply(p, opt_state, acc,
+                                         dp_step.noise_key(0, t))
+      assert float(metrics['num_examples']) == 3 * k
+    assert step.compile_count('accumulate') == 1
+    assert step.compile_count('apply') == 1
+    assert step.compile_count() == 2
+    assert all(np.isfinite(l).all() for l in jax.tree.leaves(p))
+
+
+def test_metrics_match_direct_computation():
+  params, (x, y) = _params(), _rows(10, seed=6)
+  step = _standard_step()
+  c, b, lr = step.clip_norm, step.expected_batch_size, 0.5
+  new, _, m = _run_step(step, params, _physical_batches(x, y, 4))
+  logits = MODEL.apply({'params': params}, x)
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+  loss_fn = dp_step.make_loss_fn(MODEL)
+  grads = jax.vmap(jax.grad(lambda p, xi, yi: loss_fn(p, xi, yi)[0]),
+                   in_axes=(None, 0, 0))(params, x, y)
+  norms = np.sqrt(sum(np.sum(np.reshape(g, (10, -1))**2, axis=1)
+                      for g in jax.tree.leaves(grads)))
+  clipped = jax.tree.map(
+      lambda g: np.tensordot(np.minimum(1, c / norms), g, axes=1), grads)
+  np.testing.assert_allclose(m['loss'], np.mean(losses), rtol=1e-5)
+  np.testing.assert_allclose(m['accuracy'], np.mean(logits.argmax(1) == y))
+  assert int(m['num_clipped']) == int(np.sum(norms > c)) > 0
+  np.testing.assert_allclose(m['example_grad_norm'], norms.mean(), rtol=1e-5)
+  np.testing.assert_allclose(m['grad_norm'], optax.tree.norm(clipped) / b,
+                             rtol=1e-5)
+  # SGD: the update is −lr · ĝ, so ‖Δparams‖ / lr is the noisy gradient norm.
+  delta = jax.tree.map(lambda u, v: u - v, new, params)
+  np.testing.assert_allclose(m['noisy_grad_norm'], optax.tree.norm(delta) / lr,
+                             rtol=1e-4)
+  # E‖ĝ‖² = ‖Σclip/b‖² + (σC/b)²·d; at d = 420 coordinates χ²_d is within 30%.
+  d = sum(np.size(l) for l in jax.tree.leaves(params))
+  expected = m['grad_norm']**2 + (step.noise_multiplier * c / b)**2 * d
+  np.testing.assert_allclose(m['noisy_grad_norm']**2, expected, rtol=0.3)
+
+
+def test_nonfinite_example_does_not_poison_the_step():
+  params, (x, y) = _params(), _rows(6, seed=7)
+  bad_x = x.copy()
+  bad_x[2] = np.inf
+  step = _standard_step()
+  new, _, m = _run_step(step, params, _physical_batches(bad_x, y, 6))
+  keep = np.array([0, 1, 3, 4, 5])
+  batch = _physical_batches(x[keep], y[keep], 6)  # Same real rows minus one.
+  want, _, _ = _run_step(step, params, batch)
+  assert int(m['num_nonfinite']) == 1
+  assert np.isfinite(float(m['loss']))
+  _assert_trees_close(new, want, rtol=1e-6, atol=1e-7)
+
+
+def test_eval_step_sums_real_rows_only():
+  params, (x, y) = _params(), _rows(7, seed=8)
+  batch = _physical_batches(x, y, 10, garbage=True)[0]
+  out = dp_step.eval_step(MODEL, params, batch)
+  logits = MODEL.apply({'params': params}, x)
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+  np.testing.assert_allclose(out['loss_sum'], np.sum(losses), rtol=1e-5)
+  assert float(out['correct']) == np.sum(logits.argmax(1) == y)
+  assert float(out['num_examples']) == 7
+  one_hot = dict(batch, y=np.eye(K, dtype=np.float32)[batch['y']])
+  out_oh = dp_step.eval_step(MODEL, params, one_hot, label_format='one_hot')
+  np.testing.assert_allclose(out_oh['loss_sum'], out['loss_sum'], rtol=1e-6)
+
+
+def test_one_hot_labels_give_the_same_step():
+  params, (x, y) = _params(), _rows(6, seed=9)
+  batch = _physical_batches(x, y, 8)[0]
+  one_hot = dict(batch, y=np.eye(K, dtype=np.float32)[batch['y']])
+  a, b = _standard_step(), _standard_step('one_hot')
+  pa, _, ma = _run_step(a, params, [batch])
+  pb, _, mb = _run_step(b, params, [one_hot])
+  _assert_trees_close(pa, pb, rtol=1e-6, atol=1e-7)
+  assert float(ma['accuracy']) == float(mb['accuracy'])
+
+
+def test_keys_and_init_are_pure_functions_of_seed():
+  k = dp_step.noise_key(3, 7)
+  np.testing.assert_array_equal(k, dp_step.noise_key(3, 7))
+  others = [dp_step.noise_key(3, 8), dp_step.noise_key(4, 7),
+            jax.random.fold_in(jax.random.PRNGKey(3), dp_step.INIT_STREAM)]
+  assert all(not np.array_equal(k, o) for o in others)
+  p1 = dp_step.init_params(MODEL, 3, (D,))
+  p2 = dp_step.init_params(MODEL, 3, (D,))
+  p3 = dp_step.init_params(MODEL, 4, (D,))
+  jax.tree.map(np.testing.assert_array_equal, p1, p2)
+  assert not np.array_equal(p1['Dense_0']['kernel'], p3['Dense_0']['kernel'])
+  assert jax.tree.map(np.shape, p1) == jax.tree.map(np.shape, _params())
+  for bad in (-1, 1.5, True):
+    with pytest.raises(ValueError, match='seed'):
+      dp_step.noise_key(bad, 0)
+  with pytest.raises(ValueError, match='step'):
+    dp_step.noise_key(0, -1)
+
+
+@pytest.mark.parametrize('kwargs,error,match', [
+    (dict(expected_batch_size=0), ValueError, 'expected_batch_size'),
+    (dict(expected_batch_size=math.inf), ValueError, 'expected_batch_size'),
+    (dict(noise_multiplier=-1.0), ValueError, 'noise_multiplier'),
+    (dict(noise_multiplier=None), ValueError, 'noise_multiplier'),
+    (dict(noise_multiplier=math.nan), ValueError, 'noise_multiplier'),
+    (dict(clip_norm=0.0), ValueError, 'clip_norm must be > 0'),
+    (dict(clip_norm=None), ValueError, 'clip_norm must be > 0'),
+    (dict(clip_norm=math.inf), ValueError, 'infinite noise'),
+    (dict(label_format='onehot'), ValueError, 'label_format'),
+    (dict(clipping='opacus'), ValueError, 'clipping'),
+    (dict(clipping='opacus', private=False), ValueError, 'clipping'),
+    (dict(clipping='ghost'), NotImplementedError, 'ghost'),
+])
+def test_bad_arguments_raise_before_compute(kwargs, error, match):
+  args = dict(clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8)
+  args.update(kwargs)
+  with pytest.raises(error, match=match):
+    dp_step.DPStep(MODEL, optax.sgd(0.1), **args)
