@@ -45,7 +45,7 @@ class ClipStats(NamedTuple):
   """Sums over the real (weight > 0) rows of a physical batch. Not private."""
   num_rows: jax.Array  # Σ w_i (float32).
   num_clipped: jax.Array  # #{finite rows with ‖g_i‖ > C} (int32).
-  num_nonfinite: jax.Array  # #{rows whose gradient (or loss) was non-finite} (int32).
+  num_nonfinite: jax.Array  # #{rows with non-finite gradient or loss} (int32).
   loss_sum: jax.Array  # Σ w_i · loss_i over finite rows (float32).
   correct: jax.Array  # Σ w_i · [argmax logits_i = label_i] (float32).
   grad_norm_sum: jax.Array  # Σ w_i · ‖g_i‖ over finite rows, before clipping.
@@ -53,7 +53,8 @@ class ClipStats(NamedTuple):
   @classmethod
   def zeros(cls) -> 'ClipStats':
     # Distinct buffers: the accumulator holding them is donated.
-    f, i = (lambda: jnp.zeros((), jnp.float32)), (lambda: jnp.zeros((), jnp.int32))
+    f = lambda: jnp.zeros((), jnp.float32)
+    i = lambda: jnp.zeros((), jnp.int32)
     return cls(f(), i(), i(), f(), f(), f())
 
 
@@ -63,7 +64,7 @@ def _labels(y: jax.Array, logits: jax.Array) -> jax.Array:
 
 
 def _row_sq_norms(grads: Params) -> jax.Array:
-  """‖g_i‖² over all parameters, for per-example gradients with a leading axis."""
+  """‖g_i‖² over all parameters; per-example gradients have a leading axis."""
   leaves = jax.tree.leaves(grads)
   return sum(jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1)
              for g in leaves)
@@ -80,7 +81,7 @@ def _weighted_row_sum(factor: jax.Array, grads: Params,
 
 def per_example_clipped_sum(loss_fn: LossFn, params: Params, batch: Batch,
                             clip_norm: float) -> tuple[Params, ClipStats]:
-  """Σ_i w_i · clip_C(g_i) over one physical batch, via vmap of per-example grads.
+  """Σ_i w_i · clip_C(g_i) over one physical batch (vmap per-example grads).
 
   Args:
     loss_fn: `(params, x_i, y_i) -> (loss_i, logits_i)` for a single example.
@@ -98,7 +99,8 @@ def per_example_clipped_sum(loss_fn: LossFn, params: Params, batch: Batch,
   (losses, logits), grads = grad_fn(params, batch['x'], batch['y'])
   w = batch['weight'].astype(jnp.float32)
   norms = jnp.sqrt(_row_sq_norms(grads))
-  finite = jnp.isfinite(norms)  # False iff some entry is NaN/inf or ‖g‖² overflows.
+  # False iff some entry is NaN/inf or ‖g_i‖² overflows.
+  finite = jnp.isfinite(norms)
   scale = jnp.where(finite, jnp.minimum(1.0, clip_norm / norms), 0.0)
   grad_sum = _weighted_row_sum(w * scale, grads, finite)
   real = w > 0

@@ -60,7 +60,7 @@ def _check_seed(seed: int) -> None:
 
 
 def noise_key(seed: int, step: int) -> jax.Array:
-  """Key of step's DP noise: fold_in(fold_in(PRNGKey(seed), NOISE_STREAM), step).
+  """The key of step's noise: fold_in(fold_in(key(seed), NOISE_STREAM), step).
 
   A pure function of (seed, step): resuming from a checkpoint at step t
   redraws exactly the noise of an uninterrupted run.
@@ -90,7 +90,7 @@ def init_params(model: nn.Module, seed: int, input_shape: Sequence[int],
 
 def make_loss_fn(model: nn.Module,
                  label_format: str = 'int') -> clipping_lib.LossFn:
-  """Single-example softmax cross-entropy: (params, x_i, y_i) -> (loss, logits)."""
+  """Per-example softmax cross-entropy (params, x_i, y_i) -> (loss, logits)."""
   if label_format not in LABEL_FORMATS:
     raise ValueError(f'label_format={label_format!r}; valid: {LABEL_FORMATS}.')
 
@@ -214,7 +214,8 @@ class DPStep:
         # ‖Σ_i w_i clip(g_i)‖ / b: the mean clipped gradient before noise.
         'grad_norm': optax.tree.norm(acc.grad_sum) / self.expected_batch_size,
         'noisy_grad_norm': optax.tree.norm(g),
-        # Mean per-example ‖g_i‖ before clipping (helps choose C).
+        # Mean per-example ‖g_i‖ before clipping (helps choose C); 0 when
+        # not private (no per-example gradients are formed).
         'example_grad_norm': s.grad_norm_sum / jnp.maximum(finite_rows, 1.0),
     }
     return params, opt_state, metrics
@@ -230,7 +231,6 @@ class DPStep:
     if fn not in self._traces:
       raise ValueError(f'fn={fn!r}; valid: {tuple(self._traces)} or None.')
     return self._traces[fn]
-
 
 
 @functools.partial(jax.jit, static_argnames=('model', 'label_format'))

@@ -59,7 +59,8 @@ def default_model_config(name: str) -> ml_collections.ConfigDict:
   if name == 'mlp':
     c.normalization = 'none'  # MLP has no normalisation layers.
     c.hidden_sizes = (256, 128)  # Widths of the hidden Dense layers.
-    c.activation = 'tanh'  # relu | tanh | gelu | elu | silu (tanh: Papernot 2021).
+    # relu | tanh | gelu | elu | silu (tanh: Papernot et al. 2021).
+    c.activation = 'tanh'
   elif name == 'cnn':
     c.normalization = 'none'  # The paper's CNN has no normalisation layers.
     c.features = (16, 32)  # Output channels of the two conv layers.
@@ -79,7 +80,8 @@ def default_model_config(name: str) -> ml_collections.ConfigDict:
     c.activation = 'relu'
   elif name == 'transformer':
     c.normalization = 'layernorm'  # Pre-LayerNorm blocks.
-    c.vocab_size = 0  # 0: inputs are float features [L, D_in]; > 0: int tokens [L].
+    # 0: inputs are float features [L, D_in]; > 0: int tokens [L] < vocab.
+    c.vocab_size = 0
     c.num_layers = 2  # Encoder blocks.
     c.num_heads = 4  # Attention heads; must divide model_dim.
     c.model_dim = 64  # Residual stream width.
@@ -293,8 +295,9 @@ def make_model(model_config: ml_collections.ConfigDict, num_classes: int,
                      f'{name!r}; valid fields: {sorted(defaults.keys())}.')
   cfg = ml_collections.ConfigDict({**defaults.to_dict(), **raw})
   if cfg.normalization not in _NORMALIZATIONS[name]:
-    raise ValueError(f'config.model.normalization={cfg.normalization!r} is not '
-                     f'valid for model {name!r}; valid: {_NORMALIZATIONS[name]}.')
+    raise ValueError(
+        f'config.model.normalization={cfg.normalization!r} is not valid for '
+        f'model {name!r}; valid: {_NORMALIZATIONS[name]}.')
   _check_positive(name, num_classes, 'num_classes (from the data)')
   input_shape = tuple(int(d) for d in input_shape)
   if not input_shape or any(d <= 0 for d in input_shape):
@@ -319,7 +322,8 @@ def make_model(model_config: ml_collections.ConfigDict, num_classes: int,
       raise ValueError(f'config.model.paddings={cfg.paddings}; each must be '
                        "'SAME' or 'VALID'.")
     if len(input_shape) != 3:
-      raise ValueError(f'cnn needs images HxWxC, got input_shape={input_shape}.')
+      raise ValueError(
+          f'cnn needs images HxWxC, got input_shape={input_shape}.')
     out = min(_cnn_output_size(d, cfg) for d in input_shape[:2])
     if out < 1:
       raise ValueError(
@@ -341,7 +345,8 @@ def make_model(model_config: ml_collections.ConfigDict, num_classes: int,
       raise ValueError(f'config.model.groups={cfg.groups} must divide 16 (the '
                        'stem width; all widths are multiples of 16).')
     if len(input_shape) != 3:
-      raise ValueError(f'wrn needs images HxWxC, got input_shape={input_shape}.')
+      raise ValueError(
+          f'wrn needs images HxWxC, got input_shape={input_shape}.')
     return WideResNet(num_classes, cfg.depth, cfg.width, cfg.groups,
                       cfg.normalization, bool(cfg.weight_standardization),
                       cfg.activation)

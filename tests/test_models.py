@@ -109,7 +109,7 @@ def test_wrn_parameter_count_matches_closed_form(depth, width):
 
 @pytest.mark.parametrize('kind', sorted(SMALL))
 def test_examples_never_mix(kind):
-  """Row i of the logits depends on example i only (what per-example DP needs)."""
+  """Row i of the logits depends on example i only (per-example DP needs it)."""
   cfg, shape = SMALL[kind]
   model = models.make_model(cfg, 3, shape)
   x = _inputs(model, shape, 4)
