@@ -210,7 +210,8 @@ class Transformer(nn.Module):
   """Pre-LayerNorm transformer encoder classifier for sequences.
 
   Inputs are int tokens [n, L] (vocab_size > 0, nn.Embed) or float features
-  [n, L, D_in] (vocab_size = 0, Dense projection); plus a learned positional
+  [n, L, D_in] (vocab_size = 0, Dense projection; trailing axes beyond L are
+  flattened into D_in); plus a learned positional
   embedding; num_layers x (x += MHA(LN(x)); x += MLP(LN(x))); final LN; mean
   over positions; Dense classifier. No attention masks: every position counts.
   """
@@ -227,7 +228,9 @@ class Transformer(nn.Module):
     if self.vocab_size > 0:
       x = nn.Embed(self.vocab_size, self.model_dim)(x)
     else:
-      x = nn.Dense(self.model_dim)(x)
+      # Float features [n, L, ...]: trailing axes are one token's features
+      # (e.g. an 8x8x1 image as 8 tokens of 8 pixels).
+      x = nn.Dense(self.model_dim)(x.reshape(*x.shape[:2], -1))
     pos = self.param('pos_embedding', nn.initializers.normal(0.02),
                      (self.max_length, self.model_dim))
     x = x + pos[:x.shape[-2]]
@@ -360,11 +363,10 @@ def make_model(model_config: ml_collections.ConfigDict, num_classes: int,
   if not isinstance(cfg.vocab_size, int) or cfg.vocab_size < 0:
     raise ValueError('config.model.vocab_size must be an int >= 0 (0 = float '
                      f'features), got {cfg.vocab_size!r}.')
-  want = 1 if cfg.vocab_size > 0 else 2
-  if len(input_shape) != want:
+  if (len(input_shape) != 1) if cfg.vocab_size > 0 else (len(input_shape) < 2):
     raise ValueError(
         f'transformer with vocab_size={cfg.vocab_size} needs input_shape '
-        f"{'(L,) of tokens' if want == 1 else '(L, D_in) of features'}, got "
+        f"{'(L,) of tokens' if cfg.vocab_size > 0 else '(L, D_in, ...) of features'}, got "
         f'{input_shape}.')
   return Transformer(num_classes, input_shape[0], cfg.vocab_size,
                      cfg.num_layers, cfg.num_heads, cfg.model_dim, cfg.mlp_dim)
