@@ -1,0 +1,192 @@
+"""ε of a DP-SGD run, from flags or from a training config.
+
+  python -m dpjax.account --sampler poisson --num-examples 60000 --batch-size 256 \\
+      --epochs 10 --noise-multiplier 1.0 --delta 1e-5
+  python -m dpjax.account --sampler balls_and_bins --num-examples 60000 --batch-size 600 \\
+      --epochs 1 --target-epsilon 1.0 --delta 1e-5 --json
+  python -m dpjax.account --config configs/digits_mlp.py --json
+
+Conventions (docs/accounting.md): q = b/N for Poisson; T = ceil(N/b) steps per
+epoch (balls-and-bins bins; shuffle and deterministic batches); --accountant
+defaults to the tightest provable one for the sampler; for fixed_size, rdp
+means the FS-RDP bound of Birrell et al. Without --max-batch-size the batch
+is never truncated (and none is accounted); with it, the truncation is
+accounted. With --config everything comes from the training config (the cap
+B as training resolves it); explicit flags override config fields.
+
+--json prints one JSON object: epsilon, delta, bound (upper |
+high_probability_upper | lower), accountant, sampler, noise_multiplier,
+steps, steps_per_epoch, epsilon_lower, confidence, num_samples, details.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import sys
+
+from dpjax import samplers as samplers_lib
+from dpjax.accounting import accountant as accountant_lib
+from dpjax.accounting import calibration
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog='python -m dpjax.account', description=__doc__.split('\n\n')[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog='\n\n'.join(__doc__.split('\n\n')[1:]))
+  p.add_argument('--config', help='training config file (path[:arg]); flags override it')
+  p.add_argument('--sampler', choices=samplers_lib.SAMPLER_NAMES)
+  p.add_argument('--num-examples', type=int, help='N, training examples')
+  p.add_argument('--batch-size', type=int, help='b, (expected) logical batch size')
+  length = p.add_mutually_exclusive_group()
+  length.add_argument('--steps', type=int, help='T, total steps')
+  length.add_argument('--epochs', type=int, help='E; steps = E * ceil(N/b)')
+  noise = p.add_mutually_exclusive_group()
+  noise.add_argument('--noise-multiplier', type=float, help='σ')
+  noise.add_argument('--target-epsilon', type=float, help='calibrate the smallest σ for this ε')
+  p.add_argument('--delta', type=float, help='δ')
+  p.add_argument('--accountant', choices=('auto', 'pld', 'rdp', 'monte_carlo'), default=None,
+                 help='default: auto (tightest provable for the sampler)')
+  p.add_argument('--max-batch-size', type=int,
+                 help='B, cap on the logical batch; omitted = no truncation')
+  p.add_argument('--group-size', type=int, help='k, group privacy (default 1)')
+  p.add_argument('--monte-carlo-samples', type=int, default=100_000,
+                 help='balls-and-bins Monte-Carlo samples per direction')
+  p.add_argument('--beta', type=float, default=1e-3,
+                 help='Monte-Carlo failure probability (confidence 1 - beta)')
+  p.add_argument('--json', action='store_true', help='print one JSON object')
+  return p
+
+
+def load_config(spec: str):
+  """`get_config(arg)` of a config file given as 'path' or 'path:arg'."""
+  path, _, arg = spec.partition(':')
+  module_spec = importlib.util.spec_from_file_location('_dpjax_account_config', path)
+  if module_spec is None or module_spec.loader is None:
+    raise ValueError(f'--config {spec!r}: cannot load {path!r}.')
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg or None)
+
+
+def _from_config(args) -> tuple[accountant_lib.Accountant, dict]:
+  config = load_config(args.config)
+  if args.sampler is not None:
+    config.sampler.name = args.sampler
+  if args.batch_size is not None:
+    config.sampler.batch_size = args.batch_size
+  if args.max_batch_size is not None:
+    config.sampler.max_batch_size = args.max_batch_size
+  if args.steps is not None or args.epochs is not None:
+    config.num_steps, config.num_epochs = args.steps, args.epochs
+  if args.noise_multiplier is not None or args.target_epsilon is not None:
+    config.privacy.noise_multiplier = args.noise_multiplier
+    config.privacy.target_epsilon = args.target_epsilon
+  if args.delta is not None:
+    config.privacy.delta = args.delta
+  if args.accountant is not None:
+    config.privacy.accountant = args.accountant
+  if args.group_size is not None:
+    config.privacy.group_size = args.group_size
+  num_examples = args.num_examples
+  if num_examples is None:
+    from dpjax import data  # pylint: disable=g-import-not-at-top
+    num_examples = len(data.make_sources(config.data, seed=config.seed)[0])
+  acct = accountant_lib.make_accountant(config, num_examples,
+                                        monte_carlo_samples=args.monte_carlo_samples,
+                                        beta=args.beta)
+  extra = {'config': args.config}
+  if config.privacy.get('target_epsilon') is not None:
+    extra['calibrated_for_target_epsilon'] = config.privacy.target_epsilon
+  if config.sampler.max_batch_size == 0:
+    extra['max_batch_size_source'] = 'auto (batching.resolve_max_batch_size)'
+  return acct, extra
+
+
+def _from_flags(args, parser) -> tuple[accountant_lib.Accountant, dict]:
+  missing = [flag for flag, value in (('--sampler', args.sampler),
+                                      ('--num-examples', args.num_examples),
+                                      ('--batch-size', args.batch_size),
+                                      ('--delta', args.delta)) if value is None]
+  if args.steps is None and args.epochs is None:
+    missing.append('--steps or --epochs')
+  if args.noise_multiplier is None and args.target_epsilon is None:
+    missing.append('--noise-multiplier or --target-epsilon')
+  if missing:
+    parser.error(f'missing {", ".join(missing)} (or give --config).')
+  for flag, value in (('--num-examples', args.num_examples), ('--batch-size', args.batch_size),
+                      ('--steps', args.steps), ('--epochs', args.epochs)):
+    if value is not None and value < 1:
+      raise ValueError(f'{flag} must be an integer >= 1, got {value}.')
+  sampler = samplers_lib.sampler_class(args.sampler)(num_examples=args.num_examples,
+                                                     batch_size=args.batch_size)
+  steps = args.steps if args.steps is not None else args.epochs * sampler.steps_per_epoch
+  options = dict(accountant=args.accountant or 'auto', max_batch_size=args.max_batch_size,
+                 group_size=1 if args.group_size is None else args.group_size, num_steps=steps,
+                 monte_carlo_samples=args.monte_carlo_samples, beta=args.beta)
+  extra = {}
+  sigma = args.noise_multiplier
+  if sigma is None:
+    # Validate everything the accountant checks before the (possibly long) search.
+    accountant_lib.Accountant(sampler, 1.0, args.delta, **options)
+    sigma = calibration.calibrate_noise_multiplier(sampler, args.target_epsilon, args.delta,
+                                                   steps, **options)
+    extra['calibrated_for_target_epsilon'] = args.target_epsilon
+  return accountant_lib.Accountant(sampler, sigma, args.delta, **options), extra
+
+
+def _fmt(value) -> str:
+  if value is None:
+    return '-'
+  if isinstance(value, float):
+    return 'inf' if math.isinf(value) else f'{value:.6g}'
+  return str(value)
+
+
+def format_table(report: accountant_lib.PrivacyReport) -> str:
+  """A readable summary; every number carries its label."""
+  kind = {'upper': 'upper bound (provable)',
+          'high_probability_upper': f'upper bound with probability >= {report.confidence} '
+                                    f'(Monte Carlo, {report.num_samples} samples/direction)',
+          'lower': 'lower bound'}[report.bound]
+  d = report.details
+  rows = [
+      ('sampler', report.sampler),
+      ('examples N, batch b', f'{d.get("num_examples")}, {d.get("batch_size")}'),
+      ('steps', f'{report.steps} ({report.steps_per_epoch} per epoch, '
+                f'{report.steps / report.steps_per_epoch:.4g} epochs)'),
+      ('noise multiplier σ', _fmt(report.noise_multiplier)),
+      ('δ', _fmt(report.delta)),
+      ('ε', f'{_fmt(report.epsilon)}   [{kind}]'),
+      ('accountant', f'{report.accountant}: {d.get("method")}'),
+      ('ε lower bound', _fmt(report.epsilon_lower)),
+      ('max batch size B', d.get('truncation') or _fmt(d.get('max_batch_size'))),
+  ]
+  skip = {'method', 'num_examples', 'batch_size', 'max_batch_size', 'truncation'}
+  for key, value in d.items():
+    if key not in skip:
+      rows.append((key.replace('_', ' '), _fmt(value)))
+  if 'as_if_poisson_not_a_guarantee' in d:
+    rows.append(('NOTE', 'the "as if poisson" ε is NOT a guarantee: this run did not use '
+                         'Poisson sampling'))
+  width = max(len(k) for k, _ in rows)
+  return '\n'.join(f'{k:<{width}}  {v}' for k, v in rows)
+
+
+def main(argv=None) -> int:
+  parser = _parser()
+  args = parser.parse_args(argv)
+  try:
+    acct, extra = _from_config(args) if args.config else _from_flags(args, parser)
+    report = acct.final_report()
+  except ValueError as e:
+    parser.error(str(e))
+  report.details.update(extra)
+  print(report.to_json() if args.json else format_table(report))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

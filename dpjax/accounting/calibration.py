@@ -1,0 +1,216 @@
+"""Calibration: the smallest σ for a target (ε, δ), the largest run for a given σ.
+
+docs/accounting.md §6. ε is non-increasing in σ and non-decreasing in the
+number of steps, so both searches bracket (doubling) and bisect. The search
+always returns the end of the bracket at which the target *holds*, so the
+answer is valid even where the accountant's ε is only approximately monotone
+(PLD discretisation, adaptive random-allocation refinement).
+
+PLD accountants search with a 10× coarser discretisation first (a coarser
+pessimistic PLD is still an upper bound, just looser), then refine at the
+reporting discretisation in a narrow bracket; the final σ is always checked
+at the reporting discretisation.
+
+Monte-Carlo (balls-and-bins, accountant='monte_carlo'): inside the search the
+sampler seed is fixed (a seed derived from, but different from, the report's)
+so ε(σ) is a deterministic monotone function; the final ε is then computed
+with the report's own seed, and σ is raised in 0.5% steps until that fresh
+estimate meets the target, so the returned σ is never selected on the
+samples that certify it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from dpjax import samplers as samplers_lib
+from dpjax.accounting import accountant as accountant_lib
+from dpjax.accounting import balls_and_bins
+from dpjax.accounting import max_test
+from dpjax.accounting import sampler_events
+
+# ε(σ) within this relative distance below the target ends the σ search.
+DEFAULT_EPSILON_RTOL = 5e-3
+_MIN_SIGMA, _MAX_SIGMA = 1e-2, 1e4
+_SEARCH_SEED_OFFSET = 0x5EED
+
+
+def _check_target(target_epsilon) -> float:
+  if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, (int, float)) or not (
+      math.isfinite(target_epsilon) and target_epsilon > 0):
+    raise ValueError(f'privacy.target_epsilon must be a finite number > 0, got '
+                     f'{target_epsilon!r}.')
+  return float(target_epsilon)
+
+
+def smallest_noise_multiplier(epsilon_of_sigma: Callable[[float], float], target_epsilon: float,
+                              *, initial: float = 1.0, lower: float | None = None,
+                              bracket: tuple[float, float] | None = None,
+                              epsilon_rtol: float = DEFAULT_EPSILON_RTOL,
+                              sigma_rtol: float = 1e-6) -> float:
+  """The smallest σ (to tolerance) with ε(σ) <= target, by bracketing and bisection.
+
+  Stops when target·(1 − epsilon_rtol) <= ε(σ) <= target or when the bracket is
+  narrower than sigma_rtol. Returns σ with ε(σ) <= target (always checked).
+  `bracket` = (lo, hi), a guess with ε(lo) > target >= ε(hi) (checked; the
+  search falls back to doubling/halving from hi if it is wrong).
+
+  Raises:
+    ValueError: if even σ = 1e4 misses the target.
+  """
+  target = _check_target(target_epsilon)
+  cache: dict[float, float] = {}
+
+  def eps(sigma):
+    if sigma not in cache:
+      cache[sigma] = epsilon_of_sigma(sigma)
+    return cache[sigma]
+
+  def close_enough(sigma):
+    return target * (1 - epsilon_rtol) <= eps(sigma) <= target
+
+  if bracket is not None:
+    initial, lower = bracket[1], bracket[0]
+  hi = float(initial)
+  if eps(hi) <= target:
+    if close_enough(hi):
+      return hi
+    lo = hi if lower is None else min(float(lower), hi)
+    while eps(lo) <= target:
+      if close_enough(lo) or lo <= _MIN_SIGMA:
+        return lo
+      hi, lo = lo, lo / 2
+  else:
+    lo = hi
+    while eps(hi) > target:
+      lo, hi = hi, hi * 2
+      if hi > _MAX_SIGMA:
+        raise ValueError(f'target ε = {target} is not reached even with σ = {_MAX_SIGMA}.')
+  # Invariant: ε(lo) > target >= ε(hi).
+  while not close_enough(hi) and hi - lo > sigma_rtol * hi:
+    mid = math.sqrt(lo * hi)
+    if eps(mid) <= target:
+      hi = mid
+    else:
+      lo = mid
+  return hi
+
+
+def largest_count(epsilon_of_count: Callable[[int], float], target_epsilon: float, *,
+                  max_count: int = 10**9) -> int:
+  """The largest integer n >= 0 (<= max_count) with ε(n) <= target (0 if ε(1) > target)."""
+  target = _check_target(target_epsilon)
+  if epsilon_of_count(1) > target:
+    return 0
+  lo, hi = 1, 2
+  while epsilon_of_count(hi) <= target:
+    lo, hi = hi, 2 * hi
+    if hi > max_count:
+      if epsilon_of_count(max_count) <= target:
+        return max_count
+      hi = max_count
+      break
+  # Invariant: ε(lo) <= target < ε(hi).
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    if epsilon_of_count(mid) <= target:
+      lo = mid
+    else:
+      hi = mid
+  return lo
+
+
+def _uses_pld(sampler_name: str, accountant: str) -> bool:
+  return (accountant_lib.resolve_accountant(sampler_name, accountant) == 'pld' and
+          sampler_name in ('poisson', 'fixed_size', 'fixed_size_with_replacement'))
+
+
+def calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: float,
+                               delta: float, num_steps: int, *, accountant: str = 'auto',
+                               monte_carlo_seed: int = 0, **kwargs) -> float:
+  """The smallest σ whose attached ε after `num_steps` steps is <= target_epsilon.
+
+  Args:
+    sampler: the run's sampler.
+    target_epsilon: ε target.
+    delta: δ.
+    num_steps: steps of the run.
+    accountant: as in `Accountant`.
+    monte_carlo_seed: the report's Monte-Carlo seed (see the module docstring).
+    **kwargs: other `Accountant` options (max_batch_size, group_size, ...).
+
+  Returns:
+    σ with `Accountant(sampler, σ, ...).epsilon(num_steps) <= target_epsilon`.
+  """
+  target = _check_target(target_epsilon)
+  steps = sampler_events.check_positive_int('num_steps', num_steps)
+  kwargs.pop('num_steps', None)
+  fine = kwargs.pop('value_discretization_interval', accountant_lib.VALUE_DISCRETIZATION)
+  kwargs_exact = kwargs.pop('exact_truncation', True)
+  # Validates every argument once, before any search.
+  accountant_lib.Accountant(sampler, 1.0, delta, accountant=accountant,
+                            monte_carlo_seed=monte_carlo_seed,
+                            value_discretization_interval=fine, **kwargs)
+  resolved = accountant_lib.resolve_accountant(sampler.name, accountant,
+                                               kwargs.get('group_size', 1))
+
+  def epsilon_fn(interval, seed, exact_truncation):
+    def epsilon_of_sigma(sigma):
+      acct = accountant_lib.Accountant(sampler, sigma, delta, accountant=accountant,
+                                       monte_carlo_seed=seed,
+                                       value_discretization_interval=interval,
+                                       exact_truncation=exact_truncation, **kwargs)
+      return acct.epsilon(steps)
+    return epsilon_of_sigma
+
+  # Search stage: cheap and still valid upper bounds (coarser PLD, truncation by the TV
+  # penalty alone, a search seed for Monte Carlo).
+  if resolved == 'monte_carlo':
+    search = epsilon_fn(fine, monte_carlo_seed + _SEARCH_SEED_OFFSET, False)
+  elif _uses_pld(sampler.name, accountant):
+    search = epsilon_fn(min(10 * fine, 0.1), monte_carlo_seed, False)
+  else:
+    search = epsilon_fn(fine, monte_carlo_seed, False)
+  bracket = None
+  if sampler.name == 'balls_and_bins' and kwargs.get('group_size', 1) == 1:
+    # Cheap bracket: the exact deterministic σ is an upper end (ε_det ≥ ε), the σ where the
+    # max-test lower bound meets the target a lower end; random allocation and Monte Carlo
+    # are then evaluated only inside it.
+    steps_per_epoch, epochs = sampler.steps_per_epoch, -(-steps // sampler.steps_per_epoch)
+    hi = smallest_noise_multiplier(
+        lambda s: balls_and_bins.deterministic_epsilon(s, epochs, delta), target,
+        epsilon_rtol=1e-6)
+    lo = smallest_noise_multiplier(
+        lambda s: max_test.balls_and_bins_lower_bound_epsilon(s, steps_per_epoch, delta,
+                                                              num_epochs=epochs), target,
+        initial=hi, epsilon_rtol=1e-3)
+    bracket = (lo * (1 - 1e-3), hi)
+  sigma = smallest_noise_multiplier(search, target, bracket=bracket)
+  # Final stage: the accountant exactly as it will report.
+  report_fn = epsilon_fn(fine, monte_carlo_seed, kwargs_exact)
+  if resolved == 'monte_carlo':
+    for _ in range(100):
+      if report_fn(sigma) <= target:
+        return sigma
+      sigma *= 1.005
+    raise RuntimeError('Monte-Carlo calibration did not meet the target with a fresh seed.')
+  return smallest_noise_multiplier(report_fn, target, initial=sigma, lower=sigma * 0.995)
+
+
+def max_num_steps(sampler: samplers_lib.Sampler, noise_multiplier: float, target_epsilon: float,
+                  delta: float, *, max_steps: int = 10**7, **kwargs) -> int:
+  """The largest number of steps whose attached ε stays <= target_epsilon.
+
+  Epoch-based samplers are accounted per epoch started, so the answer is a
+  whole number of epochs. Returns 0 if even one step (epoch) exceeds it.
+  """
+  target = _check_target(target_epsilon)
+  kwargs.pop('num_steps', None)
+  acct = accountant_lib.Accountant(sampler, noise_multiplier, delta, **kwargs)
+  if acct.is_epoch_based:
+    per_epoch = acct.steps_per_epoch
+    epochs = largest_count(lambda e: acct.epsilon(e * per_epoch), target,
+                           max_count=max(1, max_steps // per_epoch))
+    return epochs * per_epoch
+  return largest_count(acct.epsilon, target, max_count=max_steps)
