@@ -79,11 +79,15 @@ def _from_config(args) -> tuple[accountant_lib.Accountant, dict]:
     config.sampler.batch_size = args.batch_size
   if args.max_batch_size is not None:
     config.sampler.max_batch_size = args.max_batch_size
-  if args.steps is not None or args.epochs is not None:
-    config.num_steps, config.num_epochs = args.steps, args.epochs
-  if args.noise_multiplier is not None or args.target_epsilon is not None:
-    config.privacy.noise_multiplier = args.noise_multiplier
-    config.privacy.target_epsilon = args.target_epsilon
+  # Unset fields are 0 (the config convention; None is accepted too).
+  if args.steps is not None:
+    config.num_steps, config.num_epochs = args.steps, 0
+  if args.epochs is not None:
+    config.num_steps, config.num_epochs = 0, args.epochs
+  if args.noise_multiplier is not None:
+    config.privacy.noise_multiplier, config.privacy.target_epsilon = args.noise_multiplier, 0.0
+  if args.target_epsilon is not None:
+    config.privacy.noise_multiplier, config.privacy.target_epsilon = None, args.target_epsilon
   if args.delta is not None:
     config.privacy.delta = args.delta
   if args.accountant is not None:
@@ -98,7 +102,7 @@ def _from_config(args) -> tuple[accountant_lib.Accountant, dict]:
                                         monte_carlo_samples=args.monte_carlo_samples,
                                         beta=args.beta)
   extra = {'config': args.config}
-  if config.privacy.get('target_epsilon') is not None:
+  if not config.privacy.get('noise_multiplier') and config.privacy.get('target_epsilon'):
     extra['calibrated_for_target_epsilon'] = config.privacy.target_epsilon
   if config.sampler.max_batch_size == 0:
     extra['max_batch_size_source'] = 'auto (batching.resolve_max_batch_size)'

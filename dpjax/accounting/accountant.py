@@ -65,7 +65,11 @@ SUPPORTED_ACCOUNTANTS = {
     'shuffle': ('pld', 'rdp'),
     'balls_and_bins': ('pld', 'monte_carlo'),
 }
+# PLD discretisation (pessimistic rounding, so any value gives an upper bound): 1e-4 for
+# Gaussian-type events; 1e-3 for mixtures of > 2 Gaussians (group privacy, sampling with
+# replacement), whose dp_accounting construction costs ~10x more per decade of resolution.
 VALUE_DISCRETIZATION = 1e-4
+MOG_VALUE_DISCRETIZATION = 1e-3
 # Poisson truncation whose TV penalty costs less than this fraction of δ is accounted by the
 # TV argument alone; above it the exact truncated event is computed too.
 _NEGLIGIBLE_PENALTY = 1e-3
@@ -225,7 +229,8 @@ class Accountant:
                group_size: int = 1, num_steps: int | None = None,
                monte_carlo_samples: int = 100_000, beta: float = 1e-3,
                monte_carlo_seed: int = 0, random_allocation: bool | None = None,
-               value_discretization_interval: float = VALUE_DISCRETIZATION,
+               value_discretization_interval: float | None = None,
+               pld_coarsening: float = 1.0,
                exact_truncation: bool = True,
                random_allocation_timeout: float = balls_and_bins.RANDOM_ALLOCATION_TIMEOUT):
     """Validates everything before any computation.
@@ -244,7 +249,11 @@ class Accountant:
       random_allocation: force (True) / skip (False) random-allocation PLD for
         balls-and-bins; None = the policy in `balls_and_bins` (T <= 1000 and
         done within `random_allocation_timeout` seconds, once: results are cached).
-      value_discretization_interval: PLD discretisation (pessimistic rounding).
+      value_discretization_interval: PLD discretisation (pessimistic rounding);
+        None = VALUE_DISCRETIZATION, or MOG_VALUE_DISCRETIZATION for mixtures
+        of more than two Gaussians.
+      pld_coarsening: multiplies the discretisation (calibration searches with
+        10: a looser but still valid upper bound, then checks at 1).
       exact_truncation: for Poisson with a cap B, also compute dp_accounting's
         exact truncated event when the TV penalty is not negligible (slow:
         ~10-20 s per query); False keeps the TV penalty alone (valid, looser).
@@ -276,11 +285,15 @@ class Accountant:
     self.beta = float(beta)
     self.monte_carlo_seed = monte_carlo_seed
     self.random_allocation = random_allocation
-    if not (isinstance(value_discretization_interval, float) and
-            0 < value_discretization_interval <= 0.1):
-      raise ValueError('value_discretization_interval must be a float in (0, 0.1], got '
-                       f'{value_discretization_interval!r}.')
+    if value_discretization_interval is not None and not (
+        isinstance(value_discretization_interval, float) and
+        0 < value_discretization_interval <= 0.1):
+      raise ValueError('value_discretization_interval must be None or a float in (0, 0.1], '
+                       f'got {value_discretization_interval!r}.')
+    if not (isinstance(pld_coarsening, (int, float)) and 1 <= pld_coarsening <= 100):
+      raise ValueError(f'pld_coarsening must be in [1, 100], got {pld_coarsening!r}.')
     self.value_discretization_interval = value_discretization_interval
+    self.pld_coarsening = float(pld_coarsening)
     self.exact_truncation = bool(exact_truncation)
     self.random_allocation_timeout = random_allocation_timeout
     self._step_plds: dict[Any, pld_lib.PrivacyLossDistribution] = {}
@@ -314,10 +327,17 @@ class Accountant:
         group_size=self.group_size)
 
   def _pld(self, event: dp_event.DpEvent, count: int) -> pld_lib.PrivacyLossDistribution:
-    key = (repr(event), self.value_discretization_interval)
+    key = repr(event)
     if key not in self._step_plds:
-      self._step_plds[key] = _step_pld(event, self.value_discretization_interval)
+      self._step_plds[key] = _step_pld(event, self._interval(event))
     return self._step_plds[key].self_compose(count)
+
+  def _interval(self, event: dp_event.DpEvent) -> float:
+    interval = self.value_discretization_interval
+    if interval is None:
+      many = isinstance(event, dp_event.MixtureOfGaussiansDpEvent) and len(event.sensitivities) > 2
+      interval = MOG_VALUE_DISCRETIZATION if many else VALUE_DISCRETIZATION
+    return min(0.1, interval * self.pld_coarsening)
 
   # --- public API -----------------------------------------------------------------------------
 
@@ -523,9 +543,13 @@ class Accountant:
                                         self.group_size)
     log_tau = self._log_truncation_mass(epochs * steps_per_epoch)
     tau = math.exp(log_tau)
+    # The Monte-Carlo accountant's ε needs only the deterministic bound (for δ₀); the costly
+    # random-allocation PLD is then computed only when the estimates beside ε are asked for.
+    skip_ra = self.accountant == 'monte_carlo' and not estimates
     provable = balls_and_bins.provable_epsilon(
         sigma, steps_per_epoch, delta, num_epochs=epochs, group_size=k, log_penalty_mass=log_tau,
-        random_allocation=self.random_allocation, timeout=self.random_allocation_timeout)
+        random_allocation=False if skip_ra else self.random_allocation,
+        timeout=self.random_allocation_timeout)
     details: dict[str, Any] = {
         'provable_epsilon': provable.epsilon,
         'provable_method': provable.method,
@@ -591,13 +615,18 @@ class Accountant:
 # ---------------------------------------------------------------------------------------------
 
 
+def _unset(value) -> bool:
+  """Config convention: None or 0 means "not set" (e.g. num_steps = 0 when num_epochs is)."""
+  return value is None or value == 0
+
+
 def num_steps_from_config(config: ml_collections.ConfigDict, sampler: samplers_lib.Sampler) -> int:
   """The run length in steps: `num_steps`, or `num_epochs` × steps per epoch (exactly one)."""
   steps, epochs = config.get('num_steps'), config.get('num_epochs')
-  if (steps is None) == (epochs is None):
-    raise ValueError(f'exactly one of num_steps and num_epochs must be set, got num_steps = '
-                     f'{steps!r}, num_epochs = {epochs!r}.')
-  if steps is not None:
+  if _unset(steps) == _unset(epochs):
+    raise ValueError(f'exactly one of num_steps and num_epochs must be set (> 0), got '
+                     f'num_steps = {steps!r}, num_epochs = {epochs!r}.')
+  if not _unset(steps):
     return sampler_events.check_positive_int('num_steps', steps)
   return sampler_events.check_positive_int('num_epochs', epochs) * sampler.steps_per_epoch
 
@@ -607,10 +636,12 @@ def make_accountant(config: ml_collections.ConfigDict, num_examples: int,
   """The accountant of the run that `config` trains on `num_examples` examples.
 
   Builds the sampler with `samplers.make_sampler(config, N)` and the cap with
-  `batching.resolve_max_batch_size`, exactly as training does. If
-  `privacy.target_epsilon` is set instead of `privacy.noise_multiplier`, σ is
-  calibrated (`calibration.calibrate_noise_multiplier`) to reach it at the
-  last step; `Accountant.noise_multiplier` is then the σ to train with.
+  `batching.resolve_max_batch_size`, exactly as training does. σ comes from
+  `privacy.noise_multiplier`; if that is unset (None or 0) it is calibrated
+  (`calibration.calibrate_noise_multiplier`) to reach `privacy.target_epsilon`
+  at the last step, and `Accountant.noise_multiplier` is the σ to train with.
+  If both are set, the run is refused (ValueError) when its final ε exceeds
+  the target.
 
   Args:
     config: the training config.
@@ -624,15 +655,23 @@ def make_accountant(config: ml_collections.ConfigDict, num_examples: int,
   num_steps = num_steps_from_config(config, sampler)
   delta = _check_delta(privacy.delta)
   sigma, target = privacy.get('noise_multiplier'), privacy.get('target_epsilon')
-  if (sigma is None) == (target is None):
-    raise ValueError(f'exactly one of privacy.noise_multiplier and privacy.target_epsilon must '
-                     f'be set, got {sigma!r} and {target!r}.')
+  if _unset(sigma) and _unset(target):
+    raise ValueError('privacy.noise_multiplier or privacy.target_epsilon must be set (> 0); '
+                     'both are unset.')
   max_batch_size = batching.resolve_max_batch_size(
       sampler, config.sampler.physical_batch_size, requested=config.sampler.max_batch_size,
       num_steps=num_steps, delta=delta)
   options = dict(accountant=privacy.accountant, max_batch_size=max_batch_size,
-                 group_size=privacy.group_size, num_steps=num_steps, **kwargs)
-  if target is not None:
+                 group_size=privacy.group_size, **kwargs)
+  if _unset(sigma):
     from dpjax.accounting import calibration  # pylint: disable=g-import-not-at-top
     sigma = calibration.calibrate_noise_multiplier(sampler, target, delta, num_steps, **options)
-  return Accountant(sampler, sigma, delta, **options)
+  acct = Accountant(sampler, sigma, delta, num_steps=num_steps, **options)
+  if not _unset(target):
+    final = acct.final_report(estimates=False).epsilon
+    if final > target:
+      raise ValueError(
+          f'privacy.noise_multiplier = {sigma} gives ε = {final:.4g} after {num_steps} steps, '
+          f'above privacy.target_epsilon = {target} (δ = {delta}). Raise σ, shorten the run, '
+          f'or unset noise_multiplier to calibrate it.')
+  return acct

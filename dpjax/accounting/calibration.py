@@ -6,10 +6,10 @@ always returns the end of the bracket at which the target *holds*, so the
 answer is valid even where the accountant's ε is only approximately monotone
 (PLD discretisation, adaptive random-allocation refinement).
 
-PLD accountants search with a 10× coarser discretisation first (a coarser
-pessimistic PLD is still an upper bound, just looser), then refine at the
-reporting discretisation in a narrow bracket; the final σ is always checked
-at the reporting discretisation.
+Gaussian-type PLD accountants search with a 10× coarser discretisation first
+(a coarser pessimistic PLD is still an upper bound, just looser), then refine
+at the reporting discretisation in a narrow bracket; the final σ is always
+checked at the reporting discretisation.
 
 Monte-Carlo (balls-and-bins, accountant='monte_carlo'): inside the search the
 sampler seed is fixed (a seed derived from, but different from, the report's)
@@ -76,11 +76,13 @@ def smallest_noise_multiplier(epsilon_of_sigma: Callable[[float], float], target
   if eps(hi) <= target:
     if close_enough(hi):
       return hi
-    lo = hi if lower is None else min(float(lower), hi)
+    ratio = 0.5 if lower is None else min(float(lower) / hi, 0.999)
+    lo = hi * ratio
     while eps(lo) <= target:
       if close_enough(lo) or lo <= _MIN_SIGMA:
         return lo
-      hi, lo = lo, lo / 2
+      ratio = max(0.5, ratio * ratio)  # Widen the downward steps geometrically.
+      hi, lo = lo, lo * ratio
   else:
     lo = hi
     while eps(hi) > target:
@@ -121,9 +123,11 @@ def largest_count(epsilon_of_count: Callable[[int], float], target_epsilon: floa
   return lo
 
 
-def _uses_pld(sampler_name: str, accountant: str) -> bool:
+def _coarse_search_is_safe(sampler_name: str, accountant: str, group_size: int) -> bool:
+  """Gaussian-type PLDs lose ~0.3% of ε at 10× coarser discretisation; mixtures of more
+  than two Gaussians (group privacy, with replacement) lose far more, so they search at 1×."""
   return (accountant_lib.resolve_accountant(sampler_name, accountant) == 'pld' and
-          sampler_name in ('poisson', 'fixed_size', 'fixed_size_with_replacement'))
+          sampler_name in ('poisson', 'fixed_size') and group_size == 1)
 
 
 def calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: float,
@@ -146,34 +150,36 @@ def calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: fl
   target = _check_target(target_epsilon)
   steps = sampler_events.check_positive_int('num_steps', num_steps)
   kwargs.pop('num_steps', None)
-  fine = kwargs.pop('value_discretization_interval', accountant_lib.VALUE_DISCRETIZATION)
-  kwargs_exact = kwargs.pop('exact_truncation', True)
+  kwargs.pop('pld_coarsening', None)
+  exact_truncation = kwargs.pop('exact_truncation', True)
   # Validates every argument once, before any search.
   accountant_lib.Accountant(sampler, 1.0, delta, accountant=accountant,
-                            monte_carlo_seed=monte_carlo_seed,
-                            value_discretization_interval=fine, **kwargs)
+                            monte_carlo_seed=monte_carlo_seed, **kwargs)
   resolved = accountant_lib.resolve_accountant(sampler.name, accountant,
                                                kwargs.get('group_size', 1))
 
-  def epsilon_fn(interval, seed, exact_truncation):
+  def epsilon_fn(coarsening, seed, exact):
     def epsilon_of_sigma(sigma):
       acct = accountant_lib.Accountant(sampler, sigma, delta, accountant=accountant,
-                                       monte_carlo_seed=seed,
-                                       value_discretization_interval=interval,
-                                       exact_truncation=exact_truncation, **kwargs)
+                                       monte_carlo_seed=seed, pld_coarsening=coarsening,
+                                       exact_truncation=exact, **kwargs)
       return acct.epsilon(steps)
     return epsilon_of_sigma
 
   # Search stage: cheap and still valid upper bounds (coarser PLD, truncation by the TV
   # penalty alone, a search seed for Monte Carlo).
   if resolved == 'monte_carlo':
-    search = epsilon_fn(fine, monte_carlo_seed + _SEARCH_SEED_OFFSET, False)
-  elif _uses_pld(sampler.name, accountant):
-    search = epsilon_fn(min(10 * fine, 0.1), monte_carlo_seed, False)
+    search = epsilon_fn(1.0, monte_carlo_seed + _SEARCH_SEED_OFFSET, False)
+  elif _coarse_search_is_safe(sampler.name, accountant, kwargs.get('group_size', 1)):
+    search = epsilon_fn(10.0, monte_carlo_seed, False)
   else:
-    search = epsilon_fn(fine, monte_carlo_seed, False)
+    search = epsilon_fn(1.0, monte_carlo_seed, False)
   bracket = None
-  if sampler.name == 'balls_and_bins' and kwargs.get('group_size', 1) == 1:
+  random_allocation = kwargs.get('random_allocation')
+  may_use_ra = random_allocation or (random_allocation is None and balls_and_bins
+                                     .random_allocation_is_practical(sampler.steps_per_epoch))
+  if (sampler.name == 'balls_and_bins' and kwargs.get('group_size', 1) == 1 and
+      (resolved == 'monte_carlo' or may_use_ra)):
     # Cheap bracket: the exact deterministic σ is an upper end (ε_det ≥ ε), the σ where the
     # max-test lower bound meets the target a lower end; random allocation and Monte Carlo
     # are then evaluated only inside it.
@@ -184,11 +190,24 @@ def calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: fl
     lo = smallest_noise_multiplier(
         lambda s: max_test.balls_and_bins_lower_bound_epsilon(s, steps_per_epoch, delta,
                                                               num_epochs=epochs), target,
-        initial=hi, epsilon_rtol=1e-3)
-    bracket = (lo * (1 - 1e-3), hi)
-  sigma = smallest_noise_multiplier(search, target, bracket=bracket)
+        initial=hi, epsilon_rtol=1e-2)
+    bracket = (lo * 0.99, hi)
+  initial = 1.0
+  group_size = kwargs.get('group_size', 1)
+  if resolved == 'pld' and (sampler.name == 'fixed_size_with_replacement' or (
+      group_size > 1 and sampler.name in ('poisson', 'fixed_size'))):
+    # Mixtures of many Gaussians are slow to build at small σ. Their ε is at least that of
+    # the example-level / without-replacement event, whose σ is found fast: start there.
+    base = sampler
+    if sampler.name == 'fixed_size_with_replacement':
+      base = samplers_lib.sampler_class('fixed_size')(
+          num_examples=sampler.num_examples, batch_size=sampler.batch_size, seed=sampler.seed)
+    base_kwargs = dict(kwargs, group_size=1)
+    initial = calibrate_noise_multiplier(base, target, delta, steps, accountant=accountant,
+                                         **base_kwargs)
+  sigma = smallest_noise_multiplier(search, target, initial=initial, bracket=bracket)
   # Final stage: the accountant exactly as it will report.
-  report_fn = epsilon_fn(fine, monte_carlo_seed, kwargs_exact)
+  report_fn = epsilon_fn(1.0, monte_carlo_seed, exact_truncation)
   if resolved == 'monte_carlo':
     for _ in range(100):
       if report_fn(sigma) <= target:

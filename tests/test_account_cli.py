@@ -1,0 +1,96 @@
+"""`python -m dpjax.account`: JSON keys and values agree with the Python API; errors."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from dpjax import samplers
+from dpjax.accounting import accountant as accountant_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+REQUIRED = ('epsilon', 'delta', 'noise_multiplier', 'steps', 'steps_per_epoch', 'sampler',
+            'accountant', 'bound')
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+  monkeypatch.setenv('DPJAX_CACHE_DIR', str(tmp_path))
+
+
+def _run(*args, check=True):
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  out = subprocess.run([sys.executable, '-m', 'dpjax.account', *args], capture_output=True,
+                       text=True, cwd=ROOT, env=env, timeout=300)
+  if check:
+    assert out.returncode == 0, out.stderr
+  return out
+
+
+def test_help():
+  out = _run('--help')
+  for flag in ('--sampler', '--num-examples', '--batch-size', '--steps', '--epochs',
+               '--noise-multiplier', '--target-epsilon', '--delta', '--accountant',
+               '--max-batch-size', '--group-size', '--json', '--config'):
+    assert flag in out.stdout
+
+
+def test_poisson_json_matches_the_api():
+  out = _run('--sampler', 'poisson', '--num-examples', '60000', '--batch-size', '256',
+             '--epochs', '3', '--noise-multiplier', '1.1', '--delta', '1e-5', '--json')
+  got = json.loads(out.stdout)
+  assert all(key in got for key in REQUIRED)
+  sampler = samplers.sampler_class('poisson')(num_examples=60_000, batch_size=256)
+  steps = 3 * sampler.steps_per_epoch
+  expected = accountant_lib.Accountant(sampler, 1.1, 1e-5).epsilon(steps)
+  assert got['epsilon'] == pytest.approx(expected, rel=1e-12)
+  assert (got['steps'], got['steps_per_epoch']) == (steps, 235)
+  assert (got['sampler'], got['accountant'], got['bound']) == ('poisson', 'pld', 'upper')
+  assert got['details']['truncation'].startswith('none')
+
+
+def test_balls_and_bins_json_reports_estimates_beside_the_provable_bound():
+  out = _run('--sampler', 'balls_and_bins', '--num-examples', '1000', '--batch-size', '100',
+             '--steps', '10', '--noise-multiplier', '1.0', '--delta', '1e-5',
+             '--monte-carlo-samples', '60000', '--json')
+  got = json.loads(out.stdout)
+  assert got['bound'] == 'upper' and got['steps_per_epoch'] == 10
+  assert got['epsilon'] == got['details']['provable_epsilon']
+  assert got['epsilon_lower'] <= got['epsilon'] <= got['details']['deterministic_epsilon']
+  assert (got['confidence'], got['num_samples']) == (0.999, 60_000)
+  assert got['details']['monte_carlo_epsilon_high_probability'] >= got['epsilon_lower']
+
+
+def test_config_and_calibration():
+  out = _run('--config', 'configs/digits_mlp.py', '--num-examples', '1437', '--target-epsilon',
+             '4.0', '--json')
+  got = json.loads(out.stdout)
+  assert got['sampler'] == 'poisson' and got['steps'] == 40 * got['steps_per_epoch']
+  assert 0.99 * 4.0 <= got['epsilon'] <= 4.0
+  assert got['details']['calibrated_for_target_epsilon'] == 4.0
+  assert got['details']['max_batch_size'] % 64 == 0  # From batching, a multiple of P.
+
+
+def test_table_labels_shuffle_numbers():
+  out = _run('--sampler', 'shuffle', '--num-examples', '10000', '--batch-size', '100',
+             '--epochs', '1', '--noise-multiplier', '1.0', '--delta', '1e-5')
+  assert 'upper bound (provable)' in out.stdout
+  assert 'NOT a guarantee' in out.stdout
+  assert 'lower bound' in out.stdout
+
+
+@pytest.mark.parametrize('args, message', [
+    (('--noise-multiplier', '-1'), 'noise_multiplier'),
+    (('--noise-multiplier', '1', '--batch-size', '20000'), 'batch_size'),
+])
+def test_errors_name_the_field(args, message):
+  base = {'--sampler': 'poisson', '--num-examples': '10000', '--batch-size': '100',
+          '--steps': '10', '--delta': '1e-5'}
+  for flag, value in zip(args[::2], args[1::2]):
+    base[flag] = value
+  out = _run(*[x for kv in base.items() for x in kv], check=False)
+  assert out.returncode == 2
+  assert message in out.stderr

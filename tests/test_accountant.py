@@ -1,0 +1,199 @@
+"""The Accountant API: built from the training config, balls-and-bins consistency, reports."""
+
+import json
+import math
+import time
+
+import pytest
+
+from configs import digits_mlp
+from dpjax import batching
+from dpjax import samplers
+from dpjax.accounting import accountant as accountant_lib
+from dpjax.accounting import balls_and_bins
+from dpjax.accounting import max_test
+
+DELTA = 1e-5
+NUM_DIGITS_TRAIN = 1437
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+  monkeypatch.setenv('DPJAX_CACHE_DIR', str(tmp_path))
+
+
+def _config(**privacy):
+  c = digits_mlp.get_config()
+  c.privacy.noise_multiplier = 2.0
+  c.privacy.target_epsilon = 0.0  # Unset.
+  for k, v in privacy.items():
+    setattr(c.privacy, k, v)
+  return c
+
+
+def _sampler(name, n, b):
+  return samplers.sampler_class(name)(num_examples=n, batch_size=b)
+
+
+# --- from the config --------------------------------------------------------------------------
+
+
+def test_sampler_and_cap_come_from_the_training_code_paths():
+  config = _config()
+  acct = accountant_lib.make_accountant(config, NUM_DIGITS_TRAIN)
+  assert acct.sampler == samplers.make_sampler(config, NUM_DIGITS_TRAIN)
+  steps = config.num_epochs * acct.steps_per_epoch
+  assert acct.num_steps == steps
+  assert acct.max_batch_size == batching.resolve_max_batch_size(
+      acct.sampler, config.sampler.physical_batch_size, requested=0, num_steps=steps,
+      delta=DELTA)
+  report = acct.final_report(estimates=False)
+  assert report.sampler == 'poisson' and report.accountant == 'pld' and report.bound == 'upper'
+  assert report.details['max_batch_size'] == acct.max_batch_size
+  # The auto cap costs (almost) nothing against the untruncated accountant.
+  free = accountant_lib.Accountant(acct.sampler, 2.0, DELTA).epsilon(steps)
+  assert free <= report.epsilon <= free * 1.001
+
+
+def test_epsilon_at_is_memoised():
+  acct = accountant_lib.make_accountant(_config(), NUM_DIGITS_TRAIN)
+  first = acct.epsilon_at(100, estimates=False)
+  start = time.perf_counter()
+  again = acct.epsilon_at(100, estimates=False)
+  assert time.perf_counter() - start < 0.01
+  assert again == first
+  assert acct.epsilon_at(0).epsilon == 0.0
+  assert acct.epsilon(50) < acct.epsilon(100)
+
+
+def test_target_epsilon_calibrates_sigma():
+  config = _config(noise_multiplier=None, target_epsilon=3.0)
+  acct = accountant_lib.make_accountant(config, NUM_DIGITS_TRAIN)
+  eps = acct.final_report(estimates=False).epsilon
+  assert 0.99 * 3.0 <= eps <= 3.0
+
+
+@pytest.mark.parametrize('change, field', [
+    (dict(enabled=False), 'privacy.enabled'),
+    (dict(target_epsilon=0.5), 'above privacy.target_epsilon'),
+    (dict(noise_multiplier=None), 'must be set'),
+    (dict(delta=2.0), 'privacy.delta'),
+    (dict(accountant='nope'), 'privacy.accountant'),
+])
+def test_config_errors(change, field):
+  with pytest.raises(ValueError, match=field):
+    accountant_lib.make_accountant(_config(**change), NUM_DIGITS_TRAIN)
+
+
+def test_sigma_within_the_target_is_accepted():
+  acct = accountant_lib.make_accountant(_config(target_epsilon=50.0), NUM_DIGITS_TRAIN)
+  assert acct.noise_multiplier == 2.0
+
+
+def test_config_needs_exactly_one_length():
+  config = _config()
+  config.num_steps = 10
+  with pytest.raises(ValueError, match='num_steps'):
+    accountant_lib.make_accountant(config, NUM_DIGITS_TRAIN)
+
+
+# --- balls-and-bins ---------------------------------------------------------------------------
+
+
+def test_balls_and_bins_bounds_are_consistent():
+  sampler = _sampler('balls_and_bins', 1000, 100)  # T = 10 bins
+  acct = accountant_lib.Accountant(sampler, 1.0, DELTA, monte_carlo_samples=100_000)
+  report = acct.epsilon_at(10)
+  d = report.details
+  det = balls_and_bins.deterministic_epsilon(1.0, 1, DELTA)
+  assert report.bound == 'upper' and d['provable_method'] == 'random_allocation_pld'
+  assert report.epsilon == d['random_allocation_upper'] < det
+  assert d['max_test_lower_bound'] == pytest.approx(
+      max_test.balls_and_bins_lower_bound_epsilon(1.0, 10, DELTA), rel=1e-12)
+  assert report.epsilon_lower >= d['max_test_lower_bound']
+  # lower <= MC point estimate <= MC UCB, and the truth (<= provable) is near the point estimate.
+  point = d['monte_carlo_epsilon_point_estimate_not_a_guarantee']
+  ucb = d['monte_carlo_epsilon_high_probability']
+  assert report.epsilon_lower <= point * (1 + 1e-9) <= ucb * (1 + 1e-9)
+  assert point <= report.epsilon <= det
+  assert ucb <= det
+  assert (report.confidence, report.num_samples) == (0.999, 100_000)
+  # A checkpoint in the middle of the epoch carries the whole epoch's ε.
+  assert acct.epsilon_at(4).epsilon == report.epsilon
+  assert acct.epsilon_at(4).steps == 4
+
+
+def test_balls_and_bins_one_step_is_the_gaussian_mechanism():
+  sampler = _sampler('balls_and_bins', 100, 100)  # T = 1
+  report = accountant_lib.Accountant(sampler, 1.0, DELTA).epsilon_at(1)
+  gaussian = balls_and_bins.deterministic_epsilon(1.0, 1, DELTA)
+  assert report.epsilon == gaussian
+  assert balls_and_bins.gaussian_delta(1.0, gaussian) <= DELTA
+  assert report.epsilon_lower == pytest.approx(gaussian, rel=1e-3)
+  assert report.details['monte_carlo_epsilon_high_probability'] >= report.epsilon_lower
+
+
+def test_monte_carlo_accountant_is_labelled_high_probability():
+  sampler = _sampler('balls_and_bins', 1000, 100)
+  acct = accountant_lib.Accountant(sampler, 1.0, 1e-3, accountant='monte_carlo',
+                                   monte_carlo_samples=20_000, beta=1e-2)
+  report = acct.epsilon_at(20, estimates=False)
+  assert report.bound == 'high_probability_upper' and report.accountant == 'monte_carlo'
+  assert (report.confidence, report.num_samples) == (0.99, 20_000)
+  assert report.epsilon == report.details['monte_carlo_epsilon_high_probability']
+  assert report.epsilon <= report.details['deterministic_epsilon']
+  assert report.details['epochs_accounted'] == 2
+
+
+def test_balls_and_bins_truncation_penalty():
+  sampler = _sampler('balls_and_bins', 10_000, 100)  # T = 100, n_t ~ Binomial(10^4, 0.01)
+  plain = accountant_lib.Accountant(sampler, 2.0, DELTA, random_allocation=False)
+  capped = accountant_lib.Accountant(sampler, 2.0, DELTA, random_allocation=False,
+                                     max_batch_size=170)
+  report = capped.epsilon_at(200, estimates=False)
+  tau = report.details['truncation_mass']
+  assert tau == pytest.approx(
+      math.exp(balls_and_bins.log_truncation_mass(10_000, 0.01, 170, 200)), rel=1e-9)
+  assert 0 < tau < DELTA / 100
+  eps = report.epsilon
+  assert plain.epsilon(200) < eps < plain.epsilon(200) * 1.01
+  # (ε, δ₀)-DP untruncated + TV: δ₀ + (1 + e^ε)·τ <= δ, with δ₀ the Gaussian's δ(ε), 2 epochs.
+  assert balls_and_bins.gaussian_delta(2.0 / math.sqrt(2), eps) + (1 + math.exp(eps)) * tau <= DELTA
+  # A cap so tight that (1 + e^ε)·τ exceeds δ at every useful ε: no guarantee, said plainly.
+  tight = accountant_lib.Accountant(sampler, 2.0, DELTA, random_allocation=False,
+                                    max_batch_size=160)
+  assert tight.epsilon(200) == math.inf
+
+
+def test_random_allocation_policy_and_timeout():
+  big = _sampler('balls_and_bins', 200_000, 100)  # T = 2000 > 1000: not attempted
+  report = accountant_lib.Accountant(big, 1.0, DELTA).epsilon_at(2000, estimates=False)
+  assert report.details['provable_method'] == 'deterministic'
+  assert report.details['random_allocation_upper'] is None
+  small = _sampler('balls_and_bins', 1000, 50)  # T = 20, but no time to do it
+  report = accountant_lib.Accountant(small, 1.0, DELTA, random_allocation_timeout=0.01).epsilon_at(
+      20, estimates=False)
+  assert report.details['provable_method'] == 'deterministic (random-allocation PLD timed out)'
+  assert report.epsilon == balls_and_bins.deterministic_epsilon(1.0, 1, DELTA)
+
+
+def test_group_balls_and_bins_falls_back_to_deterministic():
+  sampler = _sampler('balls_and_bins', 1000, 100)
+  report = accountant_lib.Accountant(sampler, 2.0, DELTA, group_size=2).epsilon_at(10)
+  assert report.epsilon == balls_and_bins.deterministic_epsilon(2.0, 1, DELTA, group_size=2)
+  assert report.epsilon_lower <= report.epsilon
+  assert 'monte_carlo_epsilon_high_probability' not in report.details
+
+
+# --- the report -------------------------------------------------------------------------------
+
+
+def test_report_json_has_the_documented_keys():
+  report = accountant_lib.Accountant(_sampler('shuffle', 1000, 100), 1.0, DELTA).epsilon_at(25)
+  loaded = json.loads(report.to_json())
+  for key in ('epsilon', 'delta', 'noise_multiplier', 'steps', 'steps_per_epoch', 'sampler',
+              'accountant', 'bound', 'epsilon_lower', 'confidence', 'num_samples', 'details'):
+    assert key in loaded
+  assert loaded['bound'] in accountant_lib.BOUNDS
+  assert loaded['steps'] == 25 and loaded['details']['epochs_accounted'] == 3
+  assert loaded['epsilon'] == report.epsilon
