@@ -12,6 +12,8 @@ Smoke run (a few steps):
 import ml_collections
 from ml_collections import config_dict
 
+from dpjax import models
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
@@ -47,17 +49,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.privacy = ml_collections.ConfigDict()
   c.privacy.enabled = True  # False: non-private baseline through the same pipeline.
   c.privacy.clip_norm = 1.0  # C: per-example gradients are clipped to this L2 norm.
-  c.privacy.noise_multiplier = config_dict.placeholder(float)  # σ; or set target_epsilon.
-  c.privacy.target_epsilon = 3.0  # Calibrate σ to reach this ε at the last step.
+  c.privacy.noise_multiplier = config_dict.placeholder(float)  # σ; None: calibrate to target.
+  c.privacy.target_epsilon = 3.0  # ε budget at the last step; 0 = none (then σ must be set).
+  #   σ None + target: σ is calibrated to meet the target. σ set + target: the run is
+  #   refused if it would end above the target.
   c.privacy.delta = 1e-5
   c.privacy.accountant = 'auto'  # auto | pld | rdp | monte_carlo
   c.privacy.group_size = 1  # k: guarantee for groups of k examples.
   c.privacy.clipping = 'auto'  # auto | vmap | ghost: how per-example norms are computed.
 
   # --- Model and optimiser ---------------------------------------------------
-  c.model = ml_collections.ConfigDict()
-  c.model.name = 'mlp'  # mlp | cnn | wrn | transformer
-  c.model.hidden_sizes = (256, 128)  # MLP widths.
+  c.model = models.default_model_config('mlp')  # Every field documented there.
+  c.model.hidden_sizes = (256, 128)
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = 'sgd'  # sgd | adam
@@ -65,16 +68,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optimizer.momentum = 0.9  # sgd only; 0 disables.
 
   # --- Length and periodic actions -------------------------------------------
-  c.num_epochs = config_dict.placeholder(int)  # Exactly one of num_epochs / num_steps.
-  c.num_steps = config_dict.placeholder(int)
-  c.num_epochs = 40
+  c.num_epochs = 40  # Exactly one of num_epochs / num_steps is > 0 (the other 0);
+  c.num_steps = 0  #   an epoch is ceil(N/b) steps.
   c.log_every_steps = 20
   c.eval_every_steps = 100  # Also evaluated at the first and the last step.
   c.checkpoint_every_steps = 100  # Also saved at the last step.
   c.keep_checkpoints = 3
 
   if arg == 'runlocal':
-    c.num_epochs = None
+    c.num_epochs = 0
     c.num_steps = 5
     c.eval_every_steps = 5
     c.checkpoint_every_steps = 2

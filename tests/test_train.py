@@ -1,0 +1,174 @@
+"""End-to-end training: outputs, ε in checkpoints, exact resume, one compilation."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from configs import digits_mlp
+from dpjax import accounting
+from dpjax import checkpoints
+from dpjax import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small_config(**overrides):
+  config = digits_mlp.get_config()
+  config.num_epochs = 0
+  config.num_steps = 6
+  config.sampler.batch_size = 128
+  config.sampler.physical_batch_size = 32
+  config.privacy.target_epsilon = 0.0
+  config.privacy.noise_multiplier = 1.0
+  config.log_every_steps = 2
+  config.eval_every_steps = 3
+  config.checkpoint_every_steps = 2
+  for key, value in overrides.items():
+    target = config
+    *path, leaf = key.split('.')
+    for part in path:
+      target = target[part]
+    target[leaf] = value
+  return config
+
+
+def flat_params(params):
+  return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(params)])
+
+
+def test_run_writes_config_metrics_events_and_checkpoints_with_epsilon(tmp_path, capsys):
+  config = small_config()
+  result = train.train_and_evaluate(config, str(tmp_path))
+  assert json.load(open(tmp_path / 'config.json'))['num_steps'] == 6
+  lines = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
+  assert [line['step'] for line in lines] == [0, 2, 3, 4, 6]
+  assert {'train_loss', 'train_accuracy', 'epsilon', 'eval_accuracy'} <= set(lines[-1])
+  assert glob.glob(str(tmp_path / 'tensorboard' / 'events.out.tfevents.*'))
+  # The ε in metrics and checkpoints is the accountant's, for the same config.
+  acct = accounting.make_accountant(train.resolve_config(
+      config, 1437, train.samplers.make_sampler(config, 1437)), 1437)
+  rows = checkpoints.read_metadata(str(tmp_path))
+  assert [row['step'] for row in rows] == [2, 4, 6]  # keep_checkpoints = 3
+  for row in rows:
+    expected = acct.epsilon_at(row['step'])
+    assert row['privacy']['epsilon'] == pytest.approx(expected.epsilon, rel=1e-12)
+    assert row['privacy']['bound'] == expected.bound == 'upper'
+    assert row['noise_multiplier'] == 1.0 and row['clip_norm'] == 1.0 and row['num_examples'] == 1437
+    assert row['sampler']['name'] == 'poisson' and row['seed'] == 0
+    assert row['config']['privacy']['delta'] == 1e-5
+  assert lines[-1]['epsilon'] == pytest.approx(rows[-1]['privacy']['epsilon'])
+  assert result['privacy']['epsilon'] == pytest.approx(rows[-1]['privacy']['epsilon'])
+  # Listing CLI.
+  capsys.readouterr()
+  assert checkpoints.main([str(tmp_path)]) == 0
+  listing = capsys.readouterr().out
+  assert 'upper' in listing and f"{rows[-1]['privacy']['epsilon']:.4f}" in listing
+
+
+@pytest.mark.parametrize('sampler', ['poisson', 'balls_and_bins'])
+def test_step_compiles_once_over_an_epoch_of_variable_batches(tmp_path, sampler):
+  config = small_config(**{'sampler.name': sampler, 'num_steps': 14, 'checkpoint_every_steps': 100})
+  result = train.train_and_evaluate(config, str(tmp_path))
+  assert 14 > 1437 / 128  # More than one epoch (12 steps).
+  assert result['compilations'] == {'accumulate': 1, 'apply': 1}
+
+
+def test_non_private_baseline_reports_no_epsilon(tmp_path):
+  result = train.train_and_evaluate(small_config(**{'privacy.enabled': False}), str(tmp_path))
+  assert 'privacy' not in result
+  assert checkpoints.read_metadata(str(tmp_path))[-1]['privacy']['epsilon'] is None
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
+  reference = train.train_and_evaluate(small_config(), str(tmp_path / 'ref'))
+  work = tmp_path / 'run'
+  train.train_and_evaluate(small_config(num_steps=4), str(work))
+  for path in glob.glob(str(work / 'checkpoints' / '4' / 'state' / '**'), recursive=True):
+    if os.path.isfile(path):
+      with open(path, 'wb') as f:
+        f.write(b'garbage')
+  capsys.readouterr()
+  resumed = train.train_and_evaluate(small_config(), str(work))
+  err = capsys.readouterr().err
+  assert 'checkpoint 4 is unreadable' in err
+  np.testing.assert_array_equal(flat_params(resumed['params']), flat_params(reference['params']))
+
+
+def test_resume_after_sigkill_is_bit_identical(tmp_path):
+  """Train uninterrupted; separately SIGKILL mid-run and rerun: same params and ε."""
+  args = ['--config.num_steps=60', '--config.num_epochs=0', '--config.checkpoint_every_steps=10',
+          '--config.log_every_steps=30', '--config.eval_every_steps=30',
+          '--config.privacy.target_epsilon=0', '--config.privacy.noise_multiplier=1.0',
+          '--config.sampler.batch_size=64', '--config.sampler.physical_batch_size=16']
+  def command(workdir):
+    return [sys.executable, '-m', 'dpjax.train', f'--config={REPO}/configs/digits_mlp.py',
+            f'--workdir={workdir}', *args]
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  subprocess.run(command(tmp_path / 'full'), check=True, cwd=REPO, env=env, capture_output=True)
+
+  killed = tmp_path / 'killed'
+  proc = subprocess.Popen(command(killed), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  deadline = time.time() + 300
+  while not os.path.isdir(killed / 'checkpoints' / '20') and time.time() < deadline:
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+  steps_at_kill = checkpoints.read_metadata(str(killed))[-1]['step']
+  assert 20 <= steps_at_kill < 60, 'the kill must land mid-run'
+  subprocess.run(command(killed), check=True, cwd=REPO, env=env, capture_output=True)
+
+  full_meta = checkpoints.read_metadata(str(tmp_path / 'full'))[-1]
+  resumed_meta = checkpoints.read_metadata(str(killed))[-1]
+  assert resumed_meta['step'] == full_meta['step'] == 60
+  assert resumed_meta['privacy'] == full_meta['privacy']  # Same ε, same bound.
+  assert resumed_meta['num_truncated'] == full_meta['num_truncated']
+  restore = lambda w: checkpoints.make_manager(str(w), 1, read_only=True).restore(
+      60, args=checkpoints.ocp.args.Composite(state=checkpoints.ocp.args.StandardRestore()))['state']
+  full_state, resumed_state = restore(tmp_path / 'full'), restore(killed)
+  np.testing.assert_array_equal(flat_params(resumed_state['params']), flat_params(full_state['params']))
+  np.testing.assert_array_equal(flat_params(resumed_state['opt_state']), flat_params(full_state['opt_state']))
+  # Every logged step appears exactly once after the resume.
+  steps = [json.loads(line)['step'] for line in open(killed / 'metrics.jsonl')]
+  assert steps == sorted(set(steps)) and steps[-1] == 60
+
+
+def test_target_epsilon_is_met_and_never_exceeded(tmp_path):
+  config = small_config(**{'privacy.noise_multiplier': None, 'privacy.target_epsilon': 2.0})
+  result = train.train_and_evaluate(config, str(tmp_path / 'a'))
+  assert 0.98 * 2.0 <= result['privacy']['epsilon'] <= 2.0
+  # A fixed σ with a target acts as a budget: a run that would exceed it is refused.
+  config = small_config(**{'privacy.noise_multiplier': 0.3, 'privacy.target_epsilon': 1.0})
+  with pytest.raises(ValueError, match='target_epsilon'):
+    train.train_and_evaluate(config, str(tmp_path / 'b'))
+  assert not os.path.exists(tmp_path / 'b' / 'checkpoints')  # Refused before any step.
+
+
+@pytest.mark.parametrize('overrides,message', [
+    ({'sampler.name': 'poison'}, 'sampler.name'),
+    ({'sampler.batch_size': 5000}, 'sampler.batch_size'),
+    ({'sampler.physical_batch_size': 0}, 'physical_batch_size'),
+    ({'sampler.max_batch_size': 100}, 'multiple of'),
+    ({'privacy.noise_multiplier': None}, 'noise_multiplier'),
+    ({'privacy.target_epsilon': -1.0}, 'target_epsilon'),
+    ({'privacy.delta': 1.5}, 'delta'),
+    ({'privacy.clip_norm': -1.0}, 'clip_norm'),
+    ({'num_epochs': 3}, 'num_steps'),
+    ({'optimizer.name': 'lamb'}, 'optimizer.name'),
+    ({'model.name': 'resnet'}, 'model.name'),
+    ({'data.source': 'imagenet'}, 'data.source'),
+    ({'eval_every_steps': 0}, 'eval_every_steps'),
+])
+def test_bad_config_fails_before_any_compute(tmp_path, overrides, message):
+  with pytest.raises(ValueError, match=message):
+    train.train_and_evaluate(small_config(**overrides), str(tmp_path))
+  assert not os.path.exists(tmp_path / 'checkpoints')
