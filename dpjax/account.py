@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import logging
 import math
 import sys
 
@@ -180,6 +181,8 @@ def format_table(report: accountant_lib.PrivacyReport) -> str:
 
 
 def main(argv=None) -> int:
+  # dp_accounting's RDP logs a warning per fractional order it skips; the numbers are unaffected.
+  logging.getLogger('absl').setLevel(logging.ERROR)
   parser = _parser()
   args = parser.parse_args(argv)
   try:

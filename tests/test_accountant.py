@@ -166,8 +166,8 @@ def test_balls_and_bins_truncation_penalty():
 
 
 def test_random_allocation_policy_and_timeout():
-  big = _sampler('balls_and_bins', 200_000, 100)  # T = 2000 > 1000: not attempted
-  report = accountant_lib.Accountant(big, 1.0, DELTA).epsilon_at(2000, estimates=False)
+  big = _sampler('balls_and_bins', 20_000, 100)  # T = 200 > 100: not attempted
+  report = accountant_lib.Accountant(big, 1.0, DELTA).epsilon_at(200, estimates=False)
   assert report.details['provable_method'] == 'deterministic'
   assert report.details['random_allocation_upper'] is None
   small = _sampler('balls_and_bins', 1000, 50)  # T = 20, but no time to do it

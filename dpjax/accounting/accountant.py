@@ -247,7 +247,7 @@ class Accountant:
       beta: the Monte-Carlo failure probability (confidence 1 − β).
       monte_carlo_seed: its seed (fixed, so reports are reproducible).
       random_allocation: force (True) / skip (False) random-allocation PLD for
-        balls-and-bins; None = the policy in `balls_and_bins` (T <= 1000 and
+        balls-and-bins; None = the policy in `balls_and_bins` (T <= 100 and
         done within `random_allocation_timeout` seconds, once: results are cached).
       value_discretization_interval: PLD discretisation (pessimistic rounding);
         None = VALUE_DISCRETIZATION, or MOG_VALUE_DISCRETIZATION for mixtures

@@ -10,8 +10,8 @@ Three numbers are computed (docs/accounting.md §2):
   - random-allocation PLD (Feldman & Shenfeld 2025, "Privacy amplification by
     random allocation"; package `pld-accounting`,
     `PLD_accounting.gaussian_allocation_epsilon_range`, which returns a
-    dominating (upper) and a dominated (lower) PLD bound), used when T and E
-    are small enough for it to be fast (`random_allocation_is_practical`), and
+    dominating (upper) and a dominated (lower) PLD bound), used when it is
+    fast enough (policy below), and
   - the deterministic-order bound: each epoch is a mixture over fixed
     assignments, each the Gaussian mechanism with sensitivity k, so by joint
     convexity ε ≤ ε of `GaussianDpEvent(σ/k)` composed E times (seed 000, §3).
@@ -20,19 +20,21 @@ Three numbers are computed (docs/accounting.md §2):
   bound (confidence 1 − β), reported beside the provable one.
 * The max-test lower bound (`max_test.py`), reported beside both.
 
-Policy for random-allocation PLD (measured by `scripts/bench_accounting.py`,
-σ = 1, δ = 1e-5, one core of a shared 2-core machine; results in
-`scripts/results/bench_accounting.json`):
+Policy for random-allocation PLD. Its cost (`scripts/bench_accounting.py`,
+δ = 1e-5, one core of a shared 2-core machine, pld-accounting 2.0 with its
+default 10% relative accuracy; `scripts/results/bench_accounting.json`):
 
-  T = 100, E = 1: ~8 s;  T = 100, E = 5: ~40 s;  T = 300, E = 1: ~110 s;
-  T = 1000, E = 1: > 5 min.
+  T = 10: ~2 s;  T = 100, E = 1: 8 s at σ = 1 but 47 s at σ = 2 (smaller ε,
+  finer grid);  T = 100, E = 2: 33 s;  T = 100, E = 5: 40 s;
+  T = 300: 110 s;  T = 1000: 580 s;  T = 1e4: not finished in 15 min.
 
-The cost grows faster than linearly in T and roughly linearly in E, so it is
-used by default when T <= 128 and T·E <= 1024 (a few tens of seconds at
-most, once per (σ, T, E, δ): results are memoised in-process and on disk);
-above that the deterministic bound is attached and the Monte-Carlo estimate
-shows how much tighter the truth likely is. Pass `random_allocation=True` to
-force it.
+It grows steeply with T and with σ, so a threshold on T alone cannot bound
+it. Default: attempt it when T <= 100 (RANDOM_ALLOCATION_MAX_STEPS), in a
+subprocess killed after 120 s (RANDOM_ALLOCATION_TIMEOUT); results and
+timeouts are memoised per (σ, T, E, δ) in-process and on disk, so a run pays
+at most once per epoch count. Otherwise, or on timeout, the deterministic
+bound is attached and the Monte-Carlo estimate beside it shows how much
+tighter the truth likely is. `random_allocation=True` forces it (no limit).
 
 Truncation to a cap B (any sampler; Chua et al. 2024b, "Scalable DP-SGD:
 Shuffling vs. Poisson Subsampling"): coupling the truncated and untruncated
@@ -60,7 +62,7 @@ from scipy import stats
 from dpjax.accounting import sampler_events
 
 # Default policy for random-allocation PLD (see the module docstring).
-RANDOM_ALLOCATION_MAX_STEPS = 1000
+RANDOM_ALLOCATION_MAX_STEPS = 100
 RANDOM_ALLOCATION_TIMEOUT = 120.0  # seconds per (σ, T, E, δ), once (then cached)
 
 _CACHE_ENV = 'DPJAX_CACHE_DIR'
@@ -291,7 +293,7 @@ def provable_epsilon(noise_multiplier: float, num_steps: int, delta: float, *,
       deterministic bound with sensitivity k.
     log_penalty_mass: log τ of the truncation penalty (−inf: no truncation).
     random_allocation: force (True: no time limit) or skip (False)
-      random-allocation PLD; None: attempt it when T <= 1000, within `timeout`.
+      random-allocation PLD; None: attempt it when T <= 100, within `timeout`.
     timeout: seconds allowed to random-allocation PLD under the default policy.
   """
   tau = math.exp(log_penalty_mass)
