@@ -60,12 +60,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # --- Model and optimiser ---------------------------------------------------
   c.model = models.default_model_config('mlp')  # Every field documented there.
-  c.model.hidden_sizes = (256, 128)
+  c.model.hidden_sizes = (64,)  # Small: the noise norm grows with √(#params).
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = 'sgd'  # sgd | adam
-  c.optimizer.learning_rate = 2.0
-  c.optimizer.momentum = 0.9  # sgd only; 0 disables.
+  c.optimizer.learning_rate = 1.0
+  c.optimizer.momentum = 0.0  # sgd only; 0 disables.
 
   # --- Length and periodic actions -------------------------------------------
   c.num_epochs = 40  # Exactly one of num_epochs / num_steps is > 0 (the other 0);

@@ -22,6 +22,7 @@ from typing import Any
 
 from absl import app
 from absl import flags
+from absl import logging
 import flax
 import jax
 import jax.numpy as jnp
@@ -291,14 +292,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
               'num_nonfinite_examples': num_nonfinite, 'num_truncated': num_truncated,
               'steps_per_second': (done - start_step) / (time.time() - start_time)}
       if accountant is not None:
-        report = accountant.epsilon_at(done)
-        last['epsilon'] = report.epsilon
+        last['epsilon'] = accountant.epsilon(done)  # The attached ε; side estimates only at checkpoints.
       if is_time(done, config.eval_every_steps, num_steps):
         last.update(evaluate(eval_fn, params, test_source, config.sampler.physical_batch_size,
                              config.data.label_format))
       writer.write(done, last)
-      progress.set_postfix({k: f'{v:.3g}' for k, v in last.items()
-                            if k in ('train_loss', 'train_accuracy', 'eval_accuracy', 'epsilon')})
+      shown = {k: f'{v:.4g}' for k, v in last.items()
+               if k in ('train_loss', 'train_accuracy', 'eval_accuracy', 'epsilon')}
+      progress.set_postfix(shown)
+      if progress.disable:  # No terminal: one plain line per logged step.
+        print(f'step {done}/{num_steps} ' + ' '.join(f'{k}={v}' for k, v in shown.items()), flush=True)
     elif is_time(done, config.eval_every_steps, num_steps):
       last.update(evaluate(eval_fn, params, test_source, config.sampler.physical_batch_size,
                            config.data.label_format))
@@ -333,6 +336,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.ERROR)  # Orbax's per-save INFO lines drown the progress bar.
   train_and_evaluate(_CONFIG.value, _WORKDIR.value)
 
 
