@@ -19,19 +19,30 @@ Loss functions act on ONE example: `loss_fn(params, x_i, y_i) -> (loss_i,
 logits_i)`; y_i is an int label or a one-hot vector. The statistics
 (`ClipStats`) are for monitoring and are NOT differentially private.
 
-Methods (`config.privacy.clipping`): 'vmap' materialises per-example
-gradients with `jax.vmap(jax.grad(...))` (Subramani et al. 2021); 'ghost'
-(Li et al. 2022, ghost norms without per-example gradients) is planned
-(issue 5); 'auto' currently means 'vmap'.
+Methods (`config.privacy.clipping`), all giving the same clipped sum:
+  'vmap': per-example gradients with `jax.vmap(jax.grad(...))` (Subramani et
+    al. 2021, "Enabling Fast Differentially Private SGD via Just-in-Time
+    Compilation and Vectorization"); memory P × #params.
+  'ghost': per-example norms from layer inputs and output gradients, then
+    the clipped sum book-kept layer by layer (`dpjax.ghost_clipping`: Li et
+    al. 2022, Bu et al. 2022/2023); no per-example gradients, close to the
+    cost of one non-private step. Only for models whose every parameter it
+    covers (ValueError otherwise, at trace time).
+  'auto' (default): 'ghost' when it covers every parameter, else 'vmap' with
+    a log line naming the uncovered parameters. Decided at trace time from
+    the shapes, so it costs no recompilation.
 """
 
 from collections.abc import Callable
 import functools
+import logging
 import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from dpjax import ghost_clipping
 
 Params = Any
 Batch = dict[str, jax.Array]
@@ -79,6 +90,31 @@ def _weighted_row_sum(factor: jax.Array, grads: Params,
   return jax.tree.map(one, grads)
 
 
+def _clip_and_sum(losses: jax.Array, logits: jax.Array, sq_norms: jax.Array,
+                  weighted_sum: Callable[[jax.Array, jax.Array], Params],
+                  batch: Batch, clip_norm: float) -> tuple[Params, ClipStats]:
+  """Clip factors from ‖g_i‖², the weighted sum, and the statistics.
+
+  A row is finite iff its loss and ‖g_i‖ are finite; other rows contribute
+  exactly zero (weighted_sum must not let 0 · NaN through) and are counted.
+  """
+  w = batch['weight'].astype(jnp.float32)
+  norms = jnp.sqrt(sq_norms)
+  finite = jnp.isfinite(norms) & jnp.isfinite(losses)
+  scale = jnp.where(finite, jnp.minimum(1.0, clip_norm / norms), 0.0)
+  grad_sum = weighted_sum(w * scale, finite)
+  real = w > 0
+  stats = ClipStats(
+      num_rows=jnp.sum(w),
+      num_clipped=jnp.sum(real & finite & (norms > clip_norm), dtype=jnp.int32),
+      num_nonfinite=jnp.sum(real & ~finite, dtype=jnp.int32),
+      loss_sum=jnp.sum(jnp.where(real & finite, w * losses, 0.0)),
+      correct=jnp.sum(w * (jnp.argmax(logits, -1) == _labels(batch['y'],
+                                                              logits))),
+      grad_norm_sum=jnp.sum(jnp.where(real & finite, w * norms, 0.0)))
+  return grad_sum, stats
+
+
 def per_example_clipped_sum(loss_fn: LossFn, params: Params, batch: Batch,
                             clip_norm: float) -> tuple[Params, ClipStats]:
   """Σ_i w_i · clip_C(g_i) over one physical batch (vmap per-example grads).
@@ -97,22 +133,26 @@ def per_example_clipped_sum(loss_fn: LossFn, params: Params, batch: Batch,
   grad_fn = jax.vmap(jax.value_and_grad(loss_fn, has_aux=True),
                      in_axes=(None, 0, 0))
   (losses, logits), grads = grad_fn(params, batch['x'], batch['y'])
-  w = batch['weight'].astype(jnp.float32)
-  norms = jnp.sqrt(_row_sq_norms(grads))
-  # False iff some entry is NaN/inf or ‖g_i‖² overflows.
-  finite = jnp.isfinite(norms)
-  scale = jnp.where(finite, jnp.minimum(1.0, clip_norm / norms), 0.0)
-  grad_sum = _weighted_row_sum(w * scale, grads, finite)
-  real = w > 0
-  stats = ClipStats(
-      num_rows=jnp.sum(w),
-      num_clipped=jnp.sum(real & finite & (norms > clip_norm), dtype=jnp.int32),
-      num_nonfinite=jnp.sum(real & ~finite, dtype=jnp.int32),
-      loss_sum=jnp.sum(jnp.where(real & finite, w * losses, 0.0)),
-      correct=jnp.sum(w * (jnp.argmax(logits, -1) == _labels(batch['y'],
-                                                              logits))),
-      grad_norm_sum=jnp.sum(jnp.where(real & finite, w * norms, 0.0)))
-  return grad_sum, stats
+  return _clip_and_sum(losses, logits, _row_sq_norms(grads),
+                       lambda factor, keep: _weighted_row_sum(factor, grads,
+                                                              keep),
+                       batch, clip_norm)
+
+
+def ghost_clipped_sum(
+    loss_fn: LossFn, params: Params, batch: Batch, clip_norm: float,
+    coverage: ghost_clipping.Coverage | None = None,
+) -> tuple[Params, ClipStats]:
+  """Σ_i w_i · clip_C(g_i) by ghost norms and book-keeping (same result).
+
+  Same arguments and result as `per_example_clipped_sum`; no per-example
+  gradient is formed (see `dpjax.ghost_clipping`). Raises ValueError (at
+  trace time) if some parameter is not covered.
+  """
+  out = ghost_clipping.ghost_pass(loss_fn, params, batch['x'], batch['y'],
+                                  coverage)
+  return _clip_and_sum(out.losses, out.logits, out.sq_norms,
+                       out.weighted_sum, batch, clip_norm)
 
 
 def grad_sum(loss_fn: LossFn, params: Params,
@@ -170,8 +210,9 @@ def make_clipped_sum_fn(method: str, loss_fn: LossFn,
   """`(params, batch) -> (Σ_i w_i · clip_C(g_i), ClipStats)` for `method`.
 
   Args:
-    method: `config.privacy.clipping`: 'auto' (= 'vmap' for now), 'vmap', or
-      'ghost' (not implemented yet: NotImplementedError).
+    method: `config.privacy.clipping`: 'auto' (ghost where it covers every
+      parameter, else vmap, logged), 'vmap', or 'ghost' (ValueError at trace
+      time if a parameter is uncovered).
     loss_fn: single-example loss, see `per_example_clipped_sum`.
     clip_norm: C > 0.
   """
@@ -179,9 +220,26 @@ def make_clipped_sum_fn(method: str, loss_fn: LossFn,
     raise ValueError(f'config.privacy.clipping={method!r}; valid: '
                      f'{CLIPPING_METHODS}.')
   clip_norm = validate_clip_norm(clip_norm)
-  if method == 'ghost':
-    raise NotImplementedError(
-        "config.privacy.clipping='ghost' (ghost clipping, issue 5) is not "
-        "implemented yet; use 'vmap' or 'auto'.")
-  return functools.partial(per_example_clipped_sum, loss_fn,
-                           clip_norm=clip_norm)
+  if method == 'vmap':
+    return functools.partial(per_example_clipped_sum, loss_fn,
+                             clip_norm=clip_norm)
+
+  def clipped_sum(params: Params, batch: Batch) -> tuple[Params, ClipStats]:
+    # Trace time: the coverage depends only on the model and the shapes.
+    coverage = ghost_clipping.analyse_coverage(
+        loss_fn, params, batch['x'][0], batch['y'][0])
+    if coverage.complete:
+      logging.info("clipping=%r: ghost clipping: %s", method,
+                   coverage.describe())
+      return ghost_clipped_sum(loss_fn, params, batch, clip_norm, coverage)
+    if method == 'ghost':
+      raise ValueError(
+          "config.privacy.clipping='ghost' does not cover every parameter of "
+          f"this model: {coverage.describe()}. Use 'auto' (falls back to "
+          "'vmap') or 'vmap'.")
+    logging.warning(
+        "clipping='auto': ghost clipping does not cover %s; using per-example "
+        'gradients (vmap) for this model.',
+        ', '.join(f'{p} ({why})' for p, why in coverage.uncovered))
+    return per_example_clipped_sum(loss_fn, params, batch, clip_norm)
+  return clipped_sum

@@ -137,7 +137,11 @@ class DPStep:
         Ignored if not private.
       expected_batch_size: b > 0, the sampler's `expected_batch_size`.
       private: False runs the non-private baseline (no clipping, no noise).
-      clipping: `config.privacy.clipping` ('auto', 'vmap', 'ghost').
+      clipping: `config.privacy.clipping`: 'auto' (ghost clipping when it
+        covers every parameter of the model, else per-example gradients, with
+        a log line), 'vmap' or 'ghost' (see `dpjax.clipping`). Decided when
+        `accumulate` is first traced; a model 'ghost' does not cover raises
+        ValueError there, before any compute.
       label_format: 'int' labels [P] or 'one_hot' [P, classes].
     """
     if not (hasattr(optimizer, 'init') and hasattr(optimizer, 'update')):

@@ -3,6 +3,7 @@
 import functools
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,13 +99,18 @@ def test_no_clipping_no_noise_is_sgd_on_the_mean_gradient():
 
 def test_padded_batches_give_the_same_update():
   params, (x, y) = _params(), _rows(5, seed=2)
-  step = _standard_step()
-  a, _, ma = _run_step(step, params, _physical_batches(x, y, 5), t=3)
+  step = _standard_step()  # clipping='auto': ghost clipping for the MLP.
+  a, _, ma = _run_step(step, params, _physical_batches(x, y, 8), t=3)
   b, _, mb = _run_step(step, params,  # P = 8: three NaN padding rows.
                        _physical_batches(x, y, 8, garbage=True), t=3)
   jax.tree.map(np.testing.assert_array_equal, a, b)  # Bit-exact.
   for k in ma:
     np.testing.assert_array_equal(ma[k], mb[k])
+  # P = 5 (no padding): the same sums, reduced in another order.
+  c, _, mc = _run_step(step, params, _physical_batches(x, y, 5), t=3)
+  _assert_trees_close(c, a, rtol=1e-6, atol=1e-7)
+  for k in ma:
+    np.testing.assert_allclose(mc[k], ma[k], rtol=1e-6)
 
 
 def test_accumulating_k_batches_equals_the_one_shot_clipped_sum():
@@ -301,10 +307,30 @@ def test_keys_and_init_are_pure_functions_of_seed():
     (dict(label_format='onehot'), ValueError, 'label_format'),
     (dict(clipping='opacus'), ValueError, 'clipping'),
     (dict(clipping='opacus', private=False), ValueError, 'clipping'),
-    (dict(clipping='ghost'), NotImplementedError, 'ghost'),
 ])
 def test_bad_arguments_raise_before_compute(kwargs, error, match):
   args = dict(clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8)
   args.update(kwargs)
   with pytest.raises(error, match=match):
     dp_step.DPStep(MODEL, optax.sgd(0.1), **args)
+
+
+class _Scaled(nn.Module):
+  """A parameter no ghost-clipping rule covers."""
+
+  @nn.compact
+  def __call__(self, x):
+    return x * self.param('gain', nn.initializers.ones, (x.shape[-1],))
+
+
+def test_ghost_on_an_uncovered_model_raises_before_compute():
+  model = nn.Sequential([nn.Dense(4), _Scaled(), nn.Dense(K)])
+  params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
+                                             jnp.zeros((1, D))))['params']
+  params = jax.tree.map(lambda s: np.ones(s.shape, np.float32), params)
+  step = dp_step.DPStep(model, optax.sgd(0.1), clip_norm=1.0,
+                        noise_multiplier=1.0, expected_batch_size=8,
+                        clipping='ghost')
+  batch = _physical_batches(*_rows(4), 4)[0]
+  with pytest.raises(ValueError, match='layers_1/gain'):
+    step.accumulate(params, step.init_accumulator(params), batch)
