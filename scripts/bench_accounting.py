@@ -9,7 +9,8 @@ Measures (docs/accounting.md; targets from issue 4):
     (target < 60 s), and how its time grows with T and with the number of samples;
   * random-allocation PLD (pld-accounting) for T = 1e2, 1e3, 1e4, each in a subprocess with a
     timeout (it grows steeply with T), which sets the default policy in
-    dpjax/accounting/balls_and_bins.py;
+    dpjax/accounting/balls_and_bins.py, and the one-epoch dominating PLD composed E times
+    (the E > 1 policy);
   * reference values: truncated Poisson (4.20 / 4.20 / 5.60 / 14.2), FS-RDP (0.454 / 0.659 /
     1.083), the MoG PLD in the same setting.
 """
@@ -139,6 +140,31 @@ def bench_random_allocation(results, timeout, quick):
                   timeout_seconds=balls_and_bins.RANDOM_ALLOCATION_TIMEOUT))
 
 
+def bench_epoch_pld(results, timeout):
+  """E > 1 policy: one dominating one-epoch PLD per (σ, T), composed E times."""
+  with tempfile.TemporaryDirectory() as cache:
+    os.environ['DPJAX_CACHE_DIR'] = cache
+    epoch_rows = []
+    for num_steps, sigma in ((6, 1.0), (10, 1.0), (100, 1.0), (100, 2.0)):
+      pld, seconds = _timed(lambda: balls_and_bins.random_allocation_epoch_pld(
+          sigma, num_steps, timeout=timeout))
+      row = dict(num_steps=num_steps, noise_multiplier=sigma, build_seconds=seconds,
+                 timed_out=pld is None)
+      if pld is not None:
+        for epochs in (1, 10, 40):
+          eps, seconds = _timed(lambda: float(pld.self_compose(epochs).get_epsilon_for_delta(
+              DELTA)))
+          row[f'epsilon_{epochs}_epochs'] = eps
+          row[f'compose_seconds_{epochs}_epochs'] = seconds
+          row[f'deterministic_epsilon_{epochs}_epochs'] = balls_and_bins.deterministic_epsilon(
+              sigma, epochs, DELTA)
+      epoch_rows.append(row)
+      _log('one-epoch pld', num_steps, sigma, row)
+  results['random_allocation_epoch_pld_composed'] = dict(
+      delta=DELTA, discretization=balls_and_bins.EPOCH_PLD_DISCRETIZATION,
+      tail_truncation=balls_and_bins.EPOCH_PLD_TAIL_TRUNCATION, rows=epoch_rows)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
@@ -153,6 +179,7 @@ def main():
       'truncation': lambda r: bench_truncation(r),
       'fixed_size': lambda r: bench_fixed_size(r),
       'monte_carlo': lambda r: bench_monte_carlo(r, args.quick),
+      'epoch_pld': lambda r: bench_epoch_pld(r, 300.0),
       'random_allocation': lambda r: bench_random_allocation(
           r, 60.0 if args.quick else args.ra_timeout, args.quick),
   }

@@ -123,6 +123,20 @@ def test_balls_and_bins_bounds_are_consistent():
   assert acct.epsilon_at(4).steps == 4
 
 
+def test_balls_and_bins_multi_epoch_composes_the_one_epoch_pld():
+  sampler = _sampler('balls_and_bins', 1000, 100)  # T = 10
+  acct = accountant_lib.Accountant(sampler, 1.0, DELTA)
+  reports = [acct.epsilon_at(10 * e, estimates=False) for e in (2, 3)]
+  for epochs, report in zip((2, 3), reports):
+    assert 'composed' in report.details['provable_method']
+    lower = max_test.balls_and_bins_lower_bound_epsilon(1.0, 10, DELTA, num_epochs=epochs)
+    assert lower <= report.epsilon < balls_and_bins.deterministic_epsilon(1.0, epochs, DELTA)
+  assert reports[0].epsilon < reports[1].epsilon
+  # The one-epoch PLD is built once and cached on disk; the composed value is reproducible.
+  pld = balls_and_bins.random_allocation_epoch_pld(1.0, 10)
+  assert pld.self_compose(3).get_epsilon_for_delta(DELTA) == reports[1].epsilon
+
+
 def test_balls_and_bins_one_step_is_the_gaussian_mechanism():
   sampler = _sampler('balls_and_bins', 100, 100)  # T = 1
   report = accountant_lib.Accountant(sampler, 1.0, DELTA).epsilon_at(1)

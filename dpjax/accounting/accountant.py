@@ -358,7 +358,7 @@ class Accountant:
     if key not in self._reports:
       self._reports[key] = self._compute(unit, bool(estimates))
     report = self._reports[key]
-    return dataclasses.replace(report, steps=step)
+    return dataclasses.replace(report, steps=step, details=dict(report.details))
 
   def epsilon(self, step: int) -> float:
     """Just the attached ε after `step` steps."""

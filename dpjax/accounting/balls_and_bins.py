@@ -21,18 +21,22 @@ Three numbers are computed (docs/accounting.md §2):
 * The max-test lower bound (`max_test.py`), reported beside both.
 
 Policy for random-allocation PLD. Its cost (`scripts/bench_accounting.py`,
-δ = 1e-5, one core of a shared 2-core machine, pld-accounting 2.0 with its
-default 10% relative accuracy; `scripts/results/bench_accounting.json`):
+δ = 1e-5, one core of a shared, busy 2-core machine, pld-accounting 2.0 with
+its default 10% relative accuracy; `scripts/results/bench_accounting.json`):
 
-  T = 10: ~2 s;  T = 100, E = 1: 8 s at σ = 1 but 47 s at σ = 2 (smaller ε,
-  finer grid);  T = 100, E = 2: 33 s;  T = 100, E = 5: 40 s;
-  T = 300: 110 s;  T = 1000: 580 s;  T = 1e4: not finished in 15 min.
+  gaussian_allocation_epsilon_range, E = 1: T = 10: ~2 s;  T = 100: 8-15 s at
+  σ = 1 but 27-47 s at σ = 2 (smaller ε, finer grid);  T = 300: 110 s;
+  T = 1000: 580-870 s;  T = 1e4: not finished in 15 min.  Its cost also grows
+  with E (T = 100, E = 4: 94 s; T = 6, E = 40: > 5 min).
 
-It grows steeply with T and with σ, so a threshold on T alone cannot bound
-it. Default: attempt it when T <= 100 (RANDOM_ALLOCATION_MAX_STEPS), in a
-subprocess killed after 120 s (RANDOM_ALLOCATION_TIMEOUT); results and
-timeouts are memoised per (σ, T, E, δ) in-process and on disk, so a run pays
-at most once per epoch count. Otherwise, or on timeout, the deterministic
+It grows steeply with T, σ and E, so a threshold on T alone cannot bound it.
+Default: attempt it when T <= 100 (RANDOM_ALLOCATION_MAX_STEPS), in a
+subprocess killed after 120 s (RANDOM_ALLOCATION_TIMEOUT). For E = 1 the
+adaptive `gaussian_allocation_epsilon_range` (upper and lower bound); for
+E > 1 one dominating one-epoch PLD per (σ, T) (grid 0.02; T = 10: ~13 s,
+T = 100: ~30 s) composed E times by dp_accounting, so every epoch count
+costs a fraction of a second after the first. Results and timeouts are
+memoised in-process and on disk. Otherwise, or on timeout, the deterministic
 bound is attached and the Monte-Carlo estimate beside it shows how much
 tighter the truth likely is. `random_allocation=True` forces it (no limit).
 
@@ -46,6 +50,7 @@ untruncated mechanism gives an (ε, δ₀ + (1 + e^ε)·τ)-DP truncated one.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -64,6 +69,9 @@ from dpjax.accounting import sampler_events
 # Default policy for random-allocation PLD (see the module docstring).
 RANDOM_ALLOCATION_MAX_STEPS = 100
 RANDOM_ALLOCATION_TIMEOUT = 120.0  # seconds per (σ, T, E, δ), once (then cached)
+# E > 1: one dominating one-epoch PLD per (σ, T) at this grid, composed E times.
+EPOCH_PLD_DISCRETIZATION = 0.02
+EPOCH_PLD_TAIL_TRUNCATION = 1e-8
 
 _CACHE_ENV = 'DPJAX_CACHE_DIR'
 _CACHE_FILE = 'random_allocation_v1.json'
@@ -207,6 +215,64 @@ def _write_disk_cache(key: str, value) -> None:
     pass  # A cache that cannot be written only costs time.
 
 
+_EPOCH_PLD_CODE = """
+import os, pickle, sys, PLD_accounting
+sigma, steps, disc, tail, path = (float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]),
+                                  float(sys.argv[4]), sys.argv[5])
+pld = PLD_accounting.gaussian_allocation_pld(
+    params=PLD_accounting.PrivacyParams(sigma=sigma, num_steps=steps, num_selected=1, num_epochs=1),
+    config=PLD_accounting.AllocationSchemeConfig(loss_discretization=disc, tail_truncation=tail),
+    bound_type=PLD_accounting.BoundType.DOMINATES)
+with open(path + '.tmp', 'wb') as f:
+  pickle.dump(pld, f)
+os.replace(path + '.tmp', path)
+"""
+
+
+def random_allocation_epoch_pld(noise_multiplier: float, num_steps: int, *,
+                                timeout: float | None = RANDOM_ALLOCATION_TIMEOUT):
+  """A dominating (pessimistic) PLD of *one* epoch of balls-and-bins, or None on timeout.
+
+  `PLD_accounting.gaussian_allocation_pld(..., BoundType.DOMINATES)` at loss grid
+  EPOCH_PLD_DISCRETIZATION and tail mass EPOCH_PLD_TAIL_TRUNCATION (moved to an
+  infinite loss, so it is paid in δ). Epochs use independent assignments, so the E-epoch
+  mechanism is dominated by the E-fold composition of this PLD (dp_accounting composes
+  pessimistic PLDs pessimistically): one build per (σ, T) serves every epoch count and δ.
+  Built in a subprocess (killed after `timeout` s), pickled into the cache directory.
+  """
+  import pickle  # pylint: disable=g-import-not-at-top
+  sigma = sampler_events.check_noise_multiplier(noise_multiplier)
+  steps = sampler_events.check_positive_int('num_steps T', num_steps)
+  key = _cache_key(sigma, steps, 0, EPOCH_PLD_DISCRETIZATION) + f'|{EPOCH_PLD_TAIL_TRUNCATION!r}'
+  if key in _memo and not isinstance(_memo[key], dict):
+    return _memo[key]
+  name = 'ra_epoch_pld_' + hashlib.sha256(key.encode()).hexdigest()[:24] + '.pkl'
+  path = _cache_path().parent / name
+  if path.exists():
+    with open(path, 'rb') as f:
+      _memo[key] = pickle.load(f)
+    return _memo[key]
+  budget = math.inf if timeout is None else float(timeout)
+  cached = _memo.get(key) or _read_disk_cache().get(key)
+  if isinstance(cached, dict) and cached.get('timeout', 0) >= budget:
+    return None
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, '-c', _EPOCH_PLD_CODE, repr(sigma), str(steps),
+                    repr(EPOCH_PLD_DISCRETIZATION), repr(EPOCH_PLD_TAIL_TRUNCATION), str(path)],
+                   capture_output=True, text=True, check=True,
+                   timeout=None if timeout is None else budget)
+  except subprocess.TimeoutExpired:
+    _memo[key] = {'timeout': budget}
+    _write_disk_cache(key, {'timeout': budget})
+    return None
+  except subprocess.CalledProcessError as e:
+    raise RuntimeError(f'random-allocation PLD failed: {e.stderr[-2000:]}') from e
+  with open(path, 'rb') as f:
+    _memo[key] = pickle.load(f)
+  return _memo[key]
+
+
 def random_allocation_epsilon_range(noise_multiplier: float, num_steps: int, delta: float, *,
                                     num_epochs: int = 1,
                                     timeout: float | None = RANDOM_ALLOCATION_TIMEOUT
@@ -306,15 +372,21 @@ def provable_epsilon(noise_multiplier: float, num_steps: int, delta: float, *,
   delta0 = delta - (1.0 + math.exp(det)) * tau if math.isfinite(det) else 0.0
   if group_size != 1 or not use_ra or delta0 <= 0:
     return ProvableBound(det, 'deterministic', det, None, None, delta0)
-  result = random_allocation_epsilon_range(noise_multiplier, num_steps, delta0,
-                                           num_epochs=num_epochs,
-                                           timeout=None if random_allocation else timeout)
+  budget = None if random_allocation else timeout
+  if num_epochs == 1:
+    result = random_allocation_epsilon_range(noise_multiplier, num_steps, delta0, timeout=budget)
+    method = 'random_allocation_pld'
+  else:
+    pld = random_allocation_epoch_pld(noise_multiplier, num_steps, timeout=budget)
+    result = None if pld is None else (
+        float(pld.self_compose(num_epochs).get_epsilon_for_delta(delta0)), None)
+    method = 'random_allocation_pld (one-epoch PLD composed E times)'
   if result is None:
     return ProvableBound(det, 'deterministic (random-allocation PLD timed out)', det, None, None,
                          delta0)
   upper, lower = result
   if upper < det:
-    return ProvableBound(upper, 'random_allocation_pld', det, upper, lower, delta0)
+    return ProvableBound(upper, method, det, upper, lower, delta0)
   return ProvableBound(det, 'deterministic', det, upper, lower, delta0)
 
 
