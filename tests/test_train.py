@@ -41,12 +41,19 @@ def small_config(**overrides):
 
 
 def flat_params(params):
-  return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(params)])
+  return np.concatenate([np.zeros(0)] + [np.asarray(x).ravel() for x in jax.tree.leaves(params)])
 
 
-def test_run_writes_config_metrics_events_and_checkpoints_with_epsilon(tmp_path, capsys):
+@pytest.fixture(scope='module')
+def reference_run(tmp_path_factory):
+  """One uninterrupted 6-step run, shared by the tests that compare against it."""
+  workdir = tmp_path_factory.mktemp('reference')
+  return workdir, train.train_and_evaluate(small_config(), str(workdir))
+
+
+def test_run_writes_config_metrics_events_and_checkpoints_with_epsilon(reference_run, capsys):
   config = small_config()
-  result = train.train_and_evaluate(config, str(tmp_path))
+  tmp_path, result = reference_run
   assert json.load(open(tmp_path / 'config.json'))['num_steps'] == 6
   lines = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
   assert [line['step'] for line in lines] == [0, 2, 3, 4, 6]
@@ -87,8 +94,8 @@ def test_non_private_baseline_reports_no_epsilon(tmp_path):
   assert checkpoints.read_metadata(str(tmp_path))[-1]['privacy']['epsilon'] is None
 
 
-def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
-  reference = train.train_and_evaluate(small_config(), str(tmp_path / 'ref'))
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(reference_run, tmp_path, capsys):
+  _, reference = reference_run
   work = tmp_path / 'run'
   train.train_and_evaluate(small_config(num_steps=4), str(work))
   for path in glob.glob(str(work / 'checkpoints' / '4' / 'state' / '**'), recursive=True):
@@ -144,8 +151,11 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
 
 def test_target_epsilon_is_met_and_never_exceeded(tmp_path):
   config = small_config(**{'privacy.noise_multiplier': None, 'privacy.target_epsilon': 2.0})
-  result = train.train_and_evaluate(config, str(tmp_path / 'a'))
-  assert 0.98 * 2.0 <= result['privacy']['epsilon'] <= 2.0
+  sampler = train.samplers.make_sampler(config, 1437)
+  resolved = train.resolve_config(config, 1437, sampler)  # σ calibrated once, target kept.
+  assert resolved.privacy.target_epsilon == 2.0 and resolved.privacy.noise_multiplier > 0
+  final = accounting.make_accountant(resolved, 1437).epsilon(6)
+  assert 0.98 * 2.0 <= final <= 2.0
   # A fixed σ with a target acts as a budget: a run that would exceed it is refused.
   config = small_config(**{'privacy.noise_multiplier': 0.3, 'privacy.target_epsilon': 1.0})
   with pytest.raises(ValueError, match='target_epsilon'):
