@@ -157,7 +157,7 @@ def test_target_epsilon_is_met_and_never_exceeded(tmp_path):
   final = accounting.make_accountant(resolved, 1437).epsilon(6)
   assert 0.98 * 2.0 <= final <= 2.0
   # A fixed σ with a target acts as a budget: a run that would exceed it is refused.
-  config = small_config(**{'privacy.noise_multiplier': 0.3, 'privacy.target_epsilon': 1.0})
+  config = small_config(**{'privacy.noise_multiplier': 0.8, 'privacy.target_epsilon': 1.0})
   with pytest.raises(ValueError, match='target_epsilon'):
     train.train_and_evaluate(config, str(tmp_path / 'b'))
   assert not os.path.exists(tmp_path / 'b' / 'checkpoints')  # Refused before any step.
