@@ -134,10 +134,7 @@ def bench_random_allocation(results, timeout, quick):
         row.update(upper=value[0], lower=value[1])
       rows.append(row)
       _log('random allocation', num_steps, epochs, sigma, value, seconds)
-  results['random_allocation_pld'] = dict(
-      delta=DELTA, rows=rows,
-      policy=dict(max_steps=balls_and_bins.RANDOM_ALLOCATION_MAX_STEPS,
-                  timeout_seconds=balls_and_bins.RANDOM_ALLOCATION_TIMEOUT))
+  results['random_allocation_pld'] = dict(delta=DELTA, rows=rows)
 
 
 def bench_epoch_pld(results, timeout):
@@ -191,6 +188,15 @@ def main():
   results['machine'] = dict(platform=platform.platform(), python=platform.python_version(),
                             cpu_count=os.cpu_count(), load_average=os.getloadavg(),
                             time=time.strftime('%Y-%m-%d %H:%M:%S'))
+  # The default policy chosen from these measurements (dpjax/accounting/balls_and_bins.py).
+  results.get('random_allocation_pld', {}).pop('policy', None)
+  results['random_allocation_policy'] = dict(
+      attempt_when_steps_per_epoch_at_most=balls_and_bins.RANDOM_ALLOCATION_MAX_STEPS,
+      timeout_seconds=balls_and_bins.RANDOM_ALLOCATION_TIMEOUT,
+      one_epoch=('PLD_accounting.gaussian_allocation_epsilon_range'),
+      several_epochs=('one-epoch dominating PLD (grid '
+                      f'{balls_and_bins.EPOCH_PLD_DISCRETIZATION}) composed E times'),
+      otherwise='deterministic bound')
   for name in chosen:
     sections[name](results)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

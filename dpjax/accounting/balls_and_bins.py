@@ -33,9 +33,11 @@ It grows steeply with T, σ and E, so a threshold on T alone cannot bound it.
 Default: attempt it when T <= 100 (RANDOM_ALLOCATION_MAX_STEPS), in a
 subprocess killed after 120 s (RANDOM_ALLOCATION_TIMEOUT). For E = 1 the
 adaptive `gaussian_allocation_epsilon_range` (upper and lower bound); for
-E > 1 one dominating one-epoch PLD per (σ, T) (grid 0.02; T = 10: ~13 s,
-T = 100: ~30 s) composed E times by dp_accounting, so every epoch count
-costs a fraction of a second after the first. Results and timeouts are
+E > 1 one dominating one-epoch PLD per (σ, T) (grid 0.02; T = 6: 2.6 s,
+T = 10: 4.5 s, T = 100: 5-13 s on an idle core, up to ~30 s on a busy one)
+composed E times by dp_accounting (0.02 s per epoch count; T = 100, σ = 1:
+ε = 0.63 / 1.77 / 3.87 after 1 / 10 / 40 epochs vs 4.38 / 17.9 / 46.2
+deterministic). Results and timeouts are
 memoised in-process and on disk. Otherwise, or on timeout, the deterministic
 bound is attached and the Monte-Carlo estimate beside it shows how much
 tighter the truth likely is. `random_allocation=True` forces it (no limit).
