@@ -1,7 +1,8 @@
 """Accounting benchmark: the timings of issue 4 and the reference numbers, as JSON.
 
-  python scripts/bench_accounting.py                    # writes scripts/results/bench_accounting.json
-  python scripts/bench_accounting.py --quick            # smaller sweeps, shorter timeouts
+  python scripts/bench_accounting.py          # writes scripts/results/bench_accounting.json
+  python scripts/bench_accounting.py --quick  # smaller sweeps, shorter timeouts
+  python scripts/bench_accounting.py --only monte_carlo,epoch_pld  # update some sections
 
 Measures (docs/accounting.md; targets from issue 4):
   * Poisson PLD ε for 1e5 steps (target < 2 s) and σ calibration (target < 10 s);
@@ -108,7 +109,8 @@ def bench_monte_carlo(results, quick):
         seed=0))
     det = balls_and_bins.deterministic_epsilon(sigma, 1, delta)
     rows.append(dict(num_steps=num_steps, num_samples=num_samples, noise_multiplier=sigma,
-                     epsilon_ucb=result.epsilon, deterministic_epsilon=det, method=result.method, epsilon_point=result.epsilon_point,
+                     epsilon_ucb=result.epsilon, deterministic_epsilon=det, method=result.method,
+                     epsilon_point=result.epsilon_point,
                      confidence=result.confidence, seconds=seconds))
     _log('monte carlo', num_steps, num_samples, result.epsilon, seconds)
   results['balls_and_bins_monte_carlo'] = dict(

@@ -5,14 +5,18 @@ and the batch cap with `batching.resolve_max_batch_size` from the *training*
 config, so the accountant describes exactly what training samples. Which
 number is attached to a run, per sampler (docs/accounting.md):
 
-| sampler | attached ε (`bound`) | beside it |
-|---|---|---|
-| poisson | PLD (default) or RDP of the Poisson-subsampled Gaussian; truncation by the exact `TruncatedSubsampledGaussianDpEvent` or the TV penalty | RDP (for PLD) |
-| fixed_size | PLD of the MoG [0, 2] (Ganesh, seed 004) or FS-RDP (Birrell et al., seed 001) | the other one; Wang et al. replace-one RDP |
-| fixed_size_with_replacement | PLD of the MoG [0, 2, …, 2b], Binomial(b, 1/N) | |
-| deterministic | exact Gaussian, once per epoch | |
-| shuffle | deterministic ε (the only rigorous upper bound known) | max-test lower bound; an "as if Poisson" ε, *not a guarantee* |
-| balls_and_bins | provable: random-allocation PLD or deterministic | Monte-Carlo high-probability bound (confidence 1 − β); max-test lower bound |
+* poisson: PLD (default) or RDP of the Poisson-subsampled Gaussian; a cap B
+  by the exact `TruncatedSubsampledGaussianDpEvent` or the TV penalty.
+  Beside it: RDP (for PLD).
+* fixed_size: PLD of the MoG [0, 2] (Ganesh, seed 004) or FS-RDP (Birrell et
+  al., seed 001). Beside it: the other one; Wang et al. replace-one RDP.
+* fixed_size_with_replacement: PLD of the MoG [0, 2, …, 2b], Binomial(b, 1/N).
+* deterministic: exact Gaussian, once per epoch.
+* shuffle: the deterministic ε (the only rigorous upper bound known). Beside
+  it: the max-test lower bound; an "as if Poisson" ε, *not a guarantee*.
+* balls_and_bins: provable (random-allocation PLD or deterministic). Beside
+  it: the Monte-Carlo high-probability bound (confidence 1 − β) and the
+  max-test lower bound.
 
 `accountant='monte_carlo'` (balls-and-bins only) attaches the Monte-Carlo
 bound instead, with bound = 'high_probability_upper'. Group privacy (k > 1)
@@ -403,7 +407,8 @@ class Accountant:
     return self._balls_and_bins(unit, estimates)
 
   def _poisson(self, steps: int, estimates: bool) -> PrivacyReport:
-    q, sigma, k, delta = self.sampling_probability, self.noise_multiplier, self.group_size, self.delta
+    q, sigma = self.sampling_probability, self.noise_multiplier
+    k, delta = self.group_size, self.delta
     event = sampler_events.poisson_step_event(q, sigma, group_size=k)
     log_tau = self._log_truncation_mass(steps)
     tau = math.exp(log_tau)

@@ -168,7 +168,8 @@ def log_truncation_mass(num_examples: int, sampling_probability: float, max_batc
 
 _SUBPROCESS_CODE = """
 import json, sys, PLD_accounting
-sigma, steps, epochs, delta = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+sigma, steps = float(sys.argv[1]), int(sys.argv[2])
+epochs, delta = int(sys.argv[3]), float(sys.argv[4])
 upper, lower = PLD_accounting.gaussian_allocation_epsilon_range(
     delta=delta, sigma=sigma, num_steps=steps, num_selected=1, num_epochs=epochs)
 print(json.dumps([float(upper), float(lower)]))
@@ -393,5 +394,6 @@ def provable_epsilon(noise_multiplier: float, num_steps: int, delta: float, *,
 
 
 def _check_delta(delta) -> None:
-  if isinstance(delta, bool) or not isinstance(delta, (int, float, np.floating)) or not 0 < delta < 1:
+  if isinstance(delta, bool) or not isinstance(delta, (int, float, np.floating)) or not (
+      0 < delta < 1):
     raise ValueError(f'delta must be in (0, 1), got {delta!r}.')

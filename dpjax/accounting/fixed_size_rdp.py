@@ -36,7 +36,8 @@ def _check(sampling_probability: float, noise_multiplier: float, orders) -> np.n
   if not (isinstance(noise_multiplier, (int, float, np.floating)) and noise_multiplier > 0):
     raise ValueError(f'noise_multiplier must be > 0, got {noise_multiplier!r}.')
   orders = np.asarray(orders)
-  if orders.ndim != 1 or orders.size == 0 or np.any(orders < 2) or np.any(orders != np.round(orders)):
+  if (orders.ndim != 1 or orders.size == 0 or np.any(orders < 2) or
+      np.any(orders != np.round(orders))):
     raise ValueError(f'FS-RDP orders must be integers >= 2, got {orders!r}.')
   return orders.astype(np.int64)
 

@@ -42,14 +42,15 @@ def check_positive_int(name: str, value, minimum: int = 1) -> int:
 
 
 def check_noise_multiplier(value) -> float:
-  if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)) or not (
-      math.isfinite(value) and value > 0):
+  number = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
+  if not (number and math.isfinite(value) and value > 0):
     raise ValueError(f'noise_multiplier σ must be a finite number > 0, got {value!r}.')
   return float(value)
 
 
 def check_sampling_probability(value) -> float:
-  if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not 0 < value <= 1:
+  number = isinstance(value, (int, float, np.floating)) and not isinstance(value, bool)
+  if not (number and 0 < value <= 1):
     raise ValueError(f'sampling probability q = b/N must be in (0, 1], got {value!r}.')
   return float(value)
 
@@ -143,9 +144,9 @@ def fixed_size_step_event(num_examples: int, batch_size: int, noise_multiplier: 
   return mixture_of_gaussians_event(sigma, 2 * counts, pmf)
 
 
-def fixed_size_with_replacement_step_event(num_examples: int, batch_size: int,
-                                           noise_multiplier: float, *,
-                                           group_size: int = 1) -> dp_event.MixtureOfGaussiansDpEvent:
+def fixed_size_with_replacement_step_event(
+    num_examples: int, batch_size: int, noise_multiplier: float, *,
+    group_size: int = 1) -> dp_event.MixtureOfGaussiansDpEvent:
   """One step of b uniform draws with replacement: MoG [0, 2, …, 2b], Binomial(b, k/N).
 
   Why this dominates (add/remove up to k, the argument of Ganesh's Thm 3.3):
@@ -183,7 +184,8 @@ def sampled_without_replacement_rdp_event(num_examples: int, batch_size: int,
   return dp_event.SampledWithoutReplacementDpEvent(n, b, dp_event.GaussianDpEvent(sigma / 2))
 
 
-def epoch_gaussian_event(noise_multiplier: float, *, group_size: int = 1) -> dp_event.GaussianDpEvent:
+def epoch_gaussian_event(noise_multiplier: float, *,
+                         group_size: int = 1) -> dp_event.GaussianDpEvent:
   """One epoch in a fixed (deterministic) order: the Gaussian mechanism, sensitivity k.
 
   Each example is in exactly one batch per epoch; k zeroed examples move the
