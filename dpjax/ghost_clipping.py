@@ -59,13 +59,14 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 from flax.linen import linear as nn_linear
 import jax
 import jax.extend.core as jax_core
 import jax.numpy as jnp
+import numpy as np
 
 from dpjax import models
 
@@ -379,29 +380,76 @@ def _use_ghost(s: int, m: int, c: int) -> bool:
   return s * (m + c) < m * c
 
 
-def _linear_sq_norm(a: jax.Array, d: jax.Array) -> jax.Array:
-  """‖a_iᵀ d_i‖²_F [n] for a: [n, S, m], d: [n, S, c] (mixed ghost rule)."""
-  _, s, m = a.shape
-  c = d.shape[-1]
+class _Blocks(NamedTuple):
+  """Column blocks of a layer's input matrix a [n, S, count·width].
+
+  A dense layer has one block (a itself); a convolution has one per kernel
+  offset (the input shifted by the offset, strided), whose concatenation is
+  the patches matrix in the HWIO kernel's feature order. `get(k)` returns
+  block k [n, S, width] for a traced k, so the blocks are visited by a scan
+  and the patches (prod(kernel) x the input) never exist in memory.
+  """
+  get: Callable[[jax.Array | int], jax.Array]
+  count: int
+  width: int
+  unroll: bool = True  # Python loop (fast for small blocks) or lax.scan.
+
+
+# Convolutions whose patches (all blocks) exceed this are visited by a scan,
+# one block at a time; smaller ones are unrolled (faster: no loop overhead).
+_UNROLL_BYTES = 16 * 2**20
+
+
+def _scan_blocks(blocks: _Blocks, body, init):
+  """Scan of body(carry, block_k, k) -> (carry, y) over the blocks."""
+  if blocks.unroll:
+    carry, ys = init, []
+    for k in range(blocks.count):
+      carry, y = body(carry, blocks.get(k), k)
+      ys.append(y)
+    return carry, jax.tree.map(lambda *v: jnp.stack(v), *ys)
+  return jax.lax.scan(lambda c, k: body(c, blocks.get(k), k), init,
+                      jnp.arange(blocks.count))
+
+
+def _stack_rows(ys: jax.Array) -> jax.Array:
+  """Per-block gradients [K, n, width, c] -> [n, K·width, c] (kernel order)."""
+  k, n, w, c = ys.shape
+  return jnp.moveaxis(ys, 0, 1).reshape(n, k * w, c)
+
+
+def _linear_sq_norm(blocks: _Blocks, d: jax.Array):
+  """‖a_iᵀ d_i‖²_F [n] for a given by `blocks`, d: [n, S, c] (mixed rule).
+
+  Returns (squared norms, the per-example gradients [n, m, c] if they were
+  materialised, else None).
+  """
+  n, s, c = d.shape
+  m = blocks.count * blocks.width
   if s == 1:
-    return (jnp.sum(jnp.square(a), axis=(1, 2)) *
-            jnp.sum(jnp.square(d), axis=(1, 2)))
+    a_sq, _ = _scan_blocks(blocks, lambda t, b, k: (
+        t + jnp.sum(jnp.square(b), axis=(1, 2)), None), jnp.zeros(n))
+    return a_sq * jnp.sum(jnp.square(d), axis=(1, 2)), None
   if _use_ghost(s, m, c):
-    ga = jnp.einsum('nsm,ntm->nst', a, a, precision=_HIGHEST)
+    gram, _ = _scan_blocks(blocks, lambda t, b, k: (
+        t + jnp.einsum('nsm,ntm->nst', b, b, precision=_HIGHEST), None),
+                           jnp.zeros((n, s, s)))
     gd = jnp.einsum('nsc,ntc->nst', d, d, precision=_HIGHEST)
-    return jnp.sum(ga * gd, axis=(1, 2))
-  g = jnp.einsum('nsm,nsc->nmc', a, d, precision=_HIGHEST)
-  return jnp.sum(jnp.square(g), axis=(1, 2))
+    return jnp.sum(gram * gd, axis=(1, 2)), None
+  _, gs = _scan_blocks(blocks, lambda t, b, k: (
+      t, jnp.einsum('nsm,nsc->nmc', b, d, precision=_HIGHEST)), 0)
+  g = _stack_rows(gs)
+  return jnp.sum(jnp.square(g), axis=(1, 2)), g
 
 
-def _ws_sq_norms(module: nn.Module, theta: dict, p: jax.Array,
+def _ws_sq_norms(module: nn.Module, theta: dict, blocks: _Blocks,
                  d: jax.Array) -> jax.Array:
   """‖∂kernel‖² + ‖∂gain‖² [n] of a `models.WSConv` call, without T's vjp.
 
   models.WSConv uses W'_o = gain_o · (w_o − μ_o) · r_o per output channel o,
   r_o = rsqrt(max(ρ_o², eps)), ρ_o² = ‖w_o − μ_o‖² (= fan_in · var). With
   g_o = ∂loss/∂W'_o (a column of the conv's per-example gradient, from the
-  patches p and output gradients d) and z_o = (w_o − μ_o)·r_o:
+  input blocks and output gradients d) and z_o = (w_o − μ_o)·r_o:
     ∂gain_o = z_o·g_o,
     ‖∂w_o‖² = gain_o² r_o² (‖g_o‖² − (1·g_o)²/m − [ρ_o² > eps] (z_o·g_o)²),
   since ∂w_o = gain_o r_o (P g_o − u_o (u_o·g_o)) with P the centring
@@ -412,25 +460,35 @@ def _ws_sq_norms(module: nn.Module, theta: dict, p: jax.Array,
   gradients.
   """
   w = theta['kernel']
-  m, c = math.prod(w.shape[:-1]), w.shape[-1]
+  n, s, c = d.shape
+  m, width = math.prod(w.shape[:-1]), blocks.width
   centred = w.reshape(m, c) - jnp.mean(w.reshape(m, c), axis=0)
   rho2 = jnp.sum(jnp.square(centred), axis=0)
   r = jax.lax.rsqrt(jnp.maximum(rho2, module.eps))
-  z = centred * r  # [m, c], in the patches' feature order (HWIO).
+  z = (centred * r).reshape(blocks.count, width, c)  # Rows per block (HWIO).
   kappa = jnp.square(theta['gain'] * r)  # [c].
-  if _use_ghost(p.shape[1], m, c):
+  if _use_ghost(s, m, c):
+    def body(carry, b, k):
+      gram, total, proj = carry
+      return (gram + jnp.einsum('nsm,ntm->nst', b, b, precision=_HIGHEST),
+              total + jnp.sum(b, axis=-1),
+              proj + jnp.einsum('nsm,mc->nsc', b, z[k],
+                                precision=_HIGHEST)), None
+    (gram, total, proj), _ = _scan_blocks(
+        blocks, body, (jnp.zeros((n, s, s)), jnp.zeros((n, s)),
+                       jnp.zeros((n, s, c))))
     dk = d * jnp.sqrt(kappa)
-    g_sq = jnp.sum(jnp.einsum('nsm,ntm->nst', p, p, precision=_HIGHEST) *
-                   jnp.einsum('nsc,ntc->nst', dk, dk, precision=_HIGHEST),
-                   axis=(1, 2))
-    ones = jnp.einsum('ns,nsc->nc', jnp.sum(p, axis=-1), d, precision=_HIGHEST)
-    gain = jnp.sum(jnp.einsum('nsm,mc->nsc', p, z, precision=_HIGHEST) * d,
-                   axis=1)
+    g_sq = jnp.sum(gram * jnp.einsum('nsc,ntc->nst', dk, dk,
+                                     precision=_HIGHEST), axis=(1, 2))
+    ones = jnp.einsum('ns,nsc->nc', total, d, precision=_HIGHEST)
+    gain = jnp.sum(proj * d, axis=1)
   else:
-    g = jnp.einsum('nsm,nsc->nmc', p, d, precision=_HIGHEST)
+    _, gs = _scan_blocks(blocks, lambda t, b, k: (
+        t, jnp.einsum('nsm,nsc->nmc', b, d, precision=_HIGHEST)), 0)
+    g = _stack_rows(gs)  # [n, m, c].
     g_sq = jnp.sum(kappa * jnp.sum(jnp.square(g), axis=1), axis=1)
     ones = jnp.sum(g, axis=1)
-    gain = jnp.sum(z * g, axis=1)
+    gain = jnp.sum(z.reshape(m, c) * g, axis=1)
   kernel_sq = g_sq - jnp.sum(
       kappa * (jnp.square(ones) / m + (rho2 > module.eps) * jnp.square(gain)),
       axis=1)
@@ -438,38 +496,8 @@ def _ws_sq_norms(module: nn.Module, theta: dict, p: jax.Array,
   return jnp.maximum(kernel_sq, 0.0) + jnp.sum(jnp.square(gain), axis=1)
 
 
-def _patches(x: jax.Array, kernel_size: Sequence[int],
-             strides: Sequence[int], padding, dilation: Sequence[int]):
-  """Input patches [N, *out_spatial, prod(kernel_size)·C] of x [N, *sp, C].
-
-  Feature order (kernel offsets..., C) is the HWIO kernel's, so
-  patches @ kernel.reshape(-1, features) is the convolution. Built from
-  strided slices (data movement only), unlike
-  `jax.lax.conv_general_dilated_patches`, which convolves with an identity
-  kernel at cost S·m² per example.
-  """
-  spatial = x.shape[1:-1]
-  dilated = [(k - 1) * d + 1 for k, d in zip(kernel_size, dilation)]
-  if isinstance(padding, str):
-    pads = jax.lax.padtype_to_pads(spatial, dilated, strides, padding)
-  else:
-    pads = list(padding)
-  x = jax.lax.pad(x, jnp.zeros((), x.dtype),  # Negative pads crop, as in lax.
-                  [(0, 0, 0)] + [(lo, hi, 0) for lo, hi in pads] + [(0, 0, 0)])
-  out = [(size - k) // s + 1 for size, k, s in zip(x.shape[1:-1], dilated,
-                                                   strides)]
-  slices = []
-  for offset in itertools.product(*(range(k) for k in kernel_size)):
-    start = [0] + [o * d for o, d in zip(offset, dilation)] + [0]
-    limit = ([x.shape[0]] + [b + (n - 1) * s + 1 for b, n, s in
-                             zip(start[1:-1], out, strides)] + [x.shape[-1]])
-    slices.append(jax.lax.slice(x, start, limit, [1, *strides, 1]))
-  p = jnp.stack(slices, axis=-2)
-  return p.reshape(*p.shape[:-2], -1)
-
-
-def _conv_operands(layer: Layer, a: jax.Array, d: jax.Array):
-  """(patches [n, S, m], output gradients [n, S, c]) of a (WS)conv call."""
+def _conv_blocks(layer: Layer, a: jax.Array) -> _Blocks:
+  """The input blocks of a (WS)conv call; a: [n, *lead, *spatial, C]."""
   module = layer.module
   kernel_size = _broadcast(module.kernel_size, 1 if isinstance(
       module.kernel_size, int) else len(module.kernel_size))
@@ -482,8 +510,42 @@ def _conv_operands(layer: Layer, a: jax.Array, d: jax.Array):
   strides = _broadcast(module.strides, rank)
   n = a.shape[0]
   x = a.reshape(-1, *a.shape[a.ndim - rank - 1:])  # Leading axes -> batch.
-  p = _patches(x, kernel_size, strides, padding, dilation)
-  return p.reshape(n, -1, p.shape[-1]), d.reshape(n, -1, d.shape[-1])
+  spatial = x.shape[1:-1]
+  dilated = [(k - 1) * d + 1 for k, d in zip(kernel_size, dilation)]
+  if isinstance(padding, str):
+    pads = jax.lax.padtype_to_pads(spatial, dilated, strides, padding)
+  else:
+    pads = list(padding)
+  x = jax.lax.pad(x, jnp.zeros((), x.dtype),  # Negative pads crop, as in lax.
+                  [(0, 0, 0)] + [(lo, hi, 0) for lo, hi in pads] + [(0, 0, 0)])
+  out = [(size - k) // s + 1 for size, k, s in zip(x.shape[1:-1], dilated,
+                                                   strides)]
+  span = [(o - 1) * s + 1 for o, s in zip(out, strides)]
+  offsets = np.asarray(list(itertools.product(*(range(k)
+                                                for k in kernel_size))),
+                       np.int32) * np.asarray(dilation, np.int32)
+
+  def get(k):
+    offset = offsets[k] if isinstance(k, int) else jnp.asarray(offsets)[k]
+    start = [0] + list(offset) + [0]
+    window = jax.lax.dynamic_slice(x, start, [x.shape[0], *span, x.shape[-1]])
+    block = jax.lax.slice(window, [0] * window.ndim, window.shape,
+                          [1, *strides, 1])
+    return block.reshape(n, -1, block.shape[-1])
+  patches_bytes = 4 * x.shape[0] * math.prod(out) * len(offsets) * x.shape[-1]
+  return _Blocks(get, len(offsets), x.shape[-1],
+                 unroll=patches_bytes <= _UNROLL_BYTES)
+
+
+def _patches(x: jax.Array, kernel_size: Sequence[int],
+             strides: Sequence[int], padding,
+             dilation: Sequence[int]) -> jax.Array:
+  """Input patches [N, S, prod(kernel_size)·C] of x [N, *spatial, C] (tests)."""
+  module = nn.Conv(1, tuple(kernel_size), tuple(strides), padding,
+                   kernel_dilation=tuple(dilation))
+  blocks = _conv_blocks(Layer(None, 'conv', module, (), (), None, None),
+                        x[:, None])
+  return jnp.concatenate([blocks.get(k) for k in range(blocks.count)], -1)
 
 
 def _layer_norms(layer: Layer, theta: dict, a: jax.Array, d: jax.Array):
@@ -522,7 +584,11 @@ def _layer_norms(layer: Layer, theta: dict, a: jax.Array, d: jax.Array):
 
   a = a.astype(jnp.float32)
   if layer.rule in ('conv', 'wsconv'):
-    a2, d2 = _conv_operands(layer, a, d)
+    blocks = _conv_blocks(layer, a)
+    d2 = d.reshape(n, -1, d.shape[-1])
+    if blocks.unroll:  # Small: one patches matrix, one einsum.
+      a2 = jnp.concatenate([blocks.get(k) for k in range(blocks.count)], -1)
+      blocks = _Blocks(lambda k: a2, 1, a2.shape[-1])
   elif layer.rule == 'dense':
     a2, d2 = a.reshape(n, -1, a.shape[-1]), d.reshape(n, -1, d.shape[-1])
   else:  # dense_general: contract `axis` (sorted, as flax does).
@@ -533,15 +599,26 @@ def _layer_norms(layer: Layer, theta: dict, a: jax.Array, d: jax.Array):
     m = math.prod(a.shape[1 + i] for i in axes)
     a2 = a2.reshape(n, -1, m)
     d2 = d.reshape(n, a2.shape[1], -1)
-  sq = jnp.sum(jnp.square(jnp.sum(d2, axis=1)), axis=1)  # The bias.
-  if 'bias' not in theta:
-    sq = jnp.zeros_like(sq)
+  if layer.rule.startswith('dense'):
+    blocks = _Blocks(lambda k: a2, 1, a2.shape[-1])
+  bias = jnp.sum(d2, axis=1)  # [n, c].
+  sq = jnp.sum(jnp.square(bias), axis=1) * ('bias' in theta)
   if layer.rule == 'wsconv':
-    return sq + _ws_sq_norms(layer.module, theta, a2, d2), None, None
-  sq = sq + _linear_sq_norm(a2, d2)
-  # Dense: the clipped sum is one matmul of the same operands. Conv: the
-  # layer's own weight gradient (patches are not kept: 9x an activation).
-  return sq, None, (a2, d2) if layer.rule.startswith('dense') else None
+    return sq + _ws_sq_norms(layer.module, theta, blocks, d2), None, None
+  kernel_sq, g = _linear_sq_norm(blocks, d2)
+  sq = sq + kernel_sq
+  # Conv: keep materialised per-example gradients for the clipped sum when
+  # they are smaller than the input and output gradient they replace.
+  if (layer.rule == 'conv' and g is not None and
+      theta['kernel'].size <= a[0].size + d[0].size):
+    grads = {'kernel': g.reshape(n, *theta['kernel'].shape)}
+    if 'bias' in theta:
+      grads['bias'] = bias.reshape(n, *theta['bias'].shape)
+    return sq, grads, None
+  # Dense and small convs: the clipped sum is the matmul a2ᵀ(f·d2) of the
+  # same operands. Large convs: the layer's own weight gradient (their
+  # patches are never formed).
+  return sq, None, (a2, d2) if blocks.count == 1 else None
 
 
 def _tree_sq_norms(grads) -> jax.Array:

@@ -1,8 +1,12 @@
-"""Time one DPStep.accumulate call (vmap clipping) against the non-private path.
+"""Time one DPStep.accumulate call (private) against the non-private path.
 
 Median of repeats, per physical batch and per example, for the MLP 784-128-10
-on random MNIST-shaped inputs. Usage:
+(or the CNN) on random MNIST-shaped inputs, with `--clipping` auto (the
+default: ghost clipping where it covers the model), vmap or ghost. The full
+comparison with memory and several models is scripts/bench_clipping.py.
+Usage:
   python scripts/bench_dp_step.py [--model mlp|cnn] [--sizes 256,64,32]
+      [--clipping auto|vmap|ghost]
 """
 
 import argparse
@@ -32,6 +36,8 @@ def main():
   parser.add_argument('--model', default='mlp', choices=('mlp', 'cnn'))
   parser.add_argument('--sizes', default='256,64,32')
   parser.add_argument('--repeats', type=int, default=15)
+  parser.add_argument('--clipping', default='auto',
+                      choices=('auto', 'vmap', 'ghost'))
   args = parser.parse_args()
   if args.model == 'mlp':
     cfg = ml_collections.ConfigDict({'name': 'mlp', 'hidden_sizes': (128,)})
@@ -51,7 +57,7 @@ def main():
     for private in (True, False):
       step = dp_step.DPStep(model, optax.sgd(0.1), clip_norm=1.0,
                             noise_multiplier=1.0, expected_batch_size=p,
-                            private=private)
+                            private=private, clipping=args.clipping)
       acc = step.accumulate(params, step.init_accumulator(params), batch)
       acc = jax.block_until_ready(acc)
 
@@ -60,7 +66,8 @@ def main():
         acc = step.accumulate(params, acc, batch)
         return acc
       ms = _median_ms(one_call, args.repeats)
-      print(f'P={p:4d} {"private (vmap)" if private else "non-private   "}: '
+      label = f'private ({args.clipping})' if private else 'non-private'
+      print(f'P={p:4d} {label:16s}: '
             f'{ms:8.2f} ms per accumulate call, {1e3 * ms / p:8.1f} us per '
             f'example; compilations: {step.compile_count("accumulate")}')
 

@@ -85,24 +85,31 @@ def _inputs(shape, n, seed, vocab=0):
 def _compare(loss_fn, params, batch):
   """Per-example ‖g_i‖² per layer both ways, and both clipped sums.
 
+  One vmap pass and one ghost pass, each feeding the same clipping code as
+  `per_example_clipped_sum` / `ghost_clipped_sum` (halves the compile time).
   C is between the middle two finite norms, so about half the rows are
   clipped.
   """
   x, y = batch['x'], batch['y']
-  grads = jax.vmap(jax.grad(lambda p, x, y: loss_fn(p, x, y)[0]),
-                   in_axes=(None, 0, 0))(params, x, y)
+  (losses, logits), grads = jax.vmap(
+      jax.value_and_grad(loss_fn, has_aux=True),
+      in_axes=(None, 0, 0))(params, x, y)
   want = {}
   for path, g in zip(ghost_clipping._leaf_paths(grads), jax.tree.leaves(grads)):
     key = '/'.join(path if path[0] == 'pos_embedding' else path[:-1])
     want[key] = want.get(key, 0.0) + jnp.sum(jnp.square(g.reshape(len(y), -1)),
                                              axis=1)
-  got = ghost_clipping.ghost_pass(loss_fn, params, x, y).sq_norms_by_path
+  ghost = ghost_clipping.ghost_pass(loss_fn, params, x, y)
   total = sum(want.values())
   finite = jnp.sort(jnp.where(jnp.isfinite(total), total, jnp.inf))
   m = jnp.sum(jnp.isfinite(total)) // 2
   clip = jnp.sqrt((finite[m - 1] + finite[m]) / 2)
-  return (want, got, clipping.ghost_clipped_sum(loss_fn, params, batch, clip),
-          clipping.per_example_clipped_sum(loss_fn, params, batch, clip))
+  ref = clipping._clip_and_sum(
+      losses, logits, total,
+      lambda f, keep: clipping._weighted_row_sum(f, grads, keep), batch, clip)
+  got = clipping._clip_and_sum(ghost.losses, ghost.logits, ghost.sq_norms,
+                               ghost.weighted_sum, batch, clip)
+  return want, ghost.sq_norms_by_path, got, ref
 
 
 def _assert_matches_vmap(model, x, y, num_pad=3):
@@ -195,8 +202,31 @@ def test_patches_times_kernel_is_the_convolution():
         x, w, strides, padding, rhs_dilation=dilation,
         dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
     p = ghost_clipping._patches(x, (3, 2), strides, padding, dilation)
-    got = p @ w.reshape(-1, 4)
+    got = (p @ w.reshape(-1, 4)).reshape(want.shape)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_scanned_and_unrolled_conv_blocks_agree(monkeypatch):
+  """Large convs visit their kernel offsets with lax.scan (the model tests
+  use small convs, which are unrolled): both give the same norms."""
+  rng = np.random.default_rng(2)
+  cases = [(nn.Conv(4, (3, 3)), (9, 9, 3)),  # Materialised.
+           (nn.Conv(32, (3, 3), strides=3), (6, 6, 3)),  # Ghost.
+           (models.WSConv(4, (3, 3)), (9, 9, 3)),
+           (models.WSConv(32, (3, 3), (3, 3)), (6, 6, 3))]
+  for module, shape in cases:
+    x = rng.normal(size=(3, 1, *shape)).astype(np.float32)
+    theta = jax.tree.map(np.asarray, _init(module, x[0], seed=2))
+    out = jax.eval_shape(lambda: module.apply({'params': theta}, x[0]))
+    d = rng.normal(size=(3, *out.shape)).astype(np.float32)
+    layer = ghost_clipping.Layer(None, ghost_clipping.RULES[type(module)],
+                                 module, (), tuple(theta), None, None)
+    sq = {}
+    for unroll_bytes in (2**40, 0):
+      monkeypatch.setattr(ghost_clipping, '_UNROLL_BYTES', unroll_bytes)
+      sq[unroll_bytes] = jax.jit(lambda a, d: ghost_clipping._layer_norms(
+          layer, theta, a, d)[0])(x, d)
+    np.testing.assert_allclose(sq[0], sq[2**40], rtol=1e-5)
 
 
 def test_linear_rule_both_branches_equal_the_frobenius_norm():
@@ -205,7 +235,8 @@ def test_linear_rule_both_branches_equal_the_frobenius_norm():
   for s, m, c in ((1, 5, 4), (3, 20, 30), (40, 3, 2)):
     a = rng.normal(size=(4, s, m)).astype(np.float32)
     d = rng.normal(size=(4, s, c)).astype(np.float32)
-    sq = ghost_clipping._linear_sq_norm(jnp.asarray(a), jnp.asarray(d))
+    blocks = ghost_clipping._Blocks(lambda k: jnp.asarray(a), 1, m)
+    sq, _ = ghost_clipping._linear_sq_norm(blocks, jnp.asarray(d))
     want = np.sum(np.einsum('nsm,nsc->nmc', a.astype(np.float64), d)**2,
                   axis=(1, 2))
     np.testing.assert_allclose(sq, want, rtol=1e-5)

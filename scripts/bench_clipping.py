@@ -1,0 +1,205 @@
+"""Throughput and memory of DP clipping methods against the non-private step.
+
+For each model, times one `DPStep.accumulate` call (one physical batch of P
+random examples) for three methods: non-private (one backward pass, no
+clipping), 'vmap' (per-example gradients) and 'ghost' (ghost norms and
+book-keeping, `dpjax.ghost_clipping`). Reports examples/s (P / median time
+over repeats, after compilation), the ratios to non-private, XLA's memory
+estimate of the compiled program (arguments + outputs + temporaries, from
+`compiled.memory_analysis()`), and the largest P whose estimate fits a
+memory budget: memory is affine in P, so it is fitted from two compiled sizes
+(P and 2P), and for models that compile quickly the predicted P is compiled
+again to check it. The three methods are timed round-robin so that load on
+the shared machine affects them alike. Also checks that ghost and vmap give the same clipped sum on the
+timed batch (max |ghost - vmap| / max |vmap| over leaves) and the same norms.
+
+Models (issue 5): MLP 784-128-10 and the tanh CNN on 28x28x1 at P = 256,
+WRN-16-4 (GroupNorm, weight standardisation) on 32x32x3 at P = 16, and the
+default transformer (2 layers, width 64) on 28 tokens of 28 features at
+P = 64. The machine is shared: numbers are medians of repeats.
+
+Run:
+  python scripts/bench_clipping.py            # all models, a few minutes
+  python scripts/bench_clipping.py --models mlp cnn --repeats 30
+Writes scripts/results/bench_clipping.json (or --out).
+"""
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+
+from dpjax import dp_step
+from dpjax import models
+
+METHODS = ('nonprivate', 'vmap', 'ghost')
+MAX_P = 2**16  # Larger physical batches are reported as this cap.
+
+
+def _model(name: str):
+  """(model, input_shape, physical batch size) for the benchmark."""
+  if name == 'mlp':
+    cfg = ml_collections.ConfigDict({'name': 'mlp', 'hidden_sizes': (128,)})
+    shape, p = (28, 28, 1), 256
+  elif name == 'cnn':
+    cfg, shape, p = models.default_model_config('cnn'), (28, 28, 1), 256
+  elif name == 'wrn':
+    cfg, shape, p = models.default_model_config('wrn'), (32, 32, 3), 16
+  else:
+    cfg, shape, p = models.default_model_config('transformer'), (28, 28), 64
+  return models.make_model(cfg, 10, shape), shape, p
+
+
+def _batch(shape, p, seed=0):
+  rng = np.random.default_rng(seed)
+  return jax.device_put({
+      'x': rng.normal(size=(p, *shape)).astype(np.float32),
+      'y': rng.integers(0, 10, p).astype(np.int32),
+      'weight': np.ones(p, np.float32)})
+
+
+def _step(model, method: str, p: int) -> dp_step.DPStep:
+  return dp_step.DPStep(
+      model, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0,
+      expected_batch_size=p, private=method != 'nonprivate',
+      clipping='vmap' if method == 'nonprivate' else method)
+
+
+def _compile(step, params, batch):
+  """(compiled accumulate, seconds to compile, estimated peak bytes)."""
+  start = time.perf_counter()
+  compiled = step.accumulate.lower(params, step.init_accumulator(params),
+                                   batch).compile()
+  seconds = time.perf_counter() - start
+  m = compiled.memory_analysis()
+  peak = (m.argument_size_in_bytes + m.output_size_in_bytes -
+          m.alias_size_in_bytes + m.temp_size_in_bytes)
+  return compiled, seconds, int(peak)
+
+
+def _max_batch(model, method, params, shape, fit, budget, verify):
+  """Largest P with estimated memory <= budget from the affine fit of two
+  compiled sizes; if `verify`, compiled at that P (and lowered until it
+  fits)."""
+  (p1, b1), (p2, b2) = fit
+  slope = (b2 - b1) / (p2 - p1)
+  guess = int((budget - b1) / slope + p1) if slope > 0 else MAX_P
+  guess = max(1, min(guess, MAX_P))
+  checked = []
+  while verify:
+    _, _, peak = _compile(_step(model, method, guess), params,
+                          _batch(shape, guess))
+    checked.append((guess, peak))
+    if peak <= budget or guess == 1:
+      break
+    guess = max(1, int(guess * budget / peak * 0.98))
+  return guess, checked
+
+
+def _rel_diff(a, b) -> float:
+  scale = max(float(np.max(np.abs(l))) for l in jax.tree.leaves(b))
+  return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v))))
+             for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b))) / scale
+
+
+def bench_model(name: str, repeats: int, budget: int,
+                verify_below_s: float) -> dict:
+  """Times the three methods interleaved (round-robin), so that load changes
+  on the shared machine affect them alike; medians over rounds."""
+  model, shape, p = _model(name)
+  params = dp_step.init_params(model, 0, shape)
+  batch = _batch(shape, p)
+  out = {'physical_batch_size': p, 'input_shape': list(shape),
+         'num_params': int(sum(l.size for l in jax.tree.leaves(params))),
+         'methods': {}}
+  compiled, accs, sums = {}, {}, {}
+  for method in METHODS:
+    step = _step(model, method, p)
+    compiled[method], compile_s, peak = _compile(step, params, batch)
+    one = compiled[method](params, step.init_accumulator(params), batch)
+    sums[method] = jax.block_until_ready((one.grad_sum, one.stats))
+    accs[method] = compiled[method](params, step.init_accumulator(params),
+                                    batch)  # Warm-up; reused (donated).
+    _, _, peak2 = _compile(step, params, _batch(shape, 2 * p))
+    max_p, checked = _max_batch(model, method, params, shape,
+                                [(p, peak), (2 * p, peak2)], budget,
+                                verify=compile_s < verify_below_s)
+    out['methods'][method] = {
+        'compile_seconds': compile_s,
+        'peak_bytes': peak,
+        'peak_bytes_at_2p': peak2,
+        'max_physical_batch_size': max_p,
+        'max_batch_verified_by_compiling': checked,
+    }
+  times = {m: [] for m in METHODS}
+  for _ in range(repeats):
+    for method in METHODS:
+      start = time.perf_counter()
+      accs[method] = jax.block_until_ready(
+          compiled[method](params, accs[method], batch))
+      times[method].append(time.perf_counter() - start)
+  for method in METHODS:
+    r = out['methods'][method]
+    r['seconds_per_batch'] = float(np.median(times[method]))
+    r['examples_per_second'] = p / r['seconds_per_batch']
+    print(f'{name:12s} {method:10s} {r["examples_per_second"]:10.1f} ex/s '
+          f'{r["seconds_per_batch"] * 1e3:9.2f} ms/batch  peak '
+          f'{r["peak_bytes"] / 2**20:8.1f} MiB  max P '
+          f'{r["max_physical_batch_size"]} (compile '
+          f'{r["compile_seconds"]:.1f}s)', flush=True)
+  base = out['methods']['nonprivate']['examples_per_second']
+  for method in ('vmap', 'ghost'):
+    out[f'{method}_over_nonprivate'] = (
+        out['methods'][method]['examples_per_second'] / base)
+  out['ghost_vs_vmap_grad_sum_rel_diff'] = _rel_diff(sums['ghost'][0],
+                                                     sums['vmap'][0])
+  out['ghost_vs_vmap_grad_norm_sum_rel_diff'] = abs(
+      float(sums['ghost'][1].grad_norm_sum / sums['vmap'][1].grad_norm_sum)
+      - 1)
+  print(f'{name:12s} ghost/nonprivate {out["ghost_over_nonprivate"]:.3f}  '
+        f'vmap/nonprivate {out["vmap_over_nonprivate"]:.3f}  ghost vs vmap '
+        f'rel diff {out["ghost_vs_vmap_grad_sum_rel_diff"]:.1e}', flush=True)
+  return out
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--models', nargs='+',
+                      default=['mlp', 'cnn', 'wrn', 'transformer'],
+                      choices=['mlp', 'cnn', 'wrn', 'transformer'])
+  parser.add_argument('--repeats', type=int, default=15)
+  parser.add_argument('--budget-gib', type=float, default=2.0)
+  parser.add_argument('--verify-below-s', type=float, default=20.0,
+                      help='compile the fitted max P only for models that '
+                      'compile faster than this (WRN-16-4 takes ~30 s)')
+  parser.add_argument('--out', default=os.path.join(
+      os.path.dirname(__file__), 'results', 'bench_clipping.json'))
+  args = parser.parse_args()
+  budget = int(args.budget_gib * 2**30)
+  result = {
+      'jax': jax.__version__, 'device': jax.devices()[0].device_kind,
+      'cpu_count': os.cpu_count(), 'machine': platform.machine(),
+      'repeats': args.repeats, 'memory_budget_bytes': budget,
+      'memory': 'XLA estimate of the compiled accumulate: arguments + '
+                'outputs - aliased + temporaries',
+      'models': {},
+  }
+  start = time.perf_counter()
+  for name in args.models:
+    result['models'][name] = bench_model(name, args.repeats, budget,
+                                         args.verify_below_s)
+  result['wall_seconds'] = time.perf_counter() - start
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
+  with open(args.out, 'w') as f:
+    json.dump(result, f, indent=1)
+  print(f'wrote {args.out} ({result["wall_seconds"]:.0f} s)')
+
+
+if __name__ == '__main__':
+  main()
