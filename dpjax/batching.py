@@ -94,7 +94,9 @@ def resolve_max_batch_size(sampler: samplers_lib.Sampler, physical_batch_size: i
   if isinstance(requested, bool) or not isinstance(requested, (int, np.integer)) or requested < 0:
     raise ValueError(f'sampler.max_batch_size must be 0 (auto) or a positive multiple of '
                      f'sampler.physical_batch_size = {physical_batch_size}, got {requested!r}.')
-  no_truncation = _round_up(sampler.num_examples if _is_binomial(sampler) else sampler.batch_size,
+  # Under add/remove adjacency the neighbouring dataset has N + 1 examples, so B > N is what
+  # rules truncation out for both (the accountant checks the neighbour too).
+  no_truncation = _round_up(sampler.num_examples + 1 if _is_binomial(sampler) else sampler.batch_size,
                             physical_batch_size)
   if requested:
     if requested % physical_batch_size:
@@ -115,10 +117,13 @@ def resolve_max_batch_size(sampler: samplers_lib.Sampler, physical_batch_size: i
   mean = sampler.expected_batch_size
   std = math.sqrt(mean * (1 - sampler.sampling_probability))
   candidate = _round_up(max(int(mean + 4 * std), 1), physical_batch_size)
-  while candidate < no_truncation and log_truncation_probability(sampler, candidate) > log_budget:
+  # The tail of the larger (N + 1) neighbour, as the accountant pays for it.
+  def log_tail(cap):
+    return float(stats.binom.logsf(cap, sampler.num_examples + 1, sampler.sampling_probability))
+  while candidate < no_truncation and log_tail(candidate) > log_budget:
     candidate += physical_batch_size
   while (candidate - physical_batch_size >= physical_batch_size and
-         log_truncation_probability(sampler, candidate - physical_batch_size) <= log_budget):
+         log_tail(candidate - physical_batch_size) <= log_budget):
     candidate -= physical_batch_size
   return min(candidate, no_truncation)
 

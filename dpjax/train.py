@@ -340,7 +340,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 def main(argv):
   del argv
   logging.set_verbosity(logging.ERROR)  # Orbax's per-save INFO lines drown the progress bar.
-  train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  try:
+    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  except ValueError as e:  # Bad config or data: the message names the field; no traceback.
+    sys.exit(f'dpjax.train: error: {e}')
 
 
 if __name__ == '__main__':

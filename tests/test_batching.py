@@ -91,7 +91,7 @@ def test_cap_for_fixed_size_samplers_and_overrides():
   assert batching.resolve_max_batch_size(fixed, 32, 256) == 128  # Never above what can occur.
   poisson = make_sampler('poisson', 1000, 100)
   assert batching.resolve_max_batch_size(poisson, 32, 64) == 64  # A user cap is honoured.
-  assert batching.resolve_max_batch_size(poisson, 32, 4096) == 1024  # B >= N: no truncation.
+  assert batching.resolve_max_batch_size(poisson, 32, 4096) == 1024  # B > N + 1: no truncation.
 
 
 @pytest.mark.parametrize('kwargs,message', [

@@ -182,3 +182,16 @@ def test_bad_config_fails_before_any_compute(tmp_path, overrides, message):
   with pytest.raises(ValueError, match=message):
     train.train_and_evaluate(small_config(**overrides), str(tmp_path))
   assert not os.path.exists(tmp_path / 'checkpoints')
+
+
+def test_mnist_cnn_config_trains_on_mock_tfds_data(tmp_path):
+  """The MNIST config end to end on tfds.testing.mock_data (one real step)."""
+  import tensorflow_datasets as tfds
+  from configs import mnist_cnn
+  config = mnist_cnn.get_config('runlocal')
+  config.num_steps = 1
+  config.data.data_dir = str(tmp_path)
+  with tfds.testing.mock_data(num_examples=64, policy=tfds.testing.MockPolicy.USE_CODE):
+    result = train.train_and_evaluate(config, str(tmp_path / 'work'))
+  assert result['step'] == 1 and np.isfinite(result['train_loss'])
+  assert result['privacy']['bound'] == 'upper' and result['privacy']['epsilon'] <= 3.0
