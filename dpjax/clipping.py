@@ -12,8 +12,11 @@ example, which is what the accountant assumes (docs/accounting.md: each
 clipped gradient is a query of norm ≤ 1 after dividing by C).
 
 A per-example gradient with any NaN/inf entry, or whose squared norm
-overflows, is replaced by zero (still a function of that example alone with
-norm ≤ C, so the bound holds) and counted in `num_nonfinite`.
+overflows, or whose loss is not finite, is replaced by zero (still a function
+of that example alone with norm ≤ C, so the bound holds) and counted in
+`num_nonfinite`. (The two methods compute ‖g_i‖² in different orders, so an
+example at the edge of float32 overflow may be finite for one and not the
+other; either way its contribution has norm ≤ C.)
 
 Loss functions act on ONE example: `loss_fn(params, x_i, y_i) -> (loss_i,
 logits_i)`; y_i is an int label or a one-hot vector. The statistics
@@ -25,9 +28,10 @@ Methods (`config.privacy.clipping`), all giving the same clipped sum:
     Compilation and Vectorization"); memory P × #params.
   'ghost': per-example norms from layer inputs and output gradients, then
     the clipped sum book-kept layer by layer (`dpjax.ghost_clipping`: Li et
-    al. 2022, Bu et al. 2022/2023); no per-example gradients, close to the
-    cost of one non-private step. Only for models whose every parameter it
-    covers (ValueError otherwise, at trace time).
+    al. 2022, Bu et al. 2022/2023); no per-example gradients of the large
+    layers, about the cost and memory of one non-private step plus the
+    norms. Only for models whose every parameter it covers (ValueError
+    otherwise, at trace time).
   'auto' (default): 'ghost' when it covers every parameter, else 'vmap' with
     a log line naming the uncovered parameters. Decided at trace time from
     the shapes, so it costs no recompilation.

@@ -11,7 +11,8 @@ and ‖∂b‖² = ‖Σ_s δ_s‖². With S = 1 the ghost form is ‖a_i‖²·
 (Goodfellow 2015). Li et al. 2022 use the ghost form for sequences; Bu et al.
 2022 ("mixed ghost clipping") pick, per layer and statically from its shapes,
 whichever of the two is cheaper. A convolution is the same with a = the input
-patches (one row per output position); an embedding with a = one-hot tokens,
+patches (one row per output position; never formed: the input is visited
+one kernel offset at a time); an embedding with a = one-hot tokens,
 so a_s·a_s' = [tok_s = tok_s']. Norm layers (LayerNorm, GroupNorm, RMSNorm)
 have a few parameters per channel: their per-example gradients are
 materialised by a vmapped vjp of the layer itself. A weight-standardised conv
@@ -27,8 +28,10 @@ gradients). The clipped sum Σ_i f_i·g_i (f_i = w_i·min(1, C/‖g_i‖)) is th
 book-kept layer by layer from the same (a, δ) (Bu et al. 2023): the vjp of the
 layer w.r.t. its parameters at cotangents (f_i·δ_i)_i, i.e. the layer's usual
 weight-gradient computation (for Dense the matmul aᵀ(f·δ)), with no second
-pass through the network. Rows with f_i = 0 or non-finite values have their a
-and δ zeroed first, so 0·NaN cannot reach the sum.
+pass through the network; it keeps every covered layer's input and output
+gradient until then (about twice the activations). Rows with f_i = 0 or
+non-finite values have their a and δ zeroed first, so 0·NaN cannot reach the
+sum.
 
 Coverage is proved at trace time, never assumed: every parameter leaf must be
 read by exactly one call of a covered layer, and a dependency analysis of the

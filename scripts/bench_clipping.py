@@ -7,11 +7,13 @@ book-keeping, `dpjax.ghost_clipping`). Reports examples/s (P / median time
 over repeats, after compilation), the ratios to non-private, XLA's memory
 estimate of the compiled program (arguments + outputs + temporaries, from
 `compiled.memory_analysis()`), and the largest P whose estimate fits a
-memory budget: memory is affine in P, so it is fitted from two compiled sizes
-(P and 2P), and for models that compile quickly the predicted P is compiled
-again to check it. The three methods are timed round-robin so that load on
-the shared machine affects them alike. Also checks that ghost and vmap give the same clipped sum on the
-timed batch (max |ghost - vmap| / max |vmap| over leaves) and the same norms.
+memory budget: memory is about affine in P, so it is fitted from two
+compiled sizes (P and 2P), and for models that compile quickly the predicted
+P is compiled again and lowered until it fits (within 2% of the largest).
+The three methods are timed round-robin so that load on the shared machine
+affects them alike. Also checks that ghost and vmap give the same clipped sum
+on the timed batch (max |ghost - vmap| / max |vmap| over leaves) and the
+same sum of norms.
 
 Models (issue 5): MLP 784-128-10 and the tanh CNN on 28x28x1 at P = 256,
 WRN-16-4 (GroupNorm, weight standardisation) on 32x32x3 at P = 16, and the
@@ -19,7 +21,7 @@ default transformer (2 layers, width 64) on 28 tokens of 28 features at
 P = 64. The machine is shared: numbers are medians of repeats.
 
 Run:
-  python scripts/bench_clipping.py            # all models, a few minutes
+  python scripts/bench_clipping.py            # all models, ~7 min on 2 cores
   python scripts/bench_clipping.py --models mlp cnn --repeats 30
 Writes scripts/results/bench_clipping.json (or --out).
 """

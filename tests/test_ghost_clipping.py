@@ -1,8 +1,6 @@
 """dpjax.ghost_clipping against per-example gradients (the vmap path)."""
 
-import functools
 import logging
-import math
 
 import flax.linen as nn
 import jax
