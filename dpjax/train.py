@@ -225,6 +225,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       private=config.privacy.enabled, clipping=config.privacy.clipping,
       label_format=config.data.label_format)
   eval_fn = lambda params, batch: dp_step.eval_step(model, params, batch, config.data.label_format)
+  run_eval = lambda params: evaluate(eval_fn, params, test_source, config.sampler.physical_batch_size,
+                                     config.data.label_format)
   params = dp_step.init_params(model, config.seed, train_source.input_shape)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                      opt_state=optimizer.init(params), num_truncated=jnp.zeros((), jnp.int32))
@@ -262,7 +264,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   params, opt_state, num_truncated = state.params, state.opt_state, int(state.num_truncated)
   last = {}
   if start_step == 0:
-    last = evaluate(eval_fn, params, test_source, config.sampler.physical_batch_size, config.data.label_format)
+    last = run_eval(params)
     writer.write(0, last)
   progress = tqdm.tqdm(total=num_steps, initial=start_step, desc='train', dynamic_ncols=True,
                        disable=not sys.stderr.isatty() and os.environ.get('DPJAX_PROGRESS') != '1')
@@ -282,11 +284,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     progress.update(1)
 
     if is_time(done, config.log_every_steps, num_steps):
-      summary = {k: float(np.mean([m[k] for m in jax.device_get(log_metrics)])) for k in ('loss', 'accuracy')}
+      fetched = jax.device_get(log_metrics)  # One host sync per logged step.
+      summary = {k: float(np.mean([m[k] for m in fetched])) for k in ('loss', 'accuracy')}
       if not math.isfinite(summary['loss']):
         raise FloatingPointError(f'Non-finite training loss between steps {done - len(log_metrics) + 1} '
                                  f'and {done}.')
-      num_nonfinite = sum(int(m['num_nonfinite']) for m in jax.device_get(log_metrics))
+      num_nonfinite = sum(int(m['num_nonfinite']) for m in fetched)
       log_metrics = []
       last = {'train_loss': summary['loss'], 'train_accuracy': summary['accuracy'],
               'num_nonfinite_examples': num_nonfinite, 'num_truncated': num_truncated,
@@ -294,8 +297,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       if accountant is not None:
         last['epsilon'] = accountant.epsilon(done)  # The attached ε; side estimates only at checkpoints.
       if is_time(done, config.eval_every_steps, num_steps):
-        last.update(evaluate(eval_fn, params, test_source, config.sampler.physical_batch_size,
-                             config.data.label_format))
+        last.update(run_eval(params))
       writer.write(done, last)
       shown = {k: f'{v:.4g}' for k, v in last.items()
                if k in ('train_loss', 'train_accuracy', 'eval_accuracy', 'epsilon')}
@@ -303,8 +305,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       if progress.disable:  # No terminal: one plain line per logged step.
         print(f'step {done}/{num_steps} ' + ' '.join(f'{k}={v}' for k, v in shown.items()), flush=True)
     elif is_time(done, config.eval_every_steps, num_steps):
-      last.update(evaluate(eval_fn, params, test_source, config.sampler.physical_batch_size,
-                           config.data.label_format))
+      last.update(run_eval(params))
       writer.write(done, {k: last[k] for k in ('eval_loss', 'eval_accuracy')})
 
     if is_time(done, config.checkpoint_every_steps, num_steps):
@@ -323,8 +324,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     print(f'{num_truncated} of {num_steps} logical batches exceeded B = {max_batch_size} and were '
           'truncated; the reported ε accounts for the cap.')
   if 'eval_accuracy' not in last:
-    last.update(evaluate(eval_fn, params, test_source, config.sampler.physical_batch_size,
-                         config.data.label_format))
+    last.update(run_eval(params))
   result = {'step': num_steps, **last, 'params': params,
             'compilations': {'accumulate': step_fns.compile_count('accumulate'),
                              'apply': step_fns.compile_count('apply')}}
