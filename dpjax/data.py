@@ -8,25 +8,36 @@ A source maps example indices to a preprocessed batch
 | `digits` | scikit-learn's bundled 8x8 digits (1797 images), fixed split | nothing (offline) |
 | `tfds` | any TFDS dataset, read with `tfds.data_source` (ArrayRecord, random access; no TensorFlow) | `data.name`, a prepared `data.data_dir` |
 | `npz` | arrays `x_train, y_train, x_test, y_test` in an `.npz` file | `data.path` |
+| `memmap` | `.npy` files `x.npy`, `y.npy` per split, memory-mapped (N beyond RAM) | `data.path` (see below) |
 | `synthetic` | N examples computed from their index (O(1) memory at any N) | `data.num_examples`, `data.input_shape`, `data.num_classes` |
 
 Preprocessing is declared in the config and uses public constants only
 (fitting a mean on the private data would leak it):
 x = (raw / scale − mean) / std per channel; labels as int or one-hot.
+
+The `memmap` source reads `<data.path>/<data.train_split>/{x,y}.npy` and
+`<data.path>/<data.test_split>/{x,y}.npy` (x [N, ...] any numeric dtype, y [N]
+integer labels) with `np.load(mmap_mode='r')`: a gather of b rows touches
+O(b) pages, whatever N. Opening a split reads y once, in chunks of
+`LABEL_SCAN_ROWS`, to check the labels and count the classes (O(N) time,
+O(chunk) memory). `write_memmap_split` builds such a split from chunks, so
+10^8 rows never sit in RAM.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Protocol, Sequence
+from typing import Iterable, Protocol, Sequence
 
 import ml_collections
 import numpy as np
 
-SOURCES = ('digits', 'tfds', 'npz', 'synthetic')
+SOURCES = ('digits', 'tfds', 'npz', 'memmap', 'synthetic')
 LABEL_FORMATS = ('int', 'one_hot')
 DIGITS_TEST_SIZE = 360  # 20% of 1797, stratified, fixed split (random_state=0).
+MEMMAP_FILES = ('x.npy', 'y.npy')  # One pair per split directory.
+LABEL_SCAN_ROWS = 1 << 22  # Labels read per chunk when a memmap split is opened.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +197,100 @@ def load_digits_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
   return x_train, y_train.astype(np.int64), x_test, y_test.astype(np.int64)
 
 
+def write_memmap_split(directory: str, num_examples: int,
+                       chunks: Iterable[tuple[np.ndarray, np.ndarray]]) -> None:
+  """Writes one split as `directory/x.npy`, `directory/y.npy`, one chunk at a time.
+
+  The .npy headers declare all N rows up front and each chunk is appended with
+  a plain write, so memory is one chunk whatever N. The files appear (by
+  rename) only once all N rows are written.
+
+  Args:
+    directory: the split's directory, e.g. `<data.path>/train` (created).
+    num_examples: N, the total number of rows in `chunks`.
+    chunks: (x, y) pairs: x [n, ...] with the first chunk's row shape and a
+      dtype that casts safely to the first chunk's, y [n] integers >= 0.
+  """
+  if (isinstance(num_examples, bool) or not isinstance(num_examples, (int, np.integer))
+      or num_examples < 1):
+    raise ValueError(f'num_examples must be an integer >= 1, got {num_examples!r}.')
+  os.makedirs(directory, exist_ok=True)
+  paths = [os.path.join(directory, name) for name in MEMMAP_FILES]
+  partial = [path + '.partial' for path in paths]
+  written, dtypes, row_shape = 0, None, None
+  try:
+    with open(partial[0], 'wb') as x_file, open(partial[1], 'wb') as y_file:
+      for x, y in chunks:
+        x, y = np.asarray(x), np.asarray(y)
+        if dtypes is None:  # The first chunk fixes the dtypes and the row shape.
+          if not np.issubdtype(y.dtype, np.integer):
+            raise ValueError(f'labels must be integers, got dtype {y.dtype}.')
+          dtypes, row_shape = (x.dtype, y.dtype), x.shape[1:]
+          for file, dtype, shape in ((x_file, x.dtype, (num_examples, *row_shape)),
+                                     (y_file, y.dtype, (num_examples,))):
+            np.lib.format.write_array_header_1_0(file, {
+                'descr': np.lib.format.dtype_to_descr(dtype), 'fortran_order': False,
+                'shape': shape})
+        if x.shape[1:] != row_shape or y.shape != (len(x),):
+          raise ValueError(f'chunk of shapes x {x.shape}, y {y.shape} does not match rows of '
+                           f'shape {row_shape} with one label each.')
+        if not (np.can_cast(x.dtype, dtypes[0]) and np.can_cast(y.dtype, dtypes[1])):
+          raise ValueError(f'chunk dtypes ({x.dtype}, {y.dtype}) do not cast safely to the '
+                           f'first chunk\'s ({dtypes[0]}, {dtypes[1]}).')
+        if y.size and y.min() < 0:
+          raise ValueError(f'labels must be >= 0, got {y.min()}.')
+        written += len(x)
+        if written > num_examples:
+          raise ValueError(f'chunks hold more than num_examples = {num_examples} rows.')
+        x_file.write(np.ascontiguousarray(x, dtypes[0]).tobytes())
+        y_file.write(np.ascontiguousarray(y, dtypes[1]).tobytes())
+    if written != num_examples:
+      raise ValueError(f'chunks hold {written} rows, num_examples = {num_examples}.')
+  except BaseException:
+    for path in partial:
+      if os.path.exists(path):
+        os.remove(path)
+    raise
+  for src, dst in zip(partial, paths):
+    os.replace(src, dst)
+
+
+def open_memmap_split(directory: str) -> tuple[np.ndarray, np.ndarray, int]:
+  """(x, y, num_classes) of a split written as `directory/{x,y}.npy`, memory-mapped read-only.
+
+  Errors name `data.path`. Reads y once in chunks (O(N) time, O(chunk) memory,
+  through plain reads so the scan does not stay mapped) to check the labels.
+  """
+  if not os.path.isdir(directory):
+    raise ValueError(f'data.path: {directory!r} is not a directory; the memmap source needs '
+                     f'<data.path>/<split>/{{{",".join(MEMMAP_FILES)}}} (see data.write_memmap_split).')
+  arrays = []
+  for name in MEMMAP_FILES:
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+      raise ValueError(f'data.path: {path!r} is missing (the memmap source needs '
+                       f'{" and ".join(MEMMAP_FILES)} in every split directory).')
+    try:
+      arrays.append(np.load(path, mmap_mode='r'))
+    except Exception as e:  # Bad magic, header or a truncated file (mmap beyond its size).
+      raise ValueError(f'data.path: {path!r} is not a complete .npy file: {e}') from e
+  x, y = arrays
+  if x.ndim < 1 or y.ndim != 1 or len(x) != len(y) or len(y) == 0:
+    raise ValueError(f'data.path: {directory!r} holds x of shape {x.shape} and y of shape '
+                     f'{y.shape}; they need N >= 1 rows and one label per row.')
+  if not np.issubdtype(x.dtype, np.number) or not np.issubdtype(y.dtype, np.integer):
+    raise ValueError(f'data.path: {directory!r} holds x of dtype {x.dtype} and y of dtype '
+                     f'{y.dtype}; x must be numeric and y integer.')
+  low, high = 0, 0
+  for start in range(0, len(y), LABEL_SCAN_ROWS):
+    chunk = np.fromfile(y.filename, dtype=y.dtype, count=min(LABEL_SCAN_ROWS, len(y) - start),
+                        offset=y.offset + start * y.dtype.itemsize)
+    low, high = min(low, int(chunk.min())), max(high, int(chunk.max()))
+  if low < 0:
+    raise ValueError(f'data.path: {directory!r} has a negative label ({low}).')
+  return x, y, high + 1
+
+
 def _tfds_split(config, split: str) -> TfdsSource:
   import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   try:
@@ -225,6 +330,21 @@ def make_sources(config: ml_collections.ConfigDict, seed: int = 0) -> tuple[Data
       x_train, y_train, x_test, y_test = (arrays[k] for k in ('x_train', 'y_train', 'x_test', 'y_test'))
     num_classes = int(max(y_train.max(), y_test.max())) + 1
     preprocess = _preprocessor(config, num_classes, x_train.shape[-1] if x_train.ndim > 1 else 1)
+    return ArraySource(x_train, y_train, preprocess), ArraySource(x_test, y_test, preprocess)
+  if config.source == 'memmap':
+    if not config.path or not os.path.isdir(config.path):
+      raise ValueError(f"data.path = {config.path!r} must be an existing directory when "
+                       f"data.source = 'memmap' (with <split>/x.npy and <split>/y.npy for "
+                       f"data.train_split = {config.train_split!r}, data.test_split = "
+                       f"{config.test_split!r}).")
+    (x_train, y_train, train_classes), (x_test, y_test, test_classes) = (
+        open_memmap_split(os.path.join(config.path, split))
+        for split in (config.train_split, config.test_split))
+    if x_train.shape[1:] != x_test.shape[1:]:
+      raise ValueError(f'data.path = {config.path!r}: train rows have shape {x_train.shape[1:]}, '
+                       f'test rows {x_test.shape[1:]}.')
+    preprocess = _preprocessor(config, max(train_classes, test_classes),
+                               x_train.shape[-1] if x_train.ndim > 1 else 1)
     return ArraySource(x_train, y_train, preprocess), ArraySource(x_test, y_test, preprocess)
   if config.source == 'tfds':
     if not config.name:

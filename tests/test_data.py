@@ -100,12 +100,119 @@ def test_synthetic_source_is_a_function_of_the_index_at_any_scale():
   assert time.perf_counter() - start < 0.05  # O(P), no O(N) work.
 
 
+def write_memmap_dir(root, x_train, y_train, x_test, y_test, chunk_rows=7):
+  for split, x, y in (('train', x_train, y_train), ('test', x_test, y_test)):
+    chunks = ((x[i:i + chunk_rows], y[i:i + chunk_rows]) for i in range(0, len(x), chunk_rows))
+    data.write_memmap_split(str(root / split), len(x), chunks)
+
+
+def test_memmap_source_gathers_exactly_the_written_rows(tmp_path):
+  rng = np.random.default_rng(1)
+  x_train, y_train = rng.integers(0, 256, (50, 4, 3), dtype=np.uint8), rng.integers(0, 6, 50)
+  x_test, y_test = rng.integers(0, 256, (9, 4, 3), dtype=np.uint8), np.arange(9) % 7
+  write_memmap_dir(tmp_path, x_train, y_train, x_test, y_test)  # Chunks of 7: a ragged last one.
+  # The files are plain .npy arrays holding exactly the rows written.
+  np.testing.assert_array_equal(np.load(tmp_path / 'train' / 'x.npy'), x_train)
+  config = data_config(source='memmap', path=str(tmp_path), scale=255.0, mean=(0.5,),
+                       std=(0.25, 0.5, 1.0))
+  train, test = data.make_sources(config)
+  assert (len(train), len(test), train.num_classes) == (50, 9, 7)  # Classes from both splits.
+  assert train.input_shape == (4, 3)
+  idx = np.array([0, 0, 17, 49])  # Padding rows repeat index 0.
+  batch = train.gather(idx)
+  expected = (x_train[idx] / 255.0 - 0.5) / np.array([0.25, 0.5, 1.0])
+  np.testing.assert_allclose(batch['x'], expected, rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(batch['y'], y_train[idx])
+  assert batch['x'].dtype == np.float32 and batch['y'].dtype == np.int32
+  assert type(batch['x']) is np.ndarray  # Not a view into the mapped file.
+  np.testing.assert_array_equal(test.gather(np.arange(9))['y'], y_test)
+
+
+def test_memmap_writer_rejects_bad_chunks_and_leaves_no_files(tmp_path):
+  x, y = np.zeros((4, 2), np.uint8), np.zeros(4, np.int64)
+  cases = [
+      (5, [(x, y)], 'chunks hold 4 rows'),
+      (3, [(x, y)], 'more than num_examples'),
+      (8, [(x, y), (np.zeros((4, 3), np.uint8), y)], 'does not match'),
+      (8, [(x, y), (x.astype(np.float32), y)], 'cast safely'),
+      (4, [(x, y - 1)], '>= 0'),
+      (4, [(x, y.astype(np.float32))], 'integers'),
+      (0, [], 'num_examples'),
+  ]
+  for num_examples, chunks, message in cases:
+    with pytest.raises(ValueError, match=message):
+      data.write_memmap_split(str(tmp_path / 'split'), num_examples, chunks)
+  assert not list((tmp_path / 'split').iterdir())  # No partial or half-valid files remain.
+
+
+def test_memmap_source_errors_name_the_field(tmp_path):
+  def config(path):
+    return data_config(source='memmap', path=str(path))
+  with pytest.raises(ValueError, match='data.path'):
+    data.make_sources(config(''))
+  with pytest.raises(ValueError, match='data.path.*existing directory'):
+    data.make_sources(config(tmp_path / 'nowhere'))
+  rng = np.random.default_rng(0)
+  x, y = rng.integers(0, 9, (20, 3)), rng.integers(0, 3, 20)
+  data.write_memmap_split(str(tmp_path / 'train'), 20, [(x, y)])
+  with pytest.raises(ValueError, match='data.path.*test.*not a directory'):
+    data.make_sources(config(tmp_path))  # No test split.
+  data.write_memmap_split(str(tmp_path / 'test'), 20, [(x, y)])
+  assert len(data.make_sources(config(tmp_path))[0]) == 20
+  (tmp_path / 'test' / 'y.npy').unlink()
+  with pytest.raises(ValueError, match='data.path.*y.npy.*missing'):
+    data.make_sources(config(tmp_path))
+  np.save(tmp_path / 'test' / 'y.npy', y[:19])
+  with pytest.raises(ValueError, match='data.path.*one label per row'):
+    data.make_sources(config(tmp_path))
+  np.save(tmp_path / 'test' / 'y.npy', y - 1)
+  with pytest.raises(ValueError, match='data.path.*negative label'):
+    data.make_sources(config(tmp_path))
+  np.save(tmp_path / 'test' / 'y.npy', y.astype(np.float32))
+  with pytest.raises(ValueError, match='data.path.*integer'):
+    data.make_sources(config(tmp_path))
+  np.save(tmp_path / 'test' / 'y.npy', y)
+  payload = (tmp_path / 'test' / 'x.npy').read_bytes()
+  (tmp_path / 'test' / 'x.npy').write_bytes(payload[:-8])  # Truncated: a row is missing.
+  with pytest.raises(ValueError, match='data.path.*not a complete .npy'):
+    data.make_sources(config(tmp_path))
+  (tmp_path / 'test' / 'x.npy').write_bytes(b'not an npy file')
+  with pytest.raises(ValueError, match='data.path.*not a complete .npy'):
+    data.make_sources(config(tmp_path))
+  np.save(tmp_path / 'test' / 'x.npy', x[:, :2])
+  with pytest.raises(ValueError, match='data.path.*rows have shape'):
+    data.make_sources(config(tmp_path))
+
+
+def test_memmap_gather_touches_o_of_b_memory(tmp_path):
+  """A gather allocates O(b) (traced numpy buffers), not O(N), and the labels scan is chunked."""
+  import tracemalloc
+  n = 400_000
+  chunks = ((np.full((50_000, 16), i, np.uint8), np.full(50_000, i % 3)) for i in range(8))
+  data.write_memmap_split(str(tmp_path / 'train'), n, chunks)
+  data.write_memmap_split(str(tmp_path / 'test'), 2, [(np.zeros((2, 16), np.uint8), [0, 1])])
+  tracemalloc.start()
+  try:
+    train, _ = data.make_sources(data_config(source='memmap', path=str(tmp_path), scale=1.0))
+    idx = np.sort(np.random.default_rng(0).choice(n, 256, replace=False))
+    tracemalloc.reset_peak()
+    batch = train.gather(idx)
+    peak = tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+  assert peak < 256 * 16 * 4 * 8, peak  # A few float32 copies of the batch; x alone is 6.4 MB.
+  np.testing.assert_array_equal(batch['x'][:, 0], idx // 50_000)
+  np.testing.assert_array_equal(batch['y'], (idx // 50_000) % 3)
+  assert train.num_classes == 3
+
+
 @pytest.mark.parametrize('overrides,message', [
     (dict(source='imagenet'), 'data.source'),
     (dict(source='tfds', name='mnist', data_dir=''), 'data.data_dir'),
     (dict(source='tfds', name='', data_dir='/tmp'), 'data.name'),
     (dict(source='tfds', name='mnist', data_dir='/nonexistent/dir'), 'data.data_dir'),
     (dict(source='npz', path='/nonexistent.npz'), 'data.path'),
+    (dict(source='memmap', path='/nonexistent/dir'), 'data.path'),
     (dict(source='synthetic', num_examples=0), 'data.num_examples'),
     (dict(label_format='onehot'), 'data.label_format'),
     (dict(scale=0.0), 'data.scale'),

@@ -9,6 +9,7 @@ wrong law (e.g. a biased q or a non-uniform assignment) is rejected.
 
 import math
 import time
+import tracemalloc
 
 import ml_collections
 import numpy as np
@@ -212,3 +213,53 @@ def test_bad_input_names_the_field(name, batch_size, message):
 def test_negative_step_is_rejected():
   with pytest.raises(ValueError, match='step'):
     make('poisson', 100, 10).indices(-1)
+
+
+def test_uniform_permutation_is_numpys_permutation_in_int32():
+  """Same draws as rng.permutation (unchanged law and streams), 4 bytes per index."""
+  for n in (1, 2, 1003):
+    order = samplers._uniform_permutation(samplers._generator(9, 1, 2), n)
+    reference = samplers._generator(9, 1, 2).permutation(n)
+    assert order.dtype == np.int32
+    np.testing.assert_array_equal(order, reference)
+
+
+def traced_peak_bytes(fn):
+  """Peak bytes allocated (numpy buffers are traced by tracemalloc) while fn runs."""
+  tracemalloc.start()
+  try:
+    fn()
+    return tracemalloc.get_traced_memory()[1]
+  finally:
+    tracemalloc.stop()
+
+
+@pytest.mark.parametrize('name', ['poisson', 'fixed_size', 'fixed_size_with_replacement',
+                                  'deterministic'])
+def test_per_step_samplers_allocate_o_of_b_at_n_1e8(name):
+  s = make(name, 10**8, 256, seed=1)
+  for step in (0, 390_626):  # Also past the first epoch.
+    peak = traced_peak_bytes(lambda: s.indices(step))
+    assert peak < 200_000, peak  # O(N) would be >= 4e8 bytes.
+
+
+@pytest.mark.parametrize('name', ['balls_and_bins', 'shuffle'])
+def test_epoch_samplers_keep_4_bytes_per_example_for_one_epoch(name):
+  """The documented index structure: an int32 permutation plus T + 1 int64 offsets."""
+  n, b = 2_000_000, 256
+  s = make(name, n, b, seed=2)
+  documented = 4 * n + 8 * (s.steps_per_epoch + 1)
+  tracemalloc.start()
+  try:
+    s.indices(0)
+    current, peak = tracemalloc.get_traced_memory()
+    # Kept: the structure itself; transient: the multinomial's T probabilities and sizes.
+    assert documented <= current <= documented + 50_000
+    assert peak <= documented + 32 * s.steps_per_epoch + 50_000
+    tracemalloc.reset_peak()
+    s.indices(s.steps_per_epoch)  # The next epoch replaces the cached one.
+    current, peak = tracemalloc.get_traced_memory()
+    assert documented <= current <= documented + 50_000
+    assert peak <= documented + 32 * s.steps_per_epoch + 50_000  # Never two epochs at once.
+  finally:
+    tracemalloc.stop()
