@@ -48,16 +48,33 @@ The block bounds are pessimistic by roughly the spread of x within a block, whic
 ×1.05) and ≈ 0.026 with rank_growth = 1.01 (3x the cost). 'auto' therefore samples every
 coordinate (exact L) for T ≤ 1000 and uses order statistics above.
 
-Parallel hook. `balls_and_bins_sums` returns the sufficient statistics (Σ_i f_i(ε), m, log
-scale) of one seed and direction; run it in several processes with seeds (seed, worker), merge
-with `HockeyStickSums.merge` and turn the merged sums into bounds with `delta_from_sums`.
-Merge sums, never bounds.
+Parallel execution (one host). The m samples of a direction are cut into chunks of a fixed
+size (`_SAMPLES_PER_CHUNK`, fewer for wide samples); chunk c of conditioning group g of
+direction d draws from its own stream `np.random.SeedSequence(seed, spawn_key=(d, g, c))`
+(independent streams, NumPy's spawn tree). A chunk yields its Σ_i f_i (or its losses, for the
+ε search); chunks are added in chunk order whatever process computed them. With `workers = n`
+the calling process and a `concurrent.futures.ProcessPoolExecutor` of n − 1 processes started
+with the 'spawn' method (the caller may have initialised JAX, after which fork is unsafe) claim
+chunks from the two ends of a shared counter. The samples,
+the sums and every bound are therefore a function of the arguments and the seed alone,
+bit-for-bit the same for any number of workers. Merging adds counts (Σ f, m); the confidence
+bound is computed once, from the merged sums.
+
+Many machines. `balls_and_bins_sums` returns the sufficient statistics (Σ_i f_i(ε), m,
+log_scale) of one seed and direction. Run it on each machine with its own seed, e.g. (seed, j)
+for machine j (SeedSequence makes these independent streams) and the same other arguments
+(with importance sampling, pass one `conditioning_epsilon` so the conditioning agrees), through
+any engine (Ray: `ray.get([ray.remote(balls_and_bins_sums).remote(..., seed=(seed, j)) for j in
+range(M)])`; Dask, MPI or a job array alike); merge with `HockeyStickSums.merge` and turn the
+merged sums into bounds with `delta_from_sums`. Merge sums, never bounds.
 """
 
 from __future__ import annotations
 
+from concurrent import futures
 import dataclasses
 import math
+import multiprocessing
 from typing import Literal, Sequence, Union
 
 import numpy as np
@@ -72,6 +89,9 @@ Seed = Union[int, Sequence[int]]
 
 # float64 elements per per-chunk array (bounds memory at a few tens of MB).
 _CHUNK_ELEMENTS = 1 << 20
+# Samples per chunk, the unit of one random stream and of one parallel task (module docstring);
+# fixed, so the samples do not depend on the number of workers.
+_SAMPLES_PER_CHUNK = 1 << 13
 _REMOVE, _ADD = 'remove', 'add'
 # 'auto' samples every coordinate (exact L) up to this many steps, order statistics above: the
 # block bounds cost little accuracy at large T but are visibly pessimistic when ε is small.
@@ -122,6 +142,10 @@ def _check_seed(seed):
     ok = False
   if not ok:
     raise ValueError(f'seed must be an integer >= 0 or a sequence of them, got {seed!r}.')
+
+
+def _check_workers(workers):
+  _check_int('workers', workers, 1)
 
 
 def _check_method(method):
@@ -457,8 +481,9 @@ class _Plan:
     return 'importance' if base == 'naive' else 'importance_order_statistics'
 
   def chunk_size(self) -> int:
+    """Samples per chunk: _SAMPLES_PER_CHUNK, fewer when one sample is wide (memory)."""
     width = self.num_steps if self.ranks is None else len(self.ranks)
-    return max(1, _CHUNK_ELEMENTS // max(1, width))
+    return max(1, min(_SAMPLES_PER_CHUNK, _CHUNK_ELEMENTS // max(1, width)))
 
   def sample(self, rng, size) -> tuple[np.ndarray, np.ndarray]:
     """(L_total or its pessimistic bound, weight 1/N) for `size` samples."""
@@ -508,20 +533,107 @@ def _trivial_sums(plan: _Plan, epsilons, num_samples) -> HockeyStickSums | None:
                          np.full_like(epsilons, plan.log_scale))
 
 
-def _sums(plan: _Plan, rng, epsilons, num_samples) -> HockeyStickSums:
-  trivial = _trivial_sums(plan, epsilons, num_samples)
-  if trivial is not None:
-    return trivial
-  sum_f = np.zeros_like(epsilons)
-  chunk = max(1, min(plan.chunk_size(), _CHUNK_ELEMENTS // len(epsilons)))
-  for start in range(0, num_samples, chunk):
-    loss, weight = plan.sample(rng, min(chunk, num_samples - start))
-    sum_f += _f(plan.direction, loss, weight, epsilons).sum(axis=0)
-  return HockeyStickSums(epsilons, sum_f, num_samples, np.full_like(epsilons, plan.log_scale))
+def _f_sum(direction, loss, weight, epsilons) -> np.ndarray:
+  """Σ_i f_i(ε_j) over the given samples, in row blocks of bounded memory."""
+  rows = max(1, _CHUNK_ELEMENTS // len(epsilons))
+  total = np.zeros_like(epsilons)
+  for start in range(0, len(loss), rows):
+    total += _f(direction, loss[start:start + rows], weight[start:start + rows],
+                epsilons).sum(axis=0)
+  return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunks: independent streams, run serially or in worker processes
+# ---------------------------------------------------------------------------------------------
+
+
+def _chunks(plan: _Plan, seed: Seed, key: tuple[int, int], num_samples: int) -> list[tuple]:
+  """(plan, stream, size) per chunk; chunk c draws from SeedSequence(seed, spawn_key=(*key, c)).
+
+  key = (direction index, conditioning group index). No chunks for a trivial plan.
+  """
+  if plan.log_scale < _LOG_SCALE_TRIVIAL:
+    return []
+  size = plan.chunk_size()
+  return [(plan, np.random.SeedSequence(seed, spawn_key=(*key, c)), min(size, num_samples - start))
+          for c, start in enumerate(range(0, num_samples, size))]
+
+
+def _sample_chunk(plan: _Plan, stream: np.random.SeedSequence,
+                  size: int) -> tuple[np.ndarray, np.ndarray]:
+  """(loss, weight) of one chunk (runs in a worker process)."""
+  return plan.sample(np.random.default_rng(stream), size)
+
+
+def _sum_chunk(plan: _Plan, stream: np.random.SeedSequence, size: int,
+               epsilons: np.ndarray) -> np.ndarray:
+  """Σ_i f_i(ε_j) of one chunk (runs in a worker process)."""
+  loss, weight = _sample_chunk(plan, stream, size)
+  return _f_sum(plan.direction, loss, weight, epsilons)
+
+
+# In a worker process of `_run`: the shared [front, back) bounds of the unclaimed tasks.
+_worker_claims = None
+
+
+def _init_worker(claims) -> None:
+  global _worker_claims
+  _worker_claims = claims
+
+
+def _claim(claims, from_front: bool) -> int | None:
+  """Claims the next unclaimed task index from one end of [front, back), or None if none."""
+  with claims.get_lock():
+    front, back = claims[0], claims[1]
+    if front >= back:
+      return None
+    if from_front:
+      claims[0] = front + 1
+      return front
+    claims[1] = back - 1
+    return back - 1
+
+
+def _drain(fn, tasks: list[tuple], from_front: bool = True, claims=None) -> dict[int, object]:
+  """{index: fn(*task)} for the tasks this process claims, one at a time, until none is left."""
+  claims = _worker_claims if claims is None else claims
+  done = {}
+  while (i := _claim(claims, from_front)) is not None:
+    done[i] = fn(*tasks[i])
+  return done
+
+
+def _run(fn, tasks: list[tuple], workers: int) -> list:
+  """[fn(*task) for task in tasks], in order, by `workers` processes: this one and workers − 1.
+
+  The others are spawned ('spawn': fork after JAX initialisation is unsafe) and claim tasks
+  from the front of a shared counter, this process from the back, so none waits for another to
+  start (~2 s each: they import dpjax.accounting) and a process that starts after the tasks
+  are all claimed is not waited for.
+  """
+  if workers == 1 or len(tasks) <= 1:
+    return [fn(*task) for task in tasks]
+  context = multiprocessing.get_context('spawn')
+  claims = context.Array('q', [0, len(tasks)])
+  pool = futures.ProcessPoolExecutor(min(workers - 1, len(tasks) - 1), mp_context=context,
+                                     initializer=_init_worker, initargs=(claims,))
+  try:
+    others = {pool.submit(_drain, fn, tasks) for _ in range(pool._max_workers)}  # pylint: disable=protected-access
+    for future in others:  # a late process unpickles `claims` at start: keep it alive until then
+      future.add_done_callback(lambda _, keep=claims: keep)
+    done = _drain(fn, tasks, from_front=False, claims=claims)
+    while len(done) < len(tasks) and others:  # wait only for processes that claimed tasks
+      finished, others = futures.wait(others, return_when=futures.FIRST_COMPLETED)
+      for future in finished:
+        done.update(future.result())
+    return [done[i] for i in range(len(tasks))]
+  finally:
+    pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _direction_rngs(seed: Seed, count: int = 1):
-  """Independent generators per direction (and per conditioning level) from one seed."""
+  """Independent generators per direction (and per conditioning level) from one seed (Poisson)."""
   remove, add = np.random.SeedSequence(seed).spawn(2)
   return ([np.random.default_rng(s) for s in remove.spawn(count)],
           [np.random.default_rng(s) for s in add.spawn(count)])
@@ -535,7 +647,8 @@ def _direction_rngs(seed: Seed, count: int = 1):
 def balls_and_bins_sums(sigma: float, num_steps: int, epsilons, *, num_epochs: int = 1,
                         num_samples: int, method: Method = 'auto', seed: Seed = 0,
                         conditioning_epsilon: float | None = None, num_exact_ranks: int = 100,
-                        rank_growth: float = 1.05) -> tuple[HockeyStickSums, HockeyStickSums]:
+                        rank_growth: float = 1.05,
+                        workers: int = 1) -> tuple[HockeyStickSums, HockeyStickSums]:
   """Monte-Carlo sufficient statistics for balls-and-bins, (P‖Q "remove", Q‖P "add").
 
   Args:
@@ -547,11 +660,12 @@ def balls_and_bins_sums(sigma: float, num_steps: int, epsilons, *, num_epochs: i
     method: 'naive' (all T coordinates), 'importance' (Alg. 5), 'order_statistics' (Alg. 6),
       'importance_order_statistics' (App. B.3), 'auto' (order statistics when T > 1000, all
       coordinates otherwise, plus importance in a direction where E·Pr(A_1) ≤ 1/2).
-    seed: int or sequence of ints (e.g. (seed, worker) for parallel chunks to merge).
+    seed: int or sequence of ints (e.g. (seed, j) on machine j, whose sums are then merged).
     conditioning_epsilon: importance sampling only. None conditions each ε of the grid on its
       own event (Alg. 5; costs m samples per ε); a value ε_c ≤ min(epsilons) conditions once on
       the event at ε_c, valid for every ε ≥ ε_c (one sample set).
     num_exact_ranks, rank_growth: order-statistic ranks (`order_statistic_ranks`).
+    workers: processes sampling the chunks; the sums do not depend on it (module docstring).
 
   Returns:
     (remove, add) `HockeyStickSums`; combine with `delta_from_sums`.
@@ -561,6 +675,7 @@ def balls_and_bins_sums(sigma: float, num_steps: int, epsilons, *, num_epochs: i
   _check_method(method)
   _check_ranks(num_exact_ranks, rank_growth)
   _check_seed(seed)
+  _check_workers(workers)
   importance = method in ('auto', 'importance', 'importance_order_statistics')
   if conditioning_epsilon is not None:
     if not (_is_number(conditioning_epsilon) and 0 <= conditioning_epsilon <= eps.min()):
@@ -570,22 +685,34 @@ def balls_and_bins_sums(sigma: float, num_steps: int, epsilons, *, num_epochs: i
   # One sample set per ε of the grid (each conditioned on its own event), or one for all.
   groups = ([(float(e), eps[i:i + 1]) for i, e in enumerate(eps)] if per_epsilon
             else [(conditioning_epsilon or 0.0, eps)])
-  rngs = _direction_rngs(seed, len(groups))
+  plans = {(d, g): _make_plan(direction, sigma, num_steps, num_epochs, method, level,
+                              num_exact_ranks, rank_growth)
+           for d, direction in enumerate((_REMOVE, _ADD)) for g, (level, _) in enumerate(groups)}
+  tasks, owners = [], []
+  for key, plan in plans.items():
+    for task in _chunks(plan, seed, key, num_samples):
+      tasks.append(task + (groups[key[1]][1],))
+      owners.append(key)
+  # A trivial plan has no chunks and mean f := 1 (`_trivial_sums`).
+  sum_f = {key: np.full_like(groups[key[1]][1], float(num_samples)
+                             if plan.log_scale < _LOG_SCALE_TRIVIAL else 0.0)
+           for key, plan in plans.items()}
+  for key, chunk_sum in zip(owners, _run(_sum_chunk, tasks, workers)):
+    sum_f[key] += chunk_sum  # in chunk order, whoever computed it
   results = []
-  for direction, direction_rngs in zip((_REMOVE, _ADD), rngs):
-    parts = [_sums(_make_plan(direction, sigma, num_steps, num_epochs, method, level,
-                              num_exact_ranks, rank_growth), rng, group_eps, num_samples)
-             for (level, group_eps), rng in zip(groups, direction_rngs)]
-    results.append(HockeyStickSums(eps, np.concatenate([p.sum_f for p in parts]), num_samples,
-                                   np.concatenate([p.log_scale for p in parts])))
+  for d in range(2):
+    keys = [(d, g) for g in range(len(groups))]
+    results.append(HockeyStickSums(
+        eps, np.concatenate([sum_f[key] for key in keys]), num_samples,
+        np.concatenate([np.full(len(groups[g][1]), plans[d, g].log_scale) for _, g in keys])))
   return results[0], results[1]
 
 
 def balls_and_bins_delta(sigma: float, num_steps: int, epsilons, *, num_epochs: int = 1,
                          num_samples: int, beta: float = 1e-3, method: Method = 'auto',
                          seed: Seed = 0, conditioning_epsilon: float | None = None,
-                         num_exact_ranks: int = 100,
-                         rank_growth: float = 1.05) -> tuple[np.ndarray, np.ndarray]:
+                         num_exact_ranks: int = 100, rank_growth: float = 1.05,
+                         workers: int = 1) -> tuple[np.ndarray, np.ndarray]:
   """Monte-Carlo δ(ε) of balls-and-bins DP-SGD: (point estimate, UCB at confidence 1 − β).
 
   The UCB is ≥ the true δ(ε) with probability ≥ 1 − β (for each ε of the grid); the point
@@ -595,7 +722,7 @@ def balls_and_bins_delta(sigma: float, num_steps: int, epsilons, *, num_epochs: 
   remove, add = balls_and_bins_sums(
       sigma, num_steps, epsilons, num_epochs=num_epochs, num_samples=num_samples, method=method,
       seed=seed, conditioning_epsilon=conditioning_epsilon, num_exact_ranks=num_exact_ranks,
-      rank_growth=rank_growth)
+      rank_growth=rank_growth, workers=workers)
   return delta_from_sums(remove, add, beta)
 
 
@@ -640,25 +767,23 @@ def _gaussian_epsilon(sigma: float, delta: float) -> float:
 
 
 class _LossSamples:
-  """Stored per-direction samples; δ estimates at any ε from one sample set."""
+  """Stored per-direction samples, per chunk; δ estimates at any ε from one sample set.
 
-  def __init__(self, plan: _Plan, rng, num_samples):
-    self.plan, self.num_samples = plan, num_samples
-    losses, weights = [], []
-    for start in range(0, num_samples if plan.log_scale >= _LOG_SCALE_TRIVIAL else 0,
-                       plan.chunk_size()):
-      loss, weight = plan.sample(rng, min(plan.chunk_size(), num_samples - start))
-      losses.append(loss)
-      weights.append(weight)
-    self.loss = np.concatenate(losses) if losses else np.zeros(0)
-    self.weight = np.concatenate(weights) if weights else np.zeros(0)
+  Sums are taken per chunk and added in chunk order, exactly as `balls_and_bins_sums` does, so
+  both give the same bits for the same seed.
+  """
+
+  def __init__(self, plan: _Plan, num_samples: int, chunks: list[tuple[np.ndarray, np.ndarray]]):
+    self.plan, self.num_samples, self.chunks = plan, num_samples, chunks
 
   def sums(self, epsilon: float) -> HockeyStickSums:
     eps = np.asarray([epsilon], dtype=np.float64)
     trivial = _trivial_sums(self.plan, eps, self.num_samples)
     if trivial is not None:
       return trivial
-    sum_f = _f(self.plan.direction, self.loss, self.weight, eps).sum(axis=0)
+    sum_f = np.zeros(1)
+    for loss, weight in self.chunks:
+      sum_f += _f_sum(self.plan.direction, loss, weight, eps)
     return HockeyStickSums(eps, sum_f, self.num_samples, np.full(1, self.plan.log_scale))
 
 
@@ -685,12 +810,14 @@ def _smallest_epsilon(value_at, delta, lo, start_hi) -> float:
 def balls_and_bins_epsilon(sigma: float, num_steps: int, delta: float, *, num_epochs: int = 1,
                            num_samples: int = 100_000, beta: float = 1e-3,
                            method: Method = 'auto', seed: Seed = 0, num_exact_ranks: int = 100,
-                           rank_growth: float = 1.05) -> MonteCarloResult:
+                           rank_growth: float = 1.05, workers: int = 1) -> MonteCarloResult:
   """High-probability upper bound on ε(δ) of balls-and-bins DP-SGD (Algorithms 4-6, 11).
 
   One sample set per direction; ε is found by bisection on the monotone δ⁺(ε). Importance
   sampling conditions once at ε_c = the max-test lower bound on ε(δ) (`max_test`), which is
   below every ε the bisection can return, so one conditioned sample set serves them all.
+  Sampling is ~95% of the time (T = 1e4, m = 1e5): `workers` processes draw the chunks, the
+  bisection runs here on the stored losses; the result does not depend on `workers`.
 
   Raises:
     ValueError: bad arguments, or num_samples too small for delta (even p̂ = 0 leaves δ⁺ > δ).
@@ -701,6 +828,7 @@ def balls_and_bins_epsilon(sigma: float, num_steps: int, delta: float, *, num_ep
   _check_method(method)
   _check_ranks(num_exact_ranks, rank_growth)
   _check_seed(seed)
+  _check_workers(workers)
   importance = method in ('auto', 'importance', 'importance_order_statistics')
   conditioning = (max_test.balls_and_bins_lower_bound_epsilon(
       sigma, num_steps, delta, num_epochs=num_epochs) if importance else 0.0)
@@ -714,8 +842,10 @@ def balls_and_bins_epsilon(sigma: float, num_steps: int, delta: float, *, num_ep
           f'with no positive sample the {plan.direction} upper confidence bound is '
           f'{math.exp(plan.log_scale) * floor:.3g}; need num_samples > '
           f'{math.ceil(math.exp(plan.log_scale) * math.log(2 / beta) / delta)}.')
-  rngs = _direction_rngs(seed)
-  samples = [_LossSamples(plan, rng[0], num_samples) for plan, rng in zip(plans, rngs)]
+  tasks = [_chunks(plan, seed, (d, 0), num_samples) for d, plan in enumerate(plans)]
+  chunks = _run(_sample_chunk, tasks[0] + tasks[1], workers)
+  samples = [_LossSamples(plans[0], num_samples, chunks[:len(tasks[0])]),
+             _LossSamples(plans[1], num_samples, chunks[len(tasks[0]):])]
 
   def ucb(eps):
     return max(s.sums(eps).upper_confidence_bound(beta / 2)[0] for s in samples)
