@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
                  help='balls-and-bins Monte-Carlo samples per direction')
   p.add_argument('--beta', type=float, default=1e-3,
                  help='Monte-Carlo failure probability (confidence 1 - beta)')
+  p.add_argument('--workers', type=int, default=None,
+                 help='processes drawing the Monte-Carlo samples (the estimate does not depend '
+                      'on it); default: privacy.monte_carlo_workers of --config, else 1')
   p.add_argument('--json', action='store_true', help='print one JSON object')
   return p
 
@@ -72,7 +75,17 @@ def load_config(spec: str):
   return module.get_config(arg or None)
 
 
-def _from_config(args) -> tuple[accountant_lib.Accountant, dict]:
+def _monte_carlo_options(args) -> dict:
+  """Accountant options of the Monte-Carlo estimate; --workers only if given (else config / 1)."""
+  options = dict(monte_carlo_samples=args.monte_carlo_samples, beta=args.beta)
+  if args.workers is not None:
+    if args.workers < 1:
+      raise ValueError(f'--workers must be an integer >= 1, got {args.workers}.')
+    options['monte_carlo_workers'] = args.workers
+  return options
+
+
+def _from_config(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, dict]:
   config = load_config(args.config)
   if args.sampler is not None:
     config.sampler.name = args.sampler
@@ -99,9 +112,7 @@ def _from_config(args) -> tuple[accountant_lib.Accountant, dict]:
   if num_examples is None:
     from dpjax import data  # pylint: disable=g-import-not-at-top
     num_examples = len(data.make_sources(config.data, seed=config.seed)[0])
-  acct = accountant_lib.make_accountant(config, num_examples,
-                                        monte_carlo_samples=args.monte_carlo_samples,
-                                        beta=args.beta)
+  acct = accountant_lib.make_accountant(config, num_examples, **monte_carlo_options)
   extra = {'config': args.config}
   if not config.privacy.get('noise_multiplier') and config.privacy.get('target_epsilon'):
     extra['calibrated_for_target_epsilon'] = config.privacy.target_epsilon
@@ -110,7 +121,7 @@ def _from_config(args) -> tuple[accountant_lib.Accountant, dict]:
   return acct, extra
 
 
-def _from_flags(args, parser) -> tuple[accountant_lib.Accountant, dict]:
+def _from_flags(args, parser, monte_carlo_options) -> tuple[accountant_lib.Accountant, dict]:
   missing = [flag for flag, value in (('--sampler', args.sampler),
                                       ('--num-examples', args.num_examples),
                                       ('--batch-size', args.batch_size),
@@ -130,7 +141,7 @@ def _from_flags(args, parser) -> tuple[accountant_lib.Accountant, dict]:
   steps = args.steps if args.steps is not None else args.epochs * sampler.steps_per_epoch
   options = dict(accountant=args.accountant or 'auto', max_batch_size=args.max_batch_size,
                  group_size=1 if args.group_size is None else args.group_size, num_steps=steps,
-                 monte_carlo_samples=args.monte_carlo_samples, beta=args.beta)
+                 **monte_carlo_options)
   extra = {}
   sigma = args.noise_multiplier
   if sigma is None:
@@ -186,7 +197,9 @@ def main(argv=None) -> int:
   parser = _parser()
   args = parser.parse_args(argv)
   try:
-    acct, extra = _from_config(args) if args.config else _from_flags(args, parser)
+    options = _monte_carlo_options(args)  # validated before any loading or computing
+    acct, extra = (_from_config(args, options) if args.config
+                   else _from_flags(args, parser, options))
     report = acct.final_report()
   except ValueError as e:
     parser.error(str(e))

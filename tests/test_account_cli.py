@@ -10,6 +10,7 @@ import pytest
 
 from dpjax import samplers
 from dpjax.accounting import accountant as accountant_lib
+from dpjax.accounting import monte_carlo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REQUIRED = ('epsilon', 'delta', 'noise_multiplier', 'steps', 'steps_per_epoch', 'sampler',
@@ -34,7 +35,7 @@ def test_help():
   out = _run('--help')
   for flag in ('--sampler', '--num-examples', '--batch-size', '--steps', '--epochs',
                '--noise-multiplier', '--target-epsilon', '--delta', '--accountant',
-               '--max-batch-size', '--group-size', '--json', '--config'):
+               '--max-batch-size', '--group-size', '--json', '--config', '--workers'):
     assert flag in out.stdout
 
 
@@ -55,13 +56,17 @@ def test_poisson_json_matches_the_api():
 def test_balls_and_bins_json_reports_estimates_beside_the_provable_bound():
   out = _run('--sampler', 'balls_and_bins', '--num-examples', '1000', '--batch-size', '100',
              '--steps', '10', '--noise-multiplier', '1.0', '--delta', '1e-5',
-             '--monte-carlo-samples', '60000', '--json')
+             '--monte-carlo-samples', '60000', '--workers', '2', '--json')
   got = json.loads(out.stdout)
   assert got['bound'] == 'upper' and got['steps_per_epoch'] == 10
   assert got['epsilon'] == got['details']['provable_epsilon']
   assert got['epsilon_lower'] <= got['epsilon'] <= got['details']['deterministic_epsilon']
   assert (got['confidence'], got['num_samples']) == (0.999, 60_000)
   assert got['details']['monte_carlo_epsilon_high_probability'] >= got['epsilon_lower']
+  # Two worker processes, the numbers of one (untruncated: δ₀ = δ).
+  serial = monte_carlo.balls_and_bins_epsilon(1.0, 10, 1e-5, num_samples=60_000, beta=1e-3)
+  assert got['details']['monte_carlo_epsilon_high_probability'] == min(
+      serial.epsilon, got['details']['deterministic_epsilon'])
 
 
 def test_config_and_calibration():
@@ -85,6 +90,7 @@ def test_table_labels_shuffle_numbers():
 @pytest.mark.parametrize('args, message', [
     (('--noise-multiplier', '-1'), 'noise_multiplier'),
     (('--noise-multiplier', '1', '--batch-size', '20000'), 'batch_size'),
+    (('--noise-multiplier', '1', '--workers', '0'), '--workers'),
 ])
 def test_errors_name_the_field(args, message):
   base = {'--sampler': 'poisson', '--num-examples': '10000', '--batch-size': '100',

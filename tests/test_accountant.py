@@ -2,6 +2,7 @@
 
 import json
 import math
+import subprocess
 import time
 
 import pytest
@@ -12,6 +13,7 @@ from dpjax import samplers
 from dpjax.accounting import accountant as accountant_lib
 from dpjax.accounting import balls_and_bins
 from dpjax.accounting import max_test
+from dpjax.accounting import monte_carlo
 
 DELTA = 1e-5
 NUM_DIGITS_TRAIN = 1437
@@ -159,6 +161,41 @@ def test_monte_carlo_accountant_is_labelled_high_probability():
   assert report.details['epochs_accounted'] == 2
 
 
+def test_monte_carlo_workers_reach_the_estimate_and_do_not_change_it(monkeypatch):
+  sampler = _sampler('balls_and_bins', 1000, 100)
+  options = dict(accountant='monte_carlo', monte_carlo_samples=20_000, beta=1e-2)
+  serial = accountant_lib.Accountant(sampler, 1.0, 1e-3, **options).epsilon_at(20,
+                                                                               estimates=False)
+  seen = []
+  real = monte_carlo.balls_and_bins_epsilon
+
+  def spy(*args, **kwargs):
+    seen.append(kwargs['workers'])
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(monte_carlo, 'balls_and_bins_epsilon', spy)
+  parallel = accountant_lib.Accountant(sampler, 1.0, 1e-3, monte_carlo_workers=2,
+                                       **options).epsilon_at(20, estimates=False)
+  assert seen == [2]
+  assert parallel.epsilon == serial.epsilon
+  assert parallel.details == serial.details
+
+
+def test_monte_carlo_workers_from_the_config():
+  config = _config()
+  assert accountant_lib.make_accountant(config, NUM_DIGITS_TRAIN).monte_carlo_workers == 1
+  config.privacy.monte_carlo_workers = 2
+  assert accountant_lib.make_accountant(config, NUM_DIGITS_TRAIN).monte_carlo_workers == 2
+  assert accountant_lib.make_accountant(config, NUM_DIGITS_TRAIN,
+                                        monte_carlo_workers=1).monte_carlo_workers == 1
+  config.privacy.monte_carlo_workers = 0
+  with pytest.raises(ValueError, match='privacy.monte_carlo_workers'):
+    accountant_lib.make_accountant(config, NUM_DIGITS_TRAIN)
+  with pytest.raises(ValueError, match='monte_carlo_workers'):
+    accountant_lib.Accountant(_sampler('balls_and_bins', 1000, 100), 1.0, DELTA,
+                              monte_carlo_workers=1.5)
+
+
 def test_balls_and_bins_truncation_penalty():
   sampler = _sampler('balls_and_bins', 10_000, 100)  # T = 100, n_t ~ Binomial(10^4, 0.01)
   plain = accountant_lib.Accountant(sampler, 2.0, DELTA, random_allocation=False)
@@ -189,6 +226,36 @@ def test_random_allocation_policy_and_timeout():
       20, estimates=False)
   assert report.details['provable_method'] == 'deterministic (random-allocation PLD timed out)'
   assert report.epsilon == balls_and_bins.deterministic_epsilon(1.0, 1, DELTA)
+
+
+def test_random_allocation_subprocess_timeouts_are_remembered_with_their_budget(monkeypatch):
+  # Both runners (one-epoch PLD, ε range) share one budget/memo/error path.
+  calls = []
+
+  def times_out(argv, **kwargs):
+    calls.append(kwargs['timeout'])
+    raise subprocess.TimeoutExpired(argv, kwargs['timeout'])
+
+  monkeypatch.setattr(balls_and_bins, '_memo', {})
+  monkeypatch.setattr(balls_and_bins.subprocess, 'run', times_out)
+  for run in (lambda t: balls_and_bins.random_allocation_epsilon_range(1.0, 10, DELTA, timeout=t),
+              lambda t: balls_and_bins.random_allocation_epoch_pld(1.0, 10, timeout=t)):
+    calls.clear()
+    assert run(5.0) is None and run(5.0) is None and run(4.0) is None
+    assert calls == [5.0]  # a budget no larger than a failed one is not tried again
+    assert run(6.0) is None and calls == [5.0, 6.0]
+    monkeypatch.setattr(balls_and_bins, '_memo', {})  # a new process: the disk remembers
+    assert run(6.0) is None and calls == [5.0, 6.0]
+    assert run(None) is None and calls == [5.0, 6.0, None]  # no limit: tried again
+
+  def fails(argv, **kwargs):
+    raise subprocess.CalledProcessError(1, argv, stderr='Traceback ... boom')
+
+  monkeypatch.setattr(balls_and_bins.subprocess, 'run', fails)
+  with pytest.raises(RuntimeError, match='random-allocation PLD failed: .*boom'):
+    balls_and_bins.random_allocation_epsilon_range(1.5, 10, DELTA)
+  with pytest.raises(RuntimeError, match='random-allocation PLD failed: .*boom'):
+    balls_and_bins.random_allocation_epoch_pld(1.5, 10)
 
 
 def test_group_balls_and_bins_falls_back_to_deterministic():

@@ -32,7 +32,8 @@ is that of the e epochs started so far.
 Cost: per-step PLDs are built once per accountant and self-composed per
 query (≈ 1 s for 1e5 Poisson steps); reports are memoised per step (per
 epoch for epoch-based samplers); random-allocation PLD results are cached on
-disk. `estimates=False` skips the numbers reported beside the attached one
+disk. The Monte-Carlo samples are drawn by `monte_carlo_workers` processes
+(`privacy.monte_carlo_workers`; the estimate does not depend on it). `estimates=False` skips the numbers reported beside the attached one
 (Monte-Carlo, lower bounds, comparisons) for cheap per-checkpoint calls.
 """
 
@@ -232,7 +233,8 @@ class Accountant:
                accountant: str = 'auto', max_batch_size: int | None = None,
                group_size: int = 1, num_steps: int | None = None,
                monte_carlo_samples: int = 100_000, beta: float = 1e-3,
-               monte_carlo_seed: int = 0, random_allocation: bool | None = None,
+               monte_carlo_seed: int = 0, monte_carlo_workers: int = 1,
+               random_allocation: bool | None = None,
                value_discretization_interval: float | None = None,
                pld_coarsening: float = 1.0,
                exact_truncation: bool = True,
@@ -250,6 +252,8 @@ class Accountant:
       monte_carlo_samples: samples per direction of the Monte-Carlo estimate.
       beta: the Monte-Carlo failure probability (confidence 1 − β).
       monte_carlo_seed: its seed (fixed, so reports are reproducible).
+      monte_carlo_workers: processes drawing its samples (this one included); the
+        estimate does not depend on it (`monte_carlo` module docstring).
       random_allocation: force (True) / skip (False) random-allocation PLD for
         balls-and-bins; None = the policy in `balls_and_bins` (T <= 100 and
         done within `random_allocation_timeout` seconds, once: results are cached).
@@ -288,6 +292,8 @@ class Accountant:
       raise ValueError(f'beta must be in (0, 1), got {beta!r}.')
     self.beta = float(beta)
     self.monte_carlo_seed = monte_carlo_seed
+    self.monte_carlo_workers = sampler_events.check_positive_int('monte_carlo_workers',
+                                                                 monte_carlo_workers)
     self.random_allocation = random_allocation
     if value_discretization_interval is not None and not (
         isinstance(value_discretization_interval, float) and
@@ -611,7 +617,8 @@ class Accountant:
     if key not in self._monte_carlo:
       self._monte_carlo[key] = monte_carlo.balls_and_bins_epsilon(
           self.noise_multiplier, self.steps_per_epoch, delta0, num_epochs=epochs,
-          num_samples=self.monte_carlo_samples, beta=self.beta, seed=self.monte_carlo_seed)
+          num_samples=self.monte_carlo_samples, beta=self.beta, seed=self.monte_carlo_seed,
+          workers=self.monte_carlo_workers)
     return self._monte_carlo[key]
 
 
@@ -646,12 +653,14 @@ def make_accountant(config: ml_collections.ConfigDict, num_examples: int,
   (`calibration.calibrate_noise_multiplier`) to reach `privacy.target_epsilon`
   at the last step, and `Accountant.noise_multiplier` is the σ to train with.
   If both are set, the run is refused (ValueError) when its final ε exceeds
-  the target.
+  the target. `privacy.monte_carlo_workers` (default 1) is the number of
+  processes of the Monte-Carlo estimate.
 
   Args:
     config: the training config.
     num_examples: N.
-    **kwargs: passed to `Accountant` (e.g. monte_carlo_samples, beta).
+    **kwargs: passed to `Accountant` (e.g. monte_carlo_samples, beta); they
+      override the config (monte_carlo_workers).
   """
   privacy = config.privacy
   if not privacy.enabled:
@@ -666,6 +675,9 @@ def make_accountant(config: ml_collections.ConfigDict, num_examples: int,
   max_batch_size = batching.resolve_max_batch_size(
       sampler, config.sampler.physical_batch_size, requested=config.sampler.max_batch_size,
       num_steps=num_steps, delta=delta)
+  if 'monte_carlo_workers' not in kwargs:
+    kwargs['monte_carlo_workers'] = sampler_events.check_positive_int(
+        'privacy.monte_carlo_workers', privacy.get('monte_carlo_workers', 1))
   options = dict(accountant=privacy.accountant, max_batch_size=max_batch_size,
                  group_size=privacy.group_size, **kwargs)
   if _unset(sigma):

@@ -218,6 +218,29 @@ def _write_disk_cache(key: str, value) -> None:
     pass  # A cache that cannot be written only costs time.
 
 
+def _run_with_budget(key: str, code: str, args: list[str], timeout: float | None) -> str | None:
+  """stdout of `python -c code *args`, or None if it timed out, now or before.
+
+  Killed after `timeout` seconds (None: no limit). A timeout is memoised under `key` with its
+  budget, in-process and on disk, and a later call with no larger budget returns None at once.
+  A failure of the subprocess is a RuntimeError carrying the end of its stderr.
+  """
+  budget = math.inf if timeout is None else float(timeout)
+  cached = _memo.get(key) or _read_disk_cache().get(key)
+  if isinstance(cached, dict) and cached.get('timeout', 0) >= budget:
+    return None  # Already failed with at least this budget.
+  try:
+    out = subprocess.run([sys.executable, '-c', code, *args], capture_output=True, text=True,
+                         check=True, timeout=None if timeout is None else budget)
+  except subprocess.TimeoutExpired:
+    _memo[key] = {'timeout': budget}
+    _write_disk_cache(key, {'timeout': budget})
+    return None
+  except subprocess.CalledProcessError as e:
+    raise RuntimeError(f'random-allocation PLD failed: {e.stderr[-2000:]}') from e
+  return out.stdout
+
+
 _EPOCH_PLD_CODE = """
 import os, pickle, sys, PLD_accounting
 sigma, steps, disc, tail, path = (float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]),
@@ -255,22 +278,12 @@ def random_allocation_epoch_pld(noise_multiplier: float, num_steps: int, *,
     with open(path, 'rb') as f:
       _memo[key] = pickle.load(f)
     return _memo[key]
-  budget = math.inf if timeout is None else float(timeout)
-  cached = _memo.get(key) or _read_disk_cache().get(key)
-  if isinstance(cached, dict) and cached.get('timeout', 0) >= budget:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  if _run_with_budget(key, _EPOCH_PLD_CODE, [repr(sigma), str(steps),
+                                             repr(EPOCH_PLD_DISCRETIZATION),
+                                             repr(EPOCH_PLD_TAIL_TRUNCATION), str(path)],
+                      timeout) is None:
     return None
-  try:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, '-c', _EPOCH_PLD_CODE, repr(sigma), str(steps),
-                    repr(EPOCH_PLD_DISCRETIZATION), repr(EPOCH_PLD_TAIL_TRUNCATION), str(path)],
-                   capture_output=True, text=True, check=True,
-                   timeout=None if timeout is None else budget)
-  except subprocess.TimeoutExpired:
-    _memo[key] = {'timeout': budget}
-    _write_disk_cache(key, {'timeout': budget})
-    return None
-  except subprocess.CalledProcessError as e:
-    raise RuntimeError(f'random-allocation PLD failed: {e.stderr[-2000:]}') from e
   with open(path, 'rb') as f:
     _memo[key] = pickle.load(f)
   return _memo[key]
@@ -300,21 +313,11 @@ def random_allocation_epsilon_range(noise_multiplier: float, num_steps: int, del
   if isinstance(cached, list):
     _memo[key] = cached
     return float(cached[0]), float(cached[1])
-  budget = math.inf if timeout is None else float(timeout)
-  if isinstance(cached, dict) and cached.get('timeout', 0) >= budget:
-    return None  # Already failed with at least this budget.
-  try:
-    out = subprocess.run(
-        [sys.executable, '-c', _SUBPROCESS_CODE, repr(sigma), str(steps), str(epochs),
-         repr(float(delta))], capture_output=True, text=True, check=True,
-        timeout=None if timeout is None else budget)
-  except subprocess.TimeoutExpired:
-    _memo[key] = {'timeout': budget}
-    _write_disk_cache(key, {'timeout': budget})
+  stdout = _run_with_budget(key, _SUBPROCESS_CODE,
+                            [repr(sigma), str(steps), str(epochs), repr(float(delta))], timeout)
+  if stdout is None:
     return None
-  except subprocess.CalledProcessError as e:
-    raise RuntimeError(f'random-allocation PLD failed: {e.stderr[-2000:]}') from e
-  upper, lower = json.loads(out.stdout.strip().splitlines()[-1])
+  upper, lower = json.loads(stdout.strip().splitlines()[-1])
   _memo[key] = [upper, lower]
   _write_disk_cache(key, [upper, lower])
   return float(upper), float(lower)
