@@ -67,6 +67,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optimizer.learning_rate = 1.0
   c.optimizer.momentum = 0.0  # sgd only; 0 disables.
 
+  # --- Devices ---------------------------------------------------------------
+  c.num_devices = 0  # Data-parallel devices (mesh axis 'data'): 0 = all (every host's);
+  #   n > 0 = the first n (single process only). P must be a multiple of it.
+
   # --- Length and periodic actions -------------------------------------------
   c.num_epochs = 40  # Exactly one of num_epochs / num_steps is > 0 (the other 0);
   c.num_steps = 0  #   an epoch is ceil(N/b) steps.

@@ -16,6 +16,15 @@ complete, so an interrupted save never looks like a checkpoint. A checkpoint
 that is complete but unreadable (corrupt files) is reported, moved aside to
 `<step>.unreadable-<time>`, and the previous one is used.
 
+Data-parallel runs (`dpjax.sharding`) save the state replicated over the
+device mesh; every process of a multi-host job takes part in a save (orbax
+writes each replicated array once), so the workdir must be on a file system
+all hosts share. `restore_latest` restores onto the shardings of its
+`target`, so a run resumes on any device count: the restored values are the
+saved ones bit for bit, and later steps match the original device count up to
+float reduction order (exactly, on the same count). Restoring without a target
+(`StandardRestore()`) only works on the devices that saved it.
+
 List a workdir's checkpoints:
   python -m dpjax.checkpoints <workdir>
 """
@@ -30,6 +39,7 @@ import sys
 import time
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
 CHECKPOINT_DIR = 'checkpoints'
@@ -59,8 +69,9 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, metadata: dict) 
 def restore_latest(manager: ocp.CheckpointManager, target: Any) -> tuple[int, Any, dict] | None:
   """(step, state, metadata) of the newest readable checkpoint, or None.
 
-  `target` is a state with the right structure (e.g. the freshly initialised
-  one). Unreadable checkpoints are logged with the reason and skipped.
+  `target` is a state with the right structure and the shardings to restore
+  onto (e.g. the freshly initialised, replicated one). Unreadable checkpoints
+  are logged with the reason and skipped; process 0 moves them aside.
   """
   for step in sorted(manager.all_steps(), reverse=True):
     try:
@@ -70,7 +81,8 @@ def restore_latest(manager: ocp.CheckpointManager, target: Any) -> tuple[int, An
       # Keep the damaged files for inspection, out of the way of a new save at this step.
       path = os.path.join(str(manager.directory), str(step))
       aside = f'{path}.unreadable-{int(time.time())}'
-      os.rename(path, aside)
+      if jax.process_index() == 0:  # One host renames the shared directory.
+        os.rename(path, aside)
       message = (f'checkpoint {step} is unreadable ({type(e).__name__}: {e}); moved it to '
                  f'{aside} and falling back to the previous one.')
       logging.warning(message)

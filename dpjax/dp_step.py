@@ -25,6 +25,13 @@ Models must be per-example (no BatchNorm) and deterministic (no dropout), see
 `dpjax.models`. Metrics are monitoring values computed from the raw batch:
 they are NOT differentially private and must not be released as if they were.
 
+Data parallelism: given a `mesh` (see `dpjax.sharding`), each physical
+batch is split over the mesh's 'data' axis and everything else is replicated;
+the sum over the batch inside `accumulate` becomes a cross-device reduction
+chosen by the compiler, and `apply` (noise included) runs on replicated
+inputs, so the noise is drawn once per logical step from the same key and the
+update is the same on every device.
+
 Randomness: the Gaussian noise comes from JAX's Threefry PRNG keyed by
 (seed, NOISE_STREAM, step). It is reproducible, not a cryptographically secure
 sampler (the usual caveat for floating-point DP implementations).
@@ -42,6 +49,7 @@ import optax
 
 from dpjax import clipping as clipping_lib
 from dpjax import models
+from dpjax import sharding
 
 Params = Any
 Batch = dict[str, jax.Array]
@@ -125,7 +133,8 @@ class DPStep:
                optimizer: optax.GradientTransformation, *,
                clip_norm: float | None, noise_multiplier: float | None,
                expected_batch_size: float, private: bool = True,
-               clipping: str = 'auto', label_format: str = 'int'):
+               clipping: str = 'auto', label_format: str = 'int',
+               mesh: jax.sharding.Mesh | None = None):
     """Validates everything before any compute.
 
     Args:
@@ -143,6 +152,10 @@ class DPStep:
         `accumulate` is first traced; a model 'ghost' does not cover raises
         ValueError there, before any compute.
       label_format: 'int' labels [P] or 'one_hot' [P, classes].
+      mesh: data-parallel device mesh (`sharding.make_mesh`): batches are
+        sharded over its 'data' axis, params / optimiser state / accumulator
+        replicated, outputs replicated. P must be a multiple of its size.
+        None: run where the inputs are (one device).
     """
     if not (hasattr(optimizer, 'init') and hasattr(optimizer, 'update')):
       raise ValueError('optimizer must be an optax.GradientTransformation.')
@@ -178,11 +191,26 @@ class DPStep:
       self.noise_multiplier = 0.0
       self._sum_fn = functools.partial(clipping_lib.grad_sum, loss_fn)
     self._traces = {'accumulate': 0, 'apply': 0}
-    self.accumulate = jax.jit(self._accumulate, donate_argnums=(1,))
-    self.apply = jax.jit(self._apply, donate_argnums=(2,))
+    self.mesh = mesh
+    if mesh is None:
+      self.accumulate = jax.jit(self._accumulate, donate_argnums=(1,))
+      self.apply = jax.jit(self._apply, donate_argnums=(2,))
+      self._zeros = self._zero_accumulator
+    else:
+      state, batch = sharding.replicated(mesh), sharding.batch_sharding(mesh)
+      self.accumulate = jax.jit(
+          self._accumulate, in_shardings=(state, state, batch),
+          out_shardings=state, donate_argnums=(1,))
+      self.apply = jax.jit(self._apply, in_shardings=state,
+                           out_shardings=state, donate_argnums=(2,))
+      self._zeros = jax.jit(self._zero_accumulator, out_shardings=state)
 
   def init_accumulator(self, params: Params) -> Accumulator:
-    """Zero sums with the structure of params."""
+    """Zero sums with the structure of params (replicated over the mesh)."""
+    return self._zeros(params)
+
+  @staticmethod
+  def _zero_accumulator(params: Params) -> Accumulator:
     return Accumulator(
         jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
         clipping_lib.ClipStats.zeros())

@@ -3,11 +3,18 @@
   python -m dpjax.train --config configs/digits_mlp.py --workdir workdirs/digits_mlp \\
       [--config.privacy.target_epsilon=2.0 ...]
 
+Data parallel over all devices of the machine (`config.num_devices`, see
+`dpjax.sharding`); over several hosts, start the same command on every host
+with --distributed (jax.distributed.initialize; the coordinator, process count
+and id from the flags below, JAX_COORDINATOR_ADDRESS, or the cluster's
+environment). Only process 0 writes metrics and the config; every process
+takes part in checkpoints, so --workdir must be a shared file system.
+
 Everything lands under --workdir: `config.json` (the resolved config),
 `metrics.jsonl` (one JSON object per logged step), TensorBoard event files,
 and `checkpoints/<step>/` with the ε of that step. The loop reads top to
 bottom: config → data, sampler and batcher → privacy (σ and ε) → model and
-optimiser → DP step → restore → train loop with periodic log / eval /
+optimiser → devices → DP step → restore → train loop with periodic log / eval /
 checkpoint, always firing at the last step.
 """
 
@@ -40,9 +47,19 @@ from dpjax import data
 from dpjax import dp_step
 from dpjax import models
 from dpjax import samplers
+from dpjax import sharding
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Training config file.', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and config.')
+_DISTRIBUTED = flags.DEFINE_bool(
+    'distributed', False, 'Multi-host run: call jax.distributed.initialize() first (on every host).')
+_COORDINATOR = flags.DEFINE_string(
+    'coordinator_address', None, 'host:port of process 0 (--distributed; default: '
+    'JAX_COORDINATOR_ADDRESS or the cluster environment).')
+_NUM_PROCESSES = flags.DEFINE_integer(
+    'num_processes', None, 'Number of processes (--distributed; default: from the cluster).')
+_PROCESS_ID = flags.DEFINE_integer(
+    'process_id', None, 'This process, 0..num_processes-1 (--distributed; default: from the cluster).')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 OPTIMIZERS = ('sgd', 'adam')
@@ -121,8 +138,9 @@ def resolve_config(config: ml_collections.ConfigDict, num_examples: int,
 
 
 def evaluate(step_fn, params, source: data.DataSource, physical_batch_size: int,
-             label_format: str) -> dict[str, float]:
-  """Loss and accuracy over a whole split, in zero-weight-padded batches."""
+             mesh: jax.sharding.Mesh) -> dict[str, float]:
+  """Loss and accuracy over a whole split, in zero-weight-padded batches sharded like training."""
+  rows = sharding.local_rows(mesh, physical_batch_size)
   totals = None
   for start in range(0, len(source), physical_batch_size):
     indices = np.arange(start, min(start + physical_batch_size, len(source)))
@@ -130,9 +148,9 @@ def evaluate(step_fn, params, source: data.DataSource, physical_batch_size: int,
     weights[:len(indices)] = 1
     padded = np.zeros(physical_batch_size, np.int64)
     padded[:len(indices)] = indices
-    batch = source.gather(padded)
-    batch['weight'] = weights
-    out = step_fn(params, batch)
+    batch = source.gather(padded[rows])
+    batch['weight'] = weights[rows]
+    out = step_fn(params, sharding.shard_batch(mesh, batch))
     totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
   totals = jax.device_get(totals)
   return {'eval_loss': float(totals['loss_sum'] / totals['num_examples']),
@@ -140,9 +158,15 @@ def evaluate(step_fn, params, source: data.DataSource, physical_batch_size: int,
 
 
 class MetricWriter:
-  """Scalars to TensorBoard event files and to `metrics.jsonl` (one object per line)."""
+  """Scalars to TensorBoard event files and to `metrics.jsonl` (one object per line).
 
-  def __init__(self, workdir: str, resume_step: int):
+  Disabled (writes nothing) on every process but the first of a multi-host job.
+  """
+
+  def __init__(self, workdir: str, resume_step: int, enabled: bool = True):
+    self.enabled = enabled
+    if not enabled:
+      return
     self._path = os.path.join(workdir, 'metrics.jsonl')
     # Lines logged after the checkpoint we resume from are recomputed: drop them.
     if os.path.exists(self._path):
@@ -154,6 +178,8 @@ class MetricWriter:
     self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, 'tensorboard'))
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
+    if not self.enabled:
+      return
     for name, value in scalars.items():
       if value is not None:
         self._tb.add_scalar(name, value, step)
@@ -161,6 +187,8 @@ class MetricWriter:
     self._jsonl.flush()
 
   def close(self):
+    if not self.enabled:
+      return
     self._jsonl.close()
     self._tb.close()
 
@@ -209,6 +237,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   batcher = batching.Batcher(sampler, config.sampler.physical_batch_size, max_batch_size)
 
   # ---------------------------------------------------------------------------
+  # Devices: a 'data' mesh axis over every device of every host. Each physical
+  # batch is split over it (this process gathers only its own rows); state is
+  # replicated. Only process 0 writes metrics and logs.
+  # ---------------------------------------------------------------------------
+  mesh = sharding.make_mesh(config.num_devices)
+  sharding.check_physical_batch_size(config.sampler.physical_batch_size, mesh)
+  rows = sharding.local_rows(mesh, config.sampler.physical_batch_size)
+  primary = sharding.is_primary_process()
+  log = print if primary else lambda *args, **kwargs: None
+
+  # ---------------------------------------------------------------------------
   # Privacy: the accountant reads the same config (same sampler, same B) and
   # refuses a run whose final ε would exceed privacy.target_epsilon.
   # ---------------------------------------------------------------------------
@@ -223,13 +262,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       model, optimizer, clip_norm=config.privacy.clip_norm,
       noise_multiplier=config.privacy.noise_multiplier, expected_batch_size=sampler.expected_batch_size,
       private=config.privacy.enabled, clipping=config.privacy.clipping,
-      label_format=config.data.label_format)
+      label_format=config.data.label_format, mesh=mesh)
   eval_fn = lambda params, batch: dp_step.eval_step(model, params, batch, config.data.label_format)
   run_eval = lambda params: evaluate(eval_fn, params, test_source, config.sampler.physical_batch_size,
-                                     config.data.label_format)
+                                     mesh)
   params = dp_step.init_params(model, config.seed, train_source.input_shape)
-  state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                     opt_state=optimizer.init(params), num_truncated=jnp.zeros((), jnp.int32))
+  state = sharding.replicate(mesh, TrainState(  # Same seed, same values on every host.
+      step=np.int32(0), params=params, opt_state=optimizer.init(params),
+      num_truncated=np.int32(0)))
+  replicated = sharding.replicated(mesh)
 
   # ---------------------------------------------------------------------------
   # Restore: the same command resumes from the latest readable checkpoint.
@@ -246,12 +287,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
           f'{saved_config.privacy.noise_multiplier}, this config resolves to σ = '
           f'{config.privacy.noise_multiplier}; mixing them would break the privacy claim. '
           'Use a fresh --workdir or the original config.')
-    print(f'Resuming from step {restored_step} ({checkpoints.checkpoint_dir(workdir)}).')
+    log(f'Resuming from step {restored_step} ({checkpoints.checkpoint_dir(workdir)}).')
   start_step = int(state.step)
-  with open(os.path.join(workdir, 'config.json'), 'w') as f:
-    json.dump(config.to_dict(), f, indent=2)
-  print('Config:\n' + json.dumps(config.to_dict(), indent=2))
-  print(f'N = {num_examples}, {sampler.name} sampler, expected batch {sampler.expected_batch_size:g}, '
+  if primary:
+    with open(os.path.join(workdir, 'config.json'), 'w') as f:
+      json.dump(config.to_dict(), f, indent=2)
+  log('Config:\n' + json.dumps(config.to_dict(), indent=2))
+  log(f'{mesh.devices.size} device(s) on {jax.process_count()} process(es), '
+      f'{len(rows)} rows of each physical batch gathered here.')
+  log(f'N = {num_examples}, {sampler.name} sampler, expected batch {sampler.expected_batch_size:g}, '
         f'B = {max_batch_size}, P = {config.sampler.physical_batch_size}, {num_steps} steps'
         + (f', σ = {config.privacy.noise_multiplier:.4f}, C = {config.privacy.clip_norm}, '
            f'final ε = {final_report.epsilon:.4f} ({final_report.bound}, {final_report.accountant}), '
@@ -260,25 +304,27 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # ---------------------------------------------------------------------------
   # Train loop.
   # ---------------------------------------------------------------------------
-  writer = MetricWriter(workdir, start_step)
+  writer = MetricWriter(workdir, start_step, enabled=primary)
   params, opt_state, num_truncated = state.params, state.opt_state, int(state.num_truncated)
   last = {}
   if start_step == 0:
     last = run_eval(params)
     writer.write(0, last)
   progress = tqdm.tqdm(total=num_steps, initial=start_step, desc='train', dynamic_ncols=True,
-                       disable=not sys.stderr.isatty() and os.environ.get('DPJAX_PROGRESS') != '1')
+                       disable=not primary or (not sys.stderr.isatty()
+                                               and os.environ.get('DPJAX_PROGRESS') != '1'))
   start_time, log_metrics = time.time(), []
   for step in range(start_step, num_steps):
     logical = batcher.logical_batch(step)
     num_truncated += int(logical.truncated)
     acc = step_fns.init_accumulator(params)
     for indices, weights in logical.physical_batches():
-      batch = train_source.gather(indices)
-      batch['weight'] = weights
-      acc = step_fns.accumulate(params, acc, batch)
-    params, opt_state, metrics = step_fns.apply(
-        params, opt_state, acc, dp_step.noise_key(config.seed, step))
+      batch = train_source.gather(indices[rows])  # This host's rows only.
+      batch['weight'] = weights[rows]
+      acc = step_fns.accumulate(params, acc, sharding.shard_batch(mesh, batch))
+    # The same key on every device: the noise is drawn once, replicated.
+    key = jax.device_put(dp_step.noise_key(config.seed, step), replicated)
+    params, opt_state, metrics = step_fns.apply(params, opt_state, acc, key)
     log_metrics.append(metrics)
     done = step + 1
     progress.update(1)
@@ -302,7 +348,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       shown = {k: f'{v:.4g}' for k, v in last.items()
                if k in ('train_loss', 'train_accuracy', 'eval_accuracy', 'epsilon')}
       progress.set_postfix(shown)
-      if progress.disable:  # No terminal: one plain line per logged step.
+      if progress.disable and primary:  # No terminal: one plain line per logged step.
         print(f'step {done}/{num_steps} ' + ' '.join(f'{k}={v}' for k, v in shown.items()), flush=True)
     elif is_time(done, config.eval_every_steps, num_steps):
       last.update(run_eval(params))
@@ -313,15 +359,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       # can cost seconds, and the attached ε and its kind of bound are the same without them.
       report = accountant.epsilon_at(done, estimates=done == num_steps) if accountant else None
       checkpoints.save(manager, done, TrainState(
-          step=jnp.asarray(done, jnp.int32), params=params, opt_state=opt_state,
-          num_truncated=jnp.asarray(num_truncated, jnp.int32)),
+          step=sharding.replicate(mesh, np.int32(done)), params=params, opt_state=opt_state,
+          num_truncated=sharding.replicate(mesh, np.int32(num_truncated))),
           privacy_metadata(done, report, config, sampler, max_batch_size, num_truncated))
   progress.close()
   manager.wait_until_finished()
   writer.close()
 
   if num_truncated and accountant is not None:
-    print(f'{num_truncated} of {num_steps} logical batches exceeded B = {max_batch_size} and were '
+    log(f'{num_truncated} of {num_steps} logical batches exceeded B = {max_batch_size} and were '
           'truncated; the reported ε accounts for the cap.')
   if 'eval_accuracy' not in last:
     last.update(run_eval(params))
@@ -333,7 +379,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     result['privacy'] = final_report.to_dict()
   eps_text = (f'ε = {final_report.epsilon:.4f} ({final_report.bound} bound, {final_report.accountant}), '
               f'δ = {final_report.delta:g}' if final_report else 'non-private (no ε)')
-  print(f'Final: step {num_steps}, test accuracy {last["eval_accuracy"]:.4f}, {eps_text}.')
+  log(f'Final: step {num_steps}, test accuracy {last["eval_accuracy"]:.4f}, {eps_text}.')
   return result
 
 
@@ -341,6 +387,8 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.ERROR)  # Orbax's per-save INFO lines drown the progress bar.
   try:
+    if _DISTRIBUTED.value:  # Before anything touches a device.
+      sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except ValueError as e:  # Bad config or data: the message names the field; no traceback.
     sys.exit(f'dpjax.train: error: {e}')

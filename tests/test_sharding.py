@@ -1,0 +1,204 @@
+"""Data-parallel training on 4 forced CPU devices against the 1-device run.
+
+JAX fixes the device count when it starts, so the checks run in one fresh
+subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=4 (this file
+is also that worker: `python -m tests.test_sharding OUTDIR`). The worker runs
+the digits MLP for 6 steps on 4 devices and on 1 (`config.num_devices`), then
+resumes a 4-device checkpoint on 4 devices and on 1, and writes what it saw;
+the tests below assert on it.
+
+Parity tolerance: 1e-5 absolute on every parameter. 4 devices sum each
+physical batch's clipped gradients in 4 partial sums reduced across devices
+instead of one sum, so float32 rounding differs (measured: 3e-8 max, one ulp
+at |p| ~ 0.35). Any real sharding bug moves parameters by far more: noise
+added on each device or with another key, or a shard of the batch dropped,
+changes the update by ~σC/b = 1/128 ~ 8e-3 per step.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NUM_DEVICES = 4
+NUM_STEPS = 6
+PARITY_ATOL = 1e-5
+
+
+def _config(**overrides):
+  from configs import digits_mlp  # pylint: disable=g-import-not-at-top
+  config = digits_mlp.get_config()
+  config.num_epochs = 0
+  config.num_steps = NUM_STEPS
+  config.sampler.batch_size = 128
+  config.sampler.physical_batch_size = 32  # 8 rows per device on 4 devices.
+  config.privacy.target_epsilon = 0.0
+  config.privacy.noise_multiplier = 1.0
+  config.log_every_steps = 3
+  config.eval_every_steps = 100  # Evaluated at steps 0 and 6 only.
+  config.checkpoint_every_steps = 3
+  for key, value in overrides.items():
+    target = config
+    *path, leaf = key.split('.')
+    for part in path:
+      target = target[part]
+    target[leaf] = value
+  return config
+
+
+def _flat(tree):
+  import jax  # pylint: disable=g-import-not-at-top
+  return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])
+
+
+def _resume_from_step_3(outdir, source, name, num_devices, train):
+  """Copy a finished run, drop its last checkpoint, rerun: it resumes at step 3."""
+  workdir = os.path.join(outdir, name)
+  shutil.copytree(os.path.join(outdir, source), workdir)
+  shutil.rmtree(os.path.join(workdir, 'checkpoints', str(NUM_STEPS)))
+  return train.train_and_evaluate(_config(num_devices=num_devices), workdir)
+
+
+def _worker(outdir):
+  """Runs in the 4-device subprocess; writes results.json and params.npz."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  import io  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from dpjax import checkpoints, data, dp_step, models, sharding, train  # pylint: disable=g-import-not-at-top
+
+  # Each config's accountant is built once (its PLD costs seconds): the two resumed runs reuse
+  # those of the full runs with the same config. The 1- and 4-device configs differ in
+  # num_devices, so their ε are computed independently.
+  make_accountant, accountants = train.accounting.make_accountant, {}
+  def cached_accountant(config, num_examples):
+    key = (json.dumps(config.to_dict(), sort_keys=True), num_examples)
+    if key not in accountants:
+      accountants[key] = make_accountant(config, num_examples)
+    return accountants[key]
+  train.accounting.make_accountant = cached_accountant
+
+  out = {'device_count': jax.device_count()}
+  # (b) Bad P or device count: a clear error before anything is written.
+  for name, overrides in (('bad_p', {'sampler.physical_batch_size': 30}),
+                          ('bad_devices', {'num_devices': 5})):
+    try:
+      train.train_and_evaluate(_config(**overrides), os.path.join(outdir, name))
+      out[name] = None
+    except ValueError as e:
+      out[name] = str(e)
+    out[name + '_wrote'] = os.path.exists(os.path.join(outdir, name, 'checkpoints'))
+
+  # The compiled accumulate step reduces the clipped sums across the 4 devices.
+  mesh = sharding.make_mesh()
+  config = _config()
+  source, _ = data.make_sources(config.data)
+  model = models.make_model(config.model, source.num_classes, source.input_shape)
+  step = dp_step.DPStep(model, optax.sgd(1.0), clip_norm=1.0, noise_multiplier=1.0,
+                        expected_batch_size=128, mesh=mesh)
+  params = sharding.replicate(mesh, dp_step.init_params(model, 0, source.input_shape))
+  batch = source.gather(np.arange(32))
+  batch['weight'] = np.ones(32, np.float32)
+  batch = sharding.shard_batch(mesh, batch)
+  out['batch_rows_per_device'] = sorted(s.data.shape[0] for s in batch['x'].addressable_shards)
+  hlo = step.accumulate.lower(params, step.init_accumulator(params), batch).compile().as_text()
+  out['accumulate_has_all_reduce'] = 'all-reduce' in hlo
+
+  # (a) 4 devices vs 1 device, same config.
+  arrays = {}
+  for name, num_devices in (('full4', 0), ('full1', 1)):
+    result = train.train_and_evaluate(_config(num_devices=num_devices), os.path.join(outdir, name))
+    arrays[name] = _flat(result['params'])
+    out[name] = {'epsilon': result['privacy']['epsilon'], 'compilations': result['compilations'],
+                 'param_devices': len(jax.tree.leaves(result['params'])[0].sharding.device_set)}
+
+  # (c) Resume a 4-device checkpoint on 4 devices (exact) and on 1 device.
+  for name, num_devices in (('resume4', 0), ('resume1', 1)):
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+      result = _resume_from_step_3(outdir, 'full4', name, num_devices, train)
+    arrays[name] = _flat(result['params'])
+    out[name] = {'epsilon': result['privacy']['epsilon'],
+                 'resumed_from_3': 'Resuming from step 3' in stdout.getvalue(),
+                 'checkpoint_epsilons': [
+                     row['privacy']['epsilon']
+                     for row in checkpoints.read_metadata(os.path.join(outdir, name))]}
+  out['full4_checkpoint_epsilons'] = [
+      row['privacy']['epsilon'] for row in checkpoints.read_metadata(os.path.join(outdir, 'full4'))]
+  # The saved step-3 state restores bit for bit onto a 1-device mesh.
+  host_params = jax.device_get(params)
+  optimizer = train.make_optimizer(config.optimizer)
+  manager = checkpoints.make_manager(os.path.join(outdir, 'full4'), 3, read_only=True)
+  for name, mesh_ in (('restored_on_1', sharding.make_mesh(1)), ('restored_on_4', mesh)):
+    target = sharding.replicate(mesh_, train.TrainState(
+        step=np.int32(0), params=host_params, opt_state=optimizer.init(host_params),
+        num_truncated=np.int32(0)))
+    state = manager.restore(3, args=checkpoints.ocp.args.Composite(
+        state=checkpoints.ocp.args.StandardRestore(target)))['state']
+    arrays[name] = _flat(state.params)
+    out[name + '_devices'] = len(jax.tree.leaves(state.params)[0].sharding.device_set)
+  np.savez(os.path.join(outdir, 'params.npz'), **arrays)
+  with open(os.path.join(outdir, 'results.json'), 'w') as f:
+    json.dump(out, f)
+
+
+@pytest.fixture(scope='module')
+def worker(tmp_path_factory):
+  outdir = tmp_path_factory.mktemp('sharding')
+  env = dict(os.environ, JAX_PLATFORMS='cpu',
+             XLA_FLAGS=f'--xla_force_host_platform_device_count={NUM_DEVICES}')
+  proc = subprocess.run([sys.executable, '-m', 'tests.test_sharding', str(outdir)], cwd=REPO,
+                        env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-5000:]
+  with open(outdir / 'results.json') as f:
+    results = json.load(f)
+  return results, dict(np.load(outdir / 'params.npz'))
+
+
+def test_four_devices_match_one_device_and_report_the_same_epsilon(worker):
+  results, params = worker
+  assert results['device_count'] == NUM_DEVICES
+  # The work really is spread: 8 rows per device, a cross-device reduction, state on 4 devices.
+  assert results['batch_rows_per_device'] == [8] * NUM_DEVICES
+  assert results['accumulate_has_all_reduce']
+  assert results['full4']['param_devices'] == NUM_DEVICES and results['full1']['param_devices'] == 1
+  np.testing.assert_allclose(params['full4'], params['full1'], rtol=0, atol=PARITY_ATOL)
+  assert not np.allclose(params['full4'], params['restored_on_1'], atol=1e-3)  # Training moved them.
+  assert results['full4']['epsilon'] == results['full1']['epsilon']
+  assert results['full4']['compilations'] == {'accumulate': 1, 'apply': 1}
+
+
+def test_physical_batch_not_a_multiple_of_the_device_count_is_refused(worker):
+  results, _ = worker
+  message = results['bad_p']
+  assert message is not None
+  assert 'sampler.physical_batch_size = 30' in message and 'number of devices (4' in message
+  assert 'num_devices' in results['bad_devices'] and '[0, 4]' in results['bad_devices']
+  assert not results['bad_p_wrote'] and not results['bad_devices_wrote']
+
+
+def test_resume_on_the_same_device_count_is_exact(worker):
+  results, params = worker
+  assert results['resume4']['resumed_from_3']
+  np.testing.assert_array_equal(params['resume4'], params['full4'])
+  assert results['resume4']['checkpoint_epsilons'] == results['full4_checkpoint_epsilons']
+
+
+def test_restore_on_one_device_continues_the_four_device_run(worker):
+  results, params = worker
+  # The replicated state restores onto any mesh, bit for bit.
+  assert results['restored_on_1_devices'] == 1 and results['restored_on_4_devices'] == NUM_DEVICES
+  np.testing.assert_array_equal(params['restored_on_1'], params['restored_on_4'])
+  assert results['resume1']['resumed_from_3']
+  np.testing.assert_allclose(params['resume1'], params['full4'], rtol=0, atol=PARITY_ATOL)
+  assert results['resume1']['epsilon'] == results['full4']['epsilon']
+  assert results['resume1']['checkpoint_epsilons'] == results['full4_checkpoint_epsilons']
+
+
+if __name__ == '__main__':
+  _worker(sys.argv[1])
