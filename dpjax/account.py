@@ -5,6 +5,8 @@
   python -m dpjax.account --sampler balls_and_bins --num-examples 60000 --batch-size 600 \\
       --epochs 1 --target-epsilon 1.0 --delta 1e-5 --json
   python -m dpjax.account --config configs/digits_mlp.py --json
+  python -m dpjax.account --sampler balls_and_bins --num-examples 1000000 --batch-size 100 \\
+      --epochs 1 --noise-multiplier 0.7 --delta 1e-4 --accountant monte_carlo --workers 2
 
 Conventions (docs/accounting.md): q = b/N for Poisson; T = ceil(N/b) steps per
 epoch (balls-and-bins bins; shuffle and deterministic batches); --accountant
@@ -12,7 +14,9 @@ defaults to the tightest provable one for the sampler; for fixed_size, rdp
 means the FS-RDP bound of Birrell et al. Without --max-batch-size the batch
 is never truncated (and none is accounted); with it, the truncation is
 accounted. With --config everything comes from the training config (the cap
-B as training resolves it); explicit flags override config fields.
+B as training resolves it); explicit flags override config fields. --workers
+sets the processes drawing the Monte-Carlo samples (privacy.monte_carlo_workers
+of the config, else 1); the estimate does not depend on it.
 
 --json prints one JSON object: epsilon, delta, bound (upper |
 high_probability_upper | lower), accountant, sampler, noise_multiplier,

@@ -55,10 +55,11 @@ direction d draws from its own stream `np.random.SeedSequence(seed, spawn_key=(d
 ε search); chunks are added in chunk order whatever process computed them. With `workers = n`
 the calling process and a `concurrent.futures.ProcessPoolExecutor` of n − 1 processes started
 with the 'spawn' method (the caller may have initialised JAX, after which fork is unsafe) claim
-chunks from the two ends of a shared counter. The samples,
-the sums and every bound are therefore a function of the arguments and the seed alone,
-bit-for-bit the same for any number of workers. Merging adds counts (Σ f, m); the confidence
-bound is computed once, from the merged sums.
+chunks from the two ends of a shared counter. The samples, the sums and every bound are
+therefore a function of the arguments and the seed alone, bit-for-bit the same for any number
+of workers. Merging adds counts (Σ f, m); the confidence bound is computed once, from the
+merged sums. Each worker first imports dpjax.accounting (~2.5 s of CPU), so workers pay off
+for runs of tens of seconds (T ≥ 1e3 or m ≥ 1e5), not for small ones.
 
 Many machines. `balls_and_bins_sums` returns the sufficient statistics (Σ_i f_i(ε), m,
 log_scale) of one seed and direction. Run it on each machine with its own seed, e.g. (seed, j)
@@ -616,10 +617,11 @@ def _run(fn, tasks: list[tuple], workers: int) -> list:
     return [fn(*task) for task in tasks]
   context = multiprocessing.get_context('spawn')
   claims = context.Array('q', [0, len(tasks)])
-  pool = futures.ProcessPoolExecutor(min(workers - 1, len(tasks) - 1), mp_context=context,
-                                     initializer=_init_worker, initargs=(claims,))
+  num_others = min(workers - 1, len(tasks) - 1)
+  pool = futures.ProcessPoolExecutor(num_others, mp_context=context, initializer=_init_worker,
+                                     initargs=(claims,))
   try:
-    others = {pool.submit(_drain, fn, tasks) for _ in range(pool._max_workers)}  # pylint: disable=protected-access
+    others = {pool.submit(_drain, fn, tasks) for _ in range(num_others)}
     for future in others:  # a late process unpickles `claims` at start: keep it alive until then
       future.add_done_callback(lambda _, keep=claims: keep)
     done = _drain(fn, tasks, from_front=False, claims=claims)
@@ -629,6 +631,8 @@ def _run(fn, tasks: list[tuple], workers: int) -> list:
         done.update(future.result())
     return [done[i] for i in range(len(tasks))]
   finally:
+    with claims.get_lock():  # on an error here, the others stop after their current task
+      claims[0] = claims[1]
     pool.shutdown(wait=False, cancel_futures=True)
 
 
