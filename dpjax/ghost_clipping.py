@@ -439,9 +439,17 @@ def _linear_sq_norm(blocks: _Blocks, d: jax.Array):
                            jnp.zeros((n, s, s)))
     gd = jnp.einsum('nsc,ntc->nst', d, d, precision=_HIGHEST)
     return jnp.sum(gram * gd, axis=(1, 2)), None
-  _, gs = _scan_blocks(blocks, lambda t, b, k: (
-      t, jnp.einsum('nsm,nsc->nmc', b, d, precision=_HIGHEST)), 0)
-  g = _stack_rows(gs)
+  if blocks.unroll and blocks.count > 1:
+    # Blocks stacked on a new axis [n, K, S, width]: one batched matmul over
+    # S, no concatenation along the (often 1-wide) channel axis, which is
+    # slow on the CPU.
+    a3 = jnp.stack([blocks.get(k) for k in range(blocks.count)], axis=1)
+    g = jnp.einsum('nksw,nsc->nkwc', a3, d, precision=_HIGHEST).reshape(
+        n, m, c)
+  else:
+    _, gs = _scan_blocks(blocks, lambda t, b, k: (
+        t, jnp.einsum('nsm,nsc->nmc', b, d, precision=_HIGHEST)), 0)
+    g = _stack_rows(gs)
   return jnp.sum(jnp.square(g), axis=(1, 2)), g
 
 
@@ -589,7 +597,11 @@ def _layer_norms(layer: Layer, theta: dict, a: jax.Array, d: jax.Array):
   if layer.rule in ('conv', 'wsconv'):
     blocks = _conv_blocks(layer, a)
     d2 = d.reshape(n, -1, d.shape[-1])
-    if blocks.unroll:  # Small: one patches matrix, one einsum.
+    m = blocks.count * blocks.width
+    if blocks.unroll and (d2.shape[1] == 1 or _use_ghost(d2.shape[1], m,
+                                                         d2.shape[-1])):
+      # Small, ghost form: one patches matrix, one Gram einsum (and the
+      # operands of the book-kept clipped sum).
       a2 = jnp.concatenate([blocks.get(k) for k in range(blocks.count)], -1)
       blocks = _Blocks(lambda k: a2, 1, a2.shape[-1])
   elif layer.rule == 'dense':
