@@ -14,9 +14,10 @@ ceil(N/b). Columns:
 
   σ·C/b       std of the noise on the averaged gradient (per coordinate);
   σ/(q·√S)    the noise of the whole run, q = b/N, S = E·ceil(N/b) steps (the
-              "total amount of noise" of Sander et al. 2023): where subsampling
-              amplifies linearly (RDP ≈ S·q²·α/σ²), ε depends on σ, q and S
-              only through it, so it is flat in b.
+              "total amount of noise" of Sander, Stock, Sablayrolles, "TAN
+              without a burn", ICML 2023): where subsampling amplifies
+              linearly (Rényi DP ≈ c·S·q²·α/σ², Abadi et al. 2016), ε depends
+              on σ, q and S only through it, so it is flat in b.
 
 docs/accounting.md §8 (seed 003, "Limits of privacy amplification by
 subsampling"): amplification is nearly free only when the per-step privacy
@@ -45,6 +46,8 @@ from dpjax.accounting import accountant as accountant_lib
 FLAT_TOLERANCE = 1.1
 DEFAULT_SMALLEST_BATCH_SIZE = 32
 DEFAULT_PHYSICAL_BATCH_SIZE = 64
+# Samplers accounted without amplification by sampling (their σ does not depend on b).
+NO_AMPLIFICATION = ('shuffle', 'deterministic')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,15 +110,28 @@ class Plan:
     lines = [
         f'σ·C/b {trend}: {first.effective_noise:.3g} at b = {first.batch_size}, '
         f'{last.effective_noise:.3g} at b = {last.batch_size} '
-        f'({first.effective_noise / last.effective_noise:.3g}x less); smallest at b = {best}.',
-        f'σ grows like b^{sigma_growth:.2f} on average over the grid (b^1 would make larger '
-        f'batches useless; b^0.5 is the linear-amplification regime, σ/b ∝ 1/√b).',
-        f'σ/(q·√S), the noise of the whole run, is within {FLAT_TOLERANCE - 1:.0%} of its '
-        f'smallest value from b = {self.flat_from} on: there the budget buys the same total '
-        f'noise whatever b, and larger batches only trade steps for less noise per step. '
-        f'Below it small batches pay extra noise: subsampling amplifies poorly at small q '
-        f'(seed 003, docs/accounting.md §8).',
-    ]
+        f'({first.effective_noise / last.effective_noise:.3g}x less); smallest at b = {best}.']
+    if self.sampler in NO_AMPLIFICATION:
+      lines.append(f'σ grows like b^{sigma_growth:.2f}: the {self.sampler} sampler is accounted '
+                   f'without amplification, so σ does not depend on b and σ·C/b ∝ 1/b.')
+      return '\n'.join(lines)
+    lines.append(f'σ grows like b^{sigma_growth:.2f} from b = {first.batch_size} to '
+                 f'{last.batch_size} (b^0.5 at fixed epochs where amplification is linear, '
+                 f'σ/b ∝ 1/√b; b^1 would make larger batches useless).')
+    flat = self.flat_from
+    if flat == last.batch_size:
+      lines.append('σ/(q·√S), the noise of the whole run, still falls at the end of the grid: '
+                   'no batch size on it reaches the linear-amplification regime.')
+    else:
+      lines.append(
+          f'σ/(q·√S), the noise of the whole run, is within {FLAT_TOLERANCE - 1:.0%} of its '
+          f'smallest value from b = {flat} on: there the budget fixes the noise of the run '
+          f'whatever b, and a larger b buys less noise per step with fewer steps.')
+    if flat > first.batch_size:
+      lines.append(
+          f'Below b = {flat} the run needs {first.run_noise / min(r.run_noise for r in rows):.3g}x '
+          f'that noise (at b = {first.batch_size}): subsampling amplifies poorly at small q '
+          f'(seed 003, docs/accounting.md §8).')
     return '\n'.join(lines)
 
   def to_dict(self) -> dict:

@@ -77,6 +77,9 @@ def test_flat_from_and_best_batch_size():
   assert plan.flat_from == 10
   assert plan.best_batch_size == 50  # σ/b: 1.0, 0.42, 0.4, 0.43.
   assert 'does not decrease monotonically' in plan.message()
+  assert 'from b = 10 on' in plan.message() and 'Below b = 10 the run needs 2.5x' in plan.message()
+  falling = planner.Plan(100, 1.0, 1e-5, 1, 'poisson', 'pld', 1.0, rows[:2])
+  assert falling.flat_from == 10 and 'still falls at the end of the grid' in falling.message()
 
 
 def test_default_batch_sizes():
@@ -137,6 +140,7 @@ def test_cli_config_and_usage_errors(tmp_path, capsys):
                        '--json', str(out_json)]) == 0
   text = capsys.readouterr().out
   assert 'ε = 3' in text and '40 epochs' in text and 'sampler deterministic' in text
+  assert 'without amplification' in text
   rows = json.loads(out_json.read_text())['rows']
   assert rows[0]['noise_multiplier'] == rows[1]['noise_multiplier']
   assert rows[0]['effective_noise'] == pytest.approx(5 * rows[1]['effective_noise'])
