@@ -439,18 +439,22 @@ def _linear_sq_norm(blocks: _Blocks, d: jax.Array):
                            jnp.zeros((n, s, s)))
     gd = jnp.einsum('nsc,ntc->nst', d, d, precision=_HIGHEST)
     return jnp.sum(gram * gd, axis=(1, 2)), None
+  g = _per_example_grads(blocks, d)
+  return jnp.sum(jnp.square(g), axis=(1, 2)), g
+
+
+def _per_example_grads(blocks: _Blocks, d: jax.Array) -> jax.Array:
+  """The per-example gradients a_iᵀ d_i [n, m, c] (materialised)."""
   if blocks.unroll and blocks.count > 1:
     # Blocks stacked on a new axis [n, K, S, width]: one batched matmul over
     # S, no concatenation along the (often 1-wide) channel axis, which is
     # slow on the CPU.
     a3 = jnp.stack([blocks.get(k) for k in range(blocks.count)], axis=1)
-    g = jnp.einsum('nksw,nsc->nkwc', a3, d, precision=_HIGHEST).reshape(
-        n, m, c)
-  else:
-    _, gs = _scan_blocks(blocks, lambda t, b, k: (
-        t, jnp.einsum('nsm,nsc->nmc', b, d, precision=_HIGHEST)), 0)
-    g = _stack_rows(gs)
-  return jnp.sum(jnp.square(g), axis=(1, 2)), g
+    g = jnp.einsum('nksw,nsc->nkwc', a3, d, precision=_HIGHEST)
+    return g.reshape(d.shape[0], -1, d.shape[-1])
+  _, gs = _scan_blocks(blocks, lambda t, b, k: (
+      t, jnp.einsum('nsm,nsc->nmc', b, d, precision=_HIGHEST)), 0)
+  return _stack_rows(gs)
 
 
 def _ws_sq_norms(module: nn.Module, theta: dict, blocks: _Blocks,
@@ -494,9 +498,7 @@ def _ws_sq_norms(module: nn.Module, theta: dict, blocks: _Blocks,
     ones = jnp.einsum('ns,nsc->nc', total, d, precision=_HIGHEST)
     gain = jnp.sum(proj * d, axis=1)
   else:
-    _, gs = _scan_blocks(blocks, lambda t, b, k: (
-        t, jnp.einsum('nsm,nsc->nmc', b, d, precision=_HIGHEST)), 0)
-    g = _stack_rows(gs)  # [n, m, c].
+    g = _per_example_grads(blocks, d)  # [n, m, c].
     g_sq = jnp.sum(kappa * jnp.sum(jnp.square(g), axis=1), axis=1)
     ones = jnp.sum(g, axis=1)
     gain = jnp.sum(z.reshape(m, c) * g, axis=1)
