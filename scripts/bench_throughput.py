@@ -222,32 +222,85 @@ def _torch_model(flax_model, input_shape):
       nn.Linear(flax_model.hidden_size, classes))
 
 
-def _load_flax_params(torch_model, params, input_shape) -> None:
-  """Copies flax parameters into the twin (kernels transposed; the first
-  Dense after the convs permuted from flax's (H, W, C) flatten order to
-  PyTorch's (C, H, W)), so every method starts from the same weights."""
+def _torch_layout(tree, torch_model) -> list[tuple[np.ndarray, np.ndarray]]:
+  """(weight, bias) per layer of a flax parameter tree (or a gradient with its
+  structure) in the twin's layout: kernels transposed, and the first Dense
+  after the convs permuted from flax's (H, W, C) flatten order to PyTorch's
+  (C, H, W)."""
   import torch  # pylint: disable=g-import-not-at-top
   order = lambda k: (not k.startswith('Conv'), int(k.rsplit('_', 1)[1]))
-  flax_layers = [params[k] for k in sorted(params, key=order)]
-  torch_layers = [m for m in torch_model
+  flax_layers = [tree[k] for k in sorted(tree, key=order)]
+  torch_layers = [m for m in torch_model.modules()
                   if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
   if len(flax_layers) != len(torch_layers):
     raise AssertionError(f'{len(flax_layers)} flax vs {len(torch_layers)} '
                          'torch layers')
-  channels = None
+  out, channels = [], None
+  for fl, tl in zip(flax_layers, torch_layers):
+    k = np.asarray(fl['kernel'])
+    if isinstance(tl, torch.nn.Conv2d):
+      w, channels = k.transpose(3, 2, 0, 1), k.shape[-1]
+    else:
+      w = k.T
+      if channels is not None:  # First Dense after the convs.
+        side = math.isqrt(w.shape[1] // channels)
+        w = w.reshape(-1, side, side, channels).transpose(0, 3, 1, 2)
+        w, channels = w.reshape(w.shape[0], -1), None
+    out.append((np.array(w), np.array(fl['bias'])))
+  return out
+
+
+def _load_flax_params(torch_model, params) -> None:
+  """Copies flax parameters into the twin: every method starts alike."""
+  import torch  # pylint: disable=g-import-not-at-top
+  layers = [m for m in torch_model.modules()
+            if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
   with torch.no_grad():
-    for fl, tl in zip(flax_layers, torch_layers):
-      k = np.asarray(fl['kernel'])
-      if isinstance(tl, torch.nn.Conv2d):
-        w, channels = k.transpose(3, 2, 0, 1), k.shape[-1]
-      else:
-        w = k.T
-        if channels is not None:  # First Dense after the convs.
-          side = math.isqrt(w.shape[1] // channels)
-          w = w.reshape(-1, side, side, channels).transpose(0, 3, 1, 2)
-          w, channels = w.reshape(w.shape[0], -1), None
-      tl.weight.copy_(torch.from_numpy(np.array(w)))
-      tl.bias.copy_(torch.from_numpy(np.array(fl['bias'])))
+    for layer, (w, b) in zip(layers, _torch_layout(params, torch_model)):
+      layer.weight.copy_(torch.from_numpy(w))
+      layer.bias.copy_(torch.from_numpy(b))
+
+
+def check_same_clipped_sum(model_name: str, wl: Workload,
+                           clip_norm: float) -> float:
+  """max |Opacus − dpjax| / max |dpjax| of Σ_i clip_C(g_i) on one chunk.
+
+  Opacus's DPOptimizer (told to skip the step, so it only clips and sums
+  into p.summed_grad) against dpjax's vmap clipped sum, same weights, same
+  examples: the methods timed compute the same thing. Opacus clips by
+  C / (‖g_i‖ + 1e-6), dpjax by C / ‖g_i‖, hence a tolerance of 1e-4.
+  """
+  import opacus  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  from dpjax import clipping  # pylint: disable=g-import-not-at-top
+  flax_model, shape, _ = bench_clipping._model(model_name)  # pylint: disable=protected-access
+  params = dp_step.init_params(flax_model, SEED, shape)
+  chunk = wl.chunks(0)[0]
+  want, _ = clipping.per_example_clipped_sum(
+      dp_step.make_loss_fn(flax_model), params,
+      {'x': wl.x[chunk], 'y': wl.y[chunk],
+       'weight': np.ones(len(chunk), np.float32)}, clip_norm)
+  model = _torch_model(flax_model, shape)
+  _load_flax_params(model, params)
+  model = opacus.GradSampleModule(model)
+  optimizer = opacus.optimizers.DPOptimizer(
+      torch.optim.SGD(model.parameters(), lr=LEARNING_RATE),
+      noise_multiplier=0.0, max_grad_norm=clip_norm,
+      expected_batch_size=len(chunk))
+  optimizer.signal_skip_step(do_skip=True)
+  loss = torch.nn.CrossEntropyLoss()(
+      model(torch.from_numpy(wl.x_nchw[chunk])),
+      torch.from_numpy(wl.y[chunk]).long())
+  loss.backward()
+  optimizer.step()  # Skipped: clip and accumulate only.
+  got = [p.summed_grad.numpy() for p in model.parameters()]
+  ref = [a for wb in _torch_layout(want, model._module) for a in wb]  # pylint: disable=protected-access
+  scale = max(float(np.max(np.abs(r))) for r in ref)
+  diff = max(float(np.max(np.abs(g - r))) for g, r in zip(got, ref)) / scale
+  if not diff < 1e-4:
+    raise AssertionError(f'{model_name}: Opacus and dpjax clipped sums differ '
+                         f'by {diff:.2e} (relative)')
+  return diff
 
 
 class TorchMethod:
@@ -261,7 +314,7 @@ class TorchMethod:
     flax_model, shape, _ = bench_clipping._model(model_name)  # pylint: disable=protected-access
     model = _torch_model(flax_model, shape)
     params = dp_step.init_params(flax_model, SEED, shape)
-    _load_flax_params(model, params, shape)
+    _load_flax_params(model, params)
     # Same function, not just the same parameter count: equal logits.
     x = wl.x[:8]
     want = np.asarray(flax_model.apply({'params': params}, x))
@@ -391,6 +444,12 @@ def steady_state(model_name: str, wl: Workload, methods, runners: dict,
           if hasattr(r, 'logits_max_abs_diff')]
   if twin:
     out['torch_twin_logits_max_abs_diff'] = max(twin)
+  if 'opacus' in methods:
+    out['opacus_vs_dpjax_clipped_sum_rel_diff'] = check_same_clipped_sum(
+        model_name, wl, clip_norm)
+    print(f'{model_name:4s} Opacus vs dpjax clipped sum on one chunk: '
+          f'relative difference {out["opacus_vs_dpjax_clipped_sum_rel_diff"]:.1e}',
+          flush=True)
   for name in methods:
     comp = runners[name].compilations()
     if comp != before[name]:
@@ -429,6 +488,10 @@ def ratios(model: dict) -> dict:
       # Throughput ratio per epoch incl. compilation = naive time / masked time.
       r[f'epoch_{masked}_over_naive_jax'] = (e['naive_jax']['seconds'] /
                                              e[masked]['seconds'])
+  for name, v in e.items():
+    # Epoch time beyond what the steady state would take: ~ compilation.
+    r[f'epoch_{name}_seconds_beyond_steady_state'] = (
+        v['seconds'] - model['epoch']['examples'] / m[name])
   return r
 
 
@@ -560,7 +623,7 @@ def main():
                     torch_threads=torch.get_num_threads())
     methods += list(TORCH_METHODS)
   import warnings  # pylint: disable=g-import-not-at-top
-  warnings.filterwarnings('ignore', module='opacus')
+  warnings.filterwarnings('ignore', category=UserWarning)  # Opacus / hooks.
 
   wl = Workload(n, args.batch_size, args.physical_batch_size)
   if not args.no_epoch and s > wl.steps_per_epoch:
