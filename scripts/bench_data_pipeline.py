@@ -53,6 +53,15 @@ def time_steps(batcher, source, steps: list[int]) -> list[float]:
   return times
 
 
+def _load_note(results: list[dict]) -> str:
+  """The shared machine's load during the runs: times are only comparable within a figure."""
+  loads = [r['load_average_1min'] for r in results if 'load_average_1min' in r]
+  if not loads:
+    return ''
+  return (f'\n1-min load average {min(loads):.0f}-{max(loads):.0f} on {os.cpu_count()} CPUs '
+          'during the runs')
+
+
 def plot(results: list[dict], path: str) -> None:
   """Per-step time and sampling-only time vs N, one line per sampler (log axes)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
@@ -84,7 +93,8 @@ def plot(results: list[dict], path: str) -> None:
   fig.legend(handles, labels, loc='lower center', ncol=3, fontsize=8, frameon=False)
   first = results[0]
   fig.suptitle(f'Data pipeline per-step cost vs N: b = {first["batch_size"]}, '
-               f'P = {first["physical_batch_size"]}, medians over repeats', fontsize=11)
+               f'P = {first["physical_batch_size"]}, medians over repeats'
+               + _load_note(results), fontsize=11)
   fig.tight_layout(rect=(0, 0.14, 1, 1))
   fig.savefig(path, dpi=110)
   print('wrote', path)
@@ -137,7 +147,8 @@ def main():
                  # straddles K = 2 and 3 at b = 256, P = 128, which moves the median.
                  mean_physical_batches=statistics.mean(num_physical),
                  # Peak of this one process over all runs so far (see bench_data_scale.py).
-                 max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+                 max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                 load_average_1min=os.getloadavg()[0])  # Shared machine: context for the times.
       results.append(row)
       print(f"{name:28s} N={n:>11,d}  median {row['median_step_seconds'] * 1e3:7.3f} ms/step"
             f"  (sampling+batching alone {row['median_sampling_seconds'] * 1e3:6.3f} ms)"

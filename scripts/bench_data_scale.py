@@ -197,6 +197,15 @@ def print_row(row: dict) -> None:
         flush=True)
 
 
+def _load_note(results: list[dict]) -> str:
+  """The shared machine's load during the runs: times are only comparable within a figure."""
+  loads = [r['load_average_1min'] for r in results if 'load_average_1min' in r]
+  if not loads:
+    return ''
+  return (f'\n1-min load average {min(loads):.0f}-{max(loads):.0f} on {os.cpu_count()} CPUs '
+          'during the runs')
+
+
 def plot(results: list[dict], files: list[dict], path: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
@@ -247,8 +256,8 @@ def plot(results: list[dict], files: list[dict], path: str) -> None:
   fig.legend(handles, labels, loc='lower center', ncol=3, fontsize=8, frameon=False)
   b = results[0]['batch_size']
   fig.suptitle(f'Data pipeline at scale: b = {b}, P = {results[0]["physical_batch_size"]}; '
-               'synthetic (solid), memmap warm page cache (dashed), memmap evicted (dotted)',
-               fontsize=11)
+               'synthetic (solid), memmap warm page cache (dashed), memmap evicted (dotted)'
+               + _load_note(results), fontsize=11)
   fig.tight_layout(rect=(0, 0.12, 1, 0.97))
   fig.savefig(path, dpi=110)
   print('wrote', path)
