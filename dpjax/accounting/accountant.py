@@ -33,7 +33,8 @@ Cost: per-step PLDs are built once per accountant and self-composed per
 query (≈ 1 s for 1e5 Poisson steps); reports are memoised per step (per
 epoch for epoch-based samplers); random-allocation PLD results are cached on
 disk. The Monte-Carlo samples are drawn by `monte_carlo_workers` processes
-(`privacy.monte_carlo_workers`; the estimate does not depend on it). `estimates=False` skips the numbers reported beside the attached one
+(`privacy.monte_carlo_workers`; the estimate does not depend on it).
+`estimates=False` skips the numbers reported beside the attached one
 (Monte-Carlo, lower bounds, comparisons) for cheap per-checkpoint calls.
 """
 

@@ -58,8 +58,8 @@ with the 'spawn' method (the caller may have initialised JAX, after which fork i
 chunks from the two ends of a shared counter. The samples, the sums and every bound are
 therefore a function of the arguments and the seed alone, bit-for-bit the same for any number
 of workers. Merging adds counts (Σ f, m); the confidence bound is computed once, from the
-merged sums. Each worker first imports dpjax.accounting (~2.5 s of CPU), so workers pay off
-for runs of tens of seconds (T ≥ 1e3 or m ≥ 1e5), not for small ones.
+merged sums. Each worker first imports dpjax.accounting and dp_accounting (~2.5 s CPU), so
+workers pay off for runs of tens of seconds (T ≥ 1e3 or m ≥ 1e5), not for small ones.
 
 Many machines. `balls_and_bins_sums` returns the sufficient statistics (Σ_i f_i(ε), m,
 log_scale) of one seed and direction. Run it on each machine with its own seed, e.g. (seed, j)
@@ -610,7 +610,7 @@ def _run(fn, tasks: list[tuple], workers: int) -> list:
 
   The others are spawned ('spawn': fork after JAX initialisation is unsafe) and claim tasks
   from the front of a shared counter, this process from the back, so none waits for another to
-  start (~2 s each: they import dpjax.accounting) and a process that starts after the tasks
+  start (~2.5 s CPU each: they import dp_accounting) and a process that starts after the tasks
   are all claimed is not waited for.
   """
   if workers == 1 or len(tasks) <= 1:
