@@ -40,6 +40,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 CHECKPOINT_DIR = 'checkpoints'
@@ -91,6 +92,20 @@ def restore_latest(manager: ocp.CheckpointManager, target: Any) -> tuple[int, An
       continue
     return step, restored['state'], restored['metadata']
   return None
+
+
+def read_state(workdir: str, step: int) -> dict:
+  """The state saved at `step` as host numpy arrays, whatever devices and hosts saved it.
+
+  For inspection and export; no target structure or device mesh is needed.
+  """
+  path = os.path.join(checkpoint_dir(workdir), str(step), 'state')
+  if not os.path.isdir(path):
+    raise ValueError(f'No checkpoint at step {step} in {checkpoint_dir(workdir)}.')
+  checkpointer = ocp.PyTreeCheckpointer()
+  tree = checkpointer.metadata(path).item_metadata.tree
+  as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=as_numpy))
 
 
 def read_metadata(workdir: str) -> list[dict]:

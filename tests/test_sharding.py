@@ -1,11 +1,14 @@
 """Data-parallel training on 4 forced CPU devices against the 1-device run.
 
-JAX fixes the device count when it starts, so the checks run in one fresh
-subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=4 (this file
-is also that worker: `python -m tests.test_sharding OUTDIR`). The worker runs
-the digits MLP for 6 steps on 4 devices and on 1 (`config.num_devices`), then
-resumes a 4-device checkpoint on 4 devices and on 1, and writes what it saw;
-the tests below assert on it.
+JAX fixes the device count when it starts, so the checks run in fresh
+subprocesses, started together:
+
+* a worker with XLA_FLAGS=--xla_force_host_platform_device_count=4 (this file:
+  `python -m tests.test_sharding OUTDIR`) runs the digits MLP for 6 steps on 4
+  devices and on 1 (`config.num_devices`), resumes a 4-device checkpoint on 4
+  devices and on 1, and writes what it saw;
+* a 2-host job on localhost: two `python -m dpjax.train --distributed`
+  processes with 2 devices each, the same run over 4 devices in 2 processes.
 
 Parity tolerance: 1e-5 absolute on every parameter. 4 devices sum each
 physical batch's clipped gradients in 4 partial sums reduced across devices
@@ -18,6 +21,7 @@ changes the update by ~σC/b = 1/128 ~ 8e-3 per step.
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -28,21 +32,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_DEVICES = 4
 NUM_STEPS = 6
 PARITY_ATOL = 1e-5
+RUN = {  # configs/digits_mlp.py with these fields, for every run here.
+    'num_epochs': 0, 'num_steps': NUM_STEPS, 'sampler.batch_size': 128,
+    'sampler.physical_batch_size': 32,  # 8 rows per device on 4 devices.
+    'privacy.target_epsilon': 0.0, 'privacy.noise_multiplier': 1.0, 'log_every_steps': 3,
+    'eval_every_steps': 100,  # Evaluated at steps 0 and 6 only.
+    'checkpoint_every_steps': 3}
 
 
 def _config(**overrides):
   from configs import digits_mlp  # pylint: disable=g-import-not-at-top
   config = digits_mlp.get_config()
-  config.num_epochs = 0
-  config.num_steps = NUM_STEPS
-  config.sampler.batch_size = 128
-  config.sampler.physical_batch_size = 32  # 8 rows per device on 4 devices.
-  config.privacy.target_epsilon = 0.0
-  config.privacy.noise_multiplier = 1.0
-  config.log_every_steps = 3
-  config.eval_every_steps = 100  # Evaluated at steps 0 and 6 only.
-  config.checkpoint_every_steps = 3
-  for key, value in overrides.items():
+  for key, value in {**RUN, **overrides}.items():
     target = config
     *path, leaf = key.split('.')
     for part in path:
@@ -101,13 +102,26 @@ def _worker(outdir):
   model = models.make_model(config.model, source.num_classes, source.input_shape)
   step = dp_step.DPStep(model, optax.sgd(1.0), clip_norm=1.0, noise_multiplier=1.0,
                         expected_batch_size=128, mesh=mesh)
-  params = sharding.replicate(mesh, dp_step.init_params(model, 0, source.input_shape))
-  batch = source.gather(np.arange(32))
-  batch['weight'] = np.ones(32, np.float32)
-  batch = sharding.shard_batch(mesh, batch)
+  host_params = jax.device_get(dp_step.init_params(model, 0, source.input_shape))
+  host_batch = source.gather(np.arange(32))
+  host_batch['weight'] = np.ones(32, np.float32)
+  params = sharding.replicate(mesh, host_params)
+  batch = sharding.shard_batch(mesh, host_batch)
   out['batch_rows_per_device'] = sorted(s.data.shape[0] for s in batch['x'].addressable_shards)
   hlo = step.accumulate.lower(params, step.init_accumulator(params), batch).compile().as_text()
   out['accumulate_has_all_reduce'] = 'all-reduce' in hlo
+  # The per-example-gradient clipping (the runs below use ghost clipping) gives the same sums.
+  sums = {}
+  one_device = lambda tree: jax.device_put(tree, jax.devices()[0])
+  for name, mesh_, p, b in (('vmap4', mesh, params, batch),
+                            ('vmap1', None, one_device(host_params), one_device(host_batch))):
+    vmap_step = dp_step.DPStep(model, optax.sgd(1.0), clip_norm=0.1, noise_multiplier=1.0,
+                               expected_batch_size=128, clipping='vmap', mesh=mesh_)
+    acc = vmap_step.accumulate(p, vmap_step.init_accumulator(p), b)
+    out[name + '_devices'] = len(jax.tree.leaves(acc.grad_sum)[0].sharding.device_set)
+    sums[name] = _flat(acc.grad_sum)
+    out[name + '_num_clipped'] = int(acc.stats.num_clipped)
+  out['vmap_max_abs_diff'] = float(np.max(np.abs(sums['vmap4'] - sums['vmap1'])))
 
   # (a) 4 devices vs 1 device, same config.
   arrays = {}
@@ -131,7 +145,6 @@ def _worker(outdir):
   out['full4_checkpoint_epsilons'] = [
       row['privacy']['epsilon'] for row in checkpoints.read_metadata(os.path.join(outdir, 'full4'))]
   # The saved step-3 state restores bit for bit onto a 1-device mesh.
-  host_params = jax.device_get(params)
   optimizer = train.make_optimizer(config.optimizer)
   manager = checkpoints.make_manager(os.path.join(outdir, 'full4'), 3, read_only=True)
   for name, mesh_ in (('restored_on_1', sharding.make_mesh(1)), ('restored_on_4', mesh)):
@@ -147,17 +160,49 @@ def _worker(outdir):
     json.dump(out, f)
 
 
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('localhost', 0))
+    return s.getsockname()[1]
+
+
+def _devices_env(count: int) -> dict:
+  return dict(os.environ, JAX_PLATFORMS='cpu',
+              XLA_FLAGS=f'--xla_force_host_platform_device_count={count}')
+
+
 @pytest.fixture(scope='module')
-def worker(tmp_path_factory):
+def runs(tmp_path_factory):
+  """Starts the 2-host job and the 4-device worker together; waits for both."""
   outdir = tmp_path_factory.mktemp('sharding')
-  env = dict(os.environ, JAX_PLATFORMS='cpu',
-             XLA_FLAGS=f'--xla_force_host_platform_device_count={NUM_DEVICES}')
-  proc = subprocess.run([sys.executable, '-m', 'tests.test_sharding', str(outdir)], cwd=REPO,
-                        env=env, capture_output=True, text=True, timeout=600)
+  port = _free_port()
+  flags_ = [f'--config.{key}={value}' for key, value in RUN.items()]
+  hosts = [subprocess.Popen(
+      [sys.executable, '-m', 'dpjax.train', f'--config={REPO}/configs/digits_mlp.py',
+       f'--workdir={outdir / "multihost"}', *flags_, '--distributed',
+       f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}'],
+      cwd=REPO, env=_devices_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in range(2)]
+  try:
+    proc = subprocess.run([sys.executable, '-m', 'tests.test_sharding', str(outdir)], cwd=REPO,
+                          env=_devices_env(NUM_DEVICES), capture_output=True, text=True,
+                          timeout=600)
+    host_out = [host.communicate(timeout=300) for host in hosts]
+  finally:
+    for host in hosts:
+      host.kill()
   assert proc.returncode == 0, proc.stderr[-5000:]
+  for host, (_, err) in zip(hosts, host_out):
+    assert host.returncode == 0, err[-5000:]
   with open(outdir / 'results.json') as f:
     results = json.load(f)
-  return results, dict(np.load(outdir / 'params.npz'))
+  results['host_stdout'] = [out for out, _ in host_out]
+  return results, dict(np.load(outdir / 'params.npz')), outdir
+
+
+@pytest.fixture(scope='module')
+def worker(runs):
+  return runs[:2]
 
 
 def test_four_devices_match_one_device_and_report_the_same_epsilon(worker):
@@ -171,6 +216,29 @@ def test_four_devices_match_one_device_and_report_the_same_epsilon(worker):
   assert not np.allclose(params['full4'], params['restored_on_1'], atol=1e-3)  # Training moved them.
   assert results['full4']['epsilon'] == results['full1']['epsilon']
   assert results['full4']['compilations'] == {'accumulate': 1, 'apply': 1}
+
+
+def test_vmap_clipping_sums_match_across_device_counts(worker):
+  results, _ = worker
+  assert (results['vmap4_devices'], results['vmap1_devices']) == (NUM_DEVICES, 1)
+  assert results['vmap4_num_clipped'] == results['vmap1_num_clipped'] > 0  # C = 0.1 clips.
+  assert results['vmap_max_abs_diff'] <= PARITY_ATOL
+
+
+def test_two_hosts_train_like_one_and_only_process_0_writes(runs):
+  from dpjax import checkpoints  # pylint: disable=g-import-not-at-top
+  results, params, outdir = runs
+  workdir = str(outdir / 'multihost')
+  process0, process1 = results['host_stdout']
+  assert '4 device(s) on 2 process(es), 16 rows of each physical batch gathered here' in process0
+  assert 'Final: step 6' in process0
+  assert not [line for line in process1.splitlines() if not line.startswith('[Gloo]')]
+  state = checkpoints.read_state(workdir, NUM_STEPS)
+  np.testing.assert_allclose(_flat(state['params']), params['full4'], rtol=0, atol=PARITY_ATOL)
+  rows = checkpoints.read_metadata(workdir)
+  assert [row['privacy']['epsilon'] for row in rows] == results['full4_checkpoint_epsilons']
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    assert [json.loads(line)['step'] for line in f] == [0, 3, 6]  # Written once, by process 0.
 
 
 def test_physical_batch_not_a_multiple_of_the_device_count_is_refused(worker):
