@@ -129,9 +129,9 @@ class Plan:
           f'whatever b, and a larger b buys less noise per step with fewer steps.')
     if flat > first.batch_size:
       lines.append(
-          f'Below b = {flat} the run needs {first.run_noise / min(r.run_noise for r in rows):.3g}x '
-          f'that noise (at b = {first.batch_size}): subsampling amplifies poorly at small q '
-          f'(seed 003, docs/accounting.md §8).')
+          f'At b = {first.batch_size} the run needs '
+          f'{first.run_noise / min(r.run_noise for r in rows):.3g}x the smallest σ/(q·√S) on '
+          f'the grid: subsampling amplifies poorly at small q (seed 003, docs/accounting.md §8).')
     return '\n'.join(lines)
 
   def to_dict(self) -> dict:
@@ -347,11 +347,14 @@ def plot_plans(plans: Sequence[Plan], path: str, *, reference: Sequence[Plan] = 
     ax.set_xlabel('batch size b (examples)')
     ax.set_ylabel(label)
     ax.grid(True, which='both', alpha=0.3)
-  axes[0].legend(fontsize=8)
+  handles, labels = axes[0].get_legend_handles_labels()
+  ncol = max(1, min(3, len(plans)))
+  fig.legend(handles, labels, loc='lower center', ncol=ncol, fontsize=9, frameon=False)
+  rows = -(-len(labels) // ncol)
   fig.suptitle(f'Calibrated noise vs batch size at fixed (ε, δ = {first.delta:g}, '
                f'{first.num_epochs} epochs), N = {first.num_examples}, C = {first.clip_norm:g}'
                f'; ★ smallest σ·C/b')
-  fig.tight_layout()
+  fig.tight_layout(rect=(0, 0.045 * rows + 0.02, 1, 1))
   fig.savefig(path, dpi=120)
   plt.close(fig)
 

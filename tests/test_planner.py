@@ -77,7 +77,7 @@ def test_flat_from_and_best_batch_size():
   assert plan.flat_from == 10
   assert plan.best_batch_size == 50  # σ/b: 1.0, 0.42, 0.4, 0.43.
   assert 'does not decrease monotonically' in plan.message()
-  assert 'from b = 10 on' in plan.message() and 'Below b = 10 the run needs 2.5x' in plan.message()
+  assert 'from b = 10 on' in plan.message() and 'At b = 1 the run needs 2.5x' in plan.message()
   falling = planner.Plan(100, 1.0, 1e-5, 1, 'poisson', 'pld', 1.0, rows[:2])
   assert falling.flat_from == 10 and 'still falls at the end of the grid' in falling.message()
 
