@@ -59,7 +59,8 @@ chunks from the two ends of a shared counter. The samples, the sums and every bo
 therefore a function of the arguments and the seed alone, bit-for-bit the same for any number
 of workers. Merging adds counts (Σ f, m); the confidence bound is computed once, from the
 merged sums. Each worker first imports dpjax.accounting and dp_accounting (~2.5 s CPU), so
-workers pay off for runs of tens of seconds (T ≥ 1e3 or m ≥ 1e5), not for small ones.
+workers pay off for runs of tens of seconds (T ≥ 1e3 or m ≥ 1e5), not for small ones. As with
+any 'spawn' pool, a script calling with workers > 1 needs the `if __name__ == '__main__':` guard.
 
 Many machines. `balls_and_bins_sums` returns the sufficient statistics (Σ_i f_i(ε), m,
 log_scale) of one seed and direction. Run it on each machine with its own seed, e.g. (seed, j)
