@@ -82,7 +82,22 @@ def test_automatic_cap_is_the_smallest_multiple_within_the_budget():
   assert steps * stats.binom.sf(cap - p, 10_000, 0.01) > budget
   bb = make_sampler('balls_and_bins', 10**7, 256)
   cap = batching.resolve_max_batch_size(bb, 64, 0, num_steps=10**6, delta=1e-6)
-  assert 256 < cap < 512 and cap % 64 == 0
+  assert 256 < cap <= 512 and cap % 64 == 0  # About 13 std above the mean 256.
+
+
+def test_automatic_cap_keeps_the_deterministic_balls_and_bins_bound_finite():
+  # Regression (experiments/06_truncation): with τ <= δ/1000 the TV penalty (1 + e^ε)·τ of
+  # the deterministic bound (ε ≈ 11.5 at σ = 1, 5 epochs) exceeded δ, so ε was ∞.
+  from dpjax.accounting import balls_and_bins
+  sampler = make_sampler('balls_and_bins', 60_000, 256)
+  steps, delta = 5 * sampler.steps_per_epoch, 1e-5
+  cap = batching.resolve_max_batch_size(sampler, 64, 0, num_steps=steps, delta=delta)
+  tau = steps * math.exp(batching.log_truncation_probability(sampler, cap))
+  untruncated = balls_and_bins.deterministic_epsilon(1.0, 5, delta)
+  truncated = balls_and_bins.deterministic_epsilon(1.0, 5, delta, penalty_mass=tau)
+  assert 11 < untruncated < 12
+  assert (1 + math.exp(untruncated)) * tau < delta / 1000
+  assert truncated == pytest.approx(untruncated, rel=1e-3)
 
 
 def test_cap_for_fixed_size_samplers_and_overrides():
