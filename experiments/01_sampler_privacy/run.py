@@ -42,6 +42,7 @@ import sys
 import time
 from typing import Any
 
+import dp_accounting
 import matplotlib
 
 matplotlib.use('Agg')
@@ -88,14 +89,15 @@ def _timed(fn):
   return value, time.perf_counter() - start
 
 
-def _accountant(name: str, sigma: float) -> accountant_lib.Accountant:
+def _accountant(name: str, sigma: float, workers: int = 1) -> accountant_lib.Accountant:
   sampler = samplers.sampler_class(name)(num_examples=NUM_EXAMPLES, batch_size=BATCH_SIZE)
   return accountant_lib.Accountant(
       sampler, sigma, DELTA, monte_carlo_samples=MONTE_CARLO_SAMPLES, beta=BETA,
-      monte_carlo_seed=MONTE_CARLO_SEED, random_allocation_timeout=RANDOM_ALLOCATION_TIMEOUT)
+      monte_carlo_seed=MONTE_CARLO_SEED, monte_carlo_workers=workers,
+      random_allocation_timeout=RANDOM_ALLOCATION_TIMEOUT)
 
 
-def one_point(sigma: float, epochs: int, monte_carlo: bool) -> dict[str, Any]:
+def one_point(sigma: float, epochs: int, monte_carlo: bool, workers: int = 1) -> dict[str, Any]:
   """Every sampler's numbers at (σ, E), as dpjax reports them."""
   steps_per_epoch = math.ceil(NUM_EXAMPLES / BATCH_SIZE)
   steps = epochs * steps_per_epoch
@@ -122,7 +124,7 @@ def one_point(sigma: float, epochs: int, monte_carlo: bool) -> dict[str, Any]:
 
   # With estimates=True the accountant adds the Monte-Carlo bound (1e6 samples, ~1-4 min per
   # point); without it we compute the max-test lower bound with the function it would call.
-  acct = _accountant('balls_and_bins', sigma)
+  acct = _accountant('balls_and_bins', sigma, workers)
   report, seconds['balls_and_bins'] = _timed(
       lambda: acct.epsilon_at(steps, estimates=monte_carlo))
   details = report.details
@@ -145,8 +147,22 @@ def one_point(sigma: float, epochs: int, monte_carlo: bool) -> dict[str, Any]:
     row['balls_and_bins_mc_point_not_a_guarantee'] = None
     row['balls_and_bins_mc_error'] = 'not computed at this size (run with --full)'
   row['balls_and_bins_report'] = report.to_dict()
+  row['cross_check_dp_accounting'], seconds['cross_check'] = _timed(
+      lambda: cross_check(sigma, epochs, steps))
   row['seconds'] = seconds
   return row
+
+
+def cross_check(sigma: float, epochs: int, steps: int) -> dict[str, float]:
+  """Poisson and deterministic ε computed with dp_accounting directly (not through dpjax)."""
+  poisson = dp_accounting.pld.PLDAccountant(
+      value_discretization_interval=accountant_lib.VALUE_DISCRETIZATION)
+  poisson.compose(dp_accounting.PoissonSampledDpEvent(
+      BATCH_SIZE / NUM_EXAMPLES, dp_accounting.GaussianDpEvent(sigma)), steps)
+  gaussian = dp_accounting.pld.PLDAccountant()
+  gaussian.compose(dp_accounting.GaussianDpEvent(sigma), epochs)
+  return {'poisson_pld': float(poisson.get_epsilon(DELTA)),
+          'deterministic_pld': float(gaussian.get_epsilon(DELTA))}
 
 
 # (key, label, sampler colour, line style, marker)
@@ -171,30 +187,37 @@ CURVES = (
 
 
 def plot(results: dict[str, Any], path: pathlib.Path) -> None:
+  """Top row: ε vs σ per epoch count. Bottom row: the same curves divided by Poisson's ε."""
   epochs_list = results['settings']['epochs']
-  fig, axes = plt.subplots(1, len(epochs_list), figsize=(6.5 * len(epochs_list), 5.2),
-                           squeeze=False)
-  for ax, epochs in zip(axes[0], epochs_list):
+  fig, axes = plt.subplots(2, len(epochs_list), figsize=(6.5 * len(epochs_list), 9.5),
+                           squeeze=False, sharex='col', gridspec_kw={'height_ratios': [3, 2]})
+  t = results['settings']['steps_per_epoch']
+  for col, epochs in enumerate(epochs_list):
+    ax, ax_ratio = axes[0][col], axes[1][col]
     rows = [r for r in results['rows'] if r['epochs'] == epochs]
     for key, label, color, style, marker in CURVES:
-      points = [(r['noise_multiplier'], r[key]) for r in rows
+      points = [(r['noise_multiplier'], r[key], r['poisson_pld_upper']) for r in rows
                 if r.get(key) is not None and math.isfinite(r[key]) and r[key] > 0]
       if not points:
         continue
-      xs, ys = zip(*points)
-      ax.plot(xs, ys, linestyle=style, marker=marker, color=color, label=label, markersize=5)
+      xs, ys, ref = zip(*points)
+      kw = dict(linestyle=style, marker=marker, color=color, markersize=5)
+      ax.plot(xs, ys, label=label, **kw)
+      ax_ratio.plot(xs, [y / p for y, p in zip(ys, ref)], **kw)
     ax.set_yscale('log')
-    ax.set_xlabel('noise multiplier σ (noise std / clip norm C)')
     ax.set_ylabel(f'ε at δ = {DELTA:g}')
-    t = results['settings']['steps_per_epoch']
     ax.set_title(f'E = {epochs} epoch{"s" if epochs > 1 else ""} (T = {t} steps/epoch, '
                  f'{epochs * t} steps), N = {NUM_EXAMPLES}, b = {BATCH_SIZE}', fontsize=10)
-    ax.grid(True, which='both', alpha=0.3)
+    ax_ratio.set_yscale('log')
+    ax_ratio.set_ylabel('ε / ε(Poisson PLD)')
+    ax_ratio.set_xlabel('noise multiplier σ (noise std / clip norm C)')
+    for a in (ax, ax_ratio):
+      a.grid(True, which='both', alpha=0.3)
   handles, labels = axes[0][0].get_legend_handles_labels()
   fig.legend(handles, labels, loc='lower center', ncol=3, fontsize=8, frameon=False)
   fig.suptitle('Privacy of batch samplers in DP-SGD: ε vs σ (dpjax accounting; '
                'seed 000 Figure 2 style)', fontsize=12)
-  fig.tight_layout(rect=(0, 0.13, 1, 1))
+  fig.tight_layout(rect=(0, 0.08, 1, 1))
   fig.savefig(path, dpi=130)
   plt.close(fig)
 
@@ -207,6 +230,8 @@ def main() -> None:
                       help='directory for results.json and the PNG (default: this folder)')
   parser.add_argument('--plot-only', action='store_true',
                       help='redraw the PNG from an existing results.json')
+  parser.add_argument('--workers', type=int, default=1,
+                      help='processes for the Monte-Carlo samples (same numbers for any count)')
   parser.add_argument('--sigmas', type=float, nargs='+', help='override the σ grid')
   parser.add_argument('--epochs', type=int, nargs='+', help='override the epoch counts')
   args = parser.parse_args()
@@ -220,10 +245,12 @@ def main() -> None:
     plot(json.loads((args.out / 'results.json').read_text()), args.out / 'epsilon_vs_sigma.png')
     return
   start = time.perf_counter()
+  git = _git_state()
   rows = []
   for epochs in grid['epochs']:
     for sigma in grid['sigmas']:
-      row = one_point(sigma, epochs, monte_carlo=epochs in grid['monte_carlo_epochs'])
+      row = one_point(sigma, epochs, monte_carlo=epochs in grid['monte_carlo_epochs'],
+                      workers=args.workers)
       rows.append(row)
       _log(f'E={epochs} σ={sigma}: poisson {row["poisson_pld_upper"]:.4g}, '
            f'bnb provable {row["balls_and_bins_provable_upper"]:.4g} '
@@ -247,10 +274,10 @@ def main() -> None:
           'monte_carlo_samples_per_direction': MONTE_CARLO_SAMPLES, 'monte_carlo_beta': BETA,
           'monte_carlo_seed': MONTE_CARLO_SEED,
           'random_allocation_timeout_seconds': RANDOM_ALLOCATION_TIMEOUT,
-          'max_batch_size': None, 'full': args.full,
+          'monte_carlo_workers': args.workers, 'max_batch_size': None, 'full': args.full,
           'cache_dir': os.environ.get('DPJAX_CACHE_DIR', '~/.cache/dpjax'),
       },
-      'git': _git_state(),
+      'git': git,
       'machine': {'platform': platform.platform(), 'python': platform.python_version(),
                   'cpu_count': os.cpu_count(), 'load_average_at_end': list(os.getloadavg()),
                   'time': time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())},
