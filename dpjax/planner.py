@@ -252,7 +252,8 @@ def plan_batch_sizes(num_examples: int, target_epsilon: float, delta: float, num
   base = base_config() if config is None else config
   name = base.sampler.name
   if name not in samplers_lib.SAMPLER_NAMES:
-    raise ValueError(f'--sampler {name!r} is unknown; valid: {", ".join(samplers_lib.SAMPLER_NAMES)}.')
+    raise ValueError(f'--sampler {name!r} is unknown; valid: '
+                     f'{", ".join(samplers_lib.SAMPLER_NAMES)}.')
   if base.privacy.accountant not in accountant_lib.ACCOUNTANTS:
     raise ValueError(f'--accountant {base.privacy.accountant!r} is unknown; valid: '
                      f'{", ".join(accountant_lib.ACCOUNTANTS)}.')
@@ -288,16 +289,15 @@ def plan_batch_sizes(num_examples: int, target_epsilon: float, delta: float, num
 # ---------------------------------------------------------------------------------------------
 
 
-_HEADER = ('b', 'steps/epoch', 'steps S', 'σ', 'σ·C/b', 'σ/(q√S)', 'ε (attached)', 'B', 'time')
+_HEADER = ('b', 'steps/epoch', 'steps S', 'σ', 'σ·C/b', 'σ/(q√S)', 'ε (attached)', 'B',
+           'time')
 
 
-def format_row(plan: Plan, row: PlanRow) -> str:
-  mark = '  <- smallest σ·C/b' if row.batch_size == plan.best_batch_size else ''
+def _cells(plan: Plan, row: PlanRow) -> tuple[str, ...]:
   cap = '-' if row.max_batch_size is None else str(row.max_batch_size)
-  cells = (str(row.batch_size), str(row.steps_per_epoch), str(row.num_steps),
-           f'{row.noise_multiplier:.4f}', f'{row.effective_noise:.3e}', f'{row.run_noise:.3f}',
-           f'{row.epsilon:.4f}', cap, f'{row.seconds:.1f}s')
-  return '  '.join(f'{c:>{max(len(h), 11)}}' for c, h in zip(cells, _HEADER)) + mark
+  return (str(row.batch_size), str(row.steps_per_epoch), str(row.num_steps),
+          f'{row.noise_multiplier:.4f}', f'{row.effective_noise:.3e}', f'{row.run_noise:.3f}',
+          f'{row.epsilon:.4f}', cap, f'{row.seconds:.1f}s')
 
 
 def format_table(plan: Plan) -> str:
@@ -306,10 +306,15 @@ def format_table(plan: Plan) -> str:
   title = (f'N = {plan.num_examples}, ε = {plan.target_epsilon:g}, δ = {plan.delta:g}, '
            f'{plan.num_epochs} epochs, sampler {plan.sampler}, accountant {plan.accountant} '
            f'(ε: {" / ".join(bounds)} bound), C = {plan.clip_norm:g}')
-  header = '  '.join(f'{h:>{max(len(h), 11)}}' for h in _HEADER)
+  table = [_HEADER] + [_cells(plan, r) for r in plan.rows]
+  widths = [max(len(line[i]) for line in table) for i in range(len(_HEADER))]
+  lines = ['  '.join(f'{c:>{w}}' for c, w in zip(line, widths)) for line in table]
+  for i, row in enumerate(plan.rows, start=1):
+    if row.batch_size == plan.best_batch_size:
+      lines[i] += '  <- smallest σ·C/b'
   wall, cpu = sum(r.seconds for r in plan.rows), sum(r.cpu_seconds for r in plan.rows)
-  return '\n'.join([title, header, *(format_row(plan, r) for r in plan.rows), '',
-                    plan.message(), f'calibration time: {wall:.1f} s wall, {cpu:.1f} s CPU for '
+  return '\n'.join([title, *lines, '', plan.message(),
+                    f'calibration time: {wall:.1f} s wall, {cpu:.1f} s CPU for '
                     f'{len(plan.rows)} batch sizes'])
 
 
@@ -318,14 +323,14 @@ def plot_plans(plans: Sequence[Plan], path: str, *, reference: Sequence[Plan] = 
   """σ, σ·C/b and σ/(q√S) against b (log axes), one line per plan (dashed: `reference`,
   labelled with `reference_note`)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from matplotlib import figure  # pylint: disable=g-import-not-at-top
 
-  fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+  fig = figure.Figure(figsize=(15, 4.6))  # No pyplot: no backend or global state involved.
+  axes = fig.subplots(1, 3)
   panels = (('noise_multiplier', 'noise multiplier σ (calibrated)'),
             ('effective_noise', 'noise std on the averaged gradient σ·C/b'),
             ('run_noise', 'noise of the whole run σ/(q·√S)'))
-  colors = plt.rcParams['axes.prop_cycle'].by_key()['color']
+  colors = matplotlib.rcParams['axes.prop_cycle'].by_key()['color']
   for i, plan in enumerate(plans):
     color = colors[i % len(colors)]
     b = [r.batch_size for r in plan.rows]
@@ -356,7 +361,6 @@ def plot_plans(plans: Sequence[Plan], path: str, *, reference: Sequence[Plan] = 
                f'; ★ smallest σ·C/b')
   fig.tight_layout(rect=(0, 0.045 * rows + 0.02, 1, 1))
   fig.savefig(path, dpi=120)
-  plt.close(fig)
 
 
 # ---------------------------------------------------------------------------------------------

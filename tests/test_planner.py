@@ -1,4 +1,4 @@
-"""dpjax.planner: σ equals the calibration training uses, ε meets the target, σ·C/b; errors; CLI.
+"""dpjax.planner: σ is the calibration training uses, ε meets the target, σ·C/b; errors; CLI.
 
 Small N (1000) and one or two epochs keep every calibration around a second of CPU.
 """

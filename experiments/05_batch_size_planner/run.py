@@ -84,8 +84,6 @@ def main(argv=None) -> int:
               f'ε_att={r.epsilon:.4f} ({r.seconds:.1f} s wall, {r.cpu_seconds:.1f} s CPU)',
               file=sys.stderr, flush=True))
       results[key].append(plan.to_dict())
-      if name == 'poisson':
-        print(planner.format_table(plan), flush=True)
       with open(path, 'w') as f:
         json.dump(results, f, indent=2)
   plans = [_plan_from_dict(d) for d in results['poisson']]
@@ -97,6 +95,8 @@ def main(argv=None) -> int:
     results['machine']['load_average_at_end'] = os.getloadavg()
   with open(path, 'w') as f:
     json.dump(results, f, indent=2)
+  for plan in plans:
+    print(planner.format_table(plan), end='\n\n')
   png = os.path.join(args.out, 'noise_vs_batch_size.png')
   planner.plot_plans(plans, png, reference=reference,
                      reference_note=' (provable bound: no amplification)')
