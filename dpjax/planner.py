@@ -19,6 +19,11 @@ ceil(N/b). Columns:
               linearly (Rényi DP ≈ c·S·q²·α/σ², Abadi et al. 2016), ε depends
               on σ, q and S only through it, so it is flat in b.
 
+Cost: one calibration per b, run one after the other. Poisson at N = 60000,
+10 epochs: 0.5–53 s of CPU per b, 5 min for 12 b × 3 ε (experiments/05).
+Balls-and-bins with ceil(N/b) <= 100 computes random-allocation PLDs in a
+subprocess: minutes per b. Shuffle and deterministic: under a second.
+
 docs/accounting.md §8 (seed 003, "Limits of privacy amplification by
 subsampling"): amplification is nearly free only when the per-step privacy
 loss is tiny, ε ≲ q. Small batches (small q, small σ) are outside that
@@ -64,7 +69,7 @@ class PlanRow:
   accountant: str
   max_batch_size: int | None  # The cap B training resolves for this b.
   seconds: float  # Calibration wall time.
-  cpu_seconds: float  # Calibration CPU time of this process (the machine may be shared).
+  cpu_seconds: float  # Calibration CPU time, subprocesses included (the machine may be shared).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,6 +229,12 @@ def run_config(base: ml_collections.ConfigDict, batch_size: int, target_epsilon:
 # ---------------------------------------------------------------------------------------------
 
 
+def _cpu_seconds() -> float:
+  """CPU time of this process and its finished subprocesses (random-allocation PLDs)."""
+  t = os.times()
+  return t.user + t.system + t.children_user + t.children_system
+
+
 def plan_batch_sizes(num_examples: int, target_epsilon: float, delta: float, num_epochs: int,
                      batch_sizes: Sequence[int] | None = None, *,
                      config: ml_collections.ConfigDict | None = None,
@@ -267,7 +278,7 @@ def plan_batch_sizes(num_examples: int, target_epsilon: float, delta: float, num
                               group_size=base.privacy.group_size)
   rows = []
   for b in sizes:
-    start, cpu_start = time.perf_counter(), time.process_time()
+    start, cpu_start = time.perf_counter(), _cpu_seconds()
     acct = accountant_lib.make_accountant(run_config(base, b, eps, delta, epochs), n)
     report = acct.final_report(estimates=False)  # Memoised: make_accountant checked it.
     sigma, steps = acct.noise_multiplier, report.steps
@@ -277,7 +288,7 @@ def plan_batch_sizes(num_examples: int, target_epsilon: float, delta: float, num
         noise_multiplier=sigma, effective_noise=sigma * clip_norm / b,
         run_noise=sigma / (q * math.sqrt(steps)), epsilon=report.epsilon, bound=report.bound,
         accountant=report.accountant, max_batch_size=acct.max_batch_size,
-        seconds=time.perf_counter() - start, cpu_seconds=time.process_time() - cpu_start))
+        seconds=time.perf_counter() - start, cpu_seconds=_cpu_seconds() - cpu_start))
     if progress is not None:
       progress(rows[-1])
   return Plan(num_examples=n, target_epsilon=eps, delta=delta, num_epochs=epochs, sampler=name,
@@ -315,7 +326,7 @@ def format_table(plan: Plan) -> str:
   wall, cpu = sum(r.seconds for r in plan.rows), sum(r.cpu_seconds for r in plan.rows)
   return '\n'.join([title, *lines, '', plan.message(),
                     f'calibration time: {wall:.1f} s wall, {cpu:.1f} s CPU for '
-                    f'{len(plan.rows)} batch sizes'])
+                    f'{len(plan.rows)} batch size{"s" if len(plan.rows) > 1 else ""}'])
 
 
 def plot_plans(plans: Sequence[Plan], path: str, *, reference: Sequence[Plan] = (),
