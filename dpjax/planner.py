@@ -417,6 +417,11 @@ def _resolve(args, parser) -> tuple[ml_collections.ConfigDict, int, float, float
     eps = args.epsilon if args.epsilon is not None else config.privacy.get('target_epsilon')
     delta = args.delta if args.delta is not None else config.privacy.get('delta')
     epochs = args.epochs if args.epochs is not None else config.get('num_epochs')
+    if args.epsilon is None and not eps:
+      raise ValueError('--epsilon must be given: the config has no privacy.target_epsilon > 0.')
+    if args.epochs is None and not epochs:
+      raise ValueError('--epochs must be given: the config sets num_steps, not num_epochs, and '
+                       'the planner compares batch sizes at a fixed number of epochs.')
   else:
     config = base_config()
     eps, delta, epochs = args.epsilon, args.delta, args.epochs
@@ -424,17 +429,10 @@ def _resolve(args, parser) -> tuple[ml_collections.ConfigDict, int, float, float
                               ('--delta', delta), ('--epochs', epochs)) if v is None]
     if missing:
       parser.error(f'missing {", ".join(missing)} (or give --config).')
-  if not eps:
-    raise ValueError('--epsilon must be a finite number > 0 (the config has no '
-                     'privacy.target_epsilon).')
-  if not epochs:
-    raise ValueError('--epochs must be an integer >= 1 (the config sets num_steps, not '
-                     'num_epochs; the planner compares batch sizes at a fixed number of epochs).')
-  for flag, field, value in (('sampler', 'name', args.sampler),
-                             ('physical_batch_size', 'physical_batch_size',
-                              args.physical_batch_size)):
-    if value is not None:
-      config.sampler[field] = value
+  if args.sampler is not None:
+    config.sampler.name = args.sampler
+  if args.physical_batch_size is not None:
+    config.sampler.physical_batch_size = args.physical_batch_size
   if args.accountant is not None:
     config.privacy.accountant = args.accountant
   if args.clip_norm is not None:

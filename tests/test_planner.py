@@ -152,6 +152,10 @@ def test_cli_config_and_usage_errors(tmp_path, capsys):
        '--epsilon must be a finite number > 0'),
       (['--num_examples', '100', '--epsilon', '1', '--delta', '1e-5', '--epochs', '1',
         '--json', str(tmp_path / 'no' / 'x.json')], '--json'),
+      (['--num_examples', '100', '--epsilon', '0', '--delta', '1e-5', '--epochs', '1'],
+       '--epsilon must be a finite number > 0, got 0.0'),
+      (['--config', 'configs/digits_mlp.py:runlocal', '--num_examples', '100'],
+       '--epochs must be given'),
   ]:
     with pytest.raises(SystemExit) as e:
       planner.main(argv)
