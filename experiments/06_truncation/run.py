@@ -45,11 +45,11 @@ import sys
 import time
 from typing import Any
 
+from dp_accounting.pld import privacy_loss_distribution as pld_lib
 import matplotlib
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-from dp_accounting.pld import privacy_loss_distribution as pld_lib  # pylint: disable=g-import-not-at-top
 
 from dpjax import batching
 from dpjax import samplers
@@ -255,7 +255,8 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
   inf_caps = [r['max_batch_size'] for r in dense if r['balls_and_bins_attached'] is None]
   if inf_caps:
     ax.plot(inf_caps, [ymax * 0.85] * len(inf_caps), ls='none', marker='^', ms=4,
-            color='darkgreen', alpha=0.6, label='Balls-and-bins: dpjax attaches ε = ∞ (drawn at top)')
+            color='darkgreen', alpha=0.6,
+            label='Balls-and-bins: dpjax attaches ε = ∞ (drawn at top)')
   auto = results['automatic_cap']['poisson']
   for a in (ax, ax_tau):
     a.axvline(auto['max_batch_size'], color='k', lw=1, ls='-.')
@@ -320,7 +321,8 @@ def main() -> None:
           'steps': steps, 'noise_multiplier': NOISE_MULTIPLIER, 'delta': DELTA,
           'physical_batch_size': PHYSICAL_BATCH_SIZE, 'dense_grid': list(DENSE_GRID),
           'sparse_grid': list(FULL_SPARSE_GRID if args.full else SPARSE_GRID),
-          'automatic_rule': f'smallest multiple of P with τ <= δ·{batching.DEFAULT_TRUNCATION_BUDGET:g}',
+          'automatic_rule': ('smallest multiple of P with τ <= δ·'
+                             f'{batching.DEFAULT_TRUNCATION_BUDGET:g}'),
           'full': args.full,
           'cache_dir': os.environ.get('DPJAX_CACHE_DIR', '~/.cache/dpjax'),
       },
