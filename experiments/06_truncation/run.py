@@ -10,7 +10,7 @@ B of its examples, and the accountant pays for it (docs/accounting.md §1 "Trunc
 * Poisson only: dp_accounting's exact `TruncatedSubsampledGaussianDpEvent` (arXiv 2508.15089),
   for the datasets of N and N + 1 examples.
 
-  .venv/bin/python experiments/06_truncation/run.py          # default, ~10 min on 2 cores
+  .venv/bin/python experiments/06_truncation/run.py          # default (18 min on a busy 2-core box)
   .venv/bin/python experiments/06_truncation/run.py --full   # exact event at every 10th B
 
 Setting: N = 60000, b = 600 (q = 1/T = 0.01, T = 100 steps per epoch, so random-allocation PLD
@@ -296,7 +296,7 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--full', action='store_true',
-                      help='exact truncated event at every 10th B (~20 min)')
+                      help='exact truncated event at every 10th B (about twice the default)')
   parser.add_argument('--out', type=pathlib.Path, default=HERE,
                       help='directory for results.json and the PNG (default: this folder)')
   parser.add_argument('--plot-only', action='store_true',
