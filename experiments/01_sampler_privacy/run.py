@@ -6,8 +6,8 @@ same comparison with the numbers *dpjax itself reports*: every ε comes from
 `dpjax.accounting.Accountant` (the object training attaches ε with) or, where the accountant
 does not report a number at this size, from the dpjax function it would call.
 
-  .venv/bin/python experiments/01_sampler_privacy/run.py          # default (27 min on a busy 2-core box)
-  .venv/bin/python experiments/01_sampler_privacy/run.py --full   # denser σ grid, MC for E > 1
+  .venv/bin/python experiments/01_sampler_privacy/run.py          # default (27 min, busy 2 cores)
+  .venv/bin/python experiments/01_sampler_privacy/run.py --full   # denser σ, MC for E > 1
 
 Setting: N = 60000 examples, batch size b = 600, so T = 100 steps per epoch and Poisson rate
 q = b/N = 1/T; δ = 1e-5; E = 1 and 5 epochs; no batch cap (truncation is experiment 6).
@@ -226,7 +226,7 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--full', action='store_true',
-                      help='denser σ grid and Monte-Carlo for every epoch count (several times longer)')
+                      help='denser σ grid and Monte Carlo for every epoch count (slower)')
   parser.add_argument('--out', type=pathlib.Path, default=HERE,
                       help='directory for results.json and the PNG (default: this folder)')
   parser.add_argument('--plot-only', action='store_true',
