@@ -216,6 +216,25 @@ def test_balls_and_bins_truncation_penalty():
   assert tight.epsilon(200) == math.inf
 
 
+def test_random_allocation_pays_the_truncation_penalty_at_its_own_epsilon():
+  # Regression (experiments/06_truncation): the penalty (1 + e^ε)·τ priced at the
+  # deterministic ε (7.0 here) ate δ and gave ε = ∞, though the random-allocation PLD with the
+  # same τ is finite (2.93). T = 6, σ = 1.5, 5 epochs, τ = δ/100: e^{ε_det}·τ > δ.
+  sigma, steps, epochs, tau = 1.5, 6, 5, DELTA / 100
+  bound = balls_and_bins.provable_epsilon(sigma, steps, DELTA, num_epochs=epochs,
+                                          log_penalty_mass=math.log(tau))
+  assert (1 + math.exp(balls_and_bins.deterministic_epsilon(sigma, epochs, DELTA))) * tau > DELTA
+  assert bound.method.startswith('random_allocation_pld')
+  pld = balls_and_bins.random_allocation_epoch_pld(sigma, steps).self_compose(epochs)
+  eps = bound.epsilon
+  assert math.isfinite(eps)
+  # Valid: the dominating PLD's δ(ε) plus the penalty fits in δ; and not loose: 1% less fails.
+  assert pld.get_delta_for_epsilon(eps) + (1 + math.exp(eps)) * tau <= DELTA
+  assert pld.get_delta_for_epsilon(0.99 * eps) + (1 + math.exp(0.99 * eps)) * tau > DELTA
+  untruncated = balls_and_bins.provable_epsilon(sigma, steps, DELTA, num_epochs=epochs)
+  assert untruncated.epsilon <= eps < untruncated.deterministic_epsilon
+
+
 def test_random_allocation_policy_and_timeout():
   big = _sampler('balls_and_bins', 20_000, 100)  # T = 200 > 100: not attempted
   report = accountant_lib.Accountant(big, 1.0, DELTA).epsilon_at(200, estimates=False)

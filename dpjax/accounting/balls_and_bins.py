@@ -74,6 +74,9 @@ RANDOM_ALLOCATION_TIMEOUT = 120.0  # seconds per (σ, T, E, δ), once (then cach
 # E > 1: one dominating one-epoch PLD per (σ, T) at this grid, composed E times.
 EPOCH_PLD_DISCRETIZATION = 0.02
 EPOCH_PLD_TAIL_TRUNCATION = 1e-8
+# A truncation penalty priced at the deterministic ε that takes more than this fraction of δ
+# is instead solved jointly with the random-allocation PLD (`provable_epsilon`).
+NEGLIGIBLE_PENALTY = 1e-2
 
 _CACHE_ENV = 'DPJAX_CACHE_DIR'
 _CACHE_FILE = 'random_allocation_v1.json'
@@ -376,9 +379,24 @@ def provable_epsilon(noise_multiplier: float, num_steps: int, delta: float, *,
   # The untruncated mechanism gets δ₀ = δ − (1 + e^{ε_det})·τ, a δ₀ that does not depend on
   # the answer: any ε ≤ ε_det it yields keeps the total within δ.
   delta0 = delta - (1.0 + math.exp(det)) * tau if math.isfinite(det) else 0.0
-  if group_size != 1 or not use_ra or delta0 <= 0:
+  if group_size != 1 or not use_ra:
     return ProvableBound(det, 'deterministic', det, None, None, delta0)
   budget = None if random_allocation else timeout
+  if delta0 < delta * (1.0 - NEGLIGIBLE_PENALTY):
+    # Pricing the penalty at ε_det wastes δ (or all of it: ε_det ≈ 11.5 at σ = 1 after 5
+    # epochs makes (1 + e^{ε_det})·τ > δ even for τ = δ/1000). Solve ε on the dominating
+    # PLD itself: the smallest ε with δ_PLD(ε) + (1 + e^ε)·τ ≤ δ (experiments/06_truncation).
+    pld = random_allocation_epoch_pld(noise_multiplier, num_steps, timeout=budget)
+    if pld is None:
+      return ProvableBound(det, 'deterministic (random-allocation PLD timed out)', det, None,
+                           None, delta0)
+    composed = pld.self_compose(num_epochs) if num_epochs > 1 else pld
+    upper = smallest_epsilon(composed.get_delta_for_epsilon, delta, penalty_mass=tau)
+    if upper < det:
+      return ProvableBound(upper, 'random_allocation_pld (one-epoch PLD composed E times, '
+                           'truncation penalty at ε)', det, upper, None,
+                           delta - (1.0 + math.exp(upper)) * tau)
+    return ProvableBound(det, 'deterministic', det, upper, None, delta0)
   if num_epochs == 1:
     result = random_allocation_epsilon_range(noise_multiplier, num_steps, delta0, timeout=budget)
     method = 'random_allocation_pld'
