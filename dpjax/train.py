@@ -263,7 +263,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       noise_multiplier=config.privacy.noise_multiplier, expected_batch_size=sampler.expected_batch_size,
       private=config.privacy.enabled, clipping=config.privacy.clipping,
       label_format=config.data.label_format, mesh=mesh)
-  eval_fn = lambda params, batch: dp_step.eval_step(model, params, batch, config.data.label_format)
+  eval_fn = jax.jit(  # Sharded like training; the sums come back replicated.
+      lambda params, batch: dp_step.eval_step(model, params, batch, config.data.label_format),
+      in_shardings=(sharding.replicated(mesh), sharding.batch_sharding(mesh)),
+      out_shardings=sharding.replicated(mesh))
   run_eval = lambda params: evaluate(eval_fn, params, test_source, config.sampler.physical_batch_size,
                                      mesh)
   params = dp_step.init_params(model, config.seed, train_source.input_shape)
@@ -296,10 +299,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   log(f'{mesh.devices.size} device(s) on {jax.process_count()} process(es), '
       f'{len(rows)} rows of each physical batch gathered here.')
   log(f'N = {num_examples}, {sampler.name} sampler, expected batch {sampler.expected_batch_size:g}, '
-        f'B = {max_batch_size}, P = {config.sampler.physical_batch_size}, {num_steps} steps'
-        + (f', σ = {config.privacy.noise_multiplier:.4f}, C = {config.privacy.clip_norm}, '
-           f'final ε = {final_report.epsilon:.4f} ({final_report.bound}, {final_report.accountant}), '
-           f'δ = {final_report.delta:g}' if final_report else ', non-private'))
+      f'B = {max_batch_size}, P = {config.sampler.physical_batch_size}, {num_steps} steps'
+      + (f', σ = {config.privacy.noise_multiplier:.4f}, C = {config.privacy.clip_norm}, '
+         f'final ε = {final_report.epsilon:.4f} ({final_report.bound}, {final_report.accountant}), '
+         f'δ = {final_report.delta:g}' if final_report else ', non-private'))
 
   # ---------------------------------------------------------------------------
   # Train loop.
@@ -368,7 +371,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   if num_truncated and accountant is not None:
     log(f'{num_truncated} of {num_steps} logical batches exceeded B = {max_batch_size} and were '
-          'truncated; the reported ε accounts for the cap.')
+        'truncated; the reported ε accounts for the cap.')
   if 'eval_accuracy' not in last:
     last.update(run_eval(params))
   result = {'step': num_steps, **last, 'params': params,
@@ -387,8 +390,12 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.ERROR)  # Orbax's per-save INFO lines drown the progress bar.
   try:
+    launch = (_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     if _DISTRIBUTED.value:  # Before anything touches a device.
-      sharding.initialize_distributed(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+      sharding.initialize_distributed(*launch)
+    elif any(value is not None for value in launch):
+      raise ValueError('--coordinator_address, --num_processes and --process_id only apply with '
+                       '--distributed (a multi-host run).')
     train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except ValueError as e:  # Bad config or data: the message names the field; no traceback.
     sys.exit(f'dpjax.train: error: {e}')

@@ -106,7 +106,7 @@ def _worker(outdir):
   host_batch = source.gather(np.arange(32))
   host_batch['weight'] = np.ones(32, np.float32)
   params = sharding.replicate(mesh, host_params)
-  batch = sharding.shard_batch(mesh, host_batch)
+  batch = jax.device_put(host_batch, sharding.batch_sharding(mesh))
   out['batch_rows_per_device'] = sorted(s.data.shape[0] for s in batch['x'].addressable_shards)
   hlo = step.accumulate.lower(params, step.init_accumulator(params), batch).compile().as_text()
   out['accumulate_has_all_reduce'] = 'all-reduce' in hlo
