@@ -3,9 +3,9 @@
 One mesh axis, 'data', spans every device of every process. Each physical
 batch [P, ...] is split along it (P/D rows per device, D devices); parameters,
 optimiser state and the accumulator are replicated. Under `jax.jit` with these
-shardings the compiler partitions the per-example work and turns the sum of
-clipped gradients over the batch axis into a cross-device reduction
-(Xu et al. 2021, GSPMD); nothing here hand-writes a collective.
+shardings XLA's SPMD partitioner (GSPMD, Xu et al. 2021) splits the
+per-example work and turns the sum of clipped gradients over the batch axis
+into a cross-device reduction; nothing here hand-writes a collective.
 
 The Gaussian noise stays outside the reduction: it is drawn in `DPStep.apply`
 from noise_key(seed, step), a replicated input every process computes
@@ -17,6 +17,8 @@ Multi-host: call `initialize_distributed` before anything touches a device.
 Every process computes the same LogicalBatch (the sampler is a pure function
 of (seed, step)), gathers only the rows of its own devices (`local_rows`) and
 `shard_batch` assembles the global array from the process-local rows.
+Launch: `python -m dpjax.train ... --distributed` on every host (README,
+"Scaling").
 """
 
 from __future__ import annotations
@@ -83,8 +85,8 @@ def check_physical_batch_size(physical_batch_size: int, mesh: jax.sharding.Mesh)
   if physical_batch_size % num_devices:
     raise ValueError(
         f'sampler.physical_batch_size = {physical_batch_size} must be a multiple of the number '
-        f'of devices ({num_devices}: {jax.process_count()} process(es) x '
-        f'{jax.local_device_count()} local device(s)), so that every device takes P/D rows.')
+        f'of devices ({num_devices} in the data mesh, over {jax.process_count()} process(es)), so '
+        'that every device takes P/D rows; see num_devices.')
 
 
 def local_rows(mesh: jax.sharding.Mesh, physical_batch_size: int) -> np.ndarray:
