@@ -10,7 +10,7 @@ B of its examples, and the accountant pays for it (docs/accounting.md §1 "Trunc
 * Poisson only: dp_accounting's exact `TruncatedSubsampledGaussianDpEvent` (arXiv 2508.15089),
   for the datasets of N and N + 1 examples.
 
-  .venv/bin/python experiments/06_truncation/run.py          # default (18 min on a busy 2-core box)
+  .venv/bin/python experiments/06_truncation/run.py          # default (2.5 min on a 2-core box)
   .venv/bin/python experiments/06_truncation/run.py --full   # exact event at every 10th B
 
 Setting: N = 60000, b = 600 (q = 1/T = 0.01, T = 100 steps per epoch, so random-allocation PLD
@@ -23,8 +23,9 @@ P = 64. Curves (all upper bounds):
                    random-allocation PLD + TV penalty      (balls_and_bins functions, see below)
                    deterministic bound + TV penalty        (balls_and_bins.deterministic_epsilon)
 
-Marked: the untruncated ε of each sampler and the B that `batching.resolve_max_batch_size`
-picks (its τ ≤ δ/1000 rule). The dense TV curves are computed from the same dpjax functions the
+Marked: the untruncated ε of each sampler, the B that `batching.resolve_max_batch_size`
+picks (τ ≤ δ·1e-3·e^{-50}, `batching.DEFAULT_TRUNCATION_BUDGET`) and the B of its rule before
+commit 51319b7 (τ ≤ δ/1000). The dense TV curves are computed from the same dpjax functions the
 accountant calls (`balls_and_bins.log_truncation_mass`, `smallest_epsilon`,
 `random_allocation_epoch_pld`), with the Poisson PLD built as the accountant builds it; at the
 sparse B the script checks they equal the accountant's numbers.
@@ -65,11 +66,14 @@ NOISE_MULTIPLIER = 1.0
 EPOCHS = 5
 DELTA = 1e-5
 PHYSICAL_BATCH_SIZE = 64
-DENSE_GRID = tuple(range(600, 881, 4))  # TV-penalty curves (cheap).
-SPARSE_GRID = (620, 640, 660, 680, 700, 720, 740, 760, 780)  # the accountant (exact event).
+# TV-penalty curves (cheap); past 880 ε is flat, so coarser, up to beyond the automatic cap (960).
+DENSE_GRID = tuple(range(600, 881, 4)) + tuple(range(888, 1025, 8))
+SPARSE_GRID = (620, 640, 660, 680, 700, 720, 740, 760, 768, 780)  # the accountant (exact event).
 FULL_SPARSE_GRID = tuple(range(610, 791, 10))
 # "Meets the untruncated ε": within these relative tolerances.
 TOLERANCES = (1e-2, 1e-3)
+# The automatic cap's τ budget (fraction of δ) before commit 51319b7, for comparison.
+OLD_TRUNCATION_BUDGET = 1e-3
 
 
 def _log(*args) -> None:
@@ -137,7 +141,15 @@ def run(sparse_grid) -> dict[str, Any]:
             NUM_EXAMPLES, q, cap, steps)),
         'epsilon_attached': report.epsilon, 'method': report.details.get('method'),
         'details': report.to_dict()['details']}
-  _log('untruncated', untruncated_poisson, untruncated_bnb, 'auto', auto)
+  # The automatic rule before 51319b7: smallest multiple of P with τ <= δ/1000.
+  old_cap = PHYSICAL_BATCH_SIZE
+  while balls_and_bins.log_truncation_mass(NUM_EXAMPLES, q, old_cap, steps) > math.log(
+      DELTA * OLD_TRUNCATION_BUDGET):
+    old_cap += PHYSICAL_BATCH_SIZE
+  auto_old_rule = {'max_batch_size': old_cap, 'budget_fraction_of_delta': OLD_TRUNCATION_BUDGET,
+                   'truncation_mass_tau': math.exp(balls_and_bins.log_truncation_mass(
+                       NUM_EXAMPLES, q, old_cap, steps))}
+  _log('untruncated', untruncated_poisson, untruncated_bnb, 'auto', auto, 'old', auto_old_rule)
 
   # --- Dense TV-penalty curves ---------------------------------------------------------------
   start = time.perf_counter()
@@ -198,6 +210,7 @@ def run(sparse_grid) -> dict[str, Any]:
                       'balls_and_bins_provable_upper': untruncated_bnb,
                       'balls_and_bins_method': untruncated_bnb_report.details['method']},
       'automatic_cap': auto,
+      'automatic_cap_old_rule': auto_old_rule,
       'meets_untruncated': {
           'poisson_pld_tv': _meets(caps, [r['poisson_pld_tv_upper'] for r in dense],
                                    untruncated_poisson),
@@ -243,13 +256,13 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
   ax.plot(*zip(*pts), ls='none', marker='o', mfc='none', ms=11, color='navy',
           label='Poisson: ε dpjax attaches = min of the two (upper)')
   line('balls_and_bins_random_allocation_tv_upper', color='tab:green', ls='-',
-       label='Balls-and-bins: random-allocation PLD + TV penalty (upper; not yet attached)')
+       label='Balls-and-bins: random-allocation PLD + TV penalty at ε (upper)')
   line('balls_and_bins_deterministic_tv_upper', color='tab:red', ls='-',
        label='Balls-and-bins: deterministic bound + TV penalty (upper)')
   fin = [(r['max_batch_size'], r['balls_and_bins_attached']) for r in dense
          if r['balls_and_bins_attached'] is not None]
   if fin:
-    ax.plot(*zip(*fin), ls='none', marker='s', ms=4, color='darkgreen',
+    ax.plot(*zip(*fin), ls='none', marker='s', ms=4.5, mfc='none', mew=0.8, color='darkgreen',
             label='Balls-and-bins: ε dpjax attaches (upper)')
   ymax = 40.0
   inf_caps = [r['max_batch_size'] for r in dense if r['balls_and_bins_attached'] is None]
@@ -261,8 +274,15 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
   for a in (ax, ax_tau):
     a.axvline(auto['max_batch_size'], color='k', lw=1, ls='-.')
   ax.annotate(f"automatic B = {auto['max_batch_size']}\nτ = {auto['truncation_mass_tau']:.2g}",
-              (auto['max_batch_size'], 0.3), xytext=(6, 0), textcoords='offset points',
-              fontsize=8)
+              (auto['max_batch_size'], 0.3), xytext=(-6, 0), textcoords='offset points',
+              ha='right', fontsize=8)
+  old = results.get('automatic_cap_old_rule')
+  if old:
+    for a in (ax, ax_tau):
+      a.axvline(old['max_batch_size'], color='0.6', lw=1, ls='-.')
+    ax.annotate(f"automatic B before 51319b7 = {old['max_batch_size']}\n"
+                f"τ = {old['truncation_mass_tau']:.2g}", (old['max_batch_size'], 0.3),
+                xytext=(6, 0), textcoords='offset points', fontsize=8, color='0.4')
   ax.text(x[-1], u['poisson_pld_upper'] * 1.04, f"Poisson untruncated {u['poisson_pld_upper']:.3f}",
           ha='right', va='bottom', fontsize=8, color='tab:blue')
   ax.text(x[-1], u['balls_and_bins_provable_upper'] * 0.96,
@@ -278,10 +298,14 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
                f'E = {s["epochs"]} epochs = {s["steps"]} steps', fontsize=10)
   ax_tau.plot(x, [r['truncation_mass_tau'] for r in dense], color='k')
   ax_tau.axhline(s['delta'], color='tab:red', lw=0.8, ls='--', label='δ')
-  ax_tau.axhline(s['delta'] * batching.DEFAULT_TRUNCATION_BUDGET, color='tab:purple', lw=0.8,
-                 ls='--', label='δ/1000 (automatic rule)')
+  budget = s.get('automatic_rule_budget_fraction_of_delta', batching.DEFAULT_TRUNCATION_BUDGET)
+  ax_tau.axhline(s['delta'] * budget, color='tab:purple', lw=0.8, ls='--',
+                 label=f'δ·1e-3·e$^{{-50}}$ = {s["delta"] * budget:.2g} (automatic rule)')
+  if old:
+    ax_tau.axhline(s['delta'] * old['budget_fraction_of_delta'], color='0.6', lw=0.8, ls='--',
+                   label='δ/1000 (automatic rule before 51319b7)')
   ax_tau.set_yscale('log')
-  ax_tau.set_ylim(1e-16, 1e3)
+  ax_tau.set_ylim(1e-45, 1e3)
   ax_tau.set_ylabel('τ = steps · Pr[n_t > B]')
   std = math.sqrt(s['batch_size'] * (1 - s['sampling_probability']))
   ax_tau.set_xlabel(f'maximum batch size B (examples; mean batch b = {s["batch_size"]}, '
@@ -321,8 +345,9 @@ def main() -> None:
           'steps': steps, 'noise_multiplier': NOISE_MULTIPLIER, 'delta': DELTA,
           'physical_batch_size': PHYSICAL_BATCH_SIZE, 'dense_grid': list(DENSE_GRID),
           'sparse_grid': list(FULL_SPARSE_GRID if args.full else SPARSE_GRID),
-          'automatic_rule': ('smallest multiple of P with τ <= δ·'
-                             f'{batching.DEFAULT_TRUNCATION_BUDGET:g}'),
+          'automatic_rule': ('smallest multiple of P with τ <= δ·1e-3·e^-50 = δ·'
+                             f'{batching.DEFAULT_TRUNCATION_BUDGET:.6g}'),
+          'automatic_rule_budget_fraction_of_delta': batching.DEFAULT_TRUNCATION_BUDGET,
           'full': args.full,
           'cache_dir': os.environ.get('DPJAX_CACHE_DIR', '~/.cache/dpjax'),
       },
