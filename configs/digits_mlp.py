@@ -21,10 +21,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # --- Data ------------------------------------------------------------------
   c.data = ml_collections.ConfigDict()
-  c.data.source = 'digits'  # digits | tfds | npz | synthetic
+  c.data.source = 'digits'  # digits | tfds | npz | memmap | synthetic
   c.data.name = ''  # TFDS dataset name (source='tfds'), e.g. 'mnist'.
   c.data.data_dir = ''  # Prepared TFDS data_dir (source='tfds'); never downloaded.
-  c.data.path = ''  # .npz file with x_train, y_train, x_test, y_test (source='npz').
+  c.data.path = ''  # .npz file with x_train, y_train, x_test, y_test (source='npz'), or a
+  #   directory holding <split>/x.npy, <split>/y.npy (source='memmap').
   c.data.train_split = 'train'
   c.data.test_split = 'test'
   c.data.image_key = 'image'  # Feature names in TFDS/npz records.
@@ -56,6 +57,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.privacy.delta = 1e-5
   c.privacy.accountant = 'auto'  # auto | pld | rdp | monte_carlo
   c.privacy.group_size = 1  # k: guarantee for groups of k examples.
+  c.privacy.monte_carlo_workers = 1  # Processes drawing balls-and-bins Monte-Carlo samples
+  #   (the estimate does not depend on it).
   c.privacy.clipping = 'auto'  # auto | vmap | ghost: how per-example norms are computed.
 
   # --- Model and optimiser ---------------------------------------------------
