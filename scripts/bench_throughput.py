@@ -13,36 +13,53 @@ Every method trains on the same Poisson logical batches (dpjax's
 (`dpjax.data.SyntheticSource`, gathered once into memory), with the same
 σ, C and SGD step:
 
-| method | what one logical step runs |
-|---|---|
-| jax_nonprivate | `dp_step.DPStep(private=False)`: the dpjax pipeline without clipping or noise |
-| dpjax_vmap, dpjax_ghost | `DPStep(clipping='vmap' / 'ghost')`: masked DP-SGD, K = ceil(n/P) padded physical batches of static shape [P, ...], one compilation |
-| naive_jax | seed 002's naive JAX baseline: the same jitted vmap-clipped `accumulate`, fed the logical batch split as Opacus splits it (`np.array_split` into ceil(n/P) chunks) at the chunks' real shapes, so it compiles once per new chunk size |
-| torch_nonprivate | the same PyTorch model, plain SGD, same chunks, gradients accumulated over the chunks |
-| opacus | Opacus `PrivacyEngine.make_private` (per-sample gradients by hooks, flat clipping, its own noise and accountant hook), the same chunks driven as its `BatchMemoryManager` does (`signal_skip_step`) |
+- jax_nonprivate: `dp_step.DPStep(private=False)`, the dpjax pipeline
+  without clipping or noise.
+- dpjax_vmap, dpjax_ghost: `DPStep(clipping='vmap' / 'ghost')`, masked
+  DP-SGD: K = ceil(n/P) padded physical batches of static shape [P, ...],
+  one compilation.
+- naive_jax: seed 002's naive JAX baseline. The same jitted vmap-clipped
+  `accumulate`, fed the logical batch split as Opacus splits it
+  (`np.array_split` into ceil(n/P) chunks) at the chunks' real shapes, so it
+  compiles once per new chunk size.
+- torch_nonprivate: the same PyTorch model, plain SGD, same chunks, gradients
+  accumulated over the chunks.
+- opacus: Opacus `PrivacyEngine.make_private` (per-sample gradients by hooks,
+  flat clipping, its own noise and accountant hook), the same chunks driven
+  as its `BatchMemoryManager` does (`signal_skip_step`).
 
-Steady-state throughput: S logical steps per repeat (real examples / wall
-time, the last step's result fetched before the clock stops); the methods are
-timed round-robin (order rotated every repeat) so that load from other users of
-the shared machine falls on all of them alike; the median over repeats is
-reported. naive_jax is timed after a warm-up pass over the same S steps, so its
-steady state excludes compilation (it pads nothing, so it is an upper bound on
-what the naive code reaches).
+Per epoch including compilation (first): one epoch (ceil(N/b) Poisson steps)
+of each JAX method from a cold start (new jit objects, no persistent
+compilation cache); wall time and number of XLA compilations (traces of the
+jitted functions, cross-checked against the jit cache size).
 
-Per epoch including compilation: one epoch (ceil(N/b) Poisson steps) from a
-cold start (new jit objects, no persistent compilation cache) for the masked
-dpjax steps and for naive_jax; wall time and number of XLA compilations
-(traces of the jitted functions, cross-checked against the jit cache size).
+Steady-state throughput (then, on the warm JAX runners; the PyTorch ones are
+warmed on the same steps): the first S logical steps of the epoch per repeat
+(real examples / wall time, the last step's result fetched before the clock
+stops); the methods are timed round-robin (order rotated every repeat) so
+that load from other users of the shared machine falls on all of them alike;
+the median over repeats is reported. No timed repeat compiles (asserted), so
+naive_jax's steady state excludes compilation; it pads nothing, so it is an
+upper bound on what the naive code reaches.
+
+Same computation, checked: the PyTorch twins have the same parameter count
+and, with the flax weights copied in, the same logits (max |diff| < 1e-4);
+Opacus's clipped sum on one chunk equals dpjax's (relative diff < 1e-4).
 
 Both frameworks get the same cores (`--threads`, default all): the process is
 pinned to that many CPUs, which sizes XLA's thread pool, and PyTorch runs with
-torch.set_num_threads(threads). The JSON records the load average before and after each
-phase and `git rev-parse HEAD` (plus whether dpjax/ had uncommitted changes).
+torch.set_num_threads(threads). On a shared machine whose other users keep
+the cores busy, PyTorch's per-op thread parallelism suffers most (its threads
+wait for each other at every op); `--threads 1` compares one core each. The
+JSON records the load average before and after each phase and `git rev-parse
+HEAD` (plus whether dpjax/ had uncommitted changes).
 
 Run (the PyTorch methods need the optional `bench` extra: a CPU build of torch
 pinned to 2.13.0, and opacus):
   pip install -c constraints.txt -e '.[bench]'
-  python scripts/bench_throughput.py             # ~4 min on 2 cores
+  python scripts/bench_throughput.py             # ~7 min on 2 shared cores
+  python scripts/bench_throughput.py --threads 1 --out \
+      scripts/results/throughput_1thread         # one core each
   python scripts/bench_throughput.py --full      # N = 60000, more repeats
 Writes scripts/results/throughput.json and throughput.png (or --out).
 """
@@ -62,11 +79,11 @@ import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_clipping  # pylint: disable=g-import-not-at-top,wrong-import-position
-from dpjax import batching  # pylint: disable=g-import-not-at-top,wrong-import-position
-from dpjax import data  # pylint: disable=g-import-not-at-top,wrong-import-position
-from dpjax import dp_step  # pylint: disable=g-import-not-at-top,wrong-import-position
-from dpjax import samplers  # pylint: disable=g-import-not-at-top,wrong-import-position
+import bench_clipping
+from dpjax import batching
+from dpjax import data
+from dpjax import dp_step
+from dpjax import samplers
 
 MODELS = ('mlp', 'cnn')
 JAX_METHODS = ('jax_nonprivate', 'dpjax_vmap', 'dpjax_ghost', 'naive_jax')
@@ -90,8 +107,8 @@ def _load() -> list[float]:
 def _git_state() -> dict[str, Any]:
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   run = lambda *a: subprocess.run(['git', *a], cwd=root, capture_output=True,
-                                  text=True, check=False).stdout.strip()
-  return {'head': run('rev-parse', 'HEAD'),
+                                  text=True, check=False).stdout
+  return {'head': run('rev-parse', 'HEAD').strip(),
           'dpjax_uncommitted_changes': run('status', '--porcelain', '--',
                                            'dpjax').splitlines()}
 
@@ -144,7 +161,7 @@ class JaxMethod:
   def __init__(self, name: str, model_name: str, wl: Workload,
                sigma: float, clip_norm: float):
     self.name, self.wl = name, wl
-    model, shape, _ = bench_clipping._model(model_name)  # pylint: disable=protected-access
+    model, shape, _ = bench_clipping._model(model_name)
     self.params = dp_step.init_params(model, SEED, shape)
     optimizer = optax.sgd(LEARNING_RATE)
     self.opt_state = optimizer.init(self.params)
@@ -177,7 +194,7 @@ class JaxMethod:
   def compilations(self) -> dict[str, int]:
     return {'accumulate': self.step.compile_count('accumulate'),
             'apply': self.step.compile_count('apply'),
-            'accumulate_jit_cache_size': self.step.accumulate._cache_size()}  # pylint: disable=protected-access
+            'accumulate_jit_cache_size': self.step.accumulate._cache_size()}
 
 
 # -----------------------------------------------------------------------------
@@ -191,7 +208,7 @@ def _torch_model(flax_model, input_shape):
   for the CNN's 8x8/2 conv on 28x28 that is 3 on each side, which PyTorch's
   symmetric padding reproduces (checked: output 14x14).
   """
-  import torch  # pylint: disable=g-import-not-at-top
+  import torch
   nn = torch.nn
   if flax_model.activation != 'tanh':
     raise ValueError(f'activation {flax_model.activation!r}: only tanh twins.')
@@ -227,7 +244,7 @@ def _torch_layout(tree, torch_model) -> list[tuple[np.ndarray, np.ndarray]]:
   structure) in the twin's layout: kernels transposed, and the first Dense
   after the convs permuted from flax's (H, W, C) flatten order to PyTorch's
   (C, H, W)."""
-  import torch  # pylint: disable=g-import-not-at-top
+  import torch
   order = lambda k: (not k.startswith('Conv'), int(k.rsplit('_', 1)[1]))
   flax_layers = [tree[k] for k in sorted(tree, key=order)]
   torch_layers = [m for m in torch_model.modules()
@@ -252,7 +269,7 @@ def _torch_layout(tree, torch_model) -> list[tuple[np.ndarray, np.ndarray]]:
 
 def _load_flax_params(torch_model, params) -> None:
   """Copies flax parameters into the twin: every method starts alike."""
-  import torch  # pylint: disable=g-import-not-at-top
+  import torch
   layers = [m for m in torch_model.modules()
             if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
   with torch.no_grad():
@@ -270,10 +287,10 @@ def check_same_clipped_sum(model_name: str, wl: Workload,
   examples: the methods timed compute the same thing. Opacus clips by
   C / (‖g_i‖ + 1e-6), dpjax by C / ‖g_i‖, hence a tolerance of 1e-4.
   """
-  import opacus  # pylint: disable=g-import-not-at-top
-  import torch  # pylint: disable=g-import-not-at-top
-  from dpjax import clipping  # pylint: disable=g-import-not-at-top
-  flax_model, shape, _ = bench_clipping._model(model_name)  # pylint: disable=protected-access
+  import opacus
+  import torch
+  from dpjax import clipping
+  flax_model, shape, _ = bench_clipping._model(model_name)
   params = dp_step.init_params(flax_model, SEED, shape)
   chunk = wl.chunks(0)[0]
   want, _ = clipping.per_example_clipped_sum(
@@ -294,7 +311,7 @@ def check_same_clipped_sum(model_name: str, wl: Workload,
   loss.backward()
   optimizer.step()  # Skipped: clip and accumulate only.
   got = [p.summed_grad.numpy() for p in model.parameters()]
-  ref = [a for wb in _torch_layout(want, model._module) for a in wb]  # pylint: disable=protected-access
+  ref = [a for wb in _torch_layout(want, model._module) for a in wb]
   scale = max(float(np.max(np.abs(r))) for r in ref)
   diff = max(float(np.max(np.abs(g - r))) for g, r in zip(got, ref)) / scale
   if not diff < 1e-4:
@@ -308,10 +325,10 @@ class TorchMethod:
 
   def __init__(self, name: str, model_name: str, wl: Workload,
                sigma: float, clip_norm: float):
-    import torch  # pylint: disable=g-import-not-at-top
+    import torch
     self.torch, self.name, self.wl = torch, name, wl
     torch.manual_seed(SEED)
-    flax_model, shape, _ = bench_clipping._model(model_name)  # pylint: disable=protected-access
+    flax_model, shape, _ = bench_clipping._model(model_name)
     model = _torch_model(flax_model, shape)
     params = dp_step.init_params(flax_model, SEED, shape)
     _load_flax_params(model, params)
@@ -327,7 +344,7 @@ class TorchMethod:
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     b = wl.sampler.expected_batch_size
     if name == 'opacus':
-      import opacus  # pylint: disable=g-import-not-at-top
+      import opacus
       dataset = torch.utils.data.TensorDataset(
           torch.from_numpy(wl.x_nchw), torch.from_numpy(wl.y).long())
       loader = torch.utils.data.DataLoader(dataset, batch_size=int(round(b)))
@@ -499,9 +516,9 @@ def ratios(model: dict) -> dict:
 # Plot.
 # -----------------------------------------------------------------------------
 def plot(result: dict, path: str) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib
   matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt
   models = list(result['models'])
   fig, axes = plt.subplots(1, 2, figsize=(13, 5),
                            gridspec_kw={'width_ratios': [3, 2]})
@@ -567,7 +584,8 @@ def main():
   parser.add_argument('--models', nargs='+', default=list(MODELS),
                       choices=MODELS)
   parser.add_argument('--full', action='store_true',
-                      help='N = 60000 and more repeats (~15 min)')
+                      help='N = 60000, 9 repeats, 3 cold epochs '
+                      '(~30 min, estimated)')
   parser.add_argument('--num-examples', type=int, default=None,
                       help='N (default 10000, --full 60000)')
   parser.add_argument('--batch-size', type=int, default=256,
@@ -616,13 +634,13 @@ def main():
               'python': platform.python_version()}
   methods = list(JAX_METHODS)
   if not args.no_torch:
-    import opacus  # pylint: disable=g-import-not-at-top
-    import torch  # pylint: disable=g-import-not-at-top
+    import opacus
+    import torch
     torch.set_num_threads(args.threads)
     versions.update(torch=torch.__version__, opacus=opacus.__version__,
                     torch_threads=torch.get_num_threads())
     methods += list(TORCH_METHODS)
-  import warnings  # pylint: disable=g-import-not-at-top
+  import warnings
   warnings.filterwarnings('ignore', category=UserWarning)  # Opacus / hooks.
 
   wl = Workload(n, args.batch_size, args.physical_batch_size)
