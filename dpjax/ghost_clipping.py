@@ -398,9 +398,6 @@ class _Blocks(NamedTuple):
   unroll: bool = True  # Python loop (fast for small blocks) or lax.scan.
 
 
-# Book-keeping masks its tensors behind a branch on "every row kept" only when
-# they hold more elements than this (`ghost_pass`).
-_COND_MIN_ELEMENTS = 2**20
 # Convolutions whose patches (all blocks) exceed this are visited by a scan,
 # one block at a time; smaller ones are unrolled (faster: no loop overhead).
 _UNROLL_BYTES = 16 * 2**20
@@ -646,18 +643,11 @@ def _tree_sq_norms(grads) -> jax.Array:
              for g in jax.tree.leaves(grads))
 
 
-def _zero_rows(v: jax.Array, keep: jax.Array | None) -> jax.Array:
-  """v with the rows where keep is False set to exactly zero (None: all kept)."""
-  if keep is None:
-    return v
-  return jnp.where(keep.reshape((-1,) + (1,) * (v.ndim - 1)), v,
-                   jnp.zeros((), v.dtype))
-
-
 def _masked_row_sum(factor: jax.Array, g: jax.Array,
-                    keep: jax.Array | None) -> jax.Array:
+                    keep: jax.Array) -> jax.Array:
   """Σ_i factor_i · g_i, rows where keep is False exactly zero (no 0·NaN)."""
-  return jnp.tensordot(factor, _zero_rows(g, keep), axes=1)
+  mask = keep.reshape((-1,) + (1,) * (g.ndim - 1))
+  return jnp.tensordot(factor, jnp.where(mask, g, 0.0), axes=1)
 
 
 # ----------------------------------------------------------------------------
@@ -739,24 +729,9 @@ def ghost_pass(loss_fn: LossFn, params: Params, x: jax.Array, y: jax.Array,
                   for p, g in zip(coverage.materialised, copy_grads)})
   sq_norms = sum(by_path.values())
 
-  masked_size = sum(
-      sum(g.size for g in jax.tree.leaves(grads)) if grads is not None else
-      sum(v.size for v in operands) if operands is not None else a.size + d.size
-      for a, d, (_, grads, operands) in zip(inputs, deltas, parts)) + sum(
-          g.size for g in copy_grads)
-
   def weighted_sum(factor: jax.Array, keep: jax.Array) -> Params:
-    # Masking large captured tensors costs ~8% of a CNN step; it only matters
-    # when some row is dropped, so it then runs only in that case
-    # (where(True, v, 0) = v: both branches give the same bits when every row
-    # is kept). Small ones are masked always: the branch costs more.
-    if masked_size < _COND_MIN_ELEMENTS:
-      return book_keep(factor, keep)
-    return jax.lax.cond(jnp.all(keep), lambda f: book_keep(f, None),
-                        lambda f: book_keep(f, keep), factor)
-
-  def book_keep(factor: jax.Array, keep: jax.Array | None) -> Params:
     out = {}
+    rows = lambda v: keep.reshape((-1,) + (1,) * (v.ndim - 1))
     for l, theta, a, d, (_, grads, operands) in zip(layers, thetas, inputs,
                                                     deltas, parts):
       if grads is not None:  # Materialised: Σ_i f_i g_i.
@@ -764,13 +739,13 @@ def ghost_pass(loss_fn: LossFn, params: Params, x: jax.Array, y: jax.Array,
                              grads)
       elif operands is not None:  # Linear layer: a2ᵀ (f · d2).
         a2, d2 = operands
-        a2 = _zero_rows(a2, keep)
-        ct = _zero_rows(factor[:, None, None] * d2, keep)
+        a2 = jnp.where(rows(a2), a2, 0.0)
+        ct = jnp.where(rows(d2), factor[:, None, None] * d2, 0.0)
         grads = {'kernel': jnp.einsum('nsm,nsc->mc', a2, ct),
                  'bias': jnp.sum(ct, axis=(0, 1))}
       else:  # The layer's own weight-gradient computation (vjp).
-        a = _zero_rows(a, keep)
-        ct = _zero_rows(factor.reshape((-1,) + (1,) * (d.ndim - 1)) * d, keep)
+        a = jnp.where(rows(a), a, jnp.zeros((), a.dtype))
+        ct = jnp.where(rows(d), factor.reshape(rows(d).shape) * d, 0.0)
         _, layer_vjp = jax.vjp(lambda t, a=a, l=l: jax.vmap(
             lambda a_i: l.module.apply({'params': t}, a_i))(a), theta)
         grads = layer_vjp(ct.astype(d.dtype))[0]
