@@ -53,7 +53,7 @@ def time_steps(batcher, source, steps: list[int]) -> list[float]:
   return times
 
 
-def _load_note(results: list[dict]) -> str:
+def load_note(results: list[dict]) -> str:
   """The shared machine's load during the runs: times are only comparable within a figure."""
   loads = [r['load_average_1min'] for r in results if 'load_average_1min' in r]
   if not loads:
@@ -94,7 +94,7 @@ def plot(results: list[dict], path: str) -> None:
   first = results[0]
   fig.suptitle(f'Data pipeline per-step cost vs N: b = {first["batch_size"]}, '
                f'P = {first["physical_batch_size"]}, medians over repeats'
-               + _load_note(results), fontsize=11)
+               + load_note(results), fontsize=11)
   fig.tight_layout(rect=(0, 0.14, 1, 1))
   fig.savefig(path, dpi=110)
   print('wrote', path)

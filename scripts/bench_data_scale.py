@@ -197,19 +197,12 @@ def print_row(row: dict) -> None:
         flush=True)
 
 
-def _load_note(results: list[dict]) -> str:
-  """The shared machine's load during the runs: times are only comparable within a figure."""
-  loads = [r['load_average_1min'] for r in results if 'load_average_1min' in r]
-  if not loads:
-    return ''
-  return (f'\n1-min load average {min(loads):.0f}-{max(loads):.0f} on {os.cpu_count()} CPUs '
-          'during the runs')
-
-
 def plot(results: list[dict], files: list[dict], path: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+  # Imported here, not at the top: the measuring workers' RSS baseline stays as it was.
+  import bench_data_pipeline  # pylint: disable=g-import-not-at-top
 
   names = sorted({r['sampler'] for r in results}, key=[
       'poisson', 'balls_and_bins', 'shuffle', 'deterministic', 'fixed_size',
@@ -257,7 +250,7 @@ def plot(results: list[dict], files: list[dict], path: str) -> None:
   b = results[0]['batch_size']
   fig.suptitle(f'Data pipeline at scale: b = {b}, P = {results[0]["physical_batch_size"]}; '
                'synthetic (solid), memmap warm page cache (dashed), memmap evicted (dotted)'
-               + _load_note(results), fontsize=11)
+               + bench_data_pipeline.load_note(results), fontsize=11)
   fig.tight_layout(rect=(0, 0.12, 1, 0.97))
   fig.savefig(path, dpi=110)
   print('wrote', path)
