@@ -43,12 +43,7 @@ RUN = {  # configs/digits_mlp.py with these fields, for every run here.
 def _config(**overrides):
   from configs import digits_mlp  # pylint: disable=g-import-not-at-top
   config = digits_mlp.get_config()
-  for key, value in {**RUN, **overrides}.items():
-    target = config
-    *path, leaf = key.split('.')
-    for part in path:
-      target = target[part]
-    target[leaf] = value
+  config.update_from_flattened_dict({**RUN, **overrides})
   return config
 
 

@@ -31,12 +31,7 @@ def small_config(**overrides):
   config.log_every_steps = 2
   config.eval_every_steps = 3
   config.checkpoint_every_steps = 2
-  for key, value in overrides.items():
-    target = config
-    *path, leaf = key.split('.')
-    for part in path:
-      target = target[part]
-    target[leaf] = value
+  config.update_from_flattened_dict(overrides)
   return config
 
 
