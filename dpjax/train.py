@@ -1,7 +1,14 @@
 """Train a model with DP-SGD; re-running the same command resumes.
 
-  python -m dpjax.train --config configs/digits_mlp.py --workdir workdirs/digits_mlp \\
-      [--config.privacy.target_epsilon=2.0 ...]
+  python -m dpjax.train --config configs/digits_mlp.py:runlocal --workdir /tmp/dpjax_smoke
+  python -m dpjax.train --config configs/digits_mlp.py:runlocal --workdir /tmp/dpjax_smoke_eps2 \\
+      --config.privacy.target_epsilon=2.0
+
+(`:runlocal` shrinks the run to a few steps; drop it for the full run.) Every
+field that enters ε is resolved once into a `dpjax.plan.RunPlan` and stored
+as the privacy fingerprint of every checkpoint; a rerun that would change it
+is refused before any compute (use a new --workdir). Bad input of any kind
+prints one line and exits with code 2 before anything in the workdir changes.
 
 Data parallel over all devices of the machine (`config.num_devices`, see
 `dpjax.sharding`); over several hosts, start the same command on every host
@@ -24,6 +31,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -40,13 +48,14 @@ import optax
 import tensorboardX
 import tqdm
 
-from dpjax import accounting
+from dpjax import _validate
 from dpjax import batching
 from dpjax import checkpoints
+from dpjax import cli
 from dpjax import data
 from dpjax import dp_step
 from dpjax import models
-from dpjax import samplers
+from dpjax import plan as plan_lib
 from dpjax import sharding
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Training config file.', lock_config=True)
@@ -74,67 +83,57 @@ class TrainState:
   num_truncated: jax.Array  # Steps whose logical batch exceeded B (the accountant pays).
 
 
-def num_train_steps(config: ml_collections.ConfigDict, sampler: samplers.Sampler) -> int:
-  """How long: exactly one of `num_steps` or `num_epochs` (epochs of ceil(N/b) steps) is > 0."""
-  for field in ('num_steps', 'num_epochs'):
-    value = config[field]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-      raise ValueError(f'{field} must be an integer >= 0 (0 = unset), got {value!r}.')
-  if (config.num_steps > 0) == (config.num_epochs > 0):
-    raise ValueError('Exactly one of num_steps and num_epochs must be > 0 (the other 0); got '
-                     f'num_steps={config.num_steps}, num_epochs={config.num_epochs}.')
-  return config.num_steps or config.num_epochs * sampler.steps_per_epoch
-
-
 def is_time(step: int, every: int, last_step: int) -> bool:
   """Whether a periodic action fires after `step` (1-based count); always at the last."""
   return step == last_step or (every > 0 and step % every == 0)
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  if config.name not in OPTIMIZERS:
-    raise ValueError(f'optimizer.name = {config.name!r}; valid: {", ".join(OPTIMIZERS)}.')
-  if not config.learning_rate > 0:
-    raise ValueError(f'optimizer.learning_rate must be > 0, got {config.learning_rate}.')
+  """The optax optimiser of `config.optimizer` (fields validated by `dpjax._validate`)."""
   if config.name == 'sgd':
-    if not 0 <= config.momentum < 1:
-      raise ValueError(f'optimizer.momentum must be in [0, 1), got {config.momentum}.')
     return optax.sgd(config.learning_rate, momentum=config.momentum or None)
   return optax.adam(config.learning_rate)
 
 
-def check_periodic_fields(config: ml_collections.ConfigDict) -> None:
-  for field in ('log_every_steps', 'eval_every_steps', 'checkpoint_every_steps', 'keep_checkpoints'):
-    value = config[field]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f'{field} must be an integer >= 1, got {value!r}.')
+def check_workdir(workdir: str) -> str:
+  """The absolute workdir; ConfigError unless it is (or can become) a writable directory.
 
-
-def resolve_config(config: ml_collections.ConfigDict, num_examples: int,
-                   sampler: samplers.Sampler) -> ml_collections.ConfigDict:
-  """A copy with the run's length in steps and the noise multiplier σ filled in.
-
-  With only `privacy.target_epsilon` set, σ is the smallest noise multiplier
-  whose ε after the last step is at most the target
-  (`accounting.calibrate_noise_multiplier`). With both set, σ is kept and the
-  target is a budget checked before training.
+  Writes nothing: a missing workdir is created only once the run is planned.
   """
-  resolved = ml_collections.ConfigDict(config.to_dict())
-  resolved.num_steps = num_train_steps(config, sampler)
-  resolved.num_epochs = 0
-  privacy = resolved.privacy
-  if not privacy.enabled:
-    return resolved
-  if not (isinstance(privacy.target_epsilon, (int, float)) and privacy.target_epsilon >= 0):
-    raise ValueError(f'privacy.target_epsilon must be >= 0 (0 = no target), got '
-                     f'{privacy.target_epsilon!r}.')
-  if privacy.noise_multiplier is None and not privacy.target_epsilon:
-    raise ValueError('Set privacy.noise_multiplier (σ) or privacy.target_epsilon > 0 (σ is then '
-                     'calibrated to it), or both (σ fixed, the target is a budget the run may '
-                     'not exceed).')
-  if privacy.noise_multiplier is None:  # Calibrate σ once; the target stays as the budget.
-    privacy.noise_multiplier = accounting.make_accountant(resolved, num_examples).noise_multiplier
-  return resolved
+  if not workdir:
+    raise _validate.ConfigError('--workdir: must name a directory.')
+  path = os.path.abspath(workdir)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise _validate.ConfigError(f'--workdir {workdir!r}: is a file, not a directory.')
+  existing = path
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise _validate.ConfigError(f'--workdir {workdir!r}: {existing!r} is a file, not a directory.')
+  if not _can_create_in(existing):
+    raise _validate.ConfigError(f'--workdir {workdir!r}: cannot create files in {existing!r} '
+                                '(not writable).')
+  return path
+
+
+def _can_create_in(directory: str) -> bool:
+  """Whether a directory can be made in `directory` (probed: os.access is wrong for root)."""
+  try:
+    os.rmdir(tempfile.mkdtemp(prefix='.dpjax-probe-', dir=directory))
+    return True
+  except OSError:
+    return False
+
+
+def resume_point(workdir: str) -> tuple[int, dict | None]:
+  """(step, privacy fingerprint) of the newest checkpoint's metadata; (0, None) if none.
+
+  Reads JSON only (creates nothing). A checkpoint without a fingerprint gives {}.
+  """
+  rows = [row for row in checkpoints.read_metadata(workdir) if 'error' not in row]
+  if not rows:
+    return 0, None
+  return rows[-1]['step'], rows[-1].get('fingerprint', {})
 
 
 def evaluate(step_fn, params, source: data.DataSource, physical_batch_size: int,
@@ -181,7 +180,7 @@ class MetricWriter:
     if not self.enabled:
       return
     for name, value in scalars.items():
-      if value is not None:
+      if isinstance(value, (int, float)) and not isinstance(value, bool):
         self._tb.add_scalar(name, value, step)
     self._jsonl.write(json.dumps({'step': step, **scalars}) + '\n')
     self._jsonl.flush()
@@ -193,54 +192,55 @@ class MetricWriter:
     self._tb.close()
 
 
-def privacy_metadata(step: int, report: accounting.PrivacyReport | None,
-                     config: ml_collections.ConfigDict, sampler: samplers.Sampler,
-                     max_batch_size: int, num_truncated: int) -> dict:
-  """The claim stored with a checkpoint: what ε holds for exactly this state."""
+class TrainingDiverged(RuntimeError):
+  """Non-finite loss or parameters: the run stops, the last good checkpoint is kept."""
+
+
+def privacy_metadata(step: int, report, plan: plan_lib.RunPlan, step_fns: dp_step.DPStep,
+                     batcher: batching.Batcher, num_truncated: int) -> dict:
+  """The claim stored with a checkpoint: what ε holds for exactly this state.
+
+  σ and C are read from the DP step that ran, the sampler and B from the batcher
+  that fed it; the fingerprint is compared on resume.
+  """
+  sampler = batcher.sampler
   return {
       'step': step,
       'privacy': report.to_dict() if report is not None else {
           'epsilon': None, 'bound': 'none (non-private run)', 'accountant': None,
           'delta': None},
-      'noise_multiplier': config.privacy.noise_multiplier if config.privacy.enabled else None,
-      'clip_norm': config.privacy.clip_norm if config.privacy.enabled else None,
+      'fingerprint': plan.fingerprint,
+      'noise_multiplier': step_fns.noise_multiplier if plan.private else None,
+      'noise_multiplier_source': plan.noise_multiplier_source,
+      'clip_norm': step_fns.clip_norm if plan.private else None,
       'num_examples': sampler.num_examples,
       'sampler': {'name': sampler.name, 'batch_size': sampler.batch_size,
                   'expected_batch_size': sampler.expected_batch_size,
                   'sampling_probability': sampler.sampling_probability,
                   'steps_per_epoch': sampler.steps_per_epoch,
-                  'max_batch_size': max_batch_size,
-                  'physical_batch_size': config.sampler.physical_batch_size},
+                  'max_batch_size': batcher.max_batch_size,
+                  'physical_batch_size': batcher.physical_batch_size},
       'num_truncated': num_truncated,
-      'seed': config.seed,
-      'config': config.to_dict(),
+      'seed': sampler.seed,
+      'config': plan.config.to_dict(),
   }
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) the run described by `config`; returns the final metrics."""
   # ---------------------------------------------------------------------------
-  # Data, sampler, batcher. Everything is validated before any compilation.
+  # Config, workdir, data, model, devices: all validated before anything is
+  # written or compiled.
   # ---------------------------------------------------------------------------
-  check_periodic_fields(config)
+  _validate.validate(config)
+  workdir = check_workdir(workdir)
   train_source, test_source = data.make_sources(config.data, seed=config.seed)
-  num_examples = len(train_source)
-  sampler = samplers.make_sampler(config, num_examples)
-  config = resolve_config(config, num_examples, sampler)
-  num_steps = config.num_steps
-  delta = config.privacy.delta if config.privacy.enabled else 1e-5
-  max_batch_size = batching.resolve_max_batch_size(
-      sampler, config.sampler.physical_batch_size, config.sampler.max_batch_size,
-      num_steps=num_steps, delta=delta)
-  with config.unlocked():
-    config.sampler.max_batch_size = max_batch_size
-  batcher = batching.Batcher(sampler, config.sampler.physical_batch_size, max_batch_size)
-
-  # ---------------------------------------------------------------------------
-  # Devices: a 'data' mesh axis over every device of every host. Each physical
-  # batch is split over it (this process gathers only its own rows); state is
-  # replicated. Only process 0 writes metrics and logs.
-  # ---------------------------------------------------------------------------
+  model = models.make_model(config.model, train_source.num_classes, train_source.input_shape)
   mesh = sharding.make_mesh(config.num_devices)
   sharding.check_physical_batch_size(config.sampler.physical_batch_size, mesh)
   rows = sharding.local_rows(mesh, config.sampler.physical_batch_size)
@@ -248,32 +248,35 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   log = print if primary else lambda *args, **kwargs: None
 
   # ---------------------------------------------------------------------------
-  # Privacy: the accountant reads the same config (same sampler, same B) and
-  # refuses a run whose final ε would exceed privacy.target_epsilon.
+  # The plan: sampler, B, σ (given, the checkpoint's, or calibrated) and the
+  # accountant, resolved once. A resume must match the checkpoint's privacy
+  # fingerprint; a run that would exceed privacy.target_epsilon is refused.
   # ---------------------------------------------------------------------------
-  accountant = accounting.make_accountant(config, num_examples) if config.privacy.enabled else None
-  final_report = accountant.epsilon_at(num_steps, estimates=False) if accountant else None
+  resumed_step, previous = resume_point(workdir)
+  plan = plan_lib.make_plan(config, train_source, previous, resumed_step=resumed_step)
+  config, num_steps, accountant = plan.config, plan.num_steps, plan.accountant
+  batcher = batching.Batcher(plan.sampler, plan.physical_batch_size, plan.max_batch_size)
+
   # ---------------------------------------------------------------------------
-  # Model, optimiser and the DP step.
+  # Model, optimiser and the DP step, built from the plan's σ and C.
   # ---------------------------------------------------------------------------
-  model = models.make_model(config.model, train_source.num_classes, train_source.input_shape)
   optimizer = make_optimizer(config.optimizer)
   step_fns = dp_step.DPStep(
-      model, optimizer, clip_norm=config.privacy.clip_norm,
-      noise_multiplier=config.privacy.noise_multiplier, expected_batch_size=sampler.expected_batch_size,
-      private=config.privacy.enabled, clipping=config.privacy.clipping,
-      label_format=config.data.label_format, mesh=mesh)
+      model, optimizer, clip_norm=plan.clip_norm, noise_multiplier=plan.noise_multiplier,
+      expected_batch_size=plan.sampler.expected_batch_size, private=plan.private,
+      clipping=config.privacy.clipping, label_format=config.data.label_format, mesh=mesh)
+  if plan.private:  # What is reported is what runs.
+    assert step_fns.noise_multiplier == accountant.noise_multiplier == plan.noise_multiplier
   eval_fn = jax.jit(  # Sharded like training; the sums come back replicated.
       lambda params, batch: dp_step.eval_step(model, params, batch, config.data.label_format),
       in_shardings=(sharding.replicated(mesh), sharding.batch_sharding(mesh)),
       out_shardings=sharding.replicated(mesh))
-  run_eval = lambda params: evaluate(eval_fn, params, test_source, config.sampler.physical_batch_size,
-                                     mesh)
+  run_eval = lambda params: evaluate(eval_fn, params, test_source, plan.physical_batch_size, mesh)
   params = dp_step.init_params(model, config.seed, train_source.input_shape)
+  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
   state = sharding.replicate(mesh, TrainState(  # Same seed, same values on every host.
       step=np.int32(0), params=params, opt_state=optimizer.init(params),
       num_truncated=np.int32(0)))
-  replicated = sharding.replicated(mesh)
 
   # ---------------------------------------------------------------------------
   # Restore: the same command resumes from the latest readable checkpoint.
@@ -283,26 +286,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   restored = checkpoints.restore_latest(manager, state)
   if restored is not None:
     restored_step, state, metadata = restored
-    saved_config = ml_collections.ConfigDict(metadata['config'])
-    if config.privacy.enabled and saved_config.privacy.noise_multiplier != config.privacy.noise_multiplier:
-      raise ValueError(
-          f'The checkpoint at step {restored_step} was trained with σ = '
-          f'{saved_config.privacy.noise_multiplier}, this config resolves to σ = '
-          f'{config.privacy.noise_multiplier}; mixing them would break the privacy claim. '
-          'Use a fresh --workdir or the original config.')
+    if plan_lib.fingerprint_changes(metadata.get('fingerprint', {}), plan.fingerprint):
+      raise plan_lib.PlanError(f'checkpoint {restored_step} has another privacy fingerprint than '
+                               f'the newest one; {plan_lib.NEW_WORKDIR_HINT}')
     log(f'Resuming from step {restored_step} ({checkpoints.checkpoint_dir(workdir)}).')
   start_step = int(state.step)
   if primary:
     with open(os.path.join(workdir, 'config.json'), 'w') as f:
       json.dump(config.to_dict(), f, indent=2)
-  log('Config:\n' + json.dumps(config.to_dict(), indent=2))
-  log(f'{mesh.devices.size} device(s) on {jax.process_count()} process(es), '
-      f'{len(rows)} rows of each physical batch gathered here.')
-  log(f'N = {num_examples}, {sampler.name} sampler, expected batch {sampler.expected_batch_size:g}, '
-      f'B = {max_batch_size}, P = {config.sampler.physical_batch_size}, {num_steps} steps'
-      + (f', σ = {config.privacy.noise_multiplier:.4f}, C = {config.privacy.clip_norm}, '
-         f'final ε = {final_report.epsilon:.4f} ({final_report.bound}, {final_report.accountant}), '
-         f'δ = {final_report.delta:g}' if final_report else ', non-private'))
+  log(f'{mesh.devices.size} device(s) on {jax.process_count()} process(es), {len(rows)} rows of '
+      f'each physical batch gathered here ({jax.devices()[0].device_kind}).')
+  log(f'Model {config.model.name} with {num_params:,} parameters; {plan.summary()}'
+      + (f'; final ε = {accountant.epsilon(num_steps):.4f}' if plan.private else '') + '.')
 
   # ---------------------------------------------------------------------------
   # Train loop.
@@ -316,7 +311,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   progress = tqdm.tqdm(total=num_steps, initial=start_step, desc='train', dynamic_ncols=True,
                        disable=not primary or (not sys.stderr.isatty()
                                                and os.environ.get('DPJAX_PROGRESS') != '1'))
-  start_time, log_metrics = time.time(), []
+  log_metrics, window_start = [], start_step + 1
+  compile_seconds = steady_start = None
+  steady_examples = 0.0
+  first_time = time.time()
   for step in range(start_step, num_steps):
     logical = batcher.logical_batch(step)
     num_truncated += int(logical.truncated)
@@ -326,62 +324,85 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       batch['weight'] = weights[rows]
       acc = step_fns.accumulate(params, acc, sharding.shard_batch(mesh, batch))
     # The same key on every device: the noise is drawn once, replicated.
-    key = jax.device_put(dp_step.noise_key(config.seed, step), replicated)
+    key = jax.device_put(dp_step.noise_key(config.seed, step), sharding.replicated(mesh))
     params, opt_state, metrics = step_fns.apply(params, opt_state, acc, key)
     log_metrics.append(metrics)
     done = step + 1
     progress.update(1)
+    if compile_seconds is None:  # One sync: compilation apart from the steady-state rate.
+      jax.block_until_ready(params)
+      steady_start = time.time()
+      compile_seconds = steady_start - first_time
+    else:
+      steady_examples += min(logical.size, plan.max_batch_size)
 
-    if is_time(done, config.log_every_steps, num_steps):
-      fetched = jax.device_get(log_metrics)  # One host sync per logged step.
-      summary = {k: float(np.mean([m[k] for m in fetched])) for k in ('loss', 'accuracy')}
-      if not math.isfinite(summary['loss']):
-        raise FloatingPointError(f'Non-finite training loss between steps {done - len(log_metrics) + 1} '
-                                 f'and {done}.')
-      num_nonfinite = sum(int(m['num_nonfinite']) for m in fetched)
-      log_metrics = []
-      last = {'train_loss': summary['loss'], 'train_accuracy': summary['accuracy'],
-              'num_nonfinite_examples': num_nonfinite, 'num_truncated': num_truncated,
-              'steps_per_second': (done - start_step) / (time.time() - start_time)}
+    logging_now = is_time(done, config.log_every_steps, num_steps)
+    saving_now = is_time(done, config.checkpoint_every_steps, num_steps)
+    if logging_now or saving_now:  # One host sync per logged or saved step.
+      fetched = jax.device_get(log_metrics)
+      loss = float(np.mean([m['loss'] for m in fetched])) if fetched else 0.0
+      if not (math.isfinite(loss) and bool(_all_finite(params))):
+        progress.close()
+        manager.wait_until_finished()  # Earlier saves complete; this state is never saved.
+        writer.close()
+        raise TrainingDiverged(
+            f'non-finite training loss or parameters between steps {window_start} and {done}; '
+            f'the last checkpoint before step {window_start} is intact. Try a smaller '
+            'optimizer.learning_rate or privacy.clip_norm, or check the data for NaN/inf.')
+    if logging_now:
+      elapsed = time.time() - steady_start
+      rate = (done - start_step - 1) / elapsed if elapsed > 0 and done > start_step + 1 else None
+      last = {'train_loss': loss,
+              'train_accuracy': float(np.mean([m['accuracy'] for m in fetched])),
+              'train_window_steps': [window_start, done],
+              'num_nonfinite_examples': sum(int(m['num_nonfinite']) for m in fetched),
+              'num_truncated': num_truncated, 'compile_seconds': compile_seconds,
+              'steps_per_second': rate,
+              'examples_per_second': steady_examples / elapsed if rate else None}
+      log_metrics, window_start = [], done + 1
       if accountant is not None:
-        last['epsilon'] = accountant.epsilon(done)  # The attached ε; side estimates only at checkpoints.
+        last['epsilon'] = accountant.epsilon(done)  # Side estimates only at checkpoints.
       if is_time(done, config.eval_every_steps, num_steps):
         last.update(run_eval(params))
       writer.write(done, last)
       shown = {k: f'{v:.4g}' for k, v in last.items()
                if k in ('train_loss', 'train_accuracy', 'eval_accuracy', 'epsilon')}
       progress.set_postfix(shown)
-      if progress.disable and primary:  # No terminal: one plain line per logged step.
-        print(f'step {done}/{num_steps} ' + ' '.join(f'{k}={v}' for k, v in shown.items()), flush=True)
+      if progress.disable and primary:  # No terminal: one plain progress line per logged step.
+        eta = (num_steps - done) / rate if rate else float('nan')
+        speed = f'{last["examples_per_second"]:.0f} ex/s' if rate else 'compiling'
+        print(f'step {done}/{num_steps}, {speed}, ETA {eta:.0f} s, '
+              + ' '.join(f'{k}={v}' for k, v in shown.items()), flush=True)
     elif is_time(done, config.eval_every_steps, num_steps):
       last.update(run_eval(params))
       writer.write(done, {k: last[k] for k in ('eval_loss', 'eval_accuracy')})
 
-    if is_time(done, config.checkpoint_every_steps, num_steps):
+    if saving_now:
       # Side estimates (Monte-Carlo, lower bounds, comparisons) at the last step only: they
       # can cost seconds, and the attached ε and its kind of bound are the same without them.
       report = accountant.epsilon_at(done, estimates=done == num_steps) if accountant else None
       checkpoints.save(manager, done, TrainState(
           step=sharding.replicate(mesh, np.int32(done)), params=params, opt_state=opt_state,
           num_truncated=sharding.replicate(mesh, np.int32(num_truncated))),
-          privacy_metadata(done, report, config, sampler, max_batch_size, num_truncated))
+          privacy_metadata(done, report, plan, step_fns, batcher, num_truncated))
   progress.close()
   manager.wait_until_finished()
   writer.close()
 
   if num_truncated and accountant is not None:
-    log(f'{num_truncated} of {num_steps} logical batches exceeded B = {max_batch_size} and were '
-        'truncated; the reported ε accounts for the cap.')
+    log(f'{num_truncated} of {num_steps} logical batches exceeded B = {plan.max_batch_size} and '
+        'were truncated; the reported ε accounts for the cap.')
   if 'eval_accuracy' not in last:
     last.update(run_eval(params))
   result = {'step': num_steps, **last, 'params': params,
             'compilations': {'accumulate': step_fns.compile_count('accumulate'),
                              'apply': step_fns.compile_count('apply')}}
+  final_report = accountant.epsilon_at(num_steps) if accountant else None  # With estimates.
   if final_report is not None:
-    final_report = accountant.epsilon_at(num_steps)  # With the estimates reported beside ε.
     result['privacy'] = final_report.to_dict()
-  eps_text = (f'ε = {final_report.epsilon:.4f} ({final_report.bound} bound, {final_report.accountant}), '
-              f'δ = {final_report.delta:g}' if final_report else 'non-private (no ε)')
+  eps_text = (f'ε = {final_report.epsilon:.4f} ({final_report.bound} bound, '
+              f'{final_report.accountant}), δ = {final_report.delta:g}' if final_report
+              else 'non-private (ε = ∞)')
   log(f'Final: step {num_steps}, test accuracy {last["eval_accuracy"]:.4f}, {eps_text}.')
   return result
 
@@ -389,17 +410,27 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 def main(argv):
   del argv
   logging.set_verbosity(logging.ERROR)  # Orbax's per-save INFO lines drown the progress bar.
+  prog = 'dpjax.train'
   try:
     launch = (_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    if _DISTRIBUTED.value:  # Before anything touches a device.
-      sharding.initialize_distributed(*launch)
-    elif any(value is not None for value in launch):
+    if not _DISTRIBUTED.value and any(value is not None for value in launch):
       raise ValueError('--coordinator_address, --num_processes and --process_id only apply with '
                        '--distributed (a multi-host run).')
-    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except ValueError as e:  # Bad config or data: the message names the field; no traceback.
-    sys.exit(f'dpjax.train: error: {e}')
+    try:
+      config = _CONFIG.value  # Overrides are applied here: an unknown field fails now.
+    except Exception as e:  # pylint: disable=broad-except
+      cli.fail(prog, cli.config_override_error(sys.argv[1:]) or f'--config: {e}')
+    if _DISTRIBUTED.value:  # Before anything touches a device.
+      sharding.initialize_distributed(*launch)
+    train_and_evaluate(config, _WORKDIR.value)
+  except ValueError as e:  # Bad config, data or workdir: the message names the field.
+    cli.fail(prog, e)
+  except TrainingDiverged as e:
+    cli.fail(prog, e, code=1)
+  except BrokenPipeError:  # The reader of our output went away (`| head`).
+    cli.quiet_broken_pipe()
+    sys.exit(1)
 
 
 if __name__ == '__main__':
-  app.run(main)
+  app.run(main, flags_parser=cli.flags_parser('dpjax.train'))

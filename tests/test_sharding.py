@@ -18,6 +18,7 @@ added on each device or with another key, or a shard of the batch dropped,
 changes the update by ~σC/b = 1/128 ~ 8e-3 per step.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -71,13 +72,15 @@ def _worker(outdir):
   # Each config's accountant is built once (its PLD costs seconds): the two resumed runs reuse
   # those of the full runs with the same config. The 1- and 4-device configs differ in
   # num_devices, so their ε are computed independently.
-  make_accountant, accountants = train.accounting.make_accountant, {}
-  def cached_accountant(config, num_examples):
-    key = (json.dumps(config.to_dict(), sort_keys=True), num_examples)
-    if key not in accountants:
-      accountants[key] = make_accountant(config, num_examples)
-    return accountants[key]
-  train.accounting.make_accountant = cached_accountant
+  make_plan, accountants = train.plan_lib.make_plan, {}
+  def cached_plan(config, data, *args, **kwargs):
+    plan = make_plan(config, data, *args, **kwargs)
+    if plan.accountant is None:
+      return plan
+    key = json.dumps(plan.config.to_dict(), sort_keys=True)
+    accountants.setdefault(key, plan.accountant)
+    return dataclasses.replace(plan, accountant=accountants[key])
+  train.plan_lib.make_plan = cached_plan
 
   out = {'device_count': jax.device_count()}
   # (b) Bad P or device count: a clear error before anything is written.

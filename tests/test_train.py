@@ -55,8 +55,7 @@ def test_run_writes_config_metrics_events_and_checkpoints_with_epsilon(reference
   assert {'train_loss', 'train_accuracy', 'epsilon', 'eval_accuracy'} <= set(lines[-1])
   assert glob.glob(str(tmp_path / 'tensorboard' / 'events.out.tfevents.*'))
   # The ε in metrics and checkpoints is the accountant's, for the same config.
-  acct = accounting.make_accountant(train.resolve_config(
-      config, 1437, train.samplers.make_sampler(config, 1437)), 1437)
+  acct = accounting.make_accountant(config, 1437)
   rows = checkpoints.read_metadata(str(tmp_path))
   assert [row['step'] for row in rows] == [2, 4, 6]  # keep_checkpoints = 3
   for row in rows:
@@ -146,10 +145,10 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
 
 def test_target_epsilon_is_met_and_never_exceeded(tmp_path):
   config = small_config(**{'privacy.noise_multiplier': None, 'privacy.target_epsilon': 2.0})
-  sampler = train.samplers.make_sampler(config, 1437)
-  resolved = train.resolve_config(config, 1437, sampler)  # σ calibrated once, target kept.
-  assert resolved.privacy.target_epsilon == 2.0 and resolved.privacy.noise_multiplier > 0
-  final = accounting.make_accountant(resolved, 1437).epsilon(6)
+  plan = train.plan_lib.make_plan(config, 1437)  # σ calibrated once, target kept.
+  assert plan.config.privacy.target_epsilon == 2.0 and plan.noise_multiplier > 0
+  assert plan.noise_multiplier_source == 'calibrated'
+  final = plan.accountant.epsilon(6)
   assert 0.98 * 2.0 <= final <= 2.0
   # A fixed σ with a target acts as a budget: a run that would exceed it is refused.
   config = small_config(**{'privacy.noise_multiplier': 0.8, 'privacy.target_epsilon': 1.0})

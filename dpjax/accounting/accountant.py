@@ -628,34 +628,15 @@ class Accountant:
 # ---------------------------------------------------------------------------------------------
 
 
-def _unset(value) -> bool:
-  """Config convention: None or 0 means "not set" (e.g. num_steps = 0 when num_epochs is)."""
-  return value is None or value == 0
-
-
-def num_steps_from_config(config: ml_collections.ConfigDict, sampler: samplers_lib.Sampler) -> int:
-  """The run length in steps: `num_steps`, or `num_epochs` × steps per epoch (exactly one)."""
-  steps, epochs = config.get('num_steps'), config.get('num_epochs')
-  if _unset(steps) == _unset(epochs):
-    raise ValueError(f'exactly one of num_steps and num_epochs must be set (> 0), got '
-                     f'num_steps = {steps!r}, num_epochs = {epochs!r}.')
-  if not _unset(steps):
-    return sampler_events.check_positive_int('num_steps', steps)
-  return sampler_events.check_positive_int('num_epochs', epochs) * sampler.steps_per_epoch
-
-
 def make_accountant(config: ml_collections.ConfigDict, num_examples: int,
                     **kwargs) -> Accountant:
   """The accountant of the run that `config` trains on `num_examples` examples.
 
-  Builds the sampler with `samplers.make_sampler(config, N)` and the cap with
-  `batching.resolve_max_batch_size`, exactly as training does. σ comes from
-  `privacy.noise_multiplier`; if that is unset (None or 0) it is calibrated
-  (`calibration.calibrate_noise_multiplier`) to reach `privacy.target_epsilon`
-  at the last step, and `Accountant.noise_multiplier` is the σ to train with.
-  If both are set, the run is refused (ValueError) when its final ε exceeds
-  the target. `privacy.monte_carlo_workers` (default 1) is the number of
-  processes of the Monte-Carlo estimate.
+  `dpjax.plan.make_plan(config, N).accountant`: the one place where a config
+  is resolved (sampler, cap B, σ given or calibrated to
+  `privacy.target_epsilon`, the budget check), so training and every CLI
+  account for the same run. σ = None calibrates; σ <= 0, C <= 0 or C = inf
+  are refused (set `privacy.enabled = False` to train without privacy).
 
   Args:
     config: the training config.
@@ -663,33 +644,7 @@ def make_accountant(config: ml_collections.ConfigDict, num_examples: int,
     **kwargs: passed to `Accountant` (e.g. monte_carlo_samples, beta); they
       override the config (monte_carlo_workers).
   """
-  privacy = config.privacy
-  if not privacy.enabled:
+  if not config.privacy.enabled:
     raise ValueError('privacy.enabled is False: a non-private run has no ε to account.')
-  sampler = samplers_lib.make_sampler(config, num_examples)
-  num_steps = num_steps_from_config(config, sampler)
-  delta = _check_delta(privacy.delta)
-  sigma, target = privacy.get('noise_multiplier'), privacy.get('target_epsilon')
-  if _unset(sigma) and _unset(target):
-    raise ValueError('privacy.noise_multiplier or privacy.target_epsilon must be set (> 0); '
-                     'both are unset.')
-  max_batch_size = batching.resolve_max_batch_size(
-      sampler, config.sampler.physical_batch_size, requested=config.sampler.max_batch_size,
-      num_steps=num_steps, delta=delta)
-  if 'monte_carlo_workers' not in kwargs:
-    kwargs['monte_carlo_workers'] = sampler_events.check_positive_int(
-        'privacy.monte_carlo_workers', privacy.get('monte_carlo_workers', 1))
-  options = dict(accountant=privacy.accountant, max_batch_size=max_batch_size,
-                 group_size=privacy.group_size, **kwargs)
-  if _unset(sigma):
-    from dpjax.accounting import calibration  # pylint: disable=g-import-not-at-top
-    sigma = calibration.calibrate_noise_multiplier(sampler, target, delta, num_steps, **options)
-  acct = Accountant(sampler, sigma, delta, num_steps=num_steps, **options)
-  if not _unset(target):
-    final = acct.final_report(estimates=False).epsilon
-    if final > target:
-      raise ValueError(
-          f'privacy.noise_multiplier = {sigma} gives ε = {final:.4g} after {num_steps} steps, '
-          f'above privacy.target_epsilon = {target} (δ = {delta}). Raise σ, shorten the run, '
-          f'or unset noise_multiplier to calibrate it.')
-  return acct
+  from dpjax import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  return plan_lib.make_plan(config, num_examples, accountant_options=kwargs).accountant

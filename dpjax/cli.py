@@ -1,0 +1,108 @@
+"""What every dpjax command-line entry point shares: one-line errors, config files, pipes.
+
+Conventions: a bad input (flag, config file, config field, workdir) prints one
+line `<prog>: error: <message>` to stderr and exits with code 2 before any
+compute; `--help` exits 0. Output piped into a reader that goes away
+(`| head`) ends the command quietly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from typing import Callable, NoReturn, Sequence
+
+from absl import flags
+import ml_collections
+
+from dpjax import _validate
+
+USAGE_ERROR = 2
+
+
+def fail(prog: str, message: object, code: int = USAGE_ERROR) -> NoReturn:
+  """Prints `prog: error: message` as one line to stderr and exits with `code`."""
+  text = ' '.join(str(message).split())  # One line, whatever the message holds.
+  print(f'{prog}: error: {text}', file=sys.stderr, flush=True)
+  sys.exit(code)
+
+
+def load_config_file(spec: str) -> ml_collections.ConfigDict:
+  """`get_config(arg)` of a config file given as 'path' or 'path:arg'; ValueError if unusable."""
+  path, _, arg = spec.partition(':')
+  if not os.path.isfile(path):
+    raise ValueError(f'--config {spec!r}: no such file {path!r}.')
+  module_spec = importlib.util.spec_from_file_location('_dpjax_config', path)
+  if module_spec is None or module_spec.loader is None:
+    raise ValueError(f'--config {spec!r}: cannot load {path!r} as a Python file.')
+  module = importlib.util.module_from_spec(module_spec)
+  try:
+    module_spec.loader.exec_module(module)
+  except SyntaxError as e:
+    raise ValueError(f'--config {spec!r}: syntax error at line {e.lineno}: {e.msg}.') from None
+  except Exception as e:  # pylint: disable=broad-except
+    raise ValueError(f'--config {spec!r}: loading it raised {type(e).__name__}: {e}.') from None
+  if not hasattr(module, 'get_config'):
+    raise ValueError(f'--config {spec!r}: {path!r} defines no get_config().')
+  return module.get_config(arg or None)
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+  """The value of `--flag=v` or `--flag v` in argv (the last one), or None."""
+  argv, value = list(argv), None
+  for i, arg in enumerate(argv):
+    if arg.startswith(f'--{flag}='):
+      value = arg.split('=', 1)[1]
+    elif arg == f'--{flag}' and i + 1 < len(argv):
+      value = argv[i + 1]
+  return value
+
+
+def config_override_error(argv: Sequence[str], flag: str = 'config') -> str | None:
+  """A message for the first `--config.<path>=v` naming no field of the config file, if any."""
+  spec = _flag_value(argv, flag)
+  if spec is None:
+    return None
+  try:
+    base = load_config_file(spec)
+  except ValueError as e:
+    return str(e)
+  known = set(_validate.field_paths(base))
+  prefixes = {p.rsplit('.', i)[0] for p in known for i in range(1, p.count('.') + 1)}
+  for arg in argv:
+    if arg.startswith(f'--{flag}.'):
+      path = arg[len(flag) + 3:].split('=', 1)[0]
+      if path not in known and path not in prefixes:
+        guess = _validate.closest_field(path, base)
+        hint = f' Did you mean --{flag}.{guess}?' if guess else ''
+        return f'--{flag}.{path}: the config has no field {path!r}.{hint}'
+  return None
+
+
+def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
+  """An absl `flags_parser` turning flag errors (bad value, missing/broken config) into one line."""
+  def parse(argv: list[str]) -> list[str]:
+    try:
+      rest = flags.FLAGS(argv)
+      spec = _flag_value(argv[1:], 'config')
+      if spec is not None:
+        load_config_file(spec)  # A missing or broken config file: one line now.
+      return rest
+    except ValueError as e:
+      fail(prog, e)
+    except flags.Error as e:
+      problem = config_override_error(argv[1:])
+      fail(prog, problem or f'{e}. See --help.')
+    except Exception as e:  # pylint: disable=broad-except  # e.g. a config file that fails.
+      fail(prog, config_override_error(argv[1:]) or f'{type(e).__name__}: {e}')
+  return parse
+
+
+def quiet_broken_pipe() -> None:
+  """After a BrokenPipeError on stdout: point stdout at /dev/null so exit is quiet."""
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  try:
+    os.dup2(devnull, sys.stdout.fileno())
+  except (OSError, ValueError):
+    pass

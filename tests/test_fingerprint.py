@@ -1,0 +1,205 @@
+"""The privacy fingerprint: a resume that would change what enters ε is refused, byte for byte.
+
+Each case trains nothing new: a finished 6-step run is copied, the config is
+changed in one field and the run is restarted on the copy. The restart must be
+refused before any compute with a message naming the field, and the copy must
+be byte-identical afterwards.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from configs import digits_mlp
+from dpjax import accounting
+from dpjax import checkpoints
+from dpjax import data
+from dpjax import samplers
+from dpjax import train
+
+
+def small_config(**overrides):
+  config = digits_mlp.get_config()
+  config.num_epochs = 0
+  config.num_steps = 6
+  config.sampler.batch_size = 128
+  config.sampler.physical_batch_size = 32
+  config.privacy.target_epsilon = 0.0
+  config.privacy.noise_multiplier = 1.0
+  config.log_every_steps = 2
+  config.eval_every_steps = 3
+  config.checkpoint_every_steps = 2
+  config.update_from_flattened_dict(overrides)
+  return config
+
+
+def tree_digest(root) -> dict[str, str]:
+  """SHA-256 of every file under root, by relative path (directories included as names)."""
+  out = {}
+  for dirpath, dirnames, filenames in os.walk(root):
+    for name in dirnames:
+      out[os.path.relpath(os.path.join(dirpath, name), root) + '/'] = 'dir'
+    for name in filenames:
+      path = os.path.join(dirpath, name)
+      with open(path, 'rb') as f:
+        out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
+  return out
+
+
+@pytest.fixture(scope='module')
+def finished_runs(tmp_path_factory):
+  """A private run with a given σ, one with a calibrated σ, a non-private one, one on an npz."""
+  root = tmp_path_factory.mktemp('runs')
+  x_train, y_train, x_test, y_test = data.load_digits_arrays()
+  np.savez(root / 'digits.npz', x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
+  configs = {
+      'given': small_config(),
+      'calibrated': small_config(**{'privacy.noise_multiplier': None,
+                                    'privacy.target_epsilon': 2.0}),
+      'non_private': small_config(**{'privacy.enabled': False}),
+      'npz': small_config(**{'data.source': 'npz', 'data.path': str(root / 'digits.npz')}),
+  }
+  for name, config in configs.items():
+    train.train_and_evaluate(config, str(root / name))
+  return root, configs
+
+
+def restart_on_copy(finished_runs, tmp_path, run, overrides):
+  root, configs = finished_runs
+  work = tmp_path / run
+  shutil.copytree(root / run, work)
+  before = tree_digest(work)
+  config = configs[run].copy_and_resolve_references()
+  config.update_from_flattened_dict(overrides)
+  try:
+    return train.train_and_evaluate(config, str(work)), before, tree_digest(work)
+  except ValueError as e:
+    after = tree_digest(work)
+    assert after == before, 'a refused resume changed the workdir'
+    raise e
+
+
+@pytest.mark.parametrize('overrides, field', [
+    ({'sampler.name': 'balls_and_bins'}, 'sampler.name'),
+    ({'sampler.name': 'shuffle'}, 'sampler.name'),
+    ({'sampler.batch_size': 64}, 'sampler.batch_size'),
+    ({'sampler.max_batch_size': 320}, 'sampler.max_batch_size'),
+    ({'seed': 1}, 'seed'),
+    ({'privacy.clip_norm': 2.0}, 'privacy.clip_norm'),
+    ({'privacy.noise_multiplier': 1.5}, 'privacy.noise_multiplier'),
+    ({'privacy.delta': 1e-6}, 'privacy.delta'),
+    ({'privacy.accountant': 'rdp'}, 'privacy.accountant'),
+    ({'privacy.group_size': 2}, 'privacy.group_size'),
+    ({'privacy.enabled': False}, 'privacy.enabled'),
+    ({'data.source': 'synthetic', 'data.num_examples': 1437}, 'data.source'),
+])
+def test_changing_a_fingerprint_field_is_refused_and_changes_nothing(finished_runs, tmp_path,
+                                                                     overrides, field):
+  with pytest.raises(ValueError, match=f'Changed: .*{field}: .* → ') as info:
+    restart_on_copy(finished_runs, tmp_path, 'given', overrides)
+  assert 'new --workdir' in str(info.value)
+
+
+def test_enabling_privacy_on_a_non_private_run_is_refused(finished_runs, tmp_path):
+  with pytest.raises(ValueError, match='privacy.enabled: False → True'):
+    restart_on_copy(finished_runs, tmp_path, 'non_private', {'privacy.enabled': True})
+
+
+def test_other_labels_in_the_same_file_are_refused(finished_runs, tmp_path):
+  root, _ = finished_runs
+  arrays = dict(np.load(root / 'digits.npz'))
+  arrays['y_train'][700] = (arrays['y_train'][700] + 1) % 10  # One label of 1437.
+  np.savez(tmp_path / 'changed.npz', **arrays)
+  with pytest.raises(ValueError, match='data.labels_sha256'):
+    restart_on_copy(finished_runs, tmp_path, 'npz', {'data.path': str(tmp_path / 'changed.npz')})
+
+
+def test_a_calibrated_run_refuses_a_change_of_any_calibration_input(finished_runs, tmp_path):
+  for overrides, field in (({'sampler.batch_size': 64}, 'sampler.batch_size'),
+                           ({'privacy.delta': 1e-6}, 'privacy.delta'),
+                           ({'privacy.noise_multiplier': 1.0}, 'privacy.noise_multiplier')):
+    with pytest.raises(ValueError, match=field):
+      restart_on_copy(finished_runs, tmp_path / field, 'calibrated', overrides)
+
+
+def test_non_privacy_fields_may_change(finished_runs, tmp_path):
+  result, _, _ = restart_on_copy(finished_runs, tmp_path, 'given', {
+      'optimizer.learning_rate': 0.5, 'log_every_steps': 3, 'eval_every_steps': 2,
+      'keep_checkpoints': 5, 'sampler.physical_batch_size': 16})
+  assert result['step'] == 6  # Nothing left to do, and no refusal.
+
+
+def test_a_physical_batch_that_does_not_divide_the_cap_is_refused(finished_runs, tmp_path):
+  root, _ = finished_runs
+  cap = checkpoints.read_metadata(str(root / 'given'))[-1]['fingerprint']['sampler.max_batch_size']
+  bad = next(p for p in (48, 96, 80, 112) if cap % p)
+  with pytest.raises(ValueError, match=f'physical_batch_size = {bad}.*B = {cap}'):
+    restart_on_copy(finished_runs, tmp_path, 'given', {'sampler.physical_batch_size': bad})
+
+
+def test_extension_recomputes_epsilon_and_respects_the_budget(finished_runs, tmp_path):
+  root, _ = finished_runs
+  old = checkpoints.read_metadata(str(root / 'calibrated'))[-1]
+  sigma = old['fingerprint']['privacy.noise_multiplier']
+  assert old['noise_multiplier_source'] == 'calibrated' and old['privacy']['epsilon'] <= 2.0
+  # σ was calibrated for 6 steps at ε ≈ 2: 10 steps exceed the budget, and say by how much.
+  with pytest.raises(ValueError, match=r'extending the run to 10 steps would reach ε = 2\.\d+'):
+    restart_on_copy(finished_runs, tmp_path / 'a', 'calibrated', {'num_steps': 10})
+  # Raising the budget allows it; σ is the checkpoint's (never re-calibrated), ε is recomputed.
+  result, _, _ = restart_on_copy(finished_runs, tmp_path / 'b', 'calibrated',
+                                 {'num_steps': 10, 'privacy.target_epsilon': 3.0})
+  rows = checkpoints.read_metadata(str(tmp_path / 'b' / 'calibrated'))
+  assert rows[-1]['step'] == 10 and rows[-1]['noise_multiplier'] == sigma
+  assert rows[-1]['noise_multiplier_source'] == 'checkpoint'
+  sampler = samplers.make_sampler(small_config(), 1437)
+  cap = old['fingerprint']['sampler.max_batch_size']  # B is the checkpoint's, not re-derived.
+  assert rows[-1]['fingerprint']['sampler.max_batch_size'] == cap
+  expected = accounting.Accountant(sampler, sigma, 1e-5, max_batch_size=cap).epsilon(10)
+  assert result['privacy']['epsilon'] == pytest.approx(expected, rel=1e-9)
+  assert 2.0 < result['privacy']['epsilon'] <= 3.0
+
+
+def test_a_run_cannot_end_before_its_checkpoint(finished_runs, tmp_path):
+  with pytest.raises(ValueError, match='checkpoint is at step 6'):
+    restart_on_copy(finished_runs, tmp_path, 'given', {'num_steps': 4})
+
+
+def test_checkpoint_without_fingerprint_is_refused(finished_runs, tmp_path):
+  root, _ = finished_runs
+  work = tmp_path / 'old'
+  shutil.copytree(root / 'given', work)
+  for row_dir in (work / 'checkpoints').iterdir():
+    path = row_dir / 'metadata' / 'metadata'
+    if path.exists():
+      meta = json.loads(path.read_text())
+      meta.pop('fingerprint')
+      path.write_text(json.dumps(meta))
+  with pytest.raises(ValueError, match='no privacy fingerprint'):
+    train.train_and_evaluate(finished_runs[1]['given'], str(work))
+
+
+def test_sigma_zero_and_infinite_clip_norm_are_refused_before_anything(tmp_path):
+  """Regression: σ = 0 used to train without noise and report the ε of a calibrated σ."""
+  for overrides, field in (({'privacy.noise_multiplier': 0.0}, 'privacy.noise_multiplier'),
+                           ({'privacy.noise_multiplier': -1.0}, 'privacy.noise_multiplier'),
+                           ({'privacy.clip_norm': float('inf')}, 'privacy.clip_norm'),
+                           ({'privacy.clip_norm': float('nan')}, 'privacy.clip_norm'),
+                           ({'privacy.clip_norm': 0.0}, 'privacy.clip_norm')):
+    with pytest.raises(ValueError, match=f'{field} = .*privacy.enabled=False'):
+      train.train_and_evaluate(small_config(**overrides, **{'privacy.target_epsilon': 3.0}),
+                               str(tmp_path / 'w'))
+    assert not os.path.exists(tmp_path / 'w')
+
+
+def test_reported_sigma_and_clip_norm_are_those_of_the_step(finished_runs):
+  root, _ = finished_runs
+  for row in checkpoints.read_metadata(str(root / 'calibrated')):
+    fp = row['fingerprint']
+    assert row['noise_multiplier'] == fp['privacy.noise_multiplier'] == row['privacy'][
+        'noise_multiplier']
+    assert row['clip_norm'] == fp['privacy.clip_norm'] == 1.0
+    assert row['sampler']['max_batch_size'] == fp['sampler.max_batch_size']
