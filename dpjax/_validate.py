@@ -79,15 +79,16 @@ class Field:
       return 'True or False'
     if self.kind == 'str':
       return 'one of ' + ', '.join(repr(c) for c in self.choices)
+    fmt = lambda v: str(int(v)) if self.kind in ('int', 'ints') else f'{v:g}'
     noun = {'int': 'an integer', 'float': 'a finite number', 'ints': 'a tuple of integers',
             'floats': 'a tuple of finite numbers'}[self.kind]
     if self.low is not None and self.high is not None:
-      text = (f'{noun} in {"(" if self.low_open else "["}{self.low:g}, {self.high:g}'
+      text = (f'{noun} in {"(" if self.low_open else "["}{fmt(self.low)}, {fmt(self.high)}'
               f'{")" if self.high_open else "]"}')
     elif self.low is not None:
-      text = f'{noun} {">" if self.low_open else ">="} {self.low:g}'
+      text = f'{noun} {">" if self.low_open else ">="} {fmt(self.low)}'
     elif self.high is not None:
-      text = f'{noun} {"<" if self.high_open else "<="} {self.high:g}'
+      text = f'{noun} {"<" if self.high_open else "<="} {fmt(self.high)}'
     else:
       text = noun
     if self.kind in ('ints', 'floats') and (self.low is not None or self.high is not None):
