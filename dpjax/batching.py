@@ -61,8 +61,8 @@ class LogicalBatch:
 
 
 def _is_binomial(sampler: samplers_lib.Sampler) -> bool:
-  """Poisson and balls-and-bins batch sizes are Binomial(N, p); others are <= b."""
-  return isinstance(sampler, (samplers_lib.PoissonSampler, samplers_lib.BallsAndBinsSampler))
+  """Binomial(N, p) batch sizes (Poisson, balls-and-bins) can exceed any B < N; others are <= b."""
+  return sampler.binomial_batch_size
 
 
 def log_truncation_probability(sampler: samplers_lib.Sampler, max_batch_size: int) -> float:

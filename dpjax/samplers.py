@@ -89,6 +89,17 @@ class Sampler(abc.ABC):
   seed: int = 0
 
   name: ClassVar[str]
+  # Privacy facts (docs/accounting.md); accounting asks the sampler, never its name.
+  # Accountants that support the sampler; the first is what 'auto' means.
+  accountants: ClassVar[tuple[str, ...]] = ('pld', 'rdp')
+  # ... and those that support group privacy (privacy.group_size > 1).
+  group_accountants: ClassVar[tuple[str, ...]] = ('pld',)
+  # Why an accountant outside `accountants` does not apply (the error message says it).
+  unsupported_accountant_reason: ClassVar[str] = (
+      'the Monte-Carlo accountant exists for balls-and-bins only')
+  # Batch sizes are Binomial(N, p): a cap B truncates with probability > 0, and the
+  # accountant pays for it. Other samplers' batches never exceed b (B >= b is required).
+  binomial_batch_size: ClassVar[bool] = False
 
   def __post_init__(self):
     _check_int('num_examples', self.num_examples, 1)
@@ -146,6 +157,7 @@ class PoissonSampler(Sampler):
   """
 
   name: ClassVar[str] = 'poisson'
+  binomial_batch_size: ClassVar[bool] = True
 
   @property
   def expected_batch_size(self) -> float:
@@ -176,6 +188,9 @@ class FixedSizeWithReplacementSampler(Sampler):
   """Each step b independent uniform draws; an example may appear twice. O(b) memory."""
 
   name: ClassVar[str] = 'fixed_size_with_replacement'
+  accountants: ClassVar[tuple[str, ...]] = ('pld',)
+  unsupported_accountant_reason: ClassVar[str] = (
+      'dp_accounting has no RDP for sampling with replacement')
 
   def indices(self, step: int) -> np.ndarray:
     rng = _generator(self.seed, self._check_step(step))
@@ -185,6 +200,10 @@ class FixedSizeWithReplacementSampler(Sampler):
 @dataclasses.dataclass(frozen=True)
 class _EpochSampler(Sampler):
   """A sampler that partitions the data into T batches per epoch."""
+
+  # One epoch is a post-processing of a fixed assignment: sensitivity k for a group of k,
+  # so RDP covers groups too (Gaussian per epoch).
+  group_accountants: ClassVar[tuple[str, ...]] = ('pld', 'rdp')
 
   @property
   def is_epoch_based(self) -> bool:
@@ -226,6 +245,11 @@ class BallsAndBinsSampler(_EpochSampler):
   """
 
   name: ClassVar[str] = 'balls_and_bins'
+  accountants: ClassVar[tuple[str, ...]] = ('pld', 'monte_carlo')
+  group_accountants: ClassVar[tuple[str, ...]] = ('pld',)
+  unsupported_accountant_reason: ClassVar[str] = (
+      'no RDP analysis of balls-and-bins is implemented; use pld (provable) or monte_carlo')
+  binomial_batch_size: ClassVar[bool] = True
 
   @property
   def sampling_probability(self) -> float:
