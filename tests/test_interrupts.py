@@ -96,10 +96,14 @@ STUCK = """
 import time
 from dpjax import interrupts
 with interrupts.GracefulStop():
-  print('ready', flush=True)
+  ready = False
   while True:  # Stuck: ignores the flag and even swallows the second Ctrl-C.
-    try:
-      time.sleep(0.01)
+    try:  # Everything inside the try, wherever the handlers run.
+      if not ready:
+        ready = True
+        print('ready', flush=True)
+      while True:
+        time.sleep(0.01)
     except KeyboardInterrupt:
       print('aborting', flush=True)
 """
