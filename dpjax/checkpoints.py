@@ -69,6 +69,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.futures import future as orbax_future
 
+from dpjax.atomic_write import write_text_atomically
+
 CHECKPOINT_DIR = 'checkpoints'
 ITEMS = ('state', 'metadata')
 MANIFEST = 'dpjax_manifest.json'
@@ -107,25 +109,10 @@ def _file_digests(step_dir: str) -> dict[str, dict[str, Any]]:
   return digests
 
 
-def _write_atomically(path: str, text: str) -> None:
-  """`text` to `path` via a temporary file, fsync and rename (then fsync of the directory)."""
-  tmp = f'{path}.tmp-{os.getpid()}'
-  with open(tmp, 'w') as f:
-    f.write(text)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-  fd = os.open(os.path.dirname(path), os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
 def write_manifest(step_dir: str) -> None:
   """Writes `<step_dir>/dpjax_manifest.json`: size and SHA-256 of each file (see module doc)."""
   manifest = {'format': 1, 'algorithm': 'sha256', 'files': _file_digests(step_dir)}
-  _write_atomically(os.path.join(step_dir, MANIFEST), json.dumps(manifest, indent=1))
+  write_text_atomically(os.path.join(step_dir, MANIFEST), json.dumps(manifest, indent=1))
 
 
 def verify_checkpoint(step_dir: str) -> bool:

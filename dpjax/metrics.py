@@ -32,6 +32,8 @@ import time
 
 import tensorboardX
 
+from dpjax.atomic_write import write_text_atomically
+
 METRICS_FILE = 'metrics.jsonl'
 TENSORBOARD_DIR = 'tensorboard'
 
@@ -62,15 +64,6 @@ def read_rows(path: str) -> list[dict]:
   return rows
 
 
-def _write_atomically(path: str, lines: list[str]) -> None:
-  tmp = f'{path}.tmp-{os.getpid()}'
-  with open(tmp, 'w') as f:
-    f.writelines(lines)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-
-
 class MetricWriter:
   """Scalars to TensorBoard event files and to `metrics.jsonl`, consistent across resumes.
 
@@ -94,7 +87,7 @@ class MetricWriter:
     kept = []
     if os.path.exists(self._path):
       kept = [row for row in read_rows(self._path) if row['step'] <= keep_until]
-      _write_atomically(self._path, [json.dumps(row) + '\n' for row in kept])
+      write_text_atomically(self._path, ''.join(json.dumps(row) + '\n' for row in kept))
     # The window of the next train_loss starts after the last logged one or the resume step.
     self._last_train_step = max([0, keep_until] + [row['step'] for row in kept
                                                    if 'train_loss' in row])
