@@ -174,22 +174,27 @@ _QUIET_ORBAX_ERRORS = _QuietOrbaxErrors()
 class Manager(ocp.CheckpointManager):
   """orbax's CheckpointManager that writes each step's manifest before the step is committed.
 
-  `_pending_step` is the step whose save is in flight; orbax runs at most one
-  save at a time (each `save` first waits for the previous one), so the
-  post-finalisation callback knows which temporary directory to hash.
+  Orbax runs one save at a time; `save` waits for the previous one before
+  recording `pending_step`, so the post-finalisation callback (which takes no
+  arguments) knows which temporary directory to hash.
   """
 
   def __init__(self, workdir: str, options: ocp.CheckpointManagerOptions):
-    self._pending_step: int | None = None
+    self.pending_step: int | None = None
     self._directory_path = checkpoint_dir(workdir)
     if not options.read_only:
       options = dataclasses.replace(options, async_options=ocp.AsyncOptions(
           post_finalization_callback=self._write_manifest))
     super().__init__(self._directory_path, options=options, item_names=ITEMS)
 
+  def save(self, step: int, *args, **kwargs) -> bool:
+    self.wait_until_finished()  # Its callback must not see the new step (orbax waits anyway).
+    self.pending_step = step
+    return super().save(step, *args, **kwargs)
+
   def _write_manifest(self) -> None:
     """Runs on process 0 after all processes wrote the step, before the rename into place."""
-    step = self._pending_step
+    step = self.pending_step
     candidates = [path for path in temporary_checkpoints(os.path.dirname(self._directory_path))
                   if re.fullmatch(rf'{step}{re.escape(TMP_MARKER)}.*', os.path.basename(path))]
     final = os.path.join(self._directory_path, str(step))
@@ -215,9 +220,11 @@ def make_manager(workdir: str, keep: int, *, read_only: bool = False) -> ocp.Che
   return Manager(workdir, options)
 
 
-def _intact_steps(manager: ocp.CheckpointManager, failed: int | None) -> list[int]:
-  manager.reload()
-  return sorted(step for step in manager.all_steps() if step != failed)
+def _chain(error: BaseException):
+  """`error` and the exceptions it was raised from."""
+  while error is not None:
+    yield error
+    error = error.__cause__ or error.__context__
 
 
 def _save_error(manager: ocp.CheckpointManager, step: int | None,
@@ -231,11 +238,11 @@ def _save_error(manager: ocp.CheckpointManager, step: int | None,
       thread.join(max(0.0, deadline - time.time()))
   if jax.process_index() == 0:
     remove_temporary_checkpoints(os.path.dirname(str(manager.directory)))
-  manager.reload()
   text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
   disk_full = any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in _chain(error)) or (
       'No space left on device' in str(error) or "os_error_code='28'" in str(error))
-  intact = _intact_steps(manager, step)
+  manager.reload()
+  intact = sorted(other for other in manager.all_steps() if other != step)
   cause = (f'no space left on device under {manager.directory}' if disk_full
            else f'{type(error).__name__}: {text}')
   action = 'free space and ' if disk_full else ''
@@ -244,18 +251,12 @@ def _save_error(manager: ocp.CheckpointManager, step: int | None,
   return CheckpointSaveError(f'checkpoint at step {step} could not be written ({cause}); {kept}.')
 
 
-def _chain(error: BaseException):
-  while error is not None:
-    yield error
-    error = error.__cause__ or error.__context__
-
-
 def wait_until_finished(manager: ocp.CheckpointManager) -> None:
   """Waits for the save in flight; a failure becomes one `CheckpointSaveError` line."""
   try:
     manager.wait_until_finished()
   except Exception as e:  # Orbax and tensorstore raise many types (ValueError for ENOSPC).
-    raise _save_error(manager, getattr(manager, '_pending_step', None), e) from e
+    raise _save_error(manager, getattr(manager, 'pending_step', None), e) from e
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: Any, metadata: dict) -> None:
@@ -265,8 +266,6 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, metadata: dict) 
   raises `CheckpointSaveError` (one line) with no temporary directory left.
   """
   wait_until_finished(manager)
-  if isinstance(manager, Manager):
-    manager._pending_step = step  # pylint: disable=protected-access
   try:
     manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), metadata=ocp.args.JsonSave(metadata)), force=True)
