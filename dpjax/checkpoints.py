@@ -16,6 +16,25 @@ complete, so an interrupted save never looks like a checkpoint. A checkpoint
 that is complete but unreadable (corrupt files) is reported, moved aside to
 `<step>.unreadable-<time>`, and the previous one is used.
 
+Integrity: each checkpoint holds `dpjax_manifest.json`, the size and SHA-256
+of every file in it, and `restore_latest` verifies it before restoring, so a
+flipped byte anywhere in `state/` or `metadata/` takes the move-aside path
+instead of being restored silently. The manifest is written by orbax's
+post-finalisation callback, i.e. after every item (of every process) is
+written and *before* the temporary directory is renamed into place, through
+tmp + fsync + rename: a crash at any point leaves either a temporary
+directory (not a checkpoint; removed at the next start) or a checkpoint with
+its manifest. Orbax's own `_CHECKPOINT_METADATA` (commit timestamp) and
+top-level `commit_success.txt` are written after the callback and are not
+covered; they hold no state. A checkpoint without a manifest can only come
+from a dpjax version before manifests: it is restored with an "unverified"
+warning rather than discarded.
+
+A failed save (e.g. disk full) raises `CheckpointSaveError` with one line
+(which step, why, which checkpoint is still intact), after removing the
+failed save's temporary directory; earlier checkpoints are untouched because
+orbax deletes old steps only after a save completes.
+
 Data-parallel runs (`dpjax.sharding`) save the state replicated over the
 device mesh; every process of a multi-host job takes part in a save (orbax
 writes each replicated array once), so the workdir must be on a file system
@@ -32,55 +51,248 @@ List a workdir's checkpoints:
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import errno
+import hashlib
 import json
 import logging
 import os
+import re
+import shutil
 import sys
+import threading
 import time
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src.futures import future as orbax_future
+
+from dpjax.atomic_write import write_text_atomically
 
 CHECKPOINT_DIR = 'checkpoints'
 ITEMS = ('state', 'metadata')
+MANIFEST = 'dpjax_manifest.json'
+# Written by orbax after the manifest (commit time, success marker); they hold no state.
+UNHASHED = frozenset({MANIFEST, '_CHECKPOINT_METADATA', 'commit_success.txt'})
+TMP_MARKER = '.orbax-checkpoint-tmp'
+# The threads orbax 0.12.x writes a save's items with (a private class: pinned in constraints.txt).
+_ORBAX_WRITER = orbax_future._SignalingThread  # pylint: disable=protected-access
+
+
+class CheckpointCorruptError(ValueError):
+  """A checkpoint's files differ from its manifest (the message names the first file)."""
+
+
+class CheckpointSaveError(RuntimeError):
+  """A checkpoint could not be written; the message is one line (step, cause, what is intact)."""
 
 
 def checkpoint_dir(workdir: str) -> str:
   return os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
 
 
+def _file_digests(step_dir: str) -> dict[str, dict[str, Any]]:
+  """{relative path: {'size', 'sha256'}} of every file under `step_dir` (streamed)."""
+  digests = {}
+  for root, dirs, files in os.walk(step_dir):
+    dirs.sort()
+    for name in sorted(files):
+      path = os.path.join(root, name)
+      relative = os.path.relpath(path, step_dir)
+      if relative in UNHASHED:
+        continue
+      with open(path, 'rb') as f:
+        digest = hashlib.file_digest(f, 'sha256').hexdigest()
+      digests[relative] = {'size': os.path.getsize(path), 'sha256': digest}
+  return digests
+
+
+def write_manifest(step_dir: str) -> None:
+  """Writes `<step_dir>/dpjax_manifest.json`: size and SHA-256 of each file (see module doc)."""
+  manifest = {'format': 1, 'algorithm': 'sha256', 'files': _file_digests(step_dir)}
+  write_text_atomically(os.path.join(step_dir, MANIFEST), json.dumps(manifest, indent=1))
+
+
+def verify_checkpoint(step_dir: str) -> bool:
+  """True if every file matches the manifest, False if there is no manifest (unverified).
+
+  Raises `CheckpointCorruptError` naming the first missing or differing file.
+  """
+  try:
+    with open(os.path.join(step_dir, MANIFEST)) as f:
+      expected = json.load(f)['files']
+  except FileNotFoundError:
+    return False
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise CheckpointCorruptError(f'{MANIFEST} is unreadable ({e})') from None
+  actual = _file_digests(step_dir)
+  for relative, want in sorted(expected.items()):
+    got = actual.get(relative)
+    if got is None:
+      raise CheckpointCorruptError(f'{relative} is missing')
+    if got != want:
+      raise CheckpointCorruptError(
+          f"{relative} differs from the manifest (size {got['size']} vs {want['size']}, "
+          f"sha256 {got['sha256'][:12]}… vs {want['sha256'][:12]}…)")
+  return True
+
+
+def temporary_checkpoints(workdir: str) -> list[str]:
+  """Paths of unfinished (temporary) checkpoint directories left under `workdir`."""
+  directory = checkpoint_dir(workdir)
+  if not os.path.isdir(directory):
+    return []
+  return sorted(os.path.join(directory, name) for name in os.listdir(directory)
+                if TMP_MARKER in name)
+
+
+def remove_temporary_checkpoints(workdir: str) -> list[str]:
+  """Deletes unfinished checkpoint directories (a failed or interrupted save); returns them.
+
+  Call with no save in flight (after `wait_until_finished`), on process 0 only.
+  """
+  removed = temporary_checkpoints(workdir)
+  for path in removed:
+    shutil.rmtree(path, ignore_errors=True)
+  return removed
+
+
+class _QuietOrbaxErrors(logging.Filter):
+  """Drops orbax's tracebacks of background save failures: `save`/`wait_until_finished` re-raise
+  them as one `CheckpointSaveError` line."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.levelno >= logging.ERROR and record.exc_info is not None
+                and f'{os.sep}orbax{os.sep}' in record.pathname)
+
+
+_QUIET_ORBAX_ERRORS = _QuietOrbaxErrors()
+
+
+class Manager(ocp.CheckpointManager):
+  """orbax's CheckpointManager that writes each step's manifest before the step is committed.
+
+  Orbax runs one save at a time; `save` waits for the previous one before
+  recording `pending_step`, so the post-finalisation callback (which takes no
+  arguments) knows which temporary directory to hash.
+  """
+
+  def __init__(self, workdir: str, options: ocp.CheckpointManagerOptions):
+    self.pending_step: int | None = None
+    self._directory_path = checkpoint_dir(workdir)
+    if not options.read_only:
+      options = dataclasses.replace(options, async_options=ocp.AsyncOptions(
+          post_finalization_callback=self._write_manifest))
+    super().__init__(self._directory_path, options=options, item_names=ITEMS)
+
+  def save(self, step: int, *args, **kwargs) -> bool:
+    self.wait_until_finished()  # Its callback must not see the new step (orbax waits anyway).
+    self.pending_step = step
+    return super().save(step, *args, **kwargs)
+
+  def _write_manifest(self) -> None:
+    """Runs on process 0 after all processes wrote the step, before the rename into place."""
+    step = self.pending_step
+    candidates = [path for path in temporary_checkpoints(os.path.dirname(self._directory_path))
+                  if re.fullmatch(rf'{step}{re.escape(TMP_MARKER)}.*', os.path.basename(path))]
+    final = os.path.join(self._directory_path, str(step))
+    if len(candidates) != 1 and not os.path.isdir(final):  # Commit-file storage: written in place.
+      raise RuntimeError(f'cannot find the directory of checkpoint {step} to hash: {candidates}')
+    write_manifest(candidates[0] if len(candidates) == 1 else final)
+
+
 def make_manager(workdir: str, keep: int, *, read_only: bool = False) -> ocp.CheckpointManager:
-  """A manager that keeps the last `keep` checkpoints and saves asynchronously."""
+  """A manager that keeps the last `keep` checkpoints and saves asynchronously.
+
+  Unfinished temporary checkpoints of an earlier run are removed when it starts.
+  """
   if not read_only and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
     raise ValueError(f'keep_checkpoints must be an integer >= 1, got {keep!r}.')
   options = ocp.CheckpointManagerOptions(
       max_to_keep=None if read_only else keep, create=not read_only,
       enable_async_checkpointing=not read_only, read_only=read_only)
-  return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, item_names=ITEMS)
+  if not read_only and jax.process_index() == 0:  # Before any save of this run can be in flight.
+    remove_temporary_checkpoints(workdir)
+  if _QUIET_ORBAX_ERRORS not in logging.getLogger('absl').filters:
+    logging.getLogger('absl').addFilter(_QUIET_ORBAX_ERRORS)
+  return Manager(workdir, options)
+
+
+def _chain(error: BaseException):
+  """`error` and the exceptions it was raised from."""
+  while error is not None:
+    yield error
+    error = error.__cause__ or error.__context__
+
+
+def _save_error(manager: ocp.CheckpointManager, step: int | None,
+                error: Exception) -> CheckpointSaveError:
+  """Removes the failed save's temporary directory; one line saying what failed and what is intact."""
+  # One failed write fails the save at once while orbax's other writer threads of the same
+  # save may still be writing (and recreating directories): let them end first.
+  deadline = time.time() + 60
+  for thread in threading.enumerate():
+    if isinstance(thread, _ORBAX_WRITER) and thread is not threading.current_thread():
+      thread.join(max(0.0, deadline - time.time()))
+  if jax.process_index() == 0:
+    remove_temporary_checkpoints(os.path.dirname(str(manager.directory)))
+  text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+  disk_full = any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in _chain(error)) or (
+      'No space left on device' in str(error) or "os_error_code='28'" in str(error))
+  manager.reload()
+  intact = sorted(other for other in manager.all_steps() if other != step)
+  cause = (f'no space left on device under {manager.directory}' if disk_full
+           else f'{type(error).__name__}: {text}')
+  action = 'free space and ' if disk_full else ''
+  kept = (f'the checkpoint at step {intact[-1]} is intact: {action}rerun the same command to '
+          'resume from it' if intact else f'there is no earlier checkpoint: {action}rerun')
+  return CheckpointSaveError(f'checkpoint at step {step} could not be written ({cause}); {kept}.')
+
+
+def wait_until_finished(manager: ocp.CheckpointManager) -> None:
+  """Waits for the save in flight; a failure becomes one `CheckpointSaveError` line."""
+  try:
+    manager.wait_until_finished()
+  except Exception as e:  # Orbax and tensorstore raise many types (ValueError for ENOSPC).
+    raise _save_error(manager, getattr(manager, 'pending_step', None), e) from e
 
 
 def save(manager: ocp.CheckpointManager, step: int, state: Any, metadata: dict) -> None:
-  """Starts an asynchronous save of `state` with its privacy `metadata`."""
-  manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), metadata=ocp.args.JsonSave(metadata)), force=True)
+  """Starts an asynchronous save of `state` with its privacy `metadata`.
+
+  First waits for the previous save (orbax would anyway); a failure of either
+  raises `CheckpointSaveError` (one line) with no temporary directory left.
+  """
+  wait_until_finished(manager)
+  try:
+    manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), metadata=ocp.args.JsonSave(metadata)), force=True)
+  except Exception as e:
+    raise _save_error(manager, step, e) from e
 
 
 def restore_latest(manager: ocp.CheckpointManager, target: Any) -> tuple[int, Any, dict] | None:
   """(step, state, metadata) of the newest readable checkpoint, or None.
 
   `target` is a state with the right structure and the shardings to restore
-  onto (e.g. the freshly initialised, replicated one). Unreadable checkpoints
-  are logged with the reason and skipped; process 0 moves them aside.
+  onto (e.g. the freshly initialised, replicated one). Each checkpoint is
+  first checked against its manifest. Unreadable or corrupt checkpoints are
+  logged with the reason and skipped; process 0 moves them aside.
   """
   for step in sorted(manager.all_steps(), reverse=True):
+    path = os.path.join(str(manager.directory), str(step))
     try:
+      if not verify_checkpoint(path):
+        message = (f'checkpoint {step} has no {MANIFEST} (written before dpjax kept checksums); '
+                   'restoring it unverified.')
+        logging.warning(message)
+        print(f'WARNING: {message}', file=sys.stderr)
       restored = manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(target), metadata=ocp.args.JsonRestore()))
     except Exception as e:  # Orbax raises many types for damaged files.
       # Keep the damaged files for inspection, out of the way of a new save at this step.
-      path = os.path.join(str(manager.directory), str(step))
       aside = f'{path}.unreadable-{int(time.time())}'
       if jax.process_index() == 0:  # One host renames the shared directory.
         os.rename(path, aside)
@@ -98,10 +310,12 @@ def read_state(workdir: str, step: int) -> dict:
   """The state saved at `step` as host numpy arrays, whatever devices and hosts saved it.
 
   For inspection and export; no target structure or device mesh is needed.
+  Raises `CheckpointCorruptError` if the files differ from the manifest.
   """
   path = os.path.join(checkpoint_dir(workdir), str(step), 'state')
   if not os.path.isdir(path):
     raise ValueError(f'No checkpoint at step {step} in {checkpoint_dir(workdir)}.')
+  verify_checkpoint(os.path.dirname(path))
   checkpointer = ocp.PyTreeCheckpointer()
   tree = checkpointer.metadata(path).item_metadata.tree
   as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
@@ -125,32 +339,66 @@ def read_metadata(workdir: str) -> list[dict]:
   return rows
 
 
+def _integrity(workdir: str, step: int) -> str:
+  try:
+    return 'ok' if verify_checkpoint(os.path.join(checkpoint_dir(workdir), str(step))) else (
+        'unverified (no manifest)')
+  except CheckpointCorruptError as e:
+    return f'CORRUPT: {e}'
+
+
+def _listing(rows: list[dict], workdir: str, verify: bool) -> list[str]:
+  """The table `main` prints: one line per checkpoint."""
+  lines = [f"{'step':>8}  {'epsilon':>10}  {'delta':>8}  {'bound':<24}  {'accountant':<28}  sampler"
+           + ('  integrity' if verify else '')]
+  for row in rows:
+    if 'error' in row:
+      lines.append(f"{row['step']:>8}  {row['error']}"
+                   + (f"  {_integrity(workdir, row['step'])}" if verify else ''))
+      continue
+    privacy = row.get('privacy') or {}
+    eps, delta = privacy.get('epsilon'), privacy.get('delta')
+    if eps is None:  # Non-private run (privacy.enabled = False): no guarantee at all.
+      eps_text, delta_text, bound = '∞', '-', 'non-private, ε = ∞'
+    else:
+      eps_text = f'{eps:.4f}'
+      delta_text = f'{delta:.1e}' if isinstance(delta, (int, float)) else str(delta)
+      bound = str(privacy.get('bound'))
+    lines.append(f"{row['step']:>8}  {eps_text:>10}  {delta_text:>8}  {bound:<24}  "
+                 f"{str(privacy.get('accountant')):<28}  {(row.get('sampler') or {}).get('name')}"
+                 + (f"  {_integrity(workdir, row['step'])}" if verify else ''))
+  return lines
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(
       prog='python -m dpjax.checkpoints',
       description="List a workdir's checkpoints with their step, ε and kind of bound.")
   parser.add_argument('workdir')
   parser.add_argument('--json', action='store_true', help='print the metadata as JSON lines')
+  parser.add_argument('--verify', action='store_true',
+                      help="check each checkpoint's files against its SHA-256 manifest")
   args = parser.parse_args(argv)
+  if not os.path.exists(args.workdir):
+    print(f'{parser.prog}: error: workdir {args.workdir} does not exist.', file=sys.stderr)
+    return 2
+  if not os.path.isdir(args.workdir):
+    print(f'{parser.prog}: error: workdir {args.workdir} is not a directory.', file=sys.stderr)
+    return 2
   rows = read_metadata(args.workdir)
   if not rows:
     print(f'No checkpoints in {checkpoint_dir(args.workdir)}.', file=sys.stderr)
     return 1
-  if args.json:
-    for row in rows:
-      print(json.dumps(row))
-    return 0
-  print(f"{'step':>8}  {'epsilon':>10}  {'delta':>8}  {'bound':<24}  {'accountant':<28}  sampler")
-  for row in rows:
-    if 'error' in row:
-      print(f"{row['step']:>8}  {row['error']}")
-      continue
-    privacy = row.get('privacy', {})
-    eps = privacy.get('epsilon')
-    eps_text = 'n/a' if eps is None else f'{eps:.4f}'
-    print(f"{row['step']:>8}  {eps_text:>10}  {privacy.get('delta', float('nan')):>8.1e}  "
-          f"{str(privacy.get('bound')):<24}  {str(privacy.get('accountant')):<28}  "
-          f"{row.get('sampler', {}).get('name')}")
+  lines = ([json.dumps(row) for row in rows] if args.json
+           else _listing(rows, args.workdir, args.verify))
+  try:
+    for line in lines:
+      print(line)
+    sys.stdout.flush()
+  except BrokenPipeError:  # `| head`: the reader left; stop quietly, as Unix tools do.
+    # Python flushes stdout again at exit; point it at /dev/null so that flush cannot fail.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + 13  # 128 + SIGPIPE, like a tool killed by it.
   return 0
 
 

@@ -1,0 +1,30 @@
+"""Replace a file so that a crash leaves either the old or the new content, never a mix.
+
+The text goes to a temporary file beside the target, is fsync'ed, renamed over
+the target (`os.replace` is atomic on POSIX), and the directory is fsync'ed so
+the rename itself survives a power loss.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def write_text_atomically(path: str, text: str) -> None:
+  """Atomically sets the content of `path` to `text` (tmp + fsync + rename + fsync of the dir)."""
+  tmp = f'{path}.tmp-{os.getpid()}'
+  try:
+    with open(tmp, 'w') as f:
+      f.write(text)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+  fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)

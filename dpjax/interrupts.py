@@ -1,0 +1,75 @@
+"""Graceful stop on SIGTERM / SIGINT: finish the step, checkpoint, flush, exit 128 + signal.
+
+Schedulers preempt with SIGTERM (then SIGKILL after a grace period); a user
+presses Ctrl-C (SIGINT). Either way the run should lose nothing. Inside
+`GracefulStop` the first SIGTERM or SIGINT only sets a flag; the loop polls
+`stop.requested` after each step (a Python attribute read: no host sync),
+saves a checkpoint, flushes metrics and TensorBoard, and exits with
+`stop.exit_code` = 128 + signal number (143 for SIGTERM, 130 for SIGINT), the
+status a shell reports for a process killed by that signal.
+
+A second Ctrl-C means "now": it raises `KeyboardInterrupt` in the main thread
+and gives SIGINT back its default action, so a third one kills the process
+even while it is blocked inside a long native call. Further SIGTERMs only
+repeat the notice (the stop is already under way).
+
+Handlers can only be installed from the main thread (a Python rule); from any
+other thread `GracefulStop` installs nothing and `requested` stays False.
+The previous handlers are restored on exit.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from types import FrameType
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class GracefulStop:
+  """Context manager: `requested`, `signal_name` and `exit_code` of the first SIGTERM/SIGINT."""
+
+  def __init__(self, *, log=None):
+    self.signum: int | None = None
+    self._log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+    self._previous: dict[int, object] = {}
+
+  @property
+  def requested(self) -> bool:
+    return self.signum is not None
+
+  @property
+  def signal_name(self) -> str | None:
+    return None if self.signum is None else signal.Signals(self.signum).name
+
+  @property
+  def exit_code(self) -> int:
+    """128 + the signal's number (0 if none was received)."""
+    return 0 if self.signum is None else 128 + self.signum
+
+  def _handle(self, signum: int, frame: FrameType | None) -> None:
+    del frame
+    name = signal.Signals(signum).name
+    if self.signum is None:
+      self.signum = signum
+      self._log(f'{name} received: finishing this step, saving a checkpoint, then exiting with '
+                f'code {128 + signum}' + (' (Ctrl-C again to abort at once).'
+                                          if signum == signal.SIGINT else '.'))
+    elif signum == signal.SIGINT:
+      signal.signal(signal.SIGINT, signal.SIG_DFL)  # A third Ctrl-C kills the process.
+      raise KeyboardInterrupt(f'second {name}: aborting without a checkpoint')
+    else:
+      self._log(f'{name} received again: already stopping after this step.')
+
+  def __enter__(self) -> GracefulStop:
+    if threading.current_thread() is threading.main_thread():
+      for signum in SIGNALS:
+        self._previous[signum] = signal.signal(signum, self._handle)
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    for signum, handler in self._previous.items():
+      signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+    self._previous.clear()

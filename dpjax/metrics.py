@@ -1,0 +1,131 @@
+"""Metrics of a run: `metrics.jsonl` (one JSON object per logged step) and TensorBoard events.
+
+A run can be killed at any moment (SIGKILL, preemption) and resumed from its
+latest checkpoint at step s; the loop then recomputes every step after s. So
+that each logged step appears exactly once:
+
+* on resume from step s, rows with step > s are dropped (they are logged
+  again); with no checkpoint at all (`resume_step=None`) every row is dropped,
+  since the run restarts at step 0. The file is rewritten atomically (tmp +
+  fsync + rename), so a kill during the rewrite loses nothing;
+* a torn line (a partial JSON object cut by the kill) is dropped with a warning;
+* TensorBoard events are purged from step s + 1 on (`purge_step`), and
+  `flush()`, which the loop calls at every checkpoint, makes the JSON lines
+  durable (fsync) and writes the buffered events, so what a checkpoint
+  covers is on disk with it.
+
+`train_loss` is a mean over the steps since the previous logged train row.
+After a resume from step s the first one covers only steps s+1..t, since the
+losses of the steps between the last logged row and s were never fetched:
+every row with `train_loss` states its window as `train_window_steps`.
+
+Only process 0 of a multi-host job writes (`enabled=False` elsewhere).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+import tensorboardX
+
+from dpjax.atomic_write import write_text_atomically
+
+METRICS_FILE = 'metrics.jsonl'
+TENSORBOARD_DIR = 'tensorboard'
+
+
+def _warn(message: str) -> None:
+  logging.warning(message)
+  print(f'WARNING: {message}', file=sys.stderr)
+
+
+def read_rows(path: str) -> list[dict]:
+  """The rows of a `metrics.jsonl`; unparseable lines (a torn last line) dropped with a warning."""
+  rows, torn = [], []
+  with open(path) as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+        if not isinstance(row, dict) or not isinstance(row.get('step'), int):
+          raise ValueError('not an object with an integer "step"')
+      except ValueError:
+        torn.append(number)
+        continue
+      rows.append(row)
+  if torn:
+    _warn(f'{path}: dropped {len(torn)} unreadable line(s) (line {", ".join(map(str, torn))}; '
+          'a torn write from a killed run); those steps are logged again if they are recomputed.')
+  return rows
+
+
+class MetricWriter:
+  """Scalars to TensorBoard event files and to `metrics.jsonl`, consistent across resumes.
+
+  Args:
+    workdir: the run's directory.
+    resume_step: the step of the checkpoint the run resumes from, or None
+      when it starts from scratch (rows and events after it are dropped).
+    enabled: False on every process but the first of a multi-host job.
+  """
+
+  def __init__(self, workdir: str, resume_step: int | None, enabled: bool = True):
+    self.enabled = enabled
+    self.resume_step = resume_step
+    if not enabled:
+      return
+    if resume_step is not None and (isinstance(resume_step, bool) or not isinstance(
+        resume_step, int) or resume_step < 0):
+      raise ValueError(f'resume_step must be None or an integer >= 0, got {resume_step!r}.')
+    keep_until = -1 if resume_step is None else resume_step
+    self._path = os.path.join(workdir, METRICS_FILE)
+    kept = []
+    if os.path.exists(self._path):
+      kept = [row for row in read_rows(self._path) if row['step'] <= keep_until]
+      write_text_atomically(self._path, ''.join(json.dumps(row) + '\n' for row in kept))
+    # The window of the next train_loss starts after the last logged one or the resume step.
+    self._last_train_step = max([0, keep_until] + [row['step'] for row in kept
+                                                   if 'train_loss' in row])
+    self._jsonl = open(self._path, 'a')
+    # A unique file per writer: event file names only have one-second resolution.
+    self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR),
+                                          purge_step=keep_until + 1,
+                                          filename_suffix=f'.{os.getpid()}.{time.time_ns()}')
+
+  def train_window(self, step: int) -> dict[str, int]:
+    """What a `train_loss` logged at `step` averages: steps `step - n + 1 .. step`, n returned."""
+    return {'train_window_steps': step - self._last_train_step}
+
+  def write(self, step: int, scalars: dict[str, float]) -> None:
+    """One row; rows with `train_loss` get `train_window_steps` unless the caller set it."""
+    if not self.enabled:
+      return
+    scalars = dict(scalars)
+    if 'train_loss' in scalars:
+      scalars.setdefault('train_window_steps', self.train_window(step)['train_window_steps'])
+      self._last_train_step = step
+    for name, value in scalars.items():
+      if value is not None:
+        self._tb.add_scalar(name, value, step)
+    self._jsonl.write(json.dumps({'step': step, **scalars}) + '\n')
+    self._jsonl.flush()
+
+  def flush(self) -> None:
+    """Makes every row and event written so far durable (call at each checkpoint)."""
+    if not self.enabled:
+      return
+    self._jsonl.flush()
+    os.fsync(self._jsonl.fileno())
+    self._tb.flush()
+
+  def close(self) -> None:
+    if not self.enabled:
+      return
+    self.flush()
+    self._jsonl.close()
+    self._tb.close()
