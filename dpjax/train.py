@@ -45,7 +45,6 @@ import ml_collections
 from ml_collections import config_flags
 import numpy as np
 import optax
-import tensorboardX
 import tqdm
 
 from dpjax import _validate
@@ -54,9 +53,12 @@ from dpjax import checkpoints
 from dpjax import cli
 from dpjax import data
 from dpjax import dp_step
+from dpjax import interrupts
+from dpjax import metrics as metrics_lib
 from dpjax import models
 from dpjax import plan as plan_lib
 from dpjax import sharding
+from dpjax import workdir_lock
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Training config file.', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and config.')
@@ -156,44 +158,16 @@ def evaluate(step_fn, params, source: data.DataSource, physical_batch_size: int,
           'eval_accuracy': float(totals['correct'] / totals['num_examples'])}
 
 
-class MetricWriter:
-  """Scalars to TensorBoard event files and to `metrics.jsonl` (one object per line).
-
-  Disabled (writes nothing) on every process but the first of a multi-host job.
-  """
-
-  def __init__(self, workdir: str, resume_step: int, enabled: bool = True):
-    self.enabled = enabled
-    if not enabled:
-      return
-    self._path = os.path.join(workdir, 'metrics.jsonl')
-    # Lines logged after the checkpoint we resume from are recomputed: drop them.
-    if os.path.exists(self._path):
-      with open(self._path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)['step'] <= resume_step]
-      with open(self._path, 'w') as f:
-        f.writelines(kept)
-    self._jsonl = open(self._path, 'a')
-    self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, 'tensorboard'))
-
-  def write(self, step: int, scalars: dict[str, float]) -> None:
-    if not self.enabled:
-      return
-    for name, value in scalars.items():
-      if isinstance(value, (int, float)) and not isinstance(value, bool):
-        self._tb.add_scalar(name, value, step)
-    self._jsonl.write(json.dumps({'step': step, **scalars}) + '\n')
-    self._jsonl.flush()
-
-  def close(self):
-    if not self.enabled:
-      return
-    self._jsonl.close()
-    self._tb.close()
-
-
 class TrainingDiverged(RuntimeError):
   """Non-finite loss or parameters: the run stops, the last good checkpoint is kept."""
+
+
+class RunInterrupted(Exception):
+  """SIGTERM / SIGINT: the run saved a checkpoint and stops; `exit_code` = 128 + signal."""
+
+  def __init__(self, message: str, exit_code: int):
+    super().__init__(message)
+    self.exit_code = exit_code
 
 
 def privacy_metadata(step: int, report, plan: plan_lib.RunPlan, step_fns: dp_step.DPStep,
@@ -232,7 +206,12 @@ def _all_finite(tree) -> jax.Array:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Trains (or resumes) the run described by `config`; returns the final metrics."""
+  """Trains (or resumes) the run described by `config`; returns the final metrics.
+
+  Raises ValueError (bad config, data, workdir, a workdir in use, a resume that would
+  change the privacy fingerprint) before anything is written or compiled;
+  TrainingDiverged, RunInterrupted or checkpoints.CheckpointSaveError while training.
+  """
   # ---------------------------------------------------------------------------
   # Config, workdir, data, model, devices: all validated before anything is
   # written or compiled.
@@ -243,18 +222,33 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   model = models.make_model(config.model, train_source.num_classes, train_source.input_shape)
   mesh = sharding.make_mesh(config.num_devices)
   sharding.check_physical_batch_size(config.sampler.physical_batch_size, mesh)
-  rows = sharding.local_rows(mesh, config.sampler.physical_batch_size)
-  primary = sharding.is_primary_process()
-  log = print if primary else lambda *args, **kwargs: None
 
   # ---------------------------------------------------------------------------
   # The plan: sampler, B, σ (given, the checkpoint's, or calibrated) and the
   # accountant, resolved once. A resume must match the checkpoint's privacy
   # fingerprint; a run that would exceed privacy.target_epsilon is refused.
+  # One run per workdir: process 0 holds its lock (a second run refuses).
   # ---------------------------------------------------------------------------
-  resumed_step, previous = resume_point(workdir)
-  plan = plan_lib.make_plan(config, train_source, previous, resumed_step=resumed_step)
+  lock = workdir_lock.WorkdirLock(workdir, primary=sharding.is_primary_process())
+  with lock:  # Taken below, once the workdir may be written to.
+    if os.path.isdir(workdir):
+      lock.acquire()
+    resumed = resume_point(workdir)
+    plan = plan_lib.make_plan(config, train_source, resumed[1], resumed_step=resumed[0])
+    lock.acquire()  # Creates a fresh workdir; a no-op if held.
+    if resume_point(workdir) != resumed:  # Another run wrote here meanwhile: plan again.
+      resumed = resume_point(workdir)
+      plan = plan_lib.make_plan(config, train_source, resumed[1], resumed_step=resumed[0])
+    return _train(plan, workdir, train_source, test_source, model, mesh)
+
+
+def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
+           test_source: data.DataSource, model, mesh: jax.sharding.Mesh) -> dict[str, Any]:
+  """The run of a plan, in a locked workdir."""
   config, num_steps, accountant = plan.config, plan.num_steps, plan.accountant
+  rows = sharding.local_rows(mesh, plan.physical_batch_size)
+  primary = sharding.is_primary_process()
+  log = print if primary else lambda *args, **kwargs: None
   batcher = batching.Batcher(plan.sampler, plan.physical_batch_size, plan.max_batch_size)
 
   # ---------------------------------------------------------------------------
@@ -281,9 +275,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # ---------------------------------------------------------------------------
   # Restore: the same command resumes from the latest readable checkpoint.
   # ---------------------------------------------------------------------------
-  os.makedirs(workdir, exist_ok=True)
   manager = checkpoints.make_manager(workdir, config.keep_checkpoints)
   restored = checkpoints.restore_latest(manager, state)
+  restored_step = None
   if restored is not None:
     restored_step, state, metadata = restored
     if plan_lib.fingerprint_changes(metadata.get('fingerprint', {}), plan.fingerprint):
@@ -302,7 +296,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # ---------------------------------------------------------------------------
   # Train loop.
   # ---------------------------------------------------------------------------
-  writer = MetricWriter(workdir, start_step, enabled=primary)
+  writer = metrics_lib.MetricWriter(workdir, restored_step, enabled=primary)
   params, opt_state, num_truncated = state.params, state.opt_state, int(state.num_truncated)
   last = {}
   if start_step == 0:
@@ -315,78 +309,89 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   compile_seconds = steady_start = None
   steady_examples = 0.0
   first_time = time.time()
-  for step in range(start_step, num_steps):
-    logical = batcher.logical_batch(step)
-    num_truncated += int(logical.truncated)
-    acc = step_fns.init_accumulator(params)
-    for indices, weights in logical.physical_batches():
-      batch = train_source.gather(indices[rows])  # This host's rows only.
-      batch['weight'] = weights[rows]
-      acc = step_fns.accumulate(params, acc, sharding.shard_batch(mesh, batch))
-    # The same key on every device: the noise is drawn once, replicated.
-    key = jax.device_put(dp_step.noise_key(config.seed, step), sharding.replicated(mesh))
-    params, opt_state, metrics = step_fns.apply(params, opt_state, acc, key)
-    log_metrics.append(metrics)
-    done = step + 1
-    progress.update(1)
-    if compile_seconds is None:  # One sync: compilation apart from the steady-state rate.
-      jax.block_until_ready(params)
-      steady_start = time.time()
-      compile_seconds = steady_start - first_time
-    else:
-      steady_examples += min(logical.size, plan.max_batch_size)
 
-    logging_now = is_time(done, config.log_every_steps, num_steps)
-    saving_now = is_time(done, config.checkpoint_every_steps, num_steps)
-    if logging_now or saving_now:  # One host sync per logged or saved step.
-      fetched = jax.device_get(log_metrics)
-      loss = float(np.mean([m['loss'] for m in fetched])) if fetched else 0.0
-      if not (math.isfinite(loss) and bool(_all_finite(params))):
-        progress.close()
-        manager.wait_until_finished()  # Earlier saves complete; this state is never saved.
-        writer.close()
-        raise TrainingDiverged(
-            f'non-finite training loss or parameters between steps {window_start} and {done}; '
-            f'the last checkpoint before step {window_start} is intact. Try a smaller '
-            'optimizer.learning_rate or privacy.clip_norm, or check the data for NaN/inf.')
-    if logging_now:
-      elapsed = time.time() - steady_start
-      rate = (done - start_step - 1) / elapsed if elapsed > 0 and done > start_step + 1 else None
-      last = {'train_loss': loss,
-              'train_accuracy': float(np.mean([m['accuracy'] for m in fetched])),
-              'train_window_steps': [window_start, done],
-              'num_nonfinite_examples': sum(int(m['num_nonfinite']) for m in fetched),
-              'num_truncated': num_truncated, 'compile_seconds': compile_seconds,
-              'steps_per_second': rate,
-              'examples_per_second': steady_examples / elapsed if rate else None}
-      log_metrics, window_start = [], done + 1
-      if accountant is not None:
-        last['epsilon'] = accountant.epsilon(done)  # Side estimates only at checkpoints.
-      if is_time(done, config.eval_every_steps, num_steps):
+  def stop(error: Exception) -> Exception:
+    """Leaves the workdir consistent (earlier saves complete, events flushed), returns `error`."""
+    progress.close()
+    checkpoints.wait_until_finished(manager)
+    writer.close()
+    return error
+
+  with interrupts.GracefulStop() as signals:
+    for step in range(start_step, num_steps):
+      logical = batcher.logical_batch(step)
+      num_truncated += int(logical.truncated)
+      acc = step_fns.init_accumulator(params)
+      for indices, weights in logical.physical_batches():
+        batch = train_source.gather(indices[rows])  # This host's rows only.
+        batch['weight'] = weights[rows]
+        acc = step_fns.accumulate(params, acc, sharding.shard_batch(mesh, batch))
+      # The same key on every device: the noise is drawn once, replicated.
+      key = jax.device_put(dp_step.noise_key(config.seed, step), sharding.replicated(mesh))
+      params, opt_state, metrics = step_fns.apply(params, opt_state, acc, key)
+      log_metrics.append(metrics)
+      done = step + 1
+      progress.update(1)
+      if compile_seconds is None:  # One sync: compilation apart from the steady-state rate.
+        jax.block_until_ready(params)
+        steady_start = time.time()
+        compile_seconds = steady_start - first_time
+      else:
+        steady_examples += min(logical.size, plan.max_batch_size)
+
+      stopping = signals.requested  # A signal: save this step, then exit 128 + signal.
+      logging_now = is_time(done, config.log_every_steps, num_steps)
+      saving_now = stopping or is_time(done, config.checkpoint_every_steps, num_steps)
+      if logging_now or saving_now:  # One host sync per logged or saved step.
+        fetched = jax.device_get(log_metrics)
+        loss = float(np.mean([m['loss'] for m in fetched])) if fetched else 0.0
+        if not (math.isfinite(loss) and bool(_all_finite(params))):
+          raise stop(TrainingDiverged(
+              f'non-finite training loss or parameters between steps {window_start} and '
+              f'{done}; the last checkpoint before step {window_start} is intact. Try a smaller '
+              'optimizer.learning_rate or privacy.clip_norm, or check the data for NaN/inf.'))
+      if logging_now:
+        elapsed = time.time() - steady_start
+        rate = (done - start_step - 1) / elapsed if elapsed > 0 and done > start_step + 1 else None
+        last = {'train_loss': loss,
+                'train_accuracy': float(np.mean([m['accuracy'] for m in fetched])),
+                'num_nonfinite_examples': sum(int(m['num_nonfinite']) for m in fetched),
+                'num_truncated': num_truncated, 'compile_seconds': compile_seconds,
+                'steps_per_second': rate,
+                'examples_per_second': steady_examples / elapsed if rate else None}
+        log_metrics, window_start = [], done + 1
+        if accountant is not None:
+          last['epsilon'] = accountant.epsilon(done)  # Side estimates only at checkpoints.
+        if is_time(done, config.eval_every_steps, num_steps):
+          last.update(run_eval(params))
+        writer.write(done, last)
+        shown = {k: f'{v:.4g}' for k, v in last.items()
+                 if k in ('train_loss', 'train_accuracy', 'eval_accuracy', 'epsilon')}
+        progress.set_postfix(shown)
+        if progress.disable and primary:  # No terminal: one plain progress line per log.
+          eta = (num_steps - done) / rate if rate else float('nan')
+          speed = f'{last["examples_per_second"]:.0f} ex/s' if rate else 'compiling'
+          print(f'step {done}/{num_steps}, {speed}, ETA {eta:.0f} s, '
+                + ' '.join(f'{k}={v}' for k, v in shown.items()), flush=True)
+      elif is_time(done, config.eval_every_steps, num_steps):
         last.update(run_eval(params))
-      writer.write(done, last)
-      shown = {k: f'{v:.4g}' for k, v in last.items()
-               if k in ('train_loss', 'train_accuracy', 'eval_accuracy', 'epsilon')}
-      progress.set_postfix(shown)
-      if progress.disable and primary:  # No terminal: one plain progress line per logged step.
-        eta = (num_steps - done) / rate if rate else float('nan')
-        speed = f'{last["examples_per_second"]:.0f} ex/s' if rate else 'compiling'
-        print(f'step {done}/{num_steps}, {speed}, ETA {eta:.0f} s, '
-              + ' '.join(f'{k}={v}' for k, v in shown.items()), flush=True)
-    elif is_time(done, config.eval_every_steps, num_steps):
-      last.update(run_eval(params))
-      writer.write(done, {k: last[k] for k in ('eval_loss', 'eval_accuracy')})
+        writer.write(done, {k: last[k] for k in ('eval_loss', 'eval_accuracy')})
 
-    if saving_now:
-      # Side estimates (Monte-Carlo, lower bounds, comparisons) at the last step only: they
-      # can cost seconds, and the attached ε and its kind of bound are the same without them.
-      report = accountant.epsilon_at(done, estimates=done == num_steps) if accountant else None
-      checkpoints.save(manager, done, TrainState(
-          step=sharding.replicate(mesh, np.int32(done)), params=params, opt_state=opt_state,
-          num_truncated=sharding.replicate(mesh, np.int32(num_truncated))),
-          privacy_metadata(done, report, plan, step_fns, batcher, num_truncated))
+      if saving_now:
+        # Side estimates (Monte-Carlo, lower bounds, comparisons) at the last step only: they
+        # can cost seconds; the attached ε and its kind of bound are the same without them.
+        report = accountant.epsilon_at(done, estimates=done == num_steps) if accountant else None
+        checkpoints.save(manager, done, TrainState(
+            step=sharding.replicate(mesh, np.int32(done)), params=params, opt_state=opt_state,
+            num_truncated=sharding.replicate(mesh, np.int32(num_truncated))),
+            privacy_metadata(done, report, plan, step_fns, batcher, num_truncated))
+        writer.flush()  # Metrics and TensorBoard events durable at every checkpoint.
+      if stopping and done < num_steps:
+        raise stop(RunInterrupted(
+            f'stopped by {signals.signal_name} after step {done} of {num_steps}; checkpoint '
+            f'{done} saved. Rerun the same command to resume.', signals.exit_code))
   progress.close()
-  manager.wait_until_finished()
+  checkpoints.wait_until_finished(manager)
   writer.close()
 
   if num_truncated and accountant is not None:
@@ -425,7 +430,10 @@ def main(argv):
     train_and_evaluate(config, _WORKDIR.value)
   except ValueError as e:  # Bad config, data or workdir: the message names the field.
     cli.fail(prog, e)
-  except TrainingDiverged as e:
+  except RunInterrupted as e:
+    print(f'{prog}: {e}', file=sys.stderr, flush=True)
+    sys.exit(e.exit_code)
+  except (TrainingDiverged, checkpoints.CheckpointSaveError) as e:
     cli.fail(prog, e, code=1)
   except BrokenPipeError:  # The reader of our output went away (`| head`).
     cli.quiet_broken_pipe()

@@ -2,14 +2,17 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from configs import digits_mlp
 from dpjax import checkpoints
 from dpjax import train
+from dpjax import workdir_lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -56,7 +59,7 @@ def test_start_is_two_lines_and_progress_states_rate_eta_and_epsilon(tmp_path):
   rows = [json.loads(line) for line in open(tmp_path / 'w' / 'metrics.jsonl')]
   trained = [row for row in rows if 'train_loss' in row]
   assert all(row['compile_seconds'] > 0 for row in trained)
-  assert trained[-1]['examples_per_second'] > 0 and trained[-1]['train_window_steps'] == [5, 5]
+  assert trained[-1]['examples_per_second'] > 0 and trained[-1]['train_window_steps'] == 1
 
 
 def test_non_private_checkpoints_say_so(tmp_path):
@@ -65,3 +68,65 @@ def test_non_private_checkpoints_say_so(tmp_path):
   meta = checkpoints.read_metadata(str(tmp_path))[-1]
   assert meta['privacy']['epsilon'] is None and meta['fingerprint']['privacy.enabled'] is False
   assert meta['noise_multiplier'] is None and 'privacy' not in result
+
+
+class _Killed(BaseException):
+  """Stands in for SIGKILL: nothing after it runs (not even `finally` cleanup that matters)."""
+
+
+def test_kill_before_the_first_checkpoint_leaves_no_duplicate_rows(tmp_path, monkeypatch):
+  work = tmp_path / 'w'
+  real_save = checkpoints.save
+
+  def killed_at_first_save(*args, **kwargs):
+    raise _Killed()
+  monkeypatch.setattr(checkpoints, 'save', killed_at_first_save)
+  with pytest.raises(_Killed):
+    train.train_and_evaluate(small_config(log_every_steps=2), str(work))
+  steps = [json.loads(line)['step'] for line in open(work / 'metrics.jsonl')]
+  assert steps == [0, 2]  # Logged, then "killed" before checkpoint 2 existed.
+  with open(work / 'metrics.jsonl', 'a') as f:
+    f.write('{"step": 3, "train_lo')  # A torn last line, as a kill mid-write leaves it.
+  monkeypatch.setattr(checkpoints, 'save', real_save)
+  train.train_and_evaluate(small_config(log_every_steps=2), str(work))
+  steps = [json.loads(line)['step'] for line in open(work / 'metrics.jsonl')]
+  assert steps == [0, 2, 4, 6, 8]  # Each step once: the rerun started from scratch.
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_a_checkpoint_and_exits_128_plus_signal(tmp_path, signum):
+  work = tmp_path / 'w'
+  command = [sys.executable, '-m', 'dpjax.train', f'--config={REPO}/configs/digits_mlp.py',
+             f'--workdir={work}', '--config.num_epochs=0', '--config.num_steps=100000',
+             '--config.checkpoint_every_steps=50000', '--config.log_every_steps=5',
+             '--config.eval_every_steps=50000', '--config.privacy.target_epsilon=0',
+             '--config.privacy.noise_multiplier=1000.0']
+  proc = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 240
+  while time.time() < deadline:  # Wait until it trains (some steps logged).
+    if (work / 'metrics.jsonl').exists() and len((work / 'metrics.jsonl').read_text()
+                                                 .splitlines()) >= 3:
+      break
+    time.sleep(0.05)
+  proc.send_signal(signum)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 128 + signum, err
+  rows = checkpoints.read_metadata(str(work))
+  assert len(rows) == 1 and 10 <= rows[0]['step'] < 100000  # Saved where it stopped.
+  assert rows[0]['privacy']['epsilon'] > 0
+  assert f'stopped by {signal.Signals(signum).name}' in err
+  logged = [json.loads(line)['step'] for line in open(work / 'metrics.jsonl')]
+  assert logged[-1] <= rows[0]['step']
+  assert not [n for n in os.listdir(work / 'checkpoints') if not n.isdigit()]
+
+
+def test_a_second_run_on_a_workdir_in_use_is_refused_at_once(tmp_path):
+  work = tmp_path / 'w'
+  train.train_and_evaluate(small_config(num_steps=2), str(work))
+  with workdir_lock.WorkdirLock(str(work)):  # As another trainer would hold it.
+    start = time.time()
+    with pytest.raises(ValueError, match=r'in use by another run \(PID \d+ on host '):
+      train.train_and_evaluate(small_config(num_steps=4), str(work))
+    assert time.time() - start < 30
+  assert [row['step'] for row in checkpoints.read_metadata(str(work))] == [2]
