@@ -229,7 +229,7 @@ def _chain(error: BaseException):
 
 def _save_error(manager: ocp.CheckpointManager, step: int | None,
                 error: Exception) -> CheckpointSaveError:
-  """Removes the failed save's temporary directory; one line saying what failed and what is intact."""
+  """Removes the failed save's temporary directory; one line: what failed, what is intact."""
   # One failed write fails the save at once while orbax's other writer threads of the same
   # save may still be writing (and recreating directories): let them end first.
   deadline = time.time() + 60

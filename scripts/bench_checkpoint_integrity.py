@@ -85,7 +85,8 @@ def main():
         lambda: checkpoints.verify_checkpoint(step_dir), args.repeats)
   results.update(
       megabytes=args.megabytes, repeats=args.repeats,
-      save_ratio_dpjax_over_plain=results['save_dpjax_seconds'] / results['save_plain_orbax_seconds'],
+      save_ratio_dpjax_over_plain=(results['save_dpjax_seconds']
+                                   / results['save_plain_orbax_seconds']),
       verify_over_restore=results['verify_seconds'] / results['restore_seconds'],
       machine=f'{platform.machine()}, {os.cpu_count()} CPUs (shared), {platform.python_version()}',
       load_average=os.getloadavg(),
