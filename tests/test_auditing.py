@@ -1,7 +1,6 @@
 """Empirical auditing: the one-run bound against direct binomial sums, its validity on a
 Gaussian mechanism of known ε, planted bugs flagged, the CLI on a saved run."""
 
-import importlib.util
 import json
 import math
 import pathlib
@@ -9,10 +8,10 @@ import pathlib
 import dp_accounting
 import jax
 import jax.flatten_util
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dpjax import account as account_cli
 from dpjax import accounting
 from dpjax import clipping
 from dpjax import data
@@ -112,10 +111,7 @@ def test_canaries_are_seeded_and_orthonormal_and_recorded():
 
 @pytest.fixture(scope='module')
 def digits():
-  spec = importlib.util.spec_from_file_location('_cfg', ROOT / 'configs' / 'digits_mlp.py')
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+  config = account_cli.load_config(str(ROOT / 'configs' / 'digits_mlp.py'))
   config.model.hidden_sizes = (32,)
   config.num_epochs, config.num_steps = 0, 30
   config.privacy.noise_multiplier, config.privacy.target_epsilon = 1.0, 0.0

@@ -24,8 +24,10 @@ them is valid.
 
 What one run cannot show: with all r guesses correct the bound is at most
 log(p*/(1−p*)) with p* = (β/L)^{1/r} (L the list length, ignoring δ), e.g.
-≈ 5.2 at m = 1000, r = 800, β = 0.05, L = 5; and a correct DP-SGD run with
-realistic noise yields far less than its ε. So a one-run audit can refute
+5.15 at m = 1000, r = 800, β = 0.05, L = 5 (5.09 with δ = 1e-5). The δ term
+grows with m·δ: at δ = 1e-5 the largest bound peaks near 6.4 (m ≈ 10⁴) and
+then falls, so ε = 8 cannot be refuted at δ = 1e-5 however many canaries
+(`max_epsilon_lower`). A correct DP-SGD run yields far less than its ε. So a one-run audit can refute
 gross bugs (ε_lower > claimed ε), never confirm that a claim is tight.
 """
 

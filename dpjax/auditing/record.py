@@ -64,6 +64,21 @@ def write_record(workdir: str, canaries: canaries_lib.CanarySet, *, confidence: 
   return path
 
 
+def final_params_scores(canaries: canaries_lib.CanarySet, initial_projection, params) -> np.ndarray:
+  """−⟨θ_T − θ_0, u_j⟩: a member canary moves its coordinate against u_j by η·C/b per inclusion."""
+  return -(gradient_canary.project(params, canaries) - np.asarray(initial_projection, np.float64))
+
+
+def audit_params(canaries: canaries_lib.CanarySet, initial_projection, params, *, delta: float,
+                 confidence: float) -> dict:
+  """The metrics/metadata fields of a trainer's audit at a checkpoint (scores from θ only)."""
+  audit = one_run.audit(final_params_scores(canaries, initial_projection, params),
+                        canaries.membership, delta=delta, confidence=confidence)
+  return {'audit_epsilon_lower': audit.epsilon_lower, 'audit_confidence': confidence,
+          'audit_num_canaries': canaries.num_canaries, 'audit_num_guesses': audit.num_guesses,
+          'audit_num_correct': audit.num_correct}
+
+
 def save_run(workdir: str, run: audited_sgd.AuditedRun, privacy: dict, step: int, *,
              confidence: float) -> None:
   """Lays out an `audited_sgd` run like a training workdir: checkpoint, metadata, audit record."""
@@ -113,7 +128,7 @@ def audit_workdir(workdir: str) -> dict:
           noise_multiplier=sigma).to_dict()
   else:
     params = checkpoints.read_state(workdir, meta['step'])['params']
-    scores = -(gradient_canary.project(params, canaries) - np.asarray(record['initial_projection']))
+    scores = final_params_scores(canaries, record['initial_projection'], params)
   audit = one_run.audit(scores, canaries.membership, delta=delta, confidence=confidence)
   result.update(audit_epsilon_lower=audit.epsilon_lower, num_guesses=audit.num_guesses,
                 num_correct=audit.num_correct,
