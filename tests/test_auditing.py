@@ -245,3 +245,15 @@ def test_cli_bad_workdir_is_one_line_exit_2(tmp_path, capsys):
     audit_cli.main(['--workdir', str(tmp_path)])
   assert e.value.code == 2
   assert 'audit.json' in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_audit_config_block_is_off_by_default_and_validated():
+  config = account_cli.load_config(str(ROOT / 'configs' / 'digits_mlp.py'))
+  assert canaries_lib.check_audit_config(config.audit) == 0
+  for field, value in (('num_canaries', -1), ('kind', 'input'), ('confidence', 1.0),
+                       ('every_checkpoint', 'yes')):
+    bad = config.audit.copy_and_resolve_references()
+    with bad.ignore_type():
+      bad[field] = value
+    with pytest.raises(ValueError, match=f'audit.{field}'):
+      canaries_lib.check_audit_config(bad)

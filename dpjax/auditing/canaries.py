@@ -118,3 +118,17 @@ class CanarySource:
     batch = self.base.gather(np.where(is_canary, 0, indices))
     batch['canary_id'] = np.where(is_canary, indices - self.num_base, -1).astype(np.int32)
     return batch
+
+
+def check_audit_config(audit) -> int:
+  """Validates `config.audit` before any compute (ValueError naming the field); returns m."""
+  m = audit.num_canaries
+  if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 0:
+    raise ValueError(f'audit.num_canaries must be an integer >= 0 (0 = off), got {m!r}.')
+  if audit.kind not in CANARY_KINDS:
+    raise ValueError(f'audit.kind = {audit.kind!r}; valid: {", ".join(CANARY_KINDS)}.')
+  if not isinstance(audit.confidence, float) or not 0 < audit.confidence < 1:
+    raise ValueError(f'audit.confidence must be in (0, 1), got {audit.confidence!r}.')
+  if not isinstance(audit.every_checkpoint, bool):
+    raise ValueError(f'audit.every_checkpoint must be True or False, got {audit.every_checkpoint!r}.')
+  return int(m)
