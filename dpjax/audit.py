@@ -30,30 +30,33 @@ from dpjax.auditing import record
 
 def _format(result: dict) -> str:
   eps = result['epsilon']
-  lines = [
-      f"step                      {result['step']}",
-      f"claimed ε (δ = {result['delta']:g})      "
-      + ('none (non-private run)' if eps is None else f"{eps:.4f}  [{result['bound']}]"),
-      f"audit ε lower bound       {result['audit_epsilon_lower']:.4f}  [holds with probability "
-      f">= {result['confidence']}; {result['num_correct']}/{result['num_guesses']} guesses "
-      f"correct, {result['num_canaries']} canaries, score {result['score']}]",
-      f"largest possible bound    {result['max_audit_epsilon_lower']:.4f}  (all guesses correct)",
+  rows = [
+      ('step', str(result['step'])),
+      (f"claimed ε (δ = {result['delta']:g})",
+       'none (non-private run)' if eps is None else f"{eps:.4f}  [{result['bound']}]"),
+      ('audit ε lower bound',
+       f"{result['audit_epsilon_lower']:.4f}  [holds with probability >= {result['confidence']}; "
+       f"{result['num_correct']}/{result['num_guesses']} guesses correct, "
+       f"{result['num_canaries']} canaries, score {result['score']}]"),
+      ('largest possible bound', f"{result['max_audit_epsilon_lower']:.4f}  (all guesses correct)"),
   ]
   if 'white_box' in result:
     w = result['white_box']
     lo, hi = w['interval']
-    lines.append(f"white-box effective σ     {w['effective']:.4f}  (interval [{lo:.4f}, {hi:.4f}] "
-                 f"at {w['confidence']}; configured {w['noise_multiplier']:g}; "
-                 f"{len(w['flagged_steps'])} steps fail the per-step χ² test)")
+    rows.append(('white-box effective σ',
+                 f"{w['effective']:.4f}  (interval [{lo:.4f}, {hi:.4f}] at {w['confidence']}; "
+                 f"configured {w['noise_multiplier']:g}; {len(w['flagged_steps'])} steps fail "
+                 'the per-step χ² test)'))
   verdict = []
   if result['refutes_claim']:
     verdict.append('the audit REFUTES the claimed ε: the implementation leaks more than it claims')
   if result.get('white_box', {}).get('flagged'):
     verdict.append('the white-box test FLAGS the run: the noise or the canary contribution is '
                    'not what σ and C say')
-  lines.append('verdict                   ' + ('; '.join(verdict) if verdict else
-                                             'no violation detected (this does not prove the claim)'))
-  return '\n'.join(lines)
+  rows.append(('verdict', '; '.join(verdict) if verdict else
+               'no violation detected (this does not prove the claim)'))
+  width = max(len(k) for k, _ in rows)
+  return '\n'.join(f'{k:<{width}}  {v}' for k, v in rows)
 
 
 def main(argv=None) -> int:
