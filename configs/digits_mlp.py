@@ -82,6 +82,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.checkpoint_every_steps = 100  # Also saved at the last step.
   c.keep_checkpoints = 3
 
+  # --- Empirical privacy audit (dpjax.auditing; README "Auditing") -------------
+  c.audit = ml_collections.ConfigDict()
+  c.audit.num_canaries = 0  # m gradient canaries, each in the data by a fair coin; 0 = off.
+  #   They are m extra rows (N + m examples for sampler and accountant), so the audit
+  #   settings belong to the run's privacy fingerprint.
+  c.audit.kind = 'gradient'  # gradient: a canary's gradient is a fixed direction of norm > C.
+  c.audit.confidence = 0.95  # 1 - β: the ε lower bound holds with at least this probability.
+  c.audit.every_checkpoint = False  # Also audit at every checkpoint (else the last step only).
+
   if arg == 'runlocal':
     c.num_epochs = 0
     c.num_steps = 5

@@ -1,0 +1,79 @@
+"""Recompute and print the empirical privacy audit of a finished run.
+
+  python -m dpjax.audit --workdir workdirs/digits_mlp
+  python -m dpjax.audit --workdir workdirs/digits_mlp --json
+
+Reads the newest checkpoint (its ε claim and parameters) and the audit record
+`audit.json` (the canaries: their seed, coins and directions; see
+`dpjax.auditing.record` for the layout). Prints the claimed ε (an upper
+bound), the one-run audit's ε lower bound at its confidence (Steinke, Nasr &
+Jagielski 2023), the largest lower bound the canary count allows, and, with
+per-step records, the white-box effective σ. --json prints one JSON object:
+epsilon, delta, bound, audit_epsilon_lower, confidence, num_canaries,
+num_guesses, num_correct, max_audit_epsilon_lower, refutes_claim, score,
+step, and white_box (when recorded).
+
+The lower bound holds with probability ≥ confidence: an ε_lower above the
+claimed ε means the implementation is broken (or the claim wrong). A small
+ε_lower does NOT confirm the claim: one run with m canaries cannot show more
+than `max_audit_epsilon_lower`, and honest DP-SGD runs audit far below their ε.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from dpjax.auditing import record
+
+
+def _format(result: dict) -> str:
+  eps = result['epsilon']
+  rows = [
+      ('step', str(result['step'])),
+      (f"claimed ε (δ = {result['delta']:g})",
+       'none (non-private run)' if eps is None else f"{eps:.4f}  [{result['bound']}]"),
+      ('audit ε lower bound',
+       f"{result['audit_epsilon_lower']:.4f}  [holds with probability >= {result['confidence']}; "
+       f"{result['num_correct']}/{result['num_guesses']} guesses correct, "
+       f"{result['num_canaries']} canaries, score {result['score']}]"),
+      ('largest possible bound', f"{result['max_audit_epsilon_lower']:.4f}  (all guesses correct)"),
+  ]
+  if 'white_box' in result:
+    w = result['white_box']
+    lo, hi = w['interval']
+    rows.append(('white-box effective σ',
+                 f"{w['effective']:.4f}  (interval [{lo:.4f}, {hi:.4f}] at {w['confidence']}; "
+                 f"configured {w['noise_multiplier']:g}; {len(w['flagged_steps'])} steps fail "
+                 'the per-step χ² test)'))
+  verdict = []
+  if result['refutes_claim']:
+    verdict.append('the audit REFUTES the claimed ε: the implementation leaks more than it claims')
+  if result.get('white_box', {}).get('flagged'):
+    verdict.append('the white-box test FLAGS the run: the noise or the canary contribution is '
+                   'not what σ and C say')
+  rows.append(('verdict', '; '.join(verdict) if verdict else
+               'no violation detected (this does not prove the claim)'))
+  width = max(len(k) for k, _ in rows)
+  return '\n'.join(f'{k:<{width}}  {v}' for k, v in rows)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(
+      prog='python -m dpjax.audit', description=__doc__.split('\n\n')[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog='\n\n'.join(__doc__.split('\n\n')[1:]))
+  parser.add_argument('--workdir', required=True, help='the run directory')
+  parser.add_argument('--json', action='store_true', help='print one JSON object')
+  args = parser.parse_args(argv)
+  try:
+    result = record.audit_workdir(args.workdir)
+  except ValueError as e:
+    parser.error(str(e))
+  print(json.dumps(result) if args.json else _format(result))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
