@@ -56,7 +56,7 @@ def test_poisson_json_matches_the_api():
 def test_balls_and_bins_json_reports_estimates_beside_the_provable_bound():
   out = _run('--sampler', 'balls_and_bins', '--num-examples', '1000', '--batch-size', '100',
              '--steps', '10', '--noise-multiplier', '1.0', '--delta', '1e-5',
-             '--monte-carlo-samples', '60000', '--workers', '2', '--json')
+             '--monte-carlo', '--monte-carlo-samples', '60000', '--workers', '2', '--json')
   got = json.loads(out.stdout)
   assert got['bound'] == 'upper' and got['steps_per_epoch'] == 10
   assert got['epsilon'] == got['details']['provable_epsilon']

@@ -176,11 +176,9 @@ def calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: fl
     search = epsilon_fn(1.0, monte_carlo_seed, False)
   bracket = None
   random_allocation = kwargs.get('random_allocation')
-  may_use_ra = random_allocation or (random_allocation is None and balls_and_bins
-                                     .random_allocation_is_practical(sampler.steps_per_epoch))
   if (sampler.name == 'balls_and_bins' and kwargs.get('group_size', 1) == 1 and
-      (resolved == 'monte_carlo' or may_use_ra)):
-    # Cheap bracket: the exact deterministic σ is an upper end (ε_det ≥ ε), the σ where the
+      (resolved == 'monte_carlo' or random_allocation is not False)):
+    # Provable bracket: the exact deterministic σ is an upper end (ε_det ≥ ε), the σ where the
     # max-test lower bound meets the target a lower end; random allocation and Monte Carlo
     # are then evaluated only inside it.
     steps_per_epoch, epochs = sampler.steps_per_epoch, -(-steps // sampler.steps_per_epoch)
@@ -192,6 +190,9 @@ def calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: fl
                                                               num_epochs=epochs), target,
         initial=hi, epsilon_rtol=1e-2)
     bracket = (lo * 0.99, hi)
+    if resolved != 'monte_carlo':
+      search = _memoised(search)
+      bracket = _random_allocation_bracket(search, sampler, target, delta, epochs, bracket)
   initial = 1.0
   group_size = kwargs.get('group_size', 1)
   if resolved == 'pld' and (sampler.name == 'fixed_size_with_replacement' or (
@@ -215,6 +216,41 @@ def calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: fl
       sigma *= 1.005
     raise RuntimeError('Monte-Carlo calibration did not meet the target with a fresh seed.')
   return smallest_noise_multiplier(report_fn, target, initial=sigma, lower=sigma * 0.995)
+
+
+def _memoised(fn: Callable[[float], float]) -> Callable[[float], float]:
+  cache: dict[float, float] = {}
+
+  def wrapped(x):
+    if x not in cache:
+      cache[x] = fn(x)
+    return cache[x]
+  return wrapped
+
+
+def _random_allocation_bracket(epsilon_of_sigma, sampler, target: float, delta: float,
+                               epochs: int, bracket: tuple[float, float],
+                               step: float = 1.04) -> tuple[float, float]:
+  """A narrow (lo, hi), ε(lo) > target ≥ ε(hi), for balls-and-bins' random-allocation ε.
+
+  Each ε(σ) builds a one-epoch PLD (~5-10 s at T = 1000), so the search starts from the σ of
+  Poisson sampling with q = 1/T over the same steps (dp_accounting, ~1 s): balls-and-bins is
+  within a few percent of Poisson at moderate σ but worse at small σ (Chua et al. 2025), so
+  that σ is a first guess, not a bracket end. From it, steps of ×`step` within the provable
+  `bracket` (deterministic σ above, max-test σ below) until ε crosses the target.
+  """
+  lo_end, hi_end = bracket
+  poisson = samplers_lib.sampler_class('poisson')(num_examples=sampler.num_examples,
+                                                  batch_size=sampler.batch_size)
+  guess = calibrate_noise_multiplier(poisson, target, delta, epochs * sampler.steps_per_epoch)
+  sigma = min(max(guess, lo_end), hi_end)
+  if epsilon_of_sigma(sigma) <= target:
+    while sigma / step > lo_end and epsilon_of_sigma(sigma / step) <= target:
+      sigma /= step
+    return max(sigma / step, lo_end), sigma
+  while sigma * step < hi_end and epsilon_of_sigma(sigma * step) > target:
+    sigma *= step
+  return sigma, min(sigma * step, hi_end)
 
 
 def max_num_steps(sampler: samplers_lib.Sampler, noise_multiplier: float, target_epsilon: float,
