@@ -214,3 +214,25 @@ def test_group_size_uses_the_deterministic_bound():
   bound = balls_and_bins.provable_epsilon(1.0, 10, DELTA, group_size=2)
   assert bound.epsilon == balls_and_bins.deterministic_epsilon(1.0, 1, DELTA, group_size=2)
   assert bound.random_allocation_upper is None and math.isfinite(bound.epsilon)
+
+
+def test_calibration_meets_the_target_in_few_builds(cache, monkeypatch):
+  from dpjax.accounting import calibration  # pylint: disable=g-import-not-at-top
+  builds = []
+  real = random_allocation.subprocess.run
+
+  def count(argv, **kwargs):
+    builds.append(argv[-2])  # the bound
+    return real(argv, **kwargs)
+
+  monkeypatch.setattr(random_allocation.subprocess, 'run', count)
+  sampler = samplers.sampler_class('balls_and_bins')(num_examples=1000, batch_size=100)  # T = 10
+  target = 2.5
+  sigma = calibration.calibrate_noise_multiplier(sampler, target, DELTA, 10)
+  eps = lambda s: accountant_lib.Accountant(sampler, s, DELTA).epsilon(10)
+  assert target * (1 - calibration.DEFAULT_EPSILON_RTOL) <= eps(sigma) <= target
+  assert eps(0.99 * sigma) > target
+  assert builds.count('upper') <= 7 and 'lower' not in builds  # estimates are not needed
+  # Inside the provable bracket: below the deterministic σ.
+  det = calibration.calibrate_noise_multiplier(sampler, target, DELTA, 10, random_allocation=False)
+  assert sigma < det

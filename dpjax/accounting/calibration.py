@@ -230,27 +230,43 @@ def _memoised(fn: Callable[[float], float]) -> Callable[[float], float]:
 
 def _random_allocation_bracket(epsilon_of_sigma, sampler, target: float, delta: float,
                                epochs: int, bracket: tuple[float, float],
-                               step: float = 1.04) -> tuple[float, float]:
-  """A narrow (lo, hi), ε(lo) > target ≥ ε(hi), for balls-and-bins' random-allocation ε.
+                               epsilon_rtol: float = DEFAULT_EPSILON_RTOL,
+                               max_evaluations: int = 12) -> tuple[float, float]:
+  """(lo, hi) with ε(lo) > target ≥ ε(hi), hi close to the answer, for balls-and-bins.
 
-  Each ε(σ) builds a one-epoch PLD (~5-10 s at T = 1000), so the search starts from the σ of
-  Poisson sampling with q = 1/T over the same steps (dp_accounting, ~1 s): balls-and-bins is
-  within a few percent of Poisson at moderate σ but worse at small σ (Chua et al. 2025), so
-  that σ is a first guess, not a bracket end. From it, steps of ×`step` within the provable
-  `bracket` (deterministic σ above, max-test σ below) until ε crosses the target.
+  Each ε(σ) builds a one-epoch random-allocation PLD (~5-10 s at T = 1000), so the search
+  starts from the σ of Poisson sampling with q = 1/T over the same steps (dp_accounting,
+  ~1 s): balls-and-bins is within a few percent of Poisson at moderate σ but can be worse
+  at small σ (Chua et al. 2025), so that σ is a first guess, not a bracket end. Then secant
+  steps on log ε vs log σ (slope −1 at first, as for the Gaussian mechanism), aimed just
+  below the target and kept strictly inside the best bracket known, which starts as the
+  provable `bracket` (deterministic σ above, max-test σ below).
   """
-  lo_end, hi_end = bracket
+  lo, hi = bracket  # ε(lo) > target ≥ ε(hi) (provable)
   poisson = samplers_lib.sampler_class('poisson')(num_examples=sampler.num_examples,
                                                   batch_size=sampler.batch_size)
-  guess = calibrate_noise_multiplier(poisson, target, delta, epochs * sampler.steps_per_epoch)
-  sigma = min(max(guess, lo_end), hi_end)
-  if epsilon_of_sigma(sigma) <= target:
-    while sigma / step > lo_end and epsilon_of_sigma(sigma / step) <= target:
-      sigma /= step
-    return max(sigma / step, lo_end), sigma
-  while sigma * step < hi_end and epsilon_of_sigma(sigma * step) > target:
-    sigma *= step
-  return sigma, min(sigma * step, hi_end)
+  sigma = calibrate_noise_multiplier(poisson, target, delta, epochs * sampler.steps_per_epoch)
+  sigma = min(max(sigma, lo * 1.001), hi)
+  aim, slope, last = target * (1 - epsilon_rtol / 2), -1.0, None
+  for _ in range(max_evaluations):
+    eps = epsilon_of_sigma(sigma)
+    if eps <= target:
+      hi = sigma
+      if eps >= target * (1 - epsilon_rtol):
+        break
+    else:
+      lo = sigma
+    if last is not None and sigma != last[0] and math.isfinite(eps) and math.isfinite(last[1]):
+      fitted = math.log(eps / last[1]) / math.log(sigma / last[0])
+      slope = fitted if fitted < -0.05 else slope
+    last = (sigma, eps)
+    step = math.exp((math.log(aim) - math.log(eps)) / slope) if math.isfinite(eps) and eps > 0 \
+        else 2.0
+    proposal = sigma * step
+    if not lo < proposal < hi:
+      proposal = math.sqrt(lo * hi)
+    sigma = proposal
+  return lo, hi
 
 
 def max_num_steps(sampler: samplers_lib.Sampler, noise_multiplier: float, target_epsilon: float,
