@@ -138,7 +138,8 @@ def test_balls_and_bins_multi_epoch_composes_the_one_epoch_pld():
     assert lower <= report.epsilon < balls_and_bins.deterministic_epsilon(1.0, epochs, DELTA)
   assert reports[0].epsilon < reports[1].epsilon
   # The one-epoch PLD is built once and cached on disk; the composed value is reproducible.
-  pld = balls_and_bins.random_allocation_epoch_pld(1.0, 10)
+  pld = balls_and_bins.random_allocation_epoch_pld(
+      1.0, 10, discretization=reports[1].details['random_allocation_grid'])
   assert pld.self_compose(3).get_epsilon_for_delta(DELTA) == reports[1].epsilon
 
 
@@ -228,7 +229,8 @@ def test_random_allocation_pays_the_truncation_penalty_at_its_own_epsilon():
                                           log_penalty_mass=math.log(tau))
   assert (1 + math.exp(balls_and_bins.deterministic_epsilon(sigma, epochs, DELTA))) * tau > DELTA
   assert bound.method.startswith('random_allocation_pld')
-  pld = balls_and_bins.random_allocation_epoch_pld(sigma, steps).self_compose(epochs)
+  pld = balls_and_bins.random_allocation_epoch_pld(
+      sigma, steps, discretization=bound.discretization).self_compose(epochs)
   eps = bound.epsilon
   assert math.isfinite(eps)
   # Valid: the dominating PLD's δ(ε) plus the penalty fits in δ; and not loose: 1% less fails.

@@ -177,7 +177,8 @@ def random_allocation_epsilon_range(noise_multiplier: float, num_steps: int, del
   steps = sampler_events.check_positive_int('num_steps T', num_steps)
   epochs = sampler_events.check_positive_int('num_epochs', num_epochs)
   _check_delta(delta)
-  grid = discretization or random_allocation_lib.default_discretization(sigma, steps, delta)
+  grid = discretization or random_allocation_lib.epochs_discretization(sigma, steps, delta,
+                                                                      epochs)
   tail = random_allocation_lib.default_tail_truncation(delta)
   values = []
   for bound, scale in (('upper', 1.0), ('lower', 2.0)):
@@ -229,7 +230,9 @@ def provable_epsilon(noise_multiplier: float, num_steps: int, delta: float, *,
                      lower: bool = False) -> ProvableBound:
   """Provable ε(δ) of E epochs of balls-and-bins with T steps each.
 
-  The dominating one-epoch random-allocation PLD (grid from σ, T, δ), composed E times; with
+  The dominating one-epoch random-allocation PLD (grid from σ, T, δ, E:
+  `random_allocation.epochs_discretization`; if it is not built within the budget, the
+  one-epoch grid is tried), composed E times; with
   a truncation penalty τ, the smallest ε with δ_PLD(ε) + (1 + e^ε)·τ ≤ δ. Never above the
   deterministic bound, which is attached instead when the PLD is not built within `timeout`.
 
@@ -243,7 +246,7 @@ def provable_epsilon(noise_multiplier: float, num_steps: int, delta: float, *,
     log_penalty_mass: log τ of the truncation penalty (−inf: no truncation).
     random_allocation: None (default): attempt it within `timeout` seconds; True: no time
       limit; False: skip it (deterministic bound).
-    timeout: seconds allowed to a new one-epoch PLD build under the default policy.
+    timeout: seconds allowed to each new one-epoch PLD build under the default policy.
     lower: also the random-allocation lower bound (a dominated PLD at twice the grid;
       without truncation only).
   """
@@ -256,10 +259,16 @@ def provable_epsilon(noise_multiplier: float, num_steps: int, delta: float, *,
     why = 'group_size > 1' if group_size != 1 else 'random_allocation=False'
     return ProvableBound(det, f'deterministic ({why})', det, None, None, delta0)
   budget = None if random_allocation else timeout
-  grid = random_allocation_lib.default_discretization(noise_multiplier, num_steps, delta)
+  coarse = random_allocation_lib.default_discretization(noise_multiplier, num_steps, delta)
+  grid = random_allocation_lib.epochs_discretization(noise_multiplier, num_steps, delta,
+                                                     num_epochs)
   tail = random_allocation_lib.default_tail_truncation(delta)
   pld = random_allocation_epoch_pld(noise_multiplier, num_steps, discretization=grid,
                                     tail_truncation=tail, timeout=budget)
+  if pld is None and grid < coarse:  # The one-epoch grid: looser after E epochs, but cheaper.
+    grid = coarse
+    pld = random_allocation_epoch_pld(noise_multiplier, num_steps, discretization=grid,
+                                      tail_truncation=tail, timeout=budget)
   if pld is None:
     return ProvableBound(
         det, f'deterministic FALLBACK: the random-allocation PLD did not finish within the '
