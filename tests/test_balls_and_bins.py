@@ -74,10 +74,10 @@ def test_epoch_pld_is_the_library_pld_and_inside_its_adaptive_range(cache):
 
 def test_epochs_compose_the_one_epoch_pld(cache):
   sigma, steps = 1.0, 10
-  bounds = [balls_and_bins.provable_epsilon(sigma, steps, DELTA, num_epochs=e) for e in (1, 2, 3)]
-  # E = 2-4 share one build at half the one-epoch grid (rounding adds up over epochs).
-  assert bounds[1].discretization == bounds[2].discretization == bounds[0].discretization / 2
-  for epochs, bound in zip((1, 2, 3), bounds):
+  bounds = [balls_and_bins.provable_epsilon(sigma, steps, DELTA, num_epochs=e) for e in (1, 3, 4)]
+  # E = 1-3 share one build, E = 4-15 another at half the grid (rounding adds up over epochs).
+  assert bounds[0].discretization == bounds[1].discretization == 2 * bounds[2].discretization
+  for epochs, bound in zip((1, 3, 4), bounds):
     pld = balls_and_bins.random_allocation_epoch_pld(
         sigma, steps, discretization=bound.discretization,
         tail_truncation=random_allocation.default_tail_truncation(DELTA))

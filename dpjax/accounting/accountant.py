@@ -14,9 +14,10 @@ number is attached to a run, per sampler (docs/accounting.md):
 * deterministic: exact Gaussian, once per epoch.
 * shuffle: the deterministic ε (the only rigorous upper bound known). Beside
   it: the max-test lower bound; an "as if Poisson" ε, *not a guarantee*.
-* balls_and_bins: provable (random-allocation PLD or deterministic). Beside
-  it: the Monte-Carlo high-probability bound (confidence 1 − β) and the
-  max-test lower bound.
+* balls_and_bins: provable (random-allocation PLD at every T within a time
+  budget, else the labelled deterministic fallback). Beside it: the max-test
+  and random-allocation lower bounds, and (opt-in, `monte_carlo_estimate`)
+  the Monte-Carlo high-probability bound (confidence 1 − β, not a proof).
 
 `accountant='monte_carlo'` (balls-and-bins only) attaches the Monte-Carlo
 bound instead, with bound = 'high_probability_upper'. Group privacy (k > 1)

@@ -247,8 +247,8 @@ def provable_epsilon(noise_multiplier: float, num_steps: int, delta: float, *,
     random_allocation: None (default): attempt it within `timeout` seconds; True: no time
       limit; False: skip it (deterministic bound).
     timeout: seconds allowed to each new one-epoch PLD build under the default policy.
-    lower: also the random-allocation lower bound (a dominated PLD at twice the grid;
-      without truncation only).
+    lower: also the random-allocation lower bound (a dominated PLD at twice the one-epoch
+      grid; without truncation only).
   """
   tau = math.exp(log_penalty_mass)
   det = deterministic_epsilon(noise_multiplier, num_epochs, delta, group_size=group_size,
@@ -285,8 +285,8 @@ def provable_epsilon(noise_multiplier: float, num_steps: int, delta: float, *,
   else:
     upper, spent = float(composed.get_epsilon_for_delta(delta)), delta
   low = None
-  if lower and tau == 0:
-    dominated = random_allocation_epoch_pld(noise_multiplier, num_steps, discretization=2 * grid,
+  if lower and tau == 0:  # a side number: on the cheap one-epoch grid, doubled
+    dominated = random_allocation_epoch_pld(noise_multiplier, num_steps, discretization=2 * coarse,
                                             tail_truncation=tail, bound='lower', timeout=budget)
     if dominated is not None:
       low = float(_compose(dominated, num_epochs).get_epsilon_for_delta(delta))

@@ -82,14 +82,15 @@ def default_discretization(noise_multiplier: float, num_steps: int, delta: float
 
 def epochs_discretization(noise_multiplier: float, num_steps: int, delta: float,
                           num_epochs: int) -> float:
-  """Grid for a one-epoch PLD that will be composed E times: the one-epoch grid / 2^⌈log₂√E⌉.
+  """Grid for a one-epoch PLD that will be composed E times: the one-epoch grid / 2^⌊log₂√E⌋.
 
   Pessimistic rounding adds up over the composition (≈ 0.3·E·grid to ε, measured), while ε
-  grows like √E: dividing the grid by ≥ √E keeps the rounding a similar fraction of ε. Powers
-  of two share one build between nearby E (E = 2-4, 5-16, 17-64, ...).
+  grows like √E: dividing the grid by ≥ √E/2 keeps the rounding a similar fraction of ε (a
+  finer grid costs ~3x per halving). Powers of two share one build between nearby E
+  (E = 1-3, 4-15, 16-63, ...).
   """
   grid = default_discretization(noise_multiplier, num_steps, delta)
-  return grid / 2 ** math.ceil(0.5 * math.log2(num_epochs)) if num_epochs > 1 else grid
+  return grid / 2 ** math.floor(0.5 * math.log2(num_epochs))
 
 
 def default_tail_truncation(delta: float) -> float:
