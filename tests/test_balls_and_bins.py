@@ -237,3 +237,22 @@ def test_calibration_meets_the_target_in_few_builds(cache, monkeypatch):
   # Inside the provable bracket: below the deterministic σ.
   det = calibration.calibrate_noise_multiplier(sampler, target, DELTA, 10, random_allocation=False)
   assert sigma < det
+
+
+def test_finer_epochs_grid_over_budget_falls_back_to_the_one_epoch_grid(cache, monkeypatch):
+  real = random_allocation.subprocess.run
+  coarse = random_allocation.default_discretization(1.0, 10, DELTA)
+  grids = []
+
+  def fine_times_out(argv, **kwargs):
+    grids.append(float(argv[-4]))
+    if float(argv[-4]) < coarse:
+      raise subprocess.TimeoutExpired(argv, kwargs['timeout'])
+    return real(argv, **kwargs)
+
+  monkeypatch.setattr(random_allocation.subprocess, 'run', fine_times_out)
+  bound = balls_and_bins.provable_epsilon(1.0, 10, DELTA, num_epochs=4, timeout=30.0)
+  assert grids[0] == coarse / 2 and bound.discretization == coarse
+  assert 'missed the time budget' in bound.method and bound.method.startswith('random_alloc')
+  pld = balls_and_bins.random_allocation_epoch_pld(1.0, 10, discretization=coarse)
+  assert bound.epsilon == pld.self_compose(4).get_epsilon_for_delta(DELTA)

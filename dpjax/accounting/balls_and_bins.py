@@ -265,8 +265,9 @@ def provable_epsilon(noise_multiplier: float, num_steps: int, delta: float, *,
   tail = random_allocation_lib.default_tail_truncation(delta)
   pld = random_allocation_epoch_pld(noise_multiplier, num_steps, discretization=grid,
                                     tail_truncation=tail, timeout=budget)
+  note = ''
   if pld is None and grid < coarse:  # The one-epoch grid: looser after E epochs, but cheaper.
-    grid = coarse
+    grid, note = coarse, '; the finer grid for E epochs missed the time budget'
     pld = random_allocation_epoch_pld(noise_multiplier, num_steps, discretization=grid,
                                       tail_truncation=tail, timeout=budget)
   if pld is None:
@@ -277,7 +278,7 @@ def provable_epsilon(noise_multiplier: float, num_steps: int, delta: float, *,
         delta0, grid)
   composed = _compose(pld, num_epochs)
   method = 'random_allocation_pld (one-epoch dominating PLD' + (
-      ', composed E times' if num_epochs > 1 else '') + ')'
+      ', composed E times' if num_epochs > 1 else '') + note + ')'
   if tau > 0:
     upper = smallest_epsilon(composed.get_delta_for_epsilon, delta, penalty_mass=tau)
     method += ' + tv_truncation_penalty at its own ε'
