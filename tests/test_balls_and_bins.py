@@ -239,7 +239,9 @@ def test_calibration_meets_the_target_in_few_builds(cache, monkeypatch):
   assert sigma < det
 
 
-def test_finer_epochs_grid_over_budget_falls_back_to_the_one_epoch_grid(cache, monkeypatch):
+def test_finer_epochs_grid_over_budget_falls_back_to_the_one_epoch_grid(tmp_path, monkeypatch):
+  monkeypatch.setenv('DPJAX_CACHE_DIR', str(tmp_path))  # nothing built yet
+  monkeypatch.setattr(random_allocation, '_memo', {})
   real = random_allocation.subprocess.run
   coarse = random_allocation.default_discretization(1.0, 10, DELTA)
   grids = []
