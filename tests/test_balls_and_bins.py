@@ -140,6 +140,7 @@ def test_timeout_falls_back_to_the_labelled_deterministic_bound(tmp_path, monkey
       1.0, 1, DELTA)
   assert bound.method.startswith('deterministic FALLBACK')
   assert '5.0 s' in bound.method and '--random-allocation-timeout' in bound.method
+  assert 'privacy.random_allocation_timeout' in bound.method
   # Remembered with its budget, in-process and on disk: no larger budget is not tried again.
   assert balls_and_bins.provable_epsilon(1.0, 20, DELTA, timeout=4.0).random_allocation_upper \
       is None
@@ -258,3 +259,12 @@ def test_finer_epochs_grid_over_budget_falls_back_to_the_one_epoch_grid(tmp_path
   assert 'missed the time budget' in bound.method and bound.method.startswith('random_alloc')
   pld = balls_and_bins.random_allocation_epoch_pld(1.0, 10, discretization=coarse)
   assert bound.epsilon == pld.self_compose(4).get_epsilon_for_delta(DELTA)
+
+
+def test_config_field_sets_the_budget():
+  from configs import digits_mlp  # pylint: disable=g-import-not-at-top
+  config = digits_mlp.get_config()
+  config.sampler.name = 'balls_and_bins'
+  config.privacy.noise_multiplier, config.privacy.target_epsilon = 1.0, 0.0  # nothing to compute
+  config.privacy.random_allocation_timeout = 7.5
+  assert accountant_lib.make_accountant(config, 1000).random_allocation_timeout == 7.5

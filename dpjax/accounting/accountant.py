@@ -680,7 +680,8 @@ def make_accountant(config: ml_collections.ConfigDict, num_examples: int,
   at the last step, and `Accountant.noise_multiplier` is the σ to train with.
   If both are set, the run is refused (ValueError) when its final ε exceeds
   the target. `privacy.monte_carlo_workers` (unset: the available cores) is the number of
-  processes of the Monte-Carlo estimate.
+  processes of the Monte-Carlo estimate; `privacy.random_allocation_timeout` (optional,
+  seconds) the balls-and-bins random-allocation budget.
 
   Args:
     config: the training config.
@@ -705,6 +706,8 @@ def make_accountant(config: ml_collections.ConfigDict, num_examples: int,
     workers = privacy.get('monte_carlo_workers')  # unset: the available cores
     kwargs['monte_carlo_workers'] = None if workers is None else sampler_events.check_positive_int(
         'privacy.monte_carlo_workers', workers)
+  if 'random_allocation_timeout' not in kwargs and privacy.get('random_allocation_timeout'):
+    kwargs['random_allocation_timeout'] = privacy.random_allocation_timeout  # seconds; optional
   options = dict(accountant=privacy.accountant, max_batch_size=max_batch_size,
                  group_size=privacy.group_size, **kwargs)
   if _unset(sigma):

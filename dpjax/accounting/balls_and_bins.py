@@ -273,8 +273,9 @@ def provable_epsilon(noise_multiplier: float, num_steps: int, delta: float, *,
   if pld is None:
     return ProvableBound(
         det, f'deterministic FALLBACK: the random-allocation PLD did not finish within the '
-        f'time budget of {budget} s (raise it: Accountant(random_allocation_timeout=...) or '
-        f'python -m dpjax.account --random-allocation-timeout SECONDS)', det, None, None,
+        f'time budget of {budget} s (raise it: config privacy.random_allocation_timeout, '
+        f'Accountant(random_allocation_timeout=...) or python -m dpjax.account '
+        f'--random-allocation-timeout SECONDS)', det, None, None,
         delta0, grid)
   composed = _compose(pld, num_epochs)
   method = 'random_allocation_pld (one-epoch dominating PLD' + (
