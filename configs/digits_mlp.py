@@ -57,8 +57,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.privacy.delta = 1e-5
   c.privacy.accountant = 'auto'  # auto | pld | rdp | monte_carlo
   c.privacy.group_size = 1  # k: guarantee for groups of k examples.
-  c.privacy.monte_carlo_workers = 1  # Processes drawing balls-and-bins Monte-Carlo samples
-  #   (the estimate does not depend on it).
+  c.privacy.monte_carlo_workers = config_dict.placeholder(int)  # Processes drawing the
+  #   balls-and-bins Monte-Carlo samples; None = the available cores (the estimate does not
+  #   depend on it).
+  c.privacy.random_allocation_timeout = 300.0  # Seconds for the provable balls-and-bins bound
+  #   (random allocation, cached on disk); past it the deterministic bound is attached, labelled.
   c.privacy.clipping = 'auto'  # auto | vmap | ghost: how per-example norms are computed.
 
   # --- Model and optimiser ---------------------------------------------------

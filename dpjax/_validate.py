@@ -167,7 +167,10 @@ FIELDS: tuple[Field, ...] = (
           accounting=True),
     Field('privacy.group_size', 'int', 1, when=_private, accounting=True,
           meaning='k, the group size'),
-    Field('privacy.monte_carlo_workers', 'int', 1, when=_private),
+    Field('privacy.monte_carlo_workers', 'int', 1, optional=True, when=_private,
+          meaning='processes of the Monte-Carlo estimate; None = the available cores'),
+    Field('privacy.random_allocation_timeout', 'float', 0, low_open=True, when=_private,
+          meaning='seconds for the balls-and-bins random-allocation bound'),
     Field('privacy.clipping', 'str', choices=clipping.CLIPPING_METHODS),
     # --- optimiser
     Field('optimizer.name', 'str', choices=('sgd', 'adam')),

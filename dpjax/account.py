@@ -16,7 +16,13 @@ is never truncated (and none is accounted); with it, the truncation is
 accounted. With --config everything comes from the training config (the cap
 B as training resolves it); explicit flags override config fields. --workers
 sets the processes drawing the Monte-Carlo samples (privacy.monte_carlo_workers
-of the config, else 1); the estimate does not depend on it.
+of the config, else the available cores); the estimate does not depend on it.
+
+Balls-and-bins: the attached ε is the provable random-allocation PLD bound
+(built once per (σ, T, grid) within --random-allocation-timeout seconds, then
+cached in ~/.cache/dpjax or $DPJAX_CACHE_DIR), else the deterministic bound,
+labelled as a fallback. The Monte-Carlo estimate (high-probability, not a
+proof) is opt-in with --monte-carlo.
 
 --json prints one JSON object: epsilon, delta, bound (upper |
 high_probability_upper | lower), accountant, sampler, noise_multiplier,
@@ -57,13 +63,22 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument('--max-batch-size', type=int,
                  help='B, cap on the logical batch; omitted = no truncation')
   p.add_argument('--group-size', type=int, help='k, group privacy (default 1)')
-  p.add_argument('--monte-carlo-samples', type=int, default=100_000,
-                 help='balls-and-bins Monte-Carlo samples per direction')
+  p.add_argument('--monte-carlo', action='store_true',
+                 help='balls-and-bins: also report the Monte-Carlo estimate (high-probability, '
+                      'not a proof) beside the provable ε; opt-in, as at delta = 1e-5 it takes '
+                      'minutes (the output says how many samples and about how long)')
+  p.add_argument('--monte-carlo-samples', type=int, default=None,
+                 help='Monte-Carlo samples per direction; default: chosen from delta and beta so '
+                      'that an estimate exists (10x the least such count)')
   p.add_argument('--beta', type=float, default=1e-3,
                  help='Monte-Carlo failure probability (confidence 1 - beta)')
   p.add_argument('--workers', type=int, default=None,
                  help='processes drawing the Monte-Carlo samples (the estimate does not depend '
-                      'on it); default: privacy.monte_carlo_workers of --config, else 1')
+                      'on it); default: privacy.monte_carlo_workers of --config, else the '
+                      'available cores')
+  p.add_argument('--random-allocation-timeout', type=float, default=None,
+                 help='balls-and-bins: seconds allowed to build a new random-allocation PLD '
+                      '(default 300; then cached) before the deterministic fallback; 0 = no limit')
   p.add_argument('--json', action='store_true', help='print one JSON object')
   return p
 
@@ -81,7 +96,16 @@ def load_config(spec: str):
 
 def _monte_carlo_options(args) -> dict:
   """Accountant options of the Monte-Carlo estimate; --workers only if given (else config / 1)."""
-  options = dict(monte_carlo_samples=args.monte_carlo_samples, beta=args.beta)
+  options = dict(monte_carlo_samples=args.monte_carlo_samples, beta=args.beta,
+                 monte_carlo_estimate=args.monte_carlo)
+  if args.monte_carlo_samples is not None and args.monte_carlo_samples < 1:
+    raise ValueError(f'--monte-carlo-samples must be an integer >= 1, got '
+                     f'{args.monte_carlo_samples}.')
+  if args.random_allocation_timeout is not None:
+    if not args.random_allocation_timeout >= 0:
+      raise ValueError(f'--random-allocation-timeout must be seconds >= 0 (0: no limit), got '
+                       f'{args.random_allocation_timeout}.')
+    options['random_allocation_timeout'] = args.random_allocation_timeout or None
   if args.workers is not None:
     if args.workers < 1:
       raise ValueError(f'--workers must be an integer >= 1, got {args.workers}.')

@@ -227,8 +227,9 @@ def make_plan(config: ml_collections.ConfigDict, data: Any,
   target = float(privacy.target_epsilon) if private else 0.0
   if private:
     options = dict(accountant=privacy.accountant, max_batch_size=max_batch_size,
-                   group_size=group_size,
-                   monte_carlo_workers=privacy.get('monte_carlo_workers', 1))
+                   group_size=group_size, monte_carlo_workers=privacy.get('monte_carlo_workers'))
+    if privacy.get('random_allocation_timeout'):  # Seconds; the Accountant's default otherwise.
+      options['random_allocation_timeout'] = privacy.random_allocation_timeout
     options.update(accountant_options or {})
     accountant_name = accountant_lib.resolve_accountant(sampler.name, privacy.accountant,
                                                         group_size)

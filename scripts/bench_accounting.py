@@ -193,12 +193,10 @@ def main():
   # The default policy chosen from these measurements (dpjax/accounting/balls_and_bins.py).
   results.get('random_allocation_pld', {}).pop('policy', None)
   results['random_allocation_policy'] = dict(
-      attempt_when_steps_per_epoch_at_most=balls_and_bins.RANDOM_ALLOCATION_MAX_STEPS,
-      timeout_seconds=balls_and_bins.RANDOM_ALLOCATION_TIMEOUT,
-      one_epoch=('PLD_accounting.gaussian_allocation_epsilon_range'),
-      several_epochs=('one-epoch dominating PLD (grid '
-                      f'{balls_and_bins.EPOCH_PLD_DISCRETIZATION}) composed E times'),
-      otherwise='deterministic bound')
+      attempt='every T and E', timeout_seconds=balls_and_bins.RANDOM_ALLOCATION_TIMEOUT,
+      any_epochs='one-epoch dominating PLD (grid ε_Poisson/12, '
+                 'random_allocation.default_discretization) composed E times',
+      otherwise='deterministic bound (labelled fallback)')
   for name in chosen:
     sections[name](results)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -30,8 +30,19 @@ run, so each time is a cold one; the worker's import time is excluded. The
 Monte-Carlo accountant gets 1e6 samples (its default 1e5 cannot certify
 δ = 1e-5 and raises a ValueError saying so).
 
+Balls-and-bins targets (issue 15; `--balls-and-bins-targets`, ~3 min): the
+default `python -m dpjax.account ... --json` command (provable ε, max-test and
+random-allocation lower bounds; Monte Carlo is opt-in) from a cold cache, N =
+1e6: b = 1000 (T = 1000) σ = 1 with E = 1 and E = 3, b = 100 (T = 1e4) σ = 0.8;
+the E = 1 command again (warm cache); and σ calibration for ε = 1 at T = 1000
+(`calibration.calibrate_noise_multiplier`, cold cache). Wall seconds (the
+issue's budgets are wall time: 60 s, 60 s, 5 min, 2 min), ε and the issue's
+acceptance range [independent lower, independent upper × 1.05] per case. Writes
+scripts/results/accounting_scaling_balls_and_bins.json.
+
 Run:
   python scripts/bench_accounting_scaling.py             # T = 1e2 … 1e5, ~10 CPU min
+  python scripts/bench_accounting_scaling.py --balls-and-bins-targets
   python scripts/bench_accounting_scaling.py --steps 100,1000 --timeout 30   # quicker
   python scripts/bench_accounting_scaling.py --plot-only # redraw the PNG from the JSON
 
@@ -97,10 +108,11 @@ def _config(sampler: str, accountant: str, task: str):
 
 def _fresh_caches() -> None:
   """Cold start for every timed run: no memoised random-allocation PLD or max-test pair."""
-  from dpjax.accounting import balls_and_bins, max_test  # pylint: disable=g-import-not-at-top
+  from dpjax.accounting import max_test, random_allocation  # pylint: disable=g-import-not-at-top
   os.environ['DPJAX_CACHE_DIR'] = tempfile.mkdtemp(prefix='dpjax_bench_cache_')
-  balls_and_bins._memo.clear()  # pylint: disable=protected-access
-  for fn in (max_test._cached_binned_pair, max_test._cached_composed_pld):  # pylint: disable=protected-access
+  random_allocation._memo.clear()  # pylint: disable=protected-access
+  for fn in (max_test._cached_binned_pair,  # pylint: disable=protected-access
+             max_test._cached_composed_pld):  # pylint: disable=protected-access
     fn.cache_clear()
 
 
@@ -318,6 +330,88 @@ def plot(results: dict, path: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+# (name, flags, E, acceptance range from the issue: the library's adaptive [lower, upper × 1.05]).
+BNB_CASES = (
+    ('T=1000, E=1, sigma=1', ['--batch-size', '1000', '--epochs', '1', '--noise-multiplier', '1'],
+     (0.1364, 0.1422 * 1.05), 60.0),
+    ('T=1000, E=3, sigma=1', ['--batch-size', '1000', '--epochs', '3', '--noise-multiplier', '1'],
+     (0.2407, 0.2505 * 1.05), 60.0),
+    ('T=10000, E=1, sigma=0.8', ['--batch-size', '100', '--epochs', '1',
+                                 '--noise-multiplier', '0.8'], (0.0592, 0.0619 * 1.05), 300.0),
+)
+
+
+def _calibrate_cold(cache: str) -> dict:
+  """σ for ε = 1 at T = 1000 (N = 1e6, b = 1000), cold cache, timed in a fresh process."""
+  code = ('import json, time\n'
+          'from dpjax import samplers\n'
+          'from dpjax.accounting import accountant, calibration\n'
+          's = samplers.sampler_class("balls_and_bins")(num_examples=10**6, batch_size=1000)\n'
+          't = time.perf_counter()\n'
+          'sigma = calibration.calibrate_noise_multiplier(s, 1.0, 1e-5, 1000)\n'
+          'seconds = time.perf_counter() - t\n'
+          'eps = accountant.Accountant(s, sigma, 1e-5).epsilon(1000)\n'
+          'print(json.dumps(dict(noise_multiplier=sigma, epsilon=eps, seconds=seconds)))\n')
+  env = dict(os.environ, DPJAX_CACHE_DIR=cache)
+  start = time.perf_counter()
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env=env,
+                       cwd=REPO, check=True)
+  row = json.loads(out.stdout.strip().splitlines()[-1])
+  row['wall_seconds_with_imports'] = time.perf_counter() - start
+  return row
+
+
+def balls_and_bins_targets(out_path: str) -> dict:
+  """The issue-15 cases, each from a cold cache (a fresh directory), as a user runs them."""
+  results = dict(
+      question='provable balls-and-bins ε of the default `python -m dpjax.account` command at '
+               'realistic T, from a cold cache; calibration at T = 1000',
+      setting=dict(num_examples=10**6, delta=DELTA, command='python -m dpjax.account '
+                   '--sampler balls_and_bins --num-examples 1000000 --delta 1e-5 --json ...'),
+      machine=dict(platform=platform.platform(), python=platform.python_version(),
+                   cpu_count=os.cpu_count(), load_average_before=os.getloadavg(),
+                   time=time.strftime('%Y-%m-%d %H:%M:%S'), commit=_commit()),
+      rows=[])
+  base = [sys.executable, '-m', 'dpjax.account', '--sampler', 'balls_and_bins',
+          '--num-examples', '1000000', '--delta', '1e-5', '--json']
+  for name, flags, (low, high), budget in BNB_CASES:
+    for cache_state in ('cold', 'warm') if name.startswith('T=1000, E=1') else ('cold',):
+      if cache_state == 'cold':
+        cache = tempfile.mkdtemp(prefix='dpjax_bench_cache_')
+      start = time.perf_counter()
+      out = subprocess.run(base + flags, capture_output=True, text=True, cwd=REPO, check=True,
+                           env=dict(os.environ, DPJAX_CACHE_DIR=cache))
+      seconds = time.perf_counter() - start
+      report = json.loads(out.stdout)
+      row = dict(case=name, cache=cache_state, wall_seconds=seconds, budget_seconds=budget,
+                 epsilon=report['epsilon'], bound=report['bound'],
+                 method=report['details']['method'], epsilon_lower=report['epsilon_lower'],
+                 random_allocation_lower=report['details'].get('random_allocation_lower'),
+                 grid=report['details'].get('random_allocation_grid'),
+                 acceptance_range=[low, high], in_range=low <= report['epsilon'] <= high,
+                 within_budget=seconds < budget, load_average_after=os.getloadavg())
+      results['rows'].append(row)
+      print(json.dumps(row), file=sys.stderr, flush=True)
+  row = _calibrate_cold(tempfile.mkdtemp(prefix='dpjax_bench_cache_'))
+  row.update(case='calibration, target ε = 1, T = 1000, E = 1', cache='cold', budget_seconds=120.0,
+             within_budget=row['seconds'] < 120.0, load_average_after=os.getloadavg())
+  results['rows'].append(row)
+  print(json.dumps(row), file=sys.stderr, flush=True)
+  results['machine']['load_average_after'] = os.getloadavg()
+  os.makedirs(os.path.dirname(out_path), exist_ok=True)
+  with open(out_path, 'w') as f:
+    json.dump(results, f, indent=1)
+  return results
+
+
+def _commit() -> str | None:
+  try:
+    return subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True,
+                          text=True, cwd=REPO, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return None
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--steps', default='100,1000,10000,100000', help='comma-separated T')
@@ -328,9 +422,16 @@ def main():
   parser.add_argument('--out', default=DEFAULT_OUT)
   parser.add_argument('--plot-only', action='store_true')
   parser.add_argument('--worker', help=argparse.SUPPRESS)
+  parser.add_argument('--balls-and-bins-targets', action='store_true',
+                      help='only the issue-15 balls-and-bins cases (module docstring)')
   args = parser.parse_args()
   if args.worker:
     worker(json.loads(args.worker))
+    return
+  if args.balls_and_bins_targets:
+    out = os.path.join(HERE, 'results', 'accounting_scaling_balls_and_bins.json')
+    balls_and_bins_targets(out)
+    print(f'wrote {out}', file=sys.stderr)
     return
   png = os.path.splitext(args.out)[0] + '.png'
   if args.plot_only:

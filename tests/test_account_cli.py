@@ -56,15 +56,17 @@ def test_poisson_json_matches_the_api():
 def test_balls_and_bins_json_reports_estimates_beside_the_provable_bound():
   out = _run('--sampler', 'balls_and_bins', '--num-examples', '1000', '--batch-size', '100',
              '--steps', '10', '--noise-multiplier', '1.0', '--delta', '1e-5',
-             '--monte-carlo-samples', '60000', '--workers', '2', '--json')
+             '--monte-carlo', '--monte-carlo-samples', '200000', '--workers', '2', '--json')
   got = json.loads(out.stdout)
   assert got['bound'] == 'upper' and got['steps_per_epoch'] == 10
   assert got['epsilon'] == got['details']['provable_epsilon']
   assert got['epsilon_lower'] <= got['epsilon'] <= got['details']['deterministic_epsilon']
-  assert (got['confidence'], got['num_samples']) == (0.999, 60_000)
+  m = 200_000  # > 96973, the least count that gives an estimate here (default: 10x that)
+  assert (got['confidence'], got['num_samples']) == (0.999, m)
   assert got['details']['monte_carlo_epsilon_high_probability'] >= got['epsilon_lower']
   # Two worker processes, the numbers of one (untruncated: δ₀ = δ).
-  serial = monte_carlo.balls_and_bins_epsilon(1.0, 10, 1e-5, num_samples=60_000, beta=1e-3)
+  serial = monte_carlo.balls_and_bins_epsilon(1.0, 10, 1e-5, num_samples=m, beta=1e-3,
+                                              workers=1)
   assert got['details']['monte_carlo_epsilon_high_probability'] == min(
       serial.epsilon, got['details']['deterministic_epsilon'])
 

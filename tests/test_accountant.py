@@ -104,11 +104,12 @@ def test_config_needs_exactly_one_length():
 
 def test_balls_and_bins_bounds_are_consistent():
   sampler = _sampler('balls_and_bins', 1000, 100)  # T = 10 bins
-  acct = accountant_lib.Accountant(sampler, 1.0, DELTA, monte_carlo_samples=100_000)
+  acct = accountant_lib.Accountant(sampler, 1.0, DELTA, monte_carlo_samples=100_000,
+                                   monte_carlo_estimate=True)
   report = acct.epsilon_at(10)
   d = report.details
   det = balls_and_bins.deterministic_epsilon(1.0, 1, DELTA)
-  assert report.bound == 'upper' and d['provable_method'] == 'random_allocation_pld'
+  assert report.bound == 'upper' and d['provable_method'].startswith('random_allocation_pld')
   assert report.epsilon == d['random_allocation_upper'] < det
   assert d['max_test_lower_bound'] == pytest.approx(
       max_test.balls_and_bins_lower_bound_epsilon(1.0, 10, DELTA), rel=1e-12)
@@ -116,7 +117,9 @@ def test_balls_and_bins_bounds_are_consistent():
   # lower <= MC point estimate <= MC UCB, and the truth (<= provable) is near the point estimate.
   point = d['monte_carlo_epsilon_point_estimate_not_a_guarantee']
   ucb = d['monte_carlo_epsilon_high_probability']
-  assert report.epsilon_lower <= point * (1 + 1e-9) <= ucb * (1 + 1e-9)
+  # The provable lower bound is below the point estimate up to Monte-Carlo error (docs §2):
+  # the random-allocation lower bound (2.18) is within 0.3% of the truth here.
+  assert report.epsilon_lower <= point * 1.01 and point <= ucb * (1 + 1e-9)
   assert point <= report.epsilon <= det
   assert ucb <= det
   assert (report.confidence, report.num_samples) == (0.999, 100_000)
@@ -135,13 +138,14 @@ def test_balls_and_bins_multi_epoch_composes_the_one_epoch_pld():
     assert lower <= report.epsilon < balls_and_bins.deterministic_epsilon(1.0, epochs, DELTA)
   assert reports[0].epsilon < reports[1].epsilon
   # The one-epoch PLD is built once and cached on disk; the composed value is reproducible.
-  pld = balls_and_bins.random_allocation_epoch_pld(1.0, 10)
+  pld = balls_and_bins.random_allocation_epoch_pld(
+      1.0, 10, discretization=reports[1].details['random_allocation_grid'])
   assert pld.self_compose(3).get_epsilon_for_delta(DELTA) == reports[1].epsilon
 
 
 def test_balls_and_bins_one_step_is_the_gaussian_mechanism():
   sampler = _sampler('balls_and_bins', 100, 100)  # T = 1
-  report = accountant_lib.Accountant(sampler, 1.0, DELTA).epsilon_at(1)
+  report = accountant_lib.Accountant(sampler, 1.0, DELTA, monte_carlo_estimate=True).epsilon_at(1)
   gaussian = balls_and_bins.deterministic_epsilon(1.0, 1, DELTA)
   assert report.epsilon == gaussian
   assert balls_and_bins.gaussian_delta(1.0, gaussian) <= DELTA
@@ -225,7 +229,8 @@ def test_random_allocation_pays_the_truncation_penalty_at_its_own_epsilon():
                                           log_penalty_mass=math.log(tau))
   assert (1 + math.exp(balls_and_bins.deterministic_epsilon(sigma, epochs, DELTA))) * tau > DELTA
   assert bound.method.startswith('random_allocation_pld')
-  pld = balls_and_bins.random_allocation_epoch_pld(sigma, steps).self_compose(epochs)
+  pld = balls_and_bins.random_allocation_epoch_pld(
+      sigma, steps, discretization=bound.discretization).self_compose(epochs)
   eps = bound.epsilon
   assert math.isfinite(eps)
   # Valid: the dominating PLD's δ(ε) plus the penalty fits in δ; and not loose: 1% less fails.
@@ -233,48 +238,6 @@ def test_random_allocation_pays_the_truncation_penalty_at_its_own_epsilon():
   assert pld.get_delta_for_epsilon(0.99 * eps) + (1 + math.exp(0.99 * eps)) * tau > DELTA
   untruncated = balls_and_bins.provable_epsilon(sigma, steps, DELTA, num_epochs=epochs)
   assert untruncated.epsilon <= eps < untruncated.deterministic_epsilon
-
-
-def test_random_allocation_policy_and_timeout():
-  big = _sampler('balls_and_bins', 20_000, 100)  # T = 200 > 100: not attempted
-  report = accountant_lib.Accountant(big, 1.0, DELTA).epsilon_at(200, estimates=False)
-  assert report.details['provable_method'] == 'deterministic'
-  assert report.details['random_allocation_upper'] is None
-  small = _sampler('balls_and_bins', 1000, 50)  # T = 20, but no time to do it
-  report = accountant_lib.Accountant(small, 1.0, DELTA, random_allocation_timeout=0.01).epsilon_at(
-      20, estimates=False)
-  assert report.details['provable_method'] == 'deterministic (random-allocation PLD timed out)'
-  assert report.epsilon == balls_and_bins.deterministic_epsilon(1.0, 1, DELTA)
-
-
-def test_random_allocation_subprocess_timeouts_are_remembered_with_their_budget(monkeypatch):
-  # Both runners (one-epoch PLD, ε range) share one budget/memo/error path.
-  calls = []
-
-  def times_out(argv, **kwargs):
-    calls.append(kwargs['timeout'])
-    raise subprocess.TimeoutExpired(argv, kwargs['timeout'])
-
-  monkeypatch.setattr(balls_and_bins, '_memo', {})
-  monkeypatch.setattr(balls_and_bins.subprocess, 'run', times_out)
-  for run in (lambda t: balls_and_bins.random_allocation_epsilon_range(1.0, 10, DELTA, timeout=t),
-              lambda t: balls_and_bins.random_allocation_epoch_pld(1.0, 10, timeout=t)):
-    calls.clear()
-    assert run(5.0) is None and run(5.0) is None and run(4.0) is None
-    assert calls == [5.0]  # a budget no larger than a failed one is not tried again
-    assert run(6.0) is None and calls == [5.0, 6.0]
-    monkeypatch.setattr(balls_and_bins, '_memo', {})  # a new process: the disk remembers
-    assert run(6.0) is None and calls == [5.0, 6.0]
-    assert run(None) is None and calls == [5.0, 6.0, None]  # no limit: tried again
-
-  def fails(argv, **kwargs):
-    raise subprocess.CalledProcessError(1, argv, stderr='Traceback ... boom')
-
-  monkeypatch.setattr(balls_and_bins.subprocess, 'run', fails)
-  with pytest.raises(RuntimeError, match='random-allocation PLD failed: .*boom'):
-    balls_and_bins.random_allocation_epsilon_range(1.5, 10, DELTA)
-  with pytest.raises(RuntimeError, match='random-allocation PLD failed: .*boom'):
-    balls_and_bins.random_allocation_epoch_pld(1.5, 10)
 
 
 def test_group_balls_and_bins_falls_back_to_deterministic():

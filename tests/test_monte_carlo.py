@@ -223,8 +223,9 @@ def test_epsilon_between_lower_bound_and_deterministic(method):
   if 'importance' in result.method:
     # Without importance sampling the point estimate rests on ~10 samples beyond ε at this δ
     # and lands below the (nearly tight) lower bound for about half of the seeds; with it, the
-    # tail is well sampled and it must not.
-    assert lower <= result.epsilon_point
+    # tail is well sampled and it lands within Monte-Carlo error of it (it is no longer held
+    # at the lower bound: the conditioning level is 0.9 × that bound; seed 13: 0.65% below).
+    assert lower * 0.98 <= result.epsilon_point
 
 
 def test_epsilon_brackets_random_allocation_pld_range():
@@ -398,3 +399,45 @@ def test_bad_epsilon_arguments_raise_value_errors_naming_the_field(kwargs, field
 def test_bad_sampling_probability_raises(q):
   with pytest.raises(ValueError, match='sampling_probability'):
     mc.poisson_delta(1.0, q, 10, [1.0], num_samples=10)
+
+
+# --- defaults: sample count from δ and β, workers, conditioning level ------------------------
+
+
+def test_default_sample_count_is_ten_times_the_least_that_gives_an_estimate():
+  delta, beta = 1e-3, 1e-3
+  m = mc.default_num_samples(1.0, 10, delta, beta, method='naive')
+  # No importance sampling: scale 1, and with no positive sample the UCB is 1 − (β/2)^{1/m}.
+  least = math.log(2 / beta) / delta
+  assert m == math.ceil(10 * least)
+  assert mc.kl_upper_confidence_bound(0.0, m, beta / 2)[0] < delta / 9
+  result = mc.balls_and_bins_epsilon(1.0, 10, delta, beta=beta, method='naive', seed=3)
+  assert result.num_samples == m and math.isfinite(result.epsilon)
+  with pytest.raises(ValueError, match=r'need num_samples > 7601 \(default: 76010\)'):
+    mc.balls_and_bins_epsilon(1.0, 10, delta, beta=beta, method='naive', num_samples=7000)
+  # Importance sampling needs fewer, never more.
+  assert mc.default_num_samples(0.5, 10, 1e-5, beta) < mc.default_num_samples(
+      0.5, 10, 1e-5, beta, method='naive')
+
+
+def test_importance_conditions_below_the_max_test_bound():
+  sigma, steps, delta = 0.8, 20, 2e-4
+  result = mc.balls_and_bins_epsilon(sigma, steps, delta, num_samples=20_000, seed=1,
+                                     method='importance')
+  lower = max_test.balls_and_bins_lower_bound_epsilon(sigma, steps, delta)
+  assert result.conditioning_epsilon == pytest.approx(mc.CONDITIONING_FRACTION * lower, rel=1e-12)
+  assert result.conditioning_epsilon < lower  # the point estimate is free to fall below it
+  assert result.seconds > 0
+
+
+def test_workers_default_to_the_available_cores(monkeypatch):
+  seen = []
+  real = mc._run
+
+  def spy(fn, tasks, workers):
+    seen.append(workers)
+    return real(fn, tasks, 1)
+
+  monkeypatch.setattr(mc, '_run', spy)
+  mc.balls_and_bins_epsilon(1.0, 10, 1e-2, num_samples=2000, seed=0)
+  assert seen == [len(os.sched_getaffinity(0))]

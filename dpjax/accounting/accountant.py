@@ -14,9 +14,10 @@ number is attached to a run, per sampler (docs/accounting.md):
 * deterministic: exact Gaussian, once per epoch.
 * shuffle: the deterministic ε (the only rigorous upper bound known). Beside
   it: the max-test lower bound; an "as if Poisson" ε, *not a guarantee*.
-* balls_and_bins: provable (random-allocation PLD or deterministic). Beside
-  it: the Monte-Carlo high-probability bound (confidence 1 − β) and the
-  max-test lower bound.
+* balls_and_bins: provable (random-allocation PLD at every T within a time
+  budget, else the labelled deterministic fallback). Beside it: the max-test
+  and random-allocation lower bounds, and (opt-in, `monte_carlo_estimate`)
+  the Monte-Carlo high-probability bound (confidence 1 − β, not a proof).
 
 `accountant='monte_carlo'` (balls-and-bins only) attaches the Monte-Carlo
 bound instead, with bound = 'high_probability_upper'. Group privacy (k > 1)
@@ -233,13 +234,14 @@ class Accountant:
   def __init__(self, sampler: samplers_lib.Sampler, noise_multiplier: float, delta: float, *,
                accountant: str = 'auto', max_batch_size: int | None = None,
                group_size: int = 1, num_steps: int | None = None,
-               monte_carlo_samples: int = 100_000, beta: float = 1e-3,
-               monte_carlo_seed: int = 0, monte_carlo_workers: int = 1,
+               monte_carlo_samples: int | None = None, beta: float = 1e-3,
+               monte_carlo_seed: int = 0, monte_carlo_workers: int | None = None,
+               monte_carlo_estimate: bool = False,
                random_allocation: bool | None = None,
                value_discretization_interval: float | None = None,
                pld_coarsening: float = 1.0,
                exact_truncation: bool = True,
-               random_allocation_timeout: float = balls_and_bins.RANDOM_ALLOCATION_TIMEOUT):
+               random_allocation_timeout: float | None = balls_and_bins.RANDOM_ALLOCATION_TIMEOUT):
     """Validates everything before any computation.
 
     Args:
@@ -250,14 +252,18 @@ class Accountant:
       max_batch_size: B, the cap on the logical batch; None = never truncated.
       group_size: k >= 1 (add/remove up to k examples).
       num_steps: the planned run length (used by `final_report`), optional.
-      monte_carlo_samples: samples per direction of the Monte-Carlo estimate.
+      monte_carlo_samples: samples per direction of the Monte-Carlo estimate; None =
+        chosen from δ and β so that an estimate exists (`monte_carlo.default_num_samples`).
       beta: the Monte-Carlo failure probability (confidence 1 − β).
       monte_carlo_seed: its seed (fixed, so reports are reproducible).
-      monte_carlo_workers: processes drawing its samples (this one included); the
-        estimate does not depend on it (`monte_carlo` module docstring).
-      random_allocation: force (True) / skip (False) random-allocation PLD for
-        balls-and-bins; None = the policy in `balls_and_bins` (T <= 100 and
-        done within `random_allocation_timeout` seconds, once: results are cached).
+      monte_carlo_workers: processes drawing its samples (this one included); None = the
+        cores available to this process. The estimate does not depend on it.
+      monte_carlo_estimate: also compute the Monte-Carlo estimate beside the provable balls-and-bins
+        ε when `estimates` are asked for (opt-in: at δ = 1e-5 it needs ~1e6 samples per
+        direction, minutes at T = 1000); accountant='monte_carlo' always computes it.
+      random_allocation: force (True, no time limit) / skip (False) random-allocation PLD
+        for balls-and-bins; None = attempt it within `random_allocation_timeout` seconds
+        per new one-epoch PLD (cached on disk), else the labelled deterministic fallback.
       value_discretization_interval: PLD discretisation (pessimistic rounding);
         None = VALUE_DISCRETIZATION, or MOG_VALUE_DISCRETIZATION for mixtures
         of more than two Gaussians.
@@ -287,14 +293,20 @@ class Accountant:
     self.max_batch_size = max_batch_size
     self.num_steps = (None if num_steps is None else
                       sampler_events.check_positive_int('num_steps', num_steps))
-    self.monte_carlo_samples = sampler_events.check_positive_int('monte_carlo_samples',
-                                                                 monte_carlo_samples)
+    self.monte_carlo_samples = (None if monte_carlo_samples is None else sampler_events
+                                .check_positive_int('monte_carlo_samples', monte_carlo_samples))
     if not (isinstance(beta, (int, float)) and 0 < beta < 1):
       raise ValueError(f'beta must be in (0, 1), got {beta!r}.')
     self.beta = float(beta)
     self.monte_carlo_seed = monte_carlo_seed
-    self.monte_carlo_workers = sampler_events.check_positive_int('monte_carlo_workers',
-                                                                 monte_carlo_workers)
+    self.monte_carlo_workers = (monte_carlo.available_cores() if monte_carlo_workers is None
+                                else sampler_events.check_positive_int('monte_carlo_workers',
+                                                                       monte_carlo_workers))
+    self.monte_carlo_estimate = bool(monte_carlo_estimate)
+    if random_allocation_timeout is not None and not (
+        isinstance(random_allocation_timeout, (int, float)) and random_allocation_timeout > 0):
+      raise ValueError(f'random_allocation_timeout must be None (no limit) or seconds > 0, got '
+                       f'{random_allocation_timeout!r}.')
     self.random_allocation = random_allocation
     if value_discretization_interval is not None and not (
         isinstance(value_discretization_interval, float) and
@@ -561,18 +573,20 @@ class Accountant:
     provable = balls_and_bins.provable_epsilon(
         sigma, steps_per_epoch, delta, num_epochs=epochs, group_size=k, log_penalty_mass=log_tau,
         random_allocation=False if skip_ra else self.random_allocation,
-        timeout=self.random_allocation_timeout)
+        timeout=self.random_allocation_timeout, lower=estimates)
     details: dict[str, Any] = {
         'provable_epsilon': provable.epsilon,
         'provable_method': provable.method,
         'deterministic_epsilon': provable.deterministic_epsilon,
         'random_allocation_upper': provable.random_allocation_upper,
         'random_allocation_lower': provable.random_allocation_lower,
+        'random_allocation_grid': provable.discretization,
         'truncation_mass': tau,
     }
     if self.max_batch_size is None:
       details['truncation'] = 'none (no max_batch_size)'
-    want_mc = self.accountant == 'monte_carlo' or (estimates and k == 1)
+    want_mc = self.accountant == 'monte_carlo' or (
+        estimates and self.monte_carlo_estimate and k == 1)
     mc = None
     if want_mc and provable.delta0 > 0:
       try:
@@ -586,12 +600,23 @@ class Accountant:
       mc_eps = min(mc.epsilon, provable.deterministic_epsilon)
       details.update({
           'monte_carlo_epsilon_high_probability': mc_eps,
+          'monte_carlo_label': f'high-probability upper bound (holds with probability >= '
+                               f'{mc.confidence} over the sampling), not a proof',
           'monte_carlo_epsilon_point_estimate_not_a_guarantee': mc.epsilon_point,
           'monte_carlo_method': mc.method,
           'monte_carlo_seed': mc.seed,
       })
     elif k > 1:
       details['monte_carlo'] = 'not computed: it covers group_size = 1 only'
+    elif estimates and not want_mc:
+      m = monte_carlo.default_num_samples(sigma, steps_per_epoch, provable.delta0, self.beta,
+                                          num_epochs=epochs)
+      seconds = monte_carlo.estimated_seconds(m, steps_per_epoch, epochs,
+                                              self.monte_carlo_workers)
+      details['monte_carlo'] = (
+          f'not computed (opt-in: Accountant(monte_carlo_estimate=True) or python -m dpjax.account '
+          f'--monte-carlo): it would draw {m} samples per direction, about {seconds:.0f} s on '
+          f'{self.monte_carlo_workers} core(s)')
     lower = None
     if estimates:
       delta_low = delta + (1 + math.exp(provable.epsilon)) * tau if math.isfinite(
@@ -608,8 +633,8 @@ class Accountant:
       extra.update(confidence=mc.confidence, num_samples=mc.num_samples)
     if self.accountant == 'monte_carlo':
       details['method'] = 'monte_carlo (Chua et al. 2025, Algorithms 4-6)'
-      return self._report(epochs, details['monte_carlo_epsilon_high_probability'], details,
-                          bound='high_probability_upper', **extra)
+      return self._report(epochs, details['monte_carlo_epsilon_high_probability'],
+                          details, bound='high_probability_upper', **extra)
     details['method'] = provable.method
     return self._report(epochs, provable.epsilon, details, **extra)
 
@@ -637,6 +662,9 @@ def make_accountant(config: ml_collections.ConfigDict, num_examples: int,
   `privacy.target_epsilon`, the budget check), so training and every CLI
   account for the same run. σ = None calibrates; σ <= 0, C <= 0 or C = inf
   are refused (set `privacy.enabled = False` to train without privacy).
+  `privacy.monte_carlo_workers` (None: the available cores) is the number of
+  processes of the Monte-Carlo estimate; `privacy.random_allocation_timeout`
+  (seconds) the budget of the balls-and-bins random-allocation bound.
 
   Args:
     config: the training config.

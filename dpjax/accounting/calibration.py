@@ -176,11 +176,9 @@ def calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: fl
     search = epsilon_fn(1.0, monte_carlo_seed, False)
   bracket = None
   random_allocation = kwargs.get('random_allocation')
-  may_use_ra = random_allocation or (random_allocation is None and balls_and_bins
-                                     .random_allocation_is_practical(sampler.steps_per_epoch))
   if (sampler.name == 'balls_and_bins' and kwargs.get('group_size', 1) == 1 and
-      (resolved == 'monte_carlo' or may_use_ra)):
-    # Cheap bracket: the exact deterministic σ is an upper end (ε_det ≥ ε), the σ where the
+      (resolved == 'monte_carlo' or random_allocation is not False)):
+    # Provable bracket: the exact deterministic σ is an upper end (ε_det ≥ ε), the σ where the
     # max-test lower bound meets the target a lower end; random allocation and Monte Carlo
     # are then evaluated only inside it.
     steps_per_epoch, epochs = sampler.steps_per_epoch, -(-steps // sampler.steps_per_epoch)
@@ -192,6 +190,9 @@ def calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: fl
                                                               num_epochs=epochs), target,
         initial=hi, epsilon_rtol=1e-2)
     bracket = (lo * 0.99, hi)
+    if resolved != 'monte_carlo':
+      search = _memoised(search)
+      bracket = _random_allocation_bracket(search, sampler, target, delta, epochs, bracket)
   initial = 1.0
   group_size = kwargs.get('group_size', 1)
   if resolved == 'pld' and (sampler.name == 'fixed_size_with_replacement' or (
@@ -215,6 +216,57 @@ def calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: fl
       sigma *= 1.005
     raise RuntimeError('Monte-Carlo calibration did not meet the target with a fresh seed.')
   return smallest_noise_multiplier(report_fn, target, initial=sigma, lower=sigma * 0.995)
+
+
+def _memoised(fn: Callable[[float], float]) -> Callable[[float], float]:
+  cache: dict[float, float] = {}
+
+  def wrapped(x):
+    if x not in cache:
+      cache[x] = fn(x)
+    return cache[x]
+  return wrapped
+
+
+def _random_allocation_bracket(epsilon_of_sigma, sampler, target: float, delta: float,
+                               epochs: int, bracket: tuple[float, float],
+                               epsilon_rtol: float = DEFAULT_EPSILON_RTOL,
+                               max_evaluations: int = 12) -> tuple[float, float]:
+  """(lo, hi) with ε(lo) > target ≥ ε(hi), hi close to the answer, for balls-and-bins.
+
+  Each ε(σ) builds a one-epoch random-allocation PLD (~5-10 s at T = 1000), so the search
+  starts from the σ of Poisson sampling with q = 1/T over the same steps (dp_accounting,
+  ~1 s): balls-and-bins is within a few percent of Poisson at moderate σ but can be worse
+  at small σ (Chua et al. 2025), so that σ is a first guess, not a bracket end. Then secant
+  steps on log ε vs log σ (slope −1 at first, as for the Gaussian mechanism), aimed just
+  below the target and kept strictly inside the best bracket known, which starts as the
+  provable `bracket` (deterministic σ above, max-test σ below).
+  """
+  lo, hi = bracket  # ε(lo) > target ≥ ε(hi) (provable)
+  poisson = samplers_lib.sampler_class('poisson')(num_examples=sampler.num_examples,
+                                                  batch_size=sampler.batch_size)
+  sigma = calibrate_noise_multiplier(poisson, target, delta, epochs * sampler.steps_per_epoch)
+  sigma = min(max(sigma, lo * 1.001), hi)
+  aim, slope, last = target * (1 - epsilon_rtol / 2), -1.0, None
+  for _ in range(max_evaluations):
+    eps = epsilon_of_sigma(sigma)
+    if eps <= target:
+      hi = sigma
+      if eps >= target * (1 - epsilon_rtol):
+        break
+    else:
+      lo = sigma
+    if last is not None and sigma != last[0] and math.isfinite(eps) and math.isfinite(last[1]):
+      fitted = math.log(eps / last[1]) / math.log(sigma / last[0])
+      slope = fitted if fitted < -0.05 else slope
+    last = (sigma, eps)
+    step = math.exp((math.log(aim) - math.log(eps)) / slope) if math.isfinite(eps) and eps > 0 \
+        else 2.0
+    proposal = sigma * step
+    if not lo < proposal < hi:
+      proposal = math.sqrt(lo * hi)
+    sigma = proposal
+  return lo, hi
 
 
 def max_num_steps(sampler: samplers_lib.Sampler, noise_multiplier: float, target_epsilon: float,

@@ -77,6 +77,8 @@ from concurrent import futures
 import dataclasses
 import math
 import multiprocessing
+import os
+import time
 from typing import Literal, Sequence, Union
 
 import numpy as np
@@ -98,6 +100,13 @@ _REMOVE, _ADD = 'remove', 'add'
 # 'auto' samples every coordinate (exact L) up to this many steps, order statistics above: the
 # block bounds cost little accuracy at large T but are visibly pessimistic when ε is small.
 _AUTO_EXACT_MAX_STEPS = 1000
+# Importance sampling conditions at this fraction of the max-test lower bound on ε(δ).
+CONDITIONING_FRACTION = 0.9
+# Default sample count: this many times the least count for which an estimate exists at δ, β.
+SAMPLES_PER_FLOOR = 10
+MIN_SAMPLES = 10_000
+# Wall time per sampled coordinate, one core (`estimated_seconds`; scripts/bench_accounting.py).
+SECONDS_PER_COORDINATE = 6e-8
 # Below this log(E·Pr(A_1)) we skip sampling and use the trivial bound δ ≤ E·Pr(A_1) (< 1e-260).
 _LOG_SCALE_TRIVIAL = -600.0
 
@@ -739,13 +748,14 @@ class MonteCarloResult:
     epsilon: smallest ε found with δ⁺(ε) ≤ delta: an upper bound on ε(δ) with probability
       ≥ confidence over the sampling (a *high-probability* upper bound).
     epsilon_point: ε where the point estimate p̂(ε) = delta (not a guarantee). With importance
-      sampling it is clamped below at conditioning_epsilon.
+      sampling it is ≥ conditioning_epsilon, 0.9 × the max-test lower bound.
     delta: the target δ.
     confidence: 1 − β.
     num_samples: m per direction.
     method: the sampler used in each direction.
     seed: the sampler seed.
-    conditioning_epsilon: ε_c of the importance event (the max-test lower bound on ε), or None.
+    conditioning_epsilon: ε_c of the importance event (0.9 × the max-test lower bound), or None.
+    seconds: wall time of the estimate.
   """
 
   epsilon: float
@@ -756,6 +766,7 @@ class MonteCarloResult:
   method: str
   seed: Seed
   conditioning_epsilon: float | None = None
+  seconds: float | None = dataclasses.field(default=None, compare=False)
 
 
 def _gaussian_epsilon(sigma: float, delta: float) -> float:
@@ -812,31 +823,83 @@ def _smallest_epsilon(value_at, delta, lo, start_hi) -> float:
   return hi
 
 
+def available_cores() -> int:
+  """Cores this process may run on (`os.process_cpu_count`, Python ≥ 3.13, else the affinity)."""
+  count = getattr(os, 'process_cpu_count', None)
+  if count is not None:
+    return max(1, count() or 1)
+  try:
+    return max(1, len(os.sched_getaffinity(0)))
+  except AttributeError:  # no affinity on this platform
+    return max(1, os.cpu_count() or 1)
+
+
+def _conditioning_level(sigma, num_steps, delta, num_epochs, method) -> float:
+  """ε_c of the importance event: CONDITIONING_FRACTION × the max-test lower bound on ε(δ).
+
+  Below the provable lower bound, so neither the bound nor the point estimate is ever held at
+  the max-test value (the conditioned samples estimate δ(ε) only for ε ≥ ε_c).
+  """
+  if method not in ('auto', 'importance', 'importance_order_statistics'):
+    return 0.0
+  return CONDITIONING_FRACTION * max_test.balls_and_bins_lower_bound_epsilon(
+      sigma, num_steps, delta, num_epochs=num_epochs)
+
+
+def default_num_samples(sigma: float, num_steps: int, delta: float, beta: float = 1e-3, *,
+                        num_epochs: int = 1, method: Method = 'auto') -> int:
+  """m per direction from δ and β: SAMPLES_PER_FLOOR × the least m for which an ε exists.
+
+  With no positive sample the Chernoff bound of a direction is s·(1 − (β/2)^{1/m}) ≈
+  s·log(2/β)/m (s = E·Pr(A), the importance scale, 1 without it), which must be < δ; m =
+  10·s·log(2/β)/δ leaves δ/10 for that floor, so δ⁺(ε) ≤ δ is met near the true ε (Chua et al.
+  2025, §5: m ≳ several/δ). At least MIN_SAMPLES.
+  """
+  _check_common(sigma, num_steps, num_epochs, 1, beta)
+  level = _conditioning_level(sigma, num_steps, delta, num_epochs, method)
+  scale = max(math.exp(_make_plan(direction, sigma, num_steps, num_epochs, method, level, 100,
+                                  1.05).log_scale) for direction in (_REMOVE, _ADD))
+  return max(MIN_SAMPLES, math.ceil(SAMPLES_PER_FLOOR * scale * math.log(2 / beta) / delta))
+
+
+def estimated_seconds(num_samples: int, num_steps: int, num_epochs: int = 1,
+                      workers: int = 1) -> float:
+  """Rough wall time of `balls_and_bins_epsilon` ('auto'): m × width × E × 2 directions."""
+  width = num_steps if num_steps <= _AUTO_EXACT_MAX_STEPS else len(
+      order_statistic_ranks(num_steps))
+  return SECONDS_PER_COORDINATE * num_samples * width * num_epochs * 2 / max(1, workers)
+
+
 def balls_and_bins_epsilon(sigma: float, num_steps: int, delta: float, *, num_epochs: int = 1,
-                           num_samples: int = 100_000, beta: float = 1e-3,
+                           num_samples: int | None = None, beta: float = 1e-3,
                            method: Method = 'auto', seed: Seed = 0, num_exact_ranks: int = 100,
-                           rank_growth: float = 1.05, workers: int = 1) -> MonteCarloResult:
+                           rank_growth: float = 1.05,
+                           workers: int | None = None) -> MonteCarloResult:
   """High-probability upper bound on ε(δ) of balls-and-bins DP-SGD (Algorithms 4-6, 11).
 
   One sample set per direction; ε is found by bisection on the monotone δ⁺(ε). Importance
-  sampling conditions once at ε_c = the max-test lower bound on ε(δ) (`max_test`), which is
-  below every ε the bisection can return, so one conditioned sample set serves them all.
-  Sampling is ~95% of the time (T = 1e4, m = 1e5): `workers` processes draw the chunks, the
-  bisection runs here on the stored losses; the result does not depend on `workers`.
+  sampling conditions once at ε_c = ½ × the max-test lower bound on ε(δ) (`max_test`), below
+  every ε the bisection returns, so one conditioned sample set serves them all. Sampling is
+  ~95% of the time (T = 1e4, m = 1e5): `workers` processes (None: the available cores) draw
+  the chunks, the bisection runs here on the stored losses; the result does not depend on
+  `workers`. num_samples None: `default_num_samples(σ, T, δ, β)`.
 
   Raises:
     ValueError: bad arguments, or num_samples too small for delta (even p̂ = 0 leaves δ⁺ > δ).
   """
-  _check_common(sigma, num_steps, num_epochs, num_samples, beta)
   if not (_is_number(delta) and 0 < delta < 1):
     raise ValueError(f'delta must be in (0, 1), got {delta!r}.')
+  if num_samples is None:
+    num_samples = default_num_samples(sigma, num_steps, delta, beta, num_epochs=num_epochs,
+                                      method=method)
+  _check_common(sigma, num_steps, num_epochs, num_samples, beta)
   _check_method(method)
   _check_ranks(num_exact_ranks, rank_growth)
   _check_seed(seed)
+  workers = available_cores() if workers is None else workers
   _check_workers(workers)
-  importance = method in ('auto', 'importance', 'importance_order_statistics')
-  conditioning = (max_test.balls_and_bins_lower_bound_epsilon(
-      sigma, num_steps, delta, num_epochs=num_epochs) if importance else 0.0)
+  started = time.monotonic()
+  conditioning = _conditioning_level(sigma, num_steps, delta, num_epochs, method)
   plans = [_make_plan(direction, sigma, num_steps, num_epochs, method, conditioning,
                       num_exact_ranks, rank_growth) for direction in (_REMOVE, _ADD)]
   floor = kl_upper_confidence_bound(0.0, num_samples, beta / 2)[0]
@@ -846,7 +909,8 @@ def balls_and_bins_epsilon(sigma: float, num_steps: int, delta: float, *, num_ep
           f'num_samples = {num_samples} is too small for delta = {delta} at beta = {beta}: even '
           f'with no positive sample the {plan.direction} upper confidence bound is '
           f'{math.exp(plan.log_scale) * floor:.3g}; need num_samples > '
-          f'{math.ceil(math.exp(plan.log_scale) * math.log(2 / beta) / delta)}.')
+          f'{math.ceil(math.exp(plan.log_scale) * math.log(2 / beta) / delta)} (default: '
+          f'{default_num_samples(sigma, num_steps, delta, beta, num_epochs=num_epochs)}).')
   tasks = [_chunks(plan, seed, (d, 0), num_samples) for d, plan in enumerate(plans)]
   chunks = _run(_sample_chunk, tasks[0] + tasks[1], workers)
   samples = [_LossSamples(plans[0], num_samples, chunks[:len(tasks[0])]),
@@ -862,12 +926,14 @@ def balls_and_bins_epsilon(sigma: float, num_steps: int, delta: float, *, num_ep
   used_importance = any(plan.threshold is not None for plan in plans)
   lo = conditioning if used_importance else 0.0
   methods = {plan.direction: plan.method for plan in plans}
+  epsilon = _smallest_epsilon(ucb, delta, lo, start)
+  epsilon_point = _smallest_epsilon(point, delta, lo, start)
   return MonteCarloResult(
-      epsilon=_smallest_epsilon(ucb, delta, lo, start),
-      epsilon_point=_smallest_epsilon(point, delta, lo, start),
+      epsilon=epsilon, epsilon_point=epsilon_point,
       delta=float(delta), confidence=1 - beta, num_samples=num_samples,
       method=f'{method}(P‖Q: {methods[_REMOVE]}, Q‖P: {methods[_ADD]})', seed=seed,
-      conditioning_epsilon=conditioning if used_importance else None)
+      conditioning_epsilon=conditioning if used_importance else None,
+      seconds=time.monotonic() - started)
 
 
 # ---------------------------------------------------------------------------------------------

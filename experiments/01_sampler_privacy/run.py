@@ -32,6 +32,7 @@ next to this file. Random-allocation PLD results are cached on disk by dpjax
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -50,7 +51,6 @@ import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
 from dpjax import samplers
 from dpjax.accounting import accountant as accountant_lib
-from dpjax.accounting import max_test
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -68,6 +68,13 @@ MONTE_CARLO_SEED = 0
 RANDOM_ALLOCATION_TIMEOUT = 900.0
 
 DEFAULT = dict(sigmas=(0.5, 0.7, 1.0, 1.4, 2.0), epochs=(1, 5), monte_carlo_epochs=(1,))
+# Realistic sizes (issue 15): N = 1e6, T = 1e3 and 1e4, with the accountant's default
+# random-allocation budget (300 s per build), as `python -m dpjax.account` runs it. Monte
+# Carlo is not run here: at
+# δ = 1e-5 its default sample count (7.6e6 per direction) takes ~8 min per point at T = 1e3.
+REALISTIC_NUM_EXAMPLES = 1_000_000
+REALISTIC = dict(sigmas=(0.5, 0.7, 1.0, 1.4, 2.0), epochs=(1, 5), monte_carlo_epochs=(),
+                 steps_per_epoch=(1000, 10000))
 FULL = dict(sigmas=(0.4, 0.5, 0.6, 0.7, 0.8, 1.0, 1.2, 1.4, 1.7, 2.0, 2.5),
             epochs=(1, 5), monte_carlo_epochs=(1, 5))
 
@@ -89,19 +96,28 @@ def _timed(fn):
   return value, time.perf_counter() - start
 
 
-def _accountant(name: str, sigma: float, workers: int = 1) -> accountant_lib.Accountant:
-  sampler = samplers.sampler_class(name)(num_examples=NUM_EXAMPLES, batch_size=BATCH_SIZE)
+def _accountant_at(name: str, sigma: float, workers: int = 1, num_examples: int = NUM_EXAMPLES,
+                batch_size: int = BATCH_SIZE) -> accountant_lib.Accountant:
+  sampler = samplers.sampler_class(name)(num_examples=num_examples, batch_size=batch_size)
   return accountant_lib.Accountant(
       sampler, sigma, DELTA, monte_carlo_samples=MONTE_CARLO_SAMPLES, beta=BETA,
       monte_carlo_seed=MONTE_CARLO_SEED, monte_carlo_workers=workers,
-      random_allocation_timeout=RANDOM_ALLOCATION_TIMEOUT)
+      monte_carlo_estimate=True,
+      random_allocation_timeout=(accountant_lib.balls_and_bins.RANDOM_ALLOCATION_TIMEOUT
+                                 if num_examples == REALISTIC_NUM_EXAMPLES
+                                 else RANDOM_ALLOCATION_TIMEOUT))
 
 
-def one_point(sigma: float, epochs: int, monte_carlo: bool, workers: int = 1) -> dict[str, Any]:
+def one_point(sigma: float, epochs: int, monte_carlo: bool, workers: int = 1,
+              num_examples: int = NUM_EXAMPLES, batch_size: int = BATCH_SIZE) -> dict[str, Any]:
   """Every sampler's numbers at (σ, E), as dpjax reports them."""
-  steps_per_epoch = math.ceil(NUM_EXAMPLES / BATCH_SIZE)
+  steps_per_epoch = math.ceil(num_examples / batch_size)
   steps = epochs * steps_per_epoch
-  row: dict[str, Any] = {'noise_multiplier': sigma, 'epochs': epochs, 'steps': steps}
+  row: dict[str, Any] = {'noise_multiplier': sigma, 'epochs': epochs, 'steps': steps,
+                         'steps_per_epoch': steps_per_epoch, 'num_examples': num_examples,
+                         'batch_size': batch_size}
+  _accountant = functools.partial(_accountant_at, num_examples=num_examples,
+                                  batch_size=batch_size)
   seconds: dict[str, float] = {}
 
   report, seconds['poisson'] = _timed(
@@ -125,12 +141,13 @@ def one_point(sigma: float, epochs: int, monte_carlo: bool, workers: int = 1) ->
   # With estimates=True the accountant adds the Monte-Carlo bound (1e6 samples, ~1-4 min per
   # point); without it we compute the max-test lower bound with the function it would call.
   acct = _accountant('balls_and_bins', sigma, workers)
-  report, seconds['balls_and_bins'] = _timed(
-      lambda: acct.epsilon_at(steps, estimates=monte_carlo))
+  acct.monte_carlo_estimate = monte_carlo
+  report, seconds['balls_and_bins'] = _timed(lambda: acct.epsilon_at(steps, estimates=True))
   details = report.details
   row['balls_and_bins_provable_upper'] = report.epsilon
   row['balls_and_bins_provable_method'] = details['provable_method']
   row['balls_and_bins_random_allocation_lower'] = details.get('random_allocation_lower')
+  row['balls_and_bins_random_allocation_grid'] = details.get('random_allocation_grid')
   if monte_carlo:
     row['balls_and_bins_max_test_lower'] = details['max_test_lower_bound']
     row['balls_and_bins_mc_ucb_high_probability'] = details.get(
@@ -139,26 +156,23 @@ def one_point(sigma: float, epochs: int, monte_carlo: bool, workers: int = 1) ->
         'monte_carlo_epsilon_point_estimate_not_a_guarantee')
     row['balls_and_bins_mc_error'] = details.get('monte_carlo_error')
   else:
-    lower, seconds['balls_and_bins_max_test'] = _timed(
-        lambda: max_test.balls_and_bins_lower_bound_epsilon(sigma, steps_per_epoch, DELTA,
-                                                            num_epochs=epochs))
-    row['balls_and_bins_max_test_lower'] = lower
+    row['balls_and_bins_max_test_lower'] = details['max_test_lower_bound']
     row['balls_and_bins_mc_ucb_high_probability'] = None
     row['balls_and_bins_mc_point_not_a_guarantee'] = None
-    row['balls_and_bins_mc_error'] = 'not computed at this size (run with --full)'
+    row['balls_and_bins_mc_error'] = details.get('monte_carlo')
   row['balls_and_bins_report'] = report.to_dict()
   row['cross_check_dp_accounting'], seconds['cross_check'] = _timed(
-      lambda: cross_check(sigma, epochs, steps))
+      lambda: cross_check(sigma, epochs, steps, batch_size / num_examples))
   row['seconds'] = seconds
   return row
 
 
-def cross_check(sigma: float, epochs: int, steps: int) -> dict[str, float]:
+def cross_check(sigma: float, epochs: int, steps: int, q: float) -> dict[str, float]:
   """Poisson and deterministic ε computed with dp_accounting directly (not through dpjax)."""
   poisson = dp_accounting.pld.PLDAccountant(
       value_discretization_interval=accountant_lib.VALUE_DISCRETIZATION)
-  poisson.compose(dp_accounting.PoissonSampledDpEvent(
-      BATCH_SIZE / NUM_EXAMPLES, dp_accounting.GaussianDpEvent(sigma)), steps)
+  poisson.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)),
+                  steps)
   gaussian = dp_accounting.pld.PLDAccountant()
   gaussian.compose(dp_accounting.GaussianDpEvent(sigma), epochs)
   return {'poisson_pld': float(poisson.get_epsilon(DELTA)),
@@ -188,14 +202,16 @@ CURVES = (
 
 
 def plot(results: dict[str, Any], path: pathlib.Path) -> None:
-  """Top row: ε vs σ per epoch count. Bottom row: the same curves divided by Poisson's ε."""
-  epochs_list = results['settings']['epochs']
-  fig, axes = plt.subplots(2, len(epochs_list), figsize=(6.5 * len(epochs_list), 9.5),
+  """Top row: ε vs σ per (T, E) panel. Bottom row: the same curves divided by Poisson's ε."""
+  settings = results['settings']
+  panels = sorted({(r.get('steps_per_epoch', settings['steps_per_epoch']), r['epochs'])
+                   for r in results['rows']})
+  fig, axes = plt.subplots(2, len(panels), figsize=(6.5 * len(panels), 9.5),
                            squeeze=False, sharex='col', gridspec_kw={'height_ratios': [3, 2]})
-  t = results['settings']['steps_per_epoch']
-  for col, epochs in enumerate(epochs_list):
+  for col, (t, epochs) in enumerate(panels):
     ax, ax_ratio = axes[0][col], axes[1][col]
-    rows = [r for r in results['rows'] if r['epochs'] == epochs]
+    rows = [r for r in results['rows'] if r['epochs'] == epochs and
+            r.get('steps_per_epoch', settings['steps_per_epoch']) == t]
     for key, label, color, style, marker in CURVES:
       points = [(r['noise_multiplier'], r[key], r['poisson_pld_upper']) for r in rows
                 if r.get(key) is not None and math.isfinite(r[key]) and r[key] > 0]
@@ -205,21 +221,28 @@ def plot(results: dict[str, Any], path: pathlib.Path) -> None:
       kw = dict(linestyle=style, marker=marker, color=color, markersize=5)
       ax.plot(xs, ys, label=label, **kw)
       ax_ratio.plot(xs, [y / p for y, p in zip(ys, ref)], **kw)
+    n, b = rows[0].get('num_examples', NUM_EXAMPLES), rows[0].get('batch_size', BATCH_SIZE)
     ax.set_yscale('log')
     ax.set_ylabel(f'ε at δ = {DELTA:g}')
     ax.set_title(f'E = {epochs} epoch{"s" if epochs > 1 else ""} (T = {t} steps/epoch, '
-                 f'{epochs * t} steps), N = {NUM_EXAMPLES}, b = {BATCH_SIZE}', fontsize=10)
+                 f'{epochs * t} steps), N = {n}, b = {b}', fontsize=10)
     ax_ratio.set_yscale('log')
     ax_ratio.set_ylabel('ε / ε(Poisson PLD)')
     ax_ratio.set_xlabel('noise multiplier σ (noise std / clip norm C)')
     for a in (ax, ax_ratio):
       a.grid(True, which='both', alpha=0.3)
-  handles, labels = axes[0][0].get_legend_handles_labels()
-  fig.legend(handles, labels, loc='lower center', ncol=3, fontsize=8, frameon=False)
+  handles, labels = {}, []
+  for a in axes[0]:
+    for h, l in zip(*a.get_legend_handles_labels()):
+      if l not in handles:
+        handles[l] = h
+        labels.append(l)
+  fig.legend([handles[l] for l in labels], labels, loc='lower center', ncol=3, fontsize=8,
+             frameon=False)
   fig.suptitle('Privacy of batch samplers in DP-SGD: ε vs σ (dpjax accounting; '
                'seed 000 Figure 2 style)', fontsize=12)
   fig.tight_layout(rect=(0, 0.08, 1, 1))
-  fig.savefig(path, dpi=130)
+  fig.savefig(path, dpi=110)
   plt.close(fig)
 
 
@@ -233,61 +256,82 @@ def main() -> None:
                       help='redraw the PNG from an existing results.json')
   parser.add_argument('--workers', type=int, default=1,
                       help='processes for the Monte-Carlo samples (same numbers for any count)')
+  parser.add_argument('--realistic', action='store_true',
+                      help='N = 1e6 with T = 1e3 and 1e4 steps per epoch (b = N/T), E = 1 and 5; '
+                           'writes results_realistic.json and epsilon_vs_sigma_realistic.png')
   parser.add_argument('--sigmas', type=float, nargs='+', help='override the σ grid')
   parser.add_argument('--epochs', type=int, nargs='+', help='override the epoch counts')
   args = parser.parse_args()
-  grid = dict(FULL if args.full else DEFAULT)
+  grid = dict(REALISTIC if args.realistic else FULL if args.full else DEFAULT)
+  suffix = '_realistic' if args.realistic else ''
   if args.sigmas:
     grid['sigmas'] = tuple(args.sigmas)
   if args.epochs:
     grid['epochs'] = tuple(args.epochs)
   args.out.mkdir(parents=True, exist_ok=True)
   if args.plot_only:
-    plot(json.loads((args.out / 'results.json').read_text()), args.out / 'epsilon_vs_sigma.png')
+    plot(json.loads((args.out / f'results{suffix}.json').read_text()),
+         args.out / f'epsilon_vs_sigma{suffix}.png')
     return
   start = time.perf_counter()
   git = _git_state()
   rows = []
-  for epochs in grid['epochs']:
-    for sigma in grid['sigmas']:
-      row = one_point(sigma, epochs, monte_carlo=epochs in grid['monte_carlo_epochs'],
-                      workers=args.workers)
-      rows.append(row)
-      _log(f'E={epochs} σ={sigma}: poisson {row["poisson_pld_upper"]:.4g}, '
-           f'bnb provable {row["balls_and_bins_provable_upper"]:.4g} '
-           f'({row["balls_and_bins_provable_method"]}), mc ucb '
-           f'{row["balls_and_bins_mc_ucb_high_probability"]}, bnb lower '
-           f'{row["balls_and_bins_max_test_lower"]:.4g}, shuffle lower '
-           f'{row["shuffle_max_test_lower"]:.4g}, det {row["deterministic_exact"]:.4g}; '
-           f'{sum(row["seconds"].values()):.0f} s')
-  results = {
-      'experiment': '01_sampler_privacy',
-      'question': 'How private is each batch sampler at equal σ? ε vs σ at fixed δ.',
-      'command': ' '.join([os.path.relpath(sys.executable, ROOT)
-                           if sys.executable.startswith(str(ROOT)) else sys.executable]
-                          + sys.argv),
-      'settings': {
-          'num_examples': NUM_EXAMPLES, 'batch_size': BATCH_SIZE,
-          'steps_per_epoch': math.ceil(NUM_EXAMPLES / BATCH_SIZE),
-          'poisson_sampling_probability': BATCH_SIZE / NUM_EXAMPLES, 'delta': DELTA,
-          'sigmas': list(grid['sigmas']), 'epochs': list(grid['epochs']),
-          'monte_carlo_epochs': list(grid['monte_carlo_epochs']),
-          'monte_carlo_samples_per_direction': MONTE_CARLO_SAMPLES, 'monte_carlo_beta': BETA,
-          'monte_carlo_seed': MONTE_CARLO_SEED,
-          'random_allocation_timeout_seconds': RANDOM_ALLOCATION_TIMEOUT,
-          'monte_carlo_workers': args.workers, 'max_batch_size': None, 'full': args.full,
-          'cache_dir': os.environ.get('DPJAX_CACHE_DIR', '~/.cache/dpjax'),
-      },
-      'git': git,
-      'machine': {'platform': platform.platform(), 'python': platform.python_version(),
-                  'cpu_count': os.cpu_count(), 'load_average_at_end': list(os.getloadavg()),
-                  'time': time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())},
-      'total_seconds': time.perf_counter() - start,
-      'rows': rows,
-  }
-  (args.out / 'results.json').write_text(json.dumps(results, indent=1) + '\n')
-  plot(results, args.out / 'epsilon_vs_sigma.png')
-  _log(f'wrote {args.out / "results.json"} and epsilon_vs_sigma.png in '
+
+  def results_so_far() -> dict[str, Any]:
+    return {
+        'experiment': '01_sampler_privacy',
+        'question': 'How private is each batch sampler at equal σ? ε vs σ at fixed δ.',
+        'command': ' '.join([os.path.relpath(sys.executable, ROOT)
+                             if sys.executable.startswith(str(ROOT)) else sys.executable]
+                            + sys.argv),
+        'settings': {
+            'num_examples': sizes[0][0] if len(sizes) == 1 else [n for n, _ in sizes],
+            'batch_size': sizes[0][1] if len(sizes) == 1 else [b for _, b in sizes],
+            'steps_per_epoch': math.ceil(sizes[0][0] / sizes[0][1]) if len(sizes) == 1 else [
+                math.ceil(n / b) for n, b in sizes],
+            'poisson_sampling_probability': 'b/N = 1/T', 'delta': DELTA,
+            'sigmas': list(grid['sigmas']), 'epochs': list(grid['epochs']),
+            'monte_carlo_epochs': list(grid['monte_carlo_epochs']),
+            'monte_carlo_samples_per_direction': MONTE_CARLO_SAMPLES, 'monte_carlo_beta': BETA,
+            'monte_carlo_seed': MONTE_CARLO_SEED,
+            'random_allocation_timeout_seconds': (
+                accountant_lib.balls_and_bins.RANDOM_ALLOCATION_TIMEOUT if args.realistic
+                else RANDOM_ALLOCATION_TIMEOUT),
+            'monte_carlo_workers': args.workers, 'max_batch_size': None, 'full': args.full,
+            'cache_dir': os.environ.get('DPJAX_CACHE_DIR', '~/.cache/dpjax'),
+        },
+        'git': git,
+        'machine': {'platform': platform.platform(), 'python': platform.python_version(),
+                    'cpu_count': os.cpu_count(), 'load_average_at_end': list(os.getloadavg()),
+                    'time': time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())},
+        'total_seconds': time.perf_counter() - start,
+        'rows': rows,
+    }
+
+  sizes = [(REALISTIC_NUM_EXAMPLES, REALISTIC_NUM_EXAMPLES // t) for t in grid['steps_per_epoch']
+           ] if args.realistic else [(NUM_EXAMPLES, BATCH_SIZE)]
+  for num_examples, batch_size in sizes:
+    for epochs in grid['epochs']:
+      # Largest σ first: its builds are the cheapest, so a run cut short has most curves.
+      for sigma in sorted(grid['sigmas'], reverse=args.realistic):
+        row = one_point(sigma, epochs, monte_carlo=epochs in grid['monte_carlo_epochs'],
+                        workers=args.workers, num_examples=num_examples, batch_size=batch_size)
+        rows.append(row)
+        _log(f'T={row["steps_per_epoch"]} E={epochs} σ={sigma}: poisson '
+             f'{row["poisson_pld_upper"]:.4g}, '
+             f'bnb provable {row["balls_and_bins_provable_upper"]:.4g} '
+             f'({row["balls_and_bins_provable_method"]}), mc ucb '
+             f'{row["balls_and_bins_mc_ucb_high_probability"]}, bnb lower '
+             f'{row["balls_and_bins_max_test_lower"]:.4g}, shuffle lower '
+             f'{row["shuffle_max_test_lower"]:.4g}, det {row["deterministic_exact"]:.4g}; '
+             f'{sum(row["seconds"].values()):.0f} s')
+        # Written after every point, so a run cut short keeps what it computed.
+        (args.out / f'results{suffix}.json').write_text(
+            json.dumps(results_so_far(), indent=1) + '\n')
+  results = results_so_far()
+  (args.out / f'results{suffix}.json').write_text(json.dumps(results, indent=1) + '\n')
+  plot(results, args.out / f'epsilon_vs_sigma{suffix}.png')
+  _log(f'wrote {args.out / f"results{suffix}.json"} and epsilon_vs_sigma{suffix}.png in '
        f'{results["total_seconds"]:.0f} s')
 
 
