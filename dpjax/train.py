@@ -231,7 +231,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # ---------------------------------------------------------------------------
   lock = workdir_lock.WorkdirLock(workdir, primary=sharding.is_primary_process())
   with lock:  # Taken below, once the workdir may be written to.
-    if os.path.isdir(workdir):
+    if os.path.isdir(checkpoints.checkpoint_dir(workdir)):  # A run to resume: lock, then read.
       lock.acquire()
     resumed = resume_point(workdir)
     plan = plan_lib.make_plan(config, train_source, resumed[1], resumed_step=resumed[0])

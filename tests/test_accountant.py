@@ -186,8 +186,9 @@ def test_monte_carlo_workers_reach_the_estimate_and_do_not_change_it(monkeypatch
 
 
 def test_monte_carlo_workers_from_the_config():
-  config = _config()
-  assert accountant_lib.make_accountant(config, NUM_DIGITS_TRAIN).monte_carlo_workers == 1
+  config = _config()  # None (the default): the available cores.
+  assert (accountant_lib.make_accountant(config, NUM_DIGITS_TRAIN).monte_carlo_workers ==
+          monte_carlo.available_cores())
   config.privacy.monte_carlo_workers = 2
   assert accountant_lib.make_accountant(config, NUM_DIGITS_TRAIN).monte_carlo_workers == 2
   assert accountant_lib.make_accountant(config, NUM_DIGITS_TRAIN,
