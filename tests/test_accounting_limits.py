@@ -104,14 +104,16 @@ def test_max_grid_points_is_configurable_and_checked_before_building():
     accountant_lib.Accountant(sampler, 4.0, DELTA, max_grid_points=0)
 
 
-def test_grid_estimate_matches_the_grid_dp_accounting_builds():
-  event = sampler_events.fixed_size_with_replacement_step_event(1000, 10, 4.0)
-  interval = 1e-2
+@pytest.mark.parametrize('event, interval, components', [
+    (sampler_events.fixed_size_with_replacement_step_event(1000, 10, 4.0), 1e-2, 11),
+    (sampler_events.poisson_step_event(0.01, 0.8), 1e-4, 1),  # Closed form: points once.
+])
+def test_grid_estimate_matches_the_grid_dp_accounting_builds(event, interval, components):
   estimate = accountant_lib.estimate_pld_grid_points(event, interval)
   pld = accountant_lib._step_pld(event, interval)  # pylint: disable=protected-access
   # pylint: disable-next=protected-access
   built = max(pld._pmf_remove.size, pld._pmf_add.size)
-  assert estimate == pytest.approx(built * len(event.sensitivities), rel=1e-2)
+  assert estimate == pytest.approx(built * components, rel=1e-2)
 
 
 def test_too_small_cap_is_reported_as_the_cap_with_the_b_needed():

@@ -234,21 +234,24 @@ def _mixture_components(event: dp_event.DpEvent) -> tuple[float, list, list] | N
 
 
 def estimate_pld_grid_points(event: dp_event.DpEvent, interval: float) -> int | None:
-  """Grid points × mixture components of the per-step PLD `_step_pld` would build.
+  """The size of the per-step PLD `_step_pld` would build: grid points × mixture components.
 
   The points are dp_accounting's own connect-the-dots range (its privacy-loss
-  tail bounds, both adjacency directions) divided by the discretisation; each
-  point is evaluated against every mixture component, in arrays of that size.
-  Milliseconds; None for events without an estimate (truncated Poisson).
+  tail bounds, both adjacency directions) divided by the discretisation. A
+  mixture of > 2 Gaussians evaluates each point against every component (in
+  a binary search, arrays of points × components); the Poisson-type pair [0, s]
+  has a closed-form inverse and counts its points once. Milliseconds; None
+  for events without an estimate (truncated Poisson).
   """
   parts = _mixture_components(event)
   if parts is None:
     return None
   sigma, sensitivities, probs = parts
   points = 0.0
+  closed_form = len(sensitivities) == 2 and sensitivities[0] == 0  # As `_step_pld` builds it.
   for adjacency in (privacy_loss_mechanism.AdjacencyType.ADD,
                     privacy_loss_mechanism.AdjacencyType.REMOVE):
-    if len(sensitivities) == 2 and sensitivities[0] == 0:  # As `_step_pld` builds it.
+    if closed_form:
       loss = privacy_loss_mechanism.GaussianPrivacyLoss(
           sigma, sensitivity=sensitivities[1], sampling_prob=probs[1], adjacency_type=adjacency)
     else:
@@ -256,7 +259,7 @@ def estimate_pld_grid_points(event: dp_event.DpEvent, interval: float) -> int | 
           sigma, sensitivities, probs, adjacency_type=adjacency)
     bounds = loss.connect_dots_bounds()
     points = max(points, (bounds.epsilon_upper - bounds.epsilon_lower) / interval + 1)
-  return int(math.ceil(points * len(sensitivities)))
+  return int(math.ceil(points * (1 if closed_form else len(sensitivities))))
 
 
 def _group_conversion_epsilon(delta_one: callable, group_size: int, delta: float) -> float:
@@ -412,7 +415,7 @@ class Accountant:
     points = estimate_pld_grid_points(event, interval)
     if points is None or points <= self.max_grid_points:
       return
-    components = len(_mixture_components(event)[1])
+    sensitivities = _mixture_components(event)[1]
     hints = ['raise σ (privacy.noise_multiplier)']
     if self.group_size > 1:
       hints.insert(0, f'lower privacy.group_size = {self.group_size}')
@@ -421,8 +424,8 @@ class Accountant:
     hints.append(f'coarsen value_discretization_interval (now {interval:g})')
     raise GridTooLargeError(
         f'the privacy-loss distribution of one {self.sampler.name} step (σ = '
-        f'{self.noise_multiplier:.4g}, {components} mixture components, sensitivity up to '
-        f'{max(_mixture_components(event)[1]):g}) needs ~{points:.3g} grid points × components, '
+        f'{self.noise_multiplier:.4g}, {len(sensitivities)} mixture components, sensitivity up '
+        f'to {max(sensitivities):g}) needs ~{points:.3g} grid points × components, '
         f'above max_grid_points = {self.max_grid_points:.3g} (minutes and GBs of memory). '
         f'To fix: {"; ".join(hints)}; or raise max_grid_points.')
 
