@@ -2,11 +2,17 @@
 
   python -m dpjax.account --sampler poisson --num-examples 60000 --batch-size 256 \\
       --epochs 10 --noise-multiplier 1.0 --delta 1e-5
-  python -m dpjax.account --sampler balls_and_bins --num-examples 60000 --batch-size 600 \\
-      --epochs 1 --target-epsilon 1.0 --delta 1e-5 --json
+  python -m dpjax.account --sampler fixed_size --num-examples 10000 --batch-size 250 \\
+      --epochs 1 --target-epsilon 2.0 --delta 1e-5 --json
+  python -m dpjax.account --sampler balls_and_bins --num-examples 6000 --batch-size 600 \\
+      --epochs 1 --noise-multiplier 1.5 --delta 1e-5 --json
   python -m dpjax.account --config configs/digits_mlp.py --json
-  python -m dpjax.account --sampler balls_and_bins --num-examples 1000000 --batch-size 100 \\
-      --epochs 1 --noise-multiplier 0.7 --delta 1e-4 --accountant monte_carlo --workers 2
+  python -m dpjax.account --sampler balls_and_bins --num-examples 10000 --batch-size 100 \\
+      --epochs 1 --noise-multiplier 0.7 --delta 1e-3 --accountant monte_carlo \\
+      --monte-carlo-samples 20000 --workers 2
+
+Each example runs in seconds (tests/test_cli_examples.py runs them all);
+larger runs, e.g. N = 10^6 with Monte Carlo, are in README.md.
 
 Conventions (docs/accounting.md): q = b/N for Poisson; T = ceil(N/b) steps per
 epoch (balls-and-bins bins; shuffle and deterministic batches); --accountant
@@ -168,17 +174,16 @@ def _from_flags(args, parser, monte_carlo_options) -> tuple[accountant_lib.Accou
                                                      batch_size=args.batch_size)
   steps = args.steps if args.steps is not None else args.epochs * sampler.steps_per_epoch
   options = dict(accountant=args.accountant or 'auto', max_batch_size=args.max_batch_size,
-                 group_size=1 if args.group_size is None else args.group_size, num_steps=steps,
+                 group_size=1 if args.group_size is None else args.group_size,
                  **monte_carlo_options)
   extra = {}
   sigma = args.noise_multiplier
   if sigma is None:
-    # Validate everything the accountant checks before the (possibly long) search.
-    accountant_lib.Accountant(sampler, 1.0, args.delta, **options)
+    # calibrate_noise_multiplier validates every option before its (possibly long) search.
     sigma = calibration.calibrate_noise_multiplier(sampler, args.target_epsilon, args.delta,
                                                    steps, **options)
     extra['calibrated_for_target_epsilon'] = args.target_epsilon
-  return accountant_lib.Accountant(sampler, sigma, args.delta, **options), extra
+  return accountant_lib.Accountant(sampler, sigma, args.delta, num_steps=steps, **options), extra
 
 
 def _fmt(value) -> str:

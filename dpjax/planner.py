@@ -1,9 +1,13 @@
 """Batch size planner: the calibrated σ and the noise on the averaged gradient over b.
 
-  python -m dpjax.planner --num_examples 60000 --epsilon 3 --delta 1e-5 --epochs 10
-  python -m dpjax.planner --num_examples 60000 --epsilon 3 --delta 1e-5 --epochs 10 \\
-      --batch_sizes 256,1024,4096 --json plan.json --plot plan.png
-  python -m dpjax.planner --config configs/digits_mlp.py   # N, sampler, ε, δ, epochs, C from it
+  python -m dpjax.planner --num_examples 6000 --epsilon 3 --delta 1e-5 --epochs 2 \\
+      --batch_sizes 128,512
+  python -m dpjax.planner --num_examples 6000 --epsilon 3 --delta 1e-5 --epochs 2 \\
+      --batch_sizes 1024 --json plan.json --plot plan.png
+  python -m dpjax.planner --config configs/digits_mlp.py --batch_sizes 128,256  # N, ε, δ from it
+
+Each example runs in seconds (tests/test_cli_examples.py runs them all); the
+default grid at N = 60000 takes minutes (see Cost below and README.md).
 
 At a fixed privacy budget (ε, δ) and a fixed number of epochs E, each batch
 size b gets the σ that training would use: the config of the run with

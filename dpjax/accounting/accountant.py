@@ -44,12 +44,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from typing import Any
 
 import ml_collections
 import numpy as np
+import tqdm
 from dp_accounting import dp_event
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from dp_accounting.pld import privacy_loss_mechanism
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpjax import batching
@@ -77,6 +80,10 @@ SUPPORTED_ACCOUNTANTS = {
 # replacement), whose dp_accounting construction costs ~10x more per decade of resolution.
 VALUE_DISCRETIZATION = 1e-4
 MOG_VALUE_DISCRETIZATION = 1e-3
+# Refuse to build a per-step PLD whose grid (privacy-loss points × mixture components, what
+# dp_accounting evaluates and holds as float64 arrays) exceeds this: ~1e6 takes 10-40 s and
+# ~200 MB on one core (fixed_size_with_replacement at b = 256, N = 50,000, σ = 1 is 1.1e6).
+MAX_GRID_POINTS = 2 * 10**6
 # Poisson truncation whose TV penalty costs less than this fraction of δ is accounted by the
 # TV argument alone; above it the exact truncated event is computed too.
 _NEGLIGIBLE_PENALTY = 1e-3
@@ -206,6 +213,56 @@ def _step_pld(event: dp_event.DpEvent, interval: float) -> pld_lib.PrivacyLossDi
   raise TypeError(f'no per-step PLD for {event!r}')
 
 
+def progress_bar(total: int | None, desc: str) -> tqdm.tqdm:
+  """A tqdm bar on stderr that appears only after 10 s, and only on a terminal (quiet in tests
+  and logs)."""
+  return tqdm.tqdm(total=total, desc=f'dpjax.accounting: {desc}', delay=10, disable=None,
+                   file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+class GridTooLargeError(ValueError):
+  """A per-step PLD would exceed `max_grid_points` (raised before anything is allocated)."""
+
+
+def _mixture_components(event: dp_event.DpEvent) -> tuple[float, list, list] | None:
+  """(σ, sensitivities, probabilities) of a Gaussian-type step event; None for others."""
+  if isinstance(event, dp_event.PoissonSampledDpEvent):
+    q = event.sampling_probability
+    return event.event.noise_multiplier, [0.0, 1.0], [1 - q, q]
+  if isinstance(event, dp_event.MixtureOfGaussiansDpEvent):
+    return event.standard_deviation, list(event.sensitivities), list(event.sampling_probs)
+  return None
+
+
+def estimate_pld_grid_points(event: dp_event.DpEvent, interval: float) -> int | None:
+  """The size of the per-step PLD `_step_pld` would build: grid points × mixture components.
+
+  The points are dp_accounting's own connect-the-dots range (its privacy-loss
+  tail bounds, both adjacency directions) divided by the discretisation. A
+  mixture of > 2 Gaussians evaluates each point against every component (in
+  a binary search, arrays of points × components); the Poisson-type pair [0, s]
+  has a closed-form inverse and counts its points once. Milliseconds; None
+  for events without an estimate (truncated Poisson).
+  """
+  parts = _mixture_components(event)
+  if parts is None:
+    return None
+  sigma, sensitivities, probs = parts
+  points = 0.0
+  closed_form = len(sensitivities) == 2 and sensitivities[0] == 0  # As `_step_pld` builds it.
+  for adjacency in (privacy_loss_mechanism.AdjacencyType.ADD,
+                    privacy_loss_mechanism.AdjacencyType.REMOVE):
+    if closed_form:
+      loss = privacy_loss_mechanism.GaussianPrivacyLoss(
+          sigma, sensitivity=sensitivities[1], sampling_prob=probs[1], adjacency_type=adjacency)
+    else:
+      loss = privacy_loss_mechanism.MixtureGaussianPrivacyLoss(
+          sigma, sensitivities, probs, adjacency_type=adjacency)
+    bounds = loss.connect_dots_bounds()
+    points = max(points, (bounds.epsilon_upper - bounds.epsilon_lower) / interval + 1)
+  return int(math.ceil(points * (1 if closed_form else len(sensitivities))))
+
+
 def _group_conversion_epsilon(delta_one: callable, group_size: int, delta: float) -> float:
   """k·ε₁ with k·e^{(k−1)ε₁}·δ₁(ε₁) ≤ δ (Vadhan 2017, Lemma 2.2). Comparison only."""
   k = group_size
@@ -241,7 +298,8 @@ class Accountant:
                value_discretization_interval: float | None = None,
                pld_coarsening: float = 1.0,
                exact_truncation: bool = True,
-               random_allocation_timeout: float | None = balls_and_bins.RANDOM_ALLOCATION_TIMEOUT):
+               random_allocation_timeout: float | None = balls_and_bins.RANDOM_ALLOCATION_TIMEOUT,
+               max_grid_points: int = MAX_GRID_POINTS):
     """Validates everything before any computation.
 
     Args:
@@ -272,6 +330,8 @@ class Accountant:
       exact_truncation: for Poisson with a cap B, also compute dp_accounting's
         exact truncated event when the TV penalty is not negligible (slow:
         ~10-20 s per query); False keeps the TV penalty alone (valid, looser).
+      max_grid_points: refuse (GridTooLargeError, before allocating) a per-step
+        PLD of more grid points × mixture components (`estimate_pld_grid_points`).
     """
     if not isinstance(sampler, samplers_lib.Sampler):
       raise TypeError(f'sampler must be a dpjax.samplers.Sampler, got {type(sampler)}.')
@@ -319,6 +379,7 @@ class Accountant:
     self.pld_coarsening = float(pld_coarsening)
     self.exact_truncation = bool(exact_truncation)
     self.random_allocation_timeout = random_allocation_timeout
+    self.max_grid_points = sampler_events.check_positive_int('max_grid_points', max_grid_points)
     self._step_plds: dict[Any, pld_lib.PrivacyLossDistribution] = {}
     self._reports: dict[tuple[int, bool], PrivacyReport] = {}
     self._monte_carlo: dict[tuple[int, float], monte_carlo.MonteCarloResult] = {}
@@ -351,9 +412,34 @@ class Accountant:
 
   def _pld(self, event: dp_event.DpEvent, count: int) -> pld_lib.PrivacyLossDistribution:
     key = repr(event)
-    if key not in self._step_plds:
-      self._step_plds[key] = _step_pld(event, self._interval(event))
-    return self._step_plds[key].self_compose(count)
+    if key in self._step_plds:
+      return self._step_plds[key].self_compose(count)
+    interval = self._interval(event)
+    self._check_grid(event, interval)
+    with progress_bar(2, f'PLD of one {self.sampler.name} step, then {count} steps') as bar:
+      self._step_plds[key] = _step_pld(event, interval)
+      bar.update()
+      composed = self._step_plds[key].self_compose(count)
+      bar.update()
+    return composed
+
+  def _check_grid(self, event: dp_event.DpEvent, interval: float) -> None:
+    points = estimate_pld_grid_points(event, interval)
+    if points is None or points <= self.max_grid_points:
+      return
+    sensitivities = _mixture_components(event)[1]
+    hints = ['raise σ (privacy.noise_multiplier)']
+    if self.group_size > 1:
+      hints.insert(0, f'lower privacy.group_size = {self.group_size}')
+    if self.sampler.name == 'fixed_size_with_replacement':
+      hints.append('use sampler fixed_size (without replacement: a 2-component mixture)')
+    hints.append(f'coarsen value_discretization_interval (now {interval:g})')
+    raise GridTooLargeError(
+        f'the privacy-loss distribution of one {self.sampler.name} step (σ = '
+        f'{self.noise_multiplier:.4g}, {len(sensitivities)} mixture components, sensitivity up '
+        f'to {max(sensitivities):g}) needs ~{points:.3g} grid points × components, '
+        f'above max_grid_points = {self.max_grid_points:.3g} (minutes and GBs of memory). '
+        f'To fix: {"; ".join(hints)}; or raise max_grid_points.')
 
   def _interval(self, event: dp_event.DpEvent) -> float:
     interval = self.value_discretization_interval

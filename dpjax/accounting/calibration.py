@@ -131,8 +131,17 @@ def _coarse_search_is_safe(sampler_name: str, accountant: str, group_size: int) 
 
 
 def calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: float,
-                               delta: float, num_steps: int, *, accountant: str = 'auto',
-                               monte_carlo_seed: int = 0, **kwargs) -> float:
+                               delta: float, num_steps: int, **kwargs) -> float:
+  """`_calibrate_noise_multiplier` with a progress bar (stderr, a terminal, after 10 s)."""
+  with accountant_lib.progress_bar(
+      None, f'calibrating σ for ε = {target_epsilon} ({sampler.name})') as bar:
+    return _calibrate_noise_multiplier(sampler, target_epsilon, delta, num_steps, bar=bar,
+                                       **kwargs)
+
+
+def _calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: float,
+                                delta: float, num_steps: int, *, bar, accountant: str = 'auto',
+                                monte_carlo_seed: int = 0, **kwargs) -> float:
   """The smallest σ whose attached ε after `num_steps` steps is <= target_epsilon.
 
   Args:
@@ -142,6 +151,7 @@ def calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: fl
     num_steps: steps of the run.
     accountant: as in `Accountant`.
     monte_carlo_seed: the report's Monte-Carlo seed (see the module docstring).
+    bar: a tqdm bar, advanced once per ε evaluated.
     **kwargs: other `Accountant` options (max_batch_size, group_size, ...).
 
   Returns:
@@ -157,13 +167,23 @@ def calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: fl
                             monte_carlo_seed=monte_carlo_seed, **kwargs)
   resolved = accountant_lib.resolve_accountant(sampler.name, accountant,
                                                kwargs.get('group_size', 1))
+  _check_truncation_cap(sampler, target, delta, steps, kwargs.get('max_batch_size'),
+                        kwargs.get('group_size', 1))
 
   def epsilon_fn(coarsening, seed, exact):
     def epsilon_of_sigma(sigma):
       acct = accountant_lib.Accountant(sampler, sigma, delta, accountant=accountant,
                                        monte_carlo_seed=seed, pld_coarsening=coarsening,
                                        exact_truncation=exact, **kwargs)
-      return acct.epsilon(steps)
+      try:
+        eps = acct.epsilon(steps)
+      except accountant_lib.GridTooLargeError:
+        # Grids widen as σ falls: this σ is too small to account, so search above it. The
+        # returned σ is always one whose ε was computed and meets the target.
+        eps = math.inf
+      bar.set_postfix_str(f'σ = {sigma:.4g}: ε = {eps:.4g}', refresh=False)
+      bar.update()
+      return eps
     return epsilon_of_sigma
 
   # Search stage: cheap and still valid upper bounds (coarser PLD, truncation by the TV
@@ -267,6 +287,44 @@ def _random_allocation_bracket(epsilon_of_sigma, sampler, target: float, delta: 
       proposal = math.sqrt(lo * hi)
     sigma = proposal
   return lo, hi
+
+
+def _truncation_penalty(sampler, delta, steps, cap, group_size, target) -> float:
+  """(1 + e^ε)·τ / δ: the share of δ the TV truncation penalty takes at ε = target."""
+  log_tau = balls_and_bins.log_truncation_mass(sampler.num_examples, sampler.sampling_probability,
+                                               cap, steps, group_size=group_size)
+  return math.exp(min(700.0, log_tau + math.log1p(math.exp(min(target, 700.0))) -
+                      math.log(delta)))
+
+
+def _check_truncation_cap(sampler, target: float, delta: float, steps: int, cap, group_size: int):
+  """Refuses a cap B whose truncation penalty alone exceeds δ at the target; names the B needed.
+
+  Calibration searches with the TV truncation penalty (1 + e^ε)·τ, τ = T·Pr[n_t > B]
+  (`balls_and_bins.log_truncation_mass`); if it is >= δ at ε = target, no σ
+  reaches the target and the failure is the cap's, not the noise's. B needed:
+  the smallest B with a penalty <= δ/2 (half of δ left to the mechanism).
+  """
+  if cap is None or sampler.name not in ('poisson', 'balls_and_bins'):
+    return
+  if _truncation_penalty(sampler, delta, steps, cap, group_size, target) < 1:
+    return
+  lo, hi = cap, max(cap + 1, 2 * cap)
+  while _truncation_penalty(sampler, delta, steps, hi, group_size, target) > 0.5:
+    lo, hi = hi, 2 * hi
+  while hi - lo > 1:  # Invariant: penalty(lo) > 1/2 >= penalty(hi).
+    mid = (lo + hi) // 2
+    if _truncation_penalty(sampler, delta, steps, mid, group_size, target) > 0.5:
+      lo = mid
+    else:
+      hi = mid
+  tau = math.exp(balls_and_bins.log_truncation_mass(
+      sampler.num_examples, sampler.sampling_probability, cap, steps, group_size=group_size))
+  raise ValueError(
+      f'sampler.max_batch_size B = {cap} is too small for target ε = {target}: over {steps} '
+      f'steps of the {sampler.name} sampler, τ = T·Pr[batch > B] = {tau:.3g}, and the '
+      f'truncation penalty (1 + e^ε)·τ alone is above δ = {delta:g} whatever σ. Needed: '
+      f'B >= {hi} (penalty <= δ/2), or no max_batch_size (no truncation).')
 
 
 def max_num_steps(sampler: samplers_lib.Sampler, noise_multiplier: float, target_epsilon: float,

@@ -31,8 +31,14 @@ import numpy as np
 from dp_accounting import dp_event
 from scipy import stats
 
-# MoG components beyond this tail mass are merged into the largest sensitivity.
-_MOG_TAIL_MASS = 1e-30
+# Tail mass (per step) that is merged into the largest sensitivity. It must stay far below the
+# mass dp_accounting's mixture PLD truncates (½·e^-50 ≈ 1e-22, `log_mass_truncation_bound`):
+# then that component never widens the privacy-loss grid (a 1e-16 at sensitivity 2b = 512
+# made a ~1.3e8-point grid), and its mass lands in the pessimistic infinite-loss bucket.
+MOG_TAIL_MASS = 1e-30
+# Relative margin on the tail sums Pr[K >= j] of the input pmf (scipy's pmfs are accurate to a
+# few ulps; the margin makes the trimmed event dominate despite float round-off).
+_TAIL_MARGIN = 1e-9
 
 
 def check_positive_int(name: str, value, minimum: int = 1) -> int:
@@ -63,31 +69,46 @@ def _check_sizes(num_examples, batch_size) -> tuple[int, int]:
   return n, b
 
 
-def mixture_of_gaussians_event(noise_multiplier: float, sensitivities,
-                               pmf) -> dp_event.MixtureOfGaussiansDpEvent:
-  """MoG event from a pmf over increasing sensitivities, pessimistically trimmed.
+def mixture_of_gaussians_event(noise_multiplier: float, sensitivities, pmf, *,
+                               tail_mass: float = MOG_TAIL_MASS
+                               ) -> dp_event.MixtureOfGaussiansDpEvent:
+  """MoG event from a pmf over increasing sensitivities, trimmed so that it still dominates.
 
-  Components past the first index where the remaining mass is below 1e-30 are
-  merged into the *largest* sensitivity (a stochastically larger sensitivity
-  dominates: Ganesh, seed 004, Lemma 2.9), so the event stays an upper bound.
+  Let K be the component index, T(j) = Pr[K >= j] its tail sums. The event
+  built here has tail sums T'(j) >= T(j) for every j (first-order stochastic
+  dominance): T' = (1 + 1e-9)·T (a float margin), and the components j >= J,
+  J the first index with T'(J) < `tail_mass`, are merged into the *largest*
+  sensitivity, which can only raise T'. Float round-off of the telescoped
+  probabilities goes to the largest kept component (a deficit: raises T') or
+  comes off sensitivity 0 (an excess: no T'(j), j >= 1, changes).
+
+  Why dominance suffices: moving probability mass of the mixture to a larger
+  sensitivity can only increase the hockey-stick divergence of the pair
+  (Σ p_i N(s_i, σ²), N(0, σ²)) in both directions, for every ε (Ganesh, seed
+  004, Lemma 2.9: the mixture with a stochastically larger sensitivity
+  dominates), so the trimmed event is an upper bound, and composing it too.
+
+  Args:
+    noise_multiplier: σ.
+    sensitivities: increasing, the first usually 0.
+    pmf: the probabilities of the sensitivities (summing to 1 up to round-off).
+    tail_mass: the threshold for merging the tail; keep it << 1e-22 (above).
   """
   sensitivities = np.asarray(sensitivities, dtype=np.float64)
   pmf = np.clip(np.asarray(pmf, dtype=np.float64), 0.0, 1.0)
-  tail = np.cumsum(pmf[::-1])[::-1]  # tail[i] = Σ_{j >= i} pmf[j]
-  keep = len(pmf)
-  beyond = np.nonzero(tail < _MOG_TAIL_MASS)[0]
-  if beyond.size and beyond[0] >= 1:
-    keep = int(beyond[0])
-  sens = list(sensitivities[:keep])
-  probs = list(pmf[:keep])
-  if keep < len(pmf):
+  tail = np.minimum(1.0, np.cumsum(pmf[::-1])[::-1] * (1 + _TAIL_MARGIN))  # T'(j)
+  tail[0] = 1.0
+  small = np.nonzero(tail[1:] < tail_mass)[0]
+  keep = int(small[0]) + 1 if small.size else len(pmf)  # J: components 0..J-1 kept.
+  probs = list(np.append(tail[1:keep], 0.0 if keep == len(pmf) else tail[keep]))
+  probs = [float(t - u) for t, u in zip(tail[:keep], probs)]  # T'(j) - T'(j+1)
+  sens = [float(x) for x in sensitivities[:keep]]
+  if keep < len(pmf) and tail[keep] > 0:
     sens.append(float(sensitivities[-1]))
     probs.append(float(tail[keep]))
-  # Float round-off: a deficit goes to the largest sensitivity, an excess comes
-  # off the smallest (both pessimistic).
   excess = math.fsum(probs) - 1.0
   if excess < 0:
-    probs[-1] -= excess
+    probs[keep - 1] -= excess
   else:
     probs[0] -= excess
   return dp_event.MixtureOfGaussiansDpEvent(float(noise_multiplier), sens, probs)
