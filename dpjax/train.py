@@ -230,7 +230,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # One run per workdir: process 0 holds its lock (a second run refuses).
   # ---------------------------------------------------------------------------
   lock = workdir_lock.WorkdirLock(workdir, primary=sharding.is_primary_process())
-  with lock:  # Taken below, once the workdir may be written to.
+  try:
     if os.path.isdir(checkpoints.checkpoint_dir(workdir)):  # A run to resume: lock, then read.
       lock.acquire()
     resumed = resume_point(workdir)
@@ -240,6 +240,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       resumed = resume_point(workdir)
       plan = plan_lib.make_plan(config, train_source, resumed[1], resumed_step=resumed[0])
     return _train(plan, workdir, train_source, test_source, model, mesh)
+  finally:
+    lock.release()
 
 
 def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
