@@ -8,6 +8,16 @@ varies with the sampled batch size; K = 0 happens under Poisson sampling):
     acc = accumulate(params, acc, batch)    # += Σ_i w_i · clip_C(g_i)
   params, opt_state, metrics = apply(params, opt_state, acc, noise_key(seed, t))
 
+The trainer runs the same computation as ONE compiled program per logical
+step, `train_step(params, opt_state, logical, K, t)`: a `lax.fori_loop` over
+the first K physical batches of a fixed-shape buffer [K_max = B/P, P, ...]
+(K is data, so every step reuses one executable), the noise key derived
+inside the program from (seed, t) with the same bits as `noise_key`, the
+division by b and the optax update; params and optimiser state are donated.
+Given a `device_data.DeviceDataset`, the buffer holds only int32 row indices
+and weights, and each physical batch is gathered and normalised on the
+device inside the loop.
+
 `apply` releases  ĝ = (Σ_i w_i · clip_C(g_i) + N(0, σ²C² I)) / b  and takes an
 optax step on ĝ. The noise is added ONCE per logical step, to the sum over all
 K physical batches (Abadi et al. 2016, Alg. 1; docs/accounting.md: noise std
@@ -77,6 +87,11 @@ def noise_key(seed: int, step: int) -> jax.Array:
   if isinstance(step, bool) or not isinstance(step, int) or not (
       0 <= step < 2**32):
     raise ValueError(f'step must be an int in [0, 2**32), got {step!r}.')
+  return _fold_noise_key(seed, step)
+
+
+def _fold_noise_key(seed: int, step) -> jax.Array:
+  """`noise_key` without checks; `step` may be traced (uint32 bits of step)."""
   root = jax.random.fold_in(jax.random.PRNGKey(seed), NOISE_STREAM)
   return jax.random.fold_in(root, step)
 
@@ -134,7 +149,7 @@ class DPStep:
                clip_norm: float | None, noise_multiplier: float | None,
                expected_batch_size: float, private: bool = True,
                clipping: str = 'auto', label_format: str = 'int',
-               mesh: jax.sharding.Mesh | None = None):
+               mesh: jax.sharding.Mesh | None = None, seed: int = 0):
     """Validates everything before any compute.
 
     Args:
@@ -156,7 +171,10 @@ class DPStep:
         sharded over its 'data' axis, params / optimiser state / accumulator
         replicated, outputs replicated. P must be a multiple of its size.
         None: run where the inputs are (one device).
+      seed: config.seed; `train_step` draws step t's noise from
+        noise_key(seed, t) inside the program.
     """
+    _check_seed(seed)
     if not (hasattr(optimizer, 'init') and hasattr(optimizer, 'update')):
       raise ValueError('optimizer must be an optax.GradientTransformation.')
     b = float(expected_batch_size)
@@ -190,12 +208,14 @@ class DPStep:
       self.clip_norm = None
       self.noise_multiplier = 0.0
       self._sum_fn = functools.partial(clipping_lib.grad_sum, loss_fn)
-    self._traces = {'accumulate': 0, 'apply': 0}
+    self.seed = seed
+    self._traces = {'accumulate': 0, 'apply': 0, 'train_step': 0}
     self.mesh = mesh
     if mesh is None:
       self.accumulate = jax.jit(self._accumulate, donate_argnums=(1,))
       self.apply = jax.jit(self._apply, donate_argnums=(2,))
       self._zeros = self._zero_accumulator
+      self._train_step = jax.jit(self._fused_step, donate_argnums=(0, 1))
     else:
       state, batch = sharding.replicated(mesh), sharding.batch_sharding(mesh)
       self.accumulate = jax.jit(
@@ -204,6 +224,56 @@ class DPStep:
       self.apply = jax.jit(self._apply, in_shardings=state,
                            out_shardings=state, donate_argnums=(2,))
       self._zeros = jax.jit(self._zero_accumulator, out_shardings=state)
+      self._train_step = jax.jit(
+          self._fused_step,
+          in_shardings=(state, state, sharding.logical_batch_sharding(mesh),
+                        state, state, state),
+          out_shardings=state, donate_argnums=(0, 1))
+
+  def train_step(self, params: Params, opt_state: optax.OptState,
+                 logical: Batch, num_batches, step, dataset=None):
+    """One whole logical step as one compiled program (one dispatch).
+
+    Equals init_accumulator, `accumulate` over logical[:K], then `apply` with
+    noise_key(self.seed, step), up to float reassociation.
+
+    Args:
+      params, opt_state: donated; use the returned ones.
+      logical: the logical batch as a buffer with a leading axis K_max
+        (= B/P, fixed for the run): {'x': [K_max, P, ...], 'y': [K_max, P
+        (, classes)], 'weight': [K_max, P]}, or with `dataset`
+        {'index': int32 [K_max, P], 'weight': [K_max, P]}
+        (`device_data.index_buffer` / `host_buffer` build them). Physical
+        batches K.. are never read.
+      num_batches: K, the number of non-empty physical batches (int32, data:
+        it varies with no recompilation); clamped to [0, K_max].
+      step: the 0-based logical step t (uint32 or int32 data, < 2**32).
+      dataset: a `device_data.DeviceDataset` holding the raw training set on
+        the device, or None when `logical` carries the rows themselves.
+
+    Returns:
+      (params, opt_state, metrics) as `apply`.
+    """
+    return self._train_step(params, opt_state, logical, num_batches, step,
+                            dataset)
+
+  def _fused_step(self, params: Params, opt_state: optax.OptState,
+                  logical: Batch, num_batches, step, dataset):
+    self._traces['train_step'] += 1
+    k_max = jax.tree.leaves(logical)[0].shape[0]
+    k = jnp.clip(jnp.asarray(num_batches, jnp.int32), 0, k_max)
+
+    def body(i, acc):
+      batch = jax.tree.map(
+          lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False),
+          logical)
+      if dataset is not None:
+        batch = dataset.gather(batch['index']) | {'weight': batch['weight']}
+      return self._add_batch(params, acc, batch)
+
+    acc = jax.lax.fori_loop(0, k, body, self._zero_accumulator(params))
+    key = _fold_noise_key(self.seed, jnp.asarray(step, jnp.uint32))
+    return self._update(params, opt_state, acc, key)
 
   def init_accumulator(self, params: Params) -> Accumulator:
     """Zero sums with the structure of params (replicated over the mesh)."""
@@ -219,6 +289,10 @@ class DPStep:
                   batch: Batch) -> Accumulator:
     """acc + this physical batch's Σ_i w_i · clip_C(g_i) and statistics."""
     self._traces['accumulate'] += 1
+    return self._add_batch(params, acc, batch)
+
+  def _add_batch(self, params: Params, acc: Accumulator,
+                 batch: Batch) -> Accumulator:
     g, stats = self._sum_fn(params, batch)
     return Accumulator(jax.tree.map(jnp.add, acc.grad_sum, g),
                        jax.tree.map(jnp.add, acc.stats, stats))
@@ -227,6 +301,10 @@ class DPStep:
              acc: Accumulator, noise_key: jax.Array):
     """ĝ = (acc.grad_sum + N(0, σ²C²)) / b; one optax step on ĝ."""
     self._traces['apply'] += 1
+    return self._update(params, opt_state, acc, noise_key)
+
+  def _update(self, params: Params, opt_state: optax.OptState,
+              acc: Accumulator, noise_key: jax.Array):
     g = acc.grad_sum
     if self.private and self.noise_multiplier > 0:
       std = self.noise_multiplier * self.clip_norm
@@ -253,10 +331,12 @@ class DPStep:
     return params, opt_state, metrics
 
   def compile_count(self, fn: str | None = None) -> int:
-    """Compilations so far of 'accumulate' or 'apply'; None: their total.
+    """Compilations so far of 'accumulate', 'apply' or 'train_step'; None:
+    their total.
 
     Counted as traces of the jitted Python bodies (each trace is one XLA
-    compilation). A healthy run stays at 1 each whatever K is.
+    compilation). A healthy run stays at 1 each whatever K is (the trainer
+    compiles only 'train_step').
     """
     if fn is None:
       return sum(self._traces.values())

@@ -11,9 +11,14 @@ import optax
 import pytest
 from scipy import stats as scipy_stats
 
+from dpjax import batching
 from dpjax import clipping
+from dpjax import data
+from dpjax import device_data
 from dpjax import dp_step
 from dpjax import models
+from dpjax import samplers
+from dpjax import sharding
 
 D, K = 8, 4  # Input features, classes.
 MODEL = models.MLP(num_classes=K, hidden_sizes=(32,), activation='tanh')
@@ -334,3 +339,101 @@ def test_ghost_on_an_uncovered_model_raises_before_compute():
   batch = _physical_batches(*_rows(4), 4)[0]
   with pytest.raises(ValueError, match='layers_1/gain'):
     step.accumulate(params, step.init_accumulator(params), batch)
+
+
+# --- The fused logical step: one program, one dispatch per logical step. ---
+
+
+def _buffer(batches, k_max):
+  """Stack physical batches into the [K_max, P, ...] buffer (zero-filled)."""
+  buf = {name: np.zeros((k_max,) + np.shape(value), np.asarray(value).dtype)
+         for name, value in batches[0].items()}
+  for i, batch in enumerate(batches):
+    for name, value in batch.items():
+      buf[name][i] = value
+  return buf
+
+
+def _copy(tree):
+  return jax.tree.map(np.array, tree)  # train_step donates its inputs.
+
+
+@pytest.mark.parametrize('clipping_method,private,mesh', [
+    ('vmap', True, False), ('ghost', True, False), ('ghost', True, True),
+    ('vmap', False, False)])
+def test_train_step_equals_the_three_call_path(clipping_method, private, mesh):
+  params, (x, y) = _params(), _rows(10, seed=11)
+  opt = optax.sgd(0.3, momentum=0.9)
+  step = dp_step.DPStep(
+      MODEL, opt, clip_norm=0.5, noise_multiplier=1.0, expected_batch_size=10,
+      private=private, clipping=clipping_method, seed=5,
+      mesh=sharding.make_mesh(1) if mesh else None)
+  batches = _physical_batches(x, y, 4)  # K = 3 of K_max = 4.
+  opt_state = opt.init(params)
+  for k, t in ((3, 0), (0, 1), (2, 7)):
+    want = _run_step(step, params, batches[:k], seed=5, t=t,
+                     optimizer_state=_copy(opt_state))
+    buf = _buffer(batches, 4)
+    buf['weight'][k:] = 0  # Batches K.. must not be read: make them real.
+    got = step.train_step(_copy(params), _copy(opt_state), buf, np.int32(k),
+                          np.uint32(t))
+    for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2])):
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    for name in want[2]:
+      np.testing.assert_allclose(got[2][name], want[2][name], rtol=1e-5,
+                                 err_msg=name)
+    assert float(got[2]['num_examples']) == min(10, 4 * k)
+  assert step.compile_count('train_step') == 1
+
+
+def test_train_step_draws_noise_key_seed_step_bit_for_bit():
+  """K = 0, SGD(lr=1): the update is exactly −σC/b · normal(noise_key(seed, t))."""
+  params = _params()
+  step = dp_step.DPStep(MODEL, optax.sgd(1.0), clip_norm=0.5,
+                        noise_multiplier=1.0, expected_batch_size=10, seed=9)
+  buf = _buffer(_physical_batches(*_rows(4), 4), 2)
+  opt_state = step.optimizer.init(params)
+  for t in (0, 3, 2**31 + 5):
+    fused, _, _ = step.train_step(_copy(params), _copy(opt_state), buf,
+                                  np.int32(0), np.uint32(t))
+    three, _, _ = step.apply(params, opt_state, step.init_accumulator(params),
+                             dp_step.noise_key(9, t))
+    jax.tree.map(np.testing.assert_array_equal, fused, three)
+  other, _, _ = step.train_step(_copy(params), _copy(opt_state), buf,
+                                np.int32(0), np.uint32(4))
+  assert not np.array_equal(other['Dense_0']['kernel'], fused['Dense_0']['kernel'])
+
+
+def test_one_compilation_and_one_dispatch_per_logical_step():
+  """Poisson K varies from step to step: still one program, called once a step."""
+  from configs import digits_mlp  # pylint: disable=g-import-not-at-top
+  config = digits_mlp.get_config()
+  train, _ = data.make_sources(config.data)
+  dataset = device_data.put_on_device(train)
+  sampler = samplers.make_sampler(config, len(train))
+  batcher = batching.Batcher(sampler, 64, 512)
+  model = models.make_model(config.model, train.num_classes, train.input_shape)
+  step = dp_step.DPStep(model, optax.sgd(0.5), clip_norm=1.0,
+                        noise_multiplier=1.0,
+                        expected_batch_size=sampler.expected_batch_size)
+  params = dp_step.init_params(model, 0, train.input_shape)
+  opt_state = step.optimizer.init(params)
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda name, secs, **kw: compiles.append(name)
+      if name == '/jax/core/compile/backend_compile_duration' else None)
+  calls, ks = 0, set()
+  for t in range(8):
+    buf, k = device_data.index_buffer(batcher.logical_batch(t),
+                                      batcher.max_physical_batches)
+    ks.add(int(k))
+    if t == 1:
+      compiles.clear()  # Step 0 compiled the program (and nothing after).
+    calls += 1  # The only JAX call of the step.
+    params, opt_state, metrics = step.train_step(params, opt_state, buf, k,
+                                                 np.uint32(t), dataset)
+  jax.block_until_ready(metrics)
+  assert len(ks) > 1  # K really varied.
+  assert calls == 8 and step.compile_count() == 1
+  assert step.compile_count('train_step') == 1
+  assert compiles == []
