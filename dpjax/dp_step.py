@@ -59,6 +59,7 @@ import optax
 
 from dpjax import clipping as clipping_lib
 from dpjax import models
+from dpjax import precision as precision_lib
 from dpjax import sharding
 
 Params = Any
@@ -111,14 +112,22 @@ def init_params(model: nn.Module, seed: int, input_shape: Sequence[int],
   return variables['params']
 
 
-def make_loss_fn(model: nn.Module,
-                 label_format: str = 'int') -> clipping_lib.LossFn:
-  """Per-example softmax cross-entropy (params, x_i, y_i) -> (loss, logits)."""
+def make_loss_fn(model: nn.Module, label_format: str = 'int',
+                 precision: str = 'default') -> clipping_lib.LossFn:
+  """Per-example softmax cross-entropy (params, x_i, y_i) -> (loss, logits).
+
+  precision='bfloat16' casts the parameters and float inputs to bfloat16 on
+  entry (gradients w.r.t. the float32 parameters come back float32) and the
+  logits to float32 for the loss; see `dpjax.precision`.
+  """
   if label_format not in LABEL_FORMATS:
     raise ValueError(f'label_format={label_format!r}; valid: {LABEL_FORMATS}.')
+  dtype = precision_lib.compute_dtype(precision)
 
   def loss_fn(params, x, y):
-    logits = model.apply({'params': params}, x[None])[0]
+    if dtype != jnp.float32:
+      params, x = precision_lib.cast_floats((params, x), dtype)
+    logits = model.apply({'params': params}, x[None])[0].astype(jnp.float32)
     if label_format == 'int':
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
     else:
@@ -149,7 +158,8 @@ class DPStep:
                clip_norm: float | None, noise_multiplier: float | None,
                expected_batch_size: float, private: bool = True,
                clipping: str = 'auto', label_format: str = 'int',
-               mesh: jax.sharding.Mesh | None = None, seed: int = 0):
+               mesh: jax.sharding.Mesh | None = None, seed: int = 0,
+               precision: str = 'default'):
     """Validates everything before any compute.
 
     Args:
@@ -173,8 +183,13 @@ class DPStep:
         None: run where the inputs are (one device).
       seed: config.seed; `train_step` draws step t's noise from
         noise_key(seed, t) inside the program.
+      precision: `config.precision` ('default', 'highest', 'bfloat16'; see
+        `dpjax.precision`): examples are clipped to `clip_bound` = C / (1 +
+        margin of the mode) so that each contribution as summed has norm
+        ≤ C; the noise std stays σ·C.
     """
     _check_seed(seed)
+    self.precision = precision_lib.check_precision(precision)
     if not (hasattr(optimizer, 'init') and hasattr(optimizer, 'update')):
       raise ValueError('optimizer must be an optax.GradientTransformation.')
     b = float(expected_batch_size)
@@ -187,9 +202,10 @@ class DPStep:
     self.private = bool(private)
     self.expected_batch_size = b
     self.label_format = label_format
-    loss_fn = make_loss_fn(model, label_format)
+    loss_fn = make_loss_fn(model, label_format, precision)
     if self.private:
       self.clip_norm = clipping_lib.validate_clip_norm(clip_norm)
+      self.clip_bound = precision_lib.effective_clip_norm(self.clip_norm, precision)
       sigma = math.nan if noise_multiplier is None else float(noise_multiplier)
       if not (sigma >= 0 and math.isfinite(sigma)):
         raise ValueError('config.privacy.noise_multiplier must be finite and '
@@ -200,12 +216,12 @@ class DPStep:
                          'finite clip_norm.')
       self.noise_multiplier = sigma
       self._sum_fn = clipping_lib.make_clipped_sum_fn(
-          clipping, loss_fn, self.clip_norm)
+          clipping, loss_fn, self.clip_bound)
     else:
       if clipping not in clipping_lib.CLIPPING_METHODS:
         raise ValueError(f'config.privacy.clipping={clipping!r}; valid: '
                          f'{clipping_lib.CLIPPING_METHODS}.')
-      self.clip_norm = None
+      self.clip_norm = self.clip_bound = None
       self.noise_multiplier = 0.0
       self._sum_fn = functools.partial(clipping_lib.grad_sum, loss_fn)
     self.seed = seed
@@ -260,6 +276,12 @@ class DPStep:
   def _fused_step(self, params: Params, opt_state: optax.OptState,
                   logical: Batch, num_batches, step, dataset):
     self._traces['train_step'] += 1
+    with precision_lib.matmul_precision(self.precision):
+      return self._fused_body(params, opt_state, logical, num_batches, step,
+                              dataset)
+
+  def _fused_body(self, params, opt_state, logical, num_batches, step,
+                  dataset):
     k_max = jax.tree.leaves(logical)[0].shape[0]
     k = jnp.clip(jnp.asarray(num_batches, jnp.int32), 0, k_max)
 
@@ -289,7 +311,8 @@ class DPStep:
                   batch: Batch) -> Accumulator:
     """acc + this physical batch's Σ_i w_i · clip_C(g_i) and statistics."""
     self._traces['accumulate'] += 1
-    return self._add_batch(params, acc, batch)
+    with precision_lib.matmul_precision(self.precision):
+      return self._add_batch(params, acc, batch)
 
   def _add_batch(self, params: Params, acc: Accumulator,
                  batch: Batch) -> Accumulator:
@@ -301,7 +324,8 @@ class DPStep:
              acc: Accumulator, noise_key: jax.Array):
     """ĝ = (acc.grad_sum + N(0, σ²C²)) / b; one optax step on ĝ."""
     self._traces['apply'] += 1
-    return self._update(params, opt_state, acc, noise_key)
+    with precision_lib.matmul_precision(self.precision):
+      return self._update(params, opt_state, acc, noise_key)
 
   def _update(self, params: Params, opt_state: optax.OptState,
               acc: Accumulator, noise_key: jax.Array):
