@@ -437,3 +437,31 @@ def test_one_compilation_and_one_dispatch_per_logical_step():
   assert calls == 8 and step.compile_count() == 1
   assert step.compile_count('train_step') == 1
   assert compiles == []
+
+
+def test_choose_physical_batch_size_is_the_largest_that_fits():
+  step = dp_step.DPStep(MODEL, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0,
+                        expected_batch_size=64, clipping='vmap')
+  params = _params()
+  opt_state = step.optimizer.init(params)
+  example = {'x': np.zeros(D, np.float32), 'y': np.int32(0)}
+  used = {p: dp_step.compiled_step_bytes(step, params, opt_state, example, p, 256)
+          for p in (4, 8, 16)}
+  assert used[4] < used[8] < used[16]  # vmap: P per-example gradients.
+  lines = []
+  limit = (used[8] + used[16]) / 2
+  chosen = dp_step.choose_physical_batch_size(step, params, opt_state, example, 256,
+                                              num_devices=4, memory_bytes=limit, fraction=1.0,
+                                              log=lines.append)
+  assert chosen == 8 and lines[-1].endswith('chose P = 8.')
+  assert [l.split(':')[0] for l in lines[:-1]] == [f'physical batch size {p}' for p in (4, 8, 16)]
+  # Everything fits: stops at the first power-of-two multiple of D >= B (B = 100 -> 128).
+  lines = []
+  assert dp_step.choose_physical_batch_size(step, params, opt_state, example, 100, num_devices=128,
+                                            memory_bytes=2**40, log=lines.append) == 128
+  assert len(lines) == 2
+  with pytest.raises(ValueError, match='physical_batch_size = 4 .* needs'):
+    dp_step.choose_physical_batch_size(step, params, opt_state, example, 256, num_devices=4,
+                                       memory_bytes=1, log=lambda _: None)
+  with pytest.raises(ValueError, match='max_batch_size must be an int >= 1'):
+    dp_step.choose_physical_batch_size(step, params, opt_state, example, 0)
