@@ -124,8 +124,9 @@ def _assert_matches_vmap(model, x, y, num_pad=3):
     x[1].flat[3], x[2].flat[0], x[n].flat[5] = np.nan, np.inf, np.nan
   batch = {'x': x, 'y': np.concatenate([y, y[:num_pad]]),
            'weight': np.r_[np.ones(n), np.zeros(num_pad)].astype(np.float32)}
-  want, got, (ghost, stats), (ref, ref_stats) = jax.jit(
-      _compare, static_argnums=0)(loss_fn, params, batch)
+  with jax.default_matmul_precision('highest'):  # float32 on every backend (not TF32).
+    want, got, (ghost, stats), (ref, ref_stats) = jax.jit(
+        _compare, static_argnums=0)(loss_fn, params, batch)
   assert set(got) == set(want)
   ok = np.isfinite(sum(want.values()))
   assert np.sum(ok) == n + num_pad - 3 * floats
@@ -172,6 +173,8 @@ MODELS = {
     'transformer_tokens': (_config('transformer', vocab_size=11, num_layers=1,
                                    model_dim=16, mlp_dim=32, num_heads=2),
                            (7,), 11),
+    'vit': (_config('vit', patch_size=2, num_layers=1, num_heads=2, width=8, mlp_dim=16),
+            (4, 6, 3), 0),
 }
 
 
@@ -181,7 +184,7 @@ def test_each_model_matches_per_example_gradients(name):
   model = models.make_model(cfg, K, shape)
   x, y = _inputs(shape, 6, seed=200 + sorted(MODELS).index(name), vocab=vocab)
   coverage = _assert_matches_vmap(model, x, y)
-  if name.startswith('transformer'):  # Declared in the model body.
+  if name.startswith('transformer') or name == 'vit':  # Declared in the model body.
     assert coverage.materialised == (('pos_embedding',),)
   else:
     assert not coverage.materialised
