@@ -358,16 +358,17 @@ def _copy(tree):
   return jax.tree.map(np.array, tree)  # train_step donates its inputs.
 
 
-@pytest.mark.parametrize('clipping_method,private,mesh', [
-    ('vmap', True, False), ('ghost', True, False), ('ghost', True, True),
-    ('vmap', False, False)])
-def test_train_step_equals_the_three_call_path(clipping_method, private, mesh):
+@pytest.mark.parametrize('clipping_method,private,mesh,loop', [
+    ('vmap', True, False, 'device'), ('ghost', True, False, 'device'),
+    ('ghost', True, True, 'device'), ('vmap', False, False, 'device'),
+    ('ghost', True, False, 'host'), ('ghost', True, True, 'host')])
+def test_train_step_equals_the_three_call_path(clipping_method, private, mesh, loop):
   params, (x, y) = _params(), _rows(10, seed=11)
   opt = optax.sgd(0.3, momentum=0.9)
   step = dp_step.DPStep(
       MODEL, opt, clip_norm=0.5, noise_multiplier=1.0, expected_batch_size=10,
       private=private, clipping=clipping_method, seed=5,
-      mesh=sharding.make_mesh(1) if mesh else None)
+      mesh=sharding.make_mesh(1) if mesh else None, physical_loop=loop)
   batches = _physical_batches(x, y, 4)  # K = 3 of K_max = 4.
   opt_state = opt.init(params)
   for k, t in ((3, 0), (0, 1), (2, 7)):
@@ -383,7 +384,20 @@ def test_train_step_equals_the_three_call_path(clipping_method, private, mesh):
       np.testing.assert_allclose(got[2][name], want[2][name], rtol=1e-5,
                                  err_msg=name)
     assert float(got[2]['num_examples']) == min(10, 4 * k)
-  assert step.compile_count('train_step') == 1
+  assert step.compile_count('train_step') == (1 if loop == 'device' else 2)
+
+
+def test_auto_loop_runs_convolutions_from_the_host_on_the_cpu():
+  """XLA:CPU is slow at conv weight gradients inside loops: 'auto' avoids them there."""
+  step = _standard_step()
+  assert step.physical_loop == 'auto'
+  cnn = {'Conv_0': {'kernel': np.zeros((3, 3, 1, 4), np.float32)}}
+  cpu = jax.default_backend() == 'cpu'
+  assert step.loop_mode(_params()) == 'device'
+  assert step.loop_mode(cnn) == ('host' if cpu else 'device')
+  with pytest.raises(ValueError, match="physical_loop='gpu'; valid"):
+    dp_step.DPStep(MODEL, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0,
+                   expected_batch_size=8, physical_loop='gpu')
 
 
 def test_train_step_draws_noise_key_seed_step_bit_for_bit():
