@@ -199,23 +199,19 @@ class Prefetcher:
         item = (step, make(step), None)
       except Exception as e:  # pylint: disable=broad-except
         item = (step, None, e)
-      while not self._stop.is_set():
-        try:
-          self._queue.put(item, timeout=0.1)
-          break
-        except queue.Full:
-          continue
-      if self._stop.is_set() or item[2] is not None:
+      if not self._put(item) or item[2] is not None:
         break
-    self._put_end()
+    self._put(None)  # End of the steps.
 
-  def _put_end(self):
+  def _put(self, item) -> bool:
+    """Queues item unless closed first (then False): never blocks a close()."""
     while not self._stop.is_set():
       try:
-        self._queue.put(None, timeout=0.1)
-        return
+        self._queue.put(item, timeout=0.1)
+        return True
       except queue.Full:
         continue
+    return False
 
   def __iter__(self) -> Iterator[tuple[int, Any]]:
     while True:

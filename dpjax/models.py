@@ -218,6 +218,22 @@ class WideResNet(nn.Module):
     return nn.Dense(self.num_classes)(x)
 
 
+def _pre_ln_encoder(x: jax.Array, num_layers: int, num_heads: int, width: int,
+                    mlp_dim: int) -> jax.Array:
+  """num_layers x (x += MHA(LN(x)); x += MLP(LN(x))), final LN, mean over tokens.
+
+  Called inside a compact `__call__`: the layers are the caller's submodules
+  (LayerNorm_i, MultiHeadDotProductAttention_i, Dense_i, numbered in order).
+  """
+  for _ in range(num_layers):
+    y = nn.LayerNorm()(x)
+    x = x + nn.MultiHeadDotProductAttention(
+        num_heads=num_heads, qkv_features=width, deterministic=True)(y, y)
+    y = nn.LayerNorm()(x)
+    x = x + nn.Dense(width)(nn.gelu(nn.Dense(mlp_dim)(y)))
+  return jnp.mean(nn.LayerNorm()(x), axis=-2)
+
+
 class Transformer(nn.Module):
   """Pre-LayerNorm transformer encoder classifier for sequences.
 
@@ -246,15 +262,8 @@ class Transformer(nn.Module):
     pos = self.param('pos_embedding', nn.initializers.normal(0.02),
                      (self.max_length, self.model_dim))
     x = x + pos[:x.shape[-2]]
-    for _ in range(self.num_layers):
-      y = nn.LayerNorm()(x)
-      x = x + nn.MultiHeadDotProductAttention(
-          num_heads=self.num_heads, qkv_features=self.model_dim,
-          deterministic=True)(y, y)
-      y = nn.LayerNorm()(x)
-      y = nn.Dense(self.model_dim)(nn.gelu(nn.Dense(self.mlp_dim)(y)))
-      x = x + y
-    x = jnp.mean(nn.LayerNorm()(x), axis=-2)
+    x = _pre_ln_encoder(x, self.num_layers, self.num_heads, self.model_dim,
+                        self.mlp_dim)
     return nn.Dense(self.num_classes)(x)
 
 
@@ -282,15 +291,8 @@ class ViT(nn.Module):
     x = x.reshape(x.shape[0], -1, self.width)  # [n, tokens, width].
     pos = self.param('pos_embedding', nn.initializers.normal(0.02),
                      (x.shape[1], self.width))
-    x = x + pos
-    for _ in range(self.num_layers):
-      y = nn.LayerNorm()(x)
-      x = x + nn.MultiHeadDotProductAttention(
-          num_heads=self.num_heads, qkv_features=self.width,
-          deterministic=True)(y, y)
-      y = nn.LayerNorm()(x)
-      x = x + nn.Dense(self.width)(nn.gelu(nn.Dense(self.mlp_dim)(y)))
-    x = jnp.mean(nn.LayerNorm()(x), axis=1)
+    x = _pre_ln_encoder(x + pos, self.num_layers, self.num_heads, self.width,
+                        self.mlp_dim)
     return nn.Dense(self.num_classes)(x)
 
 
