@@ -486,3 +486,53 @@ def test_choose_physical_batch_size_is_the_largest_that_fits():
                                        memory_bytes=1, log=lambda _: None)
   with pytest.raises(ValueError, match='max_batch_size must be an int >= 1'):
     dp_step.choose_physical_batch_size(step, params, opt_state, example, 0)
+
+
+_FOUR_DEVICES = '''
+import json, sys
+import jax, numpy as np, optax
+from configs import digits_mlp
+from dpjax import batching, data, device_data, dp_step, models, samplers, sharding
+assert jax.device_count() == 4
+config = digits_mlp.get_config()
+train, _ = data.make_sources(config.data)
+sampler = samplers.make_sampler(config, len(train))
+batcher = batching.Batcher(sampler, 64, 512)
+model = models.make_model(config.model, train.num_classes, train.input_shape)
+out = {}
+for name, mesh in (('one', None), ('four', sharding.make_mesh(4))):
+  for loop in ('device', 'host') if mesh else ('device',):
+    step = dp_step.DPStep(model, optax.sgd(0.5), clip_norm=1.0, noise_multiplier=1.0,
+                          expected_batch_size=sampler.expected_batch_size, mesh=mesh,
+                          physical_loop=loop, seed=4)
+    dataset = device_data.put_on_device(train, mesh and sharding.replicated(mesh))
+    params = dp_step.init_params(model, 0, train.input_shape)
+    state = (params, step.optimizer.init(params))
+    for t in range(2):
+      buf, k = device_data.index_buffer(batcher.logical_batch(t), 8)
+      *state, metrics = step.train_step(*state, buf, k, np.uint32(t), dataset)
+    leaves = jax.tree.leaves(state[0])
+    out[name + '_' + loop] = [np.asarray(l).ravel().tolist() for l in leaves]
+    if mesh is not None:
+      assert all(l.sharding.is_fully_replicated for l in leaves)
+print(json.dumps(out))
+'''
+
+
+def test_train_step_on_four_devices_equals_one_device():
+  """The [K_max, P] buffer split over 4 devices (rows), dataset replicated: same params."""
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4')
+  proc = subprocess.run([sys.executable, '-c', _FOUR_DEVICES], cwd=repo, env=env,
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  ref = out['one_device']
+  assert set(out) == {'one_device', 'four_device', 'four_host'}
+  for name in ('four_device', 'four_host'):
+    for a, b in zip(out[name], ref):
+      np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)  # As tests/test_sharding.py.
