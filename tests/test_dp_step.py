@@ -24,6 +24,14 @@ D, K = 8, 4  # Input features, classes.
 MODEL = models.MLP(num_classes=K, hidden_sizes=(32,), activation='tanh')
 
 
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+  """Matmuls in float32 on every backend (GPUs default to TF32): these tests
+  compare with float64 or float32 references at float32 tolerances."""
+  with jax.default_matmul_precision('highest'):
+    yield
+
+
 def _params(model=MODEL, d=D, seed=0):
   """Fan-in scaled numpy parameters (avoids compiling jax.random in init)."""
   rng = np.random.default_rng(seed)

@@ -18,6 +18,14 @@ from dpjax import models
 K = 3  # Classes.
 
 
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+  """Matmuls in float32 on every backend (GPUs default to TF32): these tests
+  compare with float64 or float32 references at float32 tolerances."""
+  with jax.default_matmul_precision('highest'):
+    yield
+
+
 class AllLayers(nn.Module):
   """Every covered layer type, each on its own branch of a [6, 6, 3] input.
 
@@ -124,9 +132,8 @@ def _assert_matches_vmap(model, x, y, num_pad=3):
     x[1].flat[3], x[2].flat[0], x[n].flat[5] = np.nan, np.inf, np.nan
   batch = {'x': x, 'y': np.concatenate([y, y[:num_pad]]),
            'weight': np.r_[np.ones(n), np.zeros(num_pad)].astype(np.float32)}
-  with jax.default_matmul_precision('highest'):  # float32 on every backend (not TF32).
-    want, got, (ghost, stats), (ref, ref_stats) = jax.jit(
-        _compare, static_argnums=0)(loss_fn, params, batch)
+  want, got, (ghost, stats), (ref, ref_stats) = jax.jit(
+      _compare, static_argnums=0)(loss_fn, params, batch)
   assert set(got) == set(want)
   ok = np.isfinite(sum(want.values()))
   assert np.sum(ok) == n + num_pad - 3 * floats
