@@ -76,6 +76,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # --- Devices ---------------------------------------------------------------
   c.num_devices = 0  # Data-parallel devices (mesh axis 'data'): 0 = all (every host's);
   #   n > 0 = the first n (single process only). P must be a multiple of it.
+  c.precision = 'default'  # default | highest | bfloat16 (dpjax.precision): default = the
+  #   backend's matmul precision (float32 on CPU, TF32 on recent NVIDIA GPUs); highest =
+  #   float32 everywhere; bfloat16 = float32 master weights, bf16 compute. Examples are
+  #   clipped to C / (1 + margin of the mode) so each contribution as summed stays <= C.
+  c.compilation_cache_dir = ''  # Persistent XLA cache (dpjax.compilation_cache): '' =
+  #   $DPJAX_CACHE_DIR or ~/.cache/dpjax/xla; 'none' = off; else a directory.
 
   # --- Length and periodic actions -------------------------------------------
   c.num_epochs = 40  # Exactly one of num_epochs / num_steps is > 0 (the other 0);

@@ -746,9 +746,11 @@ def ghost_pass(loss_fn: LossFn, params: Params, x: jax.Array, y: jax.Array,
       else:  # The layer's own weight-gradient computation (vjp).
         a = jnp.where(rows(a), a, jnp.zeros((), a.dtype))
         ct = jnp.where(rows(d), factor.reshape(rows(d).shape) * d, 0.0)
-        _, layer_vjp = jax.vjp(lambda t, a=a, l=l: jax.vmap(
+        out_, layer_vjp = jax.vjp(lambda t, a=a, l=l: jax.vmap(
             lambda a_i: l.module.apply({'params': t}, a_i))(a), theta)
-        grads = layer_vjp(ct.astype(d.dtype))[0]
+        # theta is the float32 master copy: under bfloat16 compute the
+        # re-applied layer's output (hence its cotangent) is float32.
+        grads = layer_vjp(ct.astype(out_.dtype))[0]
       for name in l.param_names:
         out[l.param_path + (name,)] = grads[name].astype(
             theta[name].dtype).reshape(theta[name].shape)

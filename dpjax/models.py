@@ -1,4 +1,4 @@
-"""Flax (linen) models for DP-SGD: MLP, tanh CNN, WideResNet, Transformer.
+"""Flax (linen) models for DP-SGD: MLP, tanh CNN, WideResNet, Transformer, ViT.
 
 Per-example privacy needs per-example gradients, so no layer may mix examples
 of a batch: there is no BatchNorm (its batch statistics make one example's
@@ -21,6 +21,10 @@ References:
     Classification through Scale" (arXiv 2204.13650): WRN-16-4 with GroupNorm
     and weight standardisation.
   Zagoruyko & Komodakis 2016, "Wide Residual Networks".
+  Dosovitskiy et al. 2021, "An Image is Worth 16x16 Words: Transformers for
+    Image Recognition at Scale" (ICLR): the ViT, here with global average
+    pooling instead of a class token (Beyer et al. 2022, "Better plain ViT
+    baselines for ImageNet-1k").
 """
 
 from collections.abc import Sequence
@@ -45,6 +49,7 @@ _NORMALIZATIONS = {
     'cnn': ('none',),
     'wrn': ('groupnorm', 'none'),
     'transformer': ('layernorm',),
+    'vit': ('layernorm',),
 }
 MODEL_NAMES = tuple(_NORMALIZATIONS)
 
@@ -55,7 +60,7 @@ def default_model_config(name: str) -> ml_collections.ConfigDict:
     raise ValueError(
         f'config.model.name={name!r} is not a model; valid: {MODEL_NAMES}.')
   c = ml_collections.ConfigDict()
-  c.name = name  # mlp | cnn | wrn | transformer
+  c.name = name  # mlp | cnn | wrn | transformer | vit
   if name == 'mlp':
     c.normalization = 'none'  # MLP has no normalisation layers.
     c.hidden_sizes = (256, 128)  # Widths of the hidden Dense layers.
@@ -86,6 +91,13 @@ def default_model_config(name: str) -> ml_collections.ConfigDict:
     c.num_heads = 4  # Attention heads; must divide model_dim.
     c.model_dim = 64  # Residual stream width.
     c.mlp_dim = 128  # Hidden width of each block's MLP.
+  elif name == 'vit':
+    c.normalization = 'layernorm'  # Pre-LayerNorm blocks (LN is per example).
+    c.patch_size = 4  # Square patches; must divide the image height and width.
+    c.num_layers = 12  # Encoder blocks (ViT-S: 12).
+    c.num_heads = 6  # Attention heads; must divide width (ViT-S: 6).
+    c.width = 384  # Token width (ViT-S: 384).
+    c.mlp_dim = 1536  # Hidden width of each block's MLP (4 x width).
   return c
 
 
@@ -206,6 +218,22 @@ class WideResNet(nn.Module):
     return nn.Dense(self.num_classes)(x)
 
 
+def _pre_ln_encoder(x: jax.Array, num_layers: int, num_heads: int, width: int,
+                    mlp_dim: int) -> jax.Array:
+  """num_layers x (x += MHA(LN(x)); x += MLP(LN(x))), final LN, mean over tokens.
+
+  Called inside a compact `__call__`: the layers are the caller's submodules
+  (LayerNorm_i, MultiHeadDotProductAttention_i, Dense_i, numbered in order).
+  """
+  for _ in range(num_layers):
+    y = nn.LayerNorm()(x)
+    x = x + nn.MultiHeadDotProductAttention(
+        num_heads=num_heads, qkv_features=width, deterministic=True)(y, y)
+    y = nn.LayerNorm()(x)
+    x = x + nn.Dense(width)(nn.gelu(nn.Dense(mlp_dim)(y)))
+  return jnp.mean(nn.LayerNorm()(x), axis=-2)
+
+
 class Transformer(nn.Module):
   """Pre-LayerNorm transformer encoder classifier for sequences.
 
@@ -234,15 +262,37 @@ class Transformer(nn.Module):
     pos = self.param('pos_embedding', nn.initializers.normal(0.02),
                      (self.max_length, self.model_dim))
     x = x + pos[:x.shape[-2]]
-    for _ in range(self.num_layers):
-      y = nn.LayerNorm()(x)
-      x = x + nn.MultiHeadDotProductAttention(
-          num_heads=self.num_heads, qkv_features=self.model_dim,
-          deterministic=True)(y, y)
-      y = nn.LayerNorm()(x)
-      y = nn.Dense(self.model_dim)(nn.gelu(nn.Dense(self.mlp_dim)(y)))
-      x = x + y
-    x = jnp.mean(nn.LayerNorm()(x), axis=-2)
+    x = _pre_ln_encoder(x, self.num_layers, self.num_heads, self.model_dim,
+                        self.mlp_dim)
+    return nn.Dense(self.num_classes)(x)
+
+
+class ViT(nn.Module):
+  """Vision transformer: patch embedding, pre-LN blocks, GAP, linear head.
+
+  A stride-`patch_size` conv cuts the image into (H/p)·(W/p) tokens of width
+  `width`; a learned positional embedding is added; num_layers x (x +=
+  MHA(LN(x)); x += MLP(LN(x))) with a GELU MLP; final LN; mean over tokens;
+  Dense classifier. No dropout, no class token. Every layer is covered by
+  ghost clipping (Conv, DenseGeneral, Dense, LayerNorm; the positional
+  embedding gets per-example copies).
+  """
+  num_classes: int
+  patch_size: int = 4
+  num_layers: int = 12
+  num_heads: int = 6
+  width: int = 384
+  mlp_dim: int = 1536
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    p = self.patch_size
+    x = nn.Conv(self.width, (p, p), strides=(p, p), padding='VALID')(x)
+    x = x.reshape(x.shape[0], -1, self.width)  # [n, tokens, width].
+    pos = self.param('pos_embedding', nn.initializers.normal(0.02),
+                     (x.shape[1], self.width))
+    x = _pre_ln_encoder(x + pos, self.num_layers, self.num_heads, self.width,
+                        self.mlp_dim)
     return nn.Dense(self.num_classes)(x)
 
 
@@ -353,6 +403,19 @@ def make_model(model_config: ml_collections.ConfigDict, num_classes: int,
     return WideResNet(num_classes, cfg.depth, cfg.width, cfg.groups,
                       cfg.normalization, bool(cfg.weight_standardization),
                       cfg.activation)
+
+  if name == 'vit':
+    for field in ('patch_size', 'num_layers', 'num_heads', 'width', 'mlp_dim'):
+      _check_positive(name, cfg[field], field)
+    if cfg.width % cfg.num_heads:
+      raise ValueError(f'config.model.num_heads={cfg.num_heads} must divide '
+                       f'width={cfg.width}.')
+    if len(input_shape) != 3 or any(d % cfg.patch_size for d in input_shape[:2]):
+      raise ValueError(f'vit needs images HxWxC with H and W multiples of '
+                       f'config.model.patch_size={cfg.patch_size}, got '
+                       f'input_shape={input_shape}.')
+    return ViT(num_classes, cfg.patch_size, cfg.num_layers, cfg.num_heads,
+               cfg.width, cfg.mlp_dim)
 
   # transformer
   for field in ('num_layers', 'num_heads', 'model_dim', 'mlp_dim'):

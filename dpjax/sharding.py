@@ -79,6 +79,11 @@ def batch_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(DATA_AXIS))
 
 
+def logical_batch_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
+  """A logical-batch buffer [K_max, P, ...]: the row axis (1) split over 'data'."""
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, DATA_AXIS))
+
+
 def check_physical_batch_size(physical_batch_size: int, mesh: jax.sharding.Mesh) -> None:
   """ValueError unless P splits evenly over the mesh's devices."""
   num_devices = mesh.devices.size
@@ -114,6 +119,14 @@ def shard_batch(mesh: jax.sharding.Mesh,
   if jax.process_count() == 1:
     return local_batch
   return jax.make_array_from_process_local_data(batch_sharding(mesh), local_batch)
+
+
+def shard_logical_batch(mesh: jax.sharding.Mesh,
+                        local_buffer: dict[str, np.ndarray]) -> dict[str, np.ndarray | jax.Array]:
+  """`shard_batch` for a buffer [K_max, rows, ...] of this process's `local_rows`."""
+  if jax.process_count() == 1:
+    return local_buffer
+  return jax.make_array_from_process_local_data(logical_batch_sharding(mesh), local_buffer)
 
 
 def replicate(mesh: jax.sharding.Mesh, tree: Any) -> Any:

@@ -19,12 +19,19 @@ same sum of norms.
 Models (issue 5): MLP 784-128-10 and the tanh CNN on 28x28x1 at P = 256,
 WRN-16-4 (GroupNorm, weight standardisation) on 32x32x3 at P = 16, and the
 default transformer (2 layers, width 64) on 28 tokens of 28 features at
-P = 64. The machine is shared: numbers are medians of repeats.
+P = 64; with --models vit, ViT-S/4 (12 layers, width 384, 64 tokens of 4x4
+patches) on 32x32x3 at P = 8. On a GPU (detected: `jax.default_backend()`)
+the physical batches are issue 14's: CNN 1024, WRN 256, ViT 256 (MLP 1024,
+transformer 256), and the result goes to bench_clipping_gpu.json. The
+device name is recorded. The machine is shared: numbers are medians of
+repeats.
 
 Run:
-  python scripts/bench_clipping.py            # all models, ~7 min on 2 cores
+  python scripts/bench_clipping.py            # mlp cnn wrn transformer, ~7 min on 2 cores
   python scripts/bench_clipping.py --models mlp cnn --repeats 30
-Writes scripts/results/bench_clipping.json (or --out).
+  python scripts/bench_clipping.py --models mlp cnn wrn transformer vit   # on a GPU
+Writes scripts/results/bench_clipping.json (bench_clipping_gpu.json on a
+GPU; or --out).
 """
 
 import argparse
@@ -46,18 +53,28 @@ MAX_P = 2**16  # Larger physical batches are reported as this cap.
 MIN_SAMPLE_S = 0.1  # Shortest timed sample (several calls for fast steps).
 
 
+MODELS = ('mlp', 'cnn', 'wrn', 'transformer', 'vit')
+# Physical batch sizes: on the CPU, and on an accelerator (issue 14's table).
+PHYSICAL_BATCH = {'cpu': {'mlp': 256, 'cnn': 256, 'wrn': 16, 'transformer': 64, 'vit': 8},
+                  'accelerator': {'mlp': 1024, 'cnn': 1024, 'wrn': 256, 'transformer': 256,
+                                  'vit': 256}}
+
+
 def _model(name: str):
   """(model, input_shape, physical batch size) for the benchmark."""
   if name == 'mlp':
     cfg = ml_collections.ConfigDict({'name': 'mlp', 'hidden_sizes': (128,)})
-    shape, p = (28, 28, 1), 256
+    shape = (28, 28, 1)
   elif name == 'cnn':
-    cfg, shape, p = models.default_model_config('cnn'), (28, 28, 1), 256
+    cfg, shape = models.default_model_config('cnn'), (28, 28, 1)
   elif name == 'wrn':
-    cfg, shape, p = models.default_model_config('wrn'), (32, 32, 3), 16
+    cfg, shape = models.default_model_config('wrn'), (32, 32, 3)
+  elif name == 'vit':
+    cfg, shape = models.default_model_config('vit'), (32, 32, 3)  # ViT-S/4.
   else:
-    cfg, shape, p = models.default_model_config('transformer'), (28, 28), 64
-  return models.make_model(cfg, 10, shape), shape, p
+    cfg, shape = models.default_model_config('transformer'), (28, 28)
+  sizes = PHYSICAL_BATCH['cpu' if jax.default_backend() == 'cpu' else 'accelerator']
+  return models.make_model(cfg, 10, shape), shape, sizes[name]
 
 
 def _batch(shape, p, seed=0):
@@ -185,18 +202,21 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--models', nargs='+',
                       default=['mlp', 'cnn', 'wrn', 'transformer'],
-                      choices=['mlp', 'cnn', 'wrn', 'transformer'])
+                      choices=list(MODELS))
   parser.add_argument('--repeats', type=int, default=15)
   parser.add_argument('--budget-gib', type=float, default=2.0)
   parser.add_argument('--verify-below-s', type=float, default=20.0,
                       help='compile the fitted max P only for models that '
                       'compile faster than this (WRN-16-4 takes ~30 s)')
-  parser.add_argument('--out', default=os.path.join(
-      os.path.dirname(__file__), 'results', 'bench_clipping.json'))
+  parser.add_argument('--out', default=None)
   args = parser.parse_args()
+  backend = jax.default_backend()
+  args.out = args.out or os.path.join(
+      os.path.dirname(__file__), 'results',
+      'bench_clipping.json' if backend == 'cpu' else f'bench_clipping_{backend}.json')
   budget = int(args.budget_gib * 2**30)
   result = {
-      'jax': jax.__version__, 'device': jax.devices()[0].device_kind,
+      'jax': jax.__version__, 'backend': backend, 'device': jax.devices()[0].device_kind,
       'cpu_count': os.cpu_count(), 'machine': platform.machine(),
       'repeats': args.repeats, 'memory_budget_bytes': budget,
       'memory': 'XLA estimate of the compiled accumulate: arguments + '

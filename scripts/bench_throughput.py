@@ -54,6 +54,16 @@ wait for each other at every op); `--threads 1` compares one core each. The
 JSON records the load average before and after each phase and `git rev-parse
 HEAD` (plus whether dpjax/ had uncommitted changes).
 
+Backends: JAX runs where `jax.default_backend()` is (install jax[cuda12] for
+a GPU); PyTorch and Opacus run on CUDA when `torch.cuda.is_available()`
+(TF32 allowed, as the issue's PyTorch baseline), else on the CPU; the JSON
+records both device names. The `bench` extra pins torch 2.13.0 from PyPI (the
+CPU build here); on a GPU machine install the CUDA build of that version
+first, from the index of the CUDA release its driver supports (cuXYZ, e.g.
+cu126); `.[bench]` then keeps it (2.13.0+cuXYZ satisfies ==2.13.0):
+  pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cuXYZ
+  pip install -c constraints.txt -e '.[bench]'
+
 Run (the PyTorch methods need the optional `bench` extra: a CPU build of torch
 pinned to 2.13.0, and opacus):
   pip install -c constraints.txt -e '.[bench]'
@@ -98,6 +108,7 @@ LABELS = {
 }
 SEED = 0
 LEARNING_RATE = 0.1
+TORCH_DEVICE = 'cpu'  # 'cuda' when torch sees a GPU (set in main).
 
 
 def _load() -> list[float]:
@@ -299,18 +310,18 @@ def check_same_clipped_sum(model_name: str, wl: Workload,
        'weight': np.ones(len(chunk), np.float32)}, clip_norm)
   model = _torch_model(flax_model, shape)
   _load_flax_params(model, params)
-  model = opacus.GradSampleModule(model)
+  model = opacus.GradSampleModule(model.to(TORCH_DEVICE))
   optimizer = opacus.optimizers.DPOptimizer(
       torch.optim.SGD(model.parameters(), lr=LEARNING_RATE),
       noise_multiplier=0.0, max_grad_norm=clip_norm,
       expected_batch_size=len(chunk))
   optimizer.signal_skip_step(do_skip=True)
   loss = torch.nn.CrossEntropyLoss()(
-      model(torch.from_numpy(wl.x_nchw[chunk])),
-      torch.from_numpy(wl.y[chunk]).long())
+      model(torch.from_numpy(wl.x_nchw[chunk]).to(TORCH_DEVICE)),
+      torch.from_numpy(wl.y[chunk]).long().to(TORCH_DEVICE))
   loss.backward()
   optimizer.step()  # Skipped: clip and accumulate only.
-  got = [p.summed_grad.numpy() for p in model.parameters()]
+  got = [p.summed_grad.cpu().numpy() for p in model.parameters()]
   ref = [a for wb in _torch_layout(want, model._module) for a in wb]
   scale = max(float(np.max(np.abs(r))) for r in ref)
   diff = max(float(np.max(np.abs(g - r))) for g, r in zip(got, ref)) / scale
@@ -332,10 +343,12 @@ class TorchMethod:
     model = _torch_model(flax_model, shape)
     params = dp_step.init_params(flax_model, SEED, shape)
     _load_flax_params(model, params)
+    model = model.to(TORCH_DEVICE)
     # Same function, not just the same parameter count: equal logits.
     x = wl.x[:8]
-    want = np.asarray(flax_model.apply({'params': params}, x))
-    got = model(torch.from_numpy(wl.x_nchw[:8])).detach().numpy()
+    with jax.default_matmul_precision('highest'):  # Not TF32: compared at 1e-4.
+      want = np.asarray(flax_model.apply({'params': params}, x))
+    got = model(torch.from_numpy(wl.x_nchw[:8]).to(TORCH_DEVICE)).detach().cpu().numpy()
     self.logits_max_abs_diff = float(np.max(np.abs(want - got)))
     if not self.logits_max_abs_diff < 1e-4:
       raise AssertionError(f'{model_name}: PyTorch twin differs from the flax '
@@ -373,8 +386,8 @@ class TorchMethod:
       for k, chunk in enumerate(chunks):
         if private:  # As BatchMemoryManager: step only after the last chunk.
           self.optimizer.signal_skip_step(do_skip=k < len(chunks) - 1)
-        x = torch.from_numpy(wl.x_nchw[chunk])
-        y = torch.from_numpy(wl.y[chunk]).long()
+        x = torch.from_numpy(wl.x_nchw[chunk]).to(TORCH_DEVICE, non_blocking=True)
+        y = torch.from_numpy(wl.y[chunk]).long().to(TORCH_DEVICE, non_blocking=True)
         self.criterion(self.model(x), y).backward()
         if private:
           self.optimizer.step()
@@ -382,6 +395,8 @@ class TorchMethod:
       if not private:
         self.optimizer.step()
         self.optimizer.zero_grad()
+    if TORCH_DEVICE == 'cuda':  # The clock stops after the GPU finishes.
+      torch.cuda.synchronize()
 
   def compilations(self) -> dict[str, int]:
     return {}  # Eager PyTorch: nothing is compiled.
@@ -633,9 +648,17 @@ def main():
   versions = {'jax': jax.__version__, 'numpy': np.__version__,
               'python': platform.python_version()}
   methods = list(JAX_METHODS)
+  torch_device_name = None
   if not args.no_torch:
     import opacus
     import torch
+    global TORCH_DEVICE
+    TORCH_DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
+    torch_device_name = (torch.cuda.get_device_name(0) if TORCH_DEVICE == 'cuda'
+                         else platform.processor() or platform.machine())
+    if TORCH_DEVICE == 'cuda':
+      torch.backends.cuda.matmul.allow_tf32 = True  # PyTorch non-private TF32, as issue 14 compares.
+      torch.backends.cudnn.allow_tf32 = True
     torch.set_num_threads(args.threads)
     versions.update(torch=torch.__version__, opacus=opacus.__version__,
                     torch_threads=torch.get_num_threads())
@@ -653,7 +676,9 @@ def main():
       'command': ' '.join(['python', 'scripts/bench_throughput.py',
                            *sys.argv[1:]]),
       'git': _git_state(), 'versions': versions,
-      'device': jax.devices()[0].device_kind, 'cpu_count': os.cpu_count(),
+      'backend': jax.default_backend(), 'device': jax.devices()[0].device_kind,
+      'torch_device': TORCH_DEVICE, 'torch_device_name': torch_device_name,
+      'cpu_count': os.cpu_count(),
       'threads': args.threads,
       'machine': platform.machine(),
       'config': {'num_examples': n, 'batch_size': args.batch_size,

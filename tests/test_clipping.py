@@ -15,6 +15,14 @@ D, H, K = 6, 16, 3  # Input features, hidden width, classes.
 MODEL = models.MLP(num_classes=K, hidden_sizes=(H,), activation='tanh')
 
 
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+  """Matmuls in float32 on every backend (GPUs default to TF32): these tests
+  compare with float64 or float32 references at float32 tolerances."""
+  with jax.default_matmul_precision('highest'):
+    yield
+
+
 def _params(seed=0):
   rng = np.random.default_rng(seed)
   return {

@@ -11,12 +11,25 @@ import optax
 import pytest
 from scipy import stats as scipy_stats
 
+from dpjax import batching
 from dpjax import clipping
+from dpjax import data
+from dpjax import device_data
 from dpjax import dp_step
 from dpjax import models
+from dpjax import samplers
+from dpjax import sharding
 
 D, K = 8, 4  # Input features, classes.
 MODEL = models.MLP(num_classes=K, hidden_sizes=(32,), activation='tanh')
+
+
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+  """Matmuls in float32 on every backend (GPUs default to TF32): these tests
+  compare with float64 or float32 references at float32 tolerances."""
+  with jax.default_matmul_precision('highest'):
+    yield
 
 
 def _params(model=MODEL, d=D, seed=0):
@@ -334,3 +347,200 @@ def test_ghost_on_an_uncovered_model_raises_before_compute():
   batch = _physical_batches(*_rows(4), 4)[0]
   with pytest.raises(ValueError, match='layers_1/gain'):
     step.accumulate(params, step.init_accumulator(params), batch)
+
+
+# --- The fused logical step: one program, one dispatch per logical step. ---
+
+
+def _buffer(batches, k_max):
+  """Stack physical batches into the [K_max, P, ...] buffer (zero-filled)."""
+  buf = {name: np.zeros((k_max,) + np.shape(value), np.asarray(value).dtype)
+         for name, value in batches[0].items()}
+  for i, batch in enumerate(batches):
+    for name, value in batch.items():
+      buf[name][i] = value
+  return buf
+
+
+def _copy(tree):
+  return jax.tree.map(np.array, tree)  # train_step donates its inputs.
+
+
+@pytest.mark.parametrize('clipping_method,private,mesh,loop', [
+    ('vmap', True, False, 'device'), ('ghost', True, False, 'device'),
+    ('ghost', True, True, 'device'), ('vmap', False, False, 'device'),
+    ('ghost', True, False, 'host'), ('ghost', True, True, 'host')])
+def test_train_step_equals_the_three_call_path(clipping_method, private, mesh, loop):
+  params, (x, y) = _params(), _rows(10, seed=11)
+  opt = optax.sgd(0.3, momentum=0.9)
+  step = dp_step.DPStep(
+      MODEL, opt, clip_norm=0.5, noise_multiplier=1.0, expected_batch_size=10,
+      private=private, clipping=clipping_method, seed=5,
+      mesh=sharding.make_mesh(1) if mesh else None, physical_loop=loop)
+  batches = _physical_batches(x, y, 4)  # K = 3 of K_max = 4.
+  opt_state = opt.init(params)
+  for k, t in ((3, 0), (0, 1), (2, 7)):
+    want = _run_step(step, params, batches[:k], seed=5, t=t,
+                     optimizer_state=_copy(opt_state))
+    buf = _buffer(batches, 4)
+    buf['weight'][k:] = 0  # Batches K.. must not be read: make them real.
+    got = step.train_step(_copy(params), _copy(opt_state), buf, np.int32(k),
+                          np.uint32(t))
+    for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2])):
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    for name in want[2]:
+      np.testing.assert_allclose(got[2][name], want[2][name], rtol=1e-5,
+                                 err_msg=name)
+    assert float(got[2]['num_examples']) == min(10, 4 * k)
+  assert step.compile_count('train_step') == (1 if loop == 'device' else 2)
+
+
+def test_auto_loop_runs_convolutions_from_the_host_on_the_cpu():
+  """XLA:CPU is slow at conv weight gradients inside loops: 'auto' avoids them there."""
+  step = _standard_step()
+  assert step.physical_loop == 'auto'
+  cnn = {'Conv_0': {'kernel': np.zeros((3, 3, 1, 4), np.float32)}}
+  cpu = jax.default_backend() == 'cpu'
+  assert step.loop_mode(_params()) == 'device'
+  assert step.loop_mode(cnn) == ('host' if cpu else 'device')
+  with pytest.raises(ValueError, match="physical_loop='gpu'; valid"):
+    dp_step.DPStep(MODEL, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0,
+                   expected_batch_size=8, physical_loop='gpu')
+
+
+def test_train_step_draws_noise_key_seed_step_bit_for_bit():
+  """K = 0, SGD(lr=1): the update is exactly −σC/b · normal(noise_key(seed, t))."""
+  params = _params()
+  step = dp_step.DPStep(MODEL, optax.sgd(1.0), clip_norm=0.5,
+                        noise_multiplier=1.0, expected_batch_size=10, seed=9)
+  buf = _buffer(_physical_batches(*_rows(4), 4), 2)
+  opt_state = step.optimizer.init(params)
+  for t in (0, 3, 2**31 + 5):
+    fused, _, _ = step.train_step(_copy(params), _copy(opt_state), buf,
+                                  np.int32(0), np.uint32(t))
+    three, _, _ = step.apply(params, opt_state, step.init_accumulator(params),
+                             dp_step.noise_key(9, t))
+    jax.tree.map(np.testing.assert_array_equal, fused, three)
+  other, _, _ = step.train_step(_copy(params), _copy(opt_state), buf,
+                                np.int32(0), np.uint32(4))
+  assert not np.array_equal(other['Dense_0']['kernel'], fused['Dense_0']['kernel'])
+
+
+@pytest.mark.parametrize('sampler_name', samplers.SAMPLER_NAMES)
+def test_one_compilation_and_one_dispatch_per_logical_step(sampler_name):
+  """Two epochs of every sampler (K varies from step to step under Poisson): one program,
+  called once a step, never recompiled."""
+  from configs import digits_mlp  # pylint: disable=g-import-not-at-top
+  config = digits_mlp.get_config()
+  config.sampler.name = sampler_name
+  train, _ = data.make_sources(config.data)
+  dataset = device_data.put_on_device(train)
+  sampler = samplers.make_sampler(config, len(train))
+  cap = batching.resolve_max_batch_size(sampler, 64, 0, num_steps=2 * sampler.steps_per_epoch,
+                                        delta=1e-5)
+  batcher = batching.Batcher(sampler, 64, cap)
+  model = models.make_model(config.model, train.num_classes, train.input_shape)
+  step = dp_step.DPStep(model, optax.sgd(0.5), clip_norm=1.0,
+                        noise_multiplier=1.0,
+                        expected_batch_size=sampler.expected_batch_size)
+  params = dp_step.init_params(model, 0, train.input_shape)
+  opt_state = step.optimizer.init(params)
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda name, secs, **kw: compiles.append(name)
+      if name == '/jax/core/compile/backend_compile_duration' else None)
+  calls, ks = 0, set()
+  num_steps = 2 * sampler.steps_per_epoch
+  for t in range(num_steps):
+    buf, k = device_data.index_buffer(batcher.logical_batch(t),
+                                      batcher.max_physical_batches)
+    ks.add(int(k))
+    if t == 1:
+      compiles.clear()  # Step 0 compiled the program (and nothing after).
+    calls += 1  # The only JAX call of the step.
+    params, opt_state, metrics = step.train_step(params, opt_state, buf, k,
+                                                 np.uint32(t), dataset)
+  jax.block_until_ready(metrics)
+  if sampler_name == 'poisson':
+    assert len(ks) > 1  # K really varied.
+  assert calls == num_steps and step.compile_count() == 1
+  assert step.compile_count('train_step') == 1
+  assert compiles == []
+
+
+def test_choose_physical_batch_size_is_the_largest_that_fits():
+  step = dp_step.DPStep(MODEL, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0,
+                        expected_batch_size=64, clipping='vmap')
+  params = _params()
+  opt_state = step.optimizer.init(params)
+  example = {'x': np.zeros(D, np.float32), 'y': np.int32(0)}
+  used = {p: dp_step.compiled_step_bytes(step, params, opt_state, example, p, 256)
+          for p in (4, 8, 16)}
+  assert used[4] < used[8] < used[16]  # vmap: P per-example gradients.
+  lines = []
+  limit = (used[8] + used[16]) / 2
+  chosen = dp_step.choose_physical_batch_size(step, params, opt_state, example, 256,
+                                              num_devices=4, memory_bytes=limit, fraction=1.0,
+                                              log=lines.append)
+  assert chosen == 8 and lines[-1].endswith('chose P = 8.')
+  assert [l.split(':')[0] for l in lines[:-1]] == [f'physical batch size {p}' for p in (4, 8, 16)]
+  # Everything fits: stops at the first power-of-two multiple of D >= B (B = 100 -> 128).
+  lines = []
+  assert dp_step.choose_physical_batch_size(step, params, opt_state, example, 100, num_devices=128,
+                                            memory_bytes=2**40, log=lines.append) == 128
+  assert len(lines) == 2
+  with pytest.raises(ValueError, match='physical_batch_size = 4 .* needs'):
+    dp_step.choose_physical_batch_size(step, params, opt_state, example, 256, num_devices=4,
+                                       memory_bytes=1, log=lambda _: None)
+  with pytest.raises(ValueError, match='max_batch_size must be an int >= 1'):
+    dp_step.choose_physical_batch_size(step, params, opt_state, example, 0)
+
+
+_FOUR_DEVICES = '''
+import json, sys
+import jax, numpy as np, optax
+from configs import digits_mlp
+from dpjax import batching, data, device_data, dp_step, models, samplers, sharding
+assert jax.device_count() == 4
+config = digits_mlp.get_config()
+train, _ = data.make_sources(config.data)
+sampler = samplers.make_sampler(config, len(train))
+batcher = batching.Batcher(sampler, 64, 512)
+model = models.make_model(config.model, train.num_classes, train.input_shape)
+out = {}
+for name, mesh in (('one', None), ('four', sharding.make_mesh(4))):
+  for loop in ('device', 'host') if mesh else ('device',):
+    step = dp_step.DPStep(model, optax.sgd(0.5), clip_norm=1.0, noise_multiplier=1.0,
+                          expected_batch_size=sampler.expected_batch_size, mesh=mesh,
+                          physical_loop=loop, seed=4)
+    dataset = device_data.put_on_device(train, mesh and sharding.replicated(mesh))
+    params = dp_step.init_params(model, 0, train.input_shape)
+    state = (params, step.optimizer.init(params))
+    for t in range(2):
+      buf, k = device_data.index_buffer(batcher.logical_batch(t), 8)
+      *state, metrics = step.train_step(*state, buf, k, np.uint32(t), dataset)
+    leaves = jax.tree.leaves(state[0])
+    out[name + '_' + loop] = [np.asarray(l).ravel().tolist() for l in leaves]
+    if mesh is not None:
+      assert all(l.sharding.is_fully_replicated for l in leaves)
+print(json.dumps(out))
+'''
+
+
+def test_train_step_on_four_devices_equals_one_device():
+  """The [K_max, P] buffer split over 4 devices (rows), dataset replicated: same params."""
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4')
+  proc = subprocess.run([sys.executable, '-c', _FOUR_DEVICES], cwd=repo, env=env,
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  ref = out['one_device']
+  assert set(out) == {'one_device', 'four_device', 'four_host'}
+  for name in ('four_device', 'four_host'):
+    for a, b in zip(out[name], ref):
+      np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)  # As tests/test_sharding.py.

@@ -18,6 +18,14 @@ from dpjax import models
 K = 3  # Classes.
 
 
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+  """Matmuls in float32 on every backend (GPUs default to TF32): these tests
+  compare with float64 or float32 references at float32 tolerances."""
+  with jax.default_matmul_precision('highest'):
+    yield
+
+
 class AllLayers(nn.Module):
   """Every covered layer type, each on its own branch of a [6, 6, 3] input.
 
@@ -172,6 +180,8 @@ MODELS = {
     'transformer_tokens': (_config('transformer', vocab_size=11, num_layers=1,
                                    model_dim=16, mlp_dim=32, num_heads=2),
                            (7,), 11),
+    'vit': (_config('vit', patch_size=2, num_layers=1, num_heads=2, width=8, mlp_dim=16),
+            (4, 6, 3), 0),
 }
 
 
@@ -181,7 +191,7 @@ def test_each_model_matches_per_example_gradients(name):
   model = models.make_model(cfg, K, shape)
   x, y = _inputs(shape, 6, seed=200 + sorted(MODELS).index(name), vocab=vocab)
   coverage = _assert_matches_vmap(model, x, y)
-  if name.startswith('transformer'):  # Declared in the model body.
+  if name.startswith('transformer') or name == 'vit':  # Declared in the model body.
     assert coverage.materialised == (('pos_embedding',),)
   else:
     assert not coverage.materialised

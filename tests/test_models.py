@@ -56,6 +56,8 @@ SMALL = {
                            (7,)),
     'transformer_features': (_config('transformer', num_layers=1, model_dim=16,
                                      num_heads=2, mlp_dim=32), (7, 5)),
+    'vit': (_config('vit', patch_size=2, num_layers=1, num_heads=2, width=8, mlp_dim=16),
+            (4, 6, 3)),
 }
 
 
@@ -220,3 +222,22 @@ def test_partial_config_takes_defaults():
   assert model.activation == models.default_model_config('mlp').activation
   assert _num_params(_param_shapes(model, (8, 8, 1))) == (
       64 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10)
+
+
+def _vit_num_params(depth, width, mlp, patch, channels, tokens, classes):
+  """Closed form: patch conv, positions, per block 2 LN + attention + MLP, final LN, head."""
+  block = 2 * 2 * width + 4 * (width * width + width) + (width * mlp + mlp) + (mlp * width + width)
+  return ((patch * patch * channels * width + width) + tokens * width + depth * block
+          + 2 * width + (width * classes + classes))
+
+
+def test_vit_s4_parameter_count_matches_closed_form():
+  model = models.make_model(_config('vit'), 10, (32, 32, 3))  # ViT-S/4 on CIFAR-10.
+  p = _param_shapes(model, (32, 32, 3))['params']
+  assert _num_params(p) == _vit_num_params(12, 384, 1536, 4, 3, 64, 10)
+  assert abs(_num_params(p) - 21.4e6) < 0.1e6  # ViT-S/4 on 32x32x3: 21.4M.
+  assert p['pos_embedding'].shape == (64, 384)
+  with pytest.raises(ValueError, match='multiples of config.model.patch_size=4'):
+    models.make_model(_config('vit'), 10, (30, 32, 3))
+  with pytest.raises(ValueError, match='must divide width'):
+    models.make_model(_config('vit', num_heads=5), 10, (32, 32, 3))

@@ -1,0 +1,284 @@
+"""Is the trainer as fast as its compiled step? `python -m dpjax.train` (e2e) vs the bare kernel.
+
+For each config, on the same Poisson logical batches (the sampler is a pure
+function of (seed, step), so this process rebuilds exactly the batches the
+trainer draws):
+
+* e2e: `python -m dpjax.train` in a subprocess; steady-state examples/s from
+  its metrics.jsonl after `--warmup` steps (its `examples_per_second` when it
+  logs one, else from the cumulative `steps_per_second` it logs: t_s = s /
+  sps_s since the loop started), median over log intervals. Eval and
+  checkpoints fall outside the timed intervals (they run after the metrics
+  line of a step).
+* kernel: `DPStep.train_step`, the compiled logical-step program, called
+  back to back on device-resident logical batches (index buffers into the
+  training set on the device, or host-gathered buffers put on the device
+  beforehand) after warm-up; median over repeats.
+* fused_loop: the loop train.py is to run with this branch's pieces, in this
+  process: sampler -> `device_data.index_buffer` -> `train_step` (data on the
+  device; a `Prefetcher` thread for host-gathered buffers when the data does
+  not fit) with metrics fetched every log step;
+  timed round-robin with the kernel, median over repeats.
+
+ratio = e2e / kernel (issue 14's goal: >= 0.9); fused_loop_ratio = fused_loop
+/ kernel. Also, for digits_mlp: the trainer's first 10 steps and its whole
+wall time with an empty and then a warm persistent compilation cache.
+
+  python scripts/bench_e2e.py            # writes scripts/results/e2e.json
+  python scripts/bench_e2e.py --quick    # < 5 min on 2 CPU cores; scripts/results/e2e_quick.json
+
+The last line printed is one JSON object {config: {"e2e_examples_per_s",
+"kernel_examples_per_s", "ratio", ...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+COMMON = {  # Fixed σ (no calibration), no periodic eval / checkpoint inside the timed steps.
+    'num_epochs': 0, 'privacy.target_epsilon': 0.0, 'privacy.noise_multiplier': 1.0,
+    'eval_every_steps': 10**6, 'checkpoint_every_steps': 10**6, 'keep_checkpoints': 1}
+CONFIGS = {
+    'digits_mlp': {'file': 'configs/digits_mlp.py', 'overrides': {
+        'sampler.batch_size': 256, 'sampler.physical_batch_size': 64},
+        'steps': 120, 'quick_steps': 60, 'log_every': 10, 'warmup': 10},
+    # WRN-16-4 (GroupNorm, weight standardisation) on 32x32x3 synthetic data.
+    'wrn_synthetic': {'file': 'configs/cifar10_wrn.py', 'overrides': {
+        'data.source': 'synthetic', 'data.num_examples': 2000, 'data.input_shape': (32, 32, 3),
+        'data.num_classes': 10, 'sampler.batch_size': 32, 'sampler.physical_batch_size': 16},
+        'quick_overrides': {'data.num_examples': 500, 'sampler.batch_size': 16,
+                            'sampler.physical_batch_size': 8},
+        'steps': 24, 'quick_steps': 8, 'log_every': 2, 'warmup': 2, 'quick_repeats': 2},
+}
+
+
+def _cli_value(value) -> str:
+  return f'({", ".join(str(v) for v in value)})' if isinstance(value, tuple) else str(value)
+
+
+def _spec(name: str, quick: bool) -> dict:
+  spec = dict(CONFIGS[name])
+  overrides = {**COMMON, **spec['overrides'], **(spec.get('quick_overrides', {}) if quick else {})}
+  overrides['num_steps'] = spec['quick_steps'] if quick else spec['steps']
+  overrides['log_every_steps'] = spec['log_every']
+  return {**spec, 'overrides': overrides, 'num_steps': overrides['num_steps']}
+
+
+def _load_config(spec: dict):
+  import importlib  # pylint: disable=g-import-not-at-top
+  module = importlib.import_module(spec['file'][:-3].replace('/', '.'))
+  config = module.get_config()
+  config.update_from_flattened_dict(spec['overrides'])
+  return config
+
+
+class Run:
+  """The trainer's objects for a config, rebuilt in this process."""
+
+  def __init__(self, spec: dict):
+    from dpjax import batching, data, dp_step, models, samplers, train  # pylint: disable=g-import-not-at-top,multiple-imports
+    config = _load_config(spec)
+    self.config = config
+    self.train_source, _ = data.make_sources(config.data, seed=config.seed)
+    n = len(self.train_source)
+    self.sampler = samplers.make_sampler(config, n)
+    p = config.sampler.physical_batch_size
+    self.max_batch_size = batching.resolve_max_batch_size(
+        self.sampler, p, config.sampler.max_batch_size, num_steps=spec['num_steps'],
+        delta=config.privacy.delta)
+    self.batcher = batching.Batcher(self.sampler, p, self.max_batch_size)
+    model = models.make_model(config.model, self.train_source.num_classes,
+                              self.train_source.input_shape)
+    self.step = dp_step.DPStep(
+        model, train.make_optimizer(config.optimizer), clip_norm=config.privacy.clip_norm,
+        noise_multiplier=config.privacy.noise_multiplier,
+        expected_batch_size=self.sampler.expected_batch_size, private=config.privacy.enabled,
+        clipping=config.privacy.clipping, label_format=config.data.label_format, seed=config.seed)
+    self.params = dp_step.init_params(model, config.seed, self.train_source.input_shape)
+    self.opt_state = self.step.optimizer.init(self.params)
+
+  def rows(self, step: int) -> int:
+    return int(min(len(self.sampler.indices(step)), self.max_batch_size))
+
+
+def time_e2e(name: str, spec: dict, run: Run, env: dict | None = None) -> dict:
+  """`python -m dpjax.train` in a subprocess; steady-state rates from its metrics.jsonl."""
+  with tempfile.TemporaryDirectory() as workdir:
+    argv = [sys.executable, '-m', 'dpjax.train', f'--config={REPO}/{spec["file"]}',
+            f'--workdir={workdir}'] + [f'--config.{k}={_cli_value(v)}'
+                                        for k, v in spec['overrides'].items()]
+    start = time.perf_counter()
+    proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, check=False)
+    wall = time.perf_counter() - start
+    if proc.returncode:
+      raise RuntimeError(f'{name}: dpjax.train failed:\n{proc.stderr[-3000:]}')
+    with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+      lines = [json.loads(l) for l in f if l.strip()]
+  logged = [l for l in lines if 'steps_per_second' in l]
+  times = {l['step']: l['step'] / l['steps_per_second'] for l in logged}  # Since the loop began.
+  steps = sorted(s for s in times if s >= spec['warmup'])
+  rates = []
+  for a, b in zip(steps, steps[1:]):
+    examples = sum(run.rows(t) for t in range(a, b))
+    rates.append(examples / (times[b] - times[a]))
+  trainer_rates = [l['examples_per_second'] for l in logged
+                   if 'examples_per_second' in l and l['step'] > spec['warmup']]
+  out = {'examples_per_s': statistics.median(trainer_rates or rates) if trainer_rates or rates
+         else None,
+         'source': 'examples_per_second (trainer)' if trainer_rates else 'steps_per_second timestamps',
+         'interval_rates': rates, 'wall_seconds': wall,
+         'first_steps_seconds': {s: times[s] for s in sorted(times)[:2]}}
+  for key in ('compile_seconds',):
+    values = [l[key] for l in logged if key in l]
+    if values:
+      out[key] = values[-1]
+  return out
+
+
+def time_kernel_and_loop(run: Run, steps: range, log_every: int, repeats: int) -> tuple[dict, dict]:
+  """The kernel and the fused loop on the same steps, timed round-robin (load hits both alike).
+
+  kernel: train_step back to back on device-resident logical batches, after
+  warm-up. fused loop: the loop train.py is to run, sampler -> index buffer ->
+  train_step with the data on the device, one host sync per logged step.
+  """
+  from dpjax import device_data  # pylint: disable=g-import-not-at-top
+  k_max = run.batcher.max_physical_batches
+  on_device = device_data.fits_on_device(run.train_source)
+  dataset = device_data.put_on_device(run.train_source) if on_device else None
+  if on_device:
+    make = lambda t: device_data.index_buffer(run.batcher.logical_batch(t), k_max)
+  else:
+    make = lambda t: device_data.host_buffer(run.train_source, run.batcher.logical_batch(t), k_max)
+  batches = [jax.device_put((*make(t), np.uint32(t))) for t in steps]
+  examples = sum(run.rows(t) for t in steps)
+  state = jax.tree.map(np.array, (run.params, run.opt_state))
+  start = time.perf_counter()
+  params, opt_state, metrics = run.step.train_step(*state, *batches[0], dataset)
+  jax.block_until_ready(metrics)
+  first_call = time.perf_counter() - start
+
+  def kernel():
+    nonlocal params, opt_state
+    for buf, k, t in batches:
+      params, opt_state, metrics = run.step.train_step(params, opt_state, buf, k, t, dataset)
+    jax.block_until_ready((params, metrics))
+
+  def loop():
+    nonlocal params, opt_state
+    pending = []
+    # Index buffers cost ~50 µs of host time a step: made inline (a thread would
+    # contend for the GIL); host-gathered buffers come from a Prefetcher thread.
+    with device_data.Prefetcher(make, steps) if not on_device else contextlib.nullcontext(
+        (t, make(t)) for t in steps) as prefetched:
+      for t, (buf, k) in prefetched:
+        params, opt_state, metrics = run.step.train_step(params, opt_state, buf, k, np.uint32(t),
+                                                          dataset)
+        pending.append(metrics)
+        if (t + 1) % log_every == 0:
+          jax.device_get(pending)  # The trainer's one host sync per logged step.
+          pending = []
+    jax.block_until_ready((params, pending))
+
+  rates = {'kernel': [], 'loop': []}
+  for i in range(repeats + 1):  # Round 0 warms the loop up; not counted.
+    for name, fn in (('kernel', kernel), ('loop', loop)):
+      start = time.perf_counter()
+      fn()
+      if i:
+        rates[name].append(examples / (time.perf_counter() - start))
+  kernel_out = {'examples_per_s': statistics.median(rates['kernel']),
+                'repeat_rates': rates['kernel'], 'device_data': on_device,
+                'first_call_seconds': first_call,
+                'compilations': run.step.compile_count('train_step')}
+  loop_out = {'examples_per_s': statistics.median(rates['loop']), 'repeat_rates': rates['loop'],
+              'buffers': 'index buffers made inline' if on_device else
+                         'host buffers from a Prefetcher thread (depth 2)'}
+  return kernel_out, loop_out
+
+
+def time_compilation_cache(name: str, spec: dict, run: Run) -> dict:
+  """The trainer's first 10 steps with an empty, then a warm, persistent compilation cache."""
+  spec = {**spec, 'overrides': {**spec['overrides'], 'num_steps': 10, 'log_every_steps': 10},
+          'warmup': 0}
+  out = {}
+  with tempfile.TemporaryDirectory() as cache:
+    env = {'JAX_COMPILATION_CACHE_DIR': cache, 'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0.1'}
+    for label in ('cold', 'warm'):
+      r = time_e2e(name, spec, run, env)
+      out[label] = {'first_10_steps_seconds': r['first_steps_seconds'].get(10),
+                    'process_wall_seconds': r['wall_seconds']}
+  return out
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--quick', action='store_true', help='fewer steps (< 5 min on 2 cores)')
+  parser.add_argument('--configs', nargs='+', default=list(CONFIGS), choices=list(CONFIGS))
+  parser.add_argument('--repeats', type=int, default=None, help='kernel / loop repeats')
+  parser.add_argument('--out', default=None)
+  args = parser.parse_args()
+  repeats = args.repeats or (3 if args.quick else 5)
+  out_path = args.out or os.path.join(REPO, 'scripts', 'results',
+                                      'e2e_quick.json' if args.quick else 'e2e.json')
+  from dpjax import compilation_cache  # pylint: disable=g-import-not-at-top
+  cache_dir = compilation_cache.enable_compilation_cache('')  # The same cache as a user's runs.
+  began = time.perf_counter()
+  device = jax.devices()[0]
+  results = {'jax': jax.__version__, 'backend': jax.default_backend(),
+             'device': getattr(device, 'device_kind', str(device)), 'cpu_count': os.cpu_count(),
+             'quick': args.quick, 'repeats': repeats, 'compilation_cache_dir': cache_dir,
+             'load_average_start': os.getloadavg(), 'configs': {}}
+  summary = {}
+  for name in args.configs:
+    spec = _spec(name, args.quick)
+    run = Run(spec)
+    timed = range(spec['warmup'], spec['num_steps'])
+    config_repeats = args.repeats or (spec.get('quick_repeats', repeats) if args.quick else repeats)
+    print(f'{name}: e2e ({spec["num_steps"]} steps of python -m dpjax.train)...', flush=True)
+    e2e = time_e2e(name, spec, run, {'JAX_COMPILATION_CACHE_DIR': cache_dir or '',
+                                     'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0.1'})
+    print(f'{name}: kernel and fused loop, round-robin...', flush=True)
+    kernel, loop = time_kernel_and_loop(run, timed, spec['log_every'], config_repeats)
+    entry = {'repeats': config_repeats, 'physical_loop': run.step.loop_mode(run.params),
+             'overrides': {k: v for k, v in spec['overrides'].items()},
+             'max_batch_size': run.max_batch_size,
+             'expected_batch_size': run.sampler.expected_batch_size,
+             'timed_steps': [timed.start, timed.stop], 'e2e': e2e, 'kernel': kernel,
+             'fused_loop': loop}
+    if name == 'digits_mlp':
+      print(f'{name}: compilation cache cold / warm...', flush=True)
+      entry['compilation_cache'] = time_compilation_cache(name, spec, run)
+    results['configs'][name] = entry
+    summary[name] = {'e2e_examples_per_s': e2e['examples_per_s'],
+                     'kernel_examples_per_s': kernel['examples_per_s'],
+                     'ratio': e2e['examples_per_s'] / kernel['examples_per_s'],
+                     'fused_loop_examples_per_s': loop['examples_per_s'],
+                     'fused_loop_ratio': loop['examples_per_s'] / kernel['examples_per_s']}
+    print(f'{name}: {json.dumps(summary[name])}', flush=True)
+  results['summary'] = summary
+  results['load_average_end'] = os.getloadavg()
+  results['wall_seconds'] = time.perf_counter() - began
+  with open(out_path, 'w') as f:
+    json.dump(results, f, indent=1)
+  print(f'wrote {out_path} in {results["wall_seconds"]:.0f} s', flush=True)
+  print(json.dumps(summary))
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,93 @@
+"""dpjax.precision: clip margins, and the bound ‖contribution as summed‖ ≤ C in bfloat16."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dpjax import dp_step
+from dpjax import models
+from dpjax import precision
+
+
+def test_margins_are_the_closed_form():
+  for fmt, u in (('float32', 2**-24), ('tf32', 2**-11), ('bfloat16', 2**-8)):
+    ku = precision.KAPPA * u
+    assert (1 + ku) / (1 - ku) - 1 == pytest.approx(2 * ku / (1 - ku), rel=1e-9)
+  assert precision.clip_margin('highest', 'gpu') == pytest.approx(16 * 2**-24, rel=1e-5)
+  assert precision.clip_margin('default', 'cpu') == precision.clip_margin('highest', 'cpu')
+  assert precision.clip_margin('default', 'gpu') == pytest.approx(16 * 2**-11 / (1 - 2**-8))
+  assert precision.clip_margin('default', 'tpu') == precision.clip_margin('bfloat16', 'cpu')
+  assert precision.effective_clip_norm(2.0, 'bfloat16') == pytest.approx(
+      2.0 / (1 + 16 * 2**-8 / (1 - 2**-5)))
+  with pytest.raises(ValueError, match="config.precision = 'fp16'; valid: default, highest"):
+    precision.check_precision('fp16')
+  with pytest.raises(ValueError, match='config.precision'):
+    dp_step.DPStep(models.MLP(3, (4,)), optax.sgd(1.0), clip_norm=1.0, noise_multiplier=1.0,
+                   expected_batch_size=4, precision='fp16')
+
+
+def _model_and_rows(name, n):
+  rng = np.random.default_rng(0)
+  if name == 'mlp':
+    model, shape = models.MLP(10, (64, 32)), (8, 8, 1)
+  else:
+    model, shape = models.CNN(10, (8, 16), (3, 3), (1, 2), ('SAME', 'SAME'), 16), (8, 8, 1)
+  x = rng.normal(size=(n, *shape)).astype(np.float32) * 2
+  y = rng.integers(0, 10, n).astype(np.int32)
+  return model, shape, x, y
+
+
+@pytest.mark.parametrize('name,method', [('mlp', 'ghost'), ('mlp', 'vmap'), ('cnn', 'ghost')])
+def test_each_contribution_as_summed_in_bfloat16_has_norm_at_most_c(name, method):
+  """One-hot weights materialise example i's contribution exactly as the weighted pass sums it."""
+  n, c = 16, 0.05  # C far below every ‖g_i‖: every example is clipped.
+  model, shape, x, y = _model_and_rows(name, n)
+  params = dp_step.init_params(model, 0, shape)
+  step = dp_step.DPStep(model, optax.sgd(1.0), clip_norm=c, noise_multiplier=1.0,
+                        expected_batch_size=n, clipping=method, precision='bfloat16')
+  margin = precision.clip_margin('bfloat16')
+  assert step.clip_bound == pytest.approx(c / (1 + margin))
+  f32 = dp_step.DPStep(model, optax.sgd(1.0), clip_norm=c, noise_multiplier=1.0,
+                       expected_batch_size=n, clipping=method, precision='highest')
+  ratios, differs = [], []
+  for i in range(n):
+    batch = {'x': x, 'y': y, 'weight': np.eye(n, dtype=np.float32)[i]}
+    acc = step.accumulate(params, step.init_accumulator(params), batch)
+    contribution = np.concatenate([np.ravel(np.asarray(g, np.float64))
+                                   for g in jax.tree.leaves(acc.grad_sum)])
+    norm = np.linalg.norm(contribution)
+    assert norm <= c, (i, norm)  # The guarantee.
+    ratios.append(norm / step.clip_bound)
+    ref = f32.accumulate(params, f32.init_accumulator(params), batch)
+    ref = np.concatenate([np.ravel(np.asarray(g, np.float64)) for g in jax.tree.leaves(ref.grad_sum)])
+    differs.append(np.linalg.norm(contribution / norm - ref / np.linalg.norm(ref)))
+  assert int(acc.stats.num_clipped) == 1
+  # The computation really ran in bfloat16 (directions differ by ~u = 4e-3, not float32's 1e-7),
+  # and the clip bound was hit to within the margin.
+  assert np.median(differs) > 1e-4, differs
+  assert max(ratios) <= 1 + margin and min(ratios) > 1 - margin, ratios
+  assert step.compile_count('accumulate') == 1
+
+
+def test_highest_matches_a_float64_reference():
+  n, c = 8, 0.3
+  model, shape, x, y = _model_and_rows('mlp', n)
+  params = dp_step.init_params(model, 0, shape)
+  step = dp_step.DPStep(model, optax.sgd(1.0), clip_norm=c, noise_multiplier=1.0,
+                        expected_batch_size=n, clipping='ghost', precision='highest')
+  acc = step.accumulate(params, step.init_accumulator(params),
+                        {'x': x, 'y': y, 'weight': np.ones(n, np.float32)})
+  with jax.enable_x64(True):
+    p64 = jax.tree.map(lambda v: jnp.asarray(v, jnp.float64), params)
+    loss = lambda p, xi, yi: optax.softmax_cross_entropy_with_integer_labels(
+        model.apply({'params': p}, xi[None])[0], yi)
+    grads = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(p64, jnp.asarray(x, jnp.float64), y)
+    norms = np.sqrt(sum(np.sum(np.reshape(g, (n, -1))**2, 1) for g in jax.tree.leaves(grads)))
+    want = jax.tree.map(lambda g: np.tensordot(np.minimum(1, c / norms), g, axes=1), grads)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
+               acc.grad_sum, want)
+  assert math.isclose(step.clip_bound, c / (1 + 16 * 2**-24 / (1 - 2**-21)), rel_tol=1e-12)
