@@ -37,7 +37,7 @@ def test_accounting_is_identical_with_augmult_and_ema_on_and_off():
 
 def test_identity_views_train_exactly_like_no_augmult():
   """K identical views: view-mean gradient = the gradient, so the run is the baseline's."""
-  config = recipe.base_config(0, 4.0, 3)
+  config = recipe.base_config(0, 0.0, 3, sigma=1.5)
   config.augmult.crop_padding = 0
   private = _private_half(config)
   base, _ = recipe.train(config, private, recipe.Variant('baseline'))
@@ -47,18 +47,20 @@ def test_identity_views_train_exactly_like_no_augmult():
 
 
 def test_finetuning_beats_training_from_scratch_at_the_same_epsilon(tmp_path):
-  """Pretrained non-privately on public half A, fine-tuned privately on B: ≥ 5 points better.
+  """Pretrained non-privately on public half A, fine-tuned privately on B: ≥ 10 points better.
 
-  Fixed seeds 0 and 1, ε ≈ 4 (δ = 1e-5) over 15 steps on B for both; measured: scratch
-  ≈ 0.6-0.8, fine-tuned ≈ 0.93-0.95 (experiments/07_recipe/results.json has the longer run).
+  Fixed seeds 0 and 1, σ = 1.5 over 15 steps on B for both (the same ε, from the plan's
+  accountant). Measured: scratch 0.783 / 0.728, fine-tuned 0.947 / 0.947 (a 19-point gap;
+  the margin asserted is 10). experiments/07_recipe/results.json has the longer runs.
   """
   npz = str(tmp_path / 'pretrained.npz')
   recipe.pretrain_npz(npz)
   scratch, tuned = [], []
   for seed in (0, 1):
-    s = recipe.run_variant(recipe.Variant('baseline'), seed, 4.0, 15)
-    f = recipe.run_variant(recipe.Variant('finetune', finetune=True), seed, 4.0, 15, npz)
-    assert s['epsilon'] == f['epsilon'] <= 4.0  # The same ε, covering half B only.
+    s = recipe.run_variant(recipe.Variant('baseline'), seed, 0.0, 15, sigma=1.5)
+    f = recipe.run_variant(recipe.VARIANTS[4], seed, 0.0, 15, npz, sigma=1.5)
+    assert f['variant'] == 'finetune'
+    assert s['epsilon'] == f['epsilon'] < 4.0  # The same ε, covering half B only.
     scratch.append(s['test_accuracy'])
     tuned.append(f['test_accuracy'])
-  assert np.mean(tuned) >= np.mean(scratch) + 0.05, (scratch, tuned)
+  assert np.mean(tuned) >= np.mean(scratch) + 0.10, (scratch, tuned)
