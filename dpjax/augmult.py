@@ -78,12 +78,10 @@ def augment(key: jax.Array, image: jax.Array, crop_padding: int, flip: bool) -> 
   """One view of image [H, W, C]: reflect-pad, random crop to [H, W], random horizontal flip."""
   crop_key, flip_key = jax.random.split(key)
   if crop_padding:
-    h, w = image.shape[:2]
     p = crop_padding
     padded = jnp.pad(image, ((p, p), (p, p), (0, 0)), mode='reflect')
     dy, dx = jax.random.randint(crop_key, (2,), 0, 2 * p + 1)
     image = jax.lax.dynamic_slice(padded, (dy, dx, 0), image.shape)
-    del h, w
   if flip:
     image = jnp.where(jax.random.bernoulli(flip_key), image[:, ::-1], image)
   return image

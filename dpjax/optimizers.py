@@ -42,7 +42,8 @@ def make_schedule(config: ml_collections.ConfigDict, num_steps: int) -> optax.Sc
   boundaries = tuple(int(s) for s in config.get('decay_steps', ()))
   factor = float(config.get('decay_factor', 0.1))
   if any(s <= 0 for s in boundaries) or list(boundaries) != sorted(set(boundaries)):
-    raise ValueError(f'optimizer.decay_steps = {boundaries}: must be strictly increasing steps > 0.')
+    raise ValueError(f'optimizer.decay_steps = {boundaries}: must be strictly increasing '
+                     'steps > 0.')
   if not 0 < factor <= 1:
     raise ValueError(f'optimizer.decay_factor = {factor}: must be a number in (0, 1].')
   return optax.piecewise_constant_schedule(lr, {s: factor for s in boundaries})

@@ -126,7 +126,7 @@ def test_lora_only_the_adapters_change_and_start_at_the_pretrained_model():
 
 
 def test_attention_kernels_are_viewed_as_in_by_out_matrices():
-  assert finetune.matrix_split('Block/MultiHeadDotProductAttention_0/query/kernel', (64, 4, 16)) == 1
+  assert finetune.matrix_split('MultiHeadDotProductAttention_0/query/kernel', (64, 4, 16)) == 1
   assert finetune.matrix_split('MultiHeadDotProductAttention_0/out/kernel', (4, 16, 64)) == 2
   assert finetune.matrix_split('Conv_0/kernel', (3, 3, 8, 16)) == 3
   model = models.Transformer(num_classes=3, max_length=4, num_layers=1, num_heads=2,

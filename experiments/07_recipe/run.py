@@ -32,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -114,7 +115,8 @@ def evaluate(model, params, source, batch_size=256) -> float:
 def _use_augmult(step: dp_step.DPStep, model, clip_norm: float) -> None:
   """Makes `step` clip the view-mean gradient (see the module docstring)."""
   loss = augmult.mean_over_views(dp_step.make_loss_fn(model))
-  step._sum_fn = clipping.make_clipped_sum_fn('vmap', loss, clip_norm)  # pylint: disable=protected-access
+  # pylint: disable-next=protected-access
+  step._sum_fn = clipping.make_clipped_sum_fn('vmap', loss, clip_norm)
 
 
 def pretrain(config, public, epochs: int = 30):
@@ -247,6 +249,8 @@ def main(argv=None) -> int:
                 'optimizer': 'sgd, constant lr 2.0 (fine-tuning 0.5)', 'seeds': args.seeds},
       'pretrained_public_only_accuracy': pretrained_acc,
       'summary': summary, 'rows': rows,
+      'commit': subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True,
+                               cwd=HERE, check=False).stdout.strip(),
       'machine': '2-core CPU shared with other agents', 'seconds': time.time() - start,
   }
   os.makedirs(args.out, exist_ok=True)
