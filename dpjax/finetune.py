@@ -29,6 +29,11 @@ no noise and no share of the clip norm, and they are public in the DP sense
 (they come from pretraining on public/other data, not from the private
 training set): the guarantee is unchanged, and it covers only the private
 fine-tuning data.
+
+Clipping methods: with frozen parameters, ghost clipping covers the wrapped
+model as before (tested equal to vmap); LoRA adapters are not covered by
+`dpjax.ghost_clipping`, so 'auto' falls back to per-example gradients (vmap)
+with a log line, and 'ghost' is refused with a clear error.
 """
 
 from __future__ import annotations

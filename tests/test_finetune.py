@@ -157,3 +157,22 @@ def test_attention_kernels_are_viewed_as_in_by_out_matrices():
 def test_bad_freeze_and_lora_settings(kwargs, match):
   with pytest.raises(ValueError, match=match):
     finetune.make_finetune(MODEL, _params(), **kwargs)
+
+
+def test_ghost_clipping_with_frozen_layers_equals_vmap_and_lora_falls_back():
+  """Freezing keeps ghost clipping exact; LoRA adapters are not covered by it (vmap instead)."""
+  batch = _batch(n=8)
+  frozen_model, trainable = finetune.make_finetune(MODEL, _params(), freeze=('Dense_0/',))
+  sums = {}
+  for method in ('vmap', 'ghost'):
+    step = dp_step.DPStep(frozen_model, optax.sgd(0.1), clip_norm=0.3, noise_multiplier=0.0,
+                          expected_batch_size=8.0, clipping=method)
+    sums[method] = step.accumulate(trainable, step.init_accumulator(trainable), batch).grad_sum
+  for a, b in zip(jax.tree.leaves(sums['vmap']), jax.tree.leaves(sums['ghost'])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  lora_model, adapters = finetune.make_finetune(MODEL, _params(), lora_rank=2,
+                                                lora_targets=('Dense_0/kernel',))
+  step = dp_step.DPStep(lora_model, optax.sgd(0.1), clip_norm=0.3, noise_multiplier=0.0,
+                        expected_batch_size=8.0, clipping='ghost')
+  with pytest.raises(ValueError, match='kernel_lora_a'):
+    step.accumulate(adapters, step.init_accumulator(adapters), batch)
