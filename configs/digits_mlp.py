@@ -72,6 +72,27 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.optimizer.name = 'sgd'  # sgd | adam
   c.optimizer.learning_rate = 1.0
   c.optimizer.momentum = 0.0  # sgd only; 0 disables.
+  c.optimizer.schedule = 'constant'  # constant | cosine (linear warm-up, then cosine decay to 0
+  #   at the last step) | step (piecewise constant); see dpjax/optimizers.py.
+  c.optimizer.warmup_steps = 0  # cosine only: steps of linear warm-up from 0.
+  c.optimizer.decay_steps = ()  # step only: steps at which the rate is multiplied by
+  c.optimizer.decay_factor = 0.1  #   decay_factor (in (0, 1]).
+
+  # --- Recipe: augmentation multiplicity, EMA, fine-tuning (none enters ε) ---
+  c.augmult = ml_collections.ConfigDict()
+  c.augmult.num_views = 0  # K views per example, gradient averaged over views before the one
+  #   clipping (De et al. 2022); 0 or 1 = off. See dpjax/augmult.py.
+  c.augmult.crop_padding = 0  # Images: reflect-pad by this many pixels, crop back (0 = no crop).
+  c.augmult.flip = False  # Images: random horizontal flip.
+  c.ema_decay = 0.0  # EMA of the parameters, decay min(d, (1+t)/(10+t)); 0 = off. dpjax/ema.py.
+  c.init_from = ''  # Pretrained params: an .npz ('/'-joined keys), a dpjax workdir or a
+  #   checkpoint step directory; '' = train from the initialisation. dpjax/finetune.py.
+  c.init_from_rules = ()  # ((regex, replacement), ...) renaming the file's keys; '' drops one.
+  c.freeze = ()  # Regexes on '/'-joined parameter paths: frozen (no gradient, noise, clip cost).
+  c.lora = ml_collections.ConfigDict()
+  c.lora.rank = 0  # r: LoRA adapters W + (alpha/r)·A·B on lora.targets; 0 = no LoRA.
+  c.lora.alpha = 1.0  # alpha > 0.
+  c.lora.targets = ()  # Regexes on kernel paths (Dense, Conv, attention); their W is frozen.
 
   # --- Devices ---------------------------------------------------------------
   c.num_devices = 0  # Data-parallel devices (mesh axis 'data'): 0 = all (every host's);

@@ -1,5 +1,15 @@
 """DP-SGD tanh CNN on MNIST (Papernot et al. 2021; Tramèr & Boneh 2021).
 
+Source: Papernot, Thakurta, Song, Chien, Erlingsson 2021, "Tempered Sigmoid
+Activations for Deep Learning with Differential Privacy" (AAAI; arXiv
+2007.14191): the tanh CNN of dpjax.models.CNN reaches 98.1% test accuracy on
+MNIST at ε = 2.93, δ = 1e-5 (Opacus' MNIST example: 96.8% at ε = 2.9). The
+batch size, learning rate, momentum and epochs below are those this repository
+used before (not re-checked against the paper's hyper-parameter table, whose
+text the search tool did not hold); σ is calibrated to ε = 2.93 with PLD.
+Expected: ≈ 98% test accuracy (not measured here: MNIST is not prepared on
+this machine).
+
 Needs MNIST prepared as TFDS ArrayRecord files (nothing is downloaded at run
 time). On a machine with network access:
   pip install tensorflow-datasets && tfds build mnist --data_dir ~/tfds --file_format=array_record
@@ -28,7 +38,7 @@ def get_config(arg: str | None = None):
   c.sampler.physical_batch_size = 128
 
   c.privacy.clip_norm = 1.0
-  c.privacy.target_epsilon = 3.0
+  c.privacy.target_epsilon = 2.93  # Papernot et al.'s ε for 98.1%.
 
   c.model = models.default_model_config('cnn')  # 28x28 -> conv 8x8/2 -> conv 4x4/2 -> 32 -> 10.
 
