@@ -189,6 +189,8 @@ FIELDS: tuple[Field, ...] = (
     Field('ema_decay', 'float', 0, 1, high_open=True, meaning='EMA decay; 0 = off'),
     Field('lora.rank', 'int', 0, meaning='LoRA rank r; 0 = off'),
     Field('lora.alpha', 'float', 0, low_open=True, meaning='LoRA scale alpha (W + alpha/r·A·B)'),
+    Field('precision', 'str', choices=('default', 'highest', 'bfloat16'),
+          meaning='matmul precision; the clip bound C holds in every mode'),
     # --- devices, length, periodic actions
     Field('num_devices', 'int', 0, meaning='0 = all devices'),
     Field('num_epochs', 'int', 0, accounting=True,

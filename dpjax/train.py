@@ -27,6 +27,7 @@ checkpoint, always firing at the last step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -51,11 +52,16 @@ from dpjax import _validate
 from dpjax import batching
 from dpjax import checkpoints
 from dpjax import cli
+from dpjax import compilation_cache
 from dpjax import data
+from dpjax import device_data
 from dpjax import dp_step
+from dpjax import ema as ema_lib
+from dpjax import finetune
 from dpjax import interrupts
 from dpjax import metrics as metrics_lib
 from dpjax import models
+from dpjax import optimizers
 from dpjax import plan as plan_lib
 from dpjax import sharding
 from dpjax import workdir_lock
@@ -80,21 +86,15 @@ OPTIMIZERS = ('sgd', 'adam')
 class TrainState:
   """Everything a resume needs: sampler and noise are pure functions of (seed, step)."""
   step: jax.Array
-  params: Any
+  params: Any  # The trainable parameters (all of them unless fine-tuning freezes some).
   opt_state: Any
   num_truncated: jax.Array  # Steps whose logical batch exceeded B (the accountant pays).
+  ema: ema_lib.EmaState  # EMA of params (= params when ema_decay = 0): post-processing.
 
 
 def is_time(step: int, every: int, last_step: int) -> bool:
   """Whether a periodic action fires after `step` (1-based count); always at the last."""
   return step == last_step or (every > 0 and step % every == 0)
-
-
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """The optax optimiser of `config.optimizer` (fields validated by `dpjax._validate`)."""
-  if config.name == 'sgd':
-    return optax.sgd(config.learning_rate, momentum=config.momentum or None)
-  return optax.adam(config.learning_rate)
 
 
 def check_workdir(workdir: str) -> str:
@@ -217,6 +217,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # written or compiled.
   # ---------------------------------------------------------------------------
   _validate.validate(config)
+  if config.augmult.num_views > 1:
+    raise _validate.ConfigError(
+        f'augmult.num_views = {config.augmult.num_views}: augmentation multiplicity is not wired '
+        'into dpjax.train yet (dpjax.augmult is used by experiments/07_recipe); set it to 0.')
+  if config.audit.num_canaries:
+    raise _validate.ConfigError(
+        f'audit.num_canaries = {config.audit.num_canaries}: canaries are not wired into '
+        'dpjax.train yet (dpjax.auditing.audited_sgd and experiments/08_audit run audits); set 0.')
   workdir = check_workdir(workdir)
   train_source, test_source = data.make_sources(config.data, seed=config.seed)
   model = models.make_model(config.model, train_source.num_classes, train_source.input_shape)
@@ -256,23 +264,43 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
   # ---------------------------------------------------------------------------
   # Model, optimiser and the DP step, built from the plan's σ and C.
   # ---------------------------------------------------------------------------
-  optimizer = make_optimizer(config.optimizer)
+  optimizer = optimizers.make_optimizer(config.optimizer, num_steps)
+  params = dp_step.init_params(model, config.seed, train_source.input_shape)
+  if config.init_from:  # Fine-tuning: public pretrained weights (they do not enter ε).
+    params = finetune.load_pretrained(config.init_from, params, config.init_from_rules)
+  if config.freeze or config.lora.rank:  # Frozen parameters get no gradient, noise or clipping.
+    model, params = finetune.make_finetune(
+        model, params, freeze=config.freeze, lora_rank=config.lora.rank,
+        lora_alpha=config.lora.alpha, lora_targets=config.lora.targets, seed=config.seed)
   step_fns = dp_step.DPStep(
       model, optimizer, clip_norm=plan.clip_norm, noise_multiplier=plan.noise_multiplier,
       expected_batch_size=plan.sampler.expected_batch_size, private=plan.private,
-      clipping=config.privacy.clipping, label_format=config.data.label_format, mesh=mesh)
+      clipping=config.privacy.clipping, label_format=config.data.label_format, mesh=mesh,
+      seed=config.seed, precision=config.precision)
   if plan.private:  # What is reported is what runs.
     assert step_fns.noise_multiplier == accountant.noise_multiplier == plan.noise_multiplier
   eval_fn = jax.jit(  # Sharded like training; the sums come back replicated.
       lambda params, batch: dp_step.eval_step(model, params, batch, config.data.label_format),
       in_shardings=(sharding.replicated(mesh), sharding.batch_sharding(mesh)),
       out_shardings=sharding.replicated(mesh))
-  run_eval = lambda params: evaluate(eval_fn, params, test_source, plan.physical_batch_size, mesh)
-  params = dp_step.init_params(model, config.seed, train_source.input_shape)
+
+  def run_eval(params, ema):
+    out = evaluate(eval_fn, params, test_source, plan.physical_batch_size, mesh)
+    if config.ema_decay:  # The EMA parameters, evaluated beside the raw ones.
+      out.update({f'{k}_ema': v for k, v in evaluate(
+          eval_fn, ema.params, test_source, plan.physical_batch_size, mesh).items()})
+    return out
+
+  update_ema = jax.jit(lambda ema, params: ema_lib.update(ema, params, config.ema_decay))
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
   state = sharding.replicate(mesh, TrainState(  # Same seed, same values on every host.
       step=np.int32(0), params=params, opt_state=optimizer.init(params),
-      num_truncated=np.int32(0)))
+      num_truncated=np.int32(0), ema=ema_lib.init(params)))
+  # The training set on the device when it fits (the sampler sends indices only); else
+  # host-gathered buffers, prefetched on a thread.
+  dataset = (device_data.put_on_device(train_source, sharding.replicated(mesh))
+             if device_data.fits_on_device(train_source) else None)
+  max_physical_batches = -(-plan.max_batch_size // plan.physical_batch_size)
 
   # ---------------------------------------------------------------------------
   # Restore: the same command resumes from the latest readable checkpoint.
@@ -299,10 +327,11 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
   # Train loop.
   # ---------------------------------------------------------------------------
   writer = metrics_lib.MetricWriter(workdir, restored_step, enabled=primary)
-  params, opt_state, num_truncated = state.params, state.opt_state, int(state.num_truncated)
+  params, opt_state, ema = state.params, state.opt_state, state.ema
+  num_truncated = int(state.num_truncated)
   last = {}
   if start_step == 0:
-    last = run_eval(params)
+    last = run_eval(params, ema)
     writer.write(0, last)
   progress = tqdm.tqdm(total=num_steps, initial=start_step, desc='train', dynamic_ncols=True,
                        disable=not primary or (not sys.stderr.isatty()
@@ -319,18 +348,25 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
     writer.close()
     return error
 
-  with interrupts.GracefulStop() as signals:
-    for step in range(start_step, num_steps):
-      logical = batcher.logical_batch(step)
+  def prepare(step: int):
+    """The logical batch of `step` as a [K_max, P] buffer (this host's rows) and its K."""
+    logical = batcher.logical_batch(step)
+    buffer, k = (device_data.index_buffer(logical, max_physical_batches, rows) if dataset
+                 is not None else device_data.host_buffer(train_source, logical,
+                                                          max_physical_batches, rows))
+    return logical, sharding.shard_logical_batch(mesh, buffer), k
+
+  steps = range(start_step, num_steps)
+  # Index buffers are cheap: made inline. Host-gathered rows are prefetched on a thread.
+  batches = (contextlib.nullcontext((t, prepare(t)) for t in steps) if dataset is not None
+             else device_data.Prefetcher(prepare, steps))
+  with interrupts.GracefulStop() as signals, batches as batch_stream:
+    for step, (logical, buffer, k) in batch_stream:
       num_truncated += int(logical.truncated)
-      acc = step_fns.init_accumulator(params)
-      for indices, weights in logical.physical_batches():
-        batch = train_source.gather(indices[rows])  # This host's rows only.
-        batch['weight'] = weights[rows]
-        acc = step_fns.accumulate(params, acc, sharding.shard_batch(mesh, batch))
-      # The same key on every device: the noise is drawn once, replicated.
-      key = jax.device_put(dp_step.noise_key(config.seed, step), sharding.replicated(mesh))
-      params, opt_state, metrics = step_fns.apply(params, opt_state, acc, key)
+      # One compiled program: K physical batches, noise keyed by (seed, step), the update.
+      params, opt_state, metrics = step_fns.train_step(params, opt_state, buffer, k,
+                                                       np.uint32(step), dataset)
+      ema = update_ema(ema, params)
       log_metrics.append(metrics)
       done = step + 1
       progress.update(1)
@@ -365,7 +401,7 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
         if accountant is not None:
           last['epsilon'] = accountant.epsilon(done)  # Side estimates only at checkpoints.
         if is_time(done, config.eval_every_steps, num_steps):
-          last.update(run_eval(params))
+          last.update(run_eval(params, ema))
         writer.write(done, last)
         shown = {k: f'{v:.4g}' for k, v in last.items()
                  if k in ('train_loss', 'train_accuracy', 'eval_accuracy', 'epsilon')}
@@ -376,7 +412,7 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
           print(f'step {done}/{num_steps}, {speed}, ETA {eta:.0f} s, '
                 + ' '.join(f'{k}={v}' for k, v in shown.items()), flush=True)
       elif is_time(done, config.eval_every_steps, num_steps):
-        last.update(run_eval(params))
+        last.update(run_eval(params, ema))
         writer.write(done, {k: last[k] for k in ('eval_loss', 'eval_accuracy')})
 
       if saving_now:
@@ -385,7 +421,7 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
         report = accountant.epsilon_at(done, estimates=done == num_steps) if accountant else None
         checkpoints.save(manager, done, TrainState(
             step=sharding.replicate(mesh, np.int32(done)), params=params, opt_state=opt_state,
-            num_truncated=sharding.replicate(mesh, np.int32(num_truncated))),
+            num_truncated=sharding.replicate(mesh, np.int32(num_truncated)), ema=ema),
             privacy_metadata(done, report, plan, step_fns, batcher, num_truncated))
         writer.flush()  # Metrics and TensorBoard events durable at every checkpoint.
       if stopping and done < num_steps:
@@ -400,10 +436,9 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
     log(f'{num_truncated} of {num_steps} logical batches exceeded B = {plan.max_batch_size} and '
         'were truncated; the reported ε accounts for the cap.')
   if 'eval_accuracy' not in last:
-    last.update(run_eval(params))
+    last.update(run_eval(params, ema))
   result = {'step': num_steps, **last, 'params': params,
-            'compilations': {'accumulate': step_fns.compile_count('accumulate'),
-                             'apply': step_fns.compile_count('apply')}}
+            'compilations': {'train_step': step_fns.compile_count('train_step')}}
   final_report = accountant.epsilon_at(num_steps) if accountant else None  # With estimates.
   if final_report is not None:
     result['privacy'] = final_report.to_dict()
@@ -429,6 +464,7 @@ def main(argv):
       cli.fail(prog, cli.config_override_error(sys.argv[1:]) or f'--config: {e}')
     if _DISTRIBUTED.value:  # Before anything touches a device.
       sharding.initialize_distributed(*launch)
+    compilation_cache.enable_compilation_cache(config.compilation_cache_dir)  # Before compiling.
     train_and_evaluate(config, _WORKDIR.value)
   except ValueError as e:  # Bad config, data or workdir: the message names the field.
     cli.fail(prog, e)

@@ -79,7 +79,7 @@ def test_step_compiles_once_over_an_epoch_of_variable_batches(tmp_path, sampler)
   config = small_config(**{'sampler.name': sampler, 'num_steps': 14, 'checkpoint_every_steps': 100})
   result = train.train_and_evaluate(config, str(tmp_path))
   assert 14 > 1437 / 128  # More than one epoch (12 steps).
-  assert result['compilations'] == {'accumulate': 1, 'apply': 1}
+  assert result['compilations'] == {'train_step': 1}  # One program per logical step.
 
 
 def test_non_private_baseline_reports_no_epsilon(tmp_path):
