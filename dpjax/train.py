@@ -412,8 +412,9 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
           print(f'step {done}/{num_steps}, {speed}, ETA {eta:.0f} s, '
                 + ' '.join(f'{k}={v}' for k, v in shown.items()), flush=True)
       elif is_time(done, config.eval_every_steps, num_steps):
-        last.update(run_eval(params, ema))
-        writer.write(done, {k: last[k] for k in ('eval_loss', 'eval_accuracy')})
+        evaluated = run_eval(params, ema)
+        last.update(evaluated)
+        writer.write(done, evaluated)
 
       if saving_now:
         # Side estimates (Monte-Carlo, lower bounds, comparisons) at the last step only: they

@@ -189,3 +189,29 @@ def test_mnist_cnn_config_trains_on_mock_tfds_data(tmp_path):
     result = train.train_and_evaluate(config, str(tmp_path / 'work'))
   assert result['step'] == 1 and np.isfinite(result['train_loss'])
   assert result['privacy']['bound'] == 'upper' and result['privacy']['epsilon'] <= 3.0
+
+
+def test_ema_is_evaluated_and_checkpointed_beside_the_raw_parameters(tmp_path):
+  result = train.train_and_evaluate(small_config(ema_decay=0.9), str(tmp_path / 'ema'))
+  rows = [json.loads(line) for line in open(tmp_path / 'ema' / 'metrics.jsonl')]
+  evaluated = [row for row in rows if 'eval_accuracy' in row]
+  assert all('eval_accuracy_ema' in row and 'eval_loss_ema' in row for row in evaluated)
+  state = checkpoints.read_state(str(tmp_path / 'ema'), 6)
+  assert int(state['ema']['count']) == 6  # One EMA update per logical step.
+  assert not np.array_equal(flat_params(state['ema']['params']), flat_params(state['params']))
+  assert result['eval_accuracy_ema'] > 0
+  # ema_decay = 0: the "EMA" is the parameters themselves, and no _ema metrics are reported.
+  train.train_and_evaluate(small_config(num_steps=2), str(tmp_path / 'off'))
+  state = checkpoints.read_state(str(tmp_path / 'off'), 2)
+  np.testing.assert_array_equal(flat_params(state['ema']['params']), flat_params(state['params']))
+
+
+def test_frozen_layer_is_not_trained_and_not_checkpointed_as_trainable(tmp_path):
+  from dpjax import finetune  # pylint: disable=import-outside-toplevel
+  reference = train.train_and_evaluate(small_config(num_steps=2), str(tmp_path / 'pre'))
+  finetune.save_npz(str(tmp_path / 'pre.npz'), reference['params'])
+  result = train.train_and_evaluate(small_config(**{
+      'init_from': str(tmp_path / 'pre.npz'), 'freeze': ('Dense_0/.*',)}), str(tmp_path / 'ft'))
+  assert set(result['params']) == {'Dense_1'}  # Only the trainable part is trained and saved.
+  assert not np.array_equal(np.asarray(result['params']['Dense_1']['kernel']),
+                            np.asarray(reference['params']['Dense_1']['kernel']))
