@@ -162,7 +162,8 @@ class DPStep:
                expected_batch_size: float, private: bool = True,
                clipping: str = 'auto', label_format: str = 'int',
                mesh: jax.sharding.Mesh | None = None, seed: int = 0,
-               precision: str = 'default', physical_loop: str = 'auto'):
+               precision: str = 'default', physical_loop: str = 'auto',
+               sum_fn_wrapper=None):
     """Validates everything before any compute.
 
     Args:
@@ -198,6 +199,8 @@ class DPStep:
         convolution kernels (XLA:CPU runs convolution weight gradients inside
         a while loop 25-100x slower than at top level: measured 4.4 s vs
         0.05 s for a 3x3x64x64 conv's weight gradient), else 'device'.
+      sum_fn_wrapper: optional f(sum_fn) -> sum_fn applied to the physical batch's
+        clipped-sum function (e.g. `auditing.with_gradient_canaries`).
     """
     if physical_loop not in PHYSICAL_LOOPS:
       raise ValueError(f'physical_loop={physical_loop!r}; valid: {PHYSICAL_LOOPS}.')
@@ -238,6 +241,8 @@ class DPStep:
       self.clip_norm = self.clip_bound = None
       self.noise_multiplier = 0.0
       self._sum_fn = functools.partial(clipping_lib.grad_sum, loss_fn)
+    if sum_fn_wrapper is not None:  # e.g. audit canaries: (params, batch) -> (sum, stats).
+      self._sum_fn = sum_fn_wrapper(self._sum_fn)
     self.seed = seed
     self._traces = {'accumulate': 0, 'apply': 0, 'train_step': 0}
     self._step_bytes = {}  # compiled_step_bytes, by shapes.

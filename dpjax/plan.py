@@ -116,6 +116,10 @@ class RunPlan:
         'privacy.delta': self.delta if private else None,
         'privacy.accountant': self.accountant_name if private else None,
         'seed': self.seed,
+        # Audit canaries change the data (N + m rows) and what each canary contributes.
+        'audit.num_canaries': self.config.get('audit', {}).get('num_canaries', 0),
+        'audit.kind': self.config.get('audit', {}).get('kind') if self.config.get(
+            'audit', {}).get('num_canaries', 0) else None,
         **{f'data.{key}': dataset.get(key) for key in
            ('source', 'name', 'split', 'num_examples', 'labels_sha256')},
     }

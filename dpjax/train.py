@@ -49,6 +49,7 @@ import optax
 import tqdm
 
 from dpjax import _validate
+from dpjax import auditing
 from dpjax import batching
 from dpjax import checkpoints
 from dpjax import cli
@@ -65,6 +66,7 @@ from dpjax import optimizers
 from dpjax import plan as plan_lib
 from dpjax import sharding
 from dpjax import workdir_lock
+from dpjax.auditing import record as audit_record
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Training config file.', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and config.')
@@ -221,12 +223,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     raise _validate.ConfigError(
         f'augmult.num_views = {config.augmult.num_views}: augmentation multiplicity is not wired '
         'into dpjax.train yet (dpjax.augmult is used by experiments/07_recipe); set it to 0.')
-  if config.audit.num_canaries:
-    raise _validate.ConfigError(
-        f'audit.num_canaries = {config.audit.num_canaries}: canaries are not wired into '
-        'dpjax.train yet (dpjax.auditing.audited_sgd and experiments/08_audit run audits); set 0.')
+  num_canaries = auditing.check_audit_config(config.audit)
   workdir = check_workdir(workdir)
   train_source, test_source = data.make_sources(config.data, seed=config.seed)
+  if num_canaries:  # m canary rows, sampled like any example: the run has N + m examples.
+    train_source = auditing.CanarySource(train_source, num_canaries)
   model = models.make_model(config.model, train_source.num_classes, train_source.input_shape)
   mesh = sharding.make_mesh(config.num_devices)
   sharding.check_physical_batch_size(config.sampler.physical_batch_size, mesh)
@@ -272,11 +273,30 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
     model, params = finetune.make_finetune(
         model, params, freeze=config.freeze, lora_rank=config.lora.rank,
         lora_alpha=config.lora.alpha, lora_targets=config.lora.targets, seed=config.seed)
+  canaries = wrapper = None
+  if config.audit.num_canaries:  # Gradient canaries (dpjax.auditing): clip_C(λ·u_j) per coin.
+    canaries = auditing.make_canaries(config.seed, config.audit.num_canaries,
+                                      int(sum(np.size(x) for x in jax.tree.leaves(params))))
+    scale = plan.clip_norm if plan.private else 1.0
+    wrapper = lambda sum_fn: auditing.with_gradient_canaries(
+        sum_fn, canaries, canary_norm=canaries.gradient_scale * scale,
+        clip_norm=plan.clip_norm if plan.private else math.inf)
+    initial_projection = auditing.project(params, canaries)
+    if sharding.is_primary_process() and not os.path.exists(
+        os.path.join(workdir, audit_record.AUDIT_FILE)):
+      audit_record.write_record(workdir, canaries, confidence=config.audit.confidence,
+                                initial_params=params)
   step_fns = dp_step.DPStep(
       model, optimizer, clip_norm=plan.clip_norm, noise_multiplier=plan.noise_multiplier,
       expected_batch_size=plan.sampler.expected_batch_size, private=plan.private,
       clipping=config.privacy.clipping, label_format=config.data.label_format, mesh=mesh,
-      seed=config.seed, precision=config.precision)
+      seed=config.seed, precision=config.precision, sum_fn_wrapper=wrapper)
+
+  def run_audit(params) -> dict:
+    """The one-run ε lower bound from the canaries' coordinates of θ (Steinke et al. 2023)."""
+    return audit_record.audit_params(canaries, initial_projection, jax.device_get(params),
+                                     delta=config.privacy.delta,
+                                     confidence=config.audit.confidence)
   if plan.private:  # What is reported is what runs.
     assert step_fns.noise_multiplier == accountant.noise_multiplier == plan.noise_multiplier
   eval_fn = jax.jit(  # Sharded like training; the sums come back replicated.
@@ -388,6 +408,10 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
               f'non-finite training loss or parameters between steps {window_start} and '
               f'{done}; the last checkpoint before step {window_start} is intact. Try a smaller '
               'optimizer.learning_rate or privacy.clip_norm, or check the data for NaN/inf.'))
+      audit = (run_audit(params) if canaries is not None and saving_now and (
+          config.audit.every_checkpoint or done == num_steps) else None)
+      if audit is not None and not logging_now:
+        writer.write(done, {k: audit[k] for k in ('audit_epsilon_lower', 'audit_confidence')})
       if logging_now:
         elapsed = time.time() - steady_start
         rate = (done - start_step - 1) / elapsed if elapsed > 0 and done > start_step + 1 else None
@@ -402,6 +426,8 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
           last['epsilon'] = accountant.epsilon(done)  # Side estimates only at checkpoints.
         if is_time(done, config.eval_every_steps, num_steps):
           last.update(run_eval(params, ema))
+        if audit is not None:  # Beside ε: an empirical lower bound, with its confidence.
+          last.update({k: audit[k] for k in ('audit_epsilon_lower', 'audit_confidence')})
         writer.write(done, last)
         shown = {k: f'{v:.4g}' for k, v in last.items()
                  if k in ('train_loss', 'train_accuracy', 'eval_accuracy', 'epsilon')}
@@ -420,10 +446,12 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
         # Side estimates (Monte-Carlo, lower bounds, comparisons) at the last step only: they
         # can cost seconds; the attached ε and its kind of bound are the same without them.
         report = accountant.epsilon_at(done, estimates=done == num_steps) if accountant else None
+        metadata = privacy_metadata(done, report, plan, step_fns, batcher, num_truncated)
+        if audit is not None:
+          metadata['audit'] = audit
         checkpoints.save(manager, done, TrainState(
             step=sharding.replicate(mesh, np.int32(done)), params=params, opt_state=opt_state,
-            num_truncated=sharding.replicate(mesh, np.int32(num_truncated)), ema=ema),
-            privacy_metadata(done, report, plan, step_fns, batcher, num_truncated))
+            num_truncated=sharding.replicate(mesh, np.int32(num_truncated)), ema=ema), metadata)
         writer.flush()  # Metrics and TensorBoard events durable at every checkpoint.
       if stopping and done < num_steps:
         raise stop(RunInterrupted(
@@ -446,6 +474,11 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
   eps_text = (f'ε = {final_report.epsilon:.4f} ({final_report.bound} bound, '
               f'{final_report.accountant}), δ = {final_report.delta:g}' if final_report
               else 'non-private (ε = ∞)')
+  if canaries is not None:
+    result['audit'] = run_audit(params)
+    eps_text += (f'; audit ε ≥ {result["audit"]["audit_epsilon_lower"]:.4f} (one-run lower '
+                 f'bound, confidence {config.audit.confidence:g}, '
+                 f'{config.audit.num_canaries} canaries)')
   log(f'Final: step {num_steps}, test accuracy {last["eval_accuracy"]:.4f}, {eps_text}.')
   return result
 
