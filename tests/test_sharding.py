@@ -143,12 +143,12 @@ def _worker(outdir):
   out['full4_checkpoint_epsilons'] = [
       row['privacy']['epsilon'] for row in checkpoints.read_metadata(os.path.join(outdir, 'full4'))]
   # The saved step-3 state restores bit for bit onto a 1-device mesh.
-  optimizer = train.make_optimizer(config.optimizer)
+  optimizer = train.optimizers.make_optimizer(config.optimizer, config.num_steps)
   manager = checkpoints.make_manager(os.path.join(outdir, 'full4'), 3, read_only=True)
   for name, mesh_ in (('restored_on_1', sharding.make_mesh(1)), ('restored_on_4', mesh)):
     target = sharding.replicate(mesh_, train.TrainState(
         step=np.int32(0), params=host_params, opt_state=optimizer.init(host_params),
-        num_truncated=np.int32(0)))
+        num_truncated=np.int32(0), ema=train.ema_lib.init(host_params)))
     state = manager.restore(3, args=checkpoints.ocp.args.Composite(
         state=checkpoints.ocp.args.StandardRestore(target)))['state']
     arrays[name] = _flat(state.params)
