@@ -8,7 +8,6 @@ lists every case with its message (`python -m tests.test_bad_inputs` prints
 that table).
 """
 
-import hashlib
 import math
 import os
 import subprocess
@@ -16,8 +15,9 @@ import sys
 
 import pytest
 
-from configs import digits_mlp
 from dpjax import train
+from tests.run_configs import small_config
+from tests.run_configs import tree_digest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INF, NAN = math.inf, math.nan
@@ -92,25 +92,6 @@ CONFIG_CASES = [
 ]
 
 
-def small_config(**overrides):
-  config = digits_mlp.get_config()
-  config.num_epochs, config.num_steps = 0, 6
-  config.sampler.batch_size, config.sampler.physical_batch_size = 128, 32
-  config.privacy.target_epsilon, config.privacy.noise_multiplier = 0.0, 1.0
-  config.update_from_flattened_dict(overrides)
-  return config
-
-
-def digest(root) -> dict[str, str]:
-  out = {}
-  for dirpath, _, filenames in os.walk(root):
-    for name in filenames:
-      with open(os.path.join(dirpath, name), 'rb') as f:
-        out[os.path.relpath(os.path.join(dirpath, name), root)] = hashlib.sha256(
-            f.read()).hexdigest()
-  return out
-
-
 def test_there_are_at_least_forty_cases():
   assert len(CONFIG_CASES) + len(CLI_CASES) >= 40
 
@@ -121,11 +102,11 @@ def test_bad_config_field_is_one_clear_error_before_any_change(tmp_path, overrid
   work = tmp_path / 'work'
   work.mkdir()
   (work / 'notes.txt').write_text('a file the user keeps here')
-  before = digest(work)
+  before = tree_digest(work)
   with pytest.raises(ValueError, match=message) as info:
     train.train_and_evaluate(small_config(**overrides), str(work))
   assert '\n' not in str(info.value).strip() or 'TFDS' in str(info.value)
-  assert digest(work) == before and sorted(os.listdir(work)) == ['notes.txt']
+  assert tree_digest(work) == before and sorted(os.listdir(work)) == ['notes.txt']
 
 
 def test_non_private_run_ignores_privacy_fields(tmp_path):

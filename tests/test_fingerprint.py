@@ -6,7 +6,6 @@ refused before any compute with a message naming the field, and the copy must
 be byte-identical afterwards.
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -14,40 +13,13 @@ import shutil
 import numpy as np
 import pytest
 
-from configs import digits_mlp
 from dpjax import accounting
 from dpjax import checkpoints
 from dpjax import data
 from dpjax import samplers
 from dpjax import train
-
-
-def small_config(**overrides):
-  config = digits_mlp.get_config()
-  config.num_epochs = 0
-  config.num_steps = 6
-  config.sampler.batch_size = 128
-  config.sampler.physical_batch_size = 32
-  config.privacy.target_epsilon = 0.0
-  config.privacy.noise_multiplier = 1.0
-  config.log_every_steps = 2
-  config.eval_every_steps = 3
-  config.checkpoint_every_steps = 2
-  config.update_from_flattened_dict(overrides)
-  return config
-
-
-def tree_digest(root) -> dict[str, str]:
-  """SHA-256 of every file under root, by relative path (directories included as names)."""
-  out = {}
-  for dirpath, dirnames, filenames in os.walk(root):
-    for name in dirnames:
-      out[os.path.relpath(os.path.join(dirpath, name), root) + '/'] = 'dir'
-    for name in filenames:
-      path = os.path.join(dirpath, name)
-      with open(path, 'rb') as f:
-        out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
-  return out
+from tests.run_configs import small_config
+from tests.run_configs import tree_digest
 
 
 @pytest.fixture(scope='module')

@@ -12,27 +12,12 @@ import jax
 import numpy as np
 import pytest
 
-from configs import digits_mlp
 from dpjax import accounting
 from dpjax import checkpoints
 from dpjax import train
+from tests.run_configs import small_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def small_config(**overrides):
-  config = digits_mlp.get_config()
-  config.num_epochs = 0
-  config.num_steps = 6
-  config.sampler.batch_size = 128
-  config.sampler.physical_batch_size = 32
-  config.privacy.target_epsilon = 0.0
-  config.privacy.noise_multiplier = 1.0
-  config.log_every_steps = 2
-  config.eval_every_steps = 3
-  config.checkpoint_every_steps = 2
-  config.update_from_flattened_dict(overrides)
-  return config
 
 
 def flat_params(params):

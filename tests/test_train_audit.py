@@ -5,22 +5,17 @@ import shutil
 
 import pytest
 
-from configs import digits_mlp
 from dpjax import audit as audit_cli
 from dpjax import checkpoints
 from dpjax import train
 from dpjax.auditing import one_run
+from tests import run_configs
 
 
 def audited_config(**overrides):
-  config = digits_mlp.get_config()
-  config.num_epochs, config.num_steps = 0, 12
-  config.sampler.batch_size, config.sampler.physical_batch_size = 128, 32
-  config.privacy.target_epsilon, config.privacy.noise_multiplier = 0.0, 1.0
-  config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps = 6, 12, 6
-  config.audit.num_canaries = 200
-  config.update_from_flattened_dict(overrides)
-  return config
+  return run_configs.small_config(**{
+      'num_steps': 12, 'log_every_steps': 6, 'eval_every_steps': 12,
+      'checkpoint_every_steps': 6, 'audit.num_canaries': 200, **overrides})
 
 
 @pytest.fixture(scope='module')

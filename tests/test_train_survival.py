@@ -9,22 +9,17 @@ import time
 
 import pytest
 
-from configs import digits_mlp
 from dpjax import checkpoints
 from dpjax import train
 from dpjax import workdir_lock
+from tests import run_configs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def small_config(**overrides):
-  config = digits_mlp.get_config()
-  config.num_epochs, config.num_steps = 0, 8
-  config.sampler.batch_size, config.sampler.physical_batch_size = 128, 32
-  config.privacy.target_epsilon, config.privacy.noise_multiplier = 0.0, 1.0
-  config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps = 4, 4, 2
-  config.update_from_flattened_dict(overrides)
-  return config
+  return run_configs.small_config(**{'num_steps': 8, 'log_every_steps': 4,
+                                     'eval_every_steps': 4, **overrides})
 
 
 def test_divergence_stops_with_the_step_range_and_keeps_the_last_good_checkpoint(tmp_path):
