@@ -377,6 +377,10 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
     return logical, sharding.shard_logical_batch(mesh, buffer), k
 
   steps = range(start_step, num_steps)
+  # XLA:CPU with several (forced) devices: one step in flight at a time. Programs with
+  # cross-device reductions queued back to back have timed out in its all-reduce rendezvous
+  # on a loaded 2-core machine (tests/test_sharding.py); accelerators keep the async queue.
+  serialise_steps = mesh.devices.size > 1 and jax.devices()[0].platform == 'cpu'
   # Index buffers are cheap: made inline. Host-gathered rows are prefetched on a thread.
   batches = (contextlib.nullcontext((t, prepare(t)) for t in steps) if dataset is not None
              else device_data.Prefetcher(prepare, steps))
@@ -387,6 +391,8 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
       params, opt_state, metrics = step_fns.train_step(params, opt_state, buffer, k,
                                                        np.uint32(step), dataset)
       ema = update_ema(ema, params)
+      if serialise_steps:
+        jax.block_until_ready(params)
       log_metrics.append(metrics)
       done = step + 1
       progress.update(1)
