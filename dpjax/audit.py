@@ -1,7 +1,10 @@
 """Recompute and print the empirical privacy audit of a finished run.
 
-  python -m dpjax.audit --workdir workdirs/digits_mlp
-  python -m dpjax.audit --workdir workdirs/digits_mlp --json
+  python -m dpjax.audit --workdir <workdir>
+  python -m dpjax.audit --workdir <workdir> --json
+
+(<workdir>: a run trained with audit.num_canaries > 0, e.g. `python -m dpjax.train
+--config configs/digits_mlp.py --workdir w --config.audit.num_canaries=200`.)
 
 Reads the newest checkpoint (its ε claim and parameters) and the audit record
 `audit.json` (the canaries: their seed, coins and directions; see

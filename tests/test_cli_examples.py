@@ -29,7 +29,7 @@ from dp_accounting.pld import pld_privacy_accountant
 from dpjax import samplers
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CLIS = ('account', 'planner', 'checkpoints', 'train')
+CLIS = ('account', 'planner', 'checkpoints', 'train', 'audit')
 
 
 def docstring_examples(doc: str) -> list[list[str]]:
@@ -89,7 +89,7 @@ def prepared_workdir(tmp_path_factory):
       'num_epochs': 0, 'num_steps': 4, 'sampler.batch_size': 64,
       'sampler.physical_batch_size': 32, 'privacy.target_epsilon': 0.0,
       'privacy.noise_multiplier': 1.0, 'log_every_steps': 2, 'eval_every_steps': 4,
-      'checkpoint_every_steps': 2})
+      'checkpoint_every_steps': 2, 'audit.num_canaries': 50})  # audit needs canaries.
   workdir = tmp_path_factory.mktemp('prepared')
   train.train_and_evaluate(config, str(workdir))
   return str(workdir)
@@ -101,7 +101,7 @@ def _resolve(argv, workdir, tmp_path):
   for i, arg in enumerate(argv):
     if arg == '<workdir>':
       arg = workdir
-    elif i > 0 and argv[i - 1] == '--workdir':
+    elif i > 0 and argv[i - 1] == '--workdir' and arg != workdir:
       arg = str(tmp_path / 'workdir')
     elif os.path.exists(os.path.join(REPO, arg.partition(':')[0])):
       arg = os.path.join(REPO, arg)
@@ -207,6 +207,18 @@ def test_example_runs(cli, argv, tmp_path, monkeypatch, capsys, prepared_workdir
                                  config['privacy']['delta'])
     for line, step in zip(lines[1:], steps):
       assert float(line.split()[1]) == pytest.approx(acct.epsilon(step), abs=1e-4)
+  elif cli == 'audit':
+    from dpjax import audit  # pylint: disable=g-import-not-at-top
+    from dpjax import checkpoints  # pylint: disable=g-import-not-at-top
+    assert audit.main(argv) == 0
+    text = capsys.readouterr().out
+    last = checkpoints.read_metadata(prepared_workdir)[-1]
+    if '--json' in argv:  # The saved claim and the bound the trainer stored, recomputed.
+      out = json.loads(text)
+      assert out['epsilon'] == last['privacy']['epsilon'] and out['num_canaries'] == 50
+      assert out['audit_epsilon_lower'] == pytest.approx(last['audit']['audit_epsilon_lower'])
+    else:
+      assert f"{last['privacy']['epsilon']:.4f}" in text
   else:
     env = dict(os.environ, PYTHONPATH=REPO)
     out = subprocess.run([sys.executable, '-m', f'dpjax.{cli}', *argv], capture_output=True,
