@@ -90,7 +90,7 @@ class Run:
   """The trainer's objects for a config, rebuilt in this process."""
 
   def __init__(self, spec: dict):
-    from dpjax import batching, data, dp_step, models, samplers, train  # pylint: disable=g-import-not-at-top,multiple-imports
+    from dpjax import batching, data, dp_step, models, optimizers, samplers  # pylint: disable=g-import-not-at-top,multiple-imports
     config = _load_config(spec)
     self.config = config
     self.train_source, _ = data.make_sources(config.data, seed=config.seed)
@@ -104,7 +104,8 @@ class Run:
     model = models.make_model(config.model, self.train_source.num_classes,
                               self.train_source.input_shape)
     self.step = dp_step.DPStep(
-        model, train.make_optimizer(config.optimizer), clip_norm=config.privacy.clip_norm,
+        model, optimizers.make_optimizer(config.optimizer, spec['num_steps']),
+        clip_norm=config.privacy.clip_norm,
         noise_multiplier=config.privacy.noise_multiplier,
         expected_batch_size=self.sampler.expected_batch_size, private=config.privacy.enabled,
         clipping=config.privacy.clipping, label_format=config.data.label_format, seed=config.seed)
