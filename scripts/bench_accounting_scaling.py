@@ -268,8 +268,8 @@ def _log(sampler, accountant, task, row):
 
 
 def combos(samplers: list[str]) -> list[tuple[str, str]]:
-  from dpjax.accounting import accountant as accountant_lib  # pylint: disable=g-import-not-at-top
-  return [(s, a) for s in samplers for a in accountant_lib.SUPPORTED_ACCOUNTANTS[s]]
+  from dpjax import samplers as samplers_lib  # pylint: disable=g-import-not-at-top
+  return [(s, a) for s in samplers for a in samplers_lib.sampler_class(s).accountants]
 
 
 # ---------------------------------------------------------------------------------------------

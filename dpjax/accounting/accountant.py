@@ -65,16 +65,6 @@ from dpjax.accounting import sampler_events
 
 ACCOUNTANTS = ('auto', 'pld', 'rdp', 'monte_carlo')
 BOUNDS = ('upper', 'high_probability_upper', 'lower')
-EPOCH_BASED = ('balls_and_bins', 'shuffle', 'deterministic')
-# Accountants each sampler supports; the first is what 'auto' means.
-SUPPORTED_ACCOUNTANTS = {
-    'poisson': ('pld', 'rdp'),
-    'fixed_size': ('pld', 'rdp'),
-    'fixed_size_with_replacement': ('pld',),
-    'deterministic': ('pld', 'rdp'),
-    'shuffle': ('pld', 'rdp'),
-    'balls_and_bins': ('pld', 'monte_carlo'),
-}
 # PLD discretisation (pessimistic rounding, so any value gives an upper bound): 1e-4 for
 # Gaussian-type events; 1e-3 for mixtures of > 2 Gaussians (group privacy, sampling with
 # replacement), whose dp_accounting construction costs ~10x more per decade of resolution.
@@ -152,32 +142,30 @@ def _plain(value):
 
 
 def resolve_accountant(sampler_name: str, accountant: str, group_size: int = 1) -> str:
-  """'auto' → the tightest provable accountant; ValueError for unsupported pairs."""
-  if sampler_name not in SUPPORTED_ACCOUNTANTS:
-    raise ValueError(f'sampler {sampler_name!r} is unknown; valid: '
-                     f'{", ".join(SUPPORTED_ACCOUNTANTS)}.')
+  """'auto' → the sampler's default accountant; ValueError for unsupported pairs.
+
+  The sampler class says which accountants fit it (`Sampler.accountants`, the
+  first is the default; `group_accountants` for group_size > 1) and why others
+  do not (`unsupported_accountant_reason`).
+  """
+  sampler = samplers_lib.sampler_class(sampler_name)  # ValueError names the valid samplers.
   if accountant not in ACCOUNTANTS:
     raise ValueError(f'privacy.accountant = {accountant!r} is unknown; valid: '
                      f'{", ".join(ACCOUNTANTS)}.')
-  supported = SUPPORTED_ACCOUNTANTS[sampler_name]
+  supported = sampler.accountants
   if accountant == 'auto':
     return supported[0]
   if accountant not in supported:
-    if accountant == 'monte_carlo':
-      why = 'the Monte-Carlo accountant exists for balls-and-bins only'
-    elif sampler_name == 'balls_and_bins':
-      why = 'no RDP analysis of balls-and-bins is implemented; use pld (provable) or monte_carlo'
-    else:
-      why = 'dp_accounting has no RDP for sampling with replacement'
     raise ValueError(f'privacy.accountant = {accountant!r} is not supported for sampler '
-                     f'{sampler_name!r} ({why}); valid: {", ".join(("auto",) + supported)}.')
-  if group_size > 1 and accountant == 'rdp' and sampler_name in ('poisson', 'fixed_size'):
+                     f'{sampler_name!r} ({sampler.unsupported_accountant_reason}); valid: '
+                     f'{", ".join(("auto",) + supported)}.')
+  if group_size > 1 and accountant not in sampler.group_accountants:
+    if accountant == 'monte_carlo':
+      raise ValueError(f'privacy.group_size = {group_size} > 1: the Monte-Carlo accountant '
+                       'covers single examples only (group_size = 1). Use accountant pld.')
     raise ValueError(f'privacy.group_size = {group_size} > 1 needs the mixture-of-Gaussians PLD '
-                     f'for sampler {sampler_name!r}; accountant rdp supports group_size = 1 '
-                     f'only. Use accountant pld.')
-  if group_size > 1 and accountant == 'monte_carlo':
-    raise ValueError(f'privacy.group_size = {group_size} > 1: the Monte-Carlo accountant covers '
-                     f'single examples only (group_size = 1). Use accountant pld.')
+                     f'for sampler {sampler_name!r}; accountant {accountant} supports '
+                     'group_size = 1 only. Use accountant pld.')
   return accountant
 
 
@@ -306,7 +294,7 @@ class Accountant:
       sampler: the run's sampler (`samplers.make_sampler`).
       noise_multiplier: σ > 0.
       delta: δ in (0, 1).
-      accountant: 'auto', 'pld', 'rdp' or 'monte_carlo' (see SUPPORTED_ACCOUNTANTS).
+      accountant: 'auto', 'pld', 'rdp' or 'monte_carlo' (the sampler class's `accountants`).
       max_batch_size: B, the cap on the logical batch; None = never truncated.
       group_size: k >= 1 (add/remove up to k examples).
       num_steps: the planned run length (used by `final_report`), optional.
@@ -345,7 +333,7 @@ class Accountant:
     self.accountant = resolve_accountant(sampler.name, accountant, self.group_size)
     if max_batch_size is not None:
       sampler_events.check_positive_int('sampler.max_batch_size', max_batch_size)
-      if sampler.name not in ('poisson', 'balls_and_bins') and max_batch_size < sampler.batch_size:
+      if not sampler.binomial_batch_size and max_batch_size < sampler.batch_size:
         raise ValueError(
             f'sampler.max_batch_size = {max_batch_size} must be >= sampler.batch_size = '
             f'{sampler.batch_size} for the {sampler.name} sampler (its batches are never '
@@ -396,7 +384,7 @@ class Accountant:
 
   @property
   def is_epoch_based(self) -> bool:
-    return self.sampler.name in EPOCH_BASED
+    return self.sampler.is_epoch_based
 
   def epochs_started(self, step: int) -> int:
     """ceil(step / T): the epochs a checkpoint after `step` steps has touched."""
@@ -404,7 +392,7 @@ class Accountant:
 
   def _log_truncation_mass(self, num_steps: int) -> float:
     """log τ = log(T·Pr[n_t > B]) for binomial batch sizes; −inf without truncation."""
-    if self.max_batch_size is None or self.sampler.name not in ('poisson', 'balls_and_bins'):
+    if self.max_batch_size is None or not self.sampler.binomial_batch_size:
       return -math.inf
     return balls_and_bins.log_truncation_mass(
         self.sampler.num_examples, self.sampling_probability, self.max_batch_size, num_steps,

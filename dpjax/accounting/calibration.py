@@ -305,7 +305,7 @@ def _check_truncation_cap(sampler, target: float, delta: float, steps: int, cap,
   reaches the target and the failure is the cap's, not the noise's. B needed:
   the smallest B with a penalty <= δ/2 (half of δ left to the mechanism).
   """
-  if cap is None or sampler.name not in ('poisson', 'balls_and_bins'):
+  if cap is None or not sampler.binomial_batch_size:
     return
   if _truncation_penalty(sampler, delta, steps, cap, group_size, target) < 1:
     return
