@@ -92,10 +92,8 @@ class MetricWriter:
     self._last_train_step = max([0, keep_until] + [row['step'] for row in kept
                                                    if 'train_loss' in row])
     self._jsonl = open(self._path, 'a')
-    # A unique file per writer: event file names only have one-second resolution.
-    self._tb = tensorboardX.SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR),
-                                          purge_step=keep_until + 1,
-                                          filename_suffix=f'.{os.getpid()}.{time.time_ns()}')
+    self._tb_dir = os.path.join(workdir, TENSORBOARD_DIR)
+    self._tb = self._tb_writer(purge_step=keep_until + 1)
 
   def train_window(self, step: int) -> dict[str, int]:
     """What a `train_loss` logged at `step` averages: steps `step - n + 1 .. step`, n returned."""
@@ -121,11 +119,21 @@ class MetricWriter:
       return
     self._jsonl.flush()
     os.fsync(self._jsonl.fileno())
-    self._tb.flush()
+    # tensorboardX's flush() only writes the events its worker thread has already dequeued;
+    # closing joins the worker after it has written every queued event. Later events go to a
+    # new file of the same run (TensorBoard reads them all).
+    self._tb.close()
+    self._tb = self._tb_writer()
+
+  def _tb_writer(self, purge_step: int | None = None) -> tensorboardX.SummaryWriter:
+    # A unique file per writer: event file names only have one-second resolution.
+    return tensorboardX.SummaryWriter(self._tb_dir, purge_step=purge_step,
+                                      filename_suffix=f'.{os.getpid()}.{time.time_ns()}')
 
   def close(self) -> None:
     if not self.enabled:
       return
-    self.flush()
+    self._jsonl.flush()
+    os.fsync(self._jsonl.fileno())
     self._jsonl.close()
-    self._tb.close()
+    self._tb.close()  # Writes every queued event (see flush).
