@@ -3,7 +3,6 @@
 import json
 import math
 import subprocess
-import time
 
 import pytest
 
@@ -60,10 +59,11 @@ def test_sampler_and_cap_come_from_the_training_code_paths():
 def test_epsilon_at_is_memoised():
   acct = accountant_lib.make_accountant(_config(), NUM_DIGITS_TRAIN)
   first = acct.epsilon_at(100, estimates=False)
-  start = time.perf_counter()
-  again = acct.epsilon_at(100, estimates=False)
-  assert time.perf_counter() - start < 0.01
-  assert again == first
+  computed = []
+  real = acct._compute  # pylint: disable=protected-access
+  acct._compute = lambda *args: computed.append(args) or real(*args)
+  again = acct.epsilon_at(100, estimates=False)  # Counted, not timed: CI machines vary.
+  assert not computed and again == first
   assert acct.epsilon_at(0).epsilon == 0.0
   assert acct.epsilon(50) < acct.epsilon(100)
 

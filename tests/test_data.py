@@ -97,7 +97,7 @@ def test_synthetic_source_is_a_function_of_the_index_at_any_scale():
   assert not np.array_equal(test.gather(np.array([0]))['x'], train.gather(np.array([0]))['x'])
   start = time.perf_counter()
   train.gather(np.arange(256) * 390_625)
-  assert time.perf_counter() - start < 0.05  # O(P), no O(N) work.
+  assert time.perf_counter() - start < 0.5  # O(P): an O(N) pass over 1e8 rows takes seconds.
 
 
 def write_memmap_dir(root, x_train, y_train, x_test, y_test, chunk_rows=7):
