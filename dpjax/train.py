@@ -428,8 +428,9 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
                 'steps_per_second': rate,
                 'examples_per_second': steady_examples / elapsed if rate else None}
         log_metrics, window_start = [], done + 1
-        if accountant is not None:
-          last['epsilon'] = accountant.epsilon(done)  # Side estimates only at checkpoints.
+        if accountant is not None:  # Side estimates only at checkpoints.
+          report = accountant.epsilon_at(done, estimates=False)
+          last.update(epsilon=report.epsilon, epsilon_bound=report.bound)
         if is_time(done, config.eval_every_steps, num_steps):
           last.update(run_eval(params, ema))
         if audit is not None:  # Beside ε: an empirical lower bound, with its confidence.
@@ -437,6 +438,8 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
         writer.write(done, last)
         shown = {k: f'{v:.4g}' for k, v in last.items()
                  if k in ('train_loss', 'train_accuracy', 'eval_accuracy', 'epsilon')}
+        if 'epsilon' in shown:  # The kind of bound beside the number.
+          shown['epsilon'] += f' ({last["epsilon_bound"]})'
         progress.set_postfix(shown)
         if progress.disable and primary:  # No terminal: one plain progress line per log.
           eta = (num_steps - done) / rate if rate else float('nan')

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -48,11 +49,12 @@ def test_start_is_two_lines_and_progress_states_rate_eta_and_epsilon(tmp_path):
   assert 'σ = ' in lines[1] and '(calibrated)' in lines[1] and 'target ε = 3' in lines[1]
   progress = [line for line in lines if line.startswith('step ')]
   assert [p.split(',')[0] for p in progress] == ['step 2/5', 'step 4/5', 'step 5/5']
-  assert all(' ex/s, ETA ' in p and 'epsilon=' in p for p in progress)
+  assert all(' ex/s, ETA ' in p and re.search(r'epsilon=[\d.]+ \(upper\)', p) for p in progress)
   assert lines[-1].startswith('Final: step 5, test accuracy ')
   assert len(lines) == 2 + len(progress) + 1  # No config dump (it is in config.json).
   rows = [json.loads(line) for line in open(tmp_path / 'w' / 'metrics.jsonl')]
   trained = [row for row in rows if 'train_loss' in row]
+  assert all(row['epsilon_bound'] == 'upper' for row in trained)  # ε says what it bounds.
   assert all(row['compile_seconds'] > 0 for row in trained)
   assert trained[-1]['examples_per_second'] > 0 and trained[-1]['train_window_steps'] == 1
 
