@@ -108,7 +108,7 @@ class MetricWriter:
       scalars.setdefault('train_window_steps', self.train_window(step)['train_window_steps'])
       self._last_train_step = step
     for name, value in scalars.items():
-      if value is not None:
+      if isinstance(value, (int, float)) and not isinstance(value, bool):  # Labels: jsonl only.
         self._tb.add_scalar(name, value, step)
     self._jsonl.write(json.dumps({'step': step, **scalars}) + '\n')
     self._jsonl.flush()
@@ -117,13 +117,16 @@ class MetricWriter:
     """Makes every row and event written so far durable (call at each checkpoint)."""
     if not self.enabled:
       return
-    self._jsonl.flush()
-    os.fsync(self._jsonl.fileno())
+    self._sync_rows()
     # tensorboardX's flush() only writes the events its worker thread has already dequeued;
     # closing joins the worker after it has written every queued event. Later events go to a
     # new file of the same run (TensorBoard reads them all).
     self._tb.close()
     self._tb = self._tb_writer()
+
+  def _sync_rows(self) -> None:
+    self._jsonl.flush()
+    os.fsync(self._jsonl.fileno())
 
   def _tb_writer(self, purge_step: int | None = None) -> tensorboardX.SummaryWriter:
     # A unique file per writer: event file names only have one-second resolution.
@@ -133,7 +136,6 @@ class MetricWriter:
   def close(self) -> None:
     if not self.enabled:
       return
-    self._jsonl.flush()
-    os.fsync(self._jsonl.fileno())
+    self._sync_rows()
     self._jsonl.close()
     self._tb.close()  # Writes every queued event (see flush).
