@@ -45,7 +45,6 @@ import jax.numpy as jnp
 import ml_collections
 from ml_collections import config_flags
 import numpy as np
-import optax
 import tqdm
 
 from dpjax import _validate

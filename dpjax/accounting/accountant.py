@@ -1,8 +1,9 @@
 """The privacy accountant of a training run: ε after any step, with its kind of bound.
 
-`make_accountant(config, N)` builds the sampler with `samplers.make_sampler`
-and the batch cap with `batching.resolve_max_batch_size` from the *training*
-config, so the accountant describes exactly what training samples. Which
+`make_accountant(config, N)` is `dpjax.plan.make_plan(config, N).accountant`:
+the sampler, the batch cap and σ are resolved from the *training* config in
+the one place training resolves them, so the accountant describes exactly
+what training samples. Which
 number is attached to a run, per sampler (docs/accounting.md):
 
 * poisson: PLD (default) or RDP of the Poisson-subsampled Gaussian; a cap B
@@ -55,7 +56,6 @@ from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.pld import privacy_loss_mechanism
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpjax import batching
 from dpjax import samplers as samplers_lib
 from dpjax.accounting import balls_and_bins
 from dpjax.accounting import fixed_size_rdp
