@@ -23,16 +23,21 @@ the views are identical copies (any input shape). The key of view k of
 example i at step t is a pure function of (seed, t, i, k), so a resumed run
 redraws exactly the same views.
 
-Use: `make_views(x, indices, seed, step, ...)` turns a physical batch
-x [P, ...] into [P, K, ...]; `mean_over_views(loss_fn)` turns a single-example
-loss into one taking [K, ...] views. Ghost clipping of the view-averaged loss
-needs `dpjax.ghost_clipping` to handle the extra view axis (not done here:
-use clipping='vmap' with augmult).
+Use: `Augmult.from_config(config.augmult)` is what `dpjax.dp_step.DPStep`
+takes (`augmult=`): its `views(x, indices, step, seed=)` = `make_views` turns a
+physical batch x [P, ...] into [P, K, ...] inside the compiled step, and
+`dp_step.make_loss_fn(..., views=True)` runs the model once on an example's K
+views and averages the loss, so both vmap and ghost clipping clip the
+view-averaged gradient (ghost sees the K view rows as positions of one
+example). `mean_over_views(loss_fn)` does the same for any single-example loss
+by a vmap over views (vmap clipping only; the independent reference of the
+tests).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 import functools
 from typing import Any
 
@@ -65,6 +70,29 @@ def check_config(num_views: int, crop_padding: int, flip: bool, input_shape=None
     if crop_padding >= min(input_shape[:2]):
       raise ValueError(f'augmult.crop_padding = {crop_padding}: must be < min(H, W) = '
                        f'{min(input_shape[:2])} (reflect padding).')
+
+
+@dataclasses.dataclass(frozen=True)
+class Augmult:
+  """K views per example (K <= 1: off), reflect-pad-and-crop by crop_padding, random flip."""
+  num_views: int
+  crop_padding: int = 0
+  flip: bool = False
+
+  def __post_init__(self):
+    check_config(self.num_views, self.crop_padding, self.flip)
+
+  @classmethod
+  def from_config(cls, config) -> Augmult | None:
+    """`config.augmult` (ConfigDict) -> Augmult, or None when num_views <= 1."""
+    if config.num_views <= 1:
+      return None
+    return cls(int(config.num_views), int(config.crop_padding), bool(config.flip))
+
+  def views(self, x: jax.Array, indices: jax.Array, step, *, seed: int) -> jax.Array:
+    """x [P, ...] -> views [P, K, ...] (see `make_views`)."""
+    return make_views(x, indices, step, seed=seed, num_views=self.num_views,
+                      crop_padding=self.crop_padding, flip=self.flip)
 
 
 def view_keys(seed: int, step, indices: jax.Array, num_views: int) -> jax.Array:

@@ -160,7 +160,7 @@ def index_buffer(logical: batching.LogicalBatch, max_physical_batches: int,
 def host_buffer(source: data.DataSource, logical: batching.LogicalBatch,
                 max_physical_batches: int,
                 rows: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], np.int32]:
-  """({'x': [K_max, rows, ...], 'y': ..., 'weight': ...}, K), gathered on the host.
+  """({'x': [K_max, rows, ...], 'y': ..., 'weight': ..., 'index': ...}, K), gathered on the host.
 
   One `gather` of the K·rows real and padding rows; batches K.. stay zero.
   """
@@ -173,6 +173,7 @@ def host_buffer(source: data.DataSource, logical: batching.LogicalBatch,
     buf[:k] = value.reshape((int(k), shape[1]) + value.shape[1:])
     out[name] = buf
   out['weight'] = index['weight']
+  out['index'] = index['index']  # The rows' example indices (augmult keys views by them).
   return out, k
 
 

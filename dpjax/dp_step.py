@@ -59,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dpjax import augmult as augmult_lib
 from dpjax import clipping as clipping_lib
 from dpjax import models
 from dpjax import precision as precision_lib
@@ -116,26 +117,35 @@ def init_params(model: nn.Module, seed: int, input_shape: Sequence[int],
 
 
 def make_loss_fn(model: nn.Module, label_format: str = 'int',
-                 precision: str = 'default') -> clipping_lib.LossFn:
+                 precision: str = 'default', views: bool = False) -> clipping_lib.LossFn:
   """Per-example softmax cross-entropy (params, x_i, y_i) -> (loss, logits).
 
   precision='bfloat16' casts the parameters and float inputs to bfloat16 on
   entry (gradients w.r.t. the float32 parameters come back float32) and the
   logits to float32 for the loss; see `dpjax.precision`.
+
+  views=True (augmentation multiplicity, `dpjax.augmult`): x_i is example i's
+  K views [K, ...]; the model runs once on them as a batch of K and the loss
+  is the mean over views, (1/K) Σ_k ℓ(θ, v_{i,k}, y_i), whose gradient is the
+  view-averaged gradient DP-SGD clips once (the logits returned are the mean
+  over views). One model call per example, not a vmap over views, so ghost
+  clipping sees each layer's K view rows as extra positions of one example
+  (the norm of the averaged gradient, not a sum of per-view norms).
   """
   if label_format not in LABEL_FORMATS:
     raise ValueError(f'label_format={label_format!r}; valid: {LABEL_FORMATS}.')
   dtype = precision_lib.compute_dtype(precision)
+  cross_entropy = (optax.softmax_cross_entropy_with_integer_labels if label_format == 'int'
+                   else optax.softmax_cross_entropy)
 
   def loss_fn(params, x, y):
     if dtype != jnp.float32:
       params, x = precision_lib.cast_floats((params, x), dtype)
-    logits = model.apply({'params': params}, x[None])[0].astype(jnp.float32)
-    if label_format == 'int':
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-    else:
-      loss = optax.softmax_cross_entropy(logits, y)
-    return loss, logits
+    logits = model.apply({'params': params}, x if views else x[None]).astype(jnp.float32)
+    if not views:
+      return cross_entropy(logits[0], y), logits[0]
+    labels = jnp.broadcast_to(y, (logits.shape[0],) + jnp.shape(y))
+    return jnp.mean(cross_entropy(logits, labels)), jnp.mean(logits, axis=0)
   return loss_fn
 
 
@@ -163,7 +173,7 @@ class DPStep:
                clipping: str = 'auto', label_format: str = 'int',
                mesh: jax.sharding.Mesh | None = None, seed: int = 0,
                precision: str = 'default', physical_loop: str = 'auto',
-               sum_fn_wrapper=None):
+               sum_fn_wrapper=None, augmult: augmult_lib.Augmult | None = None):
     """Validates everything before any compute.
 
     Args:
@@ -201,6 +211,12 @@ class DPStep:
         0.05 s for a 3x3x64x64 conv's weight gradient), else 'device'.
       sum_fn_wrapper: optional f(sum_fn) -> sum_fn applied to the physical batch's
         clipped-sum function (e.g. `auditing.with_gradient_canaries`).
+      augmult: augmentation multiplicity (`dpjax.augmult.Augmult`; None or
+        K <= 1 = off). `train_step` makes K views of each row on the device
+        (keys from (seed, step, example index): the logical buffer must carry
+        'index'); each example's gradient is the mean over its views, clipped
+        once. The low-level `accumulate` then takes batch['x'] as views
+        [P, K, ...] (`augmult.make_views`).
     """
     if physical_loop not in PHYSICAL_LOOPS:
       raise ValueError(f'physical_loop={physical_loop!r}; valid: {PHYSICAL_LOOPS}.')
@@ -219,7 +235,8 @@ class DPStep:
     self.private = bool(private)
     self.expected_batch_size = b
     self.label_format = label_format
-    loss_fn = make_loss_fn(model, label_format, precision)
+    self.augmult = augmult if augmult is not None and augmult.num_views > 1 else None
+    loss_fn = make_loss_fn(model, label_format, precision, views=self.augmult is not None)
     if self.private:
       self.clip_norm = clipping_lib.validate_clip_norm(clip_norm)
       self.clip_bound = precision_lib.effective_clip_norm(self.clip_norm, precision)
@@ -271,7 +288,7 @@ class DPStep:
       self._logical_sharding = sharding.logical_batch_sharding(mesh)
       self._accumulate_at = jax.jit(
           self._accumulate_at_fn,
-          in_shardings=(state, state, self._logical_sharding, state, state),
+          in_shardings=(state, state, self._logical_sharding, state, state, state),
           out_shardings=state, donate_argnums=(1,))
       self._apply_at = jax.jit(self._apply_at_fn, in_shardings=state,
                                out_shardings=state, donate_argnums=(0, 1))
@@ -318,13 +335,13 @@ class DPStep:
     k_max = jax.tree.leaves(logical)[0].shape[0]
     acc = self._zeros(params)
     for i in range(min(max(int(num_batches), 0), k_max)):
-      acc = self._accumulate_at(params, acc, logical, np.int32(i), dataset)
+      acc = self._accumulate_at(params, acc, logical, np.int32(i), step, dataset)
     return self._apply_at(params, opt_state, acc, step)
 
-  def _accumulate_at_fn(self, params, acc, logical, i, dataset):
+  def _accumulate_at_fn(self, params, acc, logical, i, step, dataset):
     self._traces['train_step'] += 1
     with precision_lib.matmul_precision(self.precision):
-      return self._add_batch(params, acc, self._physical_batch(logical, i, dataset))
+      return self._add_batch(params, acc, self._physical_batch(logical, i, step, dataset))
 
   def _apply_at_fn(self, params, opt_state, acc, step):
     self._traces['train_step'] += 1
@@ -332,13 +349,21 @@ class DPStep:
     with precision_lib.matmul_precision(self.precision):
       return self._update(params, opt_state, acc, key)
 
-  @staticmethod
-  def _physical_batch(logical: Batch, i, dataset) -> Batch:
-    """Physical batch i of a logical buffer, gathered from `dataset` if given."""
+  def _physical_batch(self, logical: Batch, i, step, dataset) -> Batch:
+    """Physical batch i of a logical buffer, gathered from `dataset` if given;
+    with augmult, its x becomes the rows' views [P, K, ...] (made here, on the
+    device, from (seed, step, batch['index']))."""
     batch = jax.tree.map(
         lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), logical)
     if dataset is not None:
-      batch = dataset.gather(batch['index']) | {'weight': batch['weight']}
+      batch = dataset.gather(batch['index']) | {'weight': batch['weight'],
+                                                'index': batch['index']}
+    if self.augmult is not None:
+      if 'index' not in batch:
+        raise ValueError("augmult: the logical buffer must carry each row's example "
+                         "'index' (device_data.index_buffer / host_buffer do).")
+      batch = batch | {'x': self.augmult.views(batch['x'], batch['index'], step,
+                                               seed=self.seed)}
     return batch
 
   def _fused_step(self, params: Params, opt_state: optax.OptState,
@@ -355,7 +380,7 @@ class DPStep:
 
     def body(i, acc):
       return self._add_batch(params, acc,
-                             self._physical_batch(logical, i, dataset))
+                             self._physical_batch(logical, i, step, dataset))
 
     acc = jax.lax.fori_loop(0, k, body, self._zero_accumulator(params))
     key = _fold_noise_key(self.seed, jnp.asarray(step, jnp.uint32))

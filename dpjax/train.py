@@ -49,6 +49,7 @@ import tqdm
 
 from dpjax import _validate
 from dpjax import auditing
+from dpjax import augmult as augmult_lib
 from dpjax import batching
 from dpjax import checkpoints
 from dpjax import cli
@@ -218,15 +219,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # written or compiled.
   # ---------------------------------------------------------------------------
   _validate.validate(config)
-  if config.augmult.num_views > 1:
-    raise _validate.ConfigError(
-        f'augmult.num_views = {config.augmult.num_views}: augmentation multiplicity is not wired '
-        'into dpjax.train yet (dpjax.augmult is used by experiments/07_recipe); set it to 0.')
   num_canaries = auditing.check_audit_config(config.audit)
   workdir = check_workdir(workdir)
   train_source, test_source = data.make_sources(config.data, seed=config.seed)
   if num_canaries:  # m canary rows, sampled like any example: the run has N + m examples.
     train_source = auditing.CanarySource(train_source, num_canaries)
+  if config.augmult.num_views > 1:  # Crops and flips need images; checked before any compute.
+    augmult_lib.check_config(config.augmult.num_views, config.augmult.crop_padding,
+                             config.augmult.flip, input_shape=train_source.input_shape)
   model = models.make_model(config.model, train_source.num_classes, train_source.input_shape)
   mesh = sharding.make_mesh(config.num_devices)
   sharding.check_physical_batch_size(config.sampler.physical_batch_size, mesh)
@@ -289,7 +289,8 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
       model, optimizer, clip_norm=plan.clip_norm, noise_multiplier=plan.noise_multiplier,
       expected_batch_size=plan.sampler.expected_batch_size, private=plan.private,
       clipping=config.privacy.clipping, label_format=config.data.label_format, mesh=mesh,
-      seed=config.seed, precision=config.precision, sum_fn_wrapper=wrapper)
+      seed=config.seed, precision=config.precision, sum_fn_wrapper=wrapper,
+      augmult=augmult_lib.Augmult.from_config(config.augmult))
 
   def run_audit(params) -> dict:
     """The one-run ε lower bound from the canaries' coordinates of θ (Steinke et al. 2023)."""

@@ -87,8 +87,9 @@ CONFIG_CASES = [
     ({'eval_every_steps': 0}, r'eval_every_steps = 0: must be an integer >= 1'),
     ({'checkpoint_every_steps': -5}, r'checkpoint_every_steps = -5: must be an integer >= 1'),
     ({'keep_checkpoints': 0}, r'keep_checkpoints = 0: must be an integer >= 1'),
-    ({'augmult.num_views': 4}, r'augmult.num_views = 4: augmentation multiplicity is not wired '
-                               r'into dpjax.train yet'),
+    ({'augmult.num_views': 4, 'augmult.crop_padding': 8},
+     r'augmult.crop_padding = 8: must be < min\(H, W\) = 8'),
+    ({'augmult.num_views': -1}, r'augmult.num_views = -1: must be an integer >= 0'),
     ({'audit.num_canaries': -1}, r'audit.num_canaries must be an integer >= 0'),
     ({'audit.kind': 'loss'}, r"audit.kind = 'loss'; valid: "),
     ({'model.name': 'resnet'}, r"config.model.name='resnet' is not a model"),
