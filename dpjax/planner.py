@@ -56,7 +56,6 @@ FLAT_TOLERANCE = 1.1
 DEFAULT_SMALLEST_BATCH_SIZE = 32
 DEFAULT_PHYSICAL_BATCH_SIZE = 64
 # Samplers accounted without amplification by sampling (their σ does not depend on b).
-NO_AMPLIFICATION = ('shuffle', 'deterministic')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +119,7 @@ class Plan:
         f'σ·C/b {trend}: {first.effective_noise:.3g} at b = {first.batch_size}, '
         f'{last.effective_noise:.3g} at b = {last.batch_size} '
         f'({first.effective_noise / last.effective_noise:.3g}x less); smallest at b = {best}.']
-    if self.sampler in NO_AMPLIFICATION:
+    if not samplers_lib.sampler_class(self.sampler).amplified_by_sampling:
       lines.append(f'σ grows like b^{sigma_growth:.2f}: the {self.sampler} sampler is accounted '
                    f'without amplification, so σ does not depend on b and σ·C/b ∝ 1/b.')
       return '\n'.join(lines)

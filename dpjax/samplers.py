@@ -100,6 +100,27 @@ class Sampler(abc.ABC):
   # Batch sizes are Binomial(N, p): a cap B truncates with probability > 0, and the
   # accountant pays for it. Other samplers' batches never exceed b (B >= b is required).
   binomial_batch_size: ClassVar[bool] = False
+  # The analysis that turns (σ, steps) into ε for this sampler: a key of
+  # `dpjax.accounting.accountant.ANALYSES` (docs/design.md, "Adding a sampler").
+  analysis: ClassVar[str]
+  # ε falls as b/N falls at fixed σ (privacy amplification by sampling). False: each
+  # example is in exactly one batch per epoch, accounted without amplification.
+  amplified_by_sampling: ClassVar[bool] = True
+  # The one-step PLD at group size 1 is a Gaussian or a 2-component mixture: a 10x coarser
+  # grid loses ~0.3% of ε, so σ calibration searches on it before the exact grid.
+  coarse_pld_search: ClassVar[bool] = False
+  # The one-step PLD is a mixture of many Gaussians (slow to build at small σ): σ
+  # calibration starts from the σ of `calibration_base()`, whose ε is never larger.
+  many_component_pld: ClassVar[bool] = False
+  # What to try when the step PLD's grid is too large (beyond raising σ), if anything.
+  grid_too_large_hint: ClassVar[str | None] = None
+  # ε has a provable random-allocation bound and a max-test lower bound per epoch (Chua et
+  # al. 2025), so σ calibration brackets the answer before evaluating the costly bound.
+  random_allocation_bracket: ClassVar[bool] = False
+
+  def calibration_base(self) -> Sampler:
+    """A sampler whose ε never exceeds this one's at equal σ (see many_component_pld)."""
+    return self
 
   def __post_init__(self):
     _check_int('num_examples', self.num_examples, 1)
@@ -158,6 +179,8 @@ class PoissonSampler(Sampler):
 
   name: ClassVar[str] = 'poisson'
   binomial_batch_size: ClassVar[bool] = True
+  analysis: ClassVar[str] = 'poisson_subsampling'
+  coarse_pld_search: ClassVar[bool] = True
 
   @property
   def expected_batch_size(self) -> float:
@@ -177,6 +200,8 @@ class FixedSizeSampler(Sampler):
   """
 
   name: ClassVar[str] = 'fixed_size'
+  analysis: ClassVar[str] = 'fixed_size_subsampling'
+  coarse_pld_search: ClassVar[bool] = True
 
   def indices(self, step: int) -> np.ndarray:
     rng = _generator(self.seed, self._check_step(step))
@@ -191,6 +216,15 @@ class FixedSizeWithReplacementSampler(Sampler):
   accountants: ClassVar[tuple[str, ...]] = ('pld',)
   unsupported_accountant_reason: ClassVar[str] = (
       'dp_accounting has no RDP for sampling with replacement')
+  analysis: ClassVar[str] = 'subsampling_with_replacement'
+  many_component_pld: ClassVar[bool] = True
+  grid_too_large_hint: ClassVar[str | None] = (
+      'use sampler fixed_size (without replacement: a 2-component mixture)')
+
+  def calibration_base(self) -> Sampler:
+    """Fixed size without replacement: ε of its 2-component mixture is never larger."""
+    return FixedSizeSampler(num_examples=self.num_examples, batch_size=self.batch_size,
+                            seed=self.seed)
 
   def indices(self, step: int) -> np.ndarray:
     rng = _generator(self.seed, self._check_step(step))
@@ -245,6 +279,8 @@ class BallsAndBinsSampler(_EpochSampler):
   """
 
   name: ClassVar[str] = 'balls_and_bins'
+  analysis: ClassVar[str] = 'random_allocation'
+  random_allocation_bracket: ClassVar[bool] = True
   accountants: ClassVar[tuple[str, ...]] = ('pld', 'monte_carlo')
   group_accountants: ClassVar[tuple[str, ...]] = ('pld',)
   unsupported_accountant_reason: ClassVar[str] = (
@@ -278,6 +314,8 @@ class ShuffleSampler(_EpochSampler):
   """
 
   name: ClassVar[str] = 'shuffle'
+  analysis: ClassVar[str] = 'shuffled_epochs'
+  amplified_by_sampling: ClassVar[bool] = False
 
   def _epoch_assignment(self, epoch):
     rng = _generator(self.seed, 1 << 41, epoch)
@@ -293,6 +331,8 @@ class DeterministicSampler(_EpochSampler):
   """
 
   name: ClassVar[str] = 'deterministic'
+  analysis: ClassVar[str] = 'gaussian_per_epoch'
+  amplified_by_sampling: ClassVar[bool] = False
 
   def indices(self, step: int) -> np.ndarray:
     step = self._check_step(step)

@@ -263,3 +263,32 @@ def test_epoch_samplers_keep_4_bytes_per_example_for_one_epoch(name):
     assert peak <= documented + 32 * s.steps_per_epoch + 50_000  # Never two epochs at once.
   finally:
     tracemalloc.stop()
+
+
+def test_no_module_outside_samplers_branches_on_a_sampler_name():
+  """Accounting asks the sampler class (its `analysis` and privacy facts), never its name:
+  no string constant equal to a sampler name appears in dpjax's code outside samplers.py,
+  except as a documented default argument value (e.g. the planner's sampler='poisson')."""
+  import ast  # pylint: disable=import-outside-toplevel
+  import pathlib  # pylint: disable=import-outside-toplevel
+  root = pathlib.Path(samplers.__file__).parent
+  found = []
+  for path in sorted(root.rglob('*.py')):
+    if path.name == 'samplers.py':
+      continue
+    tree = ast.parse(path.read_text())
+    defaults = {id(d) for node in ast.walk(tree) if isinstance(
+        node, (ast.FunctionDef, ast.AsyncFunctionDef)) for d in
+                node.args.defaults + [d for d in node.args.kw_defaults if d is not None]}
+    found += [f'{path.relative_to(root)}:{node.lineno}: {node.value!r}'
+              for node in ast.walk(tree) if isinstance(node, ast.Constant)
+              and node.value in samplers.SAMPLER_NAMES and id(node) not in defaults]
+  assert not found, found
+
+
+@pytest.mark.parametrize('name', samplers.SAMPLER_NAMES)
+def test_every_sampler_names_an_analysis_the_accountant_has(name):
+  from dpjax.accounting import analyses  # pylint: disable=import-outside-toplevel
+  cls = samplers.sampler_class(name)
+  assert cls.analysis in analyses.ANALYSES
+  assert set(cls.group_accountants) <= set(cls.accountants) | {'pld'}

@@ -43,97 +43,31 @@ disk. The Monte-Carlo samples are drawn by `monte_carlo_workers` processes
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import sys
 from typing import Any
 
 import ml_collections
 import numpy as np
-import tqdm
 from dp_accounting import dp_event
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
-from dp_accounting.pld import privacy_loss_mechanism
-from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpjax import samplers as samplers_lib
+from dpjax.accounting import analyses
 from dpjax.accounting import balls_and_bins
-from dpjax.accounting import fixed_size_rdp
-from dpjax.accounting import max_test
 from dpjax.accounting import monte_carlo
 from dpjax.accounting import sampler_events
+from dpjax.accounting.report import BOUNDS  # pylint: disable=unused-import (re-exported)
+from dpjax.accounting.report import PrivacyReport
+from dpjax.accounting.step_pld import estimate_pld_grid_points
+from dpjax.accounting.step_pld import GridTooLargeError
+from dpjax.accounting.step_pld import MAX_GRID_POINTS
+from dpjax.accounting.step_pld import mixture_components as _mixture_components
+from dpjax.accounting.step_pld import MOG_VALUE_DISCRETIZATION
+from dpjax.accounting.step_pld import progress_bar
+from dpjax.accounting.step_pld import step_pld as _step_pld
+from dpjax.accounting.step_pld import VALUE_DISCRETIZATION
 
 ACCOUNTANTS = ('auto', 'pld', 'rdp', 'monte_carlo')
-BOUNDS = ('upper', 'high_probability_upper', 'lower')
-# PLD discretisation (pessimistic rounding, so any value gives an upper bound): 1e-4 for
-# Gaussian-type events; 1e-3 for mixtures of > 2 Gaussians (group privacy, sampling with
-# replacement), whose dp_accounting construction costs ~10x more per decade of resolution.
-VALUE_DISCRETIZATION = 1e-4
-MOG_VALUE_DISCRETIZATION = 1e-3
-# Refuse to build a per-step PLD whose grid (privacy-loss points × mixture components, what
-# dp_accounting evaluates and holds as float64 arrays) exceeds this: ~1e6 takes 10-40 s and
-# ~200 MB on one core (fixed_size_with_replacement at b = 256, N = 50,000, σ = 1 is 1.1e6).
-MAX_GRID_POINTS = 2 * 10**6
-# Poisson truncation whose TV penalty costs less than this fraction of δ is accounted by the
-# TV argument alone; above it the exact truncated event is computed too.
-_NEGLIGIBLE_PENALTY = 1e-3
-
-
-# ---------------------------------------------------------------------------------------------
-# The report
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class PrivacyReport:
-  """ε of a run after `steps` steps, and what kind of bound it is.
-
-  Attributes:
-    epsilon: the attached ε at `delta`.
-    delta: δ (the total, any truncation penalty included).
-    bound: 'upper' (provable), 'high_probability_upper' (holds with
-      probability ≥ `confidence` over the Monte-Carlo sampling) or 'lower'.
-    accountant: 'pld', 'rdp' or 'monte_carlo' (resolved from 'auto').
-    sampler: the sampler's name.
-    noise_multiplier: σ.
-    steps: steps completed.
-    steps_per_epoch: ceil(N/b).
-    epsilon_lower: a provable lower bound on the true ε at `delta`, if known.
-    confidence: 1 − β of a Monte-Carlo number (attached or in details), if any.
-    num_samples: Monte-Carlo samples per direction, if any.
-    details: method names and the numbers reported beside ε, with labels.
-  """
-
-  epsilon: float
-  delta: float
-  bound: str
-  accountant: str
-  sampler: str
-  noise_multiplier: float
-  steps: int
-  steps_per_epoch: int
-  epsilon_lower: float | None = None
-  confidence: float | None = None
-  num_samples: int | None = None
-  details: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-  def to_dict(self) -> dict[str, Any]:
-    return _plain(dataclasses.asdict(self))
-
-  def to_json(self, **kwargs) -> str:
-    """One JSON object (non-finite ε is written as Infinity, as Python's json does)."""
-    return json.dumps(self.to_dict(), **kwargs)
-
-
-def _plain(value):
-  """numpy scalars and tuples to plain Python, for JSON."""
-  if isinstance(value, dict):
-    return {str(k): _plain(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_plain(v) for v in value]
-  if isinstance(value, np.generic):
-    return value.item()
-  return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,94 +108,6 @@ def _check_delta(delta) -> float:
       0 < delta < 1):
     raise ValueError(f'privacy.delta must be in (0, 1), got {delta!r}.')
   return float(delta)
-
-
-def _step_pld(event: dp_event.DpEvent, interval: float) -> pld_lib.PrivacyLossDistribution:
-  """The PLD of one step, built as dp_accounting's PLDAccountant builds it."""
-  if isinstance(event, dp_event.PoissonSampledDpEvent):
-    return pld_lib.from_gaussian_mechanism(
-        standard_deviation=event.event.noise_multiplier, value_discretization_interval=interval,
-        sampling_prob=event.sampling_probability)
-  if isinstance(event, dp_event.MixtureOfGaussiansDpEvent):
-    if len(event.sensitivities) == 2 and event.sensitivities[0] == 0:
-      # MoG [0, s] with probabilities [1 − p, p] *is* the Poisson-subsampled Gaussian pair
-      # with sensitivity s and rate p (both directions); dp_accounting builds that one ~30×
-      # faster at small σ, with the same ε to ~1e-9 (tests/test_accounting_events.py).
-      return pld_lib.from_gaussian_mechanism(
-          standard_deviation=event.standard_deviation, sensitivity=event.sensitivities[1],
-          value_discretization_interval=interval, sampling_prob=event.sampling_probs[1])
-    return pld_lib.from_mixture_gaussian_mechanism(
-        standard_deviation=event.standard_deviation, sensitivities=event.sensitivities,
-        sampling_probs=event.sampling_probs, value_discretization_interval=interval)
-  if isinstance(event, dp_event.TruncatedSubsampledGaussianDpEvent):
-    return pld_lib.from_truncated_subsampled_gaussian_mechanism(
-        dataset_size=event.dataset_size, sampling_probability=event.sampling_probability,
-        truncated_batch_size=event.truncated_batch_size,
-        noise_multiplier=event.noise_multiplier, value_discretization_interval=interval)
-  raise TypeError(f'no per-step PLD for {event!r}')
-
-
-def progress_bar(total: int | None, desc: str) -> tqdm.tqdm:
-  """A tqdm bar on stderr that appears only after 10 s, and only on a terminal (quiet in tests
-  and logs)."""
-  return tqdm.tqdm(total=total, desc=f'dpjax.accounting: {desc}', delay=10, disable=None,
-                   file=sys.stderr, leave=False, dynamic_ncols=True)
-
-
-class GridTooLargeError(ValueError):
-  """A per-step PLD would exceed `max_grid_points` (raised before anything is allocated)."""
-
-
-def _mixture_components(event: dp_event.DpEvent) -> tuple[float, list, list] | None:
-  """(σ, sensitivities, probabilities) of a Gaussian-type step event; None for others."""
-  if isinstance(event, dp_event.PoissonSampledDpEvent):
-    q = event.sampling_probability
-    return event.event.noise_multiplier, [0.0, 1.0], [1 - q, q]
-  if isinstance(event, dp_event.MixtureOfGaussiansDpEvent):
-    return event.standard_deviation, list(event.sensitivities), list(event.sampling_probs)
-  return None
-
-
-def estimate_pld_grid_points(event: dp_event.DpEvent, interval: float) -> int | None:
-  """The size of the per-step PLD `_step_pld` would build: grid points × mixture components.
-
-  The points are dp_accounting's own connect-the-dots range (its privacy-loss
-  tail bounds, both adjacency directions) divided by the discretisation. A
-  mixture of > 2 Gaussians evaluates each point against every component (in
-  a binary search, arrays of points × components); the Poisson-type pair [0, s]
-  has a closed-form inverse and counts its points once. Milliseconds; None
-  for events without an estimate (truncated Poisson).
-  """
-  parts = _mixture_components(event)
-  if parts is None:
-    return None
-  sigma, sensitivities, probs = parts
-  points = 0.0
-  closed_form = len(sensitivities) == 2 and sensitivities[0] == 0  # As `_step_pld` builds it.
-  for adjacency in (privacy_loss_mechanism.AdjacencyType.ADD,
-                    privacy_loss_mechanism.AdjacencyType.REMOVE):
-    if closed_form:
-      loss = privacy_loss_mechanism.GaussianPrivacyLoss(
-          sigma, sensitivity=sensitivities[1], sampling_prob=probs[1], adjacency_type=adjacency)
-    else:
-      loss = privacy_loss_mechanism.MixtureGaussianPrivacyLoss(
-          sigma, sensitivities, probs, adjacency_type=adjacency)
-    bounds = loss.connect_dots_bounds()
-    points = max(points, (bounds.epsilon_upper - bounds.epsilon_lower) / interval + 1)
-  return int(math.ceil(points * (1 if closed_form else len(sensitivities))))
-
-
-def _group_conversion_epsilon(delta_one: callable, group_size: int, delta: float) -> float:
-  """k·ε₁ with k·e^{(k−1)ε₁}·δ₁(ε₁) ≤ δ (Vadhan 2017, Lemma 2.2). Comparison only."""
-  k = group_size
-
-  def delta_group(eps):
-    d1 = delta_one(eps)
-    if d1 <= 0:
-      return 0.0
-    return math.exp(min(700.0, math.log(k) + (k - 1) * eps + math.log(d1)))
-
-  return k * balls_and_bins.smallest_epsilon(delta_group, delta)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,7 +236,7 @@ class Accountant:
     """ceil(step / T): the epochs a checkpoint after `step` steps has touched."""
     return -(-step // self.steps_per_epoch)
 
-  def _log_truncation_mass(self, num_steps: int) -> float:
+  def log_truncation_mass(self, num_steps: int) -> float:
     """log τ = log(T·Pr[n_t > B]) for binomial batch sizes; −inf without truncation."""
     if self.max_batch_size is None or not self.sampler.binomial_batch_size:
       return -math.inf
@@ -398,7 +244,7 @@ class Accountant:
         self.sampler.num_examples, self.sampling_probability, self.max_batch_size, num_steps,
         group_size=self.group_size)
 
-  def _pld(self, event: dp_event.DpEvent, count: int) -> pld_lib.PrivacyLossDistribution:
+  def composed_pld(self, event: dp_event.DpEvent, count: int) -> pld_lib.PrivacyLossDistribution:
     key = repr(event)
     if key in self._step_plds:
       return self._step_plds[key].self_compose(count)
@@ -419,8 +265,8 @@ class Accountant:
     hints = ['raise σ (privacy.noise_multiplier)']
     if self.group_size > 1:
       hints.insert(0, f'lower privacy.group_size = {self.group_size}')
-    if self.sampler.name == 'fixed_size_with_replacement':
-      hints.append('use sampler fixed_size (without replacement: a 2-component mixture)')
+    if self.sampler.grid_too_large_hint:
+      hints.append(self.sampler.grid_too_large_hint)
     hints.append(f'coarsen value_discretization_interval (now {interval:g})')
     raise GridTooLargeError(
         f'the privacy-loss distribution of one {self.sampler.name} step (σ = '
@@ -468,7 +314,7 @@ class Accountant:
 
   # --- per sampler ----------------------------------------------------------------------------
 
-  def _report(self, unit: int, epsilon: float, details: dict, **kwargs) -> PrivacyReport:
+  def report(self, unit: int, epsilon: float, details: dict, **kwargs) -> PrivacyReport:
     details = dict(details)
     details.setdefault('group_size', self.group_size)
     details.setdefault('num_examples', self.sampler.num_examples)
@@ -485,234 +331,10 @@ class Accountant:
 
   def _compute(self, unit: int, estimates: bool) -> PrivacyReport:
     if unit == 0:
-      return self._report(0, 0.0, {'method': 'nothing released yet'})
-    name = self.sampler.name
-    if name == 'poisson':
-      return self._poisson(unit, estimates)
-    if name == 'fixed_size':
-      return self._fixed_size(unit, estimates)
-    if name == 'fixed_size_with_replacement':
-      return self._fixed_size_with_replacement(unit, estimates)
-    if name == 'deterministic':
-      return self._deterministic(unit)
-    if name == 'shuffle':
-      return self._shuffle(unit, estimates)
-    return self._balls_and_bins(unit, estimates)
+      return self.report(0, 0.0, {'method': 'nothing released yet'})
+    return analyses.ANALYSES[self.sampler.analysis](self, unit, estimates)
 
-  def _poisson(self, steps: int, estimates: bool) -> PrivacyReport:
-    q, sigma = self.sampling_probability, self.noise_multiplier
-    k, delta = self.group_size, self.delta
-    event = sampler_events.poisson_step_event(q, sigma, group_size=k)
-    log_tau = self._log_truncation_mass(steps)
-    tau = math.exp(log_tau)
-    details: dict[str, Any] = {'truncation_mass': tau}
-    if self.max_batch_size is None:
-      details['truncation'] = 'none (no max_batch_size)'
-    if self.accountant == 'rdp':
-      rdp = rdp_privacy_accountant.RdpAccountant()
-      rdp.compose(event, steps)
-      if tau == 0:
-        eps = rdp.get_epsilon(delta)
-        details['method'] = 'rdp(poisson_subsampled_gaussian)'
-      else:
-        eps = balls_and_bins.smallest_epsilon(rdp.get_delta, delta, penalty_mass=tau)
-        details['method'] = 'rdp(poisson_subsampled_gaussian) + tv_truncation_penalty'
-      if estimates:
-        details['pld_epsilon'] = self._poisson_pld(event, steps, tau)[0]
-      return self._report(steps, eps, details)
-    eps, method, extra = self._poisson_pld(event, steps, tau)
-    details.update(extra, method=method)
-    if estimates:
-      if k == 1:
-        rdp = rdp_privacy_accountant.RdpAccountant()
-        rdp.compose(event, steps)
-        details['rdp_epsilon'] = balls_and_bins.smallest_epsilon(rdp.get_delta, delta,
-                                                                 penalty_mass=tau)
-      else:
-        one = self._pld(sampler_events.poisson_step_event(q, sigma), steps)
-        details['group_conversion_epsilon_comparison_only'] = _group_conversion_epsilon(
-            one.get_delta_for_epsilon, k, delta)
-    return self._report(steps, eps, details)
-
-  def _poisson_pld(self, event, steps: int, tau: float) -> tuple[float, str, dict]:
-    delta = self.delta
-    composed = self._pld(event, steps)
-    if tau == 0:
-      return float(composed.get_epsilon_for_delta(delta)), 'pld', {}
-    eps_tv = balls_and_bins.smallest_epsilon(composed.get_delta_for_epsilon, delta,
-                                             penalty_mass=tau)
-    extra = {'tv_truncation_epsilon': eps_tv}
-    penalty = (1 + math.exp(eps_tv)) * tau if math.isfinite(eps_tv) else math.inf
-    if self.group_size > 1 or not self.exact_truncation or penalty <= _NEGLIGIBLE_PENALTY * delta:
-      return eps_tv, 'pld + tv_truncation_penalty', extra
-    # The exact truncated event, for the dataset holding the sensitive example: N (remove)
-    # and N + 1 (add); the worse of the two covers both directions.
-    exact = max(
-        float(self._pld(sampler_events.truncated_poisson_step_event(
-            n, self.sampling_probability, self.max_batch_size, self.noise_multiplier),
-                        steps).get_epsilon_for_delta(delta))
-        for n in (self.sampler.num_examples, self.sampler.num_examples + 1))
-    extra['truncated_event_epsilon'] = exact
-    if exact <= eps_tv:
-      return exact, 'pld(truncated_subsampled_gaussian)', extra
-    return eps_tv, 'pld + tv_truncation_penalty', extra
-
-  def _fixed_size(self, steps: int, estimates: bool) -> PrivacyReport:
-    n, b, sigma, k, delta = (self.sampler.num_examples, self.sampler.batch_size,
-                             self.noise_multiplier, self.group_size, self.delta)
-    details: dict[str, Any] = {}
-    pld_eps = fs_rdp_eps = None
-    if self.accountant == 'pld' or estimates:
-      event = sampler_events.fixed_size_step_event(n, b, sigma, group_size=k)
-      pld_eps = float(self._pld(event, steps).get_epsilon_for_delta(delta))
-    if k == 1 and b < n and (self.accountant == 'rdp' or estimates):
-      fs_rdp_eps, order = fixed_size_rdp.fixed_size_rdp_epsilon(b / n, sigma, steps, delta)
-      details['fs_rdp_order'] = order
-    elif self.accountant == 'rdp':
-      raise ValueError(f'FS-RDP needs q = b/N < 1, got b = N = {n}; use accountant pld.')
-    if self.accountant == 'pld':
-      eps = pld_eps
-      details['method'] = 'pld(mixture_of_gaussians[0,2])' if k == 1 else \
-          'pld(mixture_of_gaussians, hypergeometric group)'
-      if fs_rdp_eps is not None:
-        details['fs_rdp_epsilon'] = fs_rdp_eps
-    else:
-      eps = fs_rdp_eps
-      details['method'] = 'fs_rdp(birrell_et_al_2024, add/remove, integer orders)'
-      if pld_eps is not None:
-        details['pld_epsilon'] = pld_eps
-    if estimates and k == 1:
-      wor = rdp_privacy_accountant.RdpAccountant(
-          neighboring_relation=rdp_privacy_accountant.NeighborRel.REPLACE_ONE)
-      wor.compose(sampler_events.sampled_without_replacement_rdp_event(n, b, sigma), steps)
-      details['wang_et_al_rdp_replace_one_epsilon'] = float(wor.get_epsilon(delta))
-    if estimates and k > 1:
-      one = self._pld(sampler_events.fixed_size_step_event(n, b, sigma), steps)
-      details['group_conversion_epsilon_comparison_only'] = _group_conversion_epsilon(
-          one.get_delta_for_epsilon, k, delta)
-    return self._report(steps, eps, details)
-
-  def _fixed_size_with_replacement(self, steps: int, estimates: bool) -> PrivacyReport:
-    n, b, sigma, k, delta = (self.sampler.num_examples, self.sampler.batch_size,
-                             self.noise_multiplier, self.group_size, self.delta)
-    event = sampler_events.fixed_size_with_replacement_step_event(n, b, sigma, group_size=k)
-    eps = float(self._pld(event, steps).get_epsilon_for_delta(delta))
-    details: dict[str, Any] = {
-        'method': 'pld(mixture_of_gaussians[0,2,...,2b], binomial(b, k/N))'}
-    if estimates and k > 1:
-      one = self._pld(sampler_events.fixed_size_with_replacement_step_event(n, b, sigma), steps)
-      details['group_conversion_epsilon_comparison_only'] = _group_conversion_epsilon(
-          one.get_delta_for_epsilon, k, delta)
-    return self._report(steps, eps, details)
-
-  def _epoch_gaussian(self, epochs: int) -> tuple[float, str]:
-    """Deterministic-order ε of `epochs` epochs (exact with 'pld', RDP with 'rdp')."""
-    if self.accountant == 'rdp':
-      rdp = rdp_privacy_accountant.RdpAccountant()
-      rdp.compose(sampler_events.epoch_gaussian_event(self.noise_multiplier,
-                                                      group_size=self.group_size), epochs)
-      return float(rdp.get_epsilon(self.delta)), 'rdp(gaussian per epoch)'
-    return (balls_and_bins.deterministic_epsilon(self.noise_multiplier, epochs, self.delta,
-                                                 group_size=self.group_size),
-            'gaussian per epoch (exact)')
-
-  def _deterministic(self, epochs: int) -> PrivacyReport:
-    eps, method = self._epoch_gaussian(epochs)
-    return self._report(epochs, eps, {'method': method})
-
-  def _shuffle(self, epochs: int, estimates: bool) -> PrivacyReport:
-    eps, method = self._epoch_gaussian(epochs)
-    details: dict[str, Any] = {
-        'method': f'deterministic upper bound: {method} (joint convexity; no tight shuffle '
-                  f'accountant is known)'}
-    lower = None
-    if estimates:
-      lower = max_test.shuffle_lower_bound_epsilon(
-          self.noise_multiplier, self.steps_per_epoch, self.delta, num_epochs=epochs)
-      details['lower_bound_method'] = 'max test on the Chua et al. 2024a shuffle pair'
-      poisson = self._pld(sampler_events.poisson_step_event(
-          self.sampler.batch_size / self.sampler.num_examples, self.noise_multiplier,
-          group_size=self.group_size), epochs * self.steps_per_epoch)
-      details['as_if_poisson_not_a_guarantee'] = float(poisson.get_epsilon_for_delta(self.delta))
-    return self._report(epochs, eps, details, epsilon_lower=lower)
-
-  def _balls_and_bins(self, epochs: int, estimates: bool) -> PrivacyReport:
-    sigma, steps_per_epoch, delta, k = (self.noise_multiplier, self.steps_per_epoch, self.delta,
-                                        self.group_size)
-    log_tau = self._log_truncation_mass(epochs * steps_per_epoch)
-    tau = math.exp(log_tau)
-    # The Monte-Carlo accountant's ε needs only the deterministic bound (for δ₀); the costly
-    # random-allocation PLD is then computed only when the estimates beside ε are asked for.
-    skip_ra = self.accountant == 'monte_carlo' and not estimates
-    provable = balls_and_bins.provable_epsilon(
-        sigma, steps_per_epoch, delta, num_epochs=epochs, group_size=k, log_penalty_mass=log_tau,
-        random_allocation=False if skip_ra else self.random_allocation,
-        timeout=self.random_allocation_timeout, lower=estimates)
-    details: dict[str, Any] = {
-        'provable_epsilon': provable.epsilon,
-        'provable_method': provable.method,
-        'deterministic_epsilon': provable.deterministic_epsilon,
-        'random_allocation_upper': provable.random_allocation_upper,
-        'random_allocation_lower': provable.random_allocation_lower,
-        'random_allocation_grid': provable.discretization,
-        'truncation_mass': tau,
-    }
-    if self.max_batch_size is None:
-      details['truncation'] = 'none (no max_batch_size)'
-    want_mc = self.accountant == 'monte_carlo' or (
-        estimates and self.monte_carlo_estimate and k == 1)
-    mc = None
-    if want_mc and provable.delta0 > 0:
-      try:
-        mc = self._monte_carlo_epsilon(epochs, provable.delta0)
-      except ValueError as e:  # e.g. too few samples for this δ.
-        if self.accountant == 'monte_carlo':
-          raise
-        details['monte_carlo_error'] = str(e)
-    if mc is not None:
-      # With truncation, δ₀ assumed ε ≤ ε_det; the deterministic bound is valid regardless.
-      mc_eps = min(mc.epsilon, provable.deterministic_epsilon)
-      details.update({
-          'monte_carlo_epsilon_high_probability': mc_eps,
-          'monte_carlo_label': f'high-probability upper bound (holds with probability >= '
-                               f'{mc.confidence} over the sampling), not a proof',
-          'monte_carlo_epsilon_point_estimate_not_a_guarantee': mc.epsilon_point,
-          'monte_carlo_method': mc.method,
-          'monte_carlo_seed': mc.seed,
-      })
-    elif k > 1:
-      details['monte_carlo'] = 'not computed: it covers group_size = 1 only'
-    elif estimates and not want_mc:
-      m = monte_carlo.default_num_samples(sigma, steps_per_epoch, provable.delta0, self.beta,
-                                          num_epochs=epochs)
-      seconds = monte_carlo.estimated_seconds(m, steps_per_epoch, epochs,
-                                              self.monte_carlo_workers)
-      details['monte_carlo'] = (
-          f'not computed (opt-in: Accountant(monte_carlo_estimate=True) or python -m dpjax.account '
-          f'--monte-carlo): it would draw {m} samples per direction, about {seconds:.0f} s on '
-          f'{self.monte_carlo_workers} core(s)')
-    lower = None
-    if estimates:
-      delta_low = delta + (1 + math.exp(provable.epsilon)) * tau if math.isfinite(
-          provable.epsilon) else 1.0
-      lower = 0.0
-      if delta_low < 1:
-        lower = max_test.balls_and_bins_lower_bound_epsilon(sigma, steps_per_epoch, delta_low,
-                                                            num_epochs=epochs)
-      details['max_test_lower_bound'] = lower
-      if tau == 0 and provable.random_allocation_lower is not None and k == 1:
-        lower = max(lower, provable.random_allocation_lower)
-    extra: dict[str, Any] = {'epsilon_lower': lower}
-    if mc is not None:
-      extra.update(confidence=mc.confidence, num_samples=mc.num_samples)
-    if self.accountant == 'monte_carlo':
-      details['method'] = 'monte_carlo (Chua et al. 2025, Algorithms 4-6)'
-      return self._report(epochs, details['monte_carlo_epsilon_high_probability'],
-                          details, bound='high_probability_upper', **extra)
-    details['method'] = provable.method
-    return self._report(epochs, provable.epsilon, details, **extra)
-
-  def _monte_carlo_epsilon(self, epochs: int, delta0: float) -> monte_carlo.MonteCarloResult:
+  def monte_carlo_epsilon(self, epochs: int, delta0: float) -> monte_carlo.MonteCarloResult:
     key = (epochs, delta0)
     if key not in self._monte_carlo:
       self._monte_carlo[key] = monte_carlo.balls_and_bins_epsilon(

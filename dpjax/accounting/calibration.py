@@ -123,11 +123,12 @@ def largest_count(epsilon_of_count: Callable[[int], float], target_epsilon: floa
   return lo
 
 
-def _coarse_search_is_safe(sampler_name: str, accountant: str, group_size: int) -> bool:
+def _coarse_search_is_safe(sampler: samplers_lib.Sampler, accountant: str,
+                           group_size: int) -> bool:
   """Gaussian-type PLDs lose ~0.3% of ε at 10× coarser discretisation; mixtures of more
   than two Gaussians (group privacy, with replacement) lose far more, so they search at 1×."""
-  return (accountant_lib.resolve_accountant(sampler_name, accountant) == 'pld' and
-          sampler_name in ('poisson', 'fixed_size') and group_size == 1)
+  return (accountant_lib.resolve_accountant(sampler.name, accountant) == 'pld' and
+          sampler.coarse_pld_search and group_size == 1)
 
 
 def calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: float,
@@ -190,13 +191,13 @@ def _calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: f
   # penalty alone, a search seed for Monte Carlo).
   if resolved == 'monte_carlo':
     search = epsilon_fn(1.0, monte_carlo_seed + _SEARCH_SEED_OFFSET, False)
-  elif _coarse_search_is_safe(sampler.name, accountant, kwargs.get('group_size', 1)):
+  elif _coarse_search_is_safe(sampler, accountant, kwargs.get('group_size', 1)):
     search = epsilon_fn(10.0, monte_carlo_seed, False)
   else:
     search = epsilon_fn(1.0, monte_carlo_seed, False)
   bracket = None
   random_allocation = kwargs.get('random_allocation')
-  if (sampler.name == 'balls_and_bins' and kwargs.get('group_size', 1) == 1 and
+  if (sampler.random_allocation_bracket and kwargs.get('group_size', 1) == 1 and
       (resolved == 'monte_carlo' or random_allocation is not False)):
     # Provable bracket: the exact deterministic σ is an upper end (ε_det ≥ ε), the σ where the
     # max-test lower bound meets the target a lower end; random allocation and Monte Carlo
@@ -215,14 +216,11 @@ def _calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: f
       bracket = _random_allocation_bracket(search, sampler, target, delta, epochs, bracket)
   initial = 1.0
   group_size = kwargs.get('group_size', 1)
-  if resolved == 'pld' and (sampler.name == 'fixed_size_with_replacement' or (
-      group_size > 1 and sampler.name in ('poisson', 'fixed_size'))):
+  if resolved == 'pld' and (sampler.many_component_pld or (
+      group_size > 1 and sampler.coarse_pld_search)):
     # Mixtures of many Gaussians are slow to build at small σ. Their ε is at least that of
     # the example-level / without-replacement event, whose σ is found fast: start there.
-    base = sampler
-    if sampler.name == 'fixed_size_with_replacement':
-      base = samplers_lib.sampler_class('fixed_size')(
-          num_examples=sampler.num_examples, batch_size=sampler.batch_size, seed=sampler.seed)
+    base = sampler.calibration_base()
     base_kwargs = dict(kwargs, group_size=1)
     initial = calibrate_noise_multiplier(base, target, delta, steps, accountant=accountant,
                                          **base_kwargs)
@@ -263,8 +261,8 @@ def _random_allocation_bracket(epsilon_of_sigma, sampler, target: float, delta: 
   provable `bracket` (deterministic σ above, max-test σ below).
   """
   lo, hi = bracket  # ε(lo) > target ≥ ε(hi) (provable)
-  poisson = samplers_lib.sampler_class('poisson')(num_examples=sampler.num_examples,
-                                                  batch_size=sampler.batch_size)
+  poisson = samplers_lib.PoissonSampler(num_examples=sampler.num_examples,
+                                       batch_size=sampler.batch_size)
   sigma = calibrate_noise_multiplier(poisson, target, delta, epochs * sampler.steps_per_epoch)
   sigma = min(max(sigma, lo * 1.001), hi)
   aim, slope, last = target * (1 - epsilon_rtol / 2), -1.0, None

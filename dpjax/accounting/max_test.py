@@ -215,36 +215,34 @@ def _composed_pld(log_p, log_q, num_epochs) -> pld_lib.PrivacyLossDistribution:
   return pld.self_compose(num_epochs, tail_mass_truncation=_TAIL_MASS_TRUNCATION)
 
 
-_PAIRS = {'balls_and_bins': balls_and_bins_max_pair, 'shuffle': shuffle_max_pair}
-
-
 @functools.lru_cache(maxsize=32)
-def _cached_binned_pair(kind: str, sigma: float, num_steps: int):
-  log_p, log_q = binned_max_pair(*_PAIRS[kind](sigma, num_steps))
+def _cached_binned_pair(pair, sigma: float, num_steps: int):
+  """pair: the max-of-Gaussians pair's constructor (balls_and_bins_max_pair, shuffle_max_pair)."""
+  log_p, log_q = binned_max_pair(*pair(sigma, num_steps))
   log_p.flags.writeable = log_q.flags.writeable = False
   return log_p, log_q
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_composed_pld(kind: str, sigma: float, num_steps: int, num_epochs: int):
-  return _composed_pld(*_cached_binned_pair(kind, sigma, num_steps), num_epochs)
+def _cached_composed_pld(pair, sigma: float, num_steps: int, num_epochs: int):
+  return _composed_pld(*_cached_binned_pair(pair, sigma, num_steps), num_epochs)
 
 
-def _lower_bound_delta(kind, sigma, num_steps, epsilon, num_epochs) -> float:
+def _lower_bound_delta(pair, sigma, num_steps, epsilon, num_epochs) -> float:
   sigma, num_steps, num_epochs = float(sigma), int(num_steps), int(num_epochs)
   if num_epochs == 1:
-    log_p, log_q = _cached_binned_pair(kind, sigma, num_steps)
+    log_p, log_q = _cached_binned_pair(pair, sigma, num_steps)
     return float(_binned_delta(log_p, log_q, epsilon)[0])
-  pld = _cached_composed_pld(kind, sigma, num_steps, num_epochs)
+  pld = _cached_composed_pld(pair, sigma, num_steps, num_epochs)
   return max(0.0, float(pld.get_delta_for_epsilon(epsilon)) - 2 * _TAIL_MASS_TRUNCATION)
 
 
-def _lower_bound_epsilon(kind, sigma, num_steps, delta, num_epochs) -> float:
+def _lower_bound_epsilon(pair, sigma, num_steps, delta, num_epochs) -> float:
   sigma, num_steps, num_epochs = float(sigma), int(num_steps), int(num_epochs)
   if num_epochs > 1:
-    pld = _cached_composed_pld(kind, sigma, num_steps, num_epochs)
+    pld = _cached_composed_pld(pair, sigma, num_steps, num_epochs)
     return float(pld.get_epsilon_for_delta(delta + 2 * _TAIL_MASS_TRUNCATION))
-  log_p, log_q = _cached_binned_pair(kind, sigma, num_steps)
+  log_p, log_q = _cached_binned_pair(pair, sigma, num_steps)
   delta_at = lambda eps: float(_binned_delta(log_p, log_q, eps)[0])
   if delta_at(0.0) <= delta:
     return 0.0
@@ -281,7 +279,7 @@ def balls_and_bins_lower_bound_delta(sigma: float, num_steps: int, epsilon: floa
   """
   _check_args(sigma, num_steps, num_epochs)
   _check_epsilon(epsilon)
-  return _lower_bound_delta('balls_and_bins', sigma, num_steps, epsilon, num_epochs)
+  return _lower_bound_delta(balls_and_bins_max_pair, sigma, num_steps, epsilon, num_epochs)
 
 
 def balls_and_bins_lower_bound_epsilon(sigma: float, num_steps: int, delta: float, *,
@@ -289,7 +287,7 @@ def balls_and_bins_lower_bound_epsilon(sigma: float, num_steps: int, delta: floa
   """Lower bound on ε(δ) of balls-and-bins DP-SGD: no valid ε at this δ is smaller."""
   _check_args(sigma, num_steps, num_epochs)
   _check_delta(delta)
-  return _lower_bound_epsilon('balls_and_bins', sigma, num_steps, delta, num_epochs)
+  return _lower_bound_epsilon(balls_and_bins_max_pair, sigma, num_steps, delta, num_epochs)
 
 
 def shuffle_lower_bound_delta(sigma: float, num_steps: int, epsilon: float, *,
@@ -301,7 +299,7 @@ def shuffle_lower_bound_delta(sigma: float, num_steps: int, epsilon: float, *,
   """
   _check_args(sigma, num_steps, num_epochs)
   _check_epsilon(epsilon)
-  return _lower_bound_delta('shuffle', sigma, num_steps, epsilon, num_epochs)
+  return _lower_bound_delta(shuffle_max_pair, sigma, num_steps, epsilon, num_epochs)
 
 
 def shuffle_lower_bound_epsilon(sigma: float, num_steps: int, delta: float, *,
@@ -309,7 +307,7 @@ def shuffle_lower_bound_epsilon(sigma: float, num_steps: int, delta: float, *,
   """Lower bound on ε(δ) of shuffled DP-SGD: no valid ε at this δ is smaller."""
   _check_args(sigma, num_steps, num_epochs)
   _check_delta(delta)
-  return _lower_bound_epsilon('shuffle', sigma, num_steps, delta, num_epochs)
+  return _lower_bound_epsilon(shuffle_max_pair, sigma, num_steps, delta, num_epochs)
 
 
 def max_test_delta_by_quadrature(p_law: MaxOfGaussians, q_law: MaxOfGaussians,
