@@ -438,6 +438,6 @@ def test_workers_default_to_the_available_cores(monkeypatch):
     seen.append(workers)
     return real(fn, tasks, 1)
 
-  monkeypatch.setattr(mc, '_run', spy)
+  monkeypatch.setattr(mc.parallel, '_run', spy)  # Callers reach it through the module.
   mc.balls_and_bins_epsilon(1.0, 10, 1e-2, num_samples=2000, seed=0)
   assert seen == [len(os.sched_getaffinity(0))]
