@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from dpjax import ghost_clipping
+
 ACTIVATIONS = {
     'relu': nn.relu,
     'tanh': nn.tanh,
@@ -168,6 +170,12 @@ class WSConv(nn.Module):
         x, w, window_strides=self.strides, padding='SAME',
         dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
     return y + bias
+
+
+# Ghost clipping's closed-form rule for this layer (dpjax.ghost_clipping.conv._ws_sq_norms
+# restates the standardisation above); the clipping code imports no model.
+ghost_clipping.register_norm_rule(WSConv, name='wsconv', params=ghost_clipping.conv.WS_CONV_PARAMS)(
+    ghost_clipping.conv.ws_conv_sq_norms)
 
 
 class WideResNet(nn.Module):

@@ -196,7 +196,7 @@ def test_each_model_matches_per_example_gradients(name):
   else:
     assert not coverage.materialised
   if name == 'wrn_10_1':
-    assert sum(l.rule == 'wsconv' for l in coverage.layers) == 10
+    assert sum(l.rule.name == 'wsconv' for l in coverage.layers) == 10
 
 
 def test_patches_times_kernel_is_the_convolution():
@@ -231,7 +231,7 @@ def test_scanned_and_unrolled_conv_blocks_agree(monkeypatch):
                                  module, (), tuple(theta), None, None)
     sq = {}
     for unroll_bytes in (2**40, 0):
-      monkeypatch.setattr(ghost_clipping, '_UNROLL_BYTES', unroll_bytes)
+      monkeypatch.setattr(ghost_clipping.conv, '_UNROLL_BYTES', unroll_bytes)
       sq[unroll_bytes] = jax.jit(lambda a, d: ghost_clipping._layer_norms(
           layer, theta, a, d)[0])(x, d)
     np.testing.assert_allclose(sq[0], sq[2**40], rtol=1e-5)
@@ -390,3 +390,52 @@ def test_dp_step_auto_is_ghost_equals_vmap_and_compiles_once(caplog):
                                rtol=1e-5)
   assert float(results['auto'][1]['num_examples']) == 11
   assert int(results['auto'][1]['num_clipped']) > 0
+
+
+class QuietDense(nn.Dense):
+  """A user's Dense that changes only a default: same __call__, so the Dense rule applies."""
+  use_bias: bool = False
+
+
+class DoubledDense(nn.Dense):
+  """Overrides __call__: it may compute anything, so no rule may be assumed."""
+
+  def __call__(self, x):
+    return 2.0 * super().__call__(x)
+
+
+class SubclassedLayers(nn.Module):
+  second: type = QuietDense
+
+  @nn.compact
+  def __call__(self, x):
+    x = x.reshape((x.shape[0], -1))
+    return self.second(K)(jnp.tanh(QuietDense(6)(x)))
+
+
+def test_subclass_keeping_call_uses_the_rule_and_matches_per_example_gradients():
+  x, y = _inputs((8,), 6, seed=300)
+  coverage = _assert_matches_vmap(SubclassedLayers(), x, y)
+  assert [l.rule.name for l in coverage.layers] == ['dense', 'dense']
+
+
+def test_subclass_overriding_call_is_named_as_uncovered():
+  model = SubclassedLayers(second=DoubledDense)
+  x, y = _inputs((5,), 2, seed=301)
+  params = _init(model, x, seed=301)
+  cov = ghost_clipping.analyse_coverage(dp_step.make_loss_fn(model), params, x[0], y[0])
+  reasons = dict(cov.uncovered)
+  assert set(reasons) == {'DoubledDense_0/kernel', 'DoubledDense_0/bias'}
+  assert 'DoubledDense subclasses Dense but overrides __call__' in reasons['DoubledDense_0/kernel']
+  assert 'DoubledDense' in cov.describe()
+
+
+def test_clipping_code_does_not_import_models():
+  """The rules live in dpjax.ghost_clipping; models register theirs (WSConv), not vice versa."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  code = ('import sys; import dpjax.ghost_clipping, dpjax.clipping; '
+          'print("dpjax.models" in sys.modules)')
+  out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == 'False'
+  assert models.WSConv in ghost_clipping.RULES  # Registered by dpjax.models itself.

@@ -1,0 +1,30 @@
+"""Norm rule of nn.Embed: the linear map of one-hot tokens, so a_s·a_s' = [tok_s = tok_s']."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dpjax.ghost_clipping.mixed import HIGHEST
+from dpjax.ghost_clipping.registry import register_norm_rule
+
+
+@register_norm_rule(nn.Embed, name='embed', params=({'embedding'}, {'embedding'}))
+def embed_sq_norms(layer, theta: dict, a, d):
+  """Materialised [n, V, D] when V <= the token count, else the ghost form over tokens."""
+  del theta
+  n = a.shape[0]
+  vocab = layer.module.num_embeddings
+  tokens = a.reshape(n, -1)
+  # jnp.take reads token -k as V - k; tokens out of range give NaN outputs,
+  # so their rows are non-finite whatever we compute here. V = 1
+  # broadcasts the one row to every token.
+  tokens = jnp.where(tokens < 0, tokens + vocab, tokens) * (vocab > 1)
+  d = d.reshape(n, tokens.shape[1], -1)
+  if vocab <= tokens.shape[1]:  # Materialise [n, V, D].
+    g = jnp.einsum('nsv,nsd->nvd', jax.nn.one_hot(tokens, vocab), d, precision=HIGHEST)
+    return jnp.sum(jnp.square(g), axis=(1, 2)), {'embedding': g}, None
+  same = tokens[:, :, None] == tokens[:, None, :]
+  gd = jnp.einsum('nsd,ntd->nst', d, d, precision=HIGHEST)
+  return jnp.sum(jnp.where(same, gd, 0.0), axis=(1, 2)), None, None

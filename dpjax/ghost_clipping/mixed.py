@@ -1,0 +1,113 @@
+"""The mixed ghost / materialised norm of a linear map (Bu et al. 2022), shared by the rules.
+
+A layer z = a·W + b at S positions of one example has g_i = a_iᵀ δ_i and
+‖g_i‖² = Σ_{s,s'} (a_s·a_s')(δ_s·δ_s') (ghost, cost S²(m + c)) = ‖a_iᵀ δ_i‖²_F
+(materialised, cost S·m·c); `use_ghost` picks the cheaper from the shapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+HIGHEST = jax.lax.Precision.HIGHEST
+_HIGHEST = HIGHEST
+
+
+def use_ghost(s: int, m: int, c: int) -> bool:
+  """Mixed rule: ghost form S²(m + c) cheaper than materialising S·m·c."""
+  return s * (m + c) < m * c
+
+
+class _Blocks(NamedTuple):
+  """Column blocks of a layer's input matrix a [n, S, count·width].
+
+  A dense layer has one block (a itself); a convolution has one per kernel
+  offset (the input shifted by the offset, strided), whose concatenation is
+  the patches matrix in the HWIO kernel's feature order. `get(k)` returns
+  block k [n, S, width] for a traced k, so the blocks are visited by a scan
+  and the patches (prod(kernel) x the input) never exist in memory.
+  """
+  get: Callable[[jax.Array | int], jax.Array]
+  count: int
+  width: int
+  unroll: bool = True  # Python loop (fast for small blocks) or lax.scan.
+
+
+def _scan_blocks(blocks: _Blocks, body, init):
+  """Scan of body(carry, block_k, k) -> (carry, y) over the blocks."""
+  if blocks.unroll:
+    carry, ys = init, []
+    for k in range(blocks.count):
+      carry, y = body(carry, blocks.get(k), k)
+      ys.append(y)
+    return carry, jax.tree.map(lambda *v: jnp.stack(v), *ys)
+  return jax.lax.scan(lambda c, k: body(c, blocks.get(k), k), init,
+                      jnp.arange(blocks.count))
+
+
+def _stack_rows(ys: jax.Array) -> jax.Array:
+  """Per-block gradients [K, n, width, c] -> [n, K·width, c] (kernel order)."""
+  k, n, w, c = ys.shape
+  return jnp.moveaxis(ys, 0, 1).reshape(n, k * w, c)
+
+
+def _linear_sq_norm(blocks: _Blocks, d: jax.Array):
+  """‖a_iᵀ d_i‖²_F [n] for a given by `blocks`, d: [n, S, c] (mixed rule).
+
+  Returns (squared norms, the per-example gradients [n, m, c] if they were
+  materialised, else None).
+  """
+  n, s, c = d.shape
+  m = blocks.count * blocks.width
+  if s == 1:
+    a_sq, _ = _scan_blocks(blocks, lambda t, b, k: (
+        t + jnp.sum(jnp.square(b), axis=(1, 2)), None), jnp.zeros(n))
+    return a_sq * jnp.sum(jnp.square(d), axis=(1, 2)), None
+  if use_ghost(s, m, c):
+    gram, _ = _scan_blocks(blocks, lambda t, b, k: (
+        t + jnp.einsum('nsm,ntm->nst', b, b, precision=_HIGHEST), None),
+                           jnp.zeros((n, s, s)))
+    gd = jnp.einsum('nsc,ntc->nst', d, d, precision=_HIGHEST)
+    return jnp.sum(gram * gd, axis=(1, 2)), None
+  g = _per_example_grads(blocks, d)
+  return jnp.sum(jnp.square(g), axis=(1, 2)), g
+
+
+def _per_example_grads(blocks: _Blocks, d: jax.Array) -> jax.Array:
+  """The per-example gradients a_iᵀ d_i [n, m, c] (materialised)."""
+  if blocks.unroll and blocks.count > 1:
+    # Blocks stacked on a new axis [n, K, S, width]: one batched matmul over
+    # S, no concatenation along the (often 1-wide) channel axis, which is
+    # slow on the CPU.
+    a3 = jnp.stack([blocks.get(k) for k in range(blocks.count)], axis=1)
+    g = jnp.einsum('nksw,nsc->nkwc', a3, d, precision=_HIGHEST)
+    return g.reshape(d.shape[0], -1, d.shape[-1])
+  _, gs = _scan_blocks(blocks, lambda t, b, k: (
+      t, jnp.einsum('nsm,nsc->nmc', b, d, precision=_HIGHEST)), 0)
+  return _stack_rows(gs)
+
+
+def linear_norms(theta: dict, a: jax.Array, d: jax.Array, blocks: _Blocks, d2: jax.Array, *,
+                 keep_small_grads: bool = False):
+  """(‖g_i‖² [n], grads, operands) of a linear layer with input blocks and d2 [n, S, c].
+
+  keep_small_grads: return materialised per-example gradients for the clipped
+  sum when they are no larger than the input and output gradient they replace
+  (convolutions). Otherwise the clipped sum is the matmul a2ᵀ(f·d2) of the
+  operands (one block), or the layer's own weight-gradient vjp (operands None).
+  """
+  n = d2.shape[0]
+  bias = jnp.sum(d2, axis=1)  # [n, c].
+  sq = jnp.sum(jnp.square(bias), axis=1) * ('bias' in theta)
+  kernel_sq, g = _linear_sq_norm(blocks, d2)
+  sq = sq + kernel_sq
+  if keep_small_grads and g is not None and theta['kernel'].size <= a[0].size + d[0].size:
+    grads = {'kernel': g.reshape(n, *theta['kernel'].shape)}
+    if 'bias' in theta:
+      grads['bias'] = bias.reshape(n, *theta['bias'].shape)
+    return sq, grads, None
+  return sq, None, (blocks.get(0), d2) if blocks.count == 1 else None
