@@ -44,15 +44,6 @@ from typing import ClassVar
 import ml_collections
 import numpy as np
 
-SAMPLER_NAMES = (
-    'poisson',
-    'balls_and_bins',
-    'shuffle',
-    'deterministic',
-    'fixed_size',
-    'fixed_size_with_replacement',
-)
-
 # Stream identifiers keep the sampler's randomness independent of other
 # consumers of the root seed (truncation in `batching`, noise in `dp_step`).
 SAMPLER_STREAM = 0x5A4D
@@ -350,12 +341,13 @@ def _consecutive_offsets(num_examples: int, batch_size: int) -> np.ndarray:
       : math.ceil(num_examples / batch_size) + 1]
 
 
+# Every sampler class, by config name (a new sampler is added here, once).
 _SAMPLERS = {
     cls.name: cls
     for cls in (PoissonSampler, BallsAndBinsSampler, ShuffleSampler, DeterministicSampler,
                 FixedSizeSampler, FixedSizeWithReplacementSampler)
 }
-assert tuple(_SAMPLERS) == SAMPLER_NAMES
+SAMPLER_NAMES = tuple(_SAMPLERS)
 
 
 def make_sampler(config: ml_collections.ConfigDict, num_examples: int) -> Sampler:

@@ -15,7 +15,7 @@ Three numbers are computed (docs/accounting.md §2):
     assignments, each the Gaussian mechanism with sensitivity k, so by joint
     convexity ε ≤ ε of `GaussianDpEvent(σ/k)` composed E times (seed 000, §3).
   The result is never above the deterministic bound.
-* The Monte-Carlo estimate (`monte_carlo.py`): a *high-probability* upper
+* The Monte-Carlo estimate (`monte_carlo/`): a *high-probability* upper
   bound (confidence 1 − β), reported beside the provable one (opt-in).
 * The max-test lower bound (`max_test.py`), and the random-allocation lower
   bound (a dominated PLD), reported beside both.
