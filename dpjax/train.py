@@ -48,6 +48,7 @@ import numpy as np
 import tqdm
 
 from dpjax import _validate
+from dpjax.accounting import ahead as ahead_lib
 from dpjax import auditing
 from dpjax import augmult as augmult_lib
 from dpjax import batching
@@ -384,7 +385,13 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
   # Index buffers are cheap: made inline. Host-gathered rows are prefetched on a thread.
   batches = (contextlib.nullcontext((t, prepare(t)) for t in steps) if dataset is not None
              else device_data.Prefetcher(prepare, steps))
-  with interrupts.GracefulStop() as signals, batches as batch_stream:
+  # ε of the logged and checkpointed steps, computed ahead on a thread while the device trains
+  # (the same numbers, without stalling the loop for a PLD composition at every log).
+  epsilons = contextlib.nullcontext() if accountant is None else ahead_lib.EpsilonAhead(
+      accountant, (s for s in range(start_step + 1, num_steps + 1)
+                   if is_time(s, config.log_every_steps, num_steps)
+                   or is_time(s, config.checkpoint_every_steps, num_steps)))
+  with interrupts.GracefulStop() as signals, batches as batch_stream, epsilons:
     for step, (logical, buffer, k) in batch_stream:
       num_truncated += int(logical.truncated)
       # One compiled program: K physical batches, noise keyed by (seed, step), the update.
@@ -429,7 +436,7 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
                 'examples_per_second': steady_examples / elapsed if rate else None}
         log_metrics, window_start = [], done + 1
         if accountant is not None:  # Side estimates only at checkpoints.
-          report = accountant.epsilon_at(done, estimates=False)
+          report = epsilons.epsilon_at(done)
           last.update(epsilon=report.epsilon, epsilon_bound=report.bound)
         if is_time(done, config.eval_every_steps, num_steps):
           last.update(run_eval(params, ema))
@@ -454,7 +461,7 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
       if saving_now:
         # Side estimates (Monte-Carlo, lower bounds, comparisons) at the last step only: they
         # can cost seconds; the attached ε and its kind of bound are the same without them.
-        report = accountant.epsilon_at(done, estimates=done == num_steps) if accountant else None
+        report = epsilons.epsilon_at(done, estimates=done == num_steps) if accountant else None
         metadata = privacy_metadata(done, report, plan, step_fns, batcher, num_truncated)
         if audit is not None:
           metadata['audit'] = audit

@@ -261,3 +261,15 @@ def test_report_json_has_the_documented_keys():
   assert loaded['bound'] in accountant_lib.BOUNDS
   assert loaded['steps'] == 25 and loaded['details']['epochs_accounted'] == 3
   assert loaded['epsilon'] == report.epsilon
+
+
+def test_epsilon_ahead_returns_the_accountants_own_reports():
+  """Reports computed ahead on the background thread equal direct calls, estimates included."""
+  from dpjax.accounting import ahead  # pylint: disable=import-outside-toplevel
+  sampler = samplers.PoissonSampler(num_examples=1000, batch_size=50, seed=0)
+  direct = accountant_lib.Accountant(sampler, 1.1, 1e-5)
+  with ahead.EpsilonAhead(accountant_lib.Accountant(sampler, 1.1, 1e-5), [5, 10, 15, 20]) as e:
+    assert e.epsilon_at(5) == direct.epsilon_at(5, estimates=False)
+    assert e.epsilon_at(15) == direct.epsilon_at(15, estimates=False)  # 10 skipped: dropped.
+    assert e.epsilon_at(20, estimates=True) == direct.epsilon_at(20, estimates=True)
+    assert e.epsilon_at(7) == direct.epsilon_at(7, estimates=False)  # Not announced.
