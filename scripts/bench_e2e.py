@@ -59,7 +59,8 @@ CONFIGS = {
     # WRN-16-4 (GroupNorm, weight standardisation) on 32x32x3 synthetic data.
     'wrn_synthetic': {'file': 'configs/cifar10_wrn.py', 'overrides': {
         'data.source': 'synthetic', 'data.num_examples': 2000, 'data.input_shape': (32, 32, 3),
-        'data.num_classes': 10, 'sampler.batch_size': 32, 'sampler.physical_batch_size': 16},
+        'data.num_classes': 10, 'sampler.batch_size': 32, 'sampler.physical_batch_size': 16,
+        'augmult.num_views': 0},  # The input pipeline, not augmentation multiplicity (K x compute).
         'quick_overrides': {'data.num_examples': 500, 'sampler.batch_size': 16,
                             'sampler.physical_batch_size': 8},
         'steps': 24, 'quick_steps': 8, 'log_every': 2, 'warmup': 2, 'quick_repeats': 2},
@@ -90,7 +91,7 @@ class Run:
   """The trainer's objects for a config, rebuilt in this process."""
 
   def __init__(self, spec: dict):
-    from dpjax import batching, data, dp_step, models, optimizers, samplers  # pylint: disable=g-import-not-at-top,multiple-imports
+    from dpjax import augmult, batching, data, dp_step, models, optimizers, samplers  # pylint: disable=g-import-not-at-top,multiple-imports
     config = _load_config(spec)
     self.config = config
     self.train_source, _ = data.make_sources(config.data, seed=config.seed)
@@ -108,7 +109,8 @@ class Run:
         clip_norm=config.privacy.clip_norm,
         noise_multiplier=config.privacy.noise_multiplier,
         expected_batch_size=self.sampler.expected_batch_size, private=config.privacy.enabled,
-        clipping=config.privacy.clipping, label_format=config.data.label_format, seed=config.seed)
+        clipping=config.privacy.clipping, label_format=config.data.label_format, seed=config.seed,
+        precision=config.precision, augmult=augmult.Augmult.from_config(config.augmult))
     self.params = dp_step.init_params(model, config.seed, self.train_source.input_shape)
     self.opt_state = self.step.optimizer.init(self.params)
 
