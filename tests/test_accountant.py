@@ -273,3 +273,15 @@ def test_epsilon_ahead_returns_the_accountants_own_reports():
     assert e.epsilon_at(15) == direct.epsilon_at(15, estimates=False)  # 10 skipped: dropped.
     assert e.epsilon_at(20, estimates=True) == direct.epsilon_at(20, estimates=True)
     assert e.epsilon_at(7) == direct.epsilon_at(7, estimates=False)  # Not announced.
+
+
+@pytest.mark.parametrize('accountant', ['pld', 'monte_carlo'])
+def test_balls_and_bins_cap_whose_penalty_exceeds_delta_reports_infinity_and_says_why(accountant):
+  """B = 70 at b = 50: Pr[some bin > B over 40 steps] ≈ 0.1 > δ. ε = ∞ is the honest bound; it
+  used to fail with 'delta must be in (0, 1), got 0.0' while sizing the Monte-Carlo estimate."""
+  sampler = samplers.BallsAndBinsSampler(num_examples=1000, batch_size=50, seed=0)
+  report = accountant_lib.Accountant(sampler, 1.2, 1e-5, accountant=accountant, max_batch_size=70,
+                                     random_allocation=False).epsilon_at(40)
+  assert report.epsilon == math.inf
+  assert 'raise max_batch_size' in report.details['truncation_note']
+  assert report.details['truncation_mass'] > 1e-5

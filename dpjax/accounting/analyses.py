@@ -238,6 +238,11 @@ def random_allocation(acct: Accountant, epochs: int, estimates: bool) -> Privacy
     })
   elif k > 1:
     details['monte_carlo'] = 'not computed: it covers group_size = 1 only'
+  elif provable.delta0 <= 0:  # (1 + e^ε)·τ ≥ δ at every finite ε: ε = ∞ (a valid bound).
+    details['monte_carlo'] = 'not computed: the truncation penalty leaves no δ'
+    details['truncation_note'] = (
+        f'the cap B = {acct.max_batch_size} truncates with probability {tau:.3g} over the run, '
+        f'which alone exceeds δ = {delta:g}: ε is infinite; raise max_batch_size (0 = automatic)')
   elif estimates and not want_mc:
     m = monte_carlo.default_num_samples(sigma, steps_per_epoch, provable.delta0, acct.beta,
                                         num_epochs=epochs)
@@ -263,8 +268,10 @@ def random_allocation(acct: Accountant, epochs: int, estimates: bool) -> Privacy
     extra.update(confidence=mc.confidence, num_samples=mc.num_samples)
   if acct.accountant == 'monte_carlo':
     details['method'] = 'monte_carlo (Chua et al. 2025, Algorithms 4-6)'
-    return acct.report(epochs, details['monte_carlo_epsilon_high_probability'],
-                        details, bound='high_probability_upper', **extra)
+    # No δ left for the estimate (truncation penalty ≥ δ): ε = ∞, still a valid bound.
+    return acct.report(epochs, details.get('monte_carlo_epsilon_high_probability', math.inf),
+                       details, bound='high_probability_upper' if mc is not None else 'upper',
+                       **extra)
   details['method'] = provable.method
   return acct.report(epochs, provable.epsilon, details, **extra)
 
