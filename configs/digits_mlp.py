@@ -43,7 +43,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampler.name = 'poisson'  # poisson | balls_and_bins | shuffle | deterministic |
   #                             fixed_size | fixed_size_with_replacement
   c.sampler.batch_size = 256  # Expected logical batch size b (q = b/N for Poisson).
-  c.sampler.physical_batch_size = 64  # Rows per jitted call P (static shape).
+  c.sampler.physical_batch_size = 64  # Rows per jitted call P (static shape); 0 = the largest
+  #   that fits the device (chosen at start from XLA's memory analysis, B resolved before it).
   c.sampler.max_batch_size = 0  # Cap B on the logical batch (multiple of P); 0 = auto.
 
   # --- Privacy ---------------------------------------------------------------

@@ -148,8 +148,8 @@ FIELDS: tuple[Field, ...] = (
     Field('sampler.name', 'str', choices=samplers.SAMPLER_NAMES, accounting=True),
     Field('sampler.batch_size', 'int', 1, accounting=True,
           meaning='b, the expected logical batch size'),
-    Field('sampler.physical_batch_size', 'int', 1, accounting=True,
-          meaning='P, rows per compiled call'),
+    Field('sampler.physical_batch_size', 'int', 0, accounting=True,
+          meaning='P, rows per compiled call; 0 = the largest that fits the device'),
     Field('sampler.max_batch_size', 'int', 0, accounting=True,
           meaning='B, the cap on the logical batch; 0 = auto'),
     # --- privacy
@@ -268,6 +268,6 @@ def validate(config: ml_collections.ConfigDict, *, accounting_only: bool = False
                       'target ε = 0): set σ, or a target ε > 0 to calibrate σ to, or both (σ fixed, '
                       'the target a budget). ' + NON_PRIVATE_HINT)
   max_batch, physical = config.sampler.max_batch_size, config.sampler.physical_batch_size
-  if max_batch and max_batch % physical:
+  if max_batch and physical and max_batch % physical:
     raise ConfigError(f'sampler.max_batch_size = {max_batch}: must be 0 (auto) or a multiple of '
                       f'sampler.physical_batch_size = {physical}.')

@@ -89,7 +89,9 @@ def resolve_max_batch_size(sampler: samplers_lib.Sampler, physical_batch_size: i
 
   Args:
     sampler: the run's sampler.
-    physical_batch_size: P; B is a multiple of it.
+    physical_batch_size: P; B is a multiple of it. 0 (automatic P, chosen later from the
+      device's memory): B is resolved alone, to the row, so it does not depend on P or the
+      device; the last physical batch of a full logical batch is then padded.
     requested: the user's B (`sampler.max_batch_size`); 0 derives it.
     num_steps: T, the run's number of steps (for the τ budget).
     delta: the run's δ; the automatic cap keeps τ = T·Pr[n_t > B] <=
@@ -98,7 +100,8 @@ def resolve_max_batch_size(sampler: samplers_lib.Sampler, physical_batch_size: i
   Returns:
     B. Samplers with a fixed batch size never truncate: B >= b is required.
   """
-  samplers_lib._check_int('sampler.physical_batch_size', physical_batch_size, 1)
+  samplers_lib._check_int('sampler.physical_batch_size', physical_batch_size, 0)
+  physical_batch_size = physical_batch_size or 1  # P = 0: B to the row (see above).
   if isinstance(requested, bool) or not isinstance(requested, (int, np.integer)) or requested < 0:
     raise ValueError(f'sampler.max_batch_size must be 0 (auto) or a positive multiple of '
                      f'sampler.physical_batch_size = {physical_batch_size}, got {requested!r}.')
@@ -147,13 +150,11 @@ class Batcher:
   def __post_init__(self):
     samplers_lib._check_int('sampler.physical_batch_size', self.physical_batch_size, 1)
     samplers_lib._check_int('sampler.max_batch_size', self.max_batch_size, 1)
-    if self.max_batch_size % self.physical_batch_size:
-      raise ValueError(f'sampler.max_batch_size = {self.max_batch_size} must be a multiple of '
-                       f'sampler.physical_batch_size = {self.physical_batch_size}.')
 
   @property
   def max_physical_batches(self) -> int:
-    return self.max_batch_size // self.physical_batch_size
+    """K_max = ceil(B/P) (B need not be a multiple of P: the last batch is then padded)."""
+    return -(-self.max_batch_size // self.physical_batch_size)
 
   def logical_batch(self, step: int) -> LogicalBatch:
     """The padded physical batches of `step`; a pure function of (seed, step)."""

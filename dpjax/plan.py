@@ -217,7 +217,7 @@ def make_plan(config: ml_collections.ConfigDict, data: Any,
   # --- the cap B: resolved from (N, b, steps, δ) on a fresh run, the checkpoint's on resume.
   if previous is not None and not config.sampler.max_batch_size:
     max_batch_size = previous['sampler.max_batch_size']
-    if max_batch_size % physical:
+    if physical and max_batch_size % physical:
       raise PlanError(f'sampler.physical_batch_size = {physical}: the run being resumed has the '
                       f'cap B = {max_batch_size}, which is not a multiple of it; choose a P that '
                       f'divides {max_batch_size}.')

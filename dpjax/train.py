@@ -28,6 +28,7 @@ checkpoint, always firing at the last step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -257,10 +258,8 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
            test_source: data.DataSource, model, mesh: jax.sharding.Mesh) -> dict[str, Any]:
   """The run of a plan, in a locked workdir."""
   config, num_steps, accountant = plan.config, plan.num_steps, plan.accountant
-  rows = sharding.local_rows(mesh, plan.physical_batch_size)
   primary = sharding.is_primary_process()
   log = print if primary else lambda *args, **kwargs: None
-  batcher = batching.Batcher(plan.sampler, plan.physical_batch_size, plan.max_batch_size)
 
   # ---------------------------------------------------------------------------
   # Model, optimiser and the DP step, built from the plan's σ and C.
@@ -321,7 +320,21 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
   # host-gathered buffers, prefetched on a thread.
   dataset = (device_data.put_on_device(train_source, sharding.replicated(mesh))
              if device_data.fits_on_device(train_source) else None)
-  max_physical_batches = -(-plan.max_batch_size // plan.physical_batch_size)
+  if not plan.physical_batch_size:  # 0: the largest P whose compiled step fits the device.
+    # B is already resolved (to the row, without P): P only sizes the [ceil(B/P), P] buffer.
+    example = {'index': np.int32(0)}
+    if dataset is None:
+      example.update({k: v[0] for k, v in train_source.gather(np.zeros(1, np.int64)).items()})
+    chosen = dp_step.choose_physical_batch_size(
+        step_fns, state.params, state.opt_state, example, plan.max_batch_size,
+        num_devices=mesh.devices.size, dataset=dataset, first=32 * mesh.devices.size,
+        log=lambda line: logging.info('%s', line))
+    log(f'sampler.physical_batch_size = 0: P = {chosen}, the largest power-of-two multiple of '
+        f'the device count whose step fits the device (XLA memory analysis).')
+    plan = dataclasses.replace(plan, physical_batch_size=chosen)
+  rows = sharding.local_rows(mesh, plan.physical_batch_size)
+  batcher = batching.Batcher(plan.sampler, plan.physical_batch_size, plan.max_batch_size)
+  max_physical_batches = batcher.max_physical_batches
 
   # ---------------------------------------------------------------------------
   # Restore: the same command resumes from the latest readable checkpoint.

@@ -40,7 +40,7 @@ CONFIG_CASES = [
     ({'sampler.name': 'poison'}, r"sampler.name = 'poison': must be one of 'poisson'"),
     ({'sampler.batch_size': 0}, r'sampler.batch_size = 0: must be an integer >= 1'),
     ({'sampler.batch_size': 5000}, r'sampler.batch_size = 5000 must be in \[1, N = 1437\]'),
-    ({'sampler.physical_batch_size': 0}, r'sampler.physical_batch_size = 0: must be an integer >= 1'),
+    ({'sampler.physical_batch_size': -1}, r'sampler.physical_batch_size = -1: must be an integer >= 0'),
     ({'sampler.max_batch_size': -1}, r'sampler.max_batch_size = -1: must be an integer >= 0'),
     ({'sampler.max_batch_size': 100}, r'sampler.max_batch_size = 100: must be 0 \(auto\) or a '
                                       r'multiple of sampler.physical_batch_size = 32'),

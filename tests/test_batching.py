@@ -110,7 +110,7 @@ def test_cap_for_fixed_size_samplers_and_overrides():
 
 
 @pytest.mark.parametrize('kwargs,message', [
-    (dict(physical_batch_size=0), 'physical_batch_size'),
+    (dict(physical_batch_size=-1), 'physical_batch_size'),
     (dict(physical_batch_size=32, requested=100), 'multiple of'),
     (dict(physical_batch_size=32, requested=-32), 'max_batch_size'),
 ])
@@ -143,3 +143,14 @@ def test_a_jitted_step_compiles_once_over_an_epoch_of_variable_batches(name):
     assert total == float(np.sum(sampler.indices(step)))  # Padding contributes exactly 0.
   assert len(sizes) > 3  # The logical size really varied...
   assert weighted_sum._cache_size() == 1  # ...and the step compiled once.
+
+
+def test_automatic_p_resolves_b_to_the_row_and_a_cap_need_not_be_a_multiple_of_p():
+  poisson = make_sampler('poisson', 1000, 100)
+  to_the_row = batching.resolve_max_batch_size(poisson, 0, num_steps=10)
+  assert to_the_row == batching.resolve_max_batch_size(poisson, 1, num_steps=10)
+  assert batching.resolve_max_batch_size(poisson, 32, num_steps=10) == -(-to_the_row // 32) * 32
+  batcher = batching.Batcher(poisson, physical_batch_size=32, max_batch_size=to_the_row)
+  assert batcher.max_physical_batches == -(-to_the_row // 32)
+  logical = batcher.logical_batch(3)
+  assert logical.indices.shape[1] == 32 and logical.weights.sum() == min(logical.size, to_the_row)

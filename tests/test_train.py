@@ -145,7 +145,7 @@ def test_target_epsilon_is_met_and_never_exceeded(tmp_path):
 @pytest.mark.parametrize('overrides,message', [
     ({'sampler.name': 'poison'}, 'sampler.name'),
     ({'sampler.batch_size': 5000}, 'sampler.batch_size'),
-    ({'sampler.physical_batch_size': 0}, 'physical_batch_size'),
+    ({'sampler.physical_batch_size': -8}, 'physical_batch_size'),
     ({'sampler.max_batch_size': 100}, 'multiple of'),
     ({'privacy.noise_multiplier': None}, 'noise_multiplier'),
     ({'privacy.target_epsilon': -1.0}, 'target_epsilon'),
@@ -200,3 +200,26 @@ def test_frozen_layer_is_not_trained_and_not_checkpointed_as_trainable(tmp_path)
   assert set(result['params']) == {'Dense_1'}  # Only the trainable part is trained and saved.
   assert not np.array_equal(np.asarray(result['params']['Dense_1']['kernel']),
                             np.asarray(reference['params']['Dense_1']['kernel']))
+
+
+def test_automatic_physical_batch_size_keeps_b_independent_of_the_device(tmp_path, capsys):
+  """P = 0: B is resolved to the row before P (it enters ε, so it must not depend on the
+  device); P is the largest power of two whose compiled step fits (on this CPU: the first
+  >= B); the run equals one with that P given explicitly, and compiles once."""
+  from dpjax import batching, samplers  # pylint: disable=import-outside-toplevel
+  auto = train.train_and_evaluate(small_config(**{'sampler.physical_batch_size': 0}),
+                                  str(tmp_path / 'auto'))
+  meta = checkpoints.read_metadata(str(tmp_path / 'auto'))[-1]
+  cap = meta['fingerprint']['sampler.max_batch_size']
+  chosen = meta['sampler']['physical_batch_size']
+  config = small_config()
+  sampler = samplers.make_sampler(config, meta['num_examples'])
+  assert cap == batching.resolve_max_batch_size(sampler, 0, num_steps=6,
+                                                delta=config.privacy.delta)
+  assert chosen >= cap > chosen // 2 and chosen & (chosen - 1) == 0
+  assert f'P = {chosen}' in capsys.readouterr().out
+  assert auto['compilations'] == {'train_step': 1}
+  explicit = train.train_and_evaluate(small_config(**{
+      'sampler.physical_batch_size': chosen, 'sampler.max_batch_size': chosen}),
+                                      str(tmp_path / 'explicit'))
+  np.testing.assert_array_equal(flat_params(auto['params']), flat_params(explicit['params']))
