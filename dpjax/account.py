@@ -7,6 +7,7 @@
   python -m dpjax.account --sampler balls_and_bins --num-examples 6000 --batch-size 600 \\
       --epochs 1 --noise-multiplier 1.5 --delta 1e-5 --json
   python -m dpjax.account --config configs/digits_mlp.py --json
+  python -m dpjax.account --config configs/digits_mlp.py --config.sampler.batch_size=512 --json
   python -m dpjax.account --sampler balls_and_bins --num-examples 10000 --batch-size 100 \\
       --epochs 1 --noise-multiplier 0.7 --delta 1e-3 --accountant monte_carlo \\
       --monte-carlo-samples 20000 --workers 2
@@ -20,7 +21,9 @@ defaults to the tightest provable one for the sampler; for fixed_size, rdp
 means the FS-RDP bound of Birrell et al. Without --max-batch-size the batch
 is never truncated (and none is accounted); with it, the truncation is
 accounted. With --config everything comes from the training config (the cap
-B as training resolves it); explicit flags override config fields. --workers
+B as training resolves it); --config.<field>=value overrides a field as in
+`python -m dpjax.train`, and explicit flags override config fields too.
+Flags are absl flags: --name=value or --name value; --json / --nojson. --workers
 sets the processes drawing the Monte-Carlo samples (privacy.monte_carlo_workers
 of the config, else the available cores); the estimate does not depend on it.
 
@@ -38,66 +41,103 @@ steps, steps_per_epoch, epsilon_lower, confidence, num_samples, details.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import math
 import sys
 
+from absl import flags
+from ml_collections import config_flags
+
+from dpjax import cli
 from dpjax import samplers as samplers_lib
 from dpjax.accounting import accountant as accountant_lib
 from dpjax.accounting import calibration
 
 
-def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
-      prog='python -m dpjax.account', description=__doc__.split('\n\n')[0],
-      formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog='\n\n'.join(__doc__.split('\n\n')[1:]))
-  p.add_argument('--config', help='training config file (path[:arg]); flags override it')
-  p.add_argument('--sampler', choices=samplers_lib.SAMPLER_NAMES)
-  p.add_argument('--num-examples', type=int, help='N, training examples')
-  p.add_argument('--batch-size', type=int, help='b, (expected) logical batch size')
-  length = p.add_mutually_exclusive_group()
-  length.add_argument('--steps', type=int, help='T, total steps')
-  length.add_argument('--epochs', type=int, help='E; steps = E * ceil(N/b)')
-  noise = p.add_mutually_exclusive_group()
-  noise.add_argument('--noise-multiplier', type=float, help='σ')
-  noise.add_argument('--target-epsilon', type=float, help='calibrate the smallest σ for this ε')
-  p.add_argument('--delta', type=float, help='δ')
-  p.add_argument('--accountant', choices=('auto', 'pld', 'rdp', 'monte_carlo'), default=None,
-                 help='default: auto (tightest provable for the sampler)')
-  p.add_argument('--max-batch-size', type=int,
-                 help='B, cap on the logical batch; omitted = no truncation')
-  p.add_argument('--group-size', type=int, help='k, group privacy (default 1)')
-  p.add_argument('--monte-carlo', action='store_true',
-                 help='balls-and-bins: also report the Monte-Carlo estimate (high-probability, '
-                      'not a proof) beside the provable ε; opt-in, as at delta = 1e-5 it takes '
-                      'minutes (the output says how many samples and about how long)')
-  p.add_argument('--monte-carlo-samples', type=int, default=None,
-                 help='Monte-Carlo samples per direction; default: chosen from delta and beta so '
-                      'that an estimate exists (10x the least such count)')
-  p.add_argument('--beta', type=float, default=1e-3,
-                 help='Monte-Carlo failure probability (confidence 1 - beta)')
-  p.add_argument('--workers', type=int, default=None,
-                 help='processes drawing the Monte-Carlo samples (the estimate does not depend '
-                      'on it); default: privacy.monte_carlo_workers of --config, else the '
-                      'available cores')
-  p.add_argument('--random-allocation-timeout', type=float, default=None,
-                 help='balls-and-bins: seconds allowed to build a new random-allocation PLD '
-                      '(default 300; then cached) before the deterministic fallback; 0 = no limit')
-  p.add_argument('--json', action='store_true', help='print one JSON object')
-  return p
+# Flag names keep the dashes users type (absl accepts them); the value is read as
+# args.<name with underscores>.
+_FLAGS = (
+    # (definer, name, default, help[, extra])
+    ('enum', 'sampler', None, 'the sampler', samplers_lib.SAMPLER_NAMES),
+    ('integer', 'num-examples', None, 'N, training examples'),
+    ('integer', 'batch-size', None, 'b, (expected) logical batch size'),
+    ('integer', 'steps', None, 'T, total steps (or --epochs)'),
+    ('integer', 'epochs', None, 'E; steps = E * ceil(N/b) (or --steps)'),
+    ('float', 'noise-multiplier', None, 'σ (or --target-epsilon)'),
+    ('float', 'target-epsilon', None, 'calibrate the smallest σ for this ε (or --noise-multiplier)'),
+    ('float', 'delta', None, 'δ'),
+    ('enum', 'accountant', None, 'default: auto (tightest provable for the sampler)',
+     accountant_lib.ACCOUNTANTS),
+    ('integer', 'max-batch-size', None, 'B, cap on the logical batch; omitted = no truncation'),
+    ('integer', 'group-size', None, 'k, group privacy (default 1)'),
+    ('boolean', 'monte-carlo', False,
+     'balls-and-bins: also report the Monte-Carlo estimate (high-probability, not a proof) '
+     'beside the provable ε; opt-in, as at delta = 1e-5 it takes minutes (the output says how '
+     'many samples and about how long)'),
+    ('integer', 'monte-carlo-samples', None,
+     'Monte-Carlo samples per direction; default: chosen from delta and beta so that an '
+     'estimate exists (10x the least such count)'),
+    ('float', 'beta', 1e-3, 'Monte-Carlo failure probability (confidence 1 - beta)'),
+    ('integer', 'workers', None,
+     'processes drawing the Monte-Carlo samples (the estimate does not depend on it); '
+     'default: privacy.monte_carlo_workers of --config, else the available cores'),
+    ('float', 'random-allocation-timeout', None,
+     'balls-and-bins: seconds allowed to build a new random-allocation PLD (default 300; then '
+     'cached) before the deterministic fallback; 0 = no limit'),
+    ('boolean', 'json', False, 'print one JSON object'),
+)
+_EXCLUSIVE = (('steps', 'epochs'), ('noise-multiplier', 'target-epsilon'))
+PROG = 'python -m dpjax.account'
 
 
-def load_config(spec: str):
-  """`get_config(arg)` of a config file given as 'path' or 'path:arg'."""
-  path, _, arg = spec.partition(':')
-  module_spec = importlib.util.spec_from_file_location('_dpjax_account_config', path)
-  if module_spec is None or module_spec.loader is None:
-    raise ValueError(f'--config {spec!r}: cannot load {path!r}.')
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg or None)
+def _flag_values(argv: list[str]) -> flags.FlagValues:
+  """This command's flags (absl + ml_collections.config_flags, as `dpjax.train`), fresh per call."""
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file(
+      'config', None, 'training config file (path[:arg]); --config.<field>=value overrides a '
+      'field, and the flags below override it too', flag_values=fv, lock_config=False,
+      sys_argv=argv)
+  for definer, name, default, help_text, *extra in _FLAGS:
+    define = getattr(flags, f'DEFINE_{definer}')
+    define(name, default, *extra, help_text, flag_values=fv) if extra else define(
+        name, default, help_text, flag_values=fv)
+  return fv
+
+
+def usage() -> str:
+  """--help: the module docstring, then every flag with its help."""
+  lines = ['  --config: training config file (path[:arg]); --config.<field>=value overrides a field,'
+           ' and the flags below override it too']
+  for definer, name, default, help_text, *extra in _FLAGS:
+    choices = f' ({" | ".join(extra[0])})' if extra else ''
+    shown = '' if default is None or definer == 'boolean' else f' (default {default})'
+    lines.append(f'  --{name}: {help_text}{choices}{shown}')
+  return f'usage: {PROG} [--flag=value ...]\n\n{__doc__}\nflags:\n' + '\n'.join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+  """argv (without the program name) -> the flag values as attributes (dashes -> underscores).
+
+  `--help` prints the usage and exits 0; a bad flag, a bad config file or a
+  `--config.<field>` naming no field prints one line and exits 2
+  (`dpjax.cli` conventions).
+  """
+  if any(a in ('-h', '--help', '--helpfull') for a in argv):
+    print(usage())
+    sys.exit(0)
+  full = ['dpjax.account', *argv]
+  fv = _flag_values(full)
+  rest = cli.parse_flags(PROG, fv, full)
+  if len(rest) > 1:
+    cli.fail(PROG, f'unexpected arguments {rest[1:]}; every input is a --flag. See --help.')
+  for a, b in _EXCLUSIVE:
+    if fv[a].present and fv[b].present:
+      cli.fail(PROG, f'--{a} and --{b}: give one of them, not both.')
+  args = argparse.Namespace(**{name.replace('-', '_'): fv[name].value
+                               for name in [f[1] for f in _FLAGS]})
+  args.config = fv['config'].value if fv['config'].present else None
+  args.config_file = config_flags.get_config_filename(fv['config']) if args.config else None
+  return args
 
 
 def _monte_carlo_options(args) -> dict:
@@ -120,7 +160,7 @@ def _monte_carlo_options(args) -> dict:
 
 
 def _from_config(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, dict]:
-  config = load_config(args.config)
+  config = args.config  # Loaded by config_flags, --config.<field> overrides applied.
   if args.sampler is not None:
     config.sampler.name = args.sampler
   if args.batch_size is not None:
@@ -147,7 +187,7 @@ def _from_config(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, 
     from dpjax import data  # pylint: disable=g-import-not-at-top
     num_examples = len(data.make_sources(config.data, seed=config.seed)[0])
   acct = accountant_lib.make_accountant(config, num_examples, **monte_carlo_options)
-  extra = {'config': args.config}
+  extra = {'config': args.config_file}
   if not config.privacy.get('noise_multiplier') and config.privacy.get('target_epsilon'):
     extra['calibrated_for_target_epsilon'] = config.privacy.target_epsilon
   if config.sampler.max_batch_size == 0:
@@ -155,7 +195,7 @@ def _from_config(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, 
   return acct, extra
 
 
-def _from_flags(args, parser, monte_carlo_options) -> tuple[accountant_lib.Accountant, dict]:
+def _from_flags(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, dict]:
   missing = [flag for flag, value in (('--sampler', args.sampler),
                                       ('--num-examples', args.num_examples),
                                       ('--batch-size', args.batch_size),
@@ -165,7 +205,7 @@ def _from_flags(args, parser, monte_carlo_options) -> tuple[accountant_lib.Accou
   if args.noise_multiplier is None and args.target_epsilon is None:
     missing.append('--noise-multiplier or --target-epsilon')
   if missing:
-    parser.error(f'missing {", ".join(missing)} (or give --config).')
+    raise ValueError(f'missing {", ".join(missing)} (or give --config).')
   for flag, value in (('--num-examples', args.num_examples), ('--batch-size', args.batch_size),
                       ('--steps', args.steps), ('--epochs', args.epochs)):
     if value is not None and value < 1:
@@ -227,15 +267,14 @@ def format_table(report: accountant_lib.PrivacyReport) -> str:
 def main(argv=None) -> int:
   # dp_accounting's RDP logs a warning per fractional order it skips; the numbers are unaffected.
   logging.getLogger('absl').setLevel(logging.ERROR)
-  parser = _parser()
-  args = parser.parse_args(argv)
+  args = parse_args(list(sys.argv[1:] if argv is None else argv))
   try:
     options = _monte_carlo_options(args)  # validated before any loading or computing
-    acct, extra = (_from_config(args, options) if args.config
-                   else _from_flags(args, parser, options))
+    acct, extra = (_from_config(args, options) if args.config is not None
+                   else _from_flags(args, options))
     report = acct.final_report()
   except ValueError as e:
-    parser.error(str(e))
+    cli.fail(PROG, e)
   report.details.update(extra)
   print(report.to_json() if args.json else format_table(report))
   return 0

@@ -80,23 +80,27 @@ def config_override_error(argv: Sequence[str], flag: str = 'config') -> str | No
   return None
 
 
+def parse_flags(prog: str, flag_values: flags.FlagValues, argv: list[str]) -> list[str]:
+  """flag_values(argv) with flag errors (bad value, missing/broken config, a
+  --config.<field> naming no field) turned into one line and exit 2."""
+  try:
+    rest = flag_values(argv)
+    spec = _flag_value(argv[1:], 'config')
+    if spec is not None:
+      load_config_file(spec)  # A missing or broken config file: one line now.
+    return rest
+  except ValueError as e:
+    fail(prog, e)
+  except flags.Error as e:
+    problem = config_override_error(argv[1:])
+    fail(prog, problem or f'{e}. See --help.')
+  except Exception as e:  # pylint: disable=broad-except  # e.g. a config file that fails.
+    fail(prog, config_override_error(argv[1:]) or f'{type(e).__name__}: {e}')
+
+
 def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
-  """An absl `flags_parser` turning flag errors (bad value, missing/broken config) into one line."""
-  def parse(argv: list[str]) -> list[str]:
-    try:
-      rest = flags.FLAGS(argv)
-      spec = _flag_value(argv[1:], 'config')
-      if spec is not None:
-        load_config_file(spec)  # A missing or broken config file: one line now.
-      return rest
-    except ValueError as e:
-      fail(prog, e)
-    except flags.Error as e:
-      problem = config_override_error(argv[1:])
-      fail(prog, problem or f'{e}. See --help.')
-    except Exception as e:  # pylint: disable=broad-except  # e.g. a config file that fails.
-      fail(prog, config_override_error(argv[1:]) or f'{type(e).__name__}: {e}')
-  return parse
+  """An absl `flags_parser` (for `app.run`) of the global flags, with `parse_flags`' errors."""
+  return lambda argv: parse_flags(prog, flags.FLAGS, argv)
 
 
 def quiet_broken_pipe() -> None:

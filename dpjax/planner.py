@@ -415,8 +415,8 @@ def _parse_sizes(text: str) -> list[int]:
 def _resolve(args, parser) -> tuple[ml_collections.ConfigDict, int, float, float, int]:
   """The base config and (N, ε, δ, E) from --config and the flags (flags win)."""
   if args.config:
-    from dpjax import account  # pylint: disable=g-import-not-at-top
-    config = account.load_config(args.config)
+    from dpjax import cli  # pylint: disable=g-import-not-at-top
+    config = cli.load_config_file(args.config)
     eps = args.epsilon if args.epsilon is not None else config.privacy.get('target_epsilon')
     delta = args.delta if args.delta is not None else config.privacy.get('delta')
     epochs = args.epochs if args.epochs is not None else config.get('num_epochs')
