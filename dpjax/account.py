@@ -40,10 +40,10 @@ steps, steps_per_epoch, epsilon_lower, confidence, num_samples, details.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import sys
+import types
 
 from absl import flags
 from ml_collections import config_flags
@@ -115,7 +115,7 @@ def usage() -> str:
   return f'usage: {PROG} [--flag=value ...]\n\n{__doc__}\nflags:\n' + '\n'.join(lines)
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def parse_args(argv: list[str]) -> types.SimpleNamespace:
   """argv (without the program name) -> the flag values as attributes (dashes -> underscores).
 
   `--help` prints the usage and exits 0; a bad flag, a bad config file or a
@@ -133,7 +133,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
   for a, b in _EXCLUSIVE:
     if fv[a].present and fv[b].present:
       cli.fail(PROG, f'--{a} and --{b}: give one of them, not both.')
-  args = argparse.Namespace(**{name.replace('-', '_'): fv[name].value
+  args = types.SimpleNamespace(**{name.replace('-', '_'): fv[name].value
                                for name in [f[1] for f in _FLAGS]})
   args.config = fv['config'].value if fv['config'].present else None
   args.config_file = config_flags.get_config_filename(fv['config']) if args.config else None

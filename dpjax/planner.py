@@ -36,7 +36,6 @@ regime and pay more noise per unit of signal; the table shows where.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -44,10 +43,13 @@ import math
 import os
 import sys
 import time
+import types
 from typing import Callable, Sequence
 
+from absl import flags
 import ml_collections
 
+from dpjax import cli
 from dpjax import samplers as samplers_lib
 from dpjax.accounting import accountant as accountant_lib
 
@@ -382,27 +384,53 @@ def plot_plans(plans: Sequence[Plan], path: str, *, reference: Sequence[Plan] = 
 # ---------------------------------------------------------------------------------------------
 
 
-def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
-      prog='python -m dpjax.planner', description=__doc__.split('\n\n')[0],
-      formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog='\n\n'.join(__doc__.split('\n\n')[1:]))
-  p.add_argument('--config', help='training config (path[:arg]): N (from its data unless '
-                 '--num_examples), sampler, ε, δ, epochs, C, P, accountant; flags override it')
-  p.add_argument('--num_examples', '--num-examples', type=int, help='N, training examples')
-  p.add_argument('--epsilon', type=float, help='ε, the budget at the end of the run')
-  p.add_argument('--delta', type=float, help='δ')
-  p.add_argument('--epochs', type=int, help='E, epochs of ceil(N/b) steps')
-  p.add_argument('--batch_sizes', '--batch-sizes',
-                 help='comma-separated b grid (default: powers of two from 32, then N)')
-  p.add_argument('--sampler', choices=samplers_lib.SAMPLER_NAMES, help='default poisson')
-  p.add_argument('--accountant', choices=accountant_lib.ACCOUNTANTS, help='default auto')
-  p.add_argument('--clip_norm', '--clip-norm', type=float, help='C (default 1)')
-  p.add_argument('--physical_batch_size', '--physical-batch-size', type=int,
-                 help=f'P, sets the automatic cap B (default {DEFAULT_PHYSICAL_BATCH_SIZE})')
-  p.add_argument('--json', help='write the plan as JSON to this file')
-  p.add_argument('--plot', help='write the plot (PNG) to this file')
-  return p
+# (definer, name, help[, choices]); each name also answers with dashes (--num-examples).
+_FLAGS = (
+    ('string', 'config', 'training config (path[:arg]): N (from its data unless '
+     '--num_examples), sampler, ε, δ, epochs, C, P, accountant; flags override it'),
+    ('integer', 'num_examples', 'N, training examples'),
+    ('float', 'epsilon', 'ε, the budget at the end of the run'),
+    ('float', 'delta', 'δ'),
+    ('integer', 'epochs', 'E, epochs of ceil(N/b) steps'),
+    ('string', 'batch_sizes', 'comma-separated b grid (default: powers of two from 32, then N)'),
+    ('enum', 'sampler', 'default poisson', samplers_lib.SAMPLER_NAMES),
+    ('enum', 'accountant', 'default auto', accountant_lib.ACCOUNTANTS),
+    ('float', 'clip_norm', 'C (default 1)'),
+    ('integer', 'physical_batch_size',
+     f'P, sets the automatic cap B (default {DEFAULT_PHYSICAL_BATCH_SIZE})'),
+    ('string', 'json', 'write the plan as JSON to this file'),
+    ('string', 'plot', 'write the plot (PNG) to this file'),
+)
+PROG = 'python -m dpjax.planner'
+
+
+def _flag_values() -> flags.FlagValues:
+  """This command's absl flags (fresh per call), each also spelled with dashes."""
+  fv = flags.FlagValues()
+  for definer, name, help_text, *choices in _FLAGS:
+    getattr(flags, f'DEFINE_{definer}')(name, None, *choices, help_text, flag_values=fv)
+    if '_' in name:
+      flags.DEFINE_alias(name.replace('_', '-'), name, flag_values=fv)
+  return fv
+
+
+def usage() -> str:
+  """--help: the module docstring, then every flag with its help."""
+  lines = [f'  --{name}: {help_text}' + (f' ({" | ".join(choices[0])})' if choices else '')
+           for _, name, help_text, *choices in _FLAGS]
+  return f'usage: {PROG} [--flag=value ...]\n\n{__doc__}\nflags:\n' + '\n'.join(lines)
+
+
+def parse_args(argv: list[str]) -> types.SimpleNamespace:
+  """argv (without the program name) -> the flag values; --help exits 0, errors exit 2."""
+  if any(a in ('-h', '--help', '--helpfull') for a in argv):
+    print(usage())
+    sys.exit(0)
+  fv = _flag_values()
+  rest = cli.parse_flags(PROG, fv, ['dpjax.planner', *argv])
+  if len(rest) > 1:
+    cli.fail(PROG, f'unexpected arguments {rest[1:]}; every input is a --flag. See --help.')
+  return types.SimpleNamespace(**{name: fv[name].value for _, name, *_ in _FLAGS})
 
 
 def _parse_sizes(text: str) -> list[int]:
@@ -412,10 +440,9 @@ def _parse_sizes(text: str) -> list[int]:
     raise ValueError(f'--batch_sizes must be comma-separated integers, got {text!r}.') from None
 
 
-def _resolve(args, parser) -> tuple[ml_collections.ConfigDict, int, float, float, int]:
+def _resolve(args) -> tuple[ml_collections.ConfigDict, int, float, float, int]:
   """The base config and (N, ε, δ, E) from --config and the flags (flags win)."""
   if args.config:
-    from dpjax import cli  # pylint: disable=g-import-not-at-top
     config = cli.load_config_file(args.config)
     eps = args.epsilon if args.epsilon is not None else config.privacy.get('target_epsilon')
     delta = args.delta if args.delta is not None else config.privacy.get('delta')
@@ -431,7 +458,7 @@ def _resolve(args, parser) -> tuple[ml_collections.ConfigDict, int, float, float
     missing = [f for f, v in (('--num_examples', args.num_examples), ('--epsilon', eps),
                               ('--delta', delta), ('--epochs', epochs)) if v is None]
     if missing:
-      parser.error(f'missing {", ".join(missing)} (or give --config).')
+      raise ValueError(f'missing {", ".join(missing)} (or give --config).')
   if args.sampler is not None:
     config.sampler.name = args.sampler
   if args.physical_batch_size is not None:
@@ -450,10 +477,9 @@ def _resolve(args, parser) -> tuple[ml_collections.ConfigDict, int, float, float
 def main(argv: Sequence[str] | None = None) -> int:
   # dp_accounting's RDP logs a warning per fractional order it skips; the numbers are unaffected.
   logging.getLogger('absl').setLevel(logging.ERROR)
-  parser = _parser()
-  args = parser.parse_args(argv)
+  args = parse_args(list(sys.argv[1:] if argv is None else argv))
   try:
-    config, n, eps, delta, epochs = _resolve(args, parser)
+    config, n, eps, delta, epochs = _resolve(args)
     sizes = None if args.batch_sizes is None else _parse_sizes(args.batch_sizes)
     for flag, path in (('--json', args.json), ('--plot', args.plot)):
       if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
@@ -470,7 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     plan = plan_batch_sizes(n, eps, delta, epochs, sizes, config=config, progress=progress)
   except ValueError as e:
-    parser.error(str(e))
+    cli.fail(PROG, e)
   print(format_table(plan))
   if args.json:
     with open(args.json, 'w') as f:
