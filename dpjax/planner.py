@@ -5,6 +5,8 @@
   python -m dpjax.planner --num_examples 6000 --epsilon 3 --delta 1e-5 --epochs 2 \\
       --batch_sizes 1024 --json plan.json --plot plan.png
   python -m dpjax.planner --config configs/digits_mlp.py --batch_sizes 128,256  # N, ε, δ from it
+  python -m dpjax.planner --config configs/digits_mlp.py --config.privacy.target_epsilon=2 \\
+      --batch_sizes 256
 
 Each example runs in seconds (tests/test_cli_examples.py runs them all); the
 default grid at N = 60000 takes minutes (see Cost below and README.md).
@@ -48,6 +50,7 @@ from typing import Callable, Sequence
 
 from absl import flags
 import ml_collections
+from ml_collections import config_flags
 
 from dpjax import cli
 from dpjax import samplers as samplers_lib
@@ -386,8 +389,6 @@ def plot_plans(plans: Sequence[Plan], path: str, *, reference: Sequence[Plan] = 
 
 # (definer, name, help[, choices]); each name also answers with dashes (--num-examples).
 _FLAGS = (
-    ('string', 'config', 'training config (path[:arg]): N (from its data unless '
-     '--num_examples), sampler, ε, δ, epochs, C, P, accountant; flags override it'),
     ('integer', 'num_examples', 'N, training examples'),
     ('float', 'epsilon', 'ε, the budget at the end of the run'),
     ('float', 'delta', 'δ'),
@@ -404,9 +405,16 @@ _FLAGS = (
 PROG = 'python -m dpjax.planner'
 
 
-def _flag_values() -> flags.FlagValues:
+_CONFIG_HELP = ('training config (path[:arg]): N (from its data unless --num_examples), sampler, '
+                'ε, δ, epochs, C, P, accountant; --config.<field>=value overrides a field, and '
+                'the flags below override it too')
+
+
+def _flag_values(argv: list[str]) -> flags.FlagValues:
   """This command's absl flags (fresh per call), each also spelled with dashes."""
   fv = flags.FlagValues()
+  config_flags.DEFINE_config_file('config', None, _CONFIG_HELP, flag_values=fv,
+                                  lock_config=False, sys_argv=argv)
   for definer, name, help_text, *choices in _FLAGS:
     getattr(flags, f'DEFINE_{definer}')(name, None, *choices, help_text, flag_values=fv)
     if '_' in name:
@@ -416,7 +424,7 @@ def _flag_values() -> flags.FlagValues:
 
 def usage() -> str:
   """--help: the module docstring, then every flag with its help."""
-  lines = [f'  --{name}: {help_text}' + (f' ({" | ".join(choices[0])})' if choices else '')
+  lines = [f'  --config: {_CONFIG_HELP}'] + [f'  --{name}: {help_text}' + (f' ({" | ".join(choices[0])})' if choices else '')
            for _, name, help_text, *choices in _FLAGS]
   return f'usage: {PROG} [--flag=value ...]\n\n{__doc__}\nflags:\n' + '\n'.join(lines)
 
@@ -426,11 +434,13 @@ def parse_args(argv: list[str]) -> types.SimpleNamespace:
   if any(a in ('-h', '--help', '--helpfull') for a in argv):
     print(usage())
     sys.exit(0)
-  fv = _flag_values()
-  rest = cli.parse_flags(PROG, fv, ['dpjax.planner', *argv])
+  full = ['dpjax.planner', *argv]
+  fv = _flag_values(full)
+  rest = cli.parse_flags(PROG, fv, full)
   if len(rest) > 1:
     cli.fail(PROG, f'unexpected arguments {rest[1:]}; every input is a --flag. See --help.')
-  return types.SimpleNamespace(**{name: fv[name].value for _, name, *_ in _FLAGS})
+  return types.SimpleNamespace(config=fv.config if fv['config'].present else None,
+                               **{name: fv[name].value for _, name, *_ in _FLAGS})
 
 
 def _parse_sizes(text: str) -> list[int]:
@@ -442,8 +452,8 @@ def _parse_sizes(text: str) -> list[int]:
 
 def _resolve(args) -> tuple[ml_collections.ConfigDict, int, float, float, int]:
   """The base config and (N, ε, δ, E) from --config and the flags (flags win)."""
-  if args.config:
-    config = cli.load_config_file(args.config)
+  if args.config is not None:
+    config = args.config  # Loaded by config_flags, --config.<field> overrides applied.
     eps = args.epsilon if args.epsilon is not None else config.privacy.get('target_epsilon')
     delta = args.delta if args.delta is not None else config.privacy.get('delta')
     epochs = args.epochs if args.epochs is not None else config.get('num_epochs')
