@@ -5,8 +5,8 @@
   python -m dpjax.planner --num_examples 6000 --epsilon 3 --delta 1e-5 --epochs 2 \\
       --batch_sizes 1024 --json plan.json --plot plan.png
   python -m dpjax.planner --config configs/digits_mlp.py --batch_sizes 128,256  # N, ε, δ from it
-  python -m dpjax.planner --config configs/digits_mlp.py --config.privacy.target_epsilon=2 \\
-      --batch_sizes 256
+  python -m dpjax.planner --batch_sizes 256 --config configs/digits_mlp.py \\
+      --config.privacy.target_epsilon=2
 
 Each example runs in seconds (tests/test_cli_examples.py runs them all); the
 default grid at N = 60000 takes minutes (see Cost below and README.md).
