@@ -104,37 +104,19 @@ def _flag_values(argv: list[str]) -> flags.FlagValues:
   return fv
 
 
-def usage() -> str:
-  """--help: the module docstring, then every flag with its help."""
-  lines = ['  --config: training config file (path[:arg]); --config.<field>=value overrides a field,'
-           ' and the flags below override it too']
-  for definer, name, default, help_text, *extra in _FLAGS:
-    choices = f' ({" | ".join(extra[0])})' if extra else ''
-    shown = '' if default is None or definer == 'boolean' else f' (default {default})'
-    lines.append(f'  --{name}: {help_text}{choices}{shown}')
-  return f'usage: {PROG} [--flag=value ...]\n\n{__doc__}\nflags:\n' + '\n'.join(lines)
-
-
 def parse_args(argv: list[str]) -> types.SimpleNamespace:
   """argv (without the program name) -> the flag values as attributes (dashes -> underscores).
 
-  `--help` prints the usage and exits 0; a bad flag, a bad config file or a
-  `--config.<field>` naming no field prints one line and exits 2
-  (`dpjax.cli` conventions).
+  `dpjax.cli.parse_command` conventions: --help exits 0, a bad flag, config
+  file or `--config.<field>` is one line and exit 2.
   """
-  if any(a in ('-h', '--help', '--helpfull') for a in argv):
-    print(usage())
-    sys.exit(0)
-  full = ['dpjax.account', *argv]
-  fv = _flag_values(full)
-  rest = cli.parse_flags(PROG, fv, full)
-  if len(rest) > 1:
-    cli.fail(PROG, f'unexpected arguments {rest[1:]}; every input is a --flag. See --help.')
+  fv = _flag_values([PROG, *argv])
+  cli.parse_command(PROG, __doc__, fv, argv)
   for a, b in _EXCLUSIVE:
     if fv[a].present and fv[b].present:
       cli.fail(PROG, f'--{a} and --{b}: give one of them, not both.')
   args = types.SimpleNamespace(**{name.replace('-', '_'): fv[name].value
-                               for name in [f[1] for f in _FLAGS]})
+                                  for name in [f[1] for f in _FLAGS]})
   args.config = fv['config'].value if fv['config'].present else None
   args.config_file = config_flags.get_config_filename(fv['config']) if args.config else None
   return args

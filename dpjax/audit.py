@@ -24,10 +24,12 @@ than `max_audit_epsilon_lower`, and honest DP-SGD runs audit far below their ε.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from absl import flags
+
+from dpjax import cli
 from dpjax.auditing import record
 
 
@@ -62,19 +64,21 @@ def _format(result: dict) -> str:
   return '\n'.join(f'{k:<{width}}  {v}' for k, v in rows)
 
 
+PROG = 'python -m dpjax.audit'
+
+
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(
-      prog='python -m dpjax.audit', description=__doc__.split('\n\n')[0],
-      formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog='\n\n'.join(__doc__.split('\n\n')[1:]))
-  parser.add_argument('--workdir', required=True, help='the run directory')
-  parser.add_argument('--json', action='store_true', help='print one JSON object')
-  args = parser.parse_args(argv)
+  fv = flags.FlagValues()
+  flags.DEFINE_string('workdir', None, 'the run directory (required)', flag_values=fv)
+  flags.DEFINE_boolean('json', False, 'print one JSON object', flag_values=fv)
+  cli.parse_command(PROG, __doc__, fv, sys.argv[1:] if argv is None else argv)
+  if not fv.workdir:
+    cli.fail(PROG, '--workdir is required: the run directory to audit.')
   try:
-    result = record.audit_workdir(args.workdir)
+    result = record.audit_workdir(fv.workdir)
   except ValueError as e:
-    parser.error(str(e))
-  print(json.dumps(result) if args.json else _format(result))
+    cli.fail(PROG, e)
+  print(json.dumps(result) if fv.json else _format(result))
   return 0
 
 

@@ -50,7 +50,6 @@ List a workdir's checkpoints:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import errno
 import hashlib
@@ -62,8 +61,10 @@ import shutil
 import sys
 import threading
 import time
+import types
 from typing import Any
 
+from absl import flags
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -371,19 +372,23 @@ def _listing(rows: list[dict], workdir: str, verify: bool) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(
-      prog='python -m dpjax.checkpoints',
-      description="List a workdir's checkpoints with their step, ε and kind of bound.")
-  parser.add_argument('workdir')
-  parser.add_argument('--json', action='store_true', help='print the metadata as JSON lines')
-  parser.add_argument('--verify', action='store_true',
-                      help="check each checkpoint's files against its SHA-256 manifest")
-  args = parser.parse_args(argv)
+  """python -m dpjax.checkpoints <workdir> [--json] [--verify] (`dpjax.cli` conventions)."""
+  from dpjax import cli  # pylint: disable=import-outside-toplevel  # (cli imports the config layer)
+  prog = 'python -m dpjax.checkpoints'
+  fv = flags.FlagValues()
+  flags.DEFINE_boolean('json', False, 'print the metadata as JSON lines', flag_values=fv)
+  flags.DEFINE_boolean('verify', False,
+                       "check each checkpoint's files against its SHA-256 manifest", flag_values=fv)
+  doc = "List a workdir's checkpoints with their step, ε and kind of bound.\n\n  " + prog + \
+      ' <workdir> [--json] [--verify]\n'
+  (workdir,) = cli.parse_command(prog, doc, fv, sys.argv[1:] if argv is None else argv,
+                                 positional=('workdir',))
+  args = types.SimpleNamespace(workdir=workdir, json=fv.json, verify=fv.verify)
   if not os.path.exists(args.workdir):
-    print(f'{parser.prog}: error: workdir {args.workdir} does not exist.', file=sys.stderr)
+    print(f'{prog}: error: workdir {args.workdir} does not exist.', file=sys.stderr)
     return 2
   if not os.path.isdir(args.workdir):
-    print(f'{parser.prog}: error: workdir {args.workdir} is not a directory.', file=sys.stderr)
+    print(f'{prog}: error: workdir {args.workdir} is not a directory.', file=sys.stderr)
     return 2
   rows = read_metadata(args.workdir)
   if not rows:

@@ -98,6 +98,39 @@ def parse_flags(prog: str, flag_values: flags.FlagValues, argv: list[str]) -> li
     fail(prog, config_override_error(argv[1:]) or f'{type(e).__name__}: {e}')
 
 
+def usage(prog: str, doc: str, flag_values: flags.FlagValues,
+          positional: Sequence[str] = ()) -> str:
+  """--help text: the command's docstring, then each flag with its help, choices and default."""
+  lines = []
+  for name in flag_values:
+    flag = flag_values[name]
+    extra = ''  # absl's enum help already lists the choices.
+    if flag.default not in (None, False) and not isinstance(flag.default, ml_collections.ConfigDict):
+      extra += f' (default {flag.default})'
+    lines.append(f'  --{name}: {flag.help}{extra}')
+  args = ''.join(f' <{p}>' for p in positional)
+  return f'usage: {prog}{args} [--flag=value ...]\n\n{doc}\nflags:\n' + '\n'.join(lines)
+
+
+def parse_command(prog: str, doc: str, flag_values: flags.FlagValues, argv: Sequence[str],
+                  positional: Sequence[str] = ()) -> list[str]:
+  """One convention for every dpjax command: absl flags in `flag_values`.
+
+  `--help` prints `usage` and exits 0; a bad flag, config file or
+  `--config.<field>` prints one line and exits 2 (`parse_flags`); exactly the
+  arguments named in `positional` may follow. Returns them.
+  """
+  argv = list(argv)
+  if any(a in ('-h', '--help', '--helpfull') for a in argv):
+    print(usage(prog, doc, flag_values, positional))
+    sys.exit(0)
+  rest = parse_flags(prog, flag_values, [prog, *argv])[1:]
+  if len(rest) != len(positional):
+    want = ' '.join(f'<{p}>' for p in positional) or 'none'
+    fail(prog, f'expected positional arguments: {want}; got {rest}. See --help.')
+  return rest
+
+
 def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:
   """An absl `flags_parser` (for `app.run`) of the global flags, with `parse_flags`' errors."""
   return lambda argv: parse_flags(prog, flags.FLAGS, argv)

@@ -422,23 +422,10 @@ def _flag_values(argv: list[str]) -> flags.FlagValues:
   return fv
 
 
-def usage() -> str:
-  """--help: the module docstring, then every flag with its help."""
-  lines = [f'  --config: {_CONFIG_HELP}'] + [f'  --{name}: {help_text}' + (f' ({" | ".join(choices[0])})' if choices else '')
-           for _, name, help_text, *choices in _FLAGS]
-  return f'usage: {PROG} [--flag=value ...]\n\n{__doc__}\nflags:\n' + '\n'.join(lines)
-
-
 def parse_args(argv: list[str]) -> types.SimpleNamespace:
-  """argv (without the program name) -> the flag values; --help exits 0, errors exit 2."""
-  if any(a in ('-h', '--help', '--helpfull') for a in argv):
-    print(usage())
-    sys.exit(0)
-  full = ['dpjax.planner', *argv]
-  fv = _flag_values(full)
-  rest = cli.parse_flags(PROG, fv, full)
-  if len(rest) > 1:
-    cli.fail(PROG, f'unexpected arguments {rest[1:]}; every input is a --flag. See --help.')
+  """argv (without the program name) -> the flag values (`dpjax.cli.parse_command` conventions)."""
+  fv = _flag_values([PROG, *argv])
+  cli.parse_command(PROG, __doc__, fv, argv)
   return types.SimpleNamespace(config=fv.config if fv['config'].present else None,
                                **{name: fv[name].value for _, name, *_ in _FLAGS})
 

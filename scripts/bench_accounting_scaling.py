@@ -87,7 +87,7 @@ _WALL_FACTOR = 20  # A hard wall-clock cap of 20 × the CPU timeout, against han
 
 
 def _config(sampler: str, accountant: str, task: str):
-  from dpjax.account import load_config  # pylint: disable=g-import-not-at-top
+  from dpjax.cli import load_config_file as load_config  # pylint: disable=g-import-not-at-top
   config = load_config(os.path.join(REPO, 'configs', 'digits_mlp.py'))
   config.sampler.name = sampler
   config.sampler.batch_size = BATCH_SIZE

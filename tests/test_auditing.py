@@ -11,7 +11,7 @@ import jax.flatten_util
 import numpy as np
 import pytest
 
-from dpjax import account as account_cli
+from dpjax import cli
 from dpjax import accounting
 from dpjax import clipping
 from dpjax import data
@@ -130,7 +130,7 @@ def test_canaries_are_seeded_and_orthonormal_and_recorded():
 
 @pytest.fixture(scope='module')
 def digits():
-  config = account_cli.load_config(str(ROOT / 'configs' / 'digits_mlp.py'))
+  config = cli.load_config_file(str(ROOT / 'configs' / 'digits_mlp.py'))
   config.model.hidden_sizes = (32,)
   config.num_epochs, config.num_steps = 0, 30
   config.privacy.noise_multiplier, config.privacy.target_epsilon = 1.0, 0.0
@@ -248,7 +248,7 @@ def test_cli_bad_workdir_is_one_line_exit_2(tmp_path, capsys):
 
 
 def test_audit_config_block_is_off_by_default_and_validated():
-  config = account_cli.load_config(str(ROOT / 'configs' / 'digits_mlp.py'))
+  config = cli.load_config_file(str(ROOT / 'configs' / 'digits_mlp.py'))
   assert canaries_lib.check_audit_config(config.audit) == 0
   for field, value in (('num_canaries', -1), ('kind', 'input'), ('confidence', 1.0),
                        ('every_checkpoint', 'yes')):

@@ -45,7 +45,7 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpjax.account import load_config
+from dpjax.cli import load_config_file as load_config
 from dpjax.accounting import make_accountant
 
 NUM_EXAMPLES = 10_000

@@ -34,7 +34,7 @@ import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-from dpjax import account as account_cli
+from dpjax import cli
 from dpjax import accounting
 from dpjax import data
 from dpjax import models
@@ -53,7 +53,7 @@ CANARY_COUNTS = (100, 300, 1000, 3000, 10_000, 30_000, 100_000)
 
 
 def base_config():
-  c = account_cli.load_config(str(ROOT / 'configs' / 'digits_mlp.py'))
+  c = cli.load_config_file(str(ROOT / 'configs' / 'digits_mlp.py'))
   c.model.hidden_sizes = (32,)
   c.num_epochs, c.num_steps = 0, STEPS
   c.privacy.target_epsilon, c.privacy.delta = 0.0, DELTA
