@@ -79,10 +79,8 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
-from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -93,6 +91,7 @@ import bench_clipping
 from dpjax import batching
 from dpjax import data
 from dpjax import dp_step
+from dpjax import provenance
 from dpjax import samplers
 
 MODELS = ('mlp', 'cnn')
@@ -111,17 +110,8 @@ LEARNING_RATE = 0.1
 TORCH_DEVICE = 'cpu'  # 'cuda' when torch sees a GPU (set in main).
 
 
-def _load() -> list[float]:
-  return [round(v, 2) for v in os.getloadavg()]
-
-
-def _git_state() -> dict[str, Any]:
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  run = lambda *a: subprocess.run(['git', *a], cwd=root, capture_output=True,
-                                  text=True, check=False).stdout
-  return {'head': run('rev-parse', 'HEAD').strip(),
-          'dpjax_uncommitted_changes': run('status', '--porcelain', '--',
-                                           'dpjax').splitlines()}
+_load = provenance.load_average
+_git_state = provenance.git_state
 
 
 # -----------------------------------------------------------------------------

@@ -41,7 +41,6 @@ import math
 import os
 import pathlib
 import platform
-import subprocess
 import sys
 import time
 from typing import Any
@@ -53,6 +52,7 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
 from dpjax import batching
+from dpjax import provenance
 from dpjax import samplers
 from dpjax.accounting import accountant as accountant_lib
 from dpjax.accounting import balls_and_bins
@@ -80,17 +80,8 @@ def _log(*args) -> None:
   print(*args, file=sys.stderr, flush=True)
 
 
-def _git_state() -> dict[str, Any]:
-  run = lambda *a: subprocess.run(['git', *a], cwd=ROOT, capture_output=True, text=True,
-                                  check=False).stdout.strip()
-  return {'head': run('rev-parse', 'HEAD'),
-          'dpjax_uncommitted_changes': run('status', '--porcelain', '--', 'dpjax').splitlines()}
-
-
-def _timed(fn):
-  start = time.perf_counter()
-  value = fn()
-  return value, time.perf_counter() - start
+_git_state = provenance.git_state
+_timed = provenance.timed
 
 
 def _finite(x: float) -> float | None:
