@@ -65,6 +65,7 @@ from dpjax import interrupts
 from dpjax import metrics as metrics_lib
 from dpjax import models
 from dpjax import optimizers
+from dpjax import physical_batch
 from dpjax import plan as plan_lib
 from dpjax import sharding
 from dpjax import workdir_lock
@@ -325,7 +326,7 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
     example = {'index': np.int32(0)}
     if dataset is None:
       example.update({k: v[0] for k, v in train_source.gather(np.zeros(1, np.int64)).items()})
-    chosen = dp_step.choose_physical_batch_size(
+    chosen = physical_batch.choose_physical_batch_size(
         step_fns, state.params, state.opt_state, example, plan.max_batch_size,
         num_devices=mesh.devices.size, dataset=dataset, first=32 * mesh.devices.size,
         log=lambda line: logging.info('%s', line))

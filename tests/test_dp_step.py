@@ -16,6 +16,7 @@ from dpjax import clipping
 from dpjax import data
 from dpjax import device_data
 from dpjax import dp_step
+from dpjax import physical_batch
 from dpjax import models
 from dpjax import samplers
 from dpjax import sharding
@@ -474,26 +475,26 @@ def test_choose_physical_batch_size_is_the_largest_that_fits():
   params = _params()
   opt_state = step.optimizer.init(params)
   example = {'x': np.zeros(D, np.float32), 'y': np.int32(0)}
-  used = {p: dp_step.compiled_step_bytes(step, params, opt_state, example, p, 256)
+  used = {p: physical_batch.compiled_step_bytes(step, params, opt_state, example, p, 256)
           for p in (4, 8, 16)}
   assert used[4] < used[8] < used[16]  # vmap: P per-example gradients.
   lines = []
   limit = (used[8] + used[16]) / 2
-  chosen = dp_step.choose_physical_batch_size(step, params, opt_state, example, 256,
+  chosen = physical_batch.choose_physical_batch_size(step, params, opt_state, example, 256,
                                               num_devices=4, memory_bytes=limit, fraction=1.0,
                                               log=lines.append)
   assert chosen == 8 and lines[-1].endswith('chose P = 8.')
   assert [l.split(':')[0] for l in lines[:-1]] == [f'physical batch size {p}' for p in (4, 8, 16)]
   # Everything fits: stops at the first power-of-two multiple of D >= B (B = 100 -> 128).
   lines = []
-  assert dp_step.choose_physical_batch_size(step, params, opt_state, example, 100, num_devices=128,
+  assert physical_batch.choose_physical_batch_size(step, params, opt_state, example, 100, num_devices=128,
                                             memory_bytes=2**40, log=lines.append) == 128
   assert len(lines) == 2
   with pytest.raises(ValueError, match='physical_batch_size = 4 .* needs'):
-    dp_step.choose_physical_batch_size(step, params, opt_state, example, 256, num_devices=4,
+    physical_batch.choose_physical_batch_size(step, params, opt_state, example, 256, num_devices=4,
                                        memory_bytes=1, log=lambda _: None)
   with pytest.raises(ValueError, match='max_batch_size must be an int >= 1'):
-    dp_step.choose_physical_batch_size(step, params, opt_state, example, 0)
+    physical_batch.choose_physical_batch_size(step, params, opt_state, example, 0)
 
 
 _FOUR_DEVICES = '''
