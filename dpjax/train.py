@@ -400,11 +400,15 @@ def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
   batches = (contextlib.nullcontext((t, prepare(t)) for t in steps) if dataset is not None
              else device_data.Prefetcher(prepare, steps))
   # ε of the logged and checkpointed steps, computed ahead on a thread while the device trains
-  # (the same numbers, without stalling the loop for a PLD composition at every log).
-  epsilons = contextlib.nullcontext() if accountant is None else ahead_lib.EpsilonAhead(
-      accountant, (s for s in range(start_step + 1, num_steps + 1)
-                   if is_time(s, config.log_every_steps, num_steps)
-                   or is_time(s, config.checkpoint_every_steps, num_steps)))
+  # (the same numbers, without stalling the loop for a PLD composition at every log). Not with
+  # several CPU devices: a busy thread beside their collectives starved the all-reduce
+  # rendezvous of a 2-process run on 2 loaded cores (it hung); there ε is computed when asked.
+  ahead = () if serialise_steps else (
+      s for s in range(start_step + 1, num_steps + 1)
+      if is_time(s, config.log_every_steps, num_steps)
+      or is_time(s, config.checkpoint_every_steps, num_steps))
+  epsilons = (contextlib.nullcontext() if accountant is None
+              else ahead_lib.EpsilonAhead(accountant, ahead))
   with interrupts.GracefulStop() as signals, batches as batch_stream, epsilons:
     for step, (logical, buffer, k) in batch_stream:
       num_truncated += int(logical.truncated)
