@@ -230,7 +230,10 @@ def test_two_hosts_train_like_one_and_only_process_0_writes(runs):
   process0, process1 = results['host_stdout']
   assert '4 device(s) on 2 process(es), 16 rows of each physical batch gathered here' in process0
   assert 'Final: step 6' in process0
-  assert not [line for line in process1.splitlines() if not line.startswith('[Gloo]')]
+  # Process 1 prints nothing of dpjax's; Gloo's connection log (its '[Gloo] Rank' prefix is
+  # sometimes split from the rest of the line by interleaved writes) is not ours.
+  assert not [line for line in process1.splitlines()
+              if not line.startswith('[Gloo]') and 'peer ranks' not in line]
   state = checkpoints.read_state(workdir, NUM_STEPS)
   np.testing.assert_allclose(_flat(state['params']), params['full4'], rtol=0, atol=PARITY_ATOL)
   rows = checkpoints.read_metadata(workdir)
