@@ -19,57 +19,38 @@ takes part in checkpoints, so --workdir must be a shared file system.
 
 Everything lands under --workdir: `config.json` (the resolved config),
 `metrics.jsonl` (one JSON object per logged step), TensorBoard event files,
-and `checkpoints/<step>/` with the ε of that step. The loop reads top to
-bottom: config → data, sampler and batcher → privacy (σ and ε) → model and
-optimiser → devices → DP step → restore → train loop with periodic log / eval /
-checkpoint, always firing at the last step.
+and `checkpoints/<step>/` with the ε of that step. This module validates the
+config, data and workdir, resolves the plan (sampler, B, σ, accountant) and
+locks the workdir, all before any compute; `dpjax.training_loop` runs it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import json
-import math
 import os
 import sys
 import tempfile
-import time
 from typing import Any
 
 from absl import app
 from absl import flags
 from absl import logging
-import flax
-import jax
-import jax.numpy as jnp
 import ml_collections
 from ml_collections import config_flags
-import numpy as np
-import tqdm
 
 from dpjax import _validate
-from dpjax.accounting import ahead as ahead_lib
 from dpjax import auditing
 from dpjax import augmult as augmult_lib
-from dpjax import batching
 from dpjax import checkpoints
 from dpjax import cli
 from dpjax import compilation_cache
 from dpjax import data
-from dpjax import device_data
-from dpjax import dp_step
-from dpjax import ema as ema_lib
-from dpjax import finetune
-from dpjax import interrupts
-from dpjax import metrics as metrics_lib
 from dpjax import models
-from dpjax import optimizers
-from dpjax import physical_batch
 from dpjax import plan as plan_lib
 from dpjax import sharding
+from dpjax import training_loop
 from dpjax import workdir_lock
-from dpjax.auditing import record as audit_record
+# Re-exported: the loop's state and its two ways to stop.
+from dpjax.training_loop import RunInterrupted, TrainingDiverged, TrainState  # pylint: disable=unused-import
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Training config file.', lock_config=True)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and config.')
@@ -83,25 +64,6 @@ _NUM_PROCESSES = flags.DEFINE_integer(
 _PROCESS_ID = flags.DEFINE_integer(
     'process_id', None, 'This process, 0..num_processes-1 (--distributed; default: from the cluster).')
 flags.mark_flags_as_required(['config', 'workdir'])
-
-OPTIMIZERS = ('sgd', 'adam')
-
-
-@flax.struct.dataclass
-class TrainState:
-  """Everything a resume needs: sampler and noise are pure functions of (seed, step)."""
-  step: jax.Array
-  params: Any  # The trainable parameters (all of them unless fine-tuning freezes some).
-  opt_state: Any
-  num_truncated: jax.Array  # Steps whose logical batch exceeded B (the accountant pays).
-  ema: ema_lib.EmaState  # EMA of params (= params when ema_decay = 0): post-processing.
-
-
-def is_time(step: int, every: int, last_step: int) -> bool:
-  """Whether a periodic action fires after `step` (1-based count); always at the last."""
-  return step == last_step or (every > 0 and step % every == 0)
-
-
 def check_workdir(workdir: str) -> str:
   """The absolute workdir; ConfigError unless it is (or can become) a writable directory.
 
@@ -141,74 +103,6 @@ def resume_point(workdir: str) -> tuple[int, dict | None]:
   if not rows:
     return 0, None
   return rows[-1]['step'], rows[-1].get('fingerprint', {})
-
-
-def evaluate(step_fn, params, source: data.DataSource, physical_batch_size: int,
-             mesh: jax.sharding.Mesh) -> dict[str, float]:
-  """Loss and accuracy over a whole split, in zero-weight-padded batches sharded like training."""
-  rows = sharding.local_rows(mesh, physical_batch_size)
-  totals = None
-  for start in range(0, len(source), physical_batch_size):
-    indices = np.arange(start, min(start + physical_batch_size, len(source)))
-    weights = np.zeros(physical_batch_size, np.float32)
-    weights[:len(indices)] = 1
-    padded = np.zeros(physical_batch_size, np.int64)
-    padded[:len(indices)] = indices
-    batch = source.gather(padded[rows])
-    batch['weight'] = weights[rows]
-    out = step_fn(params, sharding.shard_batch(mesh, batch))
-    totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
-  totals = jax.device_get(totals)
-  return {'eval_loss': float(totals['loss_sum'] / totals['num_examples']),
-          'eval_accuracy': float(totals['correct'] / totals['num_examples'])}
-
-
-class TrainingDiverged(RuntimeError):
-  """Non-finite loss or parameters: the run stops, the last good checkpoint is kept."""
-
-
-class RunInterrupted(Exception):
-  """SIGTERM / SIGINT: the run saved a checkpoint and stops; `exit_code` = 128 + signal."""
-
-  def __init__(self, message: str, exit_code: int):
-    super().__init__(message)
-    self.exit_code = exit_code
-
-
-def privacy_metadata(step: int, report, plan: plan_lib.RunPlan, step_fns: dp_step.DPStep,
-                     batcher: batching.Batcher, num_truncated: int) -> dict:
-  """The claim stored with a checkpoint: what ε holds for exactly this state.
-
-  σ and C are read from the DP step that ran, the sampler and B from the batcher
-  that fed it; the fingerprint is compared on resume.
-  """
-  sampler = batcher.sampler
-  return {
-      'step': step,
-      'privacy': report.to_dict() if report is not None else {
-          'epsilon': None, 'bound': 'none (non-private run)', 'accountant': None,
-          'delta': None},
-      'fingerprint': plan.fingerprint,
-      'noise_multiplier': step_fns.noise_multiplier if plan.private else None,
-      'noise_multiplier_source': plan.noise_multiplier_source,
-      'clip_norm': step_fns.clip_norm if plan.private else None,
-      'num_examples': sampler.num_examples,
-      'sampler': {'name': sampler.name, 'batch_size': sampler.batch_size,
-                  'expected_batch_size': sampler.expected_batch_size,
-                  'sampling_probability': sampler.sampling_probability,
-                  'steps_per_epoch': sampler.steps_per_epoch,
-                  'max_batch_size': batcher.max_batch_size,
-                  'physical_batch_size': batcher.physical_batch_size},
-      'num_truncated': num_truncated,
-      'seed': sampler.seed,
-      'config': plan.config.to_dict(),
-  }
-
-
-@jax.jit
-def _all_finite(tree) -> jax.Array:
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) the run described by `config`; returns the final metrics.
@@ -250,272 +144,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if resume_point(workdir) != resumed:  # Another run wrote here meanwhile: plan again.
       resumed = resume_point(workdir)
       plan = plan_lib.make_plan(config, train_source, resumed[1], resumed_step=resumed[0])
-    return _train(plan, workdir, train_source, test_source, model, mesh)
+    return training_loop.run(plan, workdir, train_source, test_source, model, mesh)
   finally:
     lock.release()
-
-
-def _train(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
-           test_source: data.DataSource, model, mesh: jax.sharding.Mesh) -> dict[str, Any]:
-  """The run of a plan, in a locked workdir."""
-  config, num_steps, accountant = plan.config, plan.num_steps, plan.accountant
-  primary = sharding.is_primary_process()
-  log = print if primary else lambda *args, **kwargs: None
-
-  # ---------------------------------------------------------------------------
-  # Model, optimiser and the DP step, built from the plan's σ and C.
-  # ---------------------------------------------------------------------------
-  optimizer = optimizers.make_optimizer(config.optimizer, num_steps)
-  params = dp_step.init_params(model, config.seed, train_source.input_shape)
-  if config.init_from:  # Fine-tuning: public pretrained weights (they do not enter ε).
-    params = finetune.load_pretrained(config.init_from, params, config.init_from_rules)
-  if config.freeze or config.lora.rank:  # Frozen parameters get no gradient, noise or clipping.
-    model, params = finetune.make_finetune(
-        model, params, freeze=config.freeze, lora_rank=config.lora.rank,
-        lora_alpha=config.lora.alpha, lora_targets=config.lora.targets, seed=config.seed)
-  canaries = wrapper = None
-  if config.audit.num_canaries:  # Gradient canaries (dpjax.auditing): clip_C(λ·u_j) per coin.
-    canaries = auditing.make_canaries(config.seed, config.audit.num_canaries,
-                                      int(sum(np.size(x) for x in jax.tree.leaves(params))))
-    scale = plan.clip_norm if plan.private else 1.0
-    wrapper = lambda sum_fn: auditing.with_gradient_canaries(
-        sum_fn, canaries, canary_norm=canaries.gradient_scale * scale,
-        clip_norm=plan.clip_norm if plan.private else math.inf)
-    initial_projection = auditing.project(params, canaries)
-    if sharding.is_primary_process() and not os.path.exists(
-        os.path.join(workdir, audit_record.AUDIT_FILE)):
-      audit_record.write_record(workdir, canaries, confidence=config.audit.confidence,
-                                initial_params=params)
-  step_fns = dp_step.DPStep(
-      model, optimizer, clip_norm=plan.clip_norm, noise_multiplier=plan.noise_multiplier,
-      expected_batch_size=plan.sampler.expected_batch_size, private=plan.private,
-      clipping=config.privacy.clipping, label_format=config.data.label_format, mesh=mesh,
-      seed=config.seed, precision=config.precision, sum_fn_wrapper=wrapper,
-      augmult=augmult_lib.Augmult.from_config(config.augmult))
-
-  def run_audit(params) -> dict:
-    """The one-run ε lower bound from the canaries' coordinates of θ (Steinke et al. 2023)."""
-    return audit_record.audit_params(canaries, initial_projection, jax.device_get(params),
-                                     delta=config.privacy.delta,
-                                     confidence=config.audit.confidence)
-  if plan.private:  # What is reported is what runs.
-    assert step_fns.noise_multiplier == accountant.noise_multiplier == plan.noise_multiplier
-  eval_fn = jax.jit(  # Sharded like training; the sums come back replicated.
-      lambda params, batch: dp_step.eval_step(model, params, batch, config.data.label_format),
-      in_shardings=(sharding.replicated(mesh), sharding.batch_sharding(mesh)),
-      out_shardings=sharding.replicated(mesh))
-
-  def run_eval(params, ema):
-    out = evaluate(eval_fn, params, test_source, plan.physical_batch_size, mesh)
-    if config.ema_decay:  # The EMA parameters, evaluated beside the raw ones.
-      out.update({f'{k}_ema': v for k, v in evaluate(
-          eval_fn, ema.params, test_source, plan.physical_batch_size, mesh).items()})
-    return out
-
-  update_ema = jax.jit(lambda ema, params: ema_lib.update(ema, params, config.ema_decay))
-  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-  state = sharding.replicate(mesh, TrainState(  # Same seed, same values on every host.
-      step=np.int32(0), params=params, opt_state=optimizer.init(params),
-      num_truncated=np.int32(0), ema=ema_lib.init(params)))
-  # The training set on the device when it fits (the sampler sends indices only); else
-  # host-gathered buffers, prefetched on a thread.
-  dataset = (device_data.put_on_device(train_source, sharding.replicated(mesh))
-             if device_data.fits_on_device(train_source) else None)
-  if not plan.physical_batch_size:  # 0: the largest P whose compiled step fits the device.
-    # B is already resolved (to the row, without P): P only sizes the [ceil(B/P), P] buffer.
-    example = {'index': np.int32(0)}
-    if dataset is None:
-      example.update({k: v[0] for k, v in train_source.gather(np.zeros(1, np.int64)).items()})
-    chosen = physical_batch.choose_physical_batch_size(
-        step_fns, state.params, state.opt_state, example, plan.max_batch_size,
-        num_devices=mesh.devices.size, dataset=dataset, first=32 * mesh.devices.size,
-        log=lambda line: logging.info('%s', line))
-    log(f'sampler.physical_batch_size = 0: P = {chosen}, the largest power-of-two multiple of '
-        f'the device count whose step fits the device (XLA memory analysis).')
-    plan = dataclasses.replace(plan, physical_batch_size=chosen)
-  rows = sharding.local_rows(mesh, plan.physical_batch_size)
-  batcher = batching.Batcher(plan.sampler, plan.physical_batch_size, plan.max_batch_size)
-  max_physical_batches = batcher.max_physical_batches
-
-  # ---------------------------------------------------------------------------
-  # Restore: the same command resumes from the latest readable checkpoint.
-  # ---------------------------------------------------------------------------
-  manager = checkpoints.make_manager(workdir, config.keep_checkpoints)
-  restored = checkpoints.restore_latest(manager, state)
-  restored_step = None
-  if restored is not None:
-    restored_step, state, metadata = restored
-    if plan_lib.fingerprint_changes(metadata.get('fingerprint', {}), plan.fingerprint):
-      raise plan_lib.PlanError(f'checkpoint {restored_step} has another privacy fingerprint than '
-                               f'the newest one; {plan_lib.NEW_WORKDIR_HINT}')
-    log(f'Resuming from step {restored_step} ({checkpoints.checkpoint_dir(workdir)}).')
-  start_step = int(state.step)
-  if primary:
-    with open(os.path.join(workdir, 'config.json'), 'w') as f:
-      json.dump(config.to_dict(), f, indent=2)
-  log(f'{mesh.devices.size} device(s) on {jax.process_count()} process(es), {len(rows)} rows of '
-      f'each physical batch gathered here ({jax.devices()[0].device_kind}).')
-  log(f'Model {config.model.name} with {num_params:,} parameters; {plan.summary()}'
-      + (f'; final ε = {accountant.epsilon(num_steps):.4f}' if plan.private else '') + '.')
-
-  # ---------------------------------------------------------------------------
-  # Train loop.
-  # ---------------------------------------------------------------------------
-  writer = metrics_lib.MetricWriter(workdir, restored_step, enabled=primary)
-  params, opt_state, ema = state.params, state.opt_state, state.ema
-  num_truncated = int(state.num_truncated)
-  last = {}
-  if start_step == 0:
-    last = run_eval(params, ema)
-    writer.write(0, last)
-  progress = tqdm.tqdm(total=num_steps, initial=start_step, desc='train', dynamic_ncols=True,
-                       disable=not primary or (not sys.stderr.isatty()
-                                               and os.environ.get('DPJAX_PROGRESS') != '1'))
-  log_metrics, window_start = [], start_step + 1
-  compile_seconds = steady_start = None
-  steady_examples = 0.0
-  first_time = time.time()
-
-  def stop(error: Exception) -> Exception:
-    """Leaves the workdir consistent (earlier saves complete, events flushed), returns `error`."""
-    progress.close()
-    checkpoints.wait_until_finished(manager)
-    writer.close()
-    return error
-
-  def prepare(step: int):
-    """The logical batch of `step` as a [K_max, P] buffer (this host's rows) and its K."""
-    logical = batcher.logical_batch(step)
-    buffer, k = (device_data.index_buffer(logical, max_physical_batches, rows) if dataset
-                 is not None else device_data.host_buffer(train_source, logical,
-                                                          max_physical_batches, rows))
-    return logical, sharding.shard_logical_batch(mesh, buffer), k
-
-  steps = range(start_step, num_steps)
-  # XLA:CPU with several (forced) devices: one step in flight at a time. Programs with
-  # cross-device reductions queued back to back have timed out in its all-reduce rendezvous
-  # on a loaded 2-core machine (tests/test_sharding.py); accelerators keep the async queue.
-  serialise_steps = mesh.devices.size > 1 and jax.devices()[0].platform == 'cpu'
-  # Index buffers are cheap: made inline. Host-gathered rows are prefetched on a thread.
-  batches = (contextlib.nullcontext((t, prepare(t)) for t in steps) if dataset is not None
-             else device_data.Prefetcher(prepare, steps))
-  # ε of the logged and checkpointed steps, computed ahead on a thread while the device trains
-  # (the same numbers, without stalling the loop for a PLD composition at every log). Not with
-  # several CPU devices: a busy thread beside their collectives starved the all-reduce
-  # rendezvous of a 2-process run on 2 loaded cores (it hung); there ε is computed when asked.
-  ahead = () if serialise_steps else (
-      s for s in range(start_step + 1, num_steps + 1)
-      if is_time(s, config.log_every_steps, num_steps)
-      or is_time(s, config.checkpoint_every_steps, num_steps))
-  epsilons = (contextlib.nullcontext() if accountant is None
-              else ahead_lib.EpsilonAhead(accountant, ahead))
-  with interrupts.GracefulStop() as signals, batches as batch_stream, epsilons:
-    for step, (logical, buffer, k) in batch_stream:
-      num_truncated += int(logical.truncated)
-      # One compiled program: K physical batches, noise keyed by (seed, step), the update.
-      params, opt_state, metrics = step_fns.train_step(params, opt_state, buffer, k,
-                                                       np.uint32(step), dataset)
-      ema = update_ema(ema, params)
-      if serialise_steps:
-        jax.block_until_ready(params)
-      log_metrics.append(metrics)
-      done = step + 1
-      progress.update(1)
-      if compile_seconds is None:  # One sync: compilation apart from the steady-state rate.
-        jax.block_until_ready(params)
-        steady_start = time.time()
-        compile_seconds = steady_start - first_time
-      else:
-        steady_examples += min(logical.size, plan.max_batch_size)
-
-      stopping = signals.requested  # A signal: save this step, then exit 128 + signal.
-      logging_now = is_time(done, config.log_every_steps, num_steps)
-      saving_now = stopping or is_time(done, config.checkpoint_every_steps, num_steps)
-      if logging_now or saving_now:  # One host sync per logged or saved step.
-        fetched = jax.device_get(log_metrics)
-        loss = float(np.mean([m['loss'] for m in fetched])) if fetched else 0.0
-        if not (math.isfinite(loss) and bool(_all_finite(params))):
-          raise stop(TrainingDiverged(
-              f'non-finite training loss or parameters between steps {window_start} and '
-              f'{done}; the last checkpoint before step {window_start} is intact. Try a smaller '
-              'optimizer.learning_rate or privacy.clip_norm, or check the data for NaN/inf.'))
-      audit = (run_audit(params) if canaries is not None and saving_now and (
-          config.audit.every_checkpoint or done == num_steps) else None)
-      if audit is not None and not logging_now:
-        writer.write(done, {k: audit[k] for k in ('audit_epsilon_lower', 'audit_confidence')})
-      if logging_now:
-        elapsed = time.time() - steady_start
-        rate = (done - start_step - 1) / elapsed if elapsed > 0 and done > start_step + 1 else None
-        last = {'train_loss': loss,
-                'train_accuracy': float(np.mean([m['accuracy'] for m in fetched])),
-                'num_nonfinite_examples': sum(int(m['num_nonfinite']) for m in fetched),
-                'num_truncated': num_truncated, 'compile_seconds': compile_seconds,
-                'steps_per_second': rate,
-                'examples_per_second': steady_examples / elapsed if rate else None}
-        log_metrics, window_start = [], done + 1
-        if accountant is not None:  # Side estimates only at checkpoints.
-          report = epsilons.epsilon_at(done)
-          last.update(epsilon=report.epsilon, epsilon_bound=report.bound)
-        if is_time(done, config.eval_every_steps, num_steps):
-          last.update(run_eval(params, ema))
-        if audit is not None:  # Beside ε: an empirical lower bound, with its confidence.
-          last.update({k: audit[k] for k in ('audit_epsilon_lower', 'audit_confidence')})
-        writer.write(done, last)
-        shown = {k: f'{v:.4g}' for k, v in last.items()
-                 if k in ('train_loss', 'train_accuracy', 'eval_accuracy', 'epsilon')}
-        if 'epsilon' in shown:  # The kind of bound beside the number.
-          shown['epsilon'] += f' ({last["epsilon_bound"]})'
-        progress.set_postfix(shown)
-        if progress.disable and primary:  # No terminal: one plain progress line per log.
-          eta = (num_steps - done) / rate if rate else float('nan')
-          speed = f'{last["examples_per_second"]:.0f} ex/s' if rate else 'compiling'
-          print(f'step {done}/{num_steps}, {speed}, ETA {eta:.0f} s, '
-                + ' '.join(f'{k}={v}' for k, v in shown.items()), flush=True)
-      elif is_time(done, config.eval_every_steps, num_steps):
-        evaluated = run_eval(params, ema)
-        last.update(evaluated)
-        writer.write(done, evaluated)
-
-      if saving_now:
-        # Side estimates (Monte-Carlo, lower bounds, comparisons) at the last step only: they
-        # can cost seconds; the attached ε and its kind of bound are the same without them.
-        report = epsilons.epsilon_at(done, estimates=done == num_steps) if accountant else None
-        metadata = privacy_metadata(done, report, plan, step_fns, batcher, num_truncated)
-        if audit is not None:
-          metadata['audit'] = audit
-        checkpoints.save(manager, done, TrainState(
-            step=sharding.replicate(mesh, np.int32(done)), params=params, opt_state=opt_state,
-            num_truncated=sharding.replicate(mesh, np.int32(num_truncated)), ema=ema), metadata)
-        writer.flush()  # Metrics and TensorBoard events durable at every checkpoint.
-      if stopping and done < num_steps:
-        raise stop(RunInterrupted(
-            f'stopped by {signals.signal_name} after step {done} of {num_steps}; checkpoint '
-            f'{done} saved. Rerun the same command to resume.', signals.exit_code))
-  progress.close()
-  checkpoints.wait_until_finished(manager)
-  writer.close()
-
-  if num_truncated and accountant is not None:
-    log(f'{num_truncated} of {num_steps} logical batches exceeded B = {plan.max_batch_size} and '
-        'were truncated; the reported ε accounts for the cap.')
-  if 'eval_accuracy' not in last:
-    last.update(run_eval(params, ema))
-  result = {'step': num_steps, **last, 'params': params,
-            'compilations': {'train_step': step_fns.compile_count('train_step')}}
-  final_report = accountant.epsilon_at(num_steps) if accountant else None  # With estimates.
-  if final_report is not None:
-    result['privacy'] = final_report.to_dict()
-  eps_text = (f'ε = {final_report.epsilon:.4f} ({final_report.bound} bound, '
-              f'{final_report.accountant}), δ = {final_report.delta:g}' if final_report
-              else 'non-private (ε = ∞)')
-  if canaries is not None:
-    result['audit'] = run_audit(params)
-    eps_text += (f'; audit ε ≥ {result["audit"]["audit_epsilon_lower"]:.4f} (one-run lower '
-                 f'bound, confidence {config.audit.confidence:g}, '
-                 f'{config.audit.num_canaries} canaries)')
-  log(f'Final: step {num_steps}, test accuracy {last["eval_accuracy"]:.4f}, {eps_text}.')
-  return result
-
 
 def main(argv):
   del argv

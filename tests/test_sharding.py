@@ -67,7 +67,8 @@ def _worker(outdir):
   import io  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
-  from dpjax import checkpoints, data, dp_step, models, sharding, train  # pylint: disable=g-import-not-at-top
+  from dpjax import checkpoints, data, dp_step, models, optimizers, sharding, train  # pylint: disable=g-import-not-at-top
+  from dpjax import ema as ema_lib  # pylint: disable=g-import-not-at-top
 
   # Each config's accountant is built once (its PLD costs seconds): the two resumed runs reuse
   # those of the full runs with the same config. The 1- and 4-device configs differ in
@@ -143,12 +144,12 @@ def _worker(outdir):
   out['full4_checkpoint_epsilons'] = [
       row['privacy']['epsilon'] for row in checkpoints.read_metadata(os.path.join(outdir, 'full4'))]
   # The saved step-3 state restores bit for bit onto a 1-device mesh.
-  optimizer = train.optimizers.make_optimizer(config.optimizer, config.num_steps)
+  optimizer = optimizers.make_optimizer(config.optimizer, config.num_steps)
   manager = checkpoints.make_manager(os.path.join(outdir, 'full4'), 3, read_only=True)
   for name, mesh_ in (('restored_on_1', sharding.make_mesh(1)), ('restored_on_4', mesh)):
     target = sharding.replicate(mesh_, train.TrainState(
         step=np.int32(0), params=host_params, opt_state=optimizer.init(host_params),
-        num_truncated=np.int32(0), ema=train.ema_lib.init(host_params)))
+        num_truncated=np.int32(0), ema=ema_lib.init(host_params)))
     state = manager.restore(3, args=checkpoints.ocp.args.Composite(
         state=checkpoints.ocp.args.StandardRestore(target)))['state']
     arrays[name] = _flat(state.params)
