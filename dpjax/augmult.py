@@ -26,7 +26,7 @@ redraws exactly the same views.
 Use: `Augmult.from_config(config.augmult)` is what `dpjax.dp_step.DPStep`
 takes (`augmult=`): its `views(x, indices, step, seed=)` = `make_views` turns a
 physical batch x [P, ...] into [P, K, ...] inside the compiled step, and
-`dp_step.make_loss_fn(..., views=True)` runs the model once on an example's K
+`losses.make_loss_fn(..., views=True)` runs the model once on an example's K
 views and averages the loss, so both vmap and ghost clipping clip the
 view-averaged gradient (ghost sees the K view rows as positions of one
 example). `mean_over_views(loss_fn)` does the same for any single-example loss

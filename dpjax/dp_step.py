@@ -1,4 +1,4 @@
-"""The DP-SGD logical step with virtual batching, and the PRNG streams it uses.
+"""The DP-SGD logical step with virtual batching (PRNG streams: `dpjax.prng`).
 
 A logical step t is K ≥ 0 physical batches of the same static shape P (K
 varies with the sampled batch size; K = 0 happens under Poisson sampling):
@@ -47,7 +47,6 @@ Randomness: the Gaussian noise comes from JAX's Threefry PRNG keyed by
 sampler (the usual caveat for floating-point DP implementations).
 """
 
-from collections.abc import Sequence
 import functools
 import math
 from typing import Any, NamedTuple
@@ -60,92 +59,17 @@ import optax
 
 from dpjax import augmult as augmult_lib
 from dpjax import clipping as clipping_lib
-from dpjax import models
 from dpjax import precision as precision_lib
+from dpjax import prng
+# Re-exported: the step's PRNG streams and loss, where users found them before.
+from dpjax.losses import LABEL_FORMATS, eval_step, make_loss_fn  # noqa: F401 pylint: disable=unused-import
+from dpjax.prng import INIT_STREAM, NOISE_STREAM, init_params, noise_key  # pylint: disable=unused-import
 from dpjax import sharding
 
 Params = Any
 Batch = dict[str, jax.Array]
 
-# fold_in ids of the JAX PRNG streams derived from config.seed. The sampler
-# and batcher use their own (numpy) streams; these never share a key.
-NOISE_STREAM = 1
-INIT_STREAM = 2
-
-LABEL_FORMATS = ('int', 'one_hot')
 PHYSICAL_LOOPS = ('auto', 'device', 'host')
-
-
-def _check_seed(seed: int) -> None:
-  if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-    raise ValueError(f'config.seed must be an int >= 0, got {seed!r}.')
-
-
-def noise_key(seed: int, step: int) -> jax.Array:
-  """The key of step's noise: fold_in(fold_in(key(seed), NOISE_STREAM), step).
-
-  A pure function of (seed, step): resuming from a checkpoint at step t
-  redraws exactly the noise of an uninterrupted run.
-  """
-  _check_seed(seed)
-  if isinstance(step, bool) or not isinstance(step, int) or not (
-      0 <= step < 2**32):
-    raise ValueError(f'step must be an int in [0, 2**32), got {step!r}.')
-  return _fold_noise_key(seed, step)
-
-
-def _fold_noise_key(seed: int, step) -> jax.Array:
-  """`noise_key` without checks; `step` may be traced (uint32 bits of step)."""
-  root = jax.random.fold_in(jax.random.PRNGKey(seed), NOISE_STREAM)
-  return jax.random.fold_in(root, step)
-
-
-def init_params(model: nn.Module, seed: int, input_shape: Sequence[int],
-                input_dtype: Any = None) -> Params:
-  """Initial parameters from key fold_in(PRNGKey(seed), INIT_STREAM)."""
-  _check_seed(seed)
-  dtype = models.input_dtype(model) if input_dtype is None else input_dtype
-  key = jax.random.fold_in(jax.random.PRNGKey(seed), INIT_STREAM)
-  variables = model.init(key, jnp.zeros((1, *input_shape), dtype))
-  extra = set(variables) - {'params'}
-  if extra:
-    raise ValueError(f'model has non-parameter collections {sorted(extra)} '
-                     '(e.g. batch statistics); DP training needs a stateless, '
-                     'per-example model.')
-  return variables['params']
-
-
-def make_loss_fn(model: nn.Module, label_format: str = 'int',
-                 precision: str = 'default', views: bool = False) -> clipping_lib.LossFn:
-  """Per-example softmax cross-entropy (params, x_i, y_i) -> (loss, logits).
-
-  precision='bfloat16' casts the parameters and float inputs to bfloat16 on
-  entry (gradients w.r.t. the float32 parameters come back float32) and the
-  logits to float32 for the loss; see `dpjax.precision`.
-
-  views=True (augmentation multiplicity, `dpjax.augmult`): x_i is example i's
-  K views [K, ...]; the model runs once on them as a batch of K and the loss
-  is the mean over views, (1/K) Σ_k ℓ(θ, v_{i,k}, y_i), whose gradient is the
-  view-averaged gradient DP-SGD clips once (the logits returned are the mean
-  over views). One model call per example, not a vmap over views, so ghost
-  clipping sees each layer's K view rows as extra positions of one example
-  (the norm of the averaged gradient, not a sum of per-view norms).
-  """
-  if label_format not in LABEL_FORMATS:
-    raise ValueError(f'label_format={label_format!r}; valid: {LABEL_FORMATS}.')
-  dtype = precision_lib.compute_dtype(precision)
-  cross_entropy = (optax.softmax_cross_entropy_with_integer_labels if label_format == 'int'
-                   else optax.softmax_cross_entropy)
-
-  def loss_fn(params, x, y):
-    if dtype != jnp.float32:
-      params, x = precision_lib.cast_floats((params, x), dtype)
-    logits = model.apply({'params': params}, x if views else x[None]).astype(jnp.float32)
-    if not views:
-      return cross_entropy(logits[0], y), logits[0]
-    labels = jnp.broadcast_to(y, (logits.shape[0],) + jnp.shape(y))
-    return jnp.mean(cross_entropy(logits, labels)), jnp.mean(logits, axis=0)
-  return loss_fn
 
 
 class Accumulator(NamedTuple):
@@ -220,7 +144,7 @@ class DPStep:
     if physical_loop not in PHYSICAL_LOOPS:
       raise ValueError(f'physical_loop={physical_loop!r}; valid: {PHYSICAL_LOOPS}.')
     self.physical_loop = physical_loop
-    _check_seed(seed)
+    prng.check_seed(seed)
     self.precision = precision_lib.check_precision(precision)
     if not (hasattr(optimizer, 'init') and hasattr(optimizer, 'update')):
       raise ValueError('optimizer must be an optax.GradientTransformation.')
@@ -345,7 +269,7 @@ class DPStep:
 
   def _apply_at_fn(self, params, opt_state, acc, step):
     self._traces['train_step'] += 1
-    key = _fold_noise_key(self.seed, jnp.asarray(step, jnp.uint32))
+    key = prng.fold_noise_key(self.seed, jnp.asarray(step, jnp.uint32))
     with precision_lib.matmul_precision(self.precision):
       return self._update(params, opt_state, acc, key)
 
@@ -383,7 +307,7 @@ class DPStep:
                              self._physical_batch(logical, i, step, dataset))
 
     acc = jax.lax.fori_loop(0, k, body, self._zero_accumulator(params))
-    key = _fold_noise_key(self.seed, jnp.asarray(step, jnp.uint32))
+    key = prng.fold_noise_key(self.seed, jnp.asarray(step, jnp.uint32))
     return self._update(params, opt_state, acc, key)
 
   def init_accumulator(self, params: Params) -> Accumulator:
@@ -410,18 +334,18 @@ class DPStep:
                        jax.tree.map(jnp.add, acc.stats, stats))
 
   def _apply(self, params: Params, opt_state: optax.OptState,
-             acc: Accumulator, noise_key: jax.Array):
+             acc: Accumulator, key: jax.Array):
     """ĝ = (acc.grad_sum + N(0, σ²C²)) / b; one optax step on ĝ."""
     self._traces['apply'] += 1
     with precision_lib.matmul_precision(self.precision):
-      return self._update(params, opt_state, acc, noise_key)
+      return self._update(params, opt_state, acc, key)
 
   def _update(self, params: Params, opt_state: optax.OptState,
-              acc: Accumulator, noise_key: jax.Array):
+              acc: Accumulator, key: jax.Array):
     g = acc.grad_sum
     if self.private and self.noise_multiplier > 0:
       std = self.noise_multiplier * self.clip_norm
-      noise = optax.tree.random_like(noise_key, g, jax.random.normal)
+      noise = optax.tree.random_like(key, g, jax.random.normal)
       g = jax.tree.map(lambda s, z: s + std * z, g, noise)
     g = jax.tree.map(lambda s: s / self.expected_batch_size, g)
     updates, opt_state = self.optimizer.update(g, opt_state, params)
@@ -456,28 +380,3 @@ class DPStep:
     if fn not in self._traces:
       raise ValueError(f'fn={fn!r}; valid: {tuple(self._traces)} or None.')
     return self._traces[fn]
-
-
-@functools.partial(jax.jit, static_argnames=('model', 'label_format'))
-def eval_step(model: nn.Module, params: Params, batch: Batch,
-              label_format: str = 'int') -> dict[str, jax.Array]:
-  """Sums over the real rows of a padded eval batch (sum them over batches).
-
-  Returns {'loss_sum': Σ w_i·loss_i, 'correct': Σ w_i·[argmax = label],
-  'num_examples': Σ w_i}; accuracy = correct / num_examples. One batched
-  forward pass (valid because models never mix examples).
-  """
-  w = batch['weight'].astype(jnp.float32)
-  logits = model.apply({'params': params}, batch['x'])
-  y = batch['y']
-  if label_format == 'int':
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-    labels = y
-  else:
-    losses = optax.softmax_cross_entropy(logits, y)
-    labels = jnp.argmax(y, axis=-1)
-  return {
-      'loss_sum': jnp.sum(jnp.where(w > 0, w * losses, 0.0)),
-      'correct': jnp.sum(w * (jnp.argmax(logits, -1) == labels)),
-      'num_examples': jnp.sum(w),
-  }

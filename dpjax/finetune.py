@@ -184,7 +184,7 @@ def matrix_split(path: str, shape: Sequence[int]) -> int:
 class FineTuneModel:
   """`model` with frozen constants and LoRA products merged in: apply({'params': trainable}, x).
 
-  Hashable by identity (usable as a static jit argument, e.g. dp_step.eval_step).
+  Hashable by identity (usable as a static jit argument, e.g. losses.eval_step).
   The frozen constants are closed over by the compiled programs.
   """
 

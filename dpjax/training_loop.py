@@ -38,10 +38,12 @@ from dpjax import dp_step
 from dpjax import ema as ema_lib
 from dpjax import finetune
 from dpjax import interrupts
+from dpjax import losses
 from dpjax import metrics as metrics_lib
 from dpjax import optimizers
 from dpjax import physical_batch
 from dpjax import plan as plan_lib
+from dpjax import prng
 from dpjax import sharding
 from dpjax.auditing import record as audit_record
 
@@ -136,7 +138,7 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
   # Model, optimiser and the DP step, built from the plan's σ and C.
   # ---------------------------------------------------------------------------
   optimizer = optimizers.make_optimizer(config.optimizer, num_steps)
-  params = dp_step.init_params(model, config.seed, train_source.input_shape)
+  params = prng.init_params(model, config.seed, train_source.input_shape)
   if config.init_from:  # Fine-tuning: public pretrained weights (they do not enter ε).
     params = finetune.load_pretrained(config.init_from, params, config.init_from_rules)
   if config.freeze or config.lora.rank:  # Frozen parameters get no gradient, noise or clipping.
@@ -171,7 +173,7 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
   if plan.private:  # What is reported is what runs.
     assert step_fns.noise_multiplier == accountant.noise_multiplier == plan.noise_multiplier
   eval_fn = jax.jit(  # Sharded like training; the sums come back replicated.
-      lambda params, batch: dp_step.eval_step(model, params, batch, config.data.label_format),
+      lambda params, batch: losses.eval_step(model, params, batch, config.data.label_format),
       in_shardings=(sharding.replicated(mesh), sharding.batch_sharding(mesh)),
       out_shardings=sharding.replicated(mesh))
 

@@ -1,7 +1,7 @@
 """A minimal DP-SGD loop with gradient canaries and white-box records, for audits.
 
 Built from the library's own parts (`samplers`, `batching`, `clipping`,
-`dp_step.noise_key`), plain SGD on the flattened parameters:
+`prng.noise_key`), plain SGD on the flattened parameters:
 
   s_t = Σ_i w_i clip_C(g_i) (canaries injected) + N(0, σ²C² I),   θ ← θ − η s_t / b.
 
@@ -39,7 +39,8 @@ import numpy as np
 
 from dpjax import batching
 from dpjax import clipping
-from dpjax import dp_step
+from dpjax import losses
+from dpjax import prng
 from dpjax import samplers
 from dpjax.auditing import canaries as canaries_lib
 from dpjax.auditing import gradient_canary
@@ -84,10 +85,10 @@ def train(config: ml_collections.ConfigDict, model, base_source, *, num_canaries
       sampler, physical, config.sampler.max_batch_size, num_steps=num_steps,
       delta=config.privacy.delta)
   batcher = batching.Batcher(sampler, physical, max_batch_size)
-  params = dp_step.init_params(model, config.seed, base_source.input_shape)
+  params = prng.init_params(model, config.seed, base_source.input_shape)
   flat0, unravel = jax.flatten_util.ravel_pytree(params)
   canaries = canaries_lib.make_canaries(config.seed, num_canaries, flat0.size)
-  loss_fn = dp_step.make_loss_fn(model)
+  loss_fn = losses.make_loss_fn(model)
 
   clip_norm = float(config.privacy.clip_norm) if private else 1.0
   sigma = float(config.privacy.noise_multiplier) if private else 0.0
@@ -142,7 +143,7 @@ def train(config: ml_collections.ConfigDict, model, base_source, *, num_canaries
       noise_std /= 10
     if _bug == 'skip_noise_every_4th' and step % 4 == 3:
       noise_std = 0.0
-    flat, projected = release(flat, grad_sum, dp_step.noise_key(config.seed, step),
+    flat, projected = release(flat, grad_sum, prng.noise_key(config.seed, step),
                               jnp.float32(noise_std))
     released[step] = np.asarray(projected)
     ordinary_rec[step] = np.asarray(ref_sum[coordinates] * signs)
