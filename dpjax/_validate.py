@@ -27,6 +27,7 @@ import numpy as np
 from dpjax import clipping
 from dpjax import data
 from dpjax import samplers
+from dpjax._checks import _is_int, _is_number, check_int, check_number  # pylint: disable=unused-import
 from dpjax.accounting import accountant
 
 NON_PRIVATE_HINT = 'To train without privacy, set privacy.enabled=False.'
@@ -34,14 +35,6 @@ NON_PRIVATE_HINT = 'To train without privacy, set privacy.enabled=False.'
 
 class ConfigError(ValueError):
   """A config field is missing or out of its valid range (one line, names the field)."""
-
-
-def _is_int(value) -> bool:
-  return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-  return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)

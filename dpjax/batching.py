@@ -23,6 +23,7 @@ from typing import Iterator
 import numpy as np
 from scipy import stats
 
+from dpjax import _checks
 from dpjax import samplers as samplers_lib
 
 TRUNCATION_STREAM = 0x7A7C
@@ -100,7 +101,7 @@ def resolve_max_batch_size(sampler: samplers_lib.Sampler, physical_batch_size: i
   Returns:
     B. Samplers with a fixed batch size never truncate: B >= b is required.
   """
-  samplers_lib._check_int('sampler.physical_batch_size', physical_batch_size, 0)
+  _checks.check_int('sampler.physical_batch_size', physical_batch_size, 0)
   physical_batch_size = physical_batch_size or 1  # P = 0: B to the row (see above).
   if isinstance(requested, bool) or not isinstance(requested, (int, np.integer)) or requested < 0:
     raise ValueError(f'sampler.max_batch_size must be 0 (auto) or a positive multiple of '
@@ -148,8 +149,8 @@ class Batcher:
   max_batch_size: int
 
   def __post_init__(self):
-    samplers_lib._check_int('sampler.physical_batch_size', self.physical_batch_size, 1)
-    samplers_lib._check_int('sampler.max_batch_size', self.max_batch_size, 1)
+    _checks.check_int('sampler.physical_batch_size', self.physical_batch_size, 1)
+    _checks.check_int('sampler.max_batch_size', self.max_batch_size, 1)
 
   @property
   def max_physical_batches(self) -> int:

@@ -44,6 +44,8 @@ from typing import ClassVar
 import ml_collections
 import numpy as np
 
+from dpjax import _checks
+
 # Stream identifiers keep the sampler's randomness independent of other
 # consumers of the root seed (truncation in `batching`, noise in `dp_step`).
 SAMPLER_STREAM = 0x5A4D
@@ -114,8 +116,8 @@ class Sampler(abc.ABC):
     return self
 
   def __post_init__(self):
-    _check_int('num_examples', self.num_examples, 1)
-    _check_int('sampler.batch_size', self.batch_size, 1)
+    _checks.check_int('num_examples', self.num_examples, 1)
+    _checks.check_int('sampler.batch_size', self.batch_size, 1)
     if self.batch_size > self.num_examples:
       raise ValueError(
           f'sampler.batch_size = {self.batch_size} must be in [1, N = '
@@ -371,6 +373,3 @@ def sampler_class(name: str) -> type[Sampler]:
   return _SAMPLERS[name]
 
 
-def _check_int(field: str, value, minimum: int) -> None:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-    raise ValueError(f'{field} must be an integer >= {minimum}, got {value!r}.')

@@ -5,6 +5,9 @@ Small N (1000) and one or two epochs keep every calibration around a second of C
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -119,7 +122,7 @@ def test_cli_end_to_end(tmp_path, capsys):
   assert planner.main(['--num_examples', '1000', '--epsilon', '2', '--delta', '1e-5',
                        '--epochs', '1', '--batch_sizes', '1000,500', '--clip_norm', '0.5',
                        '--physical_batch_size', '1024',
-                       '--json', str(out_json), '--plot', str(out_png)]) == 0
+                       '--json', str(out_json)]) == 0
   text = capsys.readouterr().out
   assert 'σ·C/b' in text and '<- smallest σ·C/b' in text and 'seed 003' in text
   d = json.loads(out_json.read_text())
@@ -128,6 +131,12 @@ def test_cli_end_to_end(tmp_path, capsys):
   for r in d['rows']:
     assert r['effective_noise'] == pytest.approx(r['noise_multiplier'] * 0.5 / r['batch_size'])
     assert r['epsilon'] <= 2.0
+  assert json.loads(json.dumps(planner.Plan.from_dict(d).to_dict())) == d  # The whole plan.
+  # Plotting lives in experiments/ (the library never imports matplotlib): JSON -> PNG.
+  script = os.path.join(os.path.dirname(__file__), '..', 'experiments', '05_batch_size_planner',
+                        'plot_plans.py')
+  subprocess.run([sys.executable, script, str(out_json), '--out', str(out_png)], check=True,
+                 capture_output=True)
   assert out_png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 

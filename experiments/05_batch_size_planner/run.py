@@ -22,14 +22,13 @@ are saved after each ε, and --resume skips the ε already in results.json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
 import sys
-import time
 
 from dpjax import planner
+import plot_plans  # Beside this file: plotting stays out of the library.
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NUM_EXAMPLES = 60_000
@@ -37,13 +36,6 @@ DELTA = 1e-5
 NUM_EPOCHS = 10
 PHYSICAL_BATCH_SIZE = 256
 EPSILONS = (1.0, 3.0, 8.0)
-
-
-def _plan_from_dict(d: dict) -> planner.Plan:
-  fields = {f.name for f in dataclasses.fields(planner.Plan)}
-  kwargs = {k: v for k, v in d.items() if k in fields}
-  kwargs['rows'] = tuple(planner.PlanRow(**r) for r in d['rows'])
-  return planner.Plan(**kwargs)
 
 
 def main(argv=None) -> int:
@@ -86,8 +78,8 @@ def main(argv=None) -> int:
       results[key].append(plan.to_dict())
       with open(path, 'w') as f:
         json.dump(results, f, indent=2)
-  plans = [_plan_from_dict(d) for d in results['poisson']]
-  reference = [_plan_from_dict(d) for d in results['shuffle_reference']]
+  plans = [planner.Plan.from_dict(d) for d in results['poisson']]
+  reference = [planner.Plan.from_dict(d) for d in results['shuffle_reference']]
   # Derived fields (best b, message) from the current planner, also for resumed results.
   results['poisson'] = [plan.to_dict() for plan in plans]
   results['shuffle_reference'] = [plan.to_dict() for plan in reference]
@@ -98,7 +90,7 @@ def main(argv=None) -> int:
   for plan in plans:
     print(planner.format_table(plan), end='\n\n')
   png = os.path.join(args.out, 'noise_vs_batch_size.png')
-  planner.plot_plans(plans, png, reference=reference,
+  plot_plans.plot_plans(plans, png, reference=reference,
                      reference_note=' (provable bound: no amplification)')
   print(f'wrote {path} and {png}')
   return 0

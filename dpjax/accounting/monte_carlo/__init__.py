@@ -93,7 +93,6 @@ from dpjax.accounting.monte_carlo.sampling import _SAMPLES_PER_CHUNK
 from dpjax.accounting.monte_carlo.bounds import _bernoulli_kl
 from dpjax.accounting.monte_carlo.validation import _check_common
 from dpjax.accounting.monte_carlo.validation import _check_epsilons
-from dpjax.accounting.monte_carlo.validation import _check_int
 from dpjax.accounting.monte_carlo.validation import _check_method
 from dpjax.accounting.monte_carlo.validation import _check_ranks
 from dpjax.accounting.monte_carlo.validation import _check_seed

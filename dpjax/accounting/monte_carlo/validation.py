@@ -7,6 +7,8 @@ from typing import Literal, Sequence, Union
 
 import numpy as np
 
+from dpjax import _checks
+
 
 
 Method = Literal['auto', 'naive', 'importance', 'order_statistics', 'importance_order_statistics']
@@ -22,17 +24,12 @@ def _is_number(value) -> bool:
           and math.isfinite(value))
 
 
-def _check_int(name, value, minimum):
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-    raise ValueError(f'{name} must be an integer >= {minimum}, got {value!r}.')
-
-
 def _check_common(sigma, num_steps, num_epochs, num_samples, beta):
   if not (_is_number(sigma) and sigma > 0):
     raise ValueError(f'sigma (noise multiplier) must be a finite number > 0, got {sigma!r}.')
-  _check_int('num_steps', num_steps, 1)
-  _check_int('num_epochs', num_epochs, 1)
-  _check_int('num_samples', num_samples, 1)
+  _checks.check_int('num_steps', num_steps, 1)
+  _checks.check_int('num_epochs', num_epochs, 1)
+  _checks.check_int('num_samples', num_samples, 1)
   if not (_is_number(beta) and 0 < beta < 1):
     raise ValueError(f'beta (failure probability) must be in (0, 1), got {beta!r}.')
 
@@ -57,7 +54,7 @@ def _check_seed(seed):
 
 
 def _check_workers(workers):
-  _check_int('workers', workers, 1)
+  _checks.check_int('workers', workers, 1)
 
 
 def _check_method(method):
@@ -66,6 +63,6 @@ def _check_method(method):
 
 
 def _check_ranks(num_exact_ranks, rank_growth):
-  _check_int('num_exact_ranks', num_exact_ranks, 1)
+  _checks.check_int('num_exact_ranks', num_exact_ranks, 1)
   if not (_is_number(rank_growth) and rank_growth > 1):
     raise ValueError(f'rank_growth must be a finite number > 1, got {rank_growth!r}.')
