@@ -11,6 +11,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from dpjax import checkpoint_manifest
 from dpjax import checkpoints
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -169,7 +170,7 @@ def test_crash_before_the_manifest_leaves_no_checkpoint(tmp_path, monkeypatch):
   manager = write_run(tmp_path, [1])
   def crash(path, text):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-  monkeypatch.setattr(checkpoints, 'write_text_atomically', crash)
+  monkeypatch.setattr(checkpoint_manifest, 'write_text_atomically', crash)
   with pytest.raises(checkpoints.CheckpointSaveError, match='no space left on device'):
     checkpoints.save(manager, 2, state_at(2), metadata_at(2))
     checkpoints.wait_until_finished(manager)
