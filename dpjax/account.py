@@ -143,12 +143,10 @@ def _monte_carlo_options(args) -> dict:
 
 def _from_config(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, dict]:
   config = args.config  # Loaded by config_flags, --config.<field> overrides applied.
-  if args.sampler is not None:
-    config.sampler.name = args.sampler
-  if args.batch_size is not None:
-    config.sampler.batch_size = args.batch_size
-  if args.max_batch_size is not None:
-    config.sampler.max_batch_size = args.max_batch_size
+  cli.set_fields(config, {
+      'sampler.name': args.sampler, 'sampler.batch_size': args.batch_size,
+      'sampler.max_batch_size': args.max_batch_size, 'privacy.delta': args.delta,
+      'privacy.accountant': args.accountant, 'privacy.group_size': args.group_size})
   # Unset fields are 0 (the config convention; None is accepted too).
   if args.steps is not None:
     config.num_steps, config.num_epochs = args.steps, 0
@@ -158,12 +156,6 @@ def _from_config(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, 
     config.privacy.noise_multiplier, config.privacy.target_epsilon = args.noise_multiplier, 0.0
   if args.target_epsilon is not None:
     config.privacy.noise_multiplier, config.privacy.target_epsilon = None, args.target_epsilon
-  if args.delta is not None:
-    config.privacy.delta = args.delta
-  if args.accountant is not None:
-    config.privacy.accountant = args.accountant
-  if args.group_size is not None:
-    config.privacy.group_size = args.group_size
   num_examples = args.num_examples
   if num_examples is None:
     from dpjax import data  # pylint: disable=g-import-not-at-top

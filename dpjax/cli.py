@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from typing import Callable, NoReturn, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from absl import flags
 import ml_collections
@@ -129,6 +129,20 @@ def parse_command(prog: str, doc: str, flag_values: flags.FlagValues, argv: Sequ
     want = ' '.join(f'<{p}>' for p in positional) or 'none'
     fail(prog, f'expected positional arguments: {want}; got {rest}. See --help.')
   return rest
+
+
+def set_fields(config: ml_collections.ConfigDict, values: dict[str, Any]) -> None:
+  """Sets each dotted field of `config` ('sampler.name') to its value, unless the value is None.
+
+  How a command's own flags (--sampler, --delta, ...) override the fields of its --config.
+  """
+  for path, value in values.items():
+    if value is not None:
+      *parents, leaf = path.split('.')
+      node = config
+      for name in parents:
+        node = node[name]
+      node[leaf] = value
 
 
 def flags_parser(prog: str) -> Callable[[list[str]], list[str]]:

@@ -132,14 +132,9 @@ def _resolve(args) -> tuple[ml_collections.ConfigDict, int, float, float, int]:
                               ('--delta', delta), ('--epochs', epochs)) if v is None]
     if missing:
       raise ValueError(f'missing {", ".join(missing)} (or give --config).')
-  if args.sampler is not None:
-    config.sampler.name = args.sampler
-  if args.physical_batch_size is not None:
-    config.sampler.physical_batch_size = args.physical_batch_size
-  if args.accountant is not None:
-    config.privacy.accountant = args.accountant
-  if args.clip_norm is not None:
-    config.privacy.clip_norm = args.clip_norm
+  cli.set_fields(config, {
+      'sampler.name': args.sampler, 'sampler.physical_batch_size': args.physical_batch_size,
+      'privacy.accountant': args.accountant, 'privacy.clip_norm': args.clip_norm})
   n = args.num_examples
   if n is None:
     from dpjax import data  # pylint: disable=g-import-not-at-top

@@ -229,6 +229,8 @@ def _cached_composed_pld(pair, sigma: float, num_steps: int, num_epochs: int):
 
 
 def _lower_bound_delta(pair, sigma, num_steps, epsilon, num_epochs) -> float:
+  _check_args(sigma, num_steps, num_epochs)
+  _check_epsilon(epsilon)
   sigma, num_steps, num_epochs = float(sigma), int(num_steps), int(num_epochs)
   if num_epochs == 1:
     log_p, log_q = _cached_binned_pair(pair, sigma, num_steps)
@@ -238,6 +240,8 @@ def _lower_bound_delta(pair, sigma, num_steps, epsilon, num_epochs) -> float:
 
 
 def _lower_bound_epsilon(pair, sigma, num_steps, delta, num_epochs) -> float:
+  _check_args(sigma, num_steps, num_epochs)
+  _check_delta(delta)
   sigma, num_steps, num_epochs = float(sigma), int(num_steps), int(num_epochs)
   if num_epochs > 1:
     pld = _cached_composed_pld(pair, sigma, num_steps, num_epochs)
@@ -277,16 +281,12 @@ def balls_and_bins_lower_bound_delta(sigma: float, num_steps: int, epsilon: floa
   Returns:
     δ_low with δ_mech(ε) ≥ δ_low, deterministic (no sampling), max over add/remove.
   """
-  _check_args(sigma, num_steps, num_epochs)
-  _check_epsilon(epsilon)
   return _lower_bound_delta(balls_and_bins_max_pair, sigma, num_steps, epsilon, num_epochs)
 
 
 def balls_and_bins_lower_bound_epsilon(sigma: float, num_steps: int, delta: float, *,
                                        num_epochs: int = 1) -> float:
   """Lower bound on ε(δ) of balls-and-bins DP-SGD: no valid ε at this δ is smaller."""
-  _check_args(sigma, num_steps, num_epochs)
-  _check_delta(delta)
   return _lower_bound_epsilon(balls_and_bins_max_pair, sigma, num_steps, delta, num_epochs)
 
 
@@ -297,16 +297,12 @@ def shuffle_lower_bound_delta(sigma: float, num_steps: int, epsilon: float, *,
   E epochs with fresh permutations: E-fold composition of the 1-d pair (still a lower bound).
   Reference: σ = 1, T = 100, E = 1, ε = 1 gives δ ≥ 0.0167 (docs/accounting.md §3).
   """
-  _check_args(sigma, num_steps, num_epochs)
-  _check_epsilon(epsilon)
   return _lower_bound_delta(shuffle_max_pair, sigma, num_steps, epsilon, num_epochs)
 
 
 def shuffle_lower_bound_epsilon(sigma: float, num_steps: int, delta: float, *,
                                 num_epochs: int = 1) -> float:
   """Lower bound on ε(δ) of shuffled DP-SGD: no valid ε at this δ is smaller."""
-  _check_args(sigma, num_steps, num_epochs)
-  _check_delta(delta)
   return _lower_bound_epsilon(shuffle_max_pair, sigma, num_steps, delta, num_epochs)
 
 
