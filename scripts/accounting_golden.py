@@ -7,6 +7,11 @@ on any difference, printing it.
 
   python scripts/accounting_golden.py            # writes scripts/results/accounting_golden.json
   python scripts/accounting_golden.py --check    # compares (about a minute on 2 cores)
+  python scripts/accounting_golden.py --check --rtol 1e-8   # floats to a relative tolerance
+
+Bit for bit holds on one machine only: another CPU's FFTs move PLD ε by ~1e-11 relative
+(seen between the recording machine and an AMD EPYC one), so compare across machines
+with --rtol, or record on the machine that checks (at the commit to compare against).
 """
 
 import argparse
@@ -34,6 +39,26 @@ def _plain(value):
   if isinstance(value, (list, tuple)):
     return [_plain(v) for v in value]
   return value
+
+
+def _relative_difference(a, b) -> float:
+  """0 if equal; the largest relative difference of the floats (repr strings) in a and b;
+  inf where they differ otherwise (keys, strings, None)."""
+  if a == b:
+    return 0.0
+  if isinstance(a, dict) and isinstance(b, dict):
+    if set(a) != set(b):
+      return float('inf')
+    return max(_relative_difference(a[k], b[k]) for k in a)
+  if isinstance(a, list) and isinstance(b, list):
+    if len(a) != len(b):
+      return float('inf')
+    return max(_relative_difference(x, y) for x, y in zip(a, b))
+  try:
+    x, y = float(a), float(b)
+  except (TypeError, ValueError):
+    return float('inf')
+  return abs(x - y) / max(abs(x), abs(y))
 
 
 def compute() -> dict:
@@ -86,6 +111,8 @@ def compute() -> dict:
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--check', action='store_true', help='compare with the recorded file')
+  parser.add_argument('--rtol', type=float, default=0.0,
+                      help='with --check: floats may differ by this relative amount (default 0)')
   args = parser.parse_args()
   now = compute()
   if not args.check:
@@ -96,11 +123,15 @@ def main() -> int:
     return 0
   with open(PATH) as f:
     then = json.load(f)
-  diffs = [k for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k)]
-  for k in diffs:
-    print(f'{k}:\n  recorded {then.get(k)}\n  now      {now.get(k)}')
-  print(f'{len(then)} entries, {len(diffs)} differ')
-  return 1 if diffs else 0
+  diffs = {k: _relative_difference(then.get(k), now.get(k))
+           for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k)}
+  for k, rel in diffs.items():
+    print(f'{k} (largest relative difference {rel:.2g}):\n  recorded {then.get(k)}\n'
+          f'  now      {now.get(k)}')
+  beyond = [k for k, rel in diffs.items() if rel > args.rtol]
+  print(f'{len(then)} entries, {len(diffs)} differ, {len(beyond)} by more than rtol = '
+        f'{args.rtol:g}' + (f' (largest {max(diffs.values()):.2g})' if diffs else ''))
+  return 1 if beyond else 0
 
 
 if __name__ == '__main__':

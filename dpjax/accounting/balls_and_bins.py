@@ -46,6 +46,7 @@ import numpy as np
 from dp_accounting.pld import privacy_loss_mechanism
 from scipy import stats
 
+from dpjax.accounting import monotone
 from dpjax.accounting import random_allocation as random_allocation_lib
 from dpjax.accounting import sampler_events
 
@@ -65,9 +66,10 @@ def smallest_epsilon(delta_at: Callable[[float], float], delta: float, *,
                      penalty_mass: float = 0.0, rel_tol: float = 1e-9) -> float:
   """An ε with δ(ε) + (1 + e^ε)·τ ≤ δ, as small as bisection finds (inf if none).
 
-  `delta_at` must be non-increasing. The bisection keeps an upper end `hi` at
-  which the inequality holds and returns it, so the answer is always valid
-  (rounded up, never down). With τ = 0 it is the smallest such ε to `rel_tol`.
+  `delta_at` must be non-increasing. Doubling brackets the answer below the ε where
+  the penalty alone reaches δ; `monotone.smallest_passing` bisects and returns the
+  upper end, where the inequality holds, so the answer is always valid (rounded up,
+  never down). With τ = 0 it is the smallest such ε to `rel_tol`·max(1, ε).
   """
   def ok(eps):
     penalty = (1.0 + math.exp(eps)) * penalty_mass if penalty_mass > 0 else 0.0
@@ -87,13 +89,7 @@ def smallest_epsilon(delta_at: Callable[[float], float], delta: float, *,
         return math.inf
       hi = max_eps
       break
-  while hi - lo > rel_tol * max(1.0, hi):
-    mid = 0.5 * (lo + hi)
-    if ok(mid):
-      hi = mid
-    else:
-      lo = mid
-  return hi
+  return monotone.smallest_passing(ok, lo, hi, rel_tol * max(1.0, hi))
 
 
 def gaussian_delta(noise_multiplier: float, epsilon: float) -> float:

@@ -4,7 +4,12 @@ docs/accounting.md §6. ε is non-increasing in σ and non-decreasing in the
 number of steps, so both searches bracket (doubling) and bisect. The search
 always returns the end of the bracket at which the target *holds*, so the
 answer is valid even where the accountant's ε is only approximately monotone
-(PLD discretisation, adaptive random-allocation refinement).
+(PLD discretisation, adaptive random-allocation refinement). Integer searches
+(steps, epochs, the cap B) run through `monotone` (dp_accounting's
+inverse_monotone_function): their answer is unique. The σ search stays its own
+geometric bisection because it stops as soon as ε(σ) lands within epsilon_rtol
+below the target: each ε(σ) costs a PLD build, no library search stops on the
+function's value, and the calibrated σ of every recorded run stays as it was.
 
 Gaussian-type PLD accountants search with a 10× coarser discretisation first
 (a coarser pessimistic PLD is still an upper bound, just looser), then refine
@@ -28,6 +33,7 @@ from dpjax import samplers as samplers_lib
 from dpjax.accounting import accountant as accountant_lib
 from dpjax.accounting import balls_and_bins
 from dpjax.accounting import max_test
+from dpjax.accounting import monotone
 from dpjax.accounting import sampler_events
 
 # ε(σ) within this relative distance below the target ends the σ search.
@@ -103,24 +109,9 @@ def largest_count(epsilon_of_count: Callable[[int], float], target_epsilon: floa
                   max_count: int = 10**9) -> int:
   """The largest integer n >= 0 (<= max_count) with ε(n) <= target (0 if ε(1) > target)."""
   target = _check_target(target_epsilon)
-  if epsilon_of_count(1) > target:
-    return 0
-  lo, hi = 1, 2
-  while epsilon_of_count(hi) <= target:
-    lo, hi = hi, 2 * hi
-    if hi > max_count:
-      if epsilon_of_count(max_count) <= target:
-        return max_count
-      hi = max_count
-      break
-  # Invariant: ε(lo) <= target < ε(hi).
-  while hi - lo > 1:
-    mid = (lo + hi) // 2
-    if epsilon_of_count(mid) <= target:
-      lo = mid
-    else:
-      hi = mid
-  return lo
+  found = monotone.largest_integer(epsilon_of_count, target, lower=1, upper=max_count,
+                                   first_guess=2)
+  return 0 if found is None else found
 
 
 def _coarse_search_is_safe(sampler: samplers_lib.Sampler, accountant: str,
@@ -307,22 +298,16 @@ def _check_truncation_cap(sampler, target: float, delta: float, steps: int, cap,
     return
   if _truncation_penalty(sampler, delta, steps, cap, group_size, target) < 1:
     return
-  lo, hi = cap, max(cap + 1, 2 * cap)
-  while _truncation_penalty(sampler, delta, steps, hi, group_size, target) > 0.5:
-    lo, hi = hi, 2 * hi
-  while hi - lo > 1:  # Invariant: penalty(lo) > 1/2 >= penalty(hi).
-    mid = (lo + hi) // 2
-    if _truncation_penalty(sampler, delta, steps, mid, group_size, target) > 0.5:
-      lo = mid
-    else:
-      hi = mid
+  needed = monotone.smallest_integer(  # penalty(cap) >= 1 > 1/2: the cap is below the answer.
+      lambda b: _truncation_penalty(sampler, delta, steps, b, group_size, target), 0.5,
+      above=cap, first_guess=max(cap + 1, 2 * cap))
   tau = math.exp(balls_and_bins.log_truncation_mass(
       sampler.num_examples, sampler.sampling_probability, cap, steps, group_size=group_size))
   raise ValueError(
       f'sampler.max_batch_size B = {cap} is too small for target ε = {target}: over {steps} '
       f'steps of the {sampler.name} sampler, τ = T·Pr[batch > B] = {tau:.3g}, and the '
       f'truncation penalty (1 + e^ε)·τ alone is above δ = {delta:g} whatever σ. Needed: '
-      f'B >= {hi} (penalty <= δ/2), or no max_batch_size (no truncation).')
+      f'B >= {needed} (penalty <= δ/2), or no max_batch_size (no truncation).')
 
 
 def max_num_steps(sampler: samplers_lib.Sampler, noise_multiplier: float, target_epsilon: float,

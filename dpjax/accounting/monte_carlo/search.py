@@ -11,6 +11,7 @@ from scipy import optimize
 from scipy import special
 
 from dpjax.accounting import max_test
+from dpjax.accounting import monotone
 from dpjax.accounting.monte_carlo import parallel
 from dpjax.accounting.monte_carlo.bounds import HockeyStickSums
 from dpjax.accounting.monte_carlo.bounds import kl_upper_confidence_bound
@@ -117,13 +118,8 @@ def _smallest_epsilon(value_at, delta, lo, start_hi) -> float:
     lo, hi = hi, 2 * hi
   else:
     raise RuntimeError('No epsilon found with the estimate below delta.')
-  while hi - lo > 1e-9 * max(1.0, hi):
-    mid = 0.5 * (lo + hi)
-    if value_at(mid) <= delta:
-      hi = mid
-    else:
-      lo = mid
-  return hi
+  return monotone.smallest_passing(lambda eps: value_at(eps) <= delta, lo, hi,
+                                  1e-9 * max(1.0, hi))
 
 
 def _conditioning_level(sigma, num_steps, delta, num_epochs, method) -> float:
