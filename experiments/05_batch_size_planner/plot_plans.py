@@ -35,20 +35,18 @@ def plot_plans(plans: Sequence[planner.Plan], path: str, *,
             ('effective_noise', 'noise std on the averaged gradient σ·C/b'),
             ('run_noise', 'noise of the whole run σ/(q·√S)'))
   colors = matplotlib.rcParams['axes.prop_cycle'].by_key()['color']
-  for i, plan in enumerate(plans):
+  lines = [(plan, i, True) for i, plan in enumerate(plans)]
+  lines += [(plan, i, False) for i, plan in enumerate(reference)]
+  for plan, i, main_line in lines:  # Main plans solid with a ★ at the best b; references dashed.
     color = colors[i % len(colors)]
+    fmt, style, note = ('o-', dict(ms=4), '') if main_line else ('--', dict(lw=1), reference_note)
     b = [r.batch_size for r in plan.rows]
     for ax, (field, _) in zip(axes, panels):
-      ax.plot(b, [getattr(r, field) for r in plan.rows], 'o-', color=color, ms=4,
-              label=f'{plan.sampler}, ε = {plan.target_epsilon:g}')
-    best = [r for r in plan.rows if r.batch_size == plan.best_batch_size][0]
-    axes[1].plot([best.batch_size], [best.effective_noise], '*', color=color, ms=12)
-  for i, plan in enumerate(reference):
-    color = colors[i % len(colors)]
-    b = [r.batch_size for r in plan.rows]
-    for ax, (field, _) in zip(axes, panels):
-      ax.plot(b, [getattr(r, field) for r in plan.rows], '--', color=color, lw=1,
-              label=f'{plan.sampler}{reference_note}, ε = {plan.target_epsilon:g}')
+      ax.plot(b, [getattr(r, field) for r in plan.rows], fmt, color=color, **style,
+              label=f'{plan.sampler}{note}, ε = {plan.target_epsilon:g}')
+    if main_line:
+      best = [r for r in plan.rows if r.batch_size == plan.best_batch_size][0]
+      axes[1].plot([best.batch_size], [best.effective_noise], '*', color=color, ms=12)
   first = plans[0]
   for ax, (_, label) in zip(axes, panels):
     ax.set_xscale('log')
