@@ -184,7 +184,10 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
           eval_fn, ema.params, test_source, plan.physical_batch_size, mesh).items()})
     return out
 
-  update_ema = jax.jit(lambda ema, params: ema_lib.update(ema, params, config.ema_decay))
+  # ema_decay = 0: the EMA is θ itself (d_t = 0), so no program is dispatched per step; the
+  # checkpoint stores what the update would have made, (θ, t).
+  update_ema = (jax.jit(lambda ema, params: ema_lib.update(ema, params, config.ema_decay))
+                if config.ema_decay else None)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
   state = sharding.replicate(mesh, TrainState(  # Same seed, same values on every host.
       step=np.int32(0), params=params, opt_state=optimizer.init(params),
@@ -287,7 +290,8 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
       # One compiled program: K physical batches, noise keyed by (seed, step), the update.
       params, opt_state, metrics = step_fns.train_step(params, opt_state, buffer, k,
                                                        np.uint32(step), dataset)
-      ema = update_ema(ema, params)
+      if update_ema is not None:
+        ema = update_ema(ema, params)
       if serialise_steps:
         jax.block_until_ready(params)
       log_metrics.append(metrics)
@@ -326,8 +330,12 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
                 'examples_per_second': steady_examples / elapsed if rate else None}
         log_metrics, window_start = [], done + 1
         if accountant is not None:  # Side estimates only at checkpoints.
-          report = epsilons.epsilon_at(done)
-          last.update(epsilon=report.epsilon, epsilon_bound=report.bound)
+          # A log row between checkpoints takes ε only if it is ready (computed on the thread)
+          # rather than stall the device; a saved step (and the last) always waits for it.
+          report = (epsilons.epsilon_at(done) if saving_now or serialise_steps
+                    else epsilons.epsilon_if_ready(done))
+          if report is not None:
+            last.update(epsilon=report.epsilon, epsilon_bound=report.bound)
         if is_time(done, config.eval_every_steps, num_steps):
           last.update(run_eval(params, ema))
         if audit is not None:  # Beside ε: an empirical lower bound, with its confidence.
@@ -357,7 +365,9 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
           metadata['audit'] = audit
         checkpoints.save(manager, done, TrainState(
             step=sharding.replicate(mesh, np.int32(done)), params=params, opt_state=opt_state,
-            num_truncated=sharding.replicate(mesh, np.int32(num_truncated)), ema=ema), metadata)
+            num_truncated=sharding.replicate(mesh, np.int32(num_truncated)),
+            ema=ema if update_ema is not None else ema_lib.EmaState(
+                params, sharding.replicate(mesh, np.int32(done)))), metadata)
         writer.flush()  # Metrics and TensorBoard events durable at every checkpoint.
       if stopping and done < num_steps:
         raise stop(RunInterrupted(

@@ -275,6 +275,38 @@ def test_epsilon_ahead_returns_the_accountants_own_reports():
     assert e.epsilon_at(7) == direct.epsilon_at(7, estimates=False)  # Not announced.
 
 
+def test_epsilon_if_ready_never_waits_and_drops_passed_steps():
+  """A log row takes ε only when it is ready; the worker skips the steps the loop has passed."""
+  import threading  # pylint: disable=import-outside-toplevel
+  from dpjax.accounting import ahead  # pylint: disable=import-outside-toplevel
+  sampler = samplers.PoissonSampler(num_examples=1000, batch_size=50, seed=0)
+  real = accountant_lib.Accountant(sampler, 1.1, 1e-5)
+  release, asked = threading.Event(), []
+
+  class Slow:  # The accountant's reports, each held until the test releases the worker.
+    def epsilon_at(self, step, estimates=False):
+      asked.append(step)
+      assert release.wait(10)
+      return real.epsilon_at(step, estimates=estimates)
+
+  with ahead.EpsilonAhead(Slow(), [10, 20, 30, 40, 50]) as e:
+    assert e.epsilon_if_ready(10) is None  # Computing 10: not ready, and no wait.
+    assert e.epsilon_if_ready(20) is None
+    assert e.epsilon_if_ready(40) is None  # 20 and 30 passed: dropped unless running.
+    release.set()
+    assert e.epsilon_at(50) == real.epsilon_at(50, estimates=False)  # A checkpoint waits.
+    assert 20 not in asked and 30 not in asked  # Only the running 10 and the newest ran.
+    assert asked[0] == 10 and asked[-1] == 50
+  with ahead.EpsilonAhead(real, [10, 20]) as e:
+    e.epsilon_at(10)
+    for _ in range(1000):  # 20 was computed ahead meanwhile: ready without asking twice.
+      got = e.epsilon_if_ready(20)
+      if got is not None:
+        break
+      threading.Event().wait(0.01)
+    assert got == real.epsilon_at(20, estimates=False)
+
+
 @pytest.mark.parametrize('accountant', ['pld', 'monte_carlo'])
 def test_balls_and_bins_cap_whose_penalty_exceeds_delta_reports_infinity_and_says_why(accountant):
   """B = 70 at b = 50: Pr[some bin > B over 40 steps] ≈ 0.1 > δ. ε = ∞ is the honest bound; it

@@ -35,6 +35,7 @@ class EpsilonAhead:
     self._upcoming = iter(steps)
     self._ahead: dict[int, futures.Future] = {}
     self._depth = depth
+    self._passed = -1  # The last step asked for: the loop never asks for an earlier one.
     self._fill()
 
   def _fill(self) -> None:
@@ -42,13 +43,31 @@ class EpsilonAhead:
       step = next(self._upcoming, None)
       if step is None:
         return
-      if step not in self._ahead:
+      if step not in self._ahead and step > self._passed:
         self._ahead[step] = self._pool.submit(self._accountant.epsilon_at, step, estimates=False)
+
+  def _drop_passed(self, step: int) -> None:
+    """Forgets the steps before `step` (never asked for now; a running one finishes)."""
+    self._passed = max(self._passed, step)
+    for skipped in [s for s in self._ahead if s < step]:
+      self._ahead.pop(skipped).cancel()
+
+  def epsilon_if_ready(self, step: int) -> PrivacyReport | None:
+    """The report for `step` if computed already, else None (and `step` is queued): never waits."""
+    self._drop_passed(step)
+    ahead = self._ahead.get(step)
+    if ahead is None:
+      self._ahead[step] = self._pool.submit(self._accountant.epsilon_at, step, estimates=False)
+    elif ahead.done():
+      self._ahead.pop(step)
+      self._fill()
+      return ahead.result()
+    self._fill()
+    return None
 
   def epsilon_at(self, step: int, *, estimates: bool = False) -> PrivacyReport:
     """The accountant's report for `step` (waits for it if it is not ready yet)."""
-    for skipped in [s for s in self._ahead if s < step]:  # Never asked for (e.g. a resume).
-      self._ahead.pop(skipped).cancel()
+    self._drop_passed(step)
     ahead = self._ahead.pop(step, None)
     if estimates or ahead is None:
       if ahead is not None:
