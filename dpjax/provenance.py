@@ -33,11 +33,15 @@ def _git(*args: str) -> str | None:
     return None  # Not a git checkout (e.g. an installed package).
 
 
-def git_state() -> dict[str, Any]:
-  """{'head': commit, 'dpjax_uncommitted_changes': [porcelain lines under dpjax/]}."""
-  dirty = _git('status', '--porcelain', '--', 'dpjax')
+def git_state(paths: tuple[str, ...] = ('dpjax',)) -> dict[str, Any]:
+  """{'head': commit, '<paths>_uncommitted_changes': [porcelain lines under those paths]}.
+
+  The default key is 'dpjax_uncommitted_changes'; paths=('dpjax', 'configs') gives
+  'dpjax_configs_uncommitted_changes'.
+  """
+  dirty = _git('status', '--porcelain', '--', *paths)
   return {'head': _git('rev-parse', 'HEAD'),
-          'dpjax_uncommitted_changes': dirty.splitlines() if dirty else []}
+          f'{"_".join(paths)}_uncommitted_changes': dirty.splitlines() if dirty else []}
 
 
 def load_average() -> list[float]:

@@ -22,11 +22,11 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 import tempfile
 import time
 
+from dpjax import provenance
 from dpjax import samplers
 from dpjax.accounting import accountant as accountant_lib
 from dpjax.accounting import balls_and_bins
@@ -187,9 +187,8 @@ def main():
   if os.path.exists(args.out) and args.only:
     with open(args.out) as f:
       results = json.load(f)  # Update the chosen sections only.
-  results['machine'] = dict(platform=platform.platform(), python=platform.python_version(),
-                            cpu_count=os.cpu_count(), load_average=os.getloadavg(),
-                            time=time.strftime('%Y-%m-%d %H:%M:%S'))
+  results['machine'] = dict(provenance.machine(), time=time.strftime('%Y-%m-%d %H:%M:%S'),
+                            git=provenance.git_state())
   # The default policy chosen from these measurements (dpjax/accounting/balls_and_bins.py).
   results.get('random_allocation_pld', {}).pop('policy', None)
   results['random_allocation_policy'] = dict(

@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import queue
 import resource
 import signal
@@ -65,6 +64,7 @@ import tempfile
 import threading
 import time
 
+from dpjax import provenance  # Light (no jax): the parent stays free of the accountant it times.
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 DEFAULT_OUT = os.path.join(HERE, 'results', 'accounting_scaling.json')
@@ -368,9 +368,8 @@ def balls_and_bins_targets(out_path: str) -> dict:
                'realistic T, from a cold cache; calibration at T = 1000',
       setting=dict(num_examples=10**6, delta=DELTA, command='python -m dpjax.account '
                    '--sampler balls_and_bins --num-examples 1000000 --delta 1e-5 --json ...'),
-      machine=dict(platform=platform.platform(), python=platform.python_version(),
-                   cpu_count=os.cpu_count(), load_average_before=os.getloadavg(),
-                   time=time.strftime('%Y-%m-%d %H:%M:%S'), commit=_commit()),
+      machine=dict(provenance.machine(), time=time.strftime('%Y-%m-%d %H:%M:%S'),
+                   git=provenance.git_state()),
       rows=[])
   base = [sys.executable, '-m', 'dpjax.account', '--sampler', 'balls_and_bins',
           '--num-examples', '1000000', '--delta', '1e-5', '--json']
@@ -402,14 +401,6 @@ def balls_and_bins_targets(out_path: str) -> dict:
   with open(out_path, 'w') as f:
     json.dump(results, f, indent=1)
   return results
-
-
-def _commit() -> str | None:
-  try:
-    return subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True,
-                          text=True, cwd=REPO, check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return None
 
 
 def main():
@@ -446,9 +437,8 @@ def main():
                    num_examples='100·T', delta=DELTA, noise_multiplier=NOISE_MULTIPLIER,
                    target_epsilon=TARGET_EPSILON, max_batch_size='auto', estimates=False),
       timeout_cpu_seconds=args.timeout, steps=steps,
-      machine=dict(platform=platform.platform(), python=platform.python_version(),
-                   cpu_count=os.cpu_count(), load_average_before=os.getloadavg(),
-                   time=time.strftime('%Y-%m-%d %H:%M:%S')),
+      machine=dict(provenance.machine(), time=time.strftime('%Y-%m-%d %H:%M:%S'),
+                   git=provenance.git_state()),
       rows=[])
   for sampler, accountant in combos(args.samplers.split(',')):
     for task in args.tasks.split(','):

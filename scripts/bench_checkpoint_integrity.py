@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from dpjax import checkpoints
+from dpjax import provenance
 
 
 def _median_seconds(fn, repeats):
@@ -88,10 +87,7 @@ def main():
       save_ratio_dpjax_over_plain=(results['save_dpjax_seconds']
                                    / results['save_plain_orbax_seconds']),
       verify_over_restore=results['verify_seconds'] / results['restore_seconds'],
-      machine=f'{platform.machine()}, {os.cpu_count()} CPUs (shared), {platform.python_version()}',
-      load_average=os.getloadavg(),
-      commit=subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], capture_output=True,
-                            text=True, cwd=os.path.dirname(__file__)).stdout.strip())
+      machine=provenance.machine(), git=provenance.git_state())
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, 'w') as f:
     json.dump(results, f, indent=2)

@@ -240,12 +240,13 @@ def main():
   out_path = args.out or os.path.join(REPO, 'scripts', 'results',
                                       'e2e_quick.json' if args.quick else 'e2e.json')
   from dpjax import compilation_cache  # pylint: disable=g-import-not-at-top
+  from dpjax import provenance  # pylint: disable=g-import-not-at-top
   cache_dir = compilation_cache.enable_compilation_cache('')  # The same cache as a user's runs.
   began = time.perf_counter()
   device = jax.devices()[0]
   results = {'jax': jax.__version__, 'backend': jax.default_backend(),
              'device': getattr(device, 'device_kind', str(device)), 'cpu_count': os.cpu_count(),
-             'quick': args.quick, 'repeats': repeats, 'compilation_cache_dir': cache_dir,
+             'machine': provenance.machine(), 'git': provenance.git_state(), 'quick': args.quick, 'repeats': repeats, 'compilation_cache_dir': cache_dir,
              'load_average_start': os.getloadavg(), 'configs': {}}
   summary = {}
   for name in args.configs:

@@ -29,13 +29,13 @@ import argparse
 import json
 import multiprocessing
 import os
-import platform
 import resource
 import statistics
 import sys
 import time
 
 from dpjax.accounting import monte_carlo
+from dpjax import provenance
 
 SIGMA, NUM_STEPS, DELTA, BETA = 0.7, 10_000, 1e-4, 1e-3
 METHOD = 'importance_order_statistics'
@@ -103,8 +103,8 @@ def bench(samples: list[int], workers: list[int], repeats: int) -> dict:
       setting=dict(noise_multiplier=SIGMA, num_steps=NUM_STEPS, num_epochs=1, delta=DELTA,
                    beta=BETA, method=METHOD, seed=0, repeats=repeats,
                    samples_per_chunk=monte_carlo._SAMPLES_PER_CHUNK),  # pylint: disable=protected-access
-      machine=dict(platform=platform.platform(), python=platform.python_version(),
-                   cpu_count=os.cpu_count(), usable_cpus=len(os.sched_getaffinity(0)),
+      machine=dict(provenance.machine(), git=provenance.git_state(),
+                   usable_cpus=len(os.sched_getaffinity(0)),
                    sched_autogroup_enabled=_autogroup(),
                    load_average_at_start=None, load_average_at_end=os.getloadavg(),
                    time=time.strftime('%Y-%m-%d %H:%M:%S %Z')),

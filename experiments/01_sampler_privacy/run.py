@@ -37,7 +37,6 @@ import json
 import math
 import os
 import pathlib
-import platform
 import sys
 import time
 from typing import Any
@@ -313,9 +312,8 @@ def main() -> None:
             'cache_dir': os.environ.get('DPJAX_CACHE_DIR', '~/.cache/dpjax'),
         },
         'git': git,
-        'machine': {'platform': platform.platform(), 'python': platform.python_version(),
-                    'cpu_count': os.cpu_count(), 'load_average_at_end': list(os.getloadavg()),
-                    'time': time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())},
+        'machine': dict(provenance.machine(),  # Its load average: at the end.
+                        time=time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())),
         'total_seconds': time.perf_counter() - start,
         'rows': rows,
     }

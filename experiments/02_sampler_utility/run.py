@@ -45,8 +45,6 @@ import json
 import math
 import os
 import pathlib
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,6 +61,7 @@ import numpy as np
 from configs import digits_mlp  # pylint: disable=g-import-not-at-top
 from configs import mnist_cnn  # pylint: disable=g-import-not-at-top
 from dpjax import data  # pylint: disable=g-import-not-at-top
+from dpjax import provenance  # pylint: disable=g-import-not-at-top
 from dpjax import samplers  # pylint: disable=g-import-not-at-top
 from dpjax import train  # pylint: disable=g-import-not-at-top
 
@@ -174,16 +173,8 @@ def _key(record: dict) -> tuple:
 
 
 def git_state() -> dict[str, Any]:
-  """The commit the runs used, and whether the code they import differed from it."""
-  def git(*args):
-    try:
-      return subprocess.run(['git', *args], cwd=REPO, capture_output=True, text=True,
-                            check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-      return None
-  dirty = git('status', '--porcelain', '--', 'dpjax', 'configs')
-  return {'commit': git('rev-parse', 'HEAD'),
-          'uncommitted_changes_in_dpjax_or_configs': dirty.splitlines() if dirty else []}
+  """The commit the runs used, and whether the code and configs they import differed from it."""
+  return provenance.git_state(paths=('dpjax', 'configs'))
 
 
 def summarise(records: list[dict], dataset: str, batch_size: int) -> dict:
@@ -495,7 +486,7 @@ def main() -> None:
         {'settings': settings, 'git_at_start': git_at_start, 'runs': records}, indent=1))
   results_path.write_text(json.dumps(
       {'settings': settings, 'git_at_start': git_at_start,
-       'machine': {'platform': platform.platform(), 'cpus': os.cpu_count()},
+       'machine': provenance.machine(),
        'wall_time_s_this_invocation': time.time() - start,
        'sum_of_run_wall_times_s': sum(r['wall_time_s'] for r in records),
        'runs': records}, indent=1))

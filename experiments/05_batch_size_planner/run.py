@@ -24,10 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 
 from dpjax import planner
+from dpjax import provenance
 import plot_plans  # Beside this file: plotting stays out of the library.
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -53,8 +53,7 @@ def main(argv=None) -> int:
       'setting': dict(num_examples=NUM_EXAMPLES, delta=DELTA, num_epochs=NUM_EPOCHS,
                       physical_batch_size=PHYSICAL_BATCH_SIZE, clip_norm=1.0,
                       batch_sizes=sizes, epsilons=list(epsilons)),
-      'machine': dict(platform=platform.platform(), cpus=os.cpu_count(),
-                      load_average_at_start=os.getloadavg()),
+      'machine': dict(provenance.machine(), git=provenance.git_state()),  # Load: at the start.
       'poisson': [], 'shuffle_reference': [],
   }
   if args.resume and os.path.exists(path):

@@ -40,7 +40,6 @@ import json
 import math
 import os
 import pathlib
-import platform
 import sys
 import time
 from typing import Any
@@ -345,9 +344,8 @@ def main() -> None:
       'git': _git_state(),
   }
   results.update(run(FULL_SPARSE_GRID if args.full else SPARSE_GRID))
-  results['machine'] = {'platform': platform.platform(), 'python': platform.python_version(),
-                        'cpu_count': os.cpu_count(), 'load_average_at_end': list(os.getloadavg()),
-                        'time': time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}
+  results['machine'] = dict(provenance.machine(),  # Its load average: at the end.
+                            time=time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime()))
   results['total_seconds'] = time.perf_counter() - start
   (args.out / 'results.json').write_text(json.dumps(results, indent=1) + '\n')
   plot(results, png)
