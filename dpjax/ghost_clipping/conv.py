@@ -5,7 +5,7 @@ row per output position), never formed: the input is visited one kernel
 offset at a time (`_Blocks`). A weight-standardised conv (W' = T(kernel,
 gain), De et al. 2022) has a closed form of T's vjp per output channel
 (`_ws_sq_norms`); the model that defines such a layer registers it with
-`ws_conv_sq_norms` (dpjax.the registered WSConv does), so this module imports no model.
+`ws_conv_sq_norms` (dpjax.networks.WSConv does), so this module imports no model.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ def _conv_check(module: nn.Module) -> str:
 
 def _ws_sq_norms(module: nn.Module, theta: dict, blocks: _Blocks,
                  d: jax.Array) -> jax.Array:
-  """‖∂kernel‖² + ‖∂gain‖² [n] of a `the registered WSConv` call, without T's vjp.
+  """‖∂kernel‖² + ‖∂gain‖² [n] of a `networks.WSConv` call, without T's vjp.
 
-  the registered WSConv uses W'_o = gain_o · (w_o − μ_o) · r_o per output channel o,
+  networks.WSConv uses W'_o = gain_o · (w_o − μ_o) · r_o per output channel o,
   r_o = rsqrt(max(ρ_o², eps)), ρ_o² = ‖w_o − μ_o‖² (= fan_in · var). With
   g_o = ∂loss/∂W'_o (a column of the conv's per-example gradient, from the
   input blocks and output gradients d) and z_o = (w_o − μ_o)·r_o:
@@ -62,7 +62,7 @@ def _ws_sq_norms(module: nn.Module, theta: dict, blocks: _Blocks,
   projection and u_o = z_o the unit vector when ρ_o² > eps (and without the
   u term when the eps branch is active). Σ_o gain_o² r_o² ‖g_o‖² is a ghost
   norm with d scaled per channel, so the mixed rule applies. Restates the
-  standardisation of the registered WSConv; tests compare with its per-example
+  standardisation of networks.WSConv; tests compare with its per-example
   gradients.
   """
   w = theta['kernel']
