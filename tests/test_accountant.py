@@ -307,6 +307,40 @@ def test_epsilon_if_ready_never_waits_and_drops_passed_steps():
     assert got == real.epsilon_at(20, estimates=False)
 
 
+def test_epsilon_ahead_keeps_its_thread_busy_at_most_busy_fraction():
+  """Queries ahead of time leave the host to the training loop: after a query of d seconds the
+  next one ahead starts >= d(1 - f)/f later; a step asked for with epsilon_at runs at once."""
+  import time  # pylint: disable=import-outside-toplevel
+  from dpjax.accounting import ahead  # pylint: disable=import-outside-toplevel
+  spans = []
+
+  class Timed:  # Each query takes 50 ms; records (step, start, end).
+    def epsilon_at(self, step, estimates=False):
+      start = time.monotonic()
+      time.sleep(0.05)
+      spans.append((step, start, time.monotonic()))
+      return step
+
+  with pytest.raises(ValueError, match='busy_fraction'):
+    ahead.EpsilonAhead(Timed(), [], busy_fraction=0)
+  with ahead.EpsilonAhead(Timed(), range(1, 10**6), busy_fraction=0.25) as e:
+    got, deadline = [], time.monotonic() + 1.5
+    step = 0
+    while time.monotonic() < deadline:  # A fast loop logging every step.
+      step += 1
+      got.append(e.epsilon_if_ready(step))
+      time.sleep(0.002)
+    asked_at = time.monotonic()
+    assert e.epsilon_at(step + 1) == step + 1  # A checkpoint: at once, budget or not.
+    assert spans[-1][1] - asked_at < 0.04 or spans[-2][2] > asked_at  # Only a running one first.
+  queries = spans[:-1]
+  busy = sum(end - start for _, start, end in queries)
+  assert 3 <= len(queries) and busy / 1.5 < 0.25 + 0.05
+  for (_, _, end), (_, start, _) in zip(queries, queries[1:]):
+    assert start - end >= 0.05 * 3 * 0.9  # d(1 - f)/f = 3d, with timer slack.
+  assert all(r is None or r <= s for s, r in enumerate(got, 1))  # Never a later step's report.
+
+
 @pytest.mark.parametrize('accountant', ['pld', 'monte_carlo'])
 def test_balls_and_bins_cap_whose_penalty_exceeds_delta_reports_infinity_and_says_why(accountant):
   """B = 70 at b = 50: Pr[some bin > B over 40 steps] ≈ 0.1 > δ. ε = ∞ is the honest bound; it

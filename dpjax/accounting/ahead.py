@@ -8,12 +8,20 @@ device trains, so the loop finds the report ready. The numbers are the
 accountant's own (`epsilon_at` is memoised per step, a pure function of the
 step): identical to calling it in the loop, only earlier. Every query goes
 through the one worker, so the accountant is never used from two threads.
+
+The thread shares the host with the loop (on a small CPU machine, with the
+device's own threads): computations ahead of time keep it busy at most
+`busy_fraction` of the wall time — after a query of d seconds the next one
+ahead starts no sooner than d·(1 − f)/f later; a log row finds ε ready less
+often, never wrong. A step asked for with `epsilon_at` (checkpoints, the last
+step) is computed at once whatever the budget.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from concurrent import futures
+import time
 
 from dpjax.accounting.accountant import Accountant
 from dpjax.accounting.report import PrivacyReport
@@ -27,24 +35,51 @@ class EpsilonAhead:
     steps: the steps that will be asked for without estimates, in order
       (e.g. every logged or checkpointed step of the rest of the run).
     depth: how many of them are computed ahead at once.
+    busy_fraction: f in (0, 1], the most of the wall time the thread spends on
+      queries ahead of time.
   """
 
-  def __init__(self, accountant: Accountant, steps: Iterable[int], depth: int = 2):
+  def __init__(self, accountant: Accountant, steps: Iterable[int], depth: int = 2,
+               busy_fraction: float = 0.1):
+    if not 0 < busy_fraction <= 1:
+      raise ValueError(f'busy_fraction must be in (0, 1], got {busy_fraction!r}.')
+    self._busy_fraction = busy_fraction
+    self._next_start = 0.0  # time.monotonic() before which no query ahead is started.
     self._accountant = accountant
     self._pool = futures.ThreadPoolExecutor(1, thread_name_prefix='dpjax-epsilon')
     self._upcoming = iter(steps)
+    self._held = None  # The next upcoming step, held back by the busy budget.
+    self._last = futures.Future()  # The latest query ahead (done: none is running).
+    self._last.set_result(None)
     self._ahead: dict[int, futures.Future] = {}
     self._depth = depth
     self._passed = -1  # The last step asked for: the loop never asks for an earlier one.
     self._fill()
 
+  def _query(self, step: int, estimates: bool = False) -> PrivacyReport:
+    """The accountant's report, on the worker; sets when the next query ahead may start."""
+    start = time.monotonic()
+    report = self._accountant.epsilon_at(step, estimates=estimates)
+    end = time.monotonic()
+    self._next_start = end + (end - start) * (1 - self._busy_fraction) / self._busy_fraction
+    return report
+
+  def _submit_ahead(self, step: int) -> bool:
+    """Queues `step` ahead of time unless the busy budget says wait (then False)."""
+    if time.monotonic() < self._next_start or not self._last.done():
+      return False  # One query ahead at a time (a dropped one may still run), budget allowing.
+    self._ahead[step] = self._last = self._pool.submit(self._query, step)
+    return True
+
   def _fill(self) -> None:
     while len(self._ahead) < self._depth:
-      step = next(self._upcoming, None)
+      step, self._held = (self._held if self._held is not None
+                          else next(self._upcoming, None)), None
       if step is None:
         return
-      if step not in self._ahead and step > self._passed:
-        self._ahead[step] = self._pool.submit(self._accountant.epsilon_at, step, estimates=False)
+      if step not in self._ahead and step > self._passed and not self._submit_ahead(step):
+        self._held = step  # Submitted at a later call, when the budget allows.
+        return
 
   def _drop_passed(self, step: int) -> None:
     """Forgets the steps before `step` (never asked for now; a running one finishes)."""
@@ -57,7 +92,7 @@ class EpsilonAhead:
     self._drop_passed(step)
     ahead = self._ahead.get(step)
     if ahead is None:
-      self._ahead[step] = self._pool.submit(self._accountant.epsilon_at, step, estimates=False)
+      self._submit_ahead(step)
     elif ahead.done():
       self._ahead.pop(step)
       self._fill()
@@ -72,7 +107,7 @@ class EpsilonAhead:
     if estimates or ahead is None:
       if ahead is not None:
         ahead.result()  # Keep one query at a time; the memo now holds the attached ε.
-      ahead = self._pool.submit(self._accountant.epsilon_at, step, estimates=estimates)
+      ahead = self._pool.submit(self._query, step, estimates)
     report = ahead.result()
     self._fill()
     return report
@@ -87,3 +122,4 @@ class EpsilonAhead:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
