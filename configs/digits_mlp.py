@@ -102,6 +102,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   #   backend's matmul precision (float32 on CPU, TF32 on recent NVIDIA GPUs); highest =
   #   float32 everywhere; bfloat16 = float32 master weights, bf16 compute. Examples are
   #   clipped to C / (1 + margin of the mode) so each contribution as summed stays <= C.
+  c.steps_per_call = 0  # Logical steps per compiled call (dpjax.multi_step; one dispatch for
+  #   S steps, same results): 0 = 16 when the data and the physical loop are on the device,
+  #   else 1. Calls also end at every log, eval and checkpoint.
   c.compilation_cache_dir = ''  # Persistent XLA cache (dpjax.compilation_cache): '' =
   #   $DPJAX_CACHE_DIR or ~/.cache/dpjax/xla; 'none' = off; else a directory.
 

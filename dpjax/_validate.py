@@ -186,6 +186,8 @@ FIELDS: tuple[Field, ...] = (
           meaning='matmul precision; the clip bound C holds in every mode'),
     # --- devices, length, periodic actions
     Field('num_devices', 'int', 0, meaning='0 = all devices'),
+    Field('steps_per_call', 'int', 0, 4096,
+          meaning='logical steps per compiled call; 0 = automatic'),
     Field('num_epochs', 'int', 0, accounting=True,
           meaning='0 = unset; exactly one of num_epochs, num_steps > 0'),
     Field('num_steps', 'int', 0, accounting=True,

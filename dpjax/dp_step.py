@@ -297,6 +297,12 @@ class DPStep:
       return self._fused_body(params, opt_state, logical, num_batches, step,
                               dataset)
 
+  def logical_step(self, params, opt_state, logical, num_batches, step, dataset=None):
+    """`train_step`'s computation, untraced and unjitted, in the step's precision: to embed
+    in a larger program (`dpjax.multi_step`)."""
+    with precision_lib.matmul_precision(self.precision):
+      return self._fused_body(params, opt_state, logical, num_batches, step, dataset)
+
   def _fused_body(self, params, opt_state, logical, num_batches, step,
                   dataset):
     k_max = jax.tree.leaves(logical)[0].shape[0]

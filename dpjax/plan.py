@@ -277,3 +277,33 @@ def make_plan(config: ml_collections.ConfigDict, data: Any,
     resolved.privacy.noise_multiplier = sigma
   return dataclasses.replace(plan, config=resolved, noise_multiplier=sigma,
                              noise_multiplier_source=source, accountant=acct)
+
+
+def privacy_metadata(step: int, report, plan: RunPlan, step_fns,
+                     batcher, num_truncated: int) -> dict:
+  """The claim stored with a checkpoint: what ε holds for exactly this state.
+
+  σ and C are read from the DP step that ran, the sampler and B from the batcher
+  that fed it; the fingerprint is compared on resume.
+  """
+  sampler = batcher.sampler
+  return {
+      'step': step,
+      'privacy': report.to_dict() if report is not None else {
+          'epsilon': None, 'bound': 'none (non-private run)', 'accountant': None,
+          'delta': None},
+      'fingerprint': plan.fingerprint,
+      'noise_multiplier': step_fns.noise_multiplier if plan.private else None,
+      'noise_multiplier_source': plan.noise_multiplier_source,
+      'clip_norm': step_fns.clip_norm if plan.private else None,
+      'num_examples': sampler.num_examples,
+      'sampler': {'name': sampler.name, 'batch_size': sampler.batch_size,
+                  'expected_batch_size': sampler.expected_batch_size,
+                  'sampling_probability': sampler.sampling_probability,
+                  'steps_per_epoch': sampler.steps_per_epoch,
+                  'max_batch_size': batcher.max_batch_size,
+                  'physical_batch_size': batcher.physical_batch_size},
+      'num_truncated': num_truncated,
+      'seed': sampler.seed,
+      'config': plan.config.to_dict(),
+  }

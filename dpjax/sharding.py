@@ -84,6 +84,11 @@ def logical_batch_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedShardin
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, DATA_AXIS))
 
 
+def chunk_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
+  """Stacked logical batches [S, K_max, P, ...] (`dpjax.multi_step`): the row axis (2) split."""
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, DATA_AXIS))
+
+
 def check_physical_batch_size(physical_batch_size: int, mesh: jax.sharding.Mesh) -> None:
   """ValueError unless P splits evenly over the mesh's devices."""
   num_devices = mesh.devices.size
@@ -127,6 +132,14 @@ def shard_logical_batch(mesh: jax.sharding.Mesh,
   if jax.process_count() == 1:
     return local_buffer
   return jax.make_array_from_process_local_data(logical_batch_sharding(mesh), local_buffer)
+
+
+def shard_chunk(mesh: jax.sharding.Mesh,
+                local_buffer: dict[str, np.ndarray]) -> dict[str, np.ndarray | jax.Array]:
+  """`shard_batch` for stacked buffers [S, K_max, rows, ...] of this process's `local_rows`."""
+  if jax.process_count() == 1:
+    return local_buffer
+  return jax.make_array_from_process_local_data(chunk_sharding(mesh), local_buffer)
 
 
 def replicate(mesh: jax.sharding.Mesh, tree: Any) -> Any:

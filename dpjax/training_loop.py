@@ -6,7 +6,7 @@ model and optimiser → the DP step built from the plan's σ and C → the
 training set on the device (or a prefetching host pipeline) → restore → the
 loop, one compiled program per logical step, with periodic log / eval /
 checkpoint always firing at the last step. Every checkpoint stores the ε of
-its step and the plan's privacy fingerprint (`privacy_metadata`).
+its step and the plan's privacy fingerprint (`plan.privacy_metadata`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from dpjax import finetune
 from dpjax import interrupts
 from dpjax import losses
 from dpjax import metrics as metrics_lib
+from dpjax import multi_step
 from dpjax import optimizers
 from dpjax import physical_batch
 from dpjax import plan as plan_lib
@@ -61,26 +62,6 @@ def is_time(step: int, every: int, last_step: int) -> bool:
   """Whether a periodic action fires after `step` (1-based count); always at the last."""
   return step == last_step or (every > 0 and step % every == 0)
 
-def evaluate(step_fn, params, source: data.DataSource, physical_batch_size: int,
-             mesh: jax.sharding.Mesh) -> dict[str, float]:
-  """Loss and accuracy over a whole split, in zero-weight-padded batches sharded like training."""
-  rows = sharding.local_rows(mesh, physical_batch_size)
-  totals = None
-  for start in range(0, len(source), physical_batch_size):
-    indices = np.arange(start, min(start + physical_batch_size, len(source)))
-    weights = np.zeros(physical_batch_size, np.float32)
-    weights[:len(indices)] = 1
-    padded = np.zeros(physical_batch_size, np.int64)
-    padded[:len(indices)] = indices
-    batch = source.gather(padded[rows])
-    batch['weight'] = weights[rows]
-    out = step_fn(params, sharding.shard_batch(mesh, batch))
-    totals = out if totals is None else jax.tree.map(jnp.add, totals, out)
-  totals = jax.device_get(totals)
-  return {'eval_loss': float(totals['loss_sum'] / totals['num_examples']),
-          'eval_accuracy': float(totals['correct'] / totals['num_examples'])}
-
-
 class TrainingDiverged(RuntimeError):
   """Non-finite loss or parameters: the run stops, the last good checkpoint is kept."""
 
@@ -91,36 +72,6 @@ class RunInterrupted(Exception):
   def __init__(self, message: str, exit_code: int):
     super().__init__(message)
     self.exit_code = exit_code
-
-
-def privacy_metadata(step: int, report, plan: plan_lib.RunPlan, step_fns: dp_step.DPStep,
-                     batcher: batching.Batcher, num_truncated: int) -> dict:
-  """The claim stored with a checkpoint: what ε holds for exactly this state.
-
-  σ and C are read from the DP step that ran, the sampler and B from the batcher
-  that fed it; the fingerprint is compared on resume.
-  """
-  sampler = batcher.sampler
-  return {
-      'step': step,
-      'privacy': report.to_dict() if report is not None else {
-          'epsilon': None, 'bound': 'none (non-private run)', 'accountant': None,
-          'delta': None},
-      'fingerprint': plan.fingerprint,
-      'noise_multiplier': step_fns.noise_multiplier if plan.private else None,
-      'noise_multiplier_source': plan.noise_multiplier_source,
-      'clip_norm': step_fns.clip_norm if plan.private else None,
-      'num_examples': sampler.num_examples,
-      'sampler': {'name': sampler.name, 'batch_size': sampler.batch_size,
-                  'expected_batch_size': sampler.expected_batch_size,
-                  'sampling_probability': sampler.sampling_probability,
-                  'steps_per_epoch': sampler.steps_per_epoch,
-                  'max_batch_size': batcher.max_batch_size,
-                  'physical_batch_size': batcher.physical_batch_size},
-      'num_truncated': num_truncated,
-      'seed': sampler.seed,
-      'config': plan.config.to_dict(),
-  }
 
 
 @jax.jit
@@ -178,16 +129,12 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
       out_shardings=sharding.replicated(mesh))
 
   def run_eval(params, ema):
-    out = evaluate(eval_fn, params, test_source, plan.physical_batch_size, mesh)
+    out = losses.evaluate(eval_fn, params, test_source, plan.physical_batch_size, mesh)
     if config.ema_decay:  # The EMA parameters, evaluated beside the raw ones.
-      out.update({f'{k}_ema': v for k, v in evaluate(
+      out.update({f'{k}_ema': v for k, v in losses.evaluate(
           eval_fn, ema.params, test_source, plan.physical_batch_size, mesh).items()})
     return out
 
-  # ema_decay = 0: the EMA is θ itself (d_t = 0), so no program is dispatched per step; the
-  # checkpoint stores what the update would have made, (θ, t).
-  update_ema = (jax.jit(lambda ema, params: ema_lib.update(ema, params, config.ema_decay))
-                if config.ema_decay else None)
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
   state = sharding.replicate(mesh, TrainState(  # Same seed, same values on every host.
       step=np.int32(0), params=params, opt_state=optimizer.init(params),
@@ -247,8 +194,8 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
                        disable=not primary or (not sys.stderr.isatty()
                                                and os.environ.get('DPJAX_PROGRESS') != '1'))
   log_metrics, window_start = [], start_step + 1
-  compile_seconds = steady_start = None
-  steady_examples = 0.0
+  compile_seconds = window_clock = checkpoint_seconds = None
+  window_examples = window_steps = paused = 0.0  # Paused: eval / checkpoint time in a window.
   first_time = time.time()
 
   def stop(error: Exception) -> Exception:
@@ -258,22 +205,36 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
     writer.close()
     return error
 
-  def prepare(step: int):
-    """The logical batch of `step` as a [K_max, P] buffer (this host's rows) and its K."""
-    logical = batcher.logical_batch(step)
-    buffer, k = (device_data.index_buffer(logical, max_physical_batches, rows) if dataset
-                 is not None else device_data.host_buffer(train_source, logical,
-                                                          max_physical_batches, rows))
-    return logical, sharding.shard_logical_batch(mesh, buffer), k
+  # S logical steps per compiled call (dpjax.multi_step): calls end where the host needs the
+  # parameters (logs, evals, checkpoints). ema_decay = 0: the EMA is θ itself (d_t = 0), so no
+  # EMA runs; the checkpoint stores what the update would have made, (θ, t).
+  size = multi_step.steps_per_call(config.steps_per_call, step_fns.loop_mode(params),
+                                   dataset is not None)
+  runner = multi_step.MultiStep(step_fns, size, config.ema_decay, mesh)
+  calls = multi_step.schedule(start_step, num_steps, size, (
+      config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps))
 
-  steps = range(start_step, num_steps)
+  def prepare(call: tuple[int, int]) -> multi_step.Chunk:
+    """The logical batches of a call as [S, K_max, P] buffers (this host's rows) and their K."""
+    first, count = call
+    prepared = []
+    for t in range(first, first + count):
+      logical = batcher.logical_batch(t)
+      buffer, k = (device_data.index_buffer(logical, max_physical_batches, rows) if dataset
+                   is not None else device_data.host_buffer(train_source, logical,
+                                                            max_physical_batches, rows))
+      prepared.append((logical, buffer, k))
+    chunk = multi_step.stack(first, prepared, size)
+    chunk.buffer = sharding.shard_chunk(mesh, chunk.buffer)
+    return chunk
+
   # XLA:CPU with several (forced) devices: one step in flight at a time. Programs with
   # cross-device reductions queued back to back have timed out in its all-reduce rendezvous
   # on a loaded 2-core machine (tests/test_sharding.py); accelerators keep the async queue.
   serialise_steps = mesh.devices.size > 1 and jax.devices()[0].platform == 'cpu'
   # Index buffers are cheap: made inline. Host-gathered rows are prefetched on a thread.
-  batches = (contextlib.nullcontext((t, prepare(t)) for t in steps) if dataset is not None
-             else device_data.Prefetcher(prepare, steps))
+  batches = (contextlib.nullcontext((c, prepare(c)) for c in calls) if dataset is not None
+             else device_data.Prefetcher(prepare, calls))
   # ε of the logged and checkpointed steps, computed ahead on a thread while the device trains
   # (the same numbers, without stalling the loop for a PLD composition at every log). Not with
   # several CPU devices: a busy thread beside their collectives starved the all-reduce
@@ -285,32 +246,39 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
   epsilons = (contextlib.nullcontext() if accountant is None
               else ahead_lib.EpsilonAhead(accountant, ahead))
   with interrupts.GracefulStop() as signals, batches as batch_stream, epsilons:
-    for step, (logical, buffer, k) in batch_stream:
-      num_truncated += int(logical.truncated)
-      # One compiled program: K physical batches, noise keyed by (seed, step), the update.
-      params, opt_state, metrics = step_fns.train_step(params, opt_state, buffer, k,
-                                                       np.uint32(step), dataset)
-      if update_ema is not None:
-        ema = update_ema(ema, params)
+    chunks = iter(batch_stream)
+    upcoming = next(chunks, None)
+    while upcoming is not None:
+      chunk = upcoming[1]
+      # One compiled call: S logical steps, each K physical batches, noise keyed by
+      # (seed, step), the update (and the EMA).
+      params, opt_state, ema_out, metrics = runner(
+          params, opt_state, ema if config.ema_decay else None, chunk, dataset)
+      ema = ema_out if config.ema_decay else ema
+      upcoming = next(chunks, None)  # The next call's buffers, made while this one runs.
       if serialise_steps:
         jax.block_until_ready(params)
-      log_metrics.append(metrics)
-      done = step + 1
-      progress.update(1)
+      log_metrics.append((metrics, chunk.count))
+      done = chunk.last_step + 1
+      num_truncated += sum(int(logical.truncated) for logical in chunk.logicals)
+      progress.update(int(chunk.count))
       if compile_seconds is None:  # One sync: compilation apart from the steady-state rate.
         jax.block_until_ready(params)
-        steady_start = time.time()
-        compile_seconds = steady_start - first_time
+        window_clock = time.time()
+        compile_seconds = window_clock - first_time
       else:
-        steady_examples += min(logical.size, plan.max_batch_size)
+        window_steps += int(chunk.count)
+        window_examples += sum(min(logical.size, plan.max_batch_size)
+                               for logical in chunk.logicals)
 
       stopping = signals.requested  # A signal: save this step, then exit 128 + signal.
       logging_now = is_time(done, config.log_every_steps, num_steps)
       saving_now = stopping or is_time(done, config.checkpoint_every_steps, num_steps)
       if logging_now or saving_now:  # One host sync per logged or saved step.
-        fetched = jax.device_get(log_metrics)
+        fetched, finite = jax.device_get((log_metrics, _all_finite(params)))  # One sync.
+        fetched = [row for m, count in fetched for row in multi_step.rows_of(m, count)]
         loss = float(np.mean([m['loss'] for m in fetched])) if fetched else 0.0
-        if not (math.isfinite(loss) and bool(_all_finite(params))):
+        if not (math.isfinite(loss) and bool(finite)):
           raise stop(TrainingDiverged(
               f'non-finite training loss or parameters between steps {window_start} and '
               f'{done}; the last checkpoint before step {window_start} is intact. Try a smaller '
@@ -319,15 +287,15 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
           config.audit.every_checkpoint or done == num_steps) else None)
       if audit is not None and not logging_now:
         writer.write(done, {k: audit[k] for k in ('audit_epsilon_lower', 'audit_confidence')})
-      if logging_now:
-        elapsed = time.time() - steady_start
-        rate = (done - start_step - 1) / elapsed if elapsed > 0 and done > start_step + 1 else None
+      if logging_now:  # Rates of this window's steps; eval and checkpoint time apart.
+        elapsed = time.time() - window_clock - paused
+        rate = window_steps / elapsed if window_steps and elapsed > 0 else None
         last = {'train_loss': loss,
                 'train_accuracy': float(np.mean([m['accuracy'] for m in fetched])),
                 'num_nonfinite_examples': sum(int(m['num_nonfinite']) for m in fetched),
                 'num_truncated': num_truncated, 'compile_seconds': compile_seconds,
-                'steps_per_second': rate,
-                'examples_per_second': steady_examples / elapsed if rate else None}
+                'steps_per_second': rate, 'wall_seconds': time.time() - first_time,
+                'examples_per_second': window_examples / elapsed if rate else None}
         log_metrics, window_start = [], done + 1
         if accountant is not None:  # Side estimates only at checkpoints.
           # A log row between checkpoints takes ε only if it is ready (computed on the thread)
@@ -337,7 +305,10 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
           if report is not None:
             last.update(epsilon=report.epsilon, epsilon_bound=report.bound)
         if is_time(done, config.eval_every_steps, num_steps):
-          last.update(run_eval(params, ema))
+          clock = time.time()
+          last.update(run_eval(params, ema), eval_seconds=time.time() - clock)
+        if checkpoint_seconds is not None:  # The latest save's duration (outside the rates).
+          last['checkpoint_seconds'] = checkpoint_seconds
         if audit is not None:  # Beside ε: an empirical lower bound, with its confidence.
           last.update({k: audit[k] for k in ('audit_epsilon_lower', 'audit_confidence')})
         writer.write(done, last)
@@ -352,23 +323,33 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
           print(f'step {done}/{num_steps}, {speed}, ETA {eta:.0f} s, '
                 + ' '.join(f'{k}={v}' for k, v in shown.items()), flush=True)
       elif is_time(done, config.eval_every_steps, num_steps):
+        jax.block_until_ready(params)  # Queued steps finish inside the rate, not the eval.
+        clock = time.time()
         evaluated = run_eval(params, ema)
+        evaluated['eval_seconds'] = time.time() - clock
+        paused += evaluated['eval_seconds']
         last.update(evaluated)
         writer.write(done, evaluated)
 
       if saving_now:
+        jax.block_until_ready(params)
+        clock = time.time()
         # Side estimates (Monte-Carlo, lower bounds, comparisons) at the last step only: they
         # can cost seconds; the attached ε and its kind of bound are the same without them.
         report = epsilons.epsilon_at(done, estimates=done == num_steps) if accountant else None
-        metadata = privacy_metadata(done, report, plan, step_fns, batcher, num_truncated)
+        metadata = plan_lib.privacy_metadata(done, report, plan, step_fns, batcher, num_truncated)
         if audit is not None:
           metadata['audit'] = audit
         checkpoints.save(manager, done, TrainState(
             step=sharding.replicate(mesh, np.int32(done)), params=params, opt_state=opt_state,
             num_truncated=sharding.replicate(mesh, np.int32(num_truncated)),
-            ema=ema if update_ema is not None else ema_lib.EmaState(
+            ema=ema if config.ema_decay else ema_lib.EmaState(
                 params, sharding.replicate(mesh, np.int32(done)))), metadata)
         writer.flush()  # Metrics and TensorBoard events durable at every checkpoint.
+        checkpoint_seconds = time.time() - clock
+        paused += checkpoint_seconds
+      if logging_now:  # The next window starts now.
+        window_clock, paused, window_steps, window_examples = time.time(), 0.0, 0, 0
       if stopping and done < num_steps:
         raise stop(RunInterrupted(
             f'stopped by {signals.signal_name} after step {done} of {num_steps}; checkpoint '
@@ -383,7 +364,9 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
   if 'eval_accuracy' not in last:
     last.update(run_eval(params, ema))
   result = {'step': num_steps, **last, 'params': params,
-            'compilations': {'train_step': step_fns.compile_count('train_step')}}
+            'compilations': {name: count for name, count in (  # The programs the loop ran.
+                ('train_steps', runner.compile_count()),
+                ('train_step', step_fns.compile_count('train_step'))) if count}}
   final_report = accountant.epsilon_at(num_steps) if accountant else None  # With estimates.
   if final_report is not None:
     result['privacy'] = final_report.to_dict()

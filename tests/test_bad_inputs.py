@@ -79,6 +79,7 @@ CONFIG_CASES = [
     ({'optimizer.momentum': -0.5}, r'optimizer.momentum = -0.5: must be a finite number in'),
     ({'num_devices': -1}, r'num_devices = -1: must be an integer >= 0'),
     ({'num_devices': 64}, r'num_devices'),
+    ({'steps_per_call': -1}, r'steps_per_call = -1: must be an integer in \[0, 4096\]'),
     ({'num_steps': -2}, r'num_steps = -2: must be an integer >= 0'),
     ({'num_epochs': -1}, r'num_epochs = -1: must be an integer >= 0'),
     ({'num_steps': 0}, r'num_steps = 0, num_epochs = 0: exactly one must be > 0'),

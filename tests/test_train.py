@@ -64,7 +64,7 @@ def test_step_compiles_once_over_an_epoch_of_variable_batches(tmp_path, sampler)
   config = small_config(**{'sampler.name': sampler, 'num_steps': 14, 'checkpoint_every_steps': 100})
   result = train.train_and_evaluate(config, str(tmp_path))
   assert 14 > 1437 / 128  # More than one epoch (12 steps).
-  assert result['compilations'] == {'train_step': 1}  # One program per logical step.
+  assert result['compilations'] == {'train_steps': 1}  # One program (S steps a call).
 
 
 def test_non_private_baseline_reports_no_epsilon(tmp_path):
@@ -218,7 +218,7 @@ def test_automatic_physical_batch_size_keeps_b_independent_of_the_device(tmp_pat
                                                 delta=config.privacy.delta)
   assert chosen >= cap > chosen // 2 and chosen & (chosen - 1) == 0
   assert f'P = {chosen}' in capsys.readouterr().out
-  assert auto['compilations'] == {'train_step': 1}
+  assert auto['compilations'] == {'train_steps': 1}
   explicit = train.train_and_evaluate(small_config(**{
       'sampler.physical_batch_size': chosen, 'sampler.max_batch_size': chosen}),
                                       str(tmp_path / 'explicit'))

@@ -163,7 +163,7 @@ def test_trainer_with_augmult_reports_the_same_epsilon_and_compiles_once(augmult
   workdir, result = augmult_run
   plain = train.train_and_evaluate(small_config(num_steps=6), str(tmp_path / 'plain'))
   assert result['epsilon'] == plain['epsilon']  # Accounting is unchanged by augmult.
-  assert result['compilations'] == {'train_step': 1}
+  assert result['compilations'] == {'train_steps': 1}
   a = checkpoints.read_metadata(str(workdir))[-1]
   b = checkpoints.read_metadata(str(tmp_path / 'plain'))[-1]
   assert a['step'] == b['step'] == 6 and a['fingerprint'] == b['fingerprint']
