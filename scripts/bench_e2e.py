@@ -4,25 +4,25 @@ For each config, on the same Poisson logical batches (the sampler is a pure
 function of (seed, step), so this process rebuilds exactly the batches the
 trainer draws):
 
-* e2e: `python -m dpjax.train` in a subprocess; steady-state examples/s from
-  its metrics.jsonl after `--warmup` steps (its `examples_per_second` when it
-  logs one, else from the cumulative `steps_per_second` it logs: t_s = s /
-  sps_s since the loop started), median over log intervals. Eval and
-  checkpoints fall outside the timed intervals (they run after the metrics
-  line of a step).
+* e2e: `python -m dpjax.train` in a subprocess; the examples/s its
+  metrics.jsonl reports for each log window after `--warmup` steps (eval and
+  checkpoint time excluded, reported apart), median over windows.
 * kernel: `DPStep.train_step`, the compiled logical-step program, called
   back to back on device-resident logical batches (index buffers into the
   training set on the device, or host-gathered buffers put on the device
   beforehand) after warm-up; median over repeats.
-* fused_loop: the loop train.py is to run with this branch's pieces, in this
-  process: sampler -> `device_data.index_buffer` -> `train_step` (data on the
-  device; a `Prefetcher` thread for host-gathered buffers when the data does
-  not fit) with metrics fetched every log step;
-  timed round-robin with the kernel, median over repeats.
+* multi_step_kernel: the program the trainer runs (`dpjax.multi_step`: S
+  logical steps a call, same results) back to back on device-resident chunks.
+* fused_loop: the trainer's loop rebuilt in this process: sampler -> index
+  buffers -> chunks -> the multi-step program (a `Prefetcher` thread for
+  host-gathered buffers when the data does not fit), metrics fetched every
+  log step; timed round-robin with the kernels, median over repeats.
 
-ratio = e2e / kernel (issue 14's goal: >= 0.9); fused_loop_ratio = fused_loop
-/ kernel. Also, for digits_mlp: the trainer's first 10 steps and its whole
-wall time with an empty and then a warm persistent compilation cache.
+ratio = e2e / kernel (issue 14's goal: >= 0.9); ratio_vs_multi_step_kernel =
+e2e / multi_step_kernel (what is left of the host's overhead once S steps
+share a dispatch); fused_loop_ratio = fused_loop / kernel. Also, for
+digits_mlp: the trainer's first 10 steps and its whole wall time with an
+empty and then a warm persistent compilation cache.
 
   python scripts/bench_e2e.py            # writes scripts/results/e2e.json
   python scripts/bench_e2e.py --quick    # < 5 min on 2 CPU cores; scripts/results/e2e_quick.json
@@ -47,6 +47,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+from dpjax import ema as ema_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 COMMON = {  # Fixed σ (no calibration), no periodic eval / checkpoint inside the timed steps.
@@ -55,7 +56,8 @@ COMMON = {  # Fixed σ (no calibration), no periodic eval / checkpoint inside th
 CONFIGS = {
     'digits_mlp': {'file': 'configs/digits_mlp.py', 'overrides': {
         'sampler.batch_size': 256, 'sampler.physical_batch_size': 64},
-        'steps': 120, 'quick_steps': 60, 'log_every': 10, 'warmup': 10},
+        # Steps of ~0.3 ms on 2 CPU cores: log windows of 40 steps (~15 ms), not of a few ms.
+        'steps': 3000, 'quick_steps': 1000, 'log_every': 40, 'warmup': 40},
     # WRN-16-4 (GroupNorm, weight standardisation) on 32x32x3 synthetic data.
     'wrn_synthetic': {'file': 'configs/cifar10_wrn.py', 'overrides': {
         'data.source': 'synthetic', 'data.num_examples': 2000, 'data.input_shape': (32, 32, 3),
@@ -133,19 +135,16 @@ def time_e2e(name: str, spec: dict, run: Run, env: dict | None = None) -> dict:
     with open(os.path.join(workdir, 'metrics.jsonl')) as f:
       lines = [json.loads(l) for l in f if l.strip()]
   logged = [l for l in lines if 'steps_per_second' in l]
-  times = {l['step']: l['step'] / l['steps_per_second'] for l in logged}  # Since the loop began.
-  steps = sorted(s for s in times if s >= spec['warmup'])
-  rates = []
-  for a, b in zip(steps, steps[1:]):
-    examples = sum(run.rows(t) for t in range(a, b))
-    rates.append(examples / (times[b] - times[a]))
-  trainer_rates = [l['examples_per_second'] for l in logged
-                   if 'examples_per_second' in l and l['step'] > spec['warmup']]
-  out = {'examples_per_s': statistics.median(trainer_rates or rates) if trainer_rates or rates
-         else None,
-         'source': 'examples_per_second (trainer)' if trainer_rates else 'steps_per_second timestamps',
+  # The trainer's rate of each log window (eval and checkpoint time excluded), after warm-up.
+  rates = [l['examples_per_second'] for l in logged
+           if l.get('examples_per_second') and l['step'] > spec['warmup']]
+  out = {'examples_per_s': statistics.median(rates) if rates else None,
+         'source': "metrics.jsonl examples_per_second (per log window)",
          'interval_rates': rates, 'wall_seconds': wall,
-         'first_steps_seconds': {s: times[s] for s in sorted(times)[:2]}}
+         'first_steps_seconds': {l['step']: l['wall_seconds'] for l in logged[:2]},
+         'eval_seconds': [l['eval_seconds'] for l in lines if 'eval_seconds' in l],
+         'checkpoint_seconds': [l['checkpoint_seconds'] for l in lines
+                                if 'checkpoint_seconds' in l]}
   for key in ('compile_seconds',):
     values = [l[key] for l in logged if key in l]
     if values:
@@ -154,13 +153,16 @@ def time_e2e(name: str, spec: dict, run: Run, env: dict | None = None) -> dict:
 
 
 def time_kernel_and_loop(run: Run, steps: range, log_every: int, repeats: int) -> tuple[dict, dict]:
-  """The kernel and the fused loop on the same steps, timed round-robin (load hits both alike).
+  """The kernel, the trainer's multi-step program and its loop on the same steps, timed
+  round-robin (load hits all alike).
 
-  kernel: train_step back to back on device-resident logical batches, after
-  warm-up. fused loop: the loop train.py is to run, sampler -> index buffer ->
-  train_step with the data on the device, one host sync per logged step.
+  kernel: `DPStep.train_step`, the logical-step program, back to back on device-resident
+  logical batches after warm-up (the issue's definition). multi_step_kernel: the program the
+  trainer runs (`dpjax.multi_step`, S steps a call) back to back on device-resident chunks.
+  loop: the trainer's loop in this process: sampler -> index buffers -> chunks -> the
+  multi-step program, one host sync per logged step (a Prefetcher for host-gathered rows).
   """
-  from dpjax import device_data  # pylint: disable=g-import-not-at-top
+  from dpjax import device_data, multi_step  # pylint: disable=g-import-not-at-top,multiple-imports
   k_max = run.batcher.max_physical_batches
   on_device = device_data.fits_on_device(run.train_source)
   dataset = device_data.put_on_device(run.train_source) if on_device else None
@@ -168,13 +170,23 @@ def time_kernel_and_loop(run: Run, steps: range, log_every: int, repeats: int) -
     make = lambda t: device_data.index_buffer(run.batcher.logical_batch(t), k_max)
   else:
     make = lambda t: device_data.host_buffer(run.train_source, run.batcher.logical_batch(t), k_max)
+  size = multi_step.steps_per_call(run.config.steps_per_call, run.step.loop_mode(run.params),
+                                   on_device)
+  runner = multi_step.MultiStep(run.step, size, run.config.ema_decay)
+  calls = multi_step.schedule(steps.start, steps.stop, size, (log_every,))
+  make_chunk = lambda call: multi_step.stack(
+      call[0], [(None, *make(t)) for t in range(call[0], call[0] + call[1])], size)
   batches = [jax.device_put((*make(t), np.uint32(t))) for t in steps]
+  chunks = [make_chunk(call) for call in calls]
   examples = sum(run.rows(t) for t in steps)
   state = jax.tree.map(np.array, (run.params, run.opt_state))
+  ema = jax.tree.map(np.array, ema_lib.init(run.params)) if run.config.ema_decay else None
   start = time.perf_counter()
   params, opt_state, metrics = run.step.train_step(*state, *batches[0], dataset)
   jax.block_until_ready(metrics)
   first_call = time.perf_counter() - start
+  params, opt_state, ema, metrics = runner(params, opt_state, ema, chunks[0], dataset)
+  jax.block_until_ready(metrics)
 
   def kernel():
     nonlocal params, opt_state
@@ -182,25 +194,28 @@ def time_kernel_and_loop(run: Run, steps: range, log_every: int, repeats: int) -
       params, opt_state, metrics = run.step.train_step(params, opt_state, buf, k, t, dataset)
     jax.block_until_ready((params, metrics))
 
+  def multi_kernel():
+    nonlocal params, opt_state, ema
+    for chunk in chunks:
+      params, opt_state, ema, metrics = runner(params, opt_state, ema, chunk, dataset)
+    jax.block_until_ready((params, metrics))
+
   def loop():
-    nonlocal params, opt_state
+    nonlocal params, opt_state, ema
     pending = []
-    # Index buffers cost ~50 µs of host time a step: made inline (a thread would
-    # contend for the GIL); host-gathered buffers come from a Prefetcher thread.
-    with device_data.Prefetcher(make, steps) if not on_device else contextlib.nullcontext(
-        (t, make(t)) for t in steps) as prefetched:
-      for t, (buf, k) in prefetched:
-        params, opt_state, metrics = run.step.train_step(params, opt_state, buf, k, np.uint32(t),
-                                                          dataset)
+    with device_data.Prefetcher(make_chunk, calls) if not on_device else contextlib.nullcontext(
+        (c, make_chunk(c)) for c in calls) as prefetched:
+      for _, chunk in prefetched:
+        params, opt_state, ema, metrics = runner(params, opt_state, ema, chunk, dataset)
         pending.append(metrics)
-        if (t + 1) % log_every == 0:
+        if (chunk.last_step + 1) % log_every == 0:
           jax.device_get(pending)  # The trainer's one host sync per logged step.
           pending = []
     jax.block_until_ready((params, pending))
 
-  rates = {'kernel': [], 'loop': []}
-  for i in range(repeats + 1):  # Round 0 warms the loop up; not counted.
-    for name, fn in (('kernel', kernel), ('loop', loop)):
+  rates = {'kernel': [], 'multi_step_kernel': [], 'loop': []}
+  for i in range(repeats + 1):  # Round 0 warms up; not counted.
+    for name, fn in (('kernel', kernel), ('multi_step_kernel', multi_kernel), ('loop', loop)):
       start = time.perf_counter()
       fn()
       if i:
@@ -208,7 +223,10 @@ def time_kernel_and_loop(run: Run, steps: range, log_every: int, repeats: int) -
   kernel_out = {'examples_per_s': statistics.median(rates['kernel']),
                 'repeat_rates': rates['kernel'], 'device_data': on_device,
                 'first_call_seconds': first_call,
-                'compilations': run.step.compile_count('train_step')}
+                'compilations': run.step.compile_count('train_step'),
+                'multi_step_examples_per_s': statistics.median(rates['multi_step_kernel']),
+                'multi_step_repeat_rates': rates['multi_step_kernel'],
+                'steps_per_call': size, 'multi_step_compilations': runner.compile_count()}
   loop_out = {'examples_per_s': statistics.median(rates['loop']), 'repeat_rates': rates['loop'],
               'buffers': 'index buffers made inline' if on_device else
                          'host buffers from a Prefetcher thread (depth 2)'}
@@ -272,6 +290,10 @@ def main():
     summary[name] = {'e2e_examples_per_s': e2e['examples_per_s'],
                      'kernel_examples_per_s': kernel['examples_per_s'],
                      'ratio': e2e['examples_per_s'] / kernel['examples_per_s'],
+                     'steps_per_call': kernel['steps_per_call'],
+                     'multi_step_kernel_examples_per_s': kernel['multi_step_examples_per_s'],
+                     'ratio_vs_multi_step_kernel': (e2e['examples_per_s']
+                                                    / kernel['multi_step_examples_per_s']),
                      'fused_loop_examples_per_s': loop['examples_per_s'],
                      'fused_loop_ratio': loop['examples_per_s'] / kernel['examples_per_s']}
     print(f'{name}: {json.dumps(summary[name])}', flush=True)
