@@ -165,3 +165,28 @@ def test_trainer_executes_one_program_per_call_and_nothing_else_per_step(
   assert sum(totals[1].values()) - sum(totals[0].values()) == extra
   assert totals[1]['jit(_steps)'] - totals[0]['jit(_steps)'] == extra
   assert totals[0]['jit(_steps)'] == (6 if steps_per_call == 1 else 3)
+
+
+@pytest.mark.parametrize('sampler_name', samplers.SAMPLER_NAMES)
+def test_two_epochs_of_every_sampler_compile_the_multi_step_program_once(sampler_name):
+  """K varies per step and the count per call (calls cut at a period of 5): one program, no
+  backend compilation after the first call."""
+  train, sampler, batcher, model, params = _setup(sampler_name)
+  step = dp_step.DPStep(model, optax.sgd(0.5), clip_norm=1.0, noise_multiplier=1.0,
+                        expected_batch_size=sampler.expected_batch_size)
+  runner = multi_step.MultiStep(step, 4)
+  dataset = device_data.put_on_device(train)
+  opt_state = step.optimizer.init(params)
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda name, secs, **kw: compiles.append(name)
+      if name == '/jax/core/compile/backend_compile_duration' else None)
+  calls = multi_step.schedule(0, 2 * sampler.steps_per_epoch, 4, (5,))
+  assert len({count for _, count in calls}) > 1  # The count really varied.
+  for i, (first, count) in enumerate(calls):
+    if i == 1:
+      compiles.clear()  # The first call compiled the program (and nothing after).
+    chunk = multi_step.stack(first, _prepared(batcher, first, count), 4)
+    params, opt_state, _, metrics = runner(params, opt_state, None, chunk, dataset)
+  jax.block_until_ready(metrics)
+  assert runner.compile_count() == 1 and compiles == []
