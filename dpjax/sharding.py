@@ -126,14 +126,6 @@ def shard_batch(mesh: jax.sharding.Mesh,
   return jax.make_array_from_process_local_data(batch_sharding(mesh), local_batch)
 
 
-def shard_logical_batch(mesh: jax.sharding.Mesh,
-                        local_buffer: dict[str, np.ndarray]) -> dict[str, np.ndarray | jax.Array]:
-  """`shard_batch` for a buffer [K_max, rows, ...] of this process's `local_rows`."""
-  if jax.process_count() == 1:
-    return local_buffer
-  return jax.make_array_from_process_local_data(logical_batch_sharding(mesh), local_buffer)
-
-
 def shard_chunk(mesh: jax.sharding.Mesh,
                 local_buffer: dict[str, np.ndarray]) -> dict[str, np.ndarray | jax.Array]:
   """`shard_batch` for stacked buffers [S, K_max, rows, ...] of this process's `local_rows`."""

@@ -34,7 +34,7 @@ class EpsilonAhead:
     accountant: the run's accountant.
     steps: the steps that will be asked for without estimates, in order
       (e.g. every logged or checkpointed step of the rest of the run).
-    depth: how many of them are computed ahead at once.
+    depth: how many reports ahead are kept at once (one is computed at a time).
     busy_fraction: f in (0, 1], the most of the wall time the thread spends on
       queries ahead of time.
   """
@@ -88,7 +88,8 @@ class EpsilonAhead:
       self._ahead.pop(skipped).cancel()
 
   def epsilon_if_ready(self, step: int) -> PrivacyReport | None:
-    """The report for `step` if computed already, else None (and `step` is queued): never waits."""
+    """The report for `step` if computed already, else None (and `step` is queued when the busy
+    budget allows): never waits."""
     self._drop_passed(step)
     ahead = self._ahead.get(step)
     if ahead is None:
@@ -122,4 +123,3 @@ class EpsilonAhead:
 
   def __exit__(self, *exc) -> None:
     self.close()
-
