@@ -228,12 +228,16 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
     chunk.buffer = sharding.shard_chunk(mesh, chunk.buffer)
     return chunk
 
-  # XLA:CPU with several (forced) devices: one step in flight at a time. Programs with
-  # cross-device reductions queued back to back have timed out in its all-reduce rendezvous
-  # on a loaded 2-core machine (tests/test_sharding.py); accelerators keep the async queue.
+  # XLA:CPU with several (forced) devices: one call in flight at a time, and the next call's
+  # buffers are sent to the devices only after it. Programs with cross-device reductions
+  # queued back to back have timed out in its all-reduce rendezvous on a loaded 2-core machine,
+  # and the 2-process run hung twice in the full suite once the next chunk was sent during a
+  # call (tests/test_sharding.py); accelerators keep the async queue and the overlap.
   serialise_steps = mesh.devices.size > 1 and jax.devices()[0].platform == 'cpu'
-  # Index buffers are cheap: made inline. Host-gathered rows are prefetched on a thread.
-  batches = (contextlib.nullcontext((c, prepare(c)) for c in calls) if dataset is not None
+  # Index buffers are cheap: made inline. Host-gathered rows are prefetched on a thread
+  # (not beside serialised steps).
+  batches = (contextlib.nullcontext((c, prepare(c)) for c in calls)
+             if dataset is not None or serialise_steps
              else device_data.Prefetcher(prepare, calls))
   # ε of the logged and checkpointed steps, computed ahead on a thread while the device trains
   # (the same numbers, without stalling the loop for a PLD composition at every log). Not with
@@ -255,9 +259,9 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
       params, opt_state, ema_out, metrics = runner(
           params, opt_state, ema if config.ema_decay else None, chunk, dataset)
       ema = ema_out if config.ema_decay else ema
-      upcoming = next(chunks, None)  # The next call's buffers, made while this one runs.
-      if serialise_steps:
+      if serialise_steps:  # Nothing else touches the devices while collectives run.
         jax.block_until_ready(params)
+      upcoming = next(chunks, None)  # The next call's buffers, made while this one runs.
       log_metrics.append((metrics, chunk.count))
       done = chunk.last_step + 1
       num_truncated += sum(int(logical.truncated) for logical in chunk.logicals)

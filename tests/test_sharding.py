@@ -24,6 +24,7 @@ import os
 import re
 import shutil
 import socket
+import signal
 import subprocess
 import sys
 
@@ -181,13 +182,18 @@ def runs(tmp_path_factory):
       [sys.executable, '-m', 'dpjax.train', f'--config={REPO}/configs/digits_mlp.py',
        f'--workdir={outdir / "multihost"}', *flags_, '--distributed',
        f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}'],
-      cwd=REPO, env=_devices_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-      for i in range(2)]
+      cwd=REPO, env=dict(_devices_env(2), PYTHONFAULTHANDLER='1'), stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE, text=True) for i in range(2)]
   try:
     proc = subprocess.run([sys.executable, '-m', 'tests.test_sharding', str(outdir)], cwd=REPO,
                           env=_devices_env(NUM_DEVICES), capture_output=True, text=True,
                           timeout=600)
     host_out = [host.communicate(timeout=300) for host in hosts]
+  except subprocess.TimeoutExpired:  # A hang: every thread's Python stack, then fail.
+    for host in hosts:
+      host.send_signal(signal.SIGABRT)  # PYTHONFAULTHANDLER=1 dumps the stacks on it.
+    stacks = [host.communicate(timeout=60)[1][-20000:] for host in hosts]
+    pytest.fail('the 2-process run did not finish; its threads:\n' + '\n'.join(stacks))
   finally:
     for host in hosts:
       host.kill()
