@@ -213,6 +213,10 @@ def make_clipped_sum_fn(method: str, loss_fn: LossFn,
                         clip_norm: float) -> ClippedSumFn:
   """`(params, batch) -> (Σ_i w_i · clip_C(g_i), ClipStats)` for `method`.
 
+  The function's `choice` (a list of lines) says what it runs: per-example
+  gradients, or ghost clipping with each layer's form; set when first traced
+  for 'auto' and 'ghost' (the choice depends on the shapes).
+
   Args:
     method: `config.privacy.clipping`: 'auto' (ghost where it covers every
       parameter, else vmap, logged), 'vmap', or 'ghost' (ValueError at trace
@@ -224,9 +228,11 @@ def make_clipped_sum_fn(method: str, loss_fn: LossFn,
     raise ValueError(f'config.privacy.clipping={method!r}; valid: '
                      f'{CLIPPING_METHODS}.')
   clip_norm = validate_clip_norm(clip_norm)
+  vmap_choice = ['per-example gradients (vmap), memory P x #params']
   if method == 'vmap':
-    return functools.partial(per_example_clipped_sum, loss_fn,
-                             clip_norm=clip_norm)
+    clipped_sum = functools.partial(per_example_clipped_sum, loss_fn, clip_norm=clip_norm)
+    clipped_sum.choice = vmap_choice
+    return clipped_sum
 
   def clipped_sum(params: Params, batch: Batch) -> tuple[Params, ClipStats]:
     # Trace time: the coverage depends only on the model and the shapes.
@@ -235,15 +241,19 @@ def make_clipped_sum_fn(method: str, loss_fn: LossFn,
     if coverage.complete:
       logging.info("clipping=%r: ghost clipping: %s", method,
                    coverage.describe())
+      clipped_sum.choice[:] = ['ghost clipping, per layer (mixed rule of Bu et al. 2022: '
+                               'ghost where S²(m + c) < S·m·c):', *coverage.layer_forms()]
       return ghost_clipped_sum(loss_fn, params, batch, clip_norm, coverage)
     if method == 'ghost':
       raise ValueError(
           "config.privacy.clipping='ghost' does not cover every parameter of "
           f"this model: {coverage.describe()}. Use 'auto' (falls back to "
           "'vmap') or 'vmap'.")
+    uncovered = ', '.join(f'{p} ({why})' for p, why in coverage.uncovered)
     logging.warning(
         "clipping='auto': ghost clipping does not cover %s; using per-example "
-        'gradients (vmap) for this model.',
-        ', '.join(f'{p} ({why})' for p, why in coverage.uncovered))
+        'gradients (vmap) for this model.', uncovered)
+    clipped_sum.choice[:] = [f'{vmap_choice[0]}; ghost clipping does not cover {uncovered}']
     return per_example_clipped_sum(loss_fn, params, batch, clip_norm)
+  clipped_sum.choice = []  # Known once traced.
   return clipped_sum

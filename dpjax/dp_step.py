@@ -174,6 +174,7 @@ class DPStep:
       self.noise_multiplier = sigma
       self._sum_fn = clipping_lib.make_clipped_sum_fn(
           clipping, loss_fn, self.clip_bound)
+      self._choice = self._sum_fn.choice  # Filled when first traced ('auto', 'ghost').
     else:
       if clipping not in clipping_lib.CLIPPING_METHODS:
         raise ValueError(f'config.privacy.clipping={clipping!r}; valid: '
@@ -181,6 +182,7 @@ class DPStep:
       self.clip_norm = self.clip_bound = None
       self.noise_multiplier = 0.0
       self._sum_fn = functools.partial(clipping_lib.grad_sum, loss_fn)
+      self._choice = []
     if sum_fn_wrapper is not None:  # e.g. audit canaries: (params, batch) -> (sum, stats).
       self._sum_fn = sum_fn_wrapper(self._sum_fn)
     self.seed = seed
@@ -386,3 +388,10 @@ class DPStep:
     if fn not in self._traces:
       raise ValueError(f'fn={fn!r}; valid: {tuple(self._traces)} or None.')
     return self._traces[fn]
+
+  @property
+  def clipping_choice(self) -> list[str]:
+    """What the clipped sum runs, as log lines: per-example gradients, or ghost clipping with
+    each layer's form (`clipping.make_clipped_sum_fn`); empty before the first trace of
+    'auto' / 'ghost' and for the non-private step."""
+    return list(self._choice)

@@ -96,7 +96,8 @@ class WSConv(nn.Module):
 
 # Ghost clipping's closed-form rule for this layer (dpjax.ghost_clipping.conv._ws_sq_norms
 # restates the standardisation above); the clipping code imports no model.
-ghost_clipping.register_norm_rule(WSConv, name='wsconv', params=ghost_clipping.conv.WS_CONV_PARAMS)(
+ghost_clipping.register_norm_rule(WSConv, name='wsconv', params=ghost_clipping.conv.WS_CONV_PARAMS,
+                                  form=ghost_clipping.conv.ws_conv_form)(
     ghost_clipping.conv.ws_conv_sq_norms)
 
 

@@ -270,6 +270,8 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
         jax.block_until_ready(params)
         window_clock = time.time()
         compile_seconds = window_clock - first_time
+        if step_fns.clipping_choice:  # Known once the step is traced: one line per layer.
+          log('Clipping: ' + '\n  '.join(step_fns.clipping_choice))
       else:
         window_steps += int(chunk.count)
         window_examples += sum(min(logical.size, plan.max_batch_size)

@@ -1,6 +1,7 @@
 """dpjax.ghost_clipping against per-example gradients (the vmap path)."""
 
 import logging
+import re
 
 import flax.linen as nn
 import jax
@@ -159,6 +160,57 @@ def test_every_layer_type_matches_per_example_gradients():
   assert {l.rule for l in coverage.layers} == set(ghost_clipping.RULES.values())
   assert not coverage.materialised
   assert len(coverage.layers) == 16
+
+
+# The form each AllLayers call takes by the mixed rule (its shapes; see the comments there).
+ALL_LAYERS_FORMS = [
+    'Conv_0: conv materialised (S=9, m=27, c=4)',
+    'Dense_0: dense rank-1 (S=1, m=108, c=5)',
+    'Dense_1: dense ghost (S=6, m=18, c=16)',
+    'Dense_2: dense materialised (S=6, m=18, c=2)',
+    'DenseGeneral_0: dense_general ghost (S=6, m=18, c=32)',
+    'DenseGeneral_1: dense_general materialised (S=6, m=18, c=5)',
+    'Conv_1: conv materialised (S=16, m=18, c=3)',
+    'Conv_2: conv ghost (S=6, m=27, c=32)',
+    'Conv_3: conv materialised (S=6, m=54, c=3)',
+    'Embed_0: embed ghost (T=6 tokens, V=50, D=4)',
+    'Embed_1: embed materialised (T=6 tokens, V=3, D=4)',
+    'LayerNorm_0: norm per-example vjp',
+    'RMSNorm_0: norm per-example vjp',
+    'GroupNorm_0: norm per-example vjp',
+    'WSConv_0: wsconv materialised (S=9, m=27, c=4)',
+    'Dense_3: dense rank-1 (S=1, m=929, c=3)',
+]
+
+
+def test_layer_forms_follow_the_mixed_rule_from_each_calls_shapes():
+  x, y = _inputs((6, 6, 3), 7, seed=100)
+  model = AllLayers()
+  coverage = ghost_clipping.analyse_coverage(
+      dp_step.make_loss_fn(model), _init(model, x, seed=1), x[0], y[0])
+  assert coverage.layer_forms() == ALL_LAYERS_FORMS
+  for line in ALL_LAYERS_FORMS:  # The logged choice is the rule's: S(m + c) < m·c.
+    if match := re.search(r'(ghost|materialised) \(S=(\d+), m=(\d+), c=(\d+)\)', line):
+      s, m, c = map(int, match.groups()[1:])
+      assert (match[1] == 'ghost') == (s * (m + c) < m * c), line
+
+
+@pytest.mark.parametrize('ghost', [True, False], ids=['all_ghost', 'all_materialised'])
+def test_ghost_and_materialised_forms_give_the_same_clipped_sum_for_every_layer(
+    monkeypatch, ghost):
+  """Each layer forced to one form of the mixed rule (and Embed's): norms and clipped
+  sums still equal the per-example gradients', and the logged forms say so."""
+  monkeypatch.setattr(ghost_clipping.mixed, 'use_ghost', lambda s, m, c: ghost)
+  monkeypatch.setattr(ghost_clipping.embedding, 'materialise', lambda vocab, tokens: not ghost)
+  x, y = _inputs((6, 6, 3), 7, seed=100)
+  coverage = _assert_matches_vmap(AllLayers(), x, y)
+  want = 'ghost' if ghost else 'materialised'
+  for line in coverage.layer_forms():
+    name, rule, form = line.split(' ', 2)
+    if rule == 'norm':  # One form: a vjp of the layer per example.
+      assert form == 'per-example vjp', line
+    else:  # S = 1: ‖a‖²‖δ‖², exact in both forms.
+      assert form.startswith('rank-1' if '(S=1,' in form else want), line
 
 
 def _config(name, **kw):

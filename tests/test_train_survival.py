@@ -37,7 +37,7 @@ def test_divergence_stops_with_the_step_range_and_keeps_the_last_good_checkpoint
   assert result['step'] == 8 and result['train_loss'] < 10
 
 
-def test_start_is_two_lines_and_progress_states_rate_eta_and_epsilon(tmp_path):
+def test_start_states_plan_and_clipping_per_layer_and_progress_rate_eta_and_epsilon(tmp_path):
   proc = subprocess.run(
       [sys.executable, '-m', 'dpjax.train', f'--config={REPO}/configs/digits_mlp.py:runlocal',
        f'--workdir={tmp_path / "w"}', '--config.log_every_steps=2'],
@@ -47,11 +47,16 @@ def test_start_is_two_lines_and_progress_states_rate_eta_and_epsilon(tmp_path):
   assert lines[0].startswith('1 device(s) on 1 process(es)')
   assert lines[1].startswith('Model mlp with 4,810 parameters; poisson sampler, N = 1437, b = 256')
   assert 'σ = ' in lines[1] and '(calibrated)' in lines[1] and 'target ε = 3' in lines[1]
+  # What the compiled step runs, per layer (an MLP: rank-1 ghost norms, Goodfellow 2015).
+  assert lines[2:5] == [
+      'Clipping: ghost clipping, per layer (mixed rule of Bu et al. 2022: ghost where '
+      'S²(m + c) < S·m·c):', '  Dense_0: dense rank-1 (S=1, m=64, c=64)',
+      '  Dense_1: dense rank-1 (S=1, m=64, c=10)']
   progress = [line for line in lines if line.startswith('step ')]
   assert [p.split(',')[0] for p in progress] == ['step 2/5', 'step 4/5', 'step 5/5']
   assert all(' ex/s, ETA ' in p and re.search(r'epsilon=[\d.]+ \(upper\)', p) for p in progress)
   assert lines[-1].startswith('Final: step 5, test accuracy ')
-  assert len(lines) == 2 + len(progress) + 1  # No config dump (it is in config.json).
+  assert len(lines) == 5 + len(progress) + 1  # No config dump (it is in config.json).
   rows = [json.loads(line) for line in open(tmp_path / 'w' / 'metrics.jsonl')]
   trained = [row for row in rows if 'train_loss' in row]
   assert all(row['epsilon_bound'] == 'upper' for row in trained)  # ε says what it bounds.

@@ -25,7 +25,6 @@ from dpjax.ghost_clipping.mixed import _Blocks
 from dpjax.ghost_clipping.mixed import _HIGHEST
 from dpjax.ghost_clipping.mixed import _per_example_grads
 from dpjax.ghost_clipping.mixed import _scan_blocks
-from dpjax.ghost_clipping.mixed import use_ghost as _use_ghost
 from dpjax.ghost_clipping.registry import register_norm_rule
 from dpjax.ghost_clipping.util import broadcast as _broadcast
 
@@ -73,7 +72,7 @@ def _ws_sq_norms(module: nn.Module, theta: dict, blocks: _Blocks,
   r = jax.lax.rsqrt(jnp.maximum(rho2, module.eps))
   z = (centred * r).reshape(blocks.count, width, c)  # Rows per block (HWIO).
   kappa = jnp.square(theta['gain'] * r)  # [c].
-  if _use_ghost(s, m, c):
+  if mixed.use_ghost(s, m, c):
     def body(carry, b, k):
       gram, total, proj = carry
       return (gram + jnp.einsum('nsm,ntm->nst', b, b, precision=_HIGHEST),
@@ -159,7 +158,7 @@ def _blocks_and_d2(layer, a, d):
   blocks = _conv_blocks(layer, a)
   d2 = d.reshape(n, -1, d.shape[-1])
   m = blocks.count * blocks.width
-  if blocks.unroll and (d2.shape[1] == 1 or _use_ghost(d2.shape[1], m, d2.shape[-1])):
+  if blocks.unroll and (d2.shape[1] == 1 or mixed.use_ghost(d2.shape[1], m, d2.shape[-1])):
     # Small, ghost form: one patches matrix, one Gram einsum (and the
     # operands of the book-kept clipped sum).
     a2 = jnp.concatenate([blocks.get(k) for k in range(blocks.count)], -1)
@@ -167,8 +166,26 @@ def _blocks_and_d2(layer, a, d):
   return blocks, d2
 
 
+def _shapes(layer) -> tuple[int, int, int]:
+  """(S output positions, m = prod(kernel)·C_in, c) of one example's call."""
+  kernel_size = layer.module.kernel_size
+  kernel = math.prod((kernel_size,) if isinstance(kernel_size, int) else kernel_size)
+  out = layer.out_aval.shape
+  return math.prod(out[:-1]), kernel * layer.in_aval.shape[-1], out[-1]
+
+
+def _conv_form(layer) -> str:
+  return mixed.linear_form(*_shapes(layer))
+
+
+def ws_conv_form(layer) -> str:
+  """The form `ws_conv_sq_norms` takes for this call (ghost or materialised, by the mixed rule)."""
+  s, m, c = _shapes(layer)
+  return f"{'ghost' if mixed.use_ghost(s, m, c) else 'materialised'} (S={s}, m={m}, c={c})"
+
+
 @register_norm_rule(nn.Conv, name='conv', params=({'kernel'}, {'kernel', 'bias'}),
-                    check=_conv_check)
+                    check=_conv_check, form=_conv_form)
 def conv_sq_norms(layer, theta: dict, a, d):
   """a [n, *lead, *spatial, C]: the leading axes (e.g. augmult views) join the positions."""
   a = a.astype(jnp.float32)
@@ -182,7 +199,7 @@ def ws_conv_sq_norms(layer, theta: dict, a, d):
   """The norm rule of a weight-standardised conv with SAME padding (`_ws_sq_norms`).
 
   Register it for such a layer: `register_norm_rule(WSConv, name='wsconv',
-  params=WS_CONV_PARAMS)(ws_conv_sq_norms)`; the layer must have the attributes
+  params=WS_CONV_PARAMS, form=ws_conv_form)(ws_conv_sq_norms)`; the layer must have the attributes
   `kernel_size`, `strides`, `eps` and parameters kernel, gain, bias.
   """
   a = a.astype(jnp.float32)

@@ -65,6 +65,17 @@ class Coverage:
           f'{p} ({why})' for p, why in self.uncovered)
     return text
 
+  def layer_forms(self) -> list[str]:
+    """One line per covered call: its parameters, rule and the form of its norm.
+
+    The form follows from the call's static shapes (the mixed rule of Bu et
+    al. 2022 for linear maps): e.g. 'Conv_0: conv materialised (S=256, m=27,
+    c=16)'; parameters with per-example copies are listed last.
+    """
+    lines = [f"{'/'.join(l.param_path) or '(root)'}: {l.rule.name}"
+             + (f' {l.rule.form(l)}' if l.rule.form else '') for l in self.layers]
+    return lines + [f"{'/'.join(p)}: per-example copy" for p in self.materialised]
+
 
 class _Interceptor:
   """Calls `on_call(key, next_fun, args, kwargs, ctx)` for each module call.

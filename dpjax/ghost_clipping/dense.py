@@ -26,7 +26,26 @@ def _dense_general_check(module: nn.Module) -> str:
   return _plain_dot(module)
 
 
-@register_norm_rule(nn.Dense, name='dense', params=_KERNEL_AND_BIAS, check=_plain_dot)
+def _dense_form(layer) -> str:
+  shape = layer.in_aval.shape
+  return mixed.linear_form(math.prod(shape[:-1]), shape[-1], layer.out_aval.shape[-1])
+
+
+def _contracted(module: nn.Module, ndim: int) -> list[int]:
+  """DenseGeneral's contracted axes of one example's ndim-D input, sorted as flax does."""
+  return sorted(ax % ndim for ax in as_tuple(module.axis))
+
+
+def _dense_general_form(layer) -> str:
+  shape = layer.in_aval.shape
+  axes = _contracted(layer.module, len(shape))
+  m = math.prod(shape[i] for i in axes)
+  s = math.prod(shape) // m
+  return mixed.linear_form(s, m, math.prod(layer.out_aval.shape) // s)
+
+
+@register_norm_rule(nn.Dense, name='dense', params=_KERNEL_AND_BIAS, check=_plain_dot,
+                    form=_dense_form)
 def dense_sq_norms(layer, theta: dict, a, d):
   """a [n, *lead, m], d [n, *lead, c]: the leading axes are the S positions."""
   n = a.shape[0]
@@ -36,13 +55,13 @@ def dense_sq_norms(layer, theta: dict, a, d):
 
 
 @register_norm_rule(nn.DenseGeneral, name='dense_general', params=_KERNEL_AND_BIAS,
-                    check=_dense_general_check)
+                    check=_dense_general_check, form=_dense_general_form)
 def dense_general_sq_norms(layer, theta: dict, a, d):
   """Contracts the layer's `axis` (sorted, as flax does); the other axes are positions."""
   n = a.shape[0]
   a = a.astype(jnp.float32)
   ndim = a.ndim - 1
-  axes = sorted(ax % ndim for ax in as_tuple(layer.module.axis))
+  axes = _contracted(layer.module, ndim)
   rest = [i for i in range(ndim) if i not in axes]
   a2 = jnp.transpose(a, [0] + [1 + i for i in rest + axes])
   m = math.prod(a.shape[1 + i] for i in axes)

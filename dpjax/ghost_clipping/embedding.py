@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -10,7 +12,19 @@ from dpjax.ghost_clipping.mixed import HIGHEST
 from dpjax.ghost_clipping.registry import register_norm_rule
 
 
-@register_norm_rule(nn.Embed, name='embed', params=({'embedding'}, {'embedding'}))
+def materialise(vocab: int, num_tokens: int) -> bool:
+  """[n, V, D] one-hot products when V <= the token count T (cost T·V·D vs the ghost T²·D)."""
+  return vocab <= num_tokens
+
+
+def _embed_form(layer) -> str:
+  vocab, tokens = layer.module.num_embeddings, math.prod(layer.in_aval.shape)
+  return (f"{'materialised' if materialise(vocab, tokens) else 'ghost'} "
+          f'(T={tokens} tokens, V={vocab}, D={layer.module.features})')
+
+
+@register_norm_rule(nn.Embed, name='embed', params=({'embedding'}, {'embedding'}),
+                    form=_embed_form)
 def embed_sq_norms(layer, theta: dict, a, d):
   """Materialised [n, V, D] when V <= the token count, else the ghost form over tokens."""
   del theta
@@ -22,7 +36,7 @@ def embed_sq_norms(layer, theta: dict, a, d):
   # broadcasts the one row to every token.
   tokens = jnp.where(tokens < 0, tokens + vocab, tokens) * (vocab > 1)
   d = d.reshape(n, tokens.shape[1], -1)
-  if vocab <= tokens.shape[1]:  # Materialise [n, V, D].
+  if materialise(vocab, tokens.shape[1]):  # [n, V, D].
     g = jnp.einsum('nsv,nsd->nvd', jax.nn.one_hot(tokens, vocab), d, precision=HIGHEST)
     return jnp.sum(jnp.square(g), axis=(1, 2)), {'embedding': g}, None
   same = tokens[:, :, None] == tokens[:, None, :]

@@ -22,6 +22,12 @@ def use_ghost(s: int, m: int, c: int) -> bool:
   return s * (m + c) < m * c
 
 
+def linear_form(s: int, m: int, c: int) -> str:
+  """The form `_linear_sq_norm` takes for S positions, m inputs, c outputs (for logs)."""
+  form = 'rank-1' if s == 1 else 'ghost' if use_ghost(s, m, c) else 'materialised'
+  return f'{form} (S={s}, m={m}, c={c})'
+
+
 class _Blocks(NamedTuple):
   """Column blocks of a layer's input matrix a [n, S, count·width].
 

@@ -16,7 +16,7 @@ def _local_statistics(module: nn.Module) -> str:
 
 
 @register_norm_rule(nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, name='norm',
-                    check=_local_statistics)
+                    check=_local_statistics, form=lambda layer: 'per-example vjp')
 def norm_sq_norms(layer, theta: dict, a, d):
   def one(a_i, d_i):
     _, vjp = jax.vjp(lambda t: layer.module.apply({'params': t}, a_i), theta)

@@ -32,6 +32,7 @@ class NormRule:
   required: frozenset[str] | None = None  # Parameter names a call must read (None: any).
   allowed: frozenset[str] | None = None  # ... and may read.
   check: Callable[[nn.Module], str] | None = None  # '' if covered, else why not.
+  form: Callable[[Any], str] | None = None  # Layer -> the form its norm takes (logs).
 
 
 # Registered layer types -> their rule (see `register_norm_rule`).
@@ -40,7 +41,8 @@ RULES: dict[type, NormRule] = {}
 
 def register_norm_rule(*layer_types: type, name: str,
                        params: tuple[set[str], set[str]] | None = None,
-                       check: Callable[[nn.Module], str] | None = None):
+                       check: Callable[[nn.Module], str] | None = None,
+                       form: Callable[[Any], str] | None = None):
   """Decorator registering `fn(layer, theta, a, d)` as the norm rule of `layer_types`.
 
   Args:
@@ -50,10 +52,12 @@ def register_norm_rule(*layer_types: type, name: str,
     params: (required, allowed) parameter names of one call; None: any
       parameters directly under the layer (normalisation layers).
     check: `module -> reason` ('' when this configuration is covered).
+    form: `layer -> text`, the form the rule takes for this call's static
+      shapes (e.g. 'ghost (S=64, m=144, c=32)'), logged per layer at start.
   """
   def register(fn):
     rule = NormRule(name, fn, None if params is None else frozenset(params[0]),
-                    None if params is None else frozenset(params[1]), check)
+                    None if params is None else frozenset(params[1]), check, form)
     for layer_type in layer_types:
       RULES[layer_type] = rule
     return fn
