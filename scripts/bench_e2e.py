@@ -10,19 +10,22 @@ trainer draws):
 * kernel: `DPStep.train_step`, the compiled logical-step program, called
   back to back on device-resident logical batches (index buffers into the
   training set on the device, or host-gathered buffers put on the device
-  beforehand) after warm-up; median over repeats.
+  beforehand) after warm-up.
 * multi_step_kernel: the program the trainer runs (`dpjax.multi_step`: S
   logical steps a call, same results) back to back on device-resident chunks.
 * fused_loop: the trainer's loop rebuilt in this process: sampler -> index
   buffers -> chunks -> the multi-step program (a `Prefetcher` thread for
   host-gathered buffers when the data does not fit), metrics fetched every
-  log step; timed round-robin with the kernels, median over repeats.
+  log step.
 
-ratio = e2e / kernel (issue 14's goal: >= 0.9); ratio_vs_multi_step_kernel =
-e2e / multi_step_kernel (what is left of the host's overhead once S steps
-share a dispatch); fused_loop_ratio = fused_loop / kernel. Also, for
-digits_mlp: the trainer's first 10 steps and its whole wall time with an
-empty and then a warm persistent compilation cache.
+Each config runs `--repeats` rounds: one trainer run, then the three timers
+once each, so every ratio pairs rates taken under the same load (a small VM's
+speed drifts by +-15% within a minute). ratio = median over rounds of e2e /
+kernel (issue 14's goal: >= 0.9); ratio_vs_multi_step_kernel = the same
+against multi_step_kernel (what is left of the host's overhead once S steps
+share a dispatch); fused_loop_ratio = fused_loop / kernel. Rates are medians
+over rounds. Also, for digits_mlp: the trainer's first 10 steps and its whole
+wall time with an empty and then a warm persistent compilation cache.
 
   python scripts/bench_e2e.py            # writes scripts/results/e2e.json
   python scripts/bench_e2e.py --quick    # < 5 min on 2 CPU cores; scripts/results/e2e_quick.json
@@ -57,7 +60,7 @@ CONFIGS = {
     'digits_mlp': {'file': 'configs/digits_mlp.py', 'overrides': {
         'sampler.batch_size': 256, 'sampler.physical_batch_size': 64},
         # Steps of ~0.3 ms on 2 CPU cores: log windows of 40 steps (~15 ms), not of a few ms.
-        'steps': 3000, 'quick_steps': 1000, 'log_every': 40, 'warmup': 40},
+        'steps': 3000, 'quick_steps': 1000, 'log_every': 40, 'warmup': 40, 'quick_repeats': 5},
     # WRN-16-4 (GroupNorm, weight standardisation) on 32x32x3 synthetic data.
     'wrn_synthetic': {'file': 'configs/cifar10_wrn.py', 'overrides': {
         'data.source': 'synthetic', 'data.num_examples': 2000, 'data.input_shape': (32, 32, 3),
@@ -152,15 +155,16 @@ def time_e2e(name: str, spec: dict, run: Run, env: dict | None = None) -> dict:
   return out
 
 
-def time_kernel_and_loop(run: Run, steps: range, log_every: int, repeats: int) -> tuple[dict, dict]:
-  """The kernel, the trainer's multi-step program and its loop on the same steps, timed
-  round-robin (load hits all alike).
+def kernel_and_loop_timers(run: Run, steps: range, log_every: int) -> tuple[dict, dict]:
+  """Timers of the kernel, the trainer's multi-step program and its loop on the same steps,
+  warmed up; each call of a timer runs the steps once and returns examples/s.
 
   kernel: `DPStep.train_step`, the logical-step program, back to back on device-resident
   logical batches after warm-up (the issue's definition). multi_step_kernel: the program the
   trainer runs (`dpjax.multi_step`, S steps a call) back to back on device-resident chunks.
   loop: the trainer's loop in this process: sampler -> index buffers -> chunks -> the
   multi-step program, one host sync per logged step (a Prefetcher for host-gathered rows).
+  Also returns facts about them (compilations, S, first call).
   """
   from dpjax import device_data, multi_step  # pylint: disable=g-import-not-at-top,multiple-imports
   k_max = run.batcher.max_physical_batches
@@ -213,24 +217,23 @@ def time_kernel_and_loop(run: Run, steps: range, log_every: int, repeats: int) -
           pending = []
     jax.block_until_ready((params, pending))
 
-  rates = {'kernel': [], 'multi_step_kernel': [], 'loop': []}
-  for i in range(repeats + 1):  # Round 0 warms up; not counted.
-    for name, fn in (('kernel', kernel), ('multi_step_kernel', multi_kernel), ('loop', loop)):
+  def timed(fn):
+    def rate():
       start = time.perf_counter()
       fn()
-      if i:
-        rates[name].append(examples / (time.perf_counter() - start))
-  kernel_out = {'examples_per_s': statistics.median(rates['kernel']),
-                'repeat_rates': rates['kernel'], 'device_data': on_device,
-                'first_call_seconds': first_call,
-                'compilations': run.step.compile_count('train_step'),
-                'multi_step_examples_per_s': statistics.median(rates['multi_step_kernel']),
-                'multi_step_repeat_rates': rates['multi_step_kernel'],
-                'steps_per_call': size, 'multi_step_compilations': runner.compile_count()}
-  loop_out = {'examples_per_s': statistics.median(rates['loop']), 'repeat_rates': rates['loop'],
-              'buffers': 'index buffers made inline' if on_device else
-                         'host buffers from a Prefetcher thread (depth 2)'}
-  return kernel_out, loop_out
+      return examples / (time.perf_counter() - start)
+    return rate
+
+  timers = {'kernel': timed(kernel), 'multi_step_kernel': timed(multi_kernel),
+            'fused_loop': timed(loop)}
+  for rate in timers.values():  # Warm-up (the loop's and multi-step's programs are compiled).
+    rate()
+  facts = {'device_data': on_device, 'first_call_seconds': first_call,
+           'compilations': run.step.compile_count('train_step'), 'steps_per_call': size,
+           'multi_step_compilations': runner.compile_count(),
+           'loop_buffers': 'index buffers made inline' if on_device else
+                           'host buffers from a Prefetcher thread (depth 2)'}
+  return timers, facts
 
 
 def time_compilation_cache(name: str, spec: dict, run: Run) -> dict:
@@ -251,7 +254,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--quick', action='store_true', help='fewer steps (< 5 min on 2 cores)')
   parser.add_argument('--configs', nargs='+', default=list(CONFIGS), choices=list(CONFIGS))
-  parser.add_argument('--repeats', type=int, default=None, help='kernel / loop repeats')
+  parser.add_argument('--repeats', type=int, default=None, help='rounds (trainer run + timers) per config')
   parser.add_argument('--out', default=None)
   args = parser.parse_args()
   repeats = args.repeats or (3 if args.quick else 5)
@@ -272,30 +275,40 @@ def main():
     run = Run(spec)
     timed = range(spec['warmup'], spec['num_steps'])
     config_repeats = args.repeats or (spec.get('quick_repeats', repeats) if args.quick else repeats)
-    print(f'{name}: e2e ({spec["num_steps"]} steps of python -m dpjax.train)...', flush=True)
-    e2e = time_e2e(name, spec, run, {'JAX_COMPILATION_CACHE_DIR': cache_dir or '',
-                                     'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0.1'})
-    print(f'{name}: kernel and fused loop, round-robin...', flush=True)
-    kernel, loop = time_kernel_and_loop(run, timed, spec['log_every'], config_repeats)
+    env = {'JAX_COMPILATION_CACHE_DIR': cache_dir or '',
+           'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0.1'}
+    timers, facts = kernel_and_loop_timers(run, timed, spec['log_every'])
+    # Rounds: a trainer run, then each in-process timer once, so a ratio compares rates taken
+    # under the same load (this VM's speed drifts by +-15% over a minute).
+    rounds = []
+    for i in range(config_repeats):
+      print(f'{name}: round {i + 1}/{config_repeats}: e2e ({spec["num_steps"]} steps of '
+            'python -m dpjax.train), then kernel, multi-step kernel and fused loop...', flush=True)
+      e2e = time_e2e(name, spec, run, env)
+      rounds.append({'e2e': e2e, **{key: rate() for key, rate in timers.items()}})
+    median = lambda key: statistics.median(r[key] if key != 'e2e' else r['e2e']['examples_per_s']
+                                           for r in rounds)
+    paired = lambda key, base: statistics.median(r['e2e']['examples_per_s'] / r[base]
+                                                 for r in rounds)
     entry = {'repeats': config_repeats, 'physical_loop': run.step.loop_mode(run.params),
              'overrides': {k: v for k, v in spec['overrides'].items()},
              'max_batch_size': run.max_batch_size,
              'expected_batch_size': run.sampler.expected_batch_size,
-             'timed_steps': [timed.start, timed.stop], 'e2e': e2e, 'kernel': kernel,
-             'fused_loop': loop}
+             'timed_steps': [timed.start, timed.stop], 'kernel_facts': facts, 'rounds': rounds}
     if name == 'digits_mlp':
       print(f'{name}: compilation cache cold / warm...', flush=True)
       entry['compilation_cache'] = time_compilation_cache(name, spec, run)
     results['configs'][name] = entry
-    summary[name] = {'e2e_examples_per_s': e2e['examples_per_s'],
-                     'kernel_examples_per_s': kernel['examples_per_s'],
-                     'ratio': e2e['examples_per_s'] / kernel['examples_per_s'],
-                     'steps_per_call': kernel['steps_per_call'],
-                     'multi_step_kernel_examples_per_s': kernel['multi_step_examples_per_s'],
-                     'ratio_vs_multi_step_kernel': (e2e['examples_per_s']
-                                                    / kernel['multi_step_examples_per_s']),
-                     'fused_loop_examples_per_s': loop['examples_per_s'],
-                     'fused_loop_ratio': loop['examples_per_s'] / kernel['examples_per_s']}
+    summary[name] = {'e2e_examples_per_s': median('e2e'),
+                     'kernel_examples_per_s': median('kernel'),
+                     'ratio': paired('e2e', 'kernel'),
+                     'round_ratios': [r['e2e']['examples_per_s'] / r['kernel'] for r in rounds],
+                     'steps_per_call': facts['steps_per_call'],
+                     'multi_step_kernel_examples_per_s': median('multi_step_kernel'),
+                     'ratio_vs_multi_step_kernel': paired('e2e', 'multi_step_kernel'),
+                     'fused_loop_examples_per_s': median('fused_loop'),
+                     'fused_loop_ratio': statistics.median(r['fused_loop'] / r['kernel']
+                                                           for r in rounds)}
     print(f'{name}: {json.dumps(summary[name])}', flush=True)
   results['summary'] = summary
   results['load_average_end'] = os.getloadavg()
