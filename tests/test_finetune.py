@@ -116,7 +116,9 @@ def test_lora_only_the_adapters_change_and_start_at_the_pretrained_model():
   before = finetune.flatten(params)
   for k in ('Dense_2/kernel', 'Dense_2/bias'):
     np.testing.assert_array_equal(np.asarray(full[k]), np.asarray(before[k]))
-  # W' = W + (α/r)·A·B, checked in float64.
+  # W' = W + (α/r)·A·B, checked in float64 (A·B in float32: GPUs default to TF32 matmuls).
+  with jax.default_matmul_precision('highest'):
+    full = finetune.flatten(model.full_params(finetune.unflatten(trained)))
   a = np.asarray(trained['Dense_0/kernel_lora_a'], np.float64)
   b = np.asarray(trained['Dense_0/kernel_lora_b'], np.float64)
   expected = np.asarray(before['Dense_0/kernel'], np.float64) + 2.0 * a @ b
