@@ -16,6 +16,12 @@ affects them alike. Also checks that ghost and vmap give the same clipped sum
 on the timed batch (max |ghost - vmap| / max |vmap| over leaves) and the
 same sum of norms.
 
+With --forms, ghost clipping is also timed with every layer forced to one
+form of the mixed rule (all ghost, then all materialised, Embed likewise):
+does the rule's choice from FLOP counts (ghost where S²(m + c) < S·m·c, Bu et
+al. 2022) pick the faster form on this device? Reported as `forms`, each
+ratio to non-private.
+
 Models (issue 5): MLP 784-128-10 and the tanh CNN on 28x28x1 at P = 256,
 WRN-16-4 (GroupNorm, weight standardisation) on 32x32x3 at P = 16, and the
 default transformer (2 layers, width 64) on 28 tokens of 28 features at
@@ -29,12 +35,14 @@ repeats.
 Run:
   python scripts/bench_clipping.py            # mlp cnn wrn transformer, ~7 min on 2 cores
   python scripts/bench_clipping.py --models mlp cnn --repeats 30
+  python scripts/bench_clipping.py --models cnn wrn transformer --forms --out /tmp/forms.json
   python scripts/bench_clipping.py --models mlp cnn wrn transformer vit   # on a GPU
 Writes scripts/results/bench_clipping.json (bench_clipping_gpu.json on a
 GPU; or --out).
 """
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -46,6 +54,7 @@ import numpy as np
 import optax
 
 from dpjax import dp_step
+from dpjax import ghost_clipping
 from dpjax import models
 
 METHODS = ('nonprivate', 'vmap', 'ghost')
@@ -129,9 +138,29 @@ def _rel_diff(a, b) -> float:
              for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b))) / scale
 
 
+FORCED = {'ghost:all_ghost': True, 'ghost:all_materialised': False}
+
+
+@contextlib.contextmanager
+def _forced_form(method: str):
+  """While tracing: every mixed-rule layer (and Embed) in one form, for FORCED methods."""
+  if method not in FORCED:
+    yield
+    return
+  ghost = FORCED[method]
+  mixed, embedding = ghost_clipping.mixed, ghost_clipping.embedding
+  saved = mixed.use_ghost, embedding.materialise
+  mixed.use_ghost = lambda s, m, c: ghost
+  embedding.materialise = lambda vocab, tokens: not ghost
+  try:
+    yield
+  finally:
+    mixed.use_ghost, embedding.materialise = saved
+
+
 def bench_model(name: str, repeats: int, budget: int,
-                verify_below_s: float) -> dict:
-  """Times the three methods interleaved (round-robin), so that load changes
+                verify_below_s: float, forms: bool = False) -> dict:
+  """Times the methods interleaved (round-robin), so that load changes
   on the shared machine affect them alike; medians over rounds."""
   model, shape, p = _model(name)
   params = dp_step.init_params(model, 0, shape)
@@ -140,7 +169,17 @@ def bench_model(name: str, repeats: int, budget: int,
          'num_params': int(sum(l.size for l in jax.tree.leaves(params))),
          'methods': {}}
   compiled, accs, sums = {}, {}, {}
-  for method in METHODS:
+  methods = METHODS + (tuple(FORCED) if forms else ())
+  for method in methods:
+    if method in FORCED:  # Timed and checked only.
+      with _forced_form(method):
+        step = _step(model, 'ghost', p)
+        compiled[method], compile_s, peak = _compile(step, params, batch)
+      one = compiled[method](params, step.init_accumulator(params), batch)
+      sums[method] = jax.block_until_ready((one.grad_sum, one.stats))
+      accs[method] = compiled[method](params, step.init_accumulator(params), batch)
+      out['methods'][method] = {'compile_seconds': compile_s, 'peak_bytes': peak}
+      continue
     step = _step(model, method, p)
     compiled[method], compile_s, peak = _compile(step, params, batch)
     one = compiled[method](params, step.init_accumulator(params), batch)
@@ -166,27 +205,35 @@ def bench_model(name: str, repeats: int, budget: int,
       compiled['nonprivate'](params, accs['nonprivate'], batch))
   calls = max(1, int(np.ceil(MIN_SAMPLE_S / (time.perf_counter() - start))))
   out['calls_per_sample'] = calls
-  times = {m: [] for m in METHODS}
+  times = {m: [] for m in methods}
   for _ in range(repeats):
-    for method in METHODS:
+    for method in methods:
       start = time.perf_counter()
       for _ in range(calls):
         accs[method] = compiled[method](params, accs[method], batch)
       jax.block_until_ready(accs[method])
       times[method].append((time.perf_counter() - start) / calls)
-  for method in METHODS:
+  for method in methods:
     r = out['methods'][method]
     r['seconds_per_batch'] = float(np.median(times[method]))
     r['examples_per_second'] = p / r['seconds_per_batch']
     print(f'{name:12s} {method:10s} {r["examples_per_second"]:10.1f} ex/s '
           f'{r["seconds_per_batch"] * 1e3:9.2f} ms/batch  peak '
           f'{r["peak_bytes"] / 2**20:8.1f} MiB  max P '
-          f'{r["max_physical_batch_size"]} (compile '
+          f'{r.get("max_physical_batch_size", "-")} (compile '
           f'{r["compile_seconds"]:.1f}s)', flush=True)
   base = out['methods']['nonprivate']['examples_per_second']
   for method in ('vmap', 'ghost'):
     out[f'{method}_over_nonprivate'] = (
         out['methods'][method]['examples_per_second'] / base)
+  if forms:  # The mixed rule's choice against each layer forced to one form.
+    out['forms'] = {'mixed_rule': out['ghost_over_nonprivate'], **{
+        method.split(':')[1]: out['methods'][method]['examples_per_second'] / base
+        for method in FORCED}}
+    out['forced_vs_vmap_grad_sum_rel_diff'] = {
+        method: _rel_diff(sums[method][0], sums['vmap'][0]) for method in FORCED}
+    print(f'{name:12s} forms / nonprivate: ' + '  '.join(
+        f'{k} {v:.3f}' for k, v in out['forms'].items()), flush=True)
   out['ghost_vs_vmap_grad_sum_rel_diff'] = _rel_diff(sums['ghost'][0],
                                                      sums['vmap'][0])
   out['ghost_vs_vmap_grad_norm_sum_rel_diff'] = abs(
@@ -208,6 +255,9 @@ def main():
   parser.add_argument('--verify-below-s', type=float, default=20.0,
                       help='compile the fitted max P only for models that '
                       'compile faster than this (WRN-16-4 takes ~30 s)')
+  parser.add_argument('--forms', action='store_true',
+                      help='also time ghost clipping with every layer forced to the ghost, '
+                      'then the materialised, form')
   parser.add_argument('--out', default=None)
   args = parser.parse_args()
   backend = jax.default_backend()
@@ -226,7 +276,7 @@ def main():
   start = time.perf_counter()
   for name in args.models:
     result['models'][name] = bench_model(name, args.repeats, budget,
-                                         args.verify_below_s)
+                                         args.verify_below_s, args.forms)
   result['wall_seconds'] = time.perf_counter() - start
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, 'w') as f:
