@@ -141,23 +141,6 @@ def _rel_diff(a, b) -> float:
 FORCED = {'ghost:all_ghost': True, 'ghost:all_materialised': False}
 
 
-@contextlib.contextmanager
-def _forced_form(method: str):
-  """While tracing: every mixed-rule layer (and Embed) in one form, for FORCED methods."""
-  if method not in FORCED:
-    yield
-    return
-  ghost = FORCED[method]
-  mixed, embedding = ghost_clipping.mixed, ghost_clipping.embedding
-  saved = mixed.use_ghost, embedding.materialise
-  mixed.use_ghost = lambda s, m, c: ghost
-  embedding.materialise = lambda vocab, tokens: not ghost
-  try:
-    yield
-  finally:
-    mixed.use_ghost, embedding.materialise = saved
-
-
 def bench_model(name: str, repeats: int, budget: int,
                 verify_below_s: float, forms: bool = False) -> dict:
   """Times the methods interleaved (round-robin), so that load changes
@@ -171,21 +154,17 @@ def bench_model(name: str, repeats: int, budget: int,
   compiled, accs, sums = {}, {}, {}
   methods = METHODS + (tuple(FORCED) if forms else ())
   for method in methods:
-    if method in FORCED:  # Timed and checked only.
-      with _forced_form(method):
-        step = _step(model, 'ghost', p)
-        compiled[method], compile_s, peak = _compile(step, params, batch)
-      one = compiled[method](params, step.init_accumulator(params), batch)
-      sums[method] = jax.block_until_ready((one.grad_sum, one.stats))
-      accs[method] = compiled[method](params, step.init_accumulator(params), batch)
-      out['methods'][method] = {'compile_seconds': compile_s, 'peak_bytes': peak}
-      continue
-    step = _step(model, method, p)
-    compiled[method], compile_s, peak = _compile(step, params, batch)
+    with (ghost_clipping.mixed.forced_form(FORCED[method]) if method in FORCED
+          else contextlib.nullcontext()):  # Traced while compiling.
+      step = _step(model, 'ghost' if method in FORCED else method, p)
+      compiled[method], compile_s, peak = _compile(step, params, batch)
     one = compiled[method](params, step.init_accumulator(params), batch)
     sums[method] = jax.block_until_ready((one.grad_sum, one.stats))
     accs[method] = compiled[method](params, step.init_accumulator(params),
                                     batch)  # Warm-up; reused (donated).
+    if method in FORCED:  # Timed and checked only.
+      out['methods'][method] = {'compile_seconds': compile_s, 'peak_bytes': peak}
+      continue
     _, _, peak2 = _compile(step, params, _batch(shape, 2 * p))
     max_p, checked = _max_batch(model, method, params, shape,
                                 [(p, peak), (2 * p, peak2)], budget,

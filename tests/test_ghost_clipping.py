@@ -196,16 +196,16 @@ def test_layer_forms_follow_the_mixed_rule_from_each_calls_shapes():
 
 
 @pytest.mark.parametrize('ghost', [True, False], ids=['all_ghost', 'all_materialised'])
-def test_ghost_and_materialised_forms_give_the_same_clipped_sum_for_every_layer(
-    monkeypatch, ghost):
+def test_ghost_and_materialised_forms_give_the_same_clipped_sum_for_every_layer(ghost):
   """Each layer forced to one form of the mixed rule (and Embed's): norms and clipped
   sums still equal the per-example gradients', and the logged forms say so."""
-  monkeypatch.setattr(ghost_clipping.mixed, 'use_ghost', lambda s, m, c: ghost)
-  monkeypatch.setattr(ghost_clipping.embedding, 'materialise', lambda vocab, tokens: not ghost)
   x, y = _inputs((6, 6, 3), 7, seed=100)
-  coverage = _assert_matches_vmap(AllLayers(), x, y)
+  with ghost_clipping.mixed.forced_form(ghost):
+    coverage = _assert_matches_vmap(AllLayers(), x, y)
+    forms = coverage.layer_forms()
+  assert coverage.layer_forms() == ALL_LAYERS_FORMS  # The mixed rule again outside.
   want = 'ghost' if ghost else 'materialised'
-  for line in coverage.layer_forms():
+  for line in forms:
     name, rule, form = line.split(' ', 2)
     if rule == 'norm':  # One form: a vjp of the layer per example.
       assert form == 'per-example vjp', line

@@ -180,8 +180,7 @@ def _conv_form(layer) -> str:
 
 def ws_conv_form(layer) -> str:
   """The form `ws_conv_sq_norms` takes for this call (ghost or materialised, by the mixed rule)."""
-  s, m, c = _shapes(layer)
-  return f"{'ghost' if mixed.use_ghost(s, m, c) else 'materialised'} (S={s}, m={m}, c={c})"
+  return mixed.linear_form(*_shapes(layer), rank_one=False)
 
 
 @register_norm_rule(nn.Conv, name='conv', params=({'kernel'}, {'kernel', 'bias'}),

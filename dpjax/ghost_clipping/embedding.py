@@ -8,13 +8,16 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dpjax.ghost_clipping import mixed
 from dpjax.ghost_clipping.mixed import HIGHEST
 from dpjax.ghost_clipping.registry import register_norm_rule
 
 
 def materialise(vocab: int, num_tokens: int) -> bool:
-  """[n, V, D] one-hot products when V <= the token count T (cost T·V·D vs the ghost T²·D)."""
-  return vocab <= num_tokens
+  """[n, V, D] one-hot products when V <= the token count T (cost T·V·D vs the ghost T²·D),
+  unless `mixed.forced_form` says otherwise."""
+  forced = mixed.forced_ghost()
+  return vocab <= num_tokens if forced is None else not forced
 
 
 def _embed_form(layer) -> str:

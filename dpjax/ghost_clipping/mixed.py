@@ -3,11 +3,14 @@
 A layer z = a·W + b at S positions of one example has g_i = a_iᵀ δ_i and
 ‖g_i‖² = Σ_{s,s'} (a_s·a_s')(δ_s·δ_s') (ghost, cost S²(m + c)) = ‖a_iᵀ δ_i‖²_F
 (materialised, cost S·m·c); `use_ghost` picks the cheaper from the shapes.
+`forced_form` overrides every rule's choice (tests and benchmarks compare the
+two forms with it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+import contextlib
 from typing import NamedTuple
 
 import jax
@@ -17,14 +20,36 @@ HIGHEST = jax.lax.Precision.HIGHEST
 _HIGHEST = HIGHEST
 
 
+_forced: bool | None = None  # Set by `forced_form`: every choice is this (True: ghost).
+
+
+def forced_ghost() -> bool | None:
+  """The form `forced_form` imposes (True: ghost, False: materialised), or None."""
+  return _forced
+
+
+@contextlib.contextmanager
+def forced_form(ghost: bool) -> Iterator[None]:
+  """While tracing inside: every rule that chooses between a ghost and a materialised form
+  (the mixed rule, Embed's) takes the ghost one (True) or the materialised one (False)."""
+  global _forced
+  saved, _forced = _forced, bool(ghost)
+  try:
+    yield
+  finally:
+    _forced = saved
+
+
 def use_ghost(s: int, m: int, c: int) -> bool:
-  """Mixed rule: ghost form S²(m + c) cheaper than materialising S·m·c."""
-  return s * (m + c) < m * c
+  """Mixed rule: ghost form S²(m + c) cheaper than materialising S·m·c (or `forced_form`)."""
+  return s * (m + c) < m * c if _forced is None else _forced
 
 
-def linear_form(s: int, m: int, c: int) -> str:
-  """The form `_linear_sq_norm` takes for S positions, m inputs, c outputs (for logs)."""
-  form = 'rank-1' if s == 1 else 'ghost' if use_ghost(s, m, c) else 'materialised'
+def linear_form(s: int, m: int, c: int, rank_one: bool = True) -> str:
+  """The form `_linear_sq_norm` takes for S positions, m inputs, c outputs (for logs);
+  rank_one=False for rules without the S = 1 shortcut."""
+  form = ('rank-1' if rank_one and s == 1 else 'ghost' if use_ghost(s, m, c)
+          else 'materialised')
   return f'{form} (S={s}, m={m}, c={c})'
 
 
