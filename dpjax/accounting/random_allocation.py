@@ -7,6 +7,18 @@ Balls-and-bins puts each example in one of T steps per epoch, uniformly: "random
 loss, so it is paid in δ) or is *dominated* by it (an optimistic one):
 `PLD_accounting.gaussian_allocation_pld(..., bound_type=BoundType.DOMINATES / IS_DOMINATED)`.
 
+Why dpjax's ε may sit below the upper end of `PLD_accounting.gaussian_allocation_epsilon_range`:
+both are ε(δ) of this one construction (GEOM convolution): the remove PMF of the loss
+L(x) = log((1/T) Σ_t e^{(2x_t − 1)/(2σ²)}) of the tight pair P = (1/T) Σ_t N(e_t, σ²I) vs
+Q = N(0, σ²I), and the add PMF of its mirror, both kept, ε the worse of the two (dp_accounting's
+`PrivacyLossDistribution`). The range function (`adaptive_random_allocation.
+optimize_allocation_epsilon_range`) builds it at grid ε_Poisson/20 and tail mass δ/10 and returns
+the first pair with upper/lower ≤ 1.1, usually that first one; dpjax builds it at grid
+min(ε_Poisson/12, 0.02) and tail mass ≤ δ/1000. Where ε_Poisson > 0.4 (the range's grid above
+dpjax's 0.02) dpjax's ε is thus the library's own upper bound on a finer setting, and may sit below
+the range's upper end (never below its lower end); at smaller ε dpjax's grid is the coarser one
+and its ε may sit above (tests/test_random_allocation_vs_library.py).
+
 Epochs use independent assignments, so E epochs are dominated by the E-fold composition of the
 one-epoch PLD; dp_accounting composes a pessimistic PLD pessimistically (truncated tails to the
 infinite loss) and an optimistic one optimistically. One build per (σ, T, grid) therefore
