@@ -36,8 +36,11 @@ the roundings of the inputs, the products and a blocked (tree) float32
 accumulation, whose error grows with log2 of the length, not the length
 (XLA's reductions and GEMMs accumulate in float32 in blocks). This is a
 rounding model, not a worst-case proof: massive cancellation inside one
-per-example gradient (‖Σ_s a_sᵀδ_s‖ ≪ Σ_s‖a_s‖‖δ_s‖) can exceed it in
-theory; tests/test_precision.py measures the worst ratio on real models in
+per-example gradient (‖Σ_s a_sᵀδ_s‖ ≪ Σ_s‖a_s‖‖δ_s‖) would exceed it, so the
+ghost rules add an allowance proportional to Σ_s‖a_s‖‖δ_s‖ for it
+(`ghost_clipping.mixed.with_allowance`, `conv.ws_allowance`);
+tests/test_ghost_adversarial.py checks every rule at adversarial parameter
+states and tests/test_precision.py measures the worst ratio on real models in
 bfloat16 against the margin. The noise keeps its std σ·C (C, not C').
 
 Margins: float32 9.5e-7, TF32 7.8e-3, bfloat16 6.5e-2. Measured on the CPU in
@@ -55,6 +58,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PRECISIONS = ('default', 'highest', 'bfloat16')
 KAPPA = 8
@@ -77,6 +81,31 @@ def matmul_format(precision: str, platform: str | None = None) -> str:
   platform = platform or jax.default_backend()
   return {'cpu': 'float32', 'gpu': 'tf32', 'cuda': 'tf32', 'rocm': 'tf32'}.get(
       platform, 'bfloat16')  # TPU: one bfloat16 pass by default.
+
+
+def traced_matmul_format(dtype: Any = jnp.float32, platform: str | None = None) -> str:
+  """The format a matmul of `dtype` operands traced here uses: 'float32', 'tf32' or 'bfloat16'.
+
+  From the dtype (fewer mantissa bits than float32: 'bfloat16', whose u bounds
+  float16's too) and jax's default matmul precision at trace time (what
+  `matmul_precision` / `jax.default_matmul_precision` set): 'highest',
+  'float32' and the F32/F64 dot algorithms give float32; 'high',
+  'tensorfloat32' and the TF32 or multi-pass bfloat16 algorithms TF32 (an upper
+  bound for the latter); unset, 'default' and 'bfloat16' the platform's
+  default (`matmul_format('default')`); any other algorithm bfloat16.
+  """
+  if jnp.finfo(dtype).nmant < jnp.finfo(jnp.float32).nmant:
+    return 'bfloat16'
+  setting = jax.config.jax_default_matmul_precision
+  setting = None if setting is None else str(setting).upper()
+  if setting in ('HIGHEST', 'FLOAT32', 'F32_F32_F32', 'F64_F64_F64'):
+    return 'float32'
+  if setting in ('HIGH', 'TENSORFLOAT32', 'TF32_TF32_F32', 'TF32_TF32_F32_X3',
+                 'BF16_BF16_F32_X3', 'BF16_BF16_F32_X6', 'BF16_BF16_F32_X9'):
+    return 'tf32'
+  if setting in (None, 'DEFAULT', 'BFLOAT16'):
+    return matmul_format('default', platform)
+  return 'bfloat16'
 
 
 def clip_margin(precision: str, platform: str | None = None) -> float:
@@ -107,3 +136,34 @@ def cast_floats(tree: Any, dtype: Any) -> Any:
   """Floating-point leaves of `tree` cast to dtype; integer leaves (tokens, labels) unchanged."""
   return jax.tree.map(
       lambda v: v.astype(dtype) if jnp.issubdtype(jnp.result_type(v), jnp.floating) else v, tree)
+
+
+# The sensitivity of the accumulated sum. Each contribution alone has norm <= C (above), but
+# S(D) and S(D') are different float32 computations: adding or removing one row changes the
+# rounding of every coordinate of the partial sums it meets. Under the same rounding model, a
+# float32 sum of n terms (a blocked reduction inside each physical batch, then a compensated
+# (Kahan) sum over the batches, `dp_step`) is off its exact value by at most
+# (KAPPA + SUM_KAPPA)·u·Σ_j |x_j| per coordinate, hence by (KAPPA + SUM_KAPPA)·u·n·C in L2, and
+#   ‖S(D) − S(D')‖ ≤ C' + 2·(KAPPA + SUM_KAPPA)·u·B·C'
+# for B the most rows a logical step sums (the cap). Clipping to C / (1 + margin)(1 + sum_margin)
+# keeps it <= C. Accumulation is float32 in every mode (matmul inputs may be rounded to TF32 or
+# bfloat16 first, but that rounding is per row: the per-example margin covers it).
+SUM_KAPPA = 2
+ACCUMULATION_ROUNDOFF = 2.0**-24
+
+
+def sum_margin(max_rows: int) -> float:
+  """2·(KAPPA + SUM_KAPPA)·u·B': the float32 sum's excess sensitivity over one row, relative to C.
+
+  B' is B rounded up to a power of two (never smaller than B), so that runs whose caps differ
+  a little (an automatic and an explicit P) clip to the same bound.
+  """
+  if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 1:
+    raise ValueError(f'max_batch_size must be an integer >= 1, got {max_rows!r}.')
+  return 2 * (KAPPA + SUM_KAPPA) * ACCUMULATION_ROUNDOFF * (1 << (int(max_rows) - 1).bit_length())
+
+
+def summed_clip_norm(clip_norm: float, precision: str, max_rows: int,
+                     platform: str | None = None) -> float:
+  """C'' = C / ((1 + margin)(1 + sum_margin(B))): per example, and for the sum of B rows."""
+  return effective_clip_norm(clip_norm, precision, platform) / (1 + sum_margin(max_rows))

@@ -139,8 +139,10 @@ def _assert_matches_vmap(model, x, y, num_pad=3):
   ok = np.isfinite(sum(want.values()))
   assert np.sum(ok) == n + num_pad - 3 * floats
   for path in want:
-    np.testing.assert_allclose(got[path][ok], want[path][ok], rtol=2e-5,
-                               err_msg=path)
+    # Never below the per-example gradient's norm; above it by at most the cancellation
+    # allowances (mixed.with_allowance, conv.ws_allowance: ~1e-5 relative in float32).
+    np.testing.assert_array_less(want[path][ok] * (1 - 2e-5), got[path][ok], err_msg=path)
+    np.testing.assert_allclose(got[path][ok], want[path][ok], rtol=2e-4, err_msg=path)
   assert not np.isfinite(sum(got.values())[~ok]).any()
   assert all(np.isfinite(l).all() for l in jax.tree.leaves(ghost))
   scale = max(float(np.max(np.abs(l))) for l in jax.tree.leaves(ref))
@@ -426,8 +428,7 @@ def test_dp_step_auto_is_ghost_equals_vmap_and_compiles_once(caplog):
         acc = step.init_accumulator(p)
         for b in batches:
           acc = step.accumulate(p, acc, b)
-        p, opt_state, metrics = step.apply(p, opt_state, acc,
-                                           dp_step.noise_key(0, t))
+        p, opt_state, metrics = step.apply(p, opt_state, acc, t)
       assert step.compile_count('accumulate') == 1
       assert step.compile_count('apply') == 1
       results[method] = (p, metrics)

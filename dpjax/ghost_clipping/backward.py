@@ -139,10 +139,14 @@ def ghost_pass(loss_fn: LossFn, params: Params, x: jax.Array, y: jax.Array,
                  'bias': jnp.sum(ct, axis=(0, 1))}
       else:  # The layer's own weight-gradient computation (vjp).
         a = jnp.where(rows(a), a, jnp.zeros((), a.dtype))
+        if jnp.issubdtype(a.dtype, jnp.floating):  # Not Embed's tokens.
+          a = a.astype(jnp.promote_types(a.dtype, jnp.float32))
         ct = jnp.where(rows(d), factor.reshape(rows(d).shape) * d, 0.0)
         out_, layer_vjp = jax.vjp(lambda t, a=a, l=l: jax.vmap(
             lambda a_i: l.module.apply({'params': t}, a_i))(a), theta)
         # theta is the float32 master copy: under bfloat16 compute the
+        # captured input is cast to float32 too (layers that do not promote
+        # dtypes, e.g. WSConv's lax.conv, reject mixed ones), so the
         # re-applied layer's output (hence its cotangent) is float32.
         grads = layer_vjp(ct.astype(out_.dtype))[0]
       for name in l.param_names:

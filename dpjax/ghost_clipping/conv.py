@@ -3,9 +3,11 @@
 A convolution is the linear map of `mixed` with a = the input patches (one
 row per output position), never formed: the input is visited one kernel
 offset at a time (`_Blocks`). A weight-standardised conv (W' = T(kernel,
-gain), De et al. 2022) has a closed form of T's vjp per output channel
-(`_ws_sq_norms`); the model that defines such a layer registers it with
-`ws_conv_sq_norms` (dpjax.networks.WSConv does), so this module imports no model.
+gain), Qiao et al. 2019, De et al. 2022) applies T's vjp to the materialised
+per-example gradients, or in the ghost form uses a closed form per output
+channel with a cancellation allowance (`_ws_sq_norms`); the model that defines
+such a layer registers it with `ws_conv_sq_norms` (dpjax.networks.WSConv
+does), so this module imports no model.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dpjax import precision
 from dpjax.ghost_clipping import mixed
 from dpjax.ghost_clipping.mixed import _Blocks
 from dpjax.ghost_clipping.mixed import _HIGHEST
 from dpjax.ghost_clipping.mixed import _per_example_grads
 from dpjax.ghost_clipping.mixed import _scan_blocks
+from dpjax.ghost_clipping.normalization import tree_sq_norms
 from dpjax.ghost_clipping.registry import register_norm_rule
 from dpjax.ghost_clipping.util import broadcast as _broadcast
 
@@ -47,56 +51,97 @@ def _conv_check(module: nn.Module) -> str:
   return ''
 
 
-def _ws_sq_norms(module: nn.Module, theta: dict, blocks: _Blocks,
-                 d: jax.Array) -> jax.Array:
-  """‖∂kernel‖² + ‖∂gain‖² [n] of a `networks.WSConv` call, without T's vjp.
+def ws_standardise(kernel: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
+  """W' = gain · (w − μ) · rsqrt(max(fan_in · var, eps)) per output channel (last axis).
+
+  The operations of networks.WSConv, so `jax.vjp` of this is the vjp autodiff
+  takes through that layer (and vmap's per-example gradients).
+  """
+  axes = tuple(range(kernel.ndim - 1))
+  mean = jnp.mean(kernel, axis=axes, keepdims=True)
+  var = jnp.var(kernel, axis=axes, keepdims=True)
+  fan_in = math.prod(kernel.shape[:-1])
+  return (kernel - mean) * jax.lax.rsqrt(jnp.maximum(var * fan_in, eps)) * gain
+
+
+def ws_allowance() -> float:
+  """η of `_ws_sq_norms`: 2ε + ε² + ε', ε = KAPPA(u + 2u₃₂), ε' = 4·KAPPA·u₃₂.
+
+  ε bounds the error of the book-kept sum's T-vjp relative to the exact one's
+  scale √(κ_o + 1)·‖g_o‖ (its conv weight gradient rounds in the traced format
+  u of float32 operands, `precision.traced_matmul_format`; the centring and
+  projection in float32), ε' that of the norm's terms (float32, HIGHEST).
+  """
+  u = precision.UNIT_ROUNDOFF[precision.traced_matmul_format(jnp.float32)]
+  u32 = precision.UNIT_ROUNDOFF['float32']
+  eps_sum = precision.KAPPA * (u + 2 * u32)
+  return 2 * eps_sum + eps_sum**2 + 4 * precision.KAPPA * u32
+
+
+def _ws_sq_norms(module: nn.Module, theta: dict, blocks: _Blocks, d: jax.Array,
+                 keep_grads: bool) -> tuple[jax.Array, dict | None]:
+  """(‖∂kernel‖² + ‖∂gain‖² [n], {kernel, gain} per example or None) of a `networks.WSConv` call.
 
   networks.WSConv uses W'_o = gain_o · (w_o − μ_o) · r_o per output channel o,
   r_o = rsqrt(max(ρ_o², eps)), ρ_o² = ‖w_o − μ_o‖² (= fan_in · var). With
   g_o = ∂loss/∂W'_o (a column of the conv's per-example gradient, from the
-  input blocks and output gradients d) and z_o = (w_o − μ_o)·r_o:
-    ∂gain_o = z_o·g_o,
-    ‖∂w_o‖² = gain_o² r_o² (‖g_o‖² − (1·g_o)²/m − [ρ_o² > eps] (z_o·g_o)²),
-  since ∂w_o = gain_o r_o (P g_o − u_o (u_o·g_o)) with P the centring
-  projection and u_o = z_o the unit vector when ρ_o² > eps (and without the
-  u term when the eps branch is active). Σ_o gain_o² r_o² ‖g_o‖² is a ghost
-  norm with d scaled per channel, so the mixed rule applies. Restates the
-  standardisation of networks.WSConv; tests compare with its per-example
-  gradients.
+  input blocks and output gradients d), z_o = (w_o − μ_o)·r_o and
+  κ_o = gain_o² r_o²:
+    ∂gain_o = z_o·g_o,   ∂w_o = gain_o r_o (P g_o − [ρ_o² > eps] z_o (z_o·g_o)),
+    ‖∂w_o‖² = κ_o (‖g_o‖² − (1·g_o)²/m − [ρ_o² > eps] (z_o·g_o)²),
+  P the centring projection. The closed form is a difference of squares: when
+  g_o lies nearly in span{1, z_o} (an input nearly constant across channels,
+  e.g. after a norm layer with a large bias) ‖∂w_o‖ ≪ ‖g_o‖ and both its
+  rounding and the book-kept sum's (the layer's vjp at Σ_i f_i g_i, exact to
+  ~u·√κ_o‖g_o‖, not ~u·‖∂w_o‖) can exceed ‖∂w_o‖ itself. So:
+
+  Materialised (mixed rule, Bu et al. 2022): ∂w_i = J_Tᵀ g_i by a vmapped vjp
+  of `ws_standardise`, its norm taken directly; with keep_grads the clipped
+  sum adds these very tensors (norm and sum agree, as with vmap).
+  Otherwise (ghost, or gradients too large to keep) the sum is the layer's
+  vjp and the estimate is rigorous up to a cancellation allowance: per
+  channel, with B_o = (κ_o + 1)‖g_o‖² ≥ ‖∂w_o‖² + (∂gain_o)² (the projection
+  shrinks norms, ‖z_o‖ ≤ 1),
+    n̂_o² = clip(closed form or direct norm², 0, B_o) + η B_o,
+  and with the sum's error ≤ ε√B_o and the norm's ≤ ε'B_o (`ws_allowance`),
+  n̂_o ≥ ‖∂w_o, ∂gain_o‖ + ε√B_o ≥ the norm of what the sum adds (the
+  rounding model of dpjax.precision, Higham 2002 §3.1, for g_o itself).
+  It over-clips by at most η B_o, a relative ~η unless g_o lies nearly in
+  span{1, z_o} (B_o = (1 + 1/κ_o)‖∂w_o‖² when g_o ⟂ 1, z_o).
   """
   w = theta['kernel']
   n, s, c = d.shape
-  m, width = math.prod(w.shape[:-1]), blocks.width
+  m = math.prod(w.shape[:-1])
   centred = w.reshape(m, c) - jnp.mean(w.reshape(m, c), axis=0)
   rho2 = jnp.sum(jnp.square(centred), axis=0)
   r = jax.lax.rsqrt(jnp.maximum(rho2, module.eps))
-  z = (centred * r).reshape(blocks.count, width, c)  # Rows per block (HWIO).
   kappa = jnp.square(theta['gain'] * r)  # [c].
-  if mixed.use_ghost(s, m, c):
-    def body(carry, b, k):
-      gram, total, proj = carry
-      return (gram + jnp.einsum('nsm,ntm->nst', b, b, precision=_HIGHEST),
-              total + jnp.sum(b, axis=-1),
-              proj + jnp.einsum('nsm,mc->nsc', b, z[k],
-                                precision=_HIGHEST)), None
-    (gram, total, proj), _ = _scan_blocks(
-        blocks, body, (jnp.zeros((n, s, s)), jnp.zeros((n, s)),
-                       jnp.zeros((n, s, c))))
-    dk = d * jnp.sqrt(kappa)
-    g_sq = jnp.sum(gram * jnp.einsum('nsc,ntc->nst', dk, dk,
-                                     precision=_HIGHEST), axis=(1, 2))
-    ones = jnp.einsum('ns,nsc->nc', total, d, precision=_HIGHEST)
-    gain = jnp.sum(proj * d, axis=1)
-  else:
+  if not mixed.use_ghost(s, m, c):
     g = _per_example_grads(blocks, d)  # [n, m, c].
-    g_sq = jnp.sum(kappa * jnp.sum(jnp.square(g), axis=1), axis=1)
-    ones = jnp.sum(g, axis=1)
-    gain = jnp.sum(z.reshape(m, c) * g, axis=1)
-  kernel_sq = g_sq - jnp.sum(
-      kappa * (jnp.square(ones) / m + (rho2 > module.eps) * jnp.square(gain)),
-      axis=1)
-  # ≥ 0 exactly; clamp rounding (jnp.maximum keeps NaN).
-  return jnp.maximum(kernel_sq, 0.0) + jnp.sum(jnp.square(gain), axis=1)
+    _, t_vjp = jax.vjp(lambda k, gn: ws_standardise(k, gn, module.eps), w, theta['gain'])
+    dw, dgain = jax.vmap(t_vjp)(g.reshape(n, *w.shape))
+    sq = tree_sq_norms([dw, dgain])
+    if keep_grads:
+      return sq, {'kernel': dw, 'gain': dgain}
+    bound = (kappa + 1) * jnp.sum(jnp.square(g), axis=1)  # B_o [n, c].
+    return sq + ws_allowance() * jnp.sum(bound, axis=1), None
+  z = (centred * r).reshape(blocks.count, blocks.width, c)  # Rows per block (HWIO).
+
+  def body(carry, b, k):
+    gram, total, proj = carry
+    return (gram + jnp.einsum('nsm,ntm->nst', b, b, precision=_HIGHEST),
+            total + jnp.sum(b, axis=-1),
+            proj + jnp.einsum('nsm,mc->nsc', b, z[k], precision=_HIGHEST)), None
+  (gram, total, proj), _ = _scan_blocks(
+      blocks, body, (jnp.zeros((n, s, s)), jnp.zeros((n, s)), jnp.zeros((n, s, c))))
+  g_sq = jnp.sum(d * jnp.einsum('nst,ntc->nsc', gram, d, precision=_HIGHEST), axis=1)
+  ones = jnp.einsum('ns,nsc->nc', total, d, precision=_HIGHEST)  # 1·g_o.
+  gain = jnp.sum(proj * d, axis=1)  # z_o·g_o.
+  ws = kappa * (g_sq - jnp.square(ones) / m - (rho2 > module.eps) * jnp.square(gain))
+  bound = (kappa + 1) * g_sq
+  # jnp.minimum / maximum keep NaN (the row is then dropped as non-finite).
+  ws = jnp.minimum(jnp.maximum(ws + jnp.square(gain), 0.0), bound)
+  return jnp.sum(ws + ws_allowance() * bound, axis=1), None
 
 
 def _conv_blocks(layer, a: jax.Array) -> _Blocks:
@@ -199,10 +244,18 @@ def ws_conv_sq_norms(layer, theta: dict, a, d):
 
   Register it for such a layer: `register_norm_rule(WSConv, name='wsconv',
   params=WS_CONV_PARAMS, form=ws_conv_form)(ws_conv_sq_norms)`; the layer must have the attributes
-  `kernel_size`, `strides`, `eps` and parameters kernel, gain, bias.
+  `kernel_size`, `strides`, `eps` and parameters kernel, gain, bias, and standardise as
+  `ws_standardise` does.
   """
   a = a.astype(jnp.float32)
   blocks, d2 = _blocks_and_d2(layer, a, d)
   bias = jnp.sum(d2, axis=1)
-  sq = jnp.sum(jnp.square(bias), axis=1) * ('bias' in theta)
-  return sq + _ws_sq_norms(layer.module, theta, blocks, d2), None, None
+  # Per-example gradients kept for the clipped sum when no larger than the input and
+  # output gradient they replace (as for nn.Conv).
+  keep = theta['kernel'].size <= a[0].size + d[0].size
+  sq, grads = _ws_sq_norms(layer.module, theta, blocks, d2, keep_grads=keep)
+  if 'bias' in theta:
+    sq = sq + jnp.sum(jnp.square(bias), axis=1)
+    if grads is not None:
+      grads['bias'] = bias.reshape(bias.shape[0], *theta['bias'].shape)
+  return sq, grads, None

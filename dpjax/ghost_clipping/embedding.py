@@ -29,7 +29,8 @@ def _embed_form(layer) -> str:
 @register_norm_rule(nn.Embed, name='embed', params=({'embedding'}, {'embedding'}),
                     form=_embed_form)
 def embed_sq_norms(layer, theta: dict, a, d):
-  """Materialised [n, V, D] when V <= the token count, else the ghost form over tokens."""
+  """Materialised [n, V, D] when V <= the token count (kept for the sum), else the ghost form
+  over tokens, with `mixed.with_allowance` for cancelling output gradients."""
   del theta
   n = a.shape[0]
   vocab = layer.module.num_embeddings
@@ -44,4 +45,7 @@ def embed_sq_norms(layer, theta: dict, a, d):
     return jnp.sum(jnp.square(g), axis=(1, 2)), {'embedding': g}, None
   same = tokens[:, :, None] == tokens[:, None, :]
   gd = jnp.einsum('nsd,ntd->nst', d, d, precision=HIGHEST)
-  return jnp.sum(jnp.where(same, gd, 0.0), axis=(1, 2)), None, None
+  sq = jnp.sum(jnp.where(same, gd, 0.0), axis=(1, 2))
+  # The sum (the layer's vjp: a scatter-add) and this norm cancel where one token's output
+  # gradients sum to ~0: the allowance of a linear map with one-hot inputs (‖a_s‖ = 1).
+  return mixed.with_allowance(sq, jnp.sum(jnp.linalg.norm(d, axis=-1), axis=1)), None, None

@@ -16,6 +16,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dpjax import precision
+
 HIGHEST = jax.lax.Precision.HIGHEST
 _HIGHEST = HIGHEST
 
@@ -122,23 +124,58 @@ def _per_example_grads(blocks: _Blocks, d: jax.Array) -> jax.Array:
   return _stack_rows(gs)
 
 
+def cancellation_allowance() -> tuple[float, float]:
+  """(ε, η) for g = Σ_s a_s δ_sᵀ and M = Σ_s ‖a_s‖‖δ_s‖ (Higham 2002, §3.1: a dot product's
+  rounding error scales with Σ|x_k y_k|, not with its result).
+
+  The book-kept sum adds g to within ε·M (its operands rounded to the traced matmul format u,
+  `precision.traced_matmul_format`, and accumulated in float32), and the norm's ‖g‖² (float32,
+  HIGHEST) is within η·M² of the exact one: ε = KAPPA(u + 2u₃₂), η = KAPPA·u₃₂.
+  """
+  u = precision.UNIT_ROUNDOFF[precision.traced_matmul_format(jnp.float32)]
+  u32 = precision.UNIT_ROUNDOFF['float32']
+  return precision.KAPPA * (u + 2 * u32), precision.KAPPA * u32
+
+
+def with_allowance(sq: jax.Array, scale: jax.Array) -> jax.Array:
+  """(√(max(sq, 0) + η M²) + ε M)² with M = `scale` [n]: never below the squared norm of what
+  the book-kept sum adds, however much g = Σ_s a_s δ_sᵀ cancels (‖g‖ ≪ M: e.g. an input nearly
+  constant over positions and output gradients summing to zero, as an attention key
+  projection's). Over-clips by a relative ~ε·M/‖g‖ otherwise. NaN stays NaN."""
+  eps, eta = cancellation_allowance()
+  return jnp.square(jnp.sqrt(jnp.maximum(sq, 0.0) + eta * jnp.square(scale)) + eps * scale)
+
+
+def _position_norms(blocks: _Blocks, n: int, s: int) -> jax.Array:
+  """‖a_s‖ [n, S] of the input rows (over every block)."""
+  a_sq, _ = _scan_blocks(blocks, lambda t, b, k: (t + jnp.sum(jnp.square(b), axis=-1), None),
+                         jnp.zeros((n, s)))
+  return a_sq
+
+
 def linear_norms(theta: dict, a: jax.Array, d: jax.Array, blocks: _Blocks, d2: jax.Array, *,
                  keep_small_grads: bool = False):
   """(‖g_i‖² [n], grads, operands) of a linear layer with input blocks and d2 [n, S, c].
 
   keep_small_grads: return materialised per-example gradients for the clipped
   sum when they are no larger than the input and output gradient they replace
-  (convolutions). Otherwise the clipped sum is the matmul a2ᵀ(f·d2) of the
-  operands (one block), or the layer's own weight-gradient vjp (operands None).
+  (convolutions): norm and sum then use the same tensors. Otherwise the clipped
+  sum is the matmul a2ᵀ(f·d2) of the operands (one block), or the layer's own
+  weight-gradient vjp (operands None), and with S > 1 positions the norm gets the
+  cancellation allowance of `with_allowance` (the bias as an input of constant 1).
   """
-  n = d2.shape[0]
+  n, s, _ = d2.shape
+  has_bias = 'bias' in theta
   bias = jnp.sum(d2, axis=1)  # [n, c].
-  sq = jnp.sum(jnp.square(bias), axis=1) * ('bias' in theta)
+  sq = jnp.sum(jnp.square(bias), axis=1) * has_bias
   kernel_sq, g = _linear_sq_norm(blocks, d2)
   sq = sq + kernel_sq
   if keep_small_grads and g is not None and theta['kernel'].size <= a[0].size + d[0].size:
     grads = {'kernel': g.reshape(n, *theta['kernel'].shape)}
-    if 'bias' in theta:
+    if has_bias:
       grads['bias'] = bias.reshape(n, *theta['bias'].shape)
     return sq, grads, None
+  if s > 1:  # S = 1: ‖g‖ = ‖a‖‖δ‖, no cancellation (the precision margin covers it).
+    a_norms = jnp.sqrt(_position_norms(blocks, n, s) + has_bias)
+    sq = with_allowance(sq, jnp.sum(a_norms * jnp.linalg.norm(d2, axis=-1), axis=1))
   return sq, None, (blocks.get(0), d2) if blocks.count == 1 else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from dpjax.ghost_clipping.registry import register_norm_rule
 
@@ -18,9 +19,17 @@ def _local_statistics(module: nn.Module) -> str:
 @register_norm_rule(nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, name='norm',
                     check=_local_statistics, form=lambda layer: 'per-example vjp')
 def norm_sq_norms(layer, theta: dict, a, d):
+  """Per-example gradients by the layer's vjp, kept: the clipped sum adds these tensors.
+
+  Recomputed in float32 (theta is the float32 master copy) from the captured
+  input, bfloat16 under mixed precision: the cotangent takes the dtype of the
+  recomputed output, not the forward's (`layer.out_aval`).
+  """
+  a = a.astype(jnp.promote_types(a.dtype, jnp.float32))
+
   def one(a_i, d_i):
-    _, vjp = jax.vjp(lambda t: layer.module.apply({'params': t}, a_i), theta)
-    return vjp(d_i.astype(layer.out_aval.dtype))[0]
+    out, vjp = jax.vjp(lambda t: layer.module.apply({'params': t}, a_i), theta)
+    return vjp(d_i.astype(out.dtype))[0]
   grads = jax.vmap(one)(a, d)
   return tree_sq_norms(grads), grads, None
 
