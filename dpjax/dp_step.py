@@ -6,7 +6,7 @@ varies with the sampled batch size; K = 0 happens under Poisson sampling):
   acc = init_accumulator(params)
   for batch in physical_batches:            # K times, one compiled program
     acc = accumulate(params, acc, batch)    # += Σ_i w_i · clip_C(g_i)
-  params, opt_state, metrics = apply(params, opt_state, acc, noise_key(seed, t))
+  params, opt_state, metrics = apply(params, opt_state, acc, t)   # noise of (seed, t)
 
 The trainer runs the same computation as ONE compiled program per logical
 step, `train_step(params, opt_state, logical, K, t)`: a `lax.fori_loop` over
@@ -60,6 +60,7 @@ import optax
 from dpjax import augmult as augmult_lib
 from dpjax import clipping as clipping_lib
 from dpjax import precision as precision_lib
+from dpjax import privacy_plan
 from dpjax import prng
 # Re-exported: the step's PRNG streams and loss, where users found them before.
 from dpjax.losses import LABEL_FORMATS, eval_step, make_loss_fn  # noqa: F401 pylint: disable=unused-import
@@ -70,12 +71,32 @@ Params = Any
 Batch = dict[str, jax.Array]
 
 PHYSICAL_LOOPS = ('auto', 'device', 'host')
+# Rows a logical step may sum when the caller does not say (max_batch_size=None): the float32
+# sum's margin grows with it (`precision.sum_margin`); DPStep.from_plan passes the plan's B.
+DEFAULT_MAX_ROWS = 2**16
+
+
+def _kahan_add(total: Params, compensation: Params, g: Params) -> tuple[Params, Params]:
+  """total + g with Kahan's compensation (Higham 2002, §4.3): error O(u)·|total|, not O(K·u)."""
+  def add(s, c, x):
+    y = x - c
+    t = s + y
+    return t, (t - s) - y
+  pairs = jax.tree.map(add, total, compensation, g)
+  outer = jax.tree.structure(total)
+  return jax.tree.transpose(outer, jax.tree.structure((0, 0)), pairs)
 
 
 class Accumulator(NamedTuple):
-  """Running sums over the physical batches of one logical step."""
+  """Running sums over the physical batches of one logical step.
+
+  `grad_sum` is a compensated (Kahan) sum over the physical batches: `compensation`
+  holds the low-order bits each float32 addition lost, so the sum's rounding error does
+  not grow with the number of batches (`precision.sum_margin`).
+  """
   grad_sum: Params  # Σ_i w_i · clip_C(g_i) (private) or Σ_i w_i · g_i.
   stats: clipping_lib.ClipStats
+  compensation: Params  # −(the rounding error of grad_sum so far), per coordinate.
 
 
 class DPStep:
@@ -96,16 +117,16 @@ class DPStep:
                clipping: str = 'auto', label_format: str = 'int',
                mesh: jax.sharding.Mesh | None = None, seed: int = 0,
                precision: str = 'default', physical_loop: str = 'auto',
-               sum_fn_wrapper=None, augmult: augmult_lib.Augmult | None = None):
+               sum_fn_wrapper=None, augmult: augmult_lib.Augmult | None = None,
+               max_batch_size: int | None = None):
     """Validates everything before any compute.
 
     Args:
       model: a dpjax.models module (per-example, deterministic).
       optimizer: applied to the noisy mean gradient ĝ.
-      clip_norm: C > 0 (inf only with noise_multiplier = 0). Ignored if not
-        private.
-      noise_multiplier: σ ≥ 0; noise std on the summed gradient is σ·C.
-        Ignored if not private.
+      clip_norm: C, finite and > 0. Ignored if not private.
+      noise_multiplier: σ > 0 (finite); noise std on the summed gradient is
+        σ·C. Ignored if not private.
       expected_batch_size: b > 0, the sampler's `expected_batch_size`.
       private: False runs the non-private baseline (no clipping, no noise).
       clipping: `config.privacy.clipping`: 'auto' (ghost clipping when it
@@ -118,12 +139,13 @@ class DPStep:
         sharded over its 'data' axis, params / optimiser state / accumulator
         replicated, outputs replicated. P must be a multiple of its size.
         None: run where the inputs are (one device).
-      seed: config.seed; `train_step` draws step t's noise from
-        noise_key(seed, t) inside the program.
+      seed: the run's secret seed; step t's noise is drawn from
+        noise_key(seed, t) (`dpjax.prng`), inside the program.
       precision: `config.precision` ('default', 'highest', 'bfloat16'; see
-        `dpjax.precision`): examples are clipped to `clip_bound` = C / (1 +
-        margin of the mode) so that each contribution as summed has norm
-        ≤ C; the noise std stays σ·C.
+        `dpjax.precision`): examples are clipped to `clip_bound` = C / ((1 +
+        margin of the mode)(1 + sum_margin(B))) so that each contribution as
+        summed has norm ≤ C, and so has the difference of the float32 sums
+        over neighbouring datasets; the noise std stays σ·C.
       physical_loop: how `train_step` loops over the K physical batches:
         'device' (one program, a while loop inside: one dispatch per logical
         step), 'host' (K dispatches of a program that slices batch i of the
@@ -140,6 +162,9 @@ class DPStep:
         'index'); each example's gradient is the mean over its views, clipped
         once. The low-level `accumulate` then takes batch['x'] as views
         [P, K, ...] (`augmult.make_views`).
+      max_batch_size: B, the most rows one logical step sums (the batcher's cap;
+        `from_plan` passes the plan's). None assumes DEFAULT_MAX_ROWS = 65,536,
+        which clips 7.8% below C: pass B.
     """
     if physical_loop not in PHYSICAL_LOOPS:
       raise ValueError(f'physical_loop={physical_loop!r}; valid: {PHYSICAL_LOOPS}.')
@@ -160,18 +185,12 @@ class DPStep:
     self.label_format = label_format
     self.augmult = augmult if augmult is not None and augmult.num_views > 1 else None
     loss_fn = make_loss_fn(model, label_format, precision, views=self.augmult is not None)
-    if self.private:
-      self.clip_norm = clipping_lib.validate_clip_norm(clip_norm)
-      self.clip_bound = precision_lib.effective_clip_norm(self.clip_norm, precision)
-      sigma = math.nan if noise_multiplier is None else float(noise_multiplier)
-      if not (sigma >= 0 and math.isfinite(sigma)):
-        raise ValueError('config.privacy.noise_multiplier must be finite and '
-                         f'>= 0, got {noise_multiplier!r}.')
-      if sigma > 0 and math.isinf(self.clip_norm):
-        raise ValueError('config.privacy.clip_norm=inf with noise_multiplier '
-                         f'{sigma} > 0 would need infinite noise; set a '
-                         'finite clip_norm.')
-      self.noise_multiplier = sigma
+    if self.private:  # σ > 0 and C finite: anything else releases without a guarantee.
+      self.clip_norm = privacy_plan.check_clip_norm(clip_norm)
+      self.noise_multiplier = privacy_plan.check_noise_multiplier(noise_multiplier)
+      self.max_batch_size = DEFAULT_MAX_ROWS if max_batch_size is None else max_batch_size
+      self.clip_bound = precision_lib.summed_clip_norm(self.clip_norm, precision,
+                                                       self.max_batch_size)
       self._sum_fn = clipping_lib.make_clipped_sum_fn(
           clipping, loss_fn, self.clip_bound)
       self._choice = self._sum_fn.choice  # Filled when first traced ('auto', 'ghost').
@@ -179,7 +198,7 @@ class DPStep:
       if clipping not in clipping_lib.CLIPPING_METHODS:
         raise ValueError(f'config.privacy.clipping={clipping!r}; valid: '
                          f'{clipping_lib.CLIPPING_METHODS}.')
-      self.clip_norm = self.clip_bound = None
+      self.clip_norm = self.clip_bound = self.max_batch_size = None
       self.noise_multiplier = 0.0
       self._sum_fn = functools.partial(clipping_lib.grad_sum, loss_fn)
       self._choice = []
@@ -218,6 +237,24 @@ class DPStep:
           out_shardings=state, donate_argnums=(1,))
       self._apply_at = jax.jit(self._apply_at_fn, in_shardings=state,
                                out_shardings=state, donate_argnums=(0, 1))
+
+  @classmethod
+  def from_plan(cls, model, optimizer: optax.GradientTransformation,
+                plan: privacy_plan.PrivacyPlan, **kwargs) -> 'DPStep':
+    """The DP step of a `PrivacyPlan`: σ, C, the divisor b and the seed are the plan's.
+
+    They (and the cap B, which sets the float32 sum's margin) cannot be passed here, so the
+    step that runs and the accountant that reports cannot disagree; `kwargs` are the other
+    `DPStep` arguments (clipping, mesh, ...).
+    """
+    taken = sorted(set(kwargs) & {'clip_norm', 'noise_multiplier', 'expected_batch_size',
+                                  'seed', 'private', 'max_batch_size'})
+    if taken:
+      raise TypeError(f'DPStep.from_plan: {", ".join(taken)} come from the plan.')
+    return cls(model, optimizer, clip_norm=plan.clip_norm,
+               noise_multiplier=plan.noise_multiplier,
+               expected_batch_size=plan.expected_batch_size, seed=plan.seed, private=True,
+               max_batch_size=plan.max_batch_size, **kwargs)
 
   def loop_mode(self, params: Params) -> str:
     """'device' or 'host': how `train_step` runs for these params (see physical_loop)."""
@@ -324,9 +361,8 @@ class DPStep:
 
   @staticmethod
   def _zero_accumulator(params: Params) -> Accumulator:
-    return Accumulator(
-        jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
-        clipping_lib.ClipStats.zeros())
+    zeros = lambda: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    return Accumulator(zeros(), clipping_lib.ClipStats.zeros(), zeros())
 
   def _accumulate(self, params: Params, acc: Accumulator,
                   batch: Batch) -> Accumulator:
@@ -338,13 +374,14 @@ class DPStep:
   def _add_batch(self, params: Params, acc: Accumulator,
                  batch: Batch) -> Accumulator:
     g, stats = self._sum_fn(params, batch)
-    return Accumulator(jax.tree.map(jnp.add, acc.grad_sum, g),
-                       jax.tree.map(jnp.add, acc.stats, stats))
+    total, compensation = _kahan_add(acc.grad_sum, acc.compensation, g)
+    return Accumulator(total, jax.tree.map(jnp.add, acc.stats, stats), compensation)
 
   def _apply(self, params: Params, opt_state: optax.OptState,
-             acc: Accumulator, key: jax.Array):
-    """ĝ = (acc.grad_sum + N(0, σ²C²)) / b; one optax step on ĝ."""
+             acc: Accumulator, step):
+    """ĝ = (acc.grad_sum + N(0, σ²C²)) / b with the noise of `step`; one optax step on ĝ."""
     self._traces['apply'] += 1
+    key = prng.fold_noise_key(self.seed, jnp.asarray(step, jnp.uint32))
     with precision_lib.matmul_precision(self.precision):
       return self._update(params, opt_state, acc, key)
 

@@ -80,7 +80,8 @@ def compute() -> dict:
   extra = {  # Branches the grid above does not reach.
       'fswr/sigma=3': ('fixed_size_with_replacement', dict(batch_size=10), 3.0, DELTA, {}),
       'monte_carlo/delta=1e-2': ('balls_and_bins', {}, SIGMA, 1e-2,
-                                 dict(accountant='monte_carlo', monte_carlo_samples=4000)),
+                                 dict(accountant='monte_carlo', monte_carlo_samples=4000,
+                                      allow_large_delta=True)),
       'random_allocation': ('balls_and_bins', dict(num_examples=200, batch_size=10), 2.0, DELTA,
                             dict(random_allocation=True)),
       'poisson/truncated': ('poisson', {}, SIGMA, DELTA, dict(max_batch_size=70)),

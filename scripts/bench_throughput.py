@@ -188,8 +188,7 @@ class JaxMethod:
       acc = self.step.init_accumulator(params)
       for batch in self._physical_batches(t):
         acc = self.step.accumulate(params, acc, batch)
-      params, opt_state, _ = self.step.apply(params, opt_state, acc,
-                                             dp_step.noise_key(SEED, t))
+      params, opt_state, _ = self.step.apply(params, opt_state, acc, t)
     self.params, self.opt_state = jax.block_until_ready((params, opt_state))
 
   def compilations(self) -> dict[str, int]:

@@ -154,7 +154,7 @@ def test_balls_and_bins_one_step_is_the_gaussian_mechanism():
 
 
 def test_monte_carlo_accountant_is_labelled_high_probability():
-  sampler = _sampler('balls_and_bins', 1000, 100)
+  sampler = _sampler('balls_and_bins', 500, 50)  # T = 10; δ = 1e-3 < 1/N.
   acct = accountant_lib.Accountant(sampler, 1.0, 1e-3, accountant='monte_carlo',
                                    monte_carlo_samples=20_000, beta=1e-2)
   report = acct.epsilon_at(20, estimates=False)
@@ -166,7 +166,7 @@ def test_monte_carlo_accountant_is_labelled_high_probability():
 
 
 def test_monte_carlo_workers_reach_the_estimate_and_do_not_change_it(monkeypatch):
-  sampler = _sampler('balls_and_bins', 1000, 100)
+  sampler = _sampler('balls_and_bins', 500, 50)  # T = 10; δ = 1e-3 < 1/N.
   options = dict(accountant='monte_carlo', monte_carlo_samples=20_000, beta=1e-2)
   serial = accountant_lib.Accountant(sampler, 1.0, 1e-3, **options).epsilon_at(20,
                                                                                estimates=False)

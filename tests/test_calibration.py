@@ -54,7 +54,7 @@ def test_round_trip_balls_and_bins_deterministic_fallback():
 
 
 def test_round_trip_balls_and_bins_monte_carlo():
-  sampler = _sampler('balls_and_bins', 1000, 100)  # T = 10
+  sampler = _sampler('balls_and_bins', 500, 50)  # T = 10; δ = 1e-3 < 1/N.
   options = dict(accountant='monte_carlo', monte_carlo_samples=20_000, beta=1e-2,
                  monte_carlo_seed=3)
   sigma = _round_trip(sampler, 1.5, 10, delta=1e-3, **options)

@@ -67,16 +67,17 @@ def _standard_step(label_format='int'):
   """One DPStep shared by tests (each instance costs an XLA compile)."""
   return dp_step.DPStep(MODEL, optax.sgd(0.5), clip_norm=0.5,
                         noise_multiplier=1.0, expected_batch_size=10,
-                        label_format=label_format)
+                        label_format=label_format, max_batch_size=16)
 
 
-def _run_step(step, params, batches, seed=0, t=0, optimizer_state=None):
+def _run_step(step, params, batches, t=0, optimizer_state=None):
+  """init_accumulator, accumulate each batch, apply with the noise of (step.seed, t)."""
   opt_state = (step.optimizer.init(params) if optimizer_state is None
                else optimizer_state)
   acc = step.init_accumulator(params)
   for b in batches:
     acc = step.accumulate(params, acc, b)
-  return step.apply(params, opt_state, acc, dp_step.noise_key(seed, t))
+  return step.apply(params, opt_state, acc, np.uint32(t))
 
 
 @jax.jit
@@ -92,23 +93,29 @@ def _assert_trees_close(a, b, **kw):
   jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, **kw), a, b)
 
 
-def test_no_clipping_no_noise_is_sgd_on_the_mean_gradient():
+def test_unclipped_sums_are_the_gradient_sum_and_the_divisor_is_b():
+  """A private step whose C exceeds every gradient norm accumulates Σ_i g_i; the non-private
+  step (no clipping, no noise) is SGD on Σ_i g_i / b with b the expected batch size."""
   params, (x, y) = _params(), _rows(10)
   lr = 0.3
   g = _mean_loss_grad(params, x, y)  # Σ_i g_i / 10.
   batches = _physical_batches(x, y, 4)  # K = 3, two padding rows.
-  private = dp_step.DPStep(MODEL, optax.sgd(lr), clip_norm=math.inf,
-                           noise_multiplier=0.0, expected_batch_size=10)
+  private = dp_step.DPStep(MODEL, optax.sgd(lr), clip_norm=1e6, noise_multiplier=1.0,
+                           expected_batch_size=10, max_batch_size=16)
+  acc = private.init_accumulator(params)
+  for batch in batches:
+    acc = private.accumulate(params, acc, batch)
+  _assert_trees_close(acc.grad_sum, jax.tree.map(lambda v: 10 * v, g), rtol=1e-5, atol=1e-6)
+  assert int(acc.stats.num_clipped) == 0
   # Non-private, b = 16 != 10 rows: the divisor is the expected batch size.
   nonprivate = dp_step.DPStep(MODEL, optax.sgd(lr), clip_norm=None,
                               noise_multiplier=None, expected_batch_size=16,
                               private=False)
-  for step, b in ((private, 10), (nonprivate, 16)):
-    new, _, metrics = _run_step(step, params, batches)
-    want = jax.tree.map(lambda p, g: p - lr * g * 10 / b, params, g)
-    _assert_trees_close(new, want, rtol=1e-5, atol=1e-6)
-    assert int(metrics['num_clipped']) == 0
-    assert float(metrics['num_examples']) == 10
+  new, _, metrics = _run_step(nonprivate, params, batches)
+  want = jax.tree.map(lambda p, g: p - lr * g * 10 / 16, params, g)
+  _assert_trees_close(new, want, rtol=1e-5, atol=1e-6)
+  assert int(metrics['num_clipped']) == 0
+  assert float(metrics['num_examples']) == 10
 
 
 def test_padded_batches_give_the_same_update():
@@ -135,7 +142,7 @@ def test_accumulating_k_batches_equals_the_one_shot_clipped_sum():
     acc = step.accumulate(params, acc, b)
   one_shot = jax.jit(clipping.per_example_clipped_sum, static_argnums=(0, 3))
   want, want_stats = one_shot(dp_step.make_loss_fn(MODEL), params,
-                              _physical_batches(x, y, 12)[0], 0.5)
+                              _physical_batches(x, y, 12)[0], step.clip_bound)
   _assert_trees_close(acc.grad_sum, want, rtol=1e-6, atol=1e-7)
   for field in clipping.ClipStats._fields:
     np.testing.assert_allclose(getattr(acc.stats, field),
@@ -166,13 +173,14 @@ def test_noise_std_is_sigma_c_over_b():
   model = models.MLP(num_classes=10, hidden_sizes=(128,))
   params = _params(model, d=784)
   sigma, c, b = 1.3, 0.7, 50.0
-  step = dp_step.DPStep(model, optax.sgd(1.0), clip_norm=c,
-                        noise_multiplier=sigma, expected_batch_size=b)
+  steps = [dp_step.DPStep(model, optax.sgd(1.0), clip_norm=c, noise_multiplier=sigma,
+                          expected_batch_size=b, seed=seed) for seed in (0, 1)]
+  step = steps[0]
   opt_state = step.optimizer.init(params)
 
   def z(t, seed=0):
-    new, _, _ = step.apply(params, opt_state, step.init_accumulator(params),
-                           dp_step.noise_key(seed, t))
+    new, _, _ = steps[seed].apply(params, opt_state, step.init_accumulator(params),
+                                  np.uint32(t))
     leaves = jax.tree.map(lambda p, q: (p - q) / (-sigma * c / b), new, params)
     return leaves, np.concatenate([np.ravel(l) for l in jax.tree.leaves(
         leaves)]).astype(np.float64)
@@ -212,8 +220,7 @@ def test_compiles_once_across_steps_with_varying_k():
         batch = {'x': x[rows], 'y': y[rows],
                  'weight': np.r_[np.ones(3), np.zeros(1)].astype(np.float32)}
         acc = step.accumulate(p, acc, batch)
-      p, opt_state, metrics = step.apply(p, opt_state, acc,
-                                         dp_step.noise_key(0, t))
+      p, opt_state, metrics = step.apply(p, opt_state, acc, np.uint32(t))
       assert float(metrics['num_examples']) == 3 * k
     assert step.compile_count('accumulate') == 1
     assert step.compile_count('apply') == 1
@@ -224,7 +231,7 @@ def test_compiles_once_across_steps_with_varying_k():
 def test_metrics_match_direct_computation():
   params, (x, y) = _params(), _rows(10, seed=6)
   step = _standard_step()
-  c, b, lr = step.clip_norm, step.expected_batch_size, 0.5
+  c, b, lr = step.clip_bound, step.expected_batch_size, 0.5
   new, _, m = _run_step(step, params, _physical_batches(x, y, 4))
   logits = MODEL.apply({'params': params}, x)
   losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
@@ -247,7 +254,7 @@ def test_metrics_match_direct_computation():
                              rtol=1e-4)
   # E‖ĝ‖² = ‖Σclip/b‖² + (σC/b)²·d; at d = 420 coordinates χ²_d is within 30%.
   d = sum(np.size(l) for l in jax.tree.leaves(params))
-  expected = m['grad_norm']**2 + (step.noise_multiplier * c / b)**2 * d
+  expected = m['grad_norm']**2 + (step.noise_multiplier * step.clip_norm / b)**2 * d
   np.testing.assert_allclose(m['noisy_grad_norm']**2, expected, rtol=0.3)
 
 
@@ -291,10 +298,11 @@ def test_one_hot_labels_give_the_same_step():
 
 
 def test_keys_and_init_are_pure_functions_of_seed():
-  k = dp_step.noise_key(3, 7)
-  np.testing.assert_array_equal(k, dp_step.noise_key(3, 7))
-  others = [dp_step.noise_key(3, 8), dp_step.noise_key(4, 7),
-            jax.random.fold_in(jax.random.PRNGKey(3), dp_step.INIT_STREAM)]
+  data = jax.random.key_data
+  k = data(dp_step.noise_key(3, 7))
+  np.testing.assert_array_equal(k, data(dp_step.noise_key(3, 7)))
+  others = [data(dp_step.noise_key(3, 8)), data(dp_step.noise_key(4, 7)),
+            data(jax.random.fold_in(jax.random.PRNGKey(3), dp_step.INIT_STREAM))]
   assert all(not np.array_equal(k, o) for o in others)
   p1 = dp_step.init_params(MODEL, 3, (D,))
   p2 = dp_step.init_params(MODEL, 3, (D,))
@@ -315,9 +323,10 @@ def test_keys_and_init_are_pure_functions_of_seed():
     (dict(noise_multiplier=-1.0), ValueError, 'noise_multiplier'),
     (dict(noise_multiplier=None), ValueError, 'noise_multiplier'),
     (dict(noise_multiplier=math.nan), ValueError, 'noise_multiplier'),
-    (dict(clip_norm=0.0), ValueError, 'clip_norm must be > 0'),
-    (dict(clip_norm=None), ValueError, 'clip_norm must be > 0'),
-    (dict(clip_norm=math.inf), ValueError, 'infinite noise'),
+    (dict(noise_multiplier=0.0), ValueError, 'noise_multiplier must be a finite number > 0'),
+    (dict(clip_norm=0.0), ValueError, 'clip_norm must be a finite number > 0'),
+    (dict(clip_norm=None), ValueError, 'clip_norm must be a finite number > 0'),
+    (dict(clip_norm=math.inf), ValueError, 'clip_norm must be a finite number > 0'),
     (dict(label_format='onehot'), ValueError, 'label_format'),
     (dict(clipping='opacus'), ValueError, 'clipping'),
     (dict(clipping='opacus', private=False), ValueError, 'clipping'),
@@ -381,8 +390,7 @@ def test_train_step_equals_the_three_call_path(clipping_method, private, mesh, l
   batches = _physical_batches(x, y, 4)  # K = 3 of K_max = 4.
   opt_state = opt.init(params)
   for k, t in ((3, 0), (0, 1), (2, 7)):
-    want = _run_step(step, params, batches[:k], seed=5, t=t,
-                     optimizer_state=_copy(opt_state))
+    want = _run_step(step, params, batches[:k], t=t, optimizer_state=_copy(opt_state))
     buf = _buffer(batches, 4)
     buf['weight'][k:] = 0  # Batches K.. must not be read: make them real.
     got = step.train_step(_copy(params), _copy(opt_state), buf, np.int32(k),
@@ -420,7 +428,7 @@ def test_train_step_draws_noise_key_seed_step_bit_for_bit():
     fused, _, _ = step.train_step(_copy(params), _copy(opt_state), buf,
                                   np.int32(0), np.uint32(t))
     three, _, _ = step.apply(params, opt_state, step.init_accumulator(params),
-                             dp_step.noise_key(9, t))
+                             np.uint32(t))
     jax.tree.map(np.testing.assert_array_equal, fused, three)
   other, _, _ = step.train_step(_copy(params), _copy(opt_state), buf,
                                 np.int32(0), np.uint32(4))

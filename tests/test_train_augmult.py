@@ -56,7 +56,7 @@ def _run(step, params, opt, buffer):
   return step.train_step(params, opt.init(params), buffer, np.int32(2), np.uint32(STEP))[0]
 
 
-def _reference_update(model, params, buffer, k, spec):
+def _reference_update(model, params, buffer, k, spec, clip_bound):
   """Params after one DP step computed without DPStep's augmult code (float64)."""
   loss = augmult.mean_over_views(dp_step.make_loss_fn(model))
   grad = jax.jit(jax.grad(lambda p, v, y: loss(p, v, y)[0]))
@@ -75,7 +75,7 @@ def _reference_update(model, params, buffer, k, spec):
           continue
         g = grad(p64, jnp.asarray(views[r]), buffer['y'][i, r])
         norm = float(optax.global_norm(g))
-        scale = min(1.0, C / norm)
+        scale = min(1.0, clip_bound / norm)  # The step's C'' (precision and sum margins).
         total = jax.tree.map(lambda t, gi: t + scale * np.asarray(gi), total, g)
   noise = optax.tree.random_like(dp_step.noise_key(SEED, STEP), params, jax.random.normal)
   return jax.tree.map(lambda p, s, z: np.asarray(p, np.float64) - 0.1 * (
@@ -95,7 +95,7 @@ def test_train_step_clips_the_view_mean_once(name, clipping):
                         precision='highest', physical_loop='device')
   params = dp_step.init_params(model, 0, (6, 6, 2))
   buffer = _buffer()
-  expected = _reference_update(model, params, buffer, 2, spec)
+  expected = _reference_update(model, params, buffer, 2, spec, step.clip_bound)
   new, _, metrics = step.train_step(params, optax.sgd(0.1).init(params), buffer, np.int32(2),
                                     np.uint32(STEP))
   assert float(metrics['num_examples']) == 6
@@ -105,7 +105,7 @@ def test_train_step_clips_the_view_mean_once(name, clipping):
 
 def test_views_differ_from_identity_and_padded_rows_contribute_nothing():
   model = _model('mlp')
-  kw = dict(clip_norm=C, noise_multiplier=0.0, expected_batch_size=B, seed=SEED,
+  kw = dict(clip_norm=C, noise_multiplier=SIGMA, expected_batch_size=B, seed=SEED,
             precision='highest', physical_loop='device')
   params = dp_step.init_params(model, 0, (6, 6, 2))
   opt = optax.sgd(0.1)

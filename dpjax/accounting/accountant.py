@@ -133,7 +133,7 @@ class Accountant:
                pld_coarsening: float = 1.0,
                exact_truncation: bool = True,
                random_allocation_timeout: float | None = balls_and_bins.RANDOM_ALLOCATION_TIMEOUT,
-               max_grid_points: int = MAX_GRID_POINTS):
+               max_grid_points: int = MAX_GRID_POINTS, allow_large_delta: bool = False):
     """Validates everything before any computation.
 
     Args:
@@ -166,12 +166,20 @@ class Accountant:
         ~10-20 s per query); False keeps the TV penalty alone (valid, looser).
       max_grid_points: refuse (GridTooLargeError, before allocating) a per-step
         PLD of more grid points × mixture components (`estimate_pld_grid_points`).
+      allow_large_delta: accept δ >= 1/N (refused by default: such a δ allows releasing a
+        random record in the clear).
     """
     if not isinstance(sampler, samplers_lib.Sampler):
       raise TypeError(f'sampler must be a dpjax.samplers.Sampler, got {type(sampler)}.')
     self.sampler = sampler
     self.noise_multiplier = sampler_events.check_noise_multiplier(noise_multiplier)
     self.delta = _check_delta(delta)
+    if self.delta >= 1.0 / sampler.num_examples and not allow_large_delta:
+      raise ValueError(
+          f'delta = {self.delta:g} is >= 1/N = {1.0 / sampler.num_examples:.3g} (N = '
+          f'{sampler.num_examples}): such a guarantee allows publishing a random record in the '
+          'clear. Use δ well below 1/N, or allow_large_delta=True (--allow-large-delta).')
+    self.allow_large_delta = bool(allow_large_delta)
     self.group_size = sampler_events.check_positive_int('privacy.group_size', group_size)
     if self.group_size > sampler.num_examples:
       raise ValueError(f'privacy.group_size = {group_size} must be in [1, N = '

@@ -138,7 +138,8 @@ def train(config, train_source, variant: Variant, init=None):
   config = config.copy_and_resolve_references()
   config.optimizer.learning_rate = variant.learning_rate
   plan = plan_lib.make_plan(config, train_source)
-  batcher = batching.Batcher(plan.sampler, plan.physical_batch_size, plan.max_batch_size)
+  batcher = (plan.privacy.batcher(plan.physical_batch_size) if plan.private else
+             batching.Batcher(plan.sampler, plan.physical_batch_size, plan.max_batch_size))
   model = models.make_model(config.model, train_source.num_classes, train_source.input_shape)
   params = dp_step.init_params(model, config.seed, train_source.input_shape)
   eval_model = model
@@ -147,15 +148,17 @@ def train(config, train_source, variant: Variant, init=None):
     if variant.freeze:
       model, params = finetune.make_finetune(model, params, freeze=variant.freeze)
   optimizer = optimizers.make_optimizer(config.optimizer, plan.num_steps)
-  step = dp_step.DPStep(model, optimizer, clip_norm=plan.clip_norm,
-                        noise_multiplier=plan.noise_multiplier,
-                        expected_batch_size=plan.sampler.expected_batch_size,
-                        private=plan.private, clipping='vmap')
+  if plan.private:  # σ, C, b, B and the seed from the run's privacy plan.
+    step = dp_step.DPStep.from_plan(model, optimizer, plan.privacy, clipping='vmap')
+  else:
+    step = dp_step.DPStep(model, optimizer, clip_norm=None, noise_multiplier=None,
+                          expected_batch_size=plan.sampler.expected_batch_size,
+                          private=False, seed=plan.seed, clipping='vmap')
   k = variant.num_views
   if k > 1:
     augmult.check_config(k, config.augmult.crop_padding, config.augmult.flip,
                          train_source.input_shape)
-    _use_augmult(step, model, plan.clip_norm)
+    _use_augmult(step, model, step.clip_bound)
   opt_state = optimizer.init(params)
   averaged = ema.init(params) if variant.ema_decay else None
   ema_update = jax.jit(ema.update, static_argnums=2)
@@ -169,7 +172,7 @@ def train(config, train_source, variant: Variant, init=None):
                                         crop_padding=config.augmult.crop_padding,
                                         flip=config.augmult.flip)
       acc = step.accumulate(params, acc, batch)
-    params, opt_state, _ = step.apply(params, opt_state, acc, dp_step.noise_key(config.seed, t))
+    params, opt_state, _ = step.apply(params, opt_state, acc, t)
     if averaged is not None:
       averaged = ema_update(averaged, params, variant.ema_decay)
   final = averaged.params if averaged is not None else params
