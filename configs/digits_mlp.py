@@ -17,7 +17,9 @@ from dpjax import models
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  c.seed = 0  # Root seed: sampler, truncation, noise and init streams derive from it.
+  c.seed = config_dict.placeholder(int)  # None: a secret seed drawn from OS entropy (kept in
+  #   <workdir>/private/seed.json). Sampling, truncation, noise and init derive from it. An int
+  #   here is used as is, but ε then holds only if it is secret: every run of a sweep needs its own.
 
   # --- Data ------------------------------------------------------------------
   c.data = ml_collections.ConfigDict()
@@ -55,7 +57,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.privacy.target_epsilon = 3.0  # ε budget at the last step; 0 = none (then σ must be set).
   #   σ None + target: σ is calibrated to meet the target. σ set + target: the run is
   #   refused if it would end above the target.
-  c.privacy.delta = 1e-5
+  c.privacy.delta = 1e-5  # Must be < 1/N (refused otherwise); a warning above 1/(10·N).
+  c.privacy.allow_large_delta = False  # True accepts δ >= 1/N (a weak guarantee: see README).
   c.privacy.accountant = 'auto'  # auto | pld | rdp | monte_carlo
   c.privacy.group_size = 1  # k: guarantee for groups of k examples.
   c.privacy.monte_carlo_workers = config_dict.placeholder(int)  # Processes drawing the

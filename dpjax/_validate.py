@@ -126,8 +126,8 @@ def _private(config) -> bool:
 
 
 FIELDS: tuple[Field, ...] = (
-    Field('seed', 'int', 0, 2**63 - 1, accounting=True,
-          meaning='root seed of every random stream'),
+    Field('seed', 'int', 0, 2**63 - 1, optional=True,
+          meaning='root seed of every random stream; None = drawn from OS entropy'),
     # --- data
     Field('data.source', 'str', choices=data.SOURCES),
     Field('data.label_format', 'str', choices=data.LABEL_FORMATS),
@@ -156,6 +156,7 @@ FIELDS: tuple[Field, ...] = (
           meaning='the ε budget; 0 = none'),
     Field('privacy.delta', 'float', 0, 1, low_open=True, high_open=True, when=_private,
           accounting=True),
+    Field('privacy.allow_large_delta', 'bool', when=_private),
     Field('privacy.accountant', 'str', choices=accountant.ACCOUNTANTS, when=_private,
           accounting=True),
     Field('privacy.group_size', 'int', 1, when=_private, accounting=True,

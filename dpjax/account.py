@@ -8,7 +8,7 @@
       --epochs 1 --noise-multiplier 1.5 --delta 1e-5 --json
   python -m dpjax.account --config configs/digits_mlp.py --json
   python -m dpjax.account --config configs/digits_mlp.py --config.sampler.batch_size=512 --json
-  python -m dpjax.account --sampler balls_and_bins --num-examples 10000 --batch-size 100 \\
+  python -m dpjax.account --sampler balls_and_bins --num-examples 500 --batch-size 5 \\
       --epochs 1 --noise-multiplier 0.7 --delta 1e-3 --accountant monte_carlo \\
       --monte-carlo-samples 20000 --workers 2
 
@@ -84,6 +84,8 @@ _FLAGS = (
     ('float', 'random-allocation-timeout', None,
      'balls-and-bins: seconds allowed to build a new random-allocation PLD (default 300; then '
      'cached) before the deterministic fallback; 0 = no limit'),
+    ('boolean', 'allow-large-delta', False,
+     'accept --delta >= 1/N (refused by default: such a δ allows publishing a random record)'),
     ('boolean', 'json', False, 'print one JSON object'),
 )
 _EXCLUSIVE = (('steps', 'epochs'), ('noise-multiplier', 'target-epsilon'))
@@ -146,6 +148,7 @@ def _from_config(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, 
   cli.set_fields(config, {
       'sampler.name': args.sampler, 'sampler.batch_size': args.batch_size,
       'sampler.max_batch_size': args.max_batch_size, 'privacy.delta': args.delta,
+      'privacy.allow_large_delta': args.allow_large_delta or None,
       'privacy.accountant': args.accountant, 'privacy.group_size': args.group_size})
   # Unset fields are 0 (the config convention; None is accepted too).
   if args.steps is not None:
@@ -158,8 +161,9 @@ def _from_config(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, 
     config.privacy.noise_multiplier, config.privacy.target_epsilon = None, args.target_epsilon
   num_examples = args.num_examples
   if num_examples is None:
-    from dpjax import data  # pylint: disable=g-import-not-at-top
-    num_examples = len(data.make_sources(config.data, seed=config.seed)[0])
+    from dpjax import plan as plan_lib  # pylint: disable=g-import-not-at-top
+    # N as training counts it: the data's rows plus the audit canaries' (one code path).
+    num_examples = len(plan_lib.make_training_sources(config)[0])
   acct = accountant_lib.make_accountant(config, num_examples, **monte_carlo_options)
   extra = {'config': args.config_file}
   if not config.privacy.get('noise_multiplier') and config.privacy.get('target_epsilon'):
@@ -189,7 +193,7 @@ def _from_flags(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, d
   steps = args.steps if args.steps is not None else args.epochs * sampler.steps_per_epoch
   options = dict(accountant=args.accountant or 'auto', max_batch_size=args.max_batch_size,
                  group_size=1 if args.group_size is None else args.group_size,
-                 **monte_carlo_options)
+                 allow_large_delta=args.allow_large_delta, **monte_carlo_options)
   extra = {}
   sigma = args.noise_multiplier
   if sigma is None:

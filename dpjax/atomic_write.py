@@ -10,11 +10,15 @@ from __future__ import annotations
 import os
 
 
-def write_text_atomically(path: str, text: str) -> None:
-  """Atomically sets the content of `path` to `text` (tmp + fsync + rename + fsync of the dir)."""
+def write_text_atomically(path: str, text: str, mode: int = 0o666) -> None:
+  """Atomically sets the content of `path` to `text` (tmp + fsync + rename + fsync of the dir).
+
+  `mode` (before the umask) applies from the file's creation: 0o600 keeps a secret unreadable
+  to others at every moment.
+  """
   tmp = f'{path}.tmp-{os.getpid()}'
   try:
-    with open(tmp, 'w') as f:
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), 'w') as f:
       f.write(text)
       f.flush()
       os.fsync(f.fileno())

@@ -44,6 +44,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from dpjax import prng
+
 # fold_in id of the view stream derived from config.seed; dpjax.dp_step uses
 # 1 (noise) and 2 (init), so no key is shared.
 AUGMULT_STREAM = 3
@@ -97,7 +99,7 @@ class Augmult:
 
 def view_keys(seed: int, step, indices: jax.Array, num_views: int) -> jax.Array:
   """Keys [P, K]: key(seed) → fold_in AUGMULT_STREAM → fold_in step → fold_in index → split K."""
-  root = jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), AUGMULT_STREAM), step)
+  root = jax.random.fold_in(prng.stream_key(seed, AUGMULT_STREAM), step)
   per_example = jax.vmap(lambda i: jax.random.fold_in(root, i))(jnp.asarray(indices, jnp.uint32))
   return jax.vmap(lambda k: jax.random.split(k, num_views))(per_example)
 

@@ -39,6 +39,7 @@ with a log line, and 'ghost' is refused with a clear error.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import json
 import math
 import os
 import re
@@ -50,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpjax import checkpoints
+from dpjax import prng
 
 Params = Any
 LORA_STREAM = 4  # fold_in id of the LoRA init stream (dp_step: 1 noise, 2 init; augmult: 3).
@@ -103,6 +105,25 @@ def read_params(init_from: str) -> dict[str, np.ndarray]:
     raise ValueError(f'init_from = {init_from!r}: the checkpoint holds no params '
                      f'(keys {sorted(state)}).')
   return {k: np.asarray(v) for k, v in flatten(state['params']).items()}
+
+
+def source_metadata(init_from: str) -> dict | None:
+  """The checkpoint metadata (fingerprint, dataset, ...) of the dpjax run `init_from` names (a
+  workdir or a checkpoint step directory), or None when it is not one (an .npz, or
+  checkpoints without metadata)."""
+  if not isinstance(init_from, str) or not init_from or os.path.isfile(init_from):
+    return None
+  if os.path.isdir(os.path.join(init_from, checkpoints.CHECKPOINT_DIR)):
+    rows = [r for r in checkpoints.read_metadata(init_from) if 'error' not in r]
+    return rows[-1] if rows else None
+  path = os.path.join(init_from, 'metadata', 'metadata')
+  if os.path.isfile(path):
+    try:
+      with open(path) as f:
+        return json.load(f)
+    except (OSError, ValueError):
+      return None
+  return None
 
 
 def apply_rules(flat: dict[str, Any], rules: Sequence[Sequence[str]]) -> dict[str, Any]:
@@ -222,7 +243,7 @@ def make_finetune(model, params: Params, *, freeze: Sequence[str] = (), lora_ran
     lora_rank: `lora.rank` r (0 = no LoRA); lora_alpha: α > 0.
     lora_targets: `lora.targets`, regexes on kernel paths (ndim ≥ 2, name
       'kernel'); their base kernels are frozen and get adapters A, B.
-    seed: config.seed; A is drawn from fold_in(PRNGKey(seed), LORA_STREAM).
+    seed: the run's seed; A is drawn from `prng.stream_key(seed, LORA_STREAM)`.
   """
   flat = flatten(params)
   paths = sorted(flat)
@@ -239,7 +260,7 @@ def make_finetune(model, params: Params, *, freeze: Sequence[str] = (), lora_ran
     targets = sorted(_matching('lora.targets', lora_targets, kernels))
     frozen_paths |= set(targets)
   trainable = {p: flat[p] for p in paths if p not in frozen_paths}
-  key = jax.random.fold_in(jax.random.PRNGKey(seed), LORA_STREAM)
+  key = prng.stream_key(seed, LORA_STREAM)
   for i, path in enumerate(targets):
     shape = np.shape(flat[path])
     split = matrix_split(path, shape)

@@ -14,10 +14,17 @@ that each logged step appears exactly once:
   durable (fsync) and writes the buffered events, so what a checkpoint
   covers is on disk with it.
 
-`train_loss` is a mean over the steps since the previous logged train row.
-After a resume from step s the first one covers only steps s+1..t, since the
-losses of the steps between the last logged row and s were never fetched:
-every row with `train_loss` states its window as `train_window_steps`.
+`nonprivate_train_loss` is a mean over the steps since the previous logged
+train row. After a resume from step s the first one covers only steps s+1..t,
+since the losses of the steps between the last logged row and s were never
+fetched: every such row states its window as `train_window_steps`.
+
+Privacy: the values ε covers are listed in `COVERED` (evaluations of the
+released parameters on the test split, ε itself, the audit); every other value
+(training loss and accuracy, counts of non-finite or truncated examples,
+rates and timings) is computed from the private data without noise and is
+named `nonprivate_*` (TensorBoard section `nonprivate/`). `write` refuses any
+other name. Publish the export (`dpjax.export`), not this file.
 
 Only process 0 of a multi-host job writes (`enabled=False` elsewhere).
 """
@@ -36,6 +43,27 @@ from dpjax.atomic_write import write_text_atomically
 
 METRICS_FILE = 'metrics.jsonl'
 TENSORBOARD_DIR = 'tensorboard'
+# What ε covers: functions of the released parameters (evaluations on the test split, the
+# audit), the privacy claim itself, and public counts. Every other value a run logs is a
+# statistic of the private training data or of the run's timing and is named nonprivate_*
+# (TensorBoard section nonprivate/). README "Metrics" has the table.
+COVERED = ('step', 'epsilon', 'epsilon_bound', 'eval_loss', 'eval_accuracy', 'eval_loss_ema',
+           'eval_accuracy_ema', 'audit_epsilon_lower', 'audit_confidence', 'train_window_steps')
+NONPRIVATE = 'nonprivate_'
+TRAIN_LOSS = NONPRIVATE + 'train_loss'
+
+
+def check_names(scalars: dict) -> None:
+  """ValueError for a name neither covered by ε nor labelled nonprivate_ (a programming error)."""
+  bad = [k for k in scalars if k not in COVERED and not k.startswith(NONPRIVATE)]
+  if bad:
+    raise ValueError(f'metric names {bad} are neither covered by ε ({COVERED}) nor labelled '
+                     f'{NONPRIVATE}*.')
+
+
+def tensorboard_tag(name: str) -> str:
+  """nonprivate_x -> 'nonprivate/x' (its own section); covered names unchanged."""
+  return 'nonprivate/' + name[len(NONPRIVATE):] if name.startswith(NONPRIVATE) else name
 
 
 def _warn(message: str) -> None:
@@ -90,7 +118,7 @@ class MetricWriter:
       write_text_atomically(self._path, ''.join(json.dumps(row) + '\n' for row in kept))
     # The window of the next train_loss starts after the last logged one or the resume step.
     self._last_train_step = max([0, keep_until] + [row['step'] for row in kept
-                                                   if 'train_loss' in row])
+                                                   if TRAIN_LOSS in row])
     self._jsonl = open(self._path, 'a')
     self._tb_dir = os.path.join(workdir, TENSORBOARD_DIR)
     self._tb = self._tb_writer(purge_step=keep_until + 1)
@@ -100,16 +128,17 @@ class MetricWriter:
     return {'train_window_steps': step - self._last_train_step}
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
-    """One row; rows with `train_loss` get `train_window_steps` unless the caller set it."""
+    """One row; rows with `nonprivate_train_loss` get `train_window_steps` unless set."""
     if not self.enabled:
       return
     scalars = dict(scalars)
-    if 'train_loss' in scalars:
+    check_names(scalars)
+    if TRAIN_LOSS in scalars:
       scalars.setdefault('train_window_steps', self.train_window(step)['train_window_steps'])
       self._last_train_step = step
     for name, value in scalars.items():
       if isinstance(value, (int, float)) and not isinstance(value, bool):  # Labels: jsonl only.
-        self._tb.add_scalar(name, value, step)
+        self._tb.add_scalar(tensorboard_tag(name), value, step)
     self._jsonl.write(json.dumps({'step': step, **scalars}) + '\n')
     self._jsonl.flush()
 

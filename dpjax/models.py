@@ -235,7 +235,5 @@ def make_model(model_config: ml_collections.ConfigDict, num_classes: int,
 
 
 def input_dtype(model: nn.Module) -> jnp.dtype:
-  """dtype of the model's input: int32 tokens or float32 features/pixels."""
-  if isinstance(model, Transformer) and model.vocab_size > 0:
-    return jnp.int32
-  return jnp.float32
+  """dtype of the model's input: its `input_dtype` (int32 tokens) if declared, else float32."""
+  return getattr(model, 'input_dtype', None) or jnp.float32

@@ -182,6 +182,11 @@ class Transformer(nn.Module):
   model_dim: int = 64
   mlp_dim: int = 128
 
+  @property
+  def input_dtype(self):
+    """int32 tokens (vocab_size > 0) or float32 features."""
+    return jnp.int32 if self.vocab_size > 0 else jnp.float32
+
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     if self.vocab_size > 0:

@@ -137,8 +137,8 @@ def _resolve(args) -> tuple[ml_collections.ConfigDict, int, float, float, int]:
       'privacy.accountant': args.accountant, 'privacy.clip_norm': args.clip_norm})
   n = args.num_examples
   if n is None:
-    from dpjax import data  # pylint: disable=g-import-not-at-top
-    n = len(data.make_sources(config.data, seed=config.seed)[0])
+    from dpjax import plan as plan_lib  # pylint: disable=g-import-not-at-top
+    n = len(plan_lib.make_training_sources(config)[0])  # With audit canaries, as training.
   return config, n, eps, delta, epochs
 
 

@@ -1,40 +1,60 @@
-"""The JAX PRNG streams derived from config.seed: initial parameters and DP noise.
+"""The JAX PRNG streams derived from the run's seed: initial parameters and DP noise.
 
-Each stream is fold_in(PRNGKey(seed), stream id); the noise of step t is
-fold_in(noise stream, t), a pure function of (seed, t), so a resumed run redraws
-exactly the noise of an uninterrupted one. The sampler and batcher use their own
-numpy streams; these never share a key. Threefry is reproducible, not a
-cryptographically secure sampler (the usual caveat for floating-point DP).
+The root key holds all 64 bits of the seed (`root_key`; `jax.random.PRNGKey`
+keeps only the low 32 bits when 64-bit types are off, which would leave a
+drawn 63-bit seed 2^32 guesses from an adversary). Each stream is
+fold_in(root, stream id); the noise of step t is fold_in(noise stream, t), a
+pure function of (seed, t), so a resumed run redraws exactly the noise of an
+uninterrupted one. The sampler and batcher use their own numpy streams
+(SeedSequence over the full seed); these never share a key.
+
+Privacy: the guarantee needs the seed to be secret (the trainer draws it from OS
+entropy by default, `dpjax.run_seed`). Threefry is reproducible, not a
+cryptographically secure sampler, and floating-point Gaussian samples are not
+exactly Gaussian (docs/threat_model.md).
 """
 
 from collections.abc import Sequence
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from dpjax import models
-
-# fold_in ids of the JAX PRNG streams derived from config.seed. The sampler
+# fold_in ids of the JAX PRNG streams derived from the seed. The sampler
 # and batcher use their own (numpy) streams; these never share a key.
 NOISE_STREAM = 1
 INIT_STREAM = 2
+MAX_SEED = 2**64 - 1
 
 
 def check_seed(seed: int) -> None:
-  if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-    raise ValueError(f'config.seed must be an int >= 0, got {seed!r}.')
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not (
+      0 <= seed <= MAX_SEED):
+    raise ValueError(f'seed must be an integer in [0, 2**64), got {seed!r}.')
+
+
+def root_key(seed: int) -> jax.Array:
+  """The threefry key holding all 64 bits of `seed` (= PRNGKey(seed) for seed < 2**32)."""
+  check_seed(seed)
+  seed = int(seed)
+  return jax.random.wrap_key_data(
+      np.asarray([seed >> 32, seed & 0xFFFFFFFF], np.uint32), impl='threefry2x32')
+
+
+def stream_key(seed: int, stream: int) -> jax.Array:
+  """fold_in(root_key(seed), stream): one independent stream per consumer."""
+  return jax.random.fold_in(root_key(seed), stream)
 
 
 def noise_key(seed: int, step: int) -> jax.Array:
-  """The key of step's noise: fold_in(fold_in(key(seed), NOISE_STREAM), step).
+  """The key of step's noise: fold_in(fold_in(root_key(seed), NOISE_STREAM), step).
 
   A pure function of (seed, step): resuming from a checkpoint at step t
   redraws exactly the noise of an uninterrupted run.
   """
   check_seed(seed)
-  if isinstance(step, bool) or not isinstance(step, int) or not (
+  if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not (
       0 <= step < 2**32):
     raise ValueError(f'step must be an int in [0, 2**32), got {step!r}.')
   return fold_noise_key(seed, step)
@@ -42,17 +62,16 @@ def noise_key(seed: int, step: int) -> jax.Array:
 
 def fold_noise_key(seed: int, step) -> jax.Array:
   """`noise_key` without checks; `step` may be traced (uint32 bits of step)."""
-  root = jax.random.fold_in(jax.random.PRNGKey(seed), NOISE_STREAM)
-  return jax.random.fold_in(root, step)
+  return jax.random.fold_in(stream_key(seed, NOISE_STREAM), step)
 
 
-def init_params(model: nn.Module, seed: int, input_shape: Sequence[int],
-                input_dtype: Any = None) -> Any:
-  """Initial parameters from key fold_in(PRNGKey(seed), INIT_STREAM)."""
-  check_seed(seed)
-  dtype = models.input_dtype(model) if input_dtype is None else input_dtype
-  key = jax.random.fold_in(jax.random.PRNGKey(seed), INIT_STREAM)
-  variables = model.init(key, jnp.zeros((1, *input_shape), dtype))
+def init_params(model, seed: int, input_shape: Sequence[int], input_dtype: Any = None) -> Any:
+  """Initial parameters of a linen model from key fold_in(root_key(seed), INIT_STREAM).
+
+  `input_dtype` defaults to `model.input_dtype` if the model declares one, else float32.
+  """
+  dtype = input_dtype or getattr(model, 'input_dtype', None) or jnp.float32
+  variables = model.init(stream_key(seed, INIT_STREAM), jnp.zeros((1, *input_shape), dtype))
   extra = set(variables) - {'params'}
   if extra:
     raise ValueError(f'model has non-parameter collections {sorted(extra)} '

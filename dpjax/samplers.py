@@ -352,24 +352,34 @@ _SAMPLERS = {
 SAMPLER_NAMES = tuple(_SAMPLERS)
 
 
-def make_sampler(config: ml_collections.ConfigDict, num_examples: int) -> Sampler:
-  """Builds the sampler named by `config.sampler.name`, seeded by `config.seed`.
+def make(name: str, num_examples: int, batch_size: int, seed: int = 0) -> Sampler:
+  """The sampler called `name` over N = num_examples with batch size b, seeded by `seed`.
+
+  The seed must be secret for the privacy guarantee (it decides which examples each step
+  uses, and `dpjax.prng` derives the noise from it).
+  """
+  return sampler_class(name)(num_examples=num_examples, batch_size=batch_size, seed=seed)
+
+
+def make_sampler(config: ml_collections.ConfigDict, num_examples: int,
+                 seed: int | None = None) -> Sampler:
+  """Builds the sampler named by `config.sampler.name`.
 
   Args:
-    config: the training config (reads `sampler.name`, `sampler.batch_size`,
-      `seed`). The accountant calls this same function on the same config.
+    config: the training config (reads `sampler.name`, `sampler.batch_size`, and `seed`
+      when `seed` is None; a config seed of None gives 0, enough for accounting, which does
+      not depend on the seed). The accountant calls this same function on the same config.
     num_examples: N, the number of training examples.
+    seed: the run's resolved (secret) seed; overrides `config.seed`.
   """
-  name = config.sampler.name
-  if name not in _SAMPLERS:
-    raise ValueError(f'sampler.name = {name!r} is unknown; valid: {", ".join(SAMPLER_NAMES)}.')
-  return _SAMPLERS[name](num_examples=num_examples, batch_size=config.sampler.batch_size,
-                         seed=config.seed)
+  if seed is None:
+    seed = config.get('seed') or 0
+  return make(config.sampler.name, num_examples, config.sampler.batch_size, seed)
 
 
 def sampler_class(name: str) -> type[Sampler]:
   if name not in _SAMPLERS:
-    raise ValueError(f'sampler name {name!r} is unknown; valid: {", ".join(SAMPLER_NAMES)}.')
+    raise ValueError(f'sampler.name = {name!r} is unknown; valid: {", ".join(SAMPLER_NAMES)}.')
   return _SAMPLERS[name]
 
 

@@ -46,6 +46,7 @@ from dpjax import compilation_cache
 from dpjax import data
 from dpjax import models
 from dpjax import plan as plan_lib
+from dpjax import run_seed
 from dpjax import sharding
 from dpjax import training_loop
 from dpjax import workdir_lock
@@ -116,11 +117,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # written or compiled.
   # ---------------------------------------------------------------------------
   _validate.validate(config)
-  num_canaries = auditing.check_audit_config(config.audit)
+  auditing.check_audit_config(config.audit)
   workdir = check_workdir(workdir)
-  train_source, test_source = data.make_sources(config.data, seed=config.seed)
-  if num_canaries:  # m canary rows, sampled like any example: the run has N + m examples.
-    train_source = auditing.CanarySource(train_source, num_canaries)
+  train_source, test_source = plan_lib.make_training_sources(config)
   if config.augmult.num_views > 1:  # Crops and flips need images; checked before any compute.
     augmult_lib.check_config(config.augmult.num_views, config.augmult.crop_padding,
                              config.augmult.flip, input_shape=train_source.input_shape)
@@ -139,11 +138,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if os.path.isdir(checkpoints.checkpoint_dir(workdir)):  # A run to resume: lock, then read.
       lock.acquire()
     resumed = resume_point(workdir)
-    plan = plan_lib.make_plan(config, train_source, resumed[1], resumed_step=resumed[0])
+    seed = run_seed.broadcast_seed(run_seed.resolve_seed(config.seed, workdir))
+    plan = plan_lib.make_plan(config, train_source, resumed[1], seed=seed.value,
+                              seed_source=seed.source, resumed_step=resumed[0])
     lock.acquire()  # Creates a fresh workdir; a no-op if held.
     if resume_point(workdir) != resumed:  # Another run wrote here meanwhile: plan again.
       resumed = resume_point(workdir)
-      plan = plan_lib.make_plan(config, train_source, resumed[1], resumed_step=resumed[0])
+      seed = run_seed.broadcast_seed(run_seed.resolve_seed(config.seed, workdir))
+      plan = plan_lib.make_plan(config, train_source, resumed[1], seed=seed.value,
+                                seed_source=seed.source, resumed_step=resumed[0])
+    if sharding.is_primary_process():  # Before any compute: the resume needs it.
+      run_seed.store_seed(workdir, seed)
     return training_loop.run(plan, workdir, train_source, test_source, model, mesh)
   finally:
     lock.release()

@@ -45,6 +45,7 @@ from dpjax import optimizers
 from dpjax import physical_batch
 from dpjax import plan as plan_lib
 from dpjax import prng
+from dpjax import run_seed
 from dpjax import sharding
 from dpjax.auditing import record as audit_record
 
@@ -89,16 +90,16 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
   # Model, optimiser and the DP step, built from the plan's σ and C.
   # ---------------------------------------------------------------------------
   optimizer = optimizers.make_optimizer(config.optimizer, num_steps)
-  params = prng.init_params(model, config.seed, train_source.input_shape)
+  params = prng.init_params(model, plan.seed, train_source.input_shape)
   if config.init_from:  # Fine-tuning: public pretrained weights (they do not enter ε).
     params = finetune.load_pretrained(config.init_from, params, config.init_from_rules)
   if config.freeze or config.lora.rank:  # Frozen parameters get no gradient, noise or clipping.
     model, params = finetune.make_finetune(
         model, params, freeze=config.freeze, lora_rank=config.lora.rank,
-        lora_alpha=config.lora.alpha, lora_targets=config.lora.targets, seed=config.seed)
+        lora_alpha=config.lora.alpha, lora_targets=config.lora.targets, seed=plan.seed)
   canaries = wrapper = None
   if config.audit.num_canaries:  # Gradient canaries (dpjax.auditing): clip_C(λ·u_j) per coin.
-    canaries = auditing.make_canaries(config.seed, config.audit.num_canaries,
+    canaries = auditing.make_canaries(plan.seed, config.audit.num_canaries,
                                       int(sum(np.size(x) for x in jax.tree.leaves(params))))
     scale = plan.clip_norm if plan.private else 1.0
     wrapper = lambda sum_fn: auditing.with_gradient_canaries(
@@ -109,12 +110,15 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
         os.path.join(workdir, audit_record.AUDIT_FILE)):
       audit_record.write_record(workdir, canaries, confidence=config.audit.confidence,
                                 initial_params=params)
-  step_fns = dp_step.DPStep(
-      model, optimizer, clip_norm=plan.clip_norm, noise_multiplier=plan.noise_multiplier,
-      expected_batch_size=plan.sampler.expected_batch_size, private=plan.private,
-      clipping=config.privacy.clipping, label_format=config.data.label_format, mesh=mesh,
-      seed=config.seed, precision=config.precision, sum_fn_wrapper=wrapper,
-      augmult=augmult_lib.Augmult.from_config(config.augmult))
+  step_options = dict(clipping=config.privacy.clipping, label_format=config.data.label_format,
+                      mesh=mesh, precision=config.precision, sum_fn_wrapper=wrapper,
+                      augmult=augmult_lib.Augmult.from_config(config.augmult))
+  if plan.private:  # σ, C, b and the seed from the one plan the accountant was made from.
+    step_fns = dp_step.DPStep.from_plan(model, optimizer, plan.privacy, **step_options)
+  else:
+    step_fns = dp_step.DPStep(model, optimizer, clip_norm=None, noise_multiplier=None,
+                              expected_batch_size=plan.sampler.expected_batch_size,
+                              private=False, seed=plan.seed, **step_options)
 
   def run_audit(params) -> dict:
     """The one-run ε lower bound from the canaries' coordinates of θ (Steinke et al. 2023)."""
@@ -156,7 +160,8 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
         f'the device count whose step fits the device (XLA memory analysis).')
     plan = dataclasses.replace(plan, physical_batch_size=chosen)
   rows = sharding.local_rows(mesh, plan.physical_batch_size)
-  batcher = batching.Batcher(plan.sampler, plan.physical_batch_size, plan.max_batch_size)
+  batcher = (plan.privacy.batcher(plan.physical_batch_size) if plan.private else
+             batching.Batcher(plan.sampler, plan.physical_batch_size, plan.max_batch_size))
   max_physical_batches = batcher.max_physical_batches
 
   # ---------------------------------------------------------------------------
@@ -179,6 +184,10 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
       f'each physical batch gathered here ({jax.devices()[0].device_kind}).')
   log(f'Model {config.model.name} with {num_params:,} parameters; {plan.summary()}'
       + (f'; final ε = {accountant.epsilon(num_steps):.4f}' if plan.private else '') + '.')
+  seed = run_seed.RunSeed(plan.seed, plan.seed_source)
+  log(seed.describe(workdir))
+  for line in plan.warnings:
+    log(f'WARNING: {line}')
 
   # ---------------------------------------------------------------------------
   # Train loop.
@@ -296,12 +305,17 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
       if logging_now:  # Rates of this window's steps; eval and checkpoint time apart.
         elapsed = time.time() - window_clock - paused
         rate = window_steps / elapsed if window_steps and elapsed > 0 else None
-        last = {'train_loss': loss,
-                'train_accuracy': float(np.mean([m['accuracy'] for m in fetched])),
-                'num_nonfinite_examples': sum(int(m['num_nonfinite']) for m in fetched),
-                'num_truncated': num_truncated, 'compile_seconds': compile_seconds,
-                'steps_per_second': rate, 'wall_seconds': time.time() - first_time,
-                'examples_per_second': window_examples / elapsed if rate else None}
+        # Statistics of the private data that ε does not cover: named nonprivate_*
+        # (dpjax.metrics; never exported).
+        last = {'nonprivate_train_loss': loss,
+                'nonprivate_train_accuracy': float(np.mean([m['accuracy'] for m in fetched])),
+                'nonprivate_num_nonfinite_examples': sum(int(m['num_nonfinite'])
+                                                         for m in fetched),
+                'nonprivate_num_truncated': num_truncated,
+                'nonprivate_compile_seconds': compile_seconds,
+                'nonprivate_steps_per_second': rate,
+                'nonprivate_wall_seconds': time.time() - first_time,
+                'nonprivate_examples_per_second': window_examples / elapsed if rate else None}
         log_metrics, window_start = [], done + 1
         if accountant is not None:  # Side estimates only at checkpoints.
           # A log row between checkpoints takes ε only if it is ready (computed on the thread)
@@ -312,28 +326,29 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
             last.update(epsilon=report.epsilon, epsilon_bound=report.bound)
         if is_time(done, config.eval_every_steps, num_steps):
           clock = time.time()
-          last.update(run_eval(params, ema), eval_seconds=time.time() - clock)
+          last.update(run_eval(params, ema), nonprivate_eval_seconds=time.time() - clock)
         if checkpoint_seconds is not None:  # The latest save's duration (outside the rates).
-          last['checkpoint_seconds'] = checkpoint_seconds
+          last['nonprivate_checkpoint_seconds'] = checkpoint_seconds
         if audit is not None:  # Beside ε: an empirical lower bound, with its confidence.
           last.update({k: audit[k] for k in ('audit_epsilon_lower', 'audit_confidence')})
         writer.write(done, last)
         shown = {k: f'{v:.4g}' for k, v in last.items()
-                 if k in ('train_loss', 'train_accuracy', 'eval_accuracy', 'epsilon')}
+                 if k in ('nonprivate_train_loss', 'nonprivate_train_accuracy', 'eval_accuracy',
+                          'epsilon')}
         if 'epsilon' in shown:  # The kind of bound beside the number.
           shown['epsilon'] += f' ({last["epsilon_bound"]})'
         progress.set_postfix(shown)
         if progress.disable and primary:  # No terminal: one plain progress line per log.
           eta = (num_steps - done) / rate if rate else float('nan')
-          speed = f'{last["examples_per_second"]:.0f} ex/s' if rate else 'compiling'
+          speed = f'{last["nonprivate_examples_per_second"]:.0f} ex/s' if rate else 'compiling'
           print(f'step {done}/{num_steps}, {speed}, ETA {eta:.0f} s, '
                 + ' '.join(f'{k}={v}' for k, v in shown.items()), flush=True)
       elif is_time(done, config.eval_every_steps, num_steps):
         jax.block_until_ready(params)  # Queued steps finish inside the rate, not the eval.
         clock = time.time()
         evaluated = run_eval(params, ema)
-        evaluated['eval_seconds'] = time.time() - clock
-        paused += evaluated['eval_seconds']
+        evaluated['nonprivate_eval_seconds'] = time.time() - clock
+        paused += evaluated['nonprivate_eval_seconds']
         last.update(evaluated)
         writer.write(done, evaluated)
 
@@ -344,6 +359,8 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
         # can cost seconds; the attached ε and its kind of bound are the same without them.
         report = epsilons.epsilon_at(done, estimates=done == num_steps) if accountant else None
         metadata = plan_lib.privacy_metadata(done, report, plan, step_fns, batcher, num_truncated)
+        metadata['model_io'] = {'num_classes': int(train_source.num_classes),  # For export.
+                                'input_shape': [int(d) for d in train_source.input_shape]}
         if audit is not None:
           metadata['audit'] = audit
         checkpoints.save(manager, done, TrainState(
@@ -366,7 +383,7 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
 
   if num_truncated and accountant is not None:
     log(f'{num_truncated} of {num_steps} logical batches exceeded B = {plan.max_batch_size} and '
-        'were truncated; the reported ε accounts for the cap.')
+        'were truncated; the reported ε accounts for the cap (this count is not covered by ε).')
   if 'eval_accuracy' not in last:
     last.update(run_eval(params, ema))
   result = {'step': num_steps, **last, 'params': params,
@@ -384,5 +401,7 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
     eps_text += (f'; audit ε ≥ {result["audit"]["audit_epsilon_lower"]:.4f} (one-run lower '
                  f'bound, confidence {config.audit.confidence:g}, '
                  f'{config.audit.num_canaries} canaries)')
+  if final_report is not None and not seed.is_secret:
+    eps_text += '; the seed came from the config: ε holds only if that seed is secret'
   log(f'Final: step {num_steps}, test accuracy {last["eval_accuracy"]:.4f}, {eps_text}.')
   return result

@@ -81,6 +81,32 @@ def test_config_and_calibration():
   assert got['details']['max_batch_size'] % 64 == 0  # From batching, a multiple of P.
 
 
+def test_the_account_cli_resolves_sigma_as_training_does_with_audit_canaries():
+  """Issue 24 item 8: the canaries add m rows (N + m); the CLI used N and calibrated another σ."""
+  from configs import digits_mlp  # pylint: disable=import-outside-toplevel
+  from dpjax import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  out = _run('--config', 'configs/digits_mlp.py', '--config.audit.num_canaries=200',
+             '--config.num_epochs=2', '--json')
+  got = json.loads(out.stdout)
+  config = digits_mlp.get_config()
+  config.audit.num_canaries, config.num_epochs = 200, 2
+  train_source = plan_lib.make_training_sources(config)[0]
+  plan = plan_lib.make_plan(config, train_source)
+  assert got['details']['num_examples'] == len(train_source) == 1437 + 200
+  assert got['noise_multiplier'] == plan.noise_multiplier
+  assert got['epsilon'] == plan.accountant.epsilon(plan.num_steps)
+
+
+def test_delta_at_or_above_one_over_n_is_refused_unless_allowed():
+  base = ('--sampler', 'poisson', '--num-examples', '1000', '--batch-size', '100', '--steps',
+          '10', '--noise-multiplier', '1.0')
+  out = _run(*base, '--delta', '0.5', check=False)
+  assert out.returncode == 2 and 'delta = 0.5 is >= 1/N' in out.stderr
+  assert len(out.stderr.strip().splitlines()) == 1
+  got = json.loads(_run(*base, '--delta', '0.5', '--allow-large-delta', '--json').stdout)
+  assert got['delta'] == 0.5
+
+
 def test_table_labels_shuffle_numbers():
   out = _run('--sampler', 'shuffle', '--num-examples', '10000', '--batch-size', '100',
              '--epochs', '1', '--noise-multiplier', '1.0', '--delta', '1e-5')

@@ -24,7 +24,7 @@ INF, NAN = math.inf, math.nan
 
 # (overrides, regex the message must match). Each names the field and its valid range.
 CONFIG_CASES = [
-    ({'seed': -1}, r'seed = -1: must be an integer in \[0, '),
+    ({'seed': -1}, r'seed = -1: must be an integer in \[0, \d+\] or None'),
     ({'data.source': 'imagenet'}, r"data.source = 'imagenet': must be one of 'digits'"),
     ({'data.label_format': 'onehot'}, r"data.label_format = 'onehot': must be one of 'int'"),
     ({'data.scale': 0.0}, r'data.scale = 0.0: must be a finite number > 0'),
@@ -60,6 +60,9 @@ CONFIG_CASES = [
     ({'privacy.delta': 0.0}, r'privacy.delta = 0.0: must be a finite number in \(0, 1\)'),
     ({'privacy.delta': 1.0}, r'privacy.delta = 1.0: must be a finite number in \(0, 1\)'),
     ({'privacy.delta': 1.5}, r'privacy.delta = 1.5: must be a finite number in \(0, 1\)'),
+    ({'privacy.delta': 0.5}, r'privacy.delta = 0.5 is >= 1/N = 0.000696 \(N = 1437\).*'
+                             r'privacy.allow_large_delta = True'),
+    ({'privacy.delta': 1 / 1437}, r'privacy.delta = 0.000695894 is >= 1/N'),
     ({'privacy.accountant': 'moments'}, r"privacy.accountant = 'moments': must be one of 'auto'"),
     ({'privacy.accountant': 'monte_carlo'}, r"privacy.accountant = 'monte_carlo' is not supported "
                                             r"for sampler 'poisson'"),

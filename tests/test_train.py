@@ -14,6 +14,7 @@ import pytest
 
 from dpjax import accounting
 from dpjax import checkpoints
+from dpjax import privacy_plan
 from dpjax import train
 from tests.run_configs import small_config
 
@@ -37,7 +38,8 @@ def test_run_writes_config_metrics_events_and_checkpoints_with_epsilon(reference
   assert json.load(open(tmp_path / 'config.json'))['num_steps'] == 6
   lines = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
   assert [line['step'] for line in lines] == [0, 2, 3, 4, 6]
-  assert {'train_loss', 'train_accuracy', 'epsilon', 'eval_accuracy'} <= set(lines[-1])
+  assert {'nonprivate_train_loss', 'nonprivate_train_accuracy', 'epsilon',
+          'eval_accuracy'} <= set(lines[-1])
   assert glob.glob(str(tmp_path / 'tensorboard' / 'events.out.tfevents.*'))
   # The ε in metrics and checkpoints is the accountant's, for the same config.
   acct = accounting.make_accountant(config, 1437)
@@ -48,7 +50,8 @@ def test_run_writes_config_metrics_events_and_checkpoints_with_epsilon(reference
     assert row['privacy']['epsilon'] == pytest.approx(expected.epsilon, rel=1e-12)
     assert row['privacy']['bound'] == expected.bound == 'upper'
     assert row['noise_multiplier'] == 1.0 and row['clip_norm'] == 1.0 and row['num_examples'] == 1437
-    assert row['sampler']['name'] == 'poisson' and row['seed'] == 0
+    assert row['sampler']['name'] == 'poisson' and 'seed' not in row
+    assert row['fingerprint']['seed_sha256'] == privacy_plan.seed_digest(0)
     assert row['config']['privacy']['delta'] == 1e-5
   assert lines[-1]['epsilon'] == pytest.approx(rows[-1]['privacy']['epsilon'])
   assert result['privacy']['epsilon'] == pytest.approx(rows[-1]['privacy']['epsilon'])
@@ -89,17 +92,16 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(reference_run,
 
 
 def test_resume_after_sigkill_is_bit_identical(tmp_path):
-  """Train uninterrupted; separately SIGKILL mid-run and rerun: same params and ε."""
+  """SIGKILL mid-run and rerun (the seed drawn in secret, kept in the workdir); separately train
+  uninterrupted with that seed: same params and ε."""
   args = ['--config.num_steps=60', '--config.num_epochs=0', '--config.checkpoint_every_steps=10',
           '--config.log_every_steps=30', '--config.eval_every_steps=30',
           '--config.privacy.target_epsilon=0', '--config.privacy.noise_multiplier=1.0',
           '--config.sampler.batch_size=64', '--config.sampler.physical_batch_size=16']
-  def command(workdir):
+  def command(workdir, *extra):
     return [sys.executable, '-m', 'dpjax.train', f'--config={REPO}/configs/digits_mlp.py',
-            f'--workdir={workdir}', *args]
+            f'--workdir={workdir}', *args, *extra]
   env = dict(os.environ, JAX_PLATFORMS='cpu')
-  subprocess.run(command(tmp_path / 'full'), check=True, cwd=REPO, env=env, capture_output=True)
-
   killed = tmp_path / 'killed'
   proc = subprocess.Popen(command(killed), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
@@ -112,12 +114,16 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
   steps_at_kill = checkpoints.read_metadata(str(killed))[-1]['step']
   assert 20 <= steps_at_kill < 60, 'the kill must land mid-run'
   subprocess.run(command(killed), check=True, cwd=REPO, env=env, capture_output=True)
+  seed = json.load(open(killed / 'private' / 'seed.json'))['seed']
+  subprocess.run(command(tmp_path / 'full', f'--config.seed={seed}'), check=True, cwd=REPO,
+                 env=env, capture_output=True)
 
   full_meta = checkpoints.read_metadata(str(tmp_path / 'full'))[-1]
   resumed_meta = checkpoints.read_metadata(str(killed))[-1]
   assert resumed_meta['step'] == full_meta['step'] == 60
   assert resumed_meta['privacy'] == full_meta['privacy']  # Same ε, same bound.
   assert resumed_meta['num_truncated'] == full_meta['num_truncated']
+  assert resumed_meta['fingerprint'] == full_meta['fingerprint']
   restore = lambda w: checkpoints.make_manager(str(w), 1, read_only=True).restore(
       60, args=checkpoints.ocp.args.Composite(state=checkpoints.ocp.args.StandardRestore()))['state']
   full_state, resumed_state = restore(tmp_path / 'full'), restore(killed)
@@ -172,7 +178,7 @@ def test_mnist_cnn_config_trains_on_mock_tfds_data(tmp_path):
   config.data.data_dir = str(tmp_path)
   with tfds.testing.mock_data(num_examples=64, policy=tfds.testing.MockPolicy.USE_CODE):
     result = train.train_and_evaluate(config, str(tmp_path / 'work'))
-  assert result['step'] == 1 and np.isfinite(result['train_loss'])
+  assert result['step'] == 1 and np.isfinite(result['nonprivate_train_loss'])
   assert result['privacy']['bound'] == 'upper' and result['privacy']['epsilon'] <= 3.0
 
 

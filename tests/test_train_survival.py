@@ -34,7 +34,7 @@ def test_divergence_stops_with_the_step_range_and_keeps_the_last_good_checkpoint
   assert not leftovers, leftovers  # No temporary or partial checkpoint directory.
   # The last good checkpoint still resumes (with a sane learning rate).
   result = train.train_and_evaluate(small_config(), str(work))
-  assert result['step'] == 8 and result['train_loss'] < 10
+  assert result['step'] == 8 and result['nonprivate_train_loss'] < 10
 
 
 def test_start_states_plan_and_clipping_per_layer_and_progress_rate_eta_and_epsilon(tmp_path):
@@ -47,8 +47,9 @@ def test_start_states_plan_and_clipping_per_layer_and_progress_rate_eta_and_epsi
   assert lines[0].startswith('1 device(s) on 1 process(es)')
   assert lines[1].startswith('Model mlp with 4,810 parameters; poisson sampler, N = 1437, b = 256')
   assert 'σ = ' in lines[1] and '(calibrated)' in lines[1] and 'target ε = 3' in lines[1]
+  assert lines[2].startswith('Seed: drawn from OS entropy, kept in ')
   # What the compiled step runs, per layer (an MLP: rank-1 ghost norms, Goodfellow 2015).
-  assert lines[2:5] == [
+  assert lines[3:6] == [
       'Clipping: ghost clipping, per layer (mixed rule of Bu et al. 2022: ghost where '
       'S²(m + c) < S·m·c):', '  Dense_0: dense rank-1 (S=1, m=64, c=64)',
       '  Dense_1: dense rank-1 (S=1, m=64, c=10)']
@@ -56,12 +57,13 @@ def test_start_states_plan_and_clipping_per_layer_and_progress_rate_eta_and_epsi
   assert [p.split(',')[0] for p in progress] == ['step 2/5', 'step 4/5', 'step 5/5']
   assert all(' ex/s, ETA ' in p and re.search(r'epsilon=[\d.]+ \(upper\)', p) for p in progress)
   assert lines[-1].startswith('Final: step 5, test accuracy ')
-  assert len(lines) == 5 + len(progress) + 1  # No config dump (it is in config.json).
+  assert len(lines) == 6 + len(progress) + 1  # No config dump (it is in config.json).
   rows = [json.loads(line) for line in open(tmp_path / 'w' / 'metrics.jsonl')]
-  trained = [row for row in rows if 'train_loss' in row]
+  trained = [row for row in rows if 'nonprivate_train_loss' in row]
   assert all(row['epsilon_bound'] == 'upper' for row in trained)  # ε says what it bounds.
-  assert all(row['compile_seconds'] > 0 for row in trained)
-  assert trained[-1]['examples_per_second'] > 0 and trained[-1]['train_window_steps'] == 1
+  assert all(row['nonprivate_compile_seconds'] > 0 for row in trained)
+  assert trained[-1]['nonprivate_examples_per_second'] > 0
+  assert trained[-1]['train_window_steps'] == 1
 
 
 def test_non_private_checkpoints_say_so(tmp_path):

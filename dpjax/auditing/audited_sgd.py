@@ -41,6 +41,7 @@ from dpjax import batching
 from dpjax import clipping
 from dpjax import losses
 from dpjax import prng
+from dpjax import run_seed
 from dpjax import samplers
 from dpjax.auditing import canaries as canaries_lib
 from dpjax.auditing import gradient_canary
@@ -72,22 +73,24 @@ def train(config: ml_collections.ConfigDict, model, base_source, *, num_canaries
           private: bool = True, _bug: str | None = None) -> AuditedRun:
   """Trains `model` for `config.num_steps` steps on `base_source` plus m canaries.
 
-  Reads config.seed, sampler.{name, batch_size, physical_batch_size, max_batch_size},
-  privacy.{clip_norm, noise_multiplier, delta}, optimizer.learning_rate, num_steps.
+  Reads config.seed (None: drawn from OS entropy), sampler.{name, batch_size,
+  physical_batch_size, max_batch_size}, privacy.{clip_norm, noise_multiplier, delta},
+  optimizer.learning_rate, num_steps.
   """
   if _bug is not None and _bug not in PLANTED_BUGS:
     raise ValueError(f'_bug = {_bug!r}; valid: {PLANTED_BUGS}.')
   source = canaries_lib.CanarySource(base_source, num_canaries)
-  sampler = samplers.make_sampler(config, len(source))
+  seed = run_seed.draw_seed() if config.get('seed') is None else config.seed
+  sampler = samplers.make_sampler(config, len(source), seed=seed)
   num_steps = config.num_steps
   physical = config.sampler.physical_batch_size
   max_batch_size = batching.resolve_max_batch_size(
       sampler, physical, config.sampler.max_batch_size, num_steps=num_steps,
       delta=config.privacy.delta)
   batcher = batching.Batcher(sampler, physical, max_batch_size)
-  params = prng.init_params(model, config.seed, base_source.input_shape)
+  params = prng.init_params(model, seed, base_source.input_shape)
   flat0, unravel = jax.flatten_util.ravel_pytree(params)
-  canaries = canaries_lib.make_canaries(config.seed, num_canaries, flat0.size)
+  canaries = canaries_lib.make_canaries(seed, num_canaries, flat0.size)
   loss_fn = losses.make_loss_fn(model)
 
   clip_norm = float(config.privacy.clip_norm) if private else 1.0
@@ -143,7 +146,7 @@ def train(config: ml_collections.ConfigDict, model, base_source, *, num_canaries
       noise_std /= 10
     if _bug == 'skip_noise_every_4th' and step % 4 == 3:
       noise_std = 0.0
-    flat, projected = release(flat, grad_sum, prng.noise_key(config.seed, step),
+    flat, projected = release(flat, grad_sum, prng.noise_key(seed, step),
                               jnp.float32(noise_std))
     released[step] = np.asarray(projected)
     ordinary_rec[step] = np.asarray(ref_sum[coordinates] * signs)

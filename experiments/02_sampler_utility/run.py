@@ -130,8 +130,8 @@ def run_one(dataset: str, sampler: str, sigma: float | None, seed: int, epochs: 
       'steps': result.get('step'),
       'test_accuracy': result.get('eval_accuracy'),
       'test_loss': result.get('eval_loss'),
-      'train_accuracy_last_epoch': result.get('train_accuracy'),
-      'num_truncated': result.get('num_truncated'),
+      'train_accuracy_last_epoch': result.get('nonprivate_train_accuracy'),
+      'num_truncated': result.get('nonprivate_num_truncated'),
       'wall_time_s': time.time() - start,
       'error': error,
   }
