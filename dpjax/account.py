@@ -8,6 +8,7 @@
       --epochs 1 --noise-multiplier 1.5 --delta 1e-5 --json
   python -m dpjax.account --config configs/digits_mlp.py --json
   python -m dpjax.account --config configs/digits_mlp.py --config.sampler.batch_size=512 --json
+  python -m dpjax.account --workdir <workdir>   # the ε of a run's newest checkpoint
   python -m dpjax.account --sampler balls_and_bins --num-examples 500 --batch-size 5 \\
       --epochs 1 --noise-multiplier 0.7 --delta 1e-3 --accountant monte_carlo \\
       --monte-carlo-samples 20000 --workers 2
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import types
 
@@ -87,6 +89,8 @@ _FLAGS = (
     ('boolean', 'allow-large-delta', False,
      'accept --delta >= 1/N (refused by default: such a δ allows publishing a random record)'),
     ('boolean', 'json', False, 'print one JSON object'),
+    ('string', 'workdir', None, "a run's workdir: report the ε its newest checkpoint carries "
+     '(and, when it is not finished, the ε planned for its last step)'),
 )
 _EXCLUSIVE = (('steps', 'epochs'), ('noise-multiplier', 'target-epsilon'))
 PROG = 'python -m dpjax.account'
@@ -112,6 +116,7 @@ def parse_args(argv: list[str]) -> types.SimpleNamespace:
   `dpjax.cli.parse_command` conventions: --help exits 0, a bad flag, config
   file or `--config.<field>` is one line and exit 2.
   """
+  argv = cli.resolve_config_argv(argv)  # A packaged config's name as its file.
   fv = _flag_values([PROG, *argv])
   cli.parse_command(PROG, __doc__, fv, argv)
   for a, b in _EXCLUSIVE:
@@ -242,10 +247,42 @@ def format_table(report: accountant_lib.PrivacyReport) -> str:
   return '\n'.join(f'{k:<{width}}  {v}' for k, v in rows)
 
 
+def _from_workdir(workdir: str) -> tuple[accountant_lib.PrivacyReport, dict]:
+  """The newest checkpoint's report, and the planned final ε if the run is not finished."""
+  from dpjax import checkpoints  # pylint: disable=g-import-not-at-top
+  if not os.path.isdir(workdir):
+    raise ValueError(f'--workdir {workdir!r}: not a directory.')
+  rows = [row for row in checkpoints.read_metadata(workdir) if 'error' not in row]
+  if not rows:
+    raise ValueError(f'--workdir {workdir!r}: no readable checkpoint (nothing trained yet).')
+  meta = rows[-1]
+  if meta['privacy'].get('epsilon') is None:
+    raise ValueError(f'--workdir {workdir!r}: a non-private run (ε = ∞).')
+  report = accountant_lib.PrivacyReport.from_dict(meta['privacy'])
+  extra = {'workdir': os.path.abspath(workdir), 'checkpoint_step': meta['step']}
+  planned = meta['config'].get('num_steps')
+  if planned and planned > meta['step']:
+    from dpjax import plan as plan_lib  # pylint: disable=g-import-not-at-top
+    from dpjax.configs import from_workdir  # pylint: disable=g-import-not-at-top
+    config = from_workdir.get_config(workdir)
+    extra['planned_steps'] = planned
+    extra['planned_final_epsilon'] = plan_lib.make_plan(
+        config, meta['num_examples']).accountant.epsilon(planned)
+  return report, extra
+
+
 def main(argv=None) -> int:
   # dp_accounting's RDP logs a warning per fractional order it skips; the numbers are unaffected.
   logging.getLogger('absl').setLevel(logging.ERROR)
   args = parse_args(list(sys.argv[1:] if argv is None else argv))
+  if args.workdir is not None:
+    try:
+      report, extra = _from_workdir(args.workdir)
+    except ValueError as e:
+      cli.fail(PROG, e)
+    report.details.update(extra)
+    print(report.to_json() if args.json else format_table(report))
+    return 0
   try:
     options = _monte_carlo_options(args)  # validated before any loading or computing
     acct, extra = (_from_config(args, options) if args.config is not None

@@ -43,6 +43,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dpjax import prng
 
@@ -91,15 +92,25 @@ class Augmult:
       return None
     return cls(int(config.num_views), int(config.crop_padding), bool(config.flip))
 
-  def views(self, x: jax.Array, indices: jax.Array, step, *, seed: int) -> jax.Array:
+  def views(self, x: jax.Array, indices: jax.Array, step, *, seed) -> jax.Array:
     """x [P, ...] -> views [P, K, ...] (see `make_views`)."""
     return make_views(x, indices, step, seed=seed, num_views=self.num_views,
                       crop_padding=self.crop_padding, flip=self.flip)
 
 
-def view_keys(seed: int, step, indices: jax.Array, num_views: int) -> jax.Array:
-  """Keys [P, K]: key(seed) → fold_in AUGMULT_STREAM → fold_in step → fold_in index → split K."""
-  root = jax.random.fold_in(prng.stream_key(seed, AUGMULT_STREAM), step)
+def stream_data(seed: int):
+  """The view stream's key data (`prng.key_data`), an argument of compiled programs."""
+  return prng.key_data(prng.stream_key(seed, AUGMULT_STREAM))
+
+
+def view_keys(seed, step, indices: jax.Array, num_views: int) -> jax.Array:
+  """Keys [P, K]: key(seed) → fold_in AUGMULT_STREAM → fold_in step → fold_in index → split K.
+
+  `seed` is an int, or the stream's key data (`stream_data`, possibly traced).
+  """
+  stream = (prng.stream_key(seed, AUGMULT_STREAM) if isinstance(seed, (int, np.integer))
+            else prng.from_data(seed))
+  root = jax.random.fold_in(stream, step)
   per_example = jax.vmap(lambda i: jax.random.fold_in(root, i))(jnp.asarray(indices, jnp.uint32))
   return jax.vmap(lambda k: jax.random.split(k, num_views))(per_example)
 
@@ -117,9 +128,18 @@ def augment(key: jax.Array, image: jax.Array, crop_padding: int, flip: bool) -> 
   return image
 
 
-@functools.partial(jax.jit, static_argnames=('seed', 'num_views', 'crop_padding', 'flip'))
-def make_views(x: jax.Array, indices: jax.Array, step, *, seed: int, num_views: int,
+def make_views(x: jax.Array, indices: jax.Array, step, *, seed, num_views: int,
                crop_padding: int, flip: bool) -> jax.Array:
+  """x [P, ...] → views [P, K, ...] (`_make_views`); `seed` an int or the view stream's key data
+  (`stream_data`: what the DP step passes, so its program does not depend on the seed)."""
+  data = stream_data(seed) if isinstance(seed, (int, np.integer)) else seed
+  return _make_views(x, indices, step, data, num_views=num_views, crop_padding=crop_padding,
+                     flip=flip)
+
+
+@functools.partial(jax.jit, static_argnames=('num_views', 'crop_padding', 'flip'))
+def _make_views(x: jax.Array, indices: jax.Array, step, seed, *, num_views: int,
+                crop_padding: int, flip: bool) -> jax.Array:
   """x [P, ...] → views [P, K, ...] of each row (row i's views depend on (seed, step, index_i)).
 
   Args:
@@ -128,7 +148,8 @@ def make_views(x: jax.Array, indices: jax.Array, step, *, seed: int, num_views: 
     indices: [P] the rows' example indices in the training set (the
       `dpjax.batching.LogicalBatch.indices` row).
     step: the logical step t (an int or a traced int32).
-    seed: config.seed; num_views: K ≥ 1; crop_padding, flip: see `augment`.
+    seed: the view stream's key data (`stream_data`); num_views: K ≥ 1; crop_padding, flip:
+      see `augment`.
   """
   keys = view_keys(seed, step, indices, num_views)
   if not (crop_padding or flip):

@@ -212,25 +212,87 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, metadata: dict) 
     raise _save_error(manager, step, e) from e
 
 
+class CheckpointMismatchError(ValueError):
+  """A readable checkpoint holds a state of another structure than the run's (model or
+  optimizer changed): not corruption; refused with one line, the checkpoint untouched."""
+
+
+def _key_name(key) -> str:
+  for attr in ('key', 'name', 'idx'):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _shapes(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
+  """{path: shape} of the array leaves of a state or of a checkpoint's saved tree."""
+  return {tuple(_key_name(k) for k in path): tuple(getattr(leaf, 'shape', ()))
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+_PARTS = {'params': 'model parameters', 'opt_state': 'optimizer state', 'ema': 'EMA parameters'}
+
+
+def state_mismatch(saved_tree, target) -> str:
+  """'' if the saved tree has the target's paths and shapes, else what differs, by part."""
+  saved, want = _shapes(saved_tree), _shapes(target)
+  if saved == want:
+    return ''
+  parts = {}
+  for path in sorted(set(saved) | set(want)):
+    if saved.get(path) == want.get(path):
+      continue
+    old = 'absent' if path not in saved else str(saved[path])
+    new = 'absent' if path not in want else str(want[path])
+    parts.setdefault(_PARTS.get(path[0], path[0]), []).append(
+        f"{'/'.join(path[1:]) or path[0]} {old} → {new}")
+  return '; '.join(f'{part} differ ({", ".join(items[:3])}'
+                   f'{f" and {len(items) - 3} more" if len(items) > 3 else ""})'
+                   for part, items in parts.items())
+
+
+def _saved_tree(path: str):
+  return ocp.PyTreeCheckpointer().metadata(os.path.join(path, 'state')).item_metadata.tree
+
+
 def restore_latest(manager: ocp.CheckpointManager, target: Any) -> tuple[int, Any, dict] | None:
   """(step, state, metadata) of the newest readable checkpoint, or None.
 
-  `target` is a state with the right structure and the shardings to restore
-  onto (e.g. the freshly initialised, replicated one). Each checkpoint is
-  first checked against its manifest. Unreadable or corrupt checkpoints are
-  logged with the reason and skipped; process 0 moves them aside.
+  `target` is a state with the right structure and the shardings to restore onto (e.g.
+  the freshly initialised, replicated one). Each checkpoint is first checked against its
+  manifest: a checkpoint whose files fail it (or, without a manifest, cannot be read) is
+  corrupt: logged, moved aside by process 0, and the previous one is tried. A readable
+  checkpoint whose state has another structure than `target` (the model or the optimizer
+  changed) is not corrupt: `CheckpointMismatchError` (one line), nothing moved.
   """
   for step in sorted(manager.all_steps(), reverse=True):
     path = os.path.join(str(manager.directory), str(step))
+    verified = False  # Its files match the manifest (a later failure is not corruption).
     try:
-      if not verify_checkpoint(path):
+      verified = verify_checkpoint(path)
+      if not verified:
         message = (f'checkpoint {step} has no {MANIFEST} (written before dpjax kept checksums); '
                    'restoring it unverified.')
         logging.warning(message)
         print(f'WARNING: {message}', file=sys.stderr)
+      mismatch = state_mismatch(_saved_tree(path), target)
+      if mismatch:
+        raise CheckpointMismatchError(
+            f'checkpoint {step} in {manager.directory} holds a state of another structure than '
+            f'this config builds: {mismatch}. The model or the optimizer changed since the run '
+            'started; restore them, or use a new --workdir to start fresh (the checkpoint is '
+            'untouched).')
       restored = manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(target), metadata=ocp.args.JsonRestore()))
+    except CheckpointMismatchError:
+      raise
     except Exception as e:  # Orbax raises many types for damaged files.
+      if verified:
+        raise CheckpointMismatchError(
+            f'checkpoint {step} passed its checksums but could not be restored onto this '
+            f'config\'s state ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}); '
+            'it is untouched. Restore the settings it was written with, or use a new '
+            '--workdir.') from None
       # Keep the damaged files for inspection, out of the way of a new save at this step.
       aside = f'{path}.unreadable-{int(time.time())}'
       if jax.process_index() == 0:  # One host renames the shared directory.

@@ -14,6 +14,8 @@ device, so a stale entry is never used for another program. Values of
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 
 import jax
 
@@ -42,12 +44,30 @@ def enable_compilation_cache(setting: str = '',
   Call before the first compilation. 'none' disables the cache for this process.
   """
   path = resolve_cache_dir(setting)
+  if path is not None and not _writable_dir(path):
+    if setting:  # Named by the user: say so, as for any other bad field.
+      raise ValueError(f'compilation_cache_dir = {setting!r}: {path} cannot be created or written; '
+                       "name a writable directory, or 'none' to compile every run.")
+    print(f'WARNING: the compilation cache {path} is not writable (HOME or $DPJAX_CACHE_DIR); '
+          'compiling without a persistent cache.', file=sys.stderr, flush=True)
+    path = None
   if path is None:
     jax.config.update('jax_enable_compilation_cache', False)
     return None
-  os.makedirs(path, exist_ok=True)
   jax.config.update('jax_enable_compilation_cache', True)
   jax.config.update('jax_compilation_cache_dir', path)
   jax.config.update('jax_persistent_cache_min_compile_time_secs', min_compile_seconds)
   jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
   return path
+
+
+def _writable_dir(path: str) -> bool:
+  """Whether `path` exists (or can be created) as a directory files can be written in."""
+  try:
+    os.makedirs(path, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=path, prefix='.dpjax-probe-')
+    os.close(fd)
+    os.remove(probe)
+  except OSError:
+    return False
+  return True

@@ -18,10 +18,14 @@ x = (raw / scale − mean) / std per channel; labels as int or one-hot.
 The `memmap` source reads `<data.path>/<data.train_split>/{x,y}.npy` and
 `<data.path>/<data.test_split>/{x,y}.npy` (x [N, ...] any numeric dtype, y [N]
 integer labels) with `np.load(mmap_mode='r')`: a gather of b rows touches
-O(b) pages, whatever N. Opening a split reads y once, in chunks of
-`LABEL_SCAN_ROWS`, to check the labels and count the classes (O(N) time,
-O(chunk) memory). `write_memmap_split` builds such a split from chunks, so
+O(b) pages, whatever N. `write_memmap_split` builds such a split from chunks, so
 10^8 rows never sit in RAM.
+
+Every source is checked when it is opened (`dpjax.data_validation`): integer
+labels in [0, K), K declared (`data.num_classes`) or derived from the training
+labels, finite features, one label per example, the same row shape in every
+split; one line names the file, split, array and row. `data.scale = 0`
+derives the scale from the data (digits: 16; uint8: 255; floats: 1).
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ from typing import Iterable, Protocol, Sequence
 import ml_collections
 import numpy as np
 
+from dpjax import data_validation
+
 SOURCES = ('digits', 'tfds', 'npz', 'memmap', 'synthetic')
 LABEL_FORMATS = ('int', 'one_hot')
 DIGITS_TEST_SIZE = 360  # 20% of 1797, stratified, fixed split (random_state=0).
+DIGITS_RANGE = 16.0  # Digits pixels are 0..16: data.scale = 0 divides by it.
 MEMMAP_FILES = ('x.npy', 'y.npy')  # One pair per split directory.
-LABEL_SCAN_ROWS = 1 << 22  # Labels read per chunk when a memmap split is opened.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +55,14 @@ class Preprocessor:
   std: tuple[float, ...]
   label_format: str
   num_classes: int
+  scale_source: str = 'data.scale'  # Where the scale came from (printed at start).
+
+  def describe(self) -> str:
+    """One line: the preprocessing and where its scale came from."""
+    fmt = lambda v: ', '.join(f'{x:g}' for x in v)
+    return (f'x = (raw / {self.scale:g} − ({fmt(self.mean)})) / ({fmt(self.std)}) '
+            f'[scale: {self.scale_source}], {self.num_classes} classes, labels '
+            f'{self.label_format}')
 
   def __call__(self, raw_x: np.ndarray, raw_y: np.ndarray) -> dict[str, np.ndarray]:
     x = np.asarray(raw_x, dtype=np.float32) / np.float32(self.scale)
@@ -172,18 +186,46 @@ def _splitmix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def _preprocessor(config: ml_collections.ConfigDict, num_classes: int, channels: int) -> Preprocessor:
+def _preprocessor(config: ml_collections.ConfigDict, num_classes: int, channels: int,
+                  raw_dtype=np.float32, native_scale: float | None = None) -> Preprocessor:
+  """The config's preprocessing; `data.scale = 0` derives the scale from the data.
+
+  Derived: the source's own range (digits: 16), else 255 for uint8 and the integer type's
+  maximum for other integers, 1 for floats (`data_validation.auto_scale`).
+  """
   if config.label_format not in LABEL_FORMATS:
     raise ValueError(f'data.label_format = {config.label_format!r}; valid: {", ".join(LABEL_FORMATS)}.')
-  if not config.scale > 0:
-    raise ValueError(f'data.scale must be > 0, got {config.scale}.')
+  if config.scale:
+    if not config.scale > 0:
+      raise ValueError(f'data.scale must be > 0 (0 = derived from the data), got {config.scale}.')
+    scale, source = float(config.scale), 'data.scale'
+  elif native_scale is not None:
+    scale, source = float(native_scale), f"data.scale = 0: the {config.source} data's range"
+  else:
+    scale = data_validation.auto_scale(raw_dtype)
+    source = f'data.scale = 0: derived from the {np.dtype(raw_dtype).name} data'
   mean, std = tuple(config.mean), tuple(config.std)
   for field, value in (('data.mean', mean), ('data.std', std)):
     if len(value) not in (1, channels):
       raise ValueError(f'{field} has {len(value)} entries; it needs 1 or {channels} (channels).')
   if not all(s > 0 for s in std):
     raise ValueError(f'data.std entries must be > 0, got {std}.')
-  return Preprocessor(float(config.scale), mean, std, config.label_format, int(num_classes))
+  return Preprocessor(scale, mean, std, config.label_format, int(num_classes), source)
+
+
+def _checked_arrays(where: str, declared_classes: int, x_train, y_train, x_test, y_test,
+                    mapped: bool = False):
+  """(y_train, y_test, K) after `data_validation`'s checks of both splits (one line each)."""
+  checks = data_validation
+  checks.check_features(f'{where}: x_train', x_train, mapped=mapped)
+  checks.check_features(f'{where}: x_test', x_test, mapped=mapped)
+  checks.check_same_rows(f'{where}: x_train', x_train.shape[1:], f'{where}: x_test',
+                         x_test.shape[1:])
+  y_train = checks.check_labels(f'{where}: y_train', y_train, num_examples=len(x_train))
+  y_test = checks.check_labels(f'{where}: y_test', y_test, num_examples=len(x_test))
+  num_classes = checks.num_classes_of(f'{where}: y_train', y_train, declared_classes)
+  checks.check_test_labels(f'{where}: y_test', y_test, num_classes)
+  return y_train, y_test, num_classes
 
 
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -255,11 +297,11 @@ def write_memmap_split(directory: str, num_examples: int,
     os.replace(src, dst)
 
 
-def open_memmap_split(directory: str) -> tuple[np.ndarray, np.ndarray, int]:
-  """(x, y, num_classes) of a split written as `directory/{x,y}.npy`, memory-mapped read-only.
+def open_memmap_split(directory: str) -> tuple[np.ndarray, np.ndarray]:
+  """(x, y) of a split written as `directory/{x,y}.npy`, memory-mapped read-only.
 
-  Errors name `data.path`. Reads y once in chunks (O(N) time, O(chunk) memory,
-  through plain reads so the scan does not stay mapped) to check the labels.
+  Errors name `data.path`; `make_sources` then checks the content (`data_validation`:
+  labels in chunks, O(N) time and O(chunk) memory; features on a sample of rows).
   """
   if not os.path.isdir(directory):
     raise ValueError(f'data.path: {directory!r} is not a directory; the memmap source needs '
@@ -275,20 +317,10 @@ def open_memmap_split(directory: str) -> tuple[np.ndarray, np.ndarray, int]:
     except Exception as e:  # Bad magic, header or a truncated file (mmap beyond its size).
       raise ValueError(f'data.path: {path!r} is not a complete .npy file: {e}') from e
   x, y = arrays
-  if x.ndim < 1 or y.ndim != 1 or len(x) != len(y) or len(y) == 0:
-    raise ValueError(f'data.path: {directory!r} holds x of shape {x.shape} and y of shape '
-                     f'{y.shape}; they need N >= 1 rows and one label per row.')
-  if not np.issubdtype(x.dtype, np.number) or not np.issubdtype(y.dtype, np.integer):
-    raise ValueError(f'data.path: {directory!r} holds x of dtype {x.dtype} and y of dtype '
-                     f'{y.dtype}; x must be numeric and y integer.')
-  low, high = 0, 0
-  for start in range(0, len(y), LABEL_SCAN_ROWS):
-    chunk = np.fromfile(y.filename, dtype=y.dtype, count=min(LABEL_SCAN_ROWS, len(y) - start),
-                        offset=y.offset + start * y.dtype.itemsize)
-    low, high = min(low, int(chunk.min())), max(high, int(chunk.max()))
-  if low < 0:
-    raise ValueError(f'data.path: {directory!r} has a negative label ({low}).')
-  return x, y, high + 1
+  if not np.issubdtype(y.dtype, np.integer):
+    raise ValueError(f'data.path: {os.path.join(directory, "y.npy")!r} has dtype {y.dtype}; '
+                     'memory-mapped labels must be integers.')
+  return x, y
 
 
 def _tfds_split(config, split: str) -> TfdsSource:
@@ -307,7 +339,19 @@ def _tfds_split(config, split: str) -> TfdsSource:
       raise ValueError(f'TFDS dataset {config.name!r} has no feature {key!r} '
                        f'(data.image_key / data.label_key); it has {list(features)}.')
   shape = tuple(features[config.image_key].shape)
-  preprocess = _preprocessor(config, features[config.label_key].num_classes, shape[-1])
+  labels = features[config.label_key]
+  declared = int(config.get('num_classes', 0) or 0)
+  num_classes = getattr(labels, 'num_classes', None)
+  if num_classes is None:
+    raise ValueError(f'TFDS dataset {config.name!r}: feature {config.label_key!r} is not a class '
+                     'label (data.label_key); dpjax trains classifiers on integer labels.')
+  if declared and declared < num_classes:
+    raise ValueError(f'data.num_classes = {declared}: the TFDS dataset {config.name!r} declares '
+                     f'{num_classes} classes; data.num_classes must be 0 (take them) or >= '
+                     f'{num_classes}.')
+  # np_dtype: the feature's numpy dtype (its `dtype` would import TensorFlow).
+  dtype = np.dtype(getattr(features[config.image_key], 'np_dtype', None) or np.float32)
+  preprocess = _preprocessor(config, declared or num_classes, shape[-1], dtype)
   return TfdsSource(source, config.image_key, config.label_key, preprocess, shape)
 
 
@@ -315,21 +359,43 @@ def make_sources(config: ml_collections.ConfigDict, seed: int = 0) -> tuple[Data
   """The (train, test) sources described by `config` (the `data` block)."""
   if config.source not in SOURCES:
     raise ValueError(f'data.source = {config.source!r} is unknown; valid: {", ".join(SOURCES)}.')
+  declared = int(config.get('num_classes', 0) or 0) if config.source != 'synthetic' else 0
   if config.source == 'digits':
     x_train, y_train, x_test, y_test = load_digits_arrays()
-    preprocess = _preprocessor(config, 10, 1)
+    y_train, y_test, num_classes = _checked_arrays('digits', declared, x_train, y_train, x_test,
+                                                   y_test)
+    preprocess = _preprocessor(config, num_classes, 1, native_scale=DIGITS_RANGE)
     return ArraySource(x_train, y_train, preprocess), ArraySource(x_test, y_test, preprocess)
   if config.source == 'npz':
-    if not config.path or not os.path.isfile(config.path):
-      raise ValueError(f'data.path = {config.path!r} must name an existing .npz file '
+    path = config.path
+    if not path or not os.path.isfile(path):
+      raise ValueError(f'data.path = {path!r} must name an existing .npz file '
                        '(with x_train, y_train, x_test, y_test).')
-    with np.load(config.path) as arrays:
+    try:
+      arrays = np.load(path, allow_pickle=False)
+    except Exception as e:  # pylint: disable=broad-except  # Not a NumPy file at all.
+      raise ValueError(f'data.path = {path!r}: not an .npz file ({type(e).__name__}: {e}); '
+                       'write one with np.savez(path, x_train=..., y_train=..., x_test=..., '
+                       'y_test=...).') from None
+    if not isinstance(arrays, np.lib.npyio.NpzFile):
+      raise ValueError(f'data.path = {path!r}: a single .npy array, not an .npz archive; the '
+                       "npz source needs x_train, y_train, x_test, y_test (np.savez), and "
+                       "data.source = 'memmap' reads <split>/x.npy and <split>/y.npy.")
+    with arrays:
       missing = {'x_train', 'y_train', 'x_test', 'y_test'} - set(arrays.files)
       if missing:
-        raise ValueError(f'data.path = {config.path!r} lacks arrays {sorted(missing)}.')
-      x_train, y_train, x_test, y_test = (arrays[k] for k in ('x_train', 'y_train', 'x_test', 'y_test'))
-    num_classes = int(max(y_train.max(), y_test.max())) + 1
-    preprocess = _preprocessor(config, num_classes, x_train.shape[-1] if x_train.ndim > 1 else 1)
+        raise ValueError(f'data.path = {path!r} lacks arrays {sorted(missing)} (it has '
+                         f'{sorted(arrays.files)}).')
+      try:
+        x_train, y_train, x_test, y_test = (arrays[k] for k in ('x_train', 'y_train', 'x_test',
+                                                                'y_test'))
+      except ValueError as e:  # Object arrays need pickle: strings, ragged lists.
+        raise ValueError(f'data.path = {path!r}: an array holds Python objects ({e}); '
+                         'features must be numeric and labels integers.') from None
+    y_train, y_test, num_classes = _checked_arrays(f'data.path = {path!r}', declared, x_train,
+                                                   y_train, x_test, y_test)
+    preprocess = _preprocessor(config, num_classes, x_train.shape[-1] if x_train.ndim > 1 else 1,
+                               x_train.dtype)
     return ArraySource(x_train, y_train, preprocess), ArraySource(x_test, y_test, preprocess)
   if config.source == 'memmap':
     if not config.path or not os.path.isdir(config.path):
@@ -337,14 +403,13 @@ def make_sources(config: ml_collections.ConfigDict, seed: int = 0) -> tuple[Data
                        f"data.source = 'memmap' (with <split>/x.npy and <split>/y.npy for "
                        f"data.train_split = {config.train_split!r}, data.test_split = "
                        f"{config.test_split!r}).")
-    (x_train, y_train, train_classes), (x_test, y_test, test_classes) = (
+    (x_train, y_train), (x_test, y_test) = (
         open_memmap_split(os.path.join(config.path, split))
         for split in (config.train_split, config.test_split))
-    if x_train.shape[1:] != x_test.shape[1:]:
-      raise ValueError(f'data.path = {config.path!r}: train rows have shape {x_train.shape[1:]}, '
-                       f'test rows {x_test.shape[1:]}.')
-    preprocess = _preprocessor(config, max(train_classes, test_classes),
-                               x_train.shape[-1] if x_train.ndim > 1 else 1)
+    _, _, num_classes = _checked_arrays(f'data.path = {config.path!r}', declared, x_train,
+                                        y_train, x_test, y_test, mapped=True)
+    preprocess = _preprocessor(config, num_classes, x_train.shape[-1] if x_train.ndim > 1 else 1,
+                               x_train.dtype)
     return ArraySource(x_train, y_train, preprocess), ArraySource(x_test, y_test, preprocess)
   if config.source == 'tfds':
     if not config.name:

@@ -76,6 +76,11 @@ PHYSICAL_LOOPS = ('auto', 'device', 'host')
 DEFAULT_MAX_ROWS = 2**16
 
 
+def _noise_key(keys: dict, step) -> jax.Array:
+  """noise_key(seed, step) from the noise stream's key data (an argument of the program)."""
+  return jax.random.fold_in(prng.from_data(keys['noise']), jnp.asarray(step, jnp.uint32))
+
+
 def _kahan_add(total: Params, compensation: Params, g: Params) -> tuple[Params, Params]:
   """total + g with Kahan's compensation (Higham 2002, §4.3): error O(u)·|total|, not O(K·u)."""
   def add(s, c, x):
@@ -205,13 +210,17 @@ class DPStep:
     if sum_fn_wrapper is not None:  # e.g. audit canaries: (params, batch) -> (sum, stats).
       self._sum_fn = sum_fn_wrapper(self._sum_fn)
     self.seed = seed
+    # The seed's key data, an argument of every program (not a constant in it): one
+    # compilation, and one persistent cache entry, serve every run whatever its secret seed.
+    self.keys = {'noise': prng.key_data(prng.stream_key(seed, prng.NOISE_STREAM)),
+                 'views': augmult_lib.stream_data(seed)}
     self._traces = {'accumulate': 0, 'apply': 0, 'train_step': 0}
     self.sizing_compiles = 0  # Programs compiled only for their memory analysis (P = 0).
     self._step_bytes = {}  # physical_batch.compiled_step_bytes, by shapes.
     self.mesh = mesh
     if mesh is None:
       self.accumulate = jax.jit(self._accumulate, donate_argnums=(1,))
-      self.apply = jax.jit(self._apply, donate_argnums=(2,))
+      self._apply_jit = jax.jit(self._apply, donate_argnums=(2,))
       self._zeros = self._zero_accumulator
       self._train_step = jax.jit(self._fused_step, donate_argnums=(0, 1))
       self._accumulate_at = jax.jit(self._accumulate_at_fn, donate_argnums=(1,))
@@ -222,18 +231,18 @@ class DPStep:
       self.accumulate = jax.jit(
           self._accumulate, in_shardings=(state, state, batch),
           out_shardings=state, donate_argnums=(1,))
-      self.apply = jax.jit(self._apply, in_shardings=state,
-                           out_shardings=state, donate_argnums=(2,))
+      self._apply_jit = jax.jit(self._apply, in_shardings=state,
+                                out_shardings=state, donate_argnums=(2,))
       self._zeros = jax.jit(self._zero_accumulator, out_shardings=state)
       self._train_step = jax.jit(
           self._fused_step,
           in_shardings=(state, state, sharding.logical_batch_sharding(mesh),
-                        state, state, state),
+                        state, state, state, state),
           out_shardings=state, donate_argnums=(0, 1))
       self._logical_sharding = sharding.logical_batch_sharding(mesh)
       self._accumulate_at = jax.jit(
           self._accumulate_at_fn,
-          in_shardings=(state, state, self._logical_sharding, state, state, state),
+          in_shardings=(state, state, self._logical_sharding, state, state, state, state),
           out_shardings=state, donate_argnums=(1,))
       self._apply_at = jax.jit(self._apply_at_fn, in_shardings=state,
                                out_shardings=state, donate_argnums=(0, 1))
@@ -292,27 +301,32 @@ class DPStep:
     """
     if self.loop_mode(params) == 'device':
       return self._train_step(params, opt_state, logical, num_batches, step,
-                              dataset)
+                              dataset, self.keys)
     # 'host': the buffer goes to the device once; K small dispatches read it.
     logical = jax.device_put(logical, self._logical_sharding)
     k_max = jax.tree.leaves(logical)[0].shape[0]
     acc = self._zeros(params)
     for i in range(min(max(int(num_batches), 0), k_max)):
-      acc = self._accumulate_at(params, acc, logical, np.int32(i), step, dataset)
-    return self._apply_at(params, opt_state, acc, step)
+      acc = self._accumulate_at(params, acc, logical, np.int32(i), step, dataset, self.keys)
+    return self._apply_at(params, opt_state, acc, step, self.keys)
 
-  def _accumulate_at_fn(self, params, acc, logical, i, step, dataset):
+  def apply(self, params: Params, opt_state: optax.OptState, acc: Accumulator, step):
+    """ĝ = (acc.grad_sum + N(0, σ²C²)) / b with the noise of (this step's seed, `step`); one
+    optax step on ĝ. Donates `acc`."""
+    return self._apply_jit(params, opt_state, acc, step, self.keys)
+
+  def _accumulate_at_fn(self, params, acc, logical, i, step, dataset, keys):
     self._traces['train_step'] += 1
     with precision_lib.matmul_precision(self.precision):
-      return self._add_batch(params, acc, self._physical_batch(logical, i, step, dataset))
+      return self._add_batch(params, acc,
+                             self._physical_batch(logical, i, step, dataset, keys))
 
-  def _apply_at_fn(self, params, opt_state, acc, step):
+  def _apply_at_fn(self, params, opt_state, acc, step, keys):
     self._traces['train_step'] += 1
-    key = prng.fold_noise_key(self.seed, jnp.asarray(step, jnp.uint32))
     with precision_lib.matmul_precision(self.precision):
-      return self._update(params, opt_state, acc, key)
+      return self._update(params, opt_state, acc, _noise_key(keys, step))
 
-  def _physical_batch(self, logical: Batch, i, step, dataset) -> Batch:
+  def _physical_batch(self, logical: Batch, i, step, dataset, keys) -> Batch:
     """Physical batch i of a logical buffer, gathered from `dataset` if given;
     with augmult, its x becomes the rows' views [P, K, ...] (made here, on the
     device, from (seed, step, batch['index']))."""
@@ -326,34 +340,35 @@ class DPStep:
         raise ValueError("augmult: the logical buffer must carry each row's example "
                          "'index' (device_data.index_buffer / host_buffer do).")
       batch = batch | {'x': self.augmult.views(batch['x'], batch['index'], step,
-                                               seed=self.seed)}
+                                               seed=keys['views'])}
     return batch
 
   def _fused_step(self, params: Params, opt_state: optax.OptState,
-                  logical: Batch, num_batches, step, dataset):
+                  logical: Batch, num_batches, step, dataset, keys):
     self._traces['train_step'] += 1
     with precision_lib.matmul_precision(self.precision):
       return self._fused_body(params, opt_state, logical, num_batches, step,
-                              dataset)
+                              dataset, keys)
 
-  def logical_step(self, params, opt_state, logical, num_batches, step, dataset=None):
+  def logical_step(self, params, opt_state, logical, num_batches, step, dataset=None,
+                   keys=None):
     """`train_step`'s computation, untraced and unjitted, in the step's precision: to embed
-    in a larger program (`dpjax.multi_step`)."""
+    in a larger program (`dpjax.multi_step`, which passes `self.keys` as an argument)."""
     with precision_lib.matmul_precision(self.precision):
-      return self._fused_body(params, opt_state, logical, num_batches, step, dataset)
+      return self._fused_body(params, opt_state, logical, num_batches, step, dataset,
+                              self.keys if keys is None else keys)
 
   def _fused_body(self, params, opt_state, logical, num_batches, step,
-                  dataset):
+                  dataset, keys):
     k_max = jax.tree.leaves(logical)[0].shape[0]
     k = jnp.clip(jnp.asarray(num_batches, jnp.int32), 0, k_max)
 
     def body(i, acc):
       return self._add_batch(params, acc,
-                             self._physical_batch(logical, i, step, dataset))
+                             self._physical_batch(logical, i, step, dataset, keys))
 
     acc = jax.lax.fori_loop(0, k, body, self._zero_accumulator(params))
-    key = prng.fold_noise_key(self.seed, jnp.asarray(step, jnp.uint32))
-    return self._update(params, opt_state, acc, key)
+    return self._update(params, opt_state, acc, _noise_key(keys, step))
 
   def init_accumulator(self, params: Params) -> Accumulator:
     """Zero sums with the structure of params (replicated over the mesh)."""
@@ -378,12 +393,10 @@ class DPStep:
     return Accumulator(total, jax.tree.map(jnp.add, acc.stats, stats), compensation)
 
   def _apply(self, params: Params, opt_state: optax.OptState,
-             acc: Accumulator, step):
-    """ĝ = (acc.grad_sum + N(0, σ²C²)) / b with the noise of `step`; one optax step on ĝ."""
+             acc: Accumulator, step, keys):
     self._traces['apply'] += 1
-    key = prng.fold_noise_key(self.seed, jnp.asarray(step, jnp.uint32))
     with precision_lib.matmul_precision(self.precision):
-      return self._update(params, opt_state, acc, key)
+      return self._update(params, opt_state, acc, _noise_key(keys, step))
 
   def _update(self, params: Params, opt_state: optax.OptState,
               acc: Accumulator, key: jax.Array):

@@ -33,6 +33,8 @@ class GracefulStop:
 
   def __init__(self, *, log=None):
     self.signum: int | None = None
+    self.progress = 0  # Steps dispatched so far (the loop sets it after each call).
+    self.progress_at_signal = 0  # ... when the first signal arrived.
     self._log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     self._previous: dict[int, object] = {}
 
@@ -54,6 +56,7 @@ class GracefulStop:
     name = signal.Signals(signum).name
     if self.signum is None:
       self.signum = signum
+      self.progress_at_signal = self.progress
       self._log(f'{name} received: finishing this step, saving a checkpoint, then exiting with '
                 f'code {128 + signum}' + (' (Ctrl-C again to abort at once).'
                                           if signum == signal.SIGINT else '.'))

@@ -46,21 +46,46 @@ def steps_per_call(requested: int, loop_mode: str, data_on_device: bool) -> int:
   return AUTO_STEPS_PER_CALL if loop_mode == 'device' and data_on_device else 1
 
 
-def schedule(start: int, stop: int, size: int, periods) -> list[tuple[int, int]]:
-  """(first step, count) of each call covering the 0-based steps [start, stop).
+def schedule(start: int, stop: int, size: int, periods, limit=None):
+  """Yields (first step, count) of each call covering the 0-based steps [start, stop).
 
-  At most `size` steps a call; a call ends where the host needs the parameters: after the
-  first step of the run (compilation is timed apart), after every step count that is a
-  multiple of one of `periods` (logs, evals, checkpoints; 0 = never) and at `stop`.
+  At most `size` steps a call (and at most `limit()` when given: `CallPacer`); a call ends
+  where the host needs the parameters: after the first step of the run (compilation is
+  timed apart), after every step count that is a multiple of one of `periods` (logs,
+  evals, checkpoints; 0 = never) and at `stop`. A generator: O(1) memory at any length.
   """
   periods = [int(p) for p in periods if p > 0]
-  calls, first = [], start
+  first = start
   while first < stop:
-    end = min([first + size, stop] + [(first // p + 1) * p for p in periods]
+    most = size if limit is None else max(1, min(size, int(limit())))
+    end = min([first + most, stop] + [(first // p + 1) * p for p in periods]
               + ([start + 1] if first == start else []))
-    calls.append((first, end - first))
+    yield first, end - first
     first = end
-  return calls
+
+
+class CallPacer:
+  """How many steps the next call may run: few enough that a call lasts about `target_seconds`.
+
+  A signal is seen between calls, and up to two calls may be in flight (one running, one
+  queued), so a call of one slow step lets SIGTERM stop the run within about two steps.
+  Adaptive: `limit()` is 1 until a step's duration is known (`observe`), then
+  max(1, min(S, target / step time)); otherwise S. Which steps run, and their results, do
+  not depend on it.
+  """
+
+  def __init__(self, size: int, target_seconds: float = 0.5, adaptive: bool = True):
+    self.size, self.target, self.adaptive = int(size), float(target_seconds), adaptive
+    self._limit = 1 if adaptive else self.size
+    self.observed = not adaptive
+
+  def limit(self) -> int:
+    return self._limit
+
+  def observe(self, steps: int, seconds: float) -> None:
+    if self.adaptive and steps > 0 and seconds > 0:
+      self._limit = max(1, min(self.size, int(self.target * steps / seconds)))
+      self.observed = True
 
 
 @dataclasses.dataclass
@@ -116,7 +141,7 @@ class MultiStep:
       self._program = jax.jit(
           self._steps, donate_argnums=(0, 1, 2),
           in_shardings=(state, state, state, sharding.chunk_sharding(mesh), state, state, state,
-                        state),
+                        state, state),
           out_shardings=state)
     self._update_ema = jax.jit(lambda ema, params: ema_lib.update(ema, params, self.ema_decay))
 
@@ -127,7 +152,7 @@ class MultiStep:
   def __call__(self, params, opt_state, ema, chunk: Chunk, dataset=None):
     if self.step_fns.loop_mode(params) == 'device':
       return self._program(params, opt_state, ema, chunk.buffer, chunk.num_batches,
-                           chunk.steps, chunk.count, dataset)
+                           chunk.steps, chunk.count, dataset, self.step_fns.keys)
     metrics = []  # 'host' loop mode: each slot as train_step's K + 1 dispatches.
     for j in range(int(chunk.count)):
       logical = jax.tree.map(lambda a, j=j: a[j], chunk.buffer)
@@ -141,12 +166,12 @@ class MultiStep:
     return params, opt_state, ema, jax.tree.map(
         lambda m: jnp.concatenate([m, jnp.zeros((pad,) + m.shape[1:], m.dtype)]), metrics)
 
-  def _steps(self, params, opt_state, ema, buffer, num_batches, steps, count, dataset):
+  def _steps(self, params, opt_state, ema, buffer, num_batches, steps, count, dataset, keys):
     self.traces += 1
     take = lambda tree, j: jax.tree.map(
         lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), tree)
     one = lambda p, o, j: self.step_fns.logical_step(p, o, take(buffer, j), num_batches[j],
-                                                     steps[j], dataset)
+                                                     steps[j], dataset, keys)
     shapes = jax.eval_shape(one, params, opt_state, 0)[2]
     metrics = jax.tree.map(lambda s: jnp.zeros((self.size,) + s.shape, s.dtype), shapes)
 

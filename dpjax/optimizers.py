@@ -56,7 +56,7 @@ def make_optimizer(config: ml_collections.ConfigDict,
   Args:
     config: fields name, learning_rate, momentum (sgd; 0 = none), schedule,
       warmup_steps (cosine), decay_steps and decay_factor (step); see
-      configs/digits_mlp.py. Ranges are validated by `dpjax._validate`.
+      configs/digits_mlp.py. Ranges are validated by `dpjax.config_fields`.
     num_steps: T, the number of optimiser steps of the run (the cosine horizon).
   """
   if config.name not in OPTIMIZERS:

@@ -45,7 +45,7 @@ def compiled_step_bytes(step: DPStep, params: Params, opt_state: optax.OptState,
   traces = dict(step._traces)
   compiled = step._train_step.lower(
       abstract(params), abstract(opt_state), logical, jax.ShapeDtypeStruct((), jnp.int32),
-      jax.ShapeDtypeStruct((), jnp.uint32), dataset).compile()
+      jax.ShapeDtypeStruct((), jnp.uint32), dataset, step.keys).compile()
   # Sizing compilations are counted apart: compile_count stays that of the programs run.
   step.sizing_compiles += step._traces['train_step'] - traces['train_step']
   step._traces = traces

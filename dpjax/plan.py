@@ -5,7 +5,7 @@
                                                                # checkpoint's fingerprint
 
 Resolution, in this order and nowhere else: validate the config
-(`dpjax._validate`) → the sampler (`samplers.make_sampler`, seeded by the run's
+(`dpjax.config_fields`) → the sampler (`samplers.make_sampler`, seeded by the run's
 secret seed, `dpjax.run_seed`) → the run length in steps → δ (refused at or above
 1/N) → the cap B (`batching.resolve_max_batch_size`; on resume, the checkpoint's B)
 → σ (given; on resume, the checkpoint's σ, never re-calibrated; else calibrated to
@@ -41,7 +41,7 @@ import warnings
 import ml_collections
 import numpy as np
 
-from dpjax import _validate
+from dpjax import config_fields
 from dpjax import batching
 from dpjax import data as data_lib
 from dpjax import data_identity
@@ -56,7 +56,7 @@ DATASET_FIELDS = ('source', 'split', 'num_examples', 'content_sha256')
 NEW_WORKDIR_HINT = 'Use a new --workdir for a run with these settings, or restore the old ones.'
 
 
-class PlanError(_validate.ConfigError):
+class PlanError(config_fields.ConfigError):
   """The config cannot run as planned (or cannot resume this workdir); one line, names fields."""
 
 
@@ -246,7 +246,7 @@ def make_plan(config: ml_collections.ConfigDict, data: Any,
     ConfigError / PlanError (ValueErrors, one line each) for a bad field, a fingerprint
     mismatch on resume, or a run that would exceed privacy.target_epsilon.
   """
-  _validate.validate(config, accounting_only=isinstance(data, (int, np.integer)))
+  config_fields.validate(config, accounting_only=isinstance(data, (int, np.integer)))
   if seed is None:
     seed = config.get('seed') or 0
   if isinstance(data, (int, np.integer)):
@@ -318,6 +318,9 @@ def make_plan(config: ml_collections.ConfigDict, data: Any,
     private_plan = privacy_plan.PrivacyPlan.create(
         sampler, noise_multiplier=sigma, noise_multiplier_source=source, check_budget=False,
         **kwargs)
+  # The final ε now (memoised): a run whose privacy loss cannot be composed is refused here,
+  # before anything is written.
+  private_plan.accountant.epsilon(num_steps)
   try:
     private_plan.check_budget()
   except privacy_plan.BudgetExceededError as e:

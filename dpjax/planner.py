@@ -100,6 +100,7 @@ def _flag_values(argv: list[str]) -> flags.FlagValues:
 
 def parse_args(argv: list[str]) -> types.SimpleNamespace:
   """argv (without the program name) -> the flag values (`dpjax.cli.parse_command` conventions)."""
+  argv = cli.resolve_config_argv(argv)  # A packaged config's name as its file.
   fv = _flag_values([PROG, *argv])
   cli.parse_command(PROG, __doc__, fv, argv)
   return types.SimpleNamespace(config=fv.config if fv['config'].present else None,

@@ -47,6 +47,18 @@ def stream_key(seed: int, stream: int) -> jax.Array:
   return jax.random.fold_in(root_key(seed), stream)
 
 
+def key_data(key: jax.Array) -> np.ndarray:
+  """The uint32 words of a threefry key: what compiled programs take as an argument, so that
+  a program does not depend on the (secret, per-run) seed and one compilation serves every
+  run, its persistent cache entry included."""
+  return np.asarray(jax.random.key_data(key), np.uint32)
+
+
+def from_data(data) -> jax.Array:
+  """The threefry key of `key_data` (traced or not)."""
+  return jax.random.wrap_key_data(jnp.asarray(data, jnp.uint32), impl='threefry2x32')
+
+
 def noise_key(seed: int, step: int) -> jax.Array:
   """The key of step's noise: fold_in(fold_in(root_key(seed), NOISE_STREAM), step).
 

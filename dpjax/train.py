@@ -37,7 +37,8 @@ from absl import logging
 import ml_collections
 from ml_collections import config_flags
 
-from dpjax import _validate
+from dpjax import config_fields
+from dpjax import configs
 from dpjax import auditing
 from dpjax import augmult as augmult_lib
 from dpjax import checkpoints
@@ -53,8 +54,12 @@ from dpjax import workdir_lock
 # Re-exported: the loop's state and its two ways to stop.
 from dpjax.training_loop import RunInterrupted, TrainingDiverged, TrainState  # pylint: disable=unused-import
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Training config file.', lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and config.')
+_CONFIG = config_flags.DEFINE_config_file(
+    'config', None, 'the training config: a file (path[:arg]) or a packaged config\'s name '
+    '(digits_mlp, mnist_cnn, ...); omitted: the config.json of the run in --workdir (resume). '
+    '--config.<field>=value overrides a field', lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'directory for checkpoints, metrics and config '
+                               '(private: publish with python -m dpjax.export)')
 _DISTRIBUTED = flags.DEFINE_bool(
     'distributed', False, 'Multi-host run: call jax.distributed.initialize() first (on every host).')
 _COORDINATOR = flags.DEFINE_string(
@@ -64,24 +69,25 @@ _NUM_PROCESSES = flags.DEFINE_integer(
     'num_processes', None, 'Number of processes (--distributed; default: from the cluster).')
 _PROCESS_ID = flags.DEFINE_integer(
     'process_id', None, 'This process, 0..num_processes-1 (--distributed; default: from the cluster).')
-flags.mark_flags_as_required(['config', 'workdir'])
+flags.mark_flags_as_required(['workdir'])
+PROG = 'dpjax.train'
 def check_workdir(workdir: str) -> str:
   """The absolute workdir; ConfigError unless it is (or can become) a writable directory.
 
   Writes nothing: a missing workdir is created only once the run is planned.
   """
   if not workdir:
-    raise _validate.ConfigError('--workdir: must name a directory.')
+    raise config_fields.ConfigError('--workdir: must name a directory.')
   path = os.path.abspath(workdir)
   if os.path.exists(path) and not os.path.isdir(path):
-    raise _validate.ConfigError(f'--workdir {workdir!r}: is a file, not a directory.')
+    raise config_fields.ConfigError(f'--workdir {workdir!r}: is a file, not a directory.')
   existing = path
   while not os.path.exists(existing):
     existing = os.path.dirname(existing)
   if not os.path.isdir(existing):
-    raise _validate.ConfigError(f'--workdir {workdir!r}: {existing!r} is a file, not a directory.')
+    raise config_fields.ConfigError(f'--workdir {workdir!r}: {existing!r} is a file, not a directory.')
   if not _can_create_in(existing):
-    raise _validate.ConfigError(f'--workdir {workdir!r}: cannot create files in {existing!r} '
+    raise config_fields.ConfigError(f'--workdir {workdir!r}: cannot create files in {existing!r} '
                                 '(not writable).')
   return path
 
@@ -116,7 +122,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # Config, workdir, data, model, devices: all validated before anything is
   # written or compiled.
   # ---------------------------------------------------------------------------
-  _validate.validate(config)
+  config_fields.validate(config)
   auditing.check_audit_config(config.audit)
   workdir = check_workdir(workdir)
   train_source, test_source = plan_lib.make_training_sources(config)
@@ -153,10 +159,30 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   finally:
     lock.release()
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's parse with dpjax's conventions: --help / -h print usage and exit 0; without
+  --config, a --workdir holding a run supplies its config.json (resume with --workdir alone)."""
+  argv = list(argv)
+  if any(a in ('-h', '--help', '--helpfull') for a in argv[1:]):
+    print(cli.usage(PROG, __doc__, flags.FLAGS, names=(
+        'config', 'workdir', 'distributed', 'coordinator_address', 'num_processes',
+        'process_id')))
+    sys.exit(0)
+  has_config = any(a == '--config' or a.startswith('--config=') for a in argv[1:])
+  workdir = cli.flag_value(argv[1:], 'workdir')
+  if not has_config and workdir and os.path.isfile(os.path.join(workdir, 'config.json')):
+    # Before its overrides: absl registers --config.<field> when it meets --config.
+    argv.insert(1, f'--config={configs.FROM_WORKDIR}:{os.path.abspath(workdir)}')
+  elif not has_config:
+    cli.fail(PROG, '--config: required (a config file or a packaged config\'s name, e.g. '
+             '--config digits_mlp), unless --workdir holds a run to resume (its config.json).')
+  return cli.parse_flags(PROG, flags.FLAGS, argv)
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.ERROR)  # Orbax's per-save INFO lines drown the progress bar.
-  prog = 'dpjax.train'
+  prog = PROG
   try:
     launch = (_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
     if not _DISTRIBUTED.value and any(value is not None for value in launch):
@@ -180,7 +206,15 @@ def main(argv):
   except BrokenPipeError:  # The reader of our output went away (`| head`).
     cli.quiet_broken_pipe()
     sys.exit(1)
+  except KeyboardInterrupt:  # Ctrl-C before the loop (it handles its own): no traceback.
+    print(f'{prog}: interrupted (Ctrl-C) before training started; rerun the same command to '
+          'start again.', file=sys.stderr, flush=True)
+    sys.exit(130)
 
 
 if __name__ == '__main__':
-  app.run(main, flags_parser=cli.flags_parser('dpjax.train'))
+  try:
+    app.run(main, flags_parser=parse_flags)
+  except KeyboardInterrupt:  # During start-up (imports, flag parsing).
+    print(f'{PROG}: interrupted (Ctrl-C) before training started.', file=sys.stderr, flush=True)
+    sys.exit(130)

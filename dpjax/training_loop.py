@@ -46,6 +46,7 @@ from dpjax import physical_batch
 from dpjax import plan as plan_lib
 from dpjax import prng
 from dpjax import run_seed
+from dpjax import run_warnings
 from dpjax import sharding
 from dpjax.auditing import record as audit_record
 
@@ -65,6 +66,10 @@ def is_time(step: int, every: int, last_step: int) -> bool:
 
 class TrainingDiverged(RuntimeError):
   """Non-finite loss or parameters: the run stops, the last good checkpoint is kept."""
+
+
+class TooManyNonFinite(TrainingDiverged):
+  """More than max_nonfinite_fraction of the examples had a non-finite loss or gradient."""
 
 
 class RunInterrupted(Exception):
@@ -186,6 +191,13 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
       + (f'; final ε = {accountant.epsilon(num_steps):.4f}' if plan.private else '') + '.')
   seed = run_seed.RunSeed(plan.seed, plan.seed_source)
   log(seed.describe(workdir))
+  warnings = run_warnings.RunWarnings()
+  if plan.private:
+    for line in warnings.epsilon(accountant.epsilon(num_steps), plan.target_epsilon):
+      log(f'WARNING: {line}')
+  preprocess = getattr(getattr(train_source, 'base', train_source), 'preprocess', None)
+  if preprocess is not None:  # Where the scale came from: derived or data.scale.
+    log(f'Data: {config.data.source}, N = {len(train_source)}, {preprocess.describe()}.')
   for line in plan.warnings:
     log(f'WARNING: {line}')
 
@@ -203,6 +215,7 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
                        disable=not primary or (not sys.stderr.isatty()
                                                and os.environ.get('DPJAX_PROGRESS') != '1'))
   log_metrics, window_start = [], start_step + 1
+  seen_examples, nonfinite_examples = 0.0, 0  # Since this (re)start: max_nonfinite_fraction.
   compile_seconds = window_clock = checkpoint_seconds = None
   window_examples = window_steps = paused = 0.0  # Paused: eval / checkpoint time in a window.
   first_time = time.time()
@@ -220,8 +233,11 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
   size = multi_step.steps_per_call(config.steps_per_call, step_fns.loop_mode(params),
                                    dataset is not None)
   runner = multi_step.MultiStep(step_fns, size, config.ema_decay, mesh)
+  # Automatic S: a call lasts ~0.5 s at most, so a signal stops a slow run within ~2 steps.
+  pacer = multi_step.CallPacer(size, adaptive=config.steps_per_call == 0 and size > 1)
   calls = multi_step.schedule(start_step, num_steps, size, (
-      config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps))
+      config.log_every_steps, config.eval_every_steps, config.checkpoint_every_steps),
+                              limit=pacer.limit)
 
   def prepare(call: tuple[int, int]) -> multi_step.Chunk:
     """The logical batches of a call as [S, K_max, P] buffers (this host's rows) and their K."""
@@ -265,8 +281,10 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
       chunk = upcoming[1]
       # One compiled call: S logical steps, each K physical batches, noise keyed by
       # (seed, step), the update (and the EMA).
+      dispatched = time.time()
       params, opt_state, ema_out, metrics = runner(
           params, opt_state, ema if config.ema_decay else None, chunk, dataset)
+      signals.progress = chunk.last_step + 1  # Read by the signal handler.
       ema = ema_out if config.ema_decay else ema
       if serialise_steps:  # Nothing else touches the devices while collectives run.
         jax.block_until_ready(params)
@@ -282,6 +300,9 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
         if step_fns.clipping_choice:  # Known once the step is traced: one line per layer.
           log('Clipping: ' + '\n  '.join(step_fns.clipping_choice))
       else:
+        if not pacer.observed:  # One more sync: how long a step takes, after compilation.
+          jax.block_until_ready(params)
+          pacer.observe(int(chunk.count), time.time() - dispatched)
         window_steps += int(chunk.count)
         window_examples += sum(min(logical.size, plan.max_batch_size)
                                for logical in chunk.logicals)
@@ -305,6 +326,8 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
       if logging_now:  # Rates of this window's steps; eval and checkpoint time apart.
         elapsed = time.time() - window_clock - paused
         rate = window_steps / elapsed if window_steps and elapsed > 0 else None
+        if rate:
+          pacer.observe(window_steps, elapsed)  # The steady-state step time.
         # Statistics of the private data that ε does not cover: named nonprivate_*
         # (dpjax.metrics; never exported).
         last = {'nonprivate_train_loss': loss,
@@ -315,8 +338,24 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
                 'nonprivate_compile_seconds': compile_seconds,
                 'nonprivate_steps_per_second': rate,
                 'nonprivate_wall_seconds': time.time() - first_time,
-                'nonprivate_examples_per_second': window_examples / elapsed if rate else None}
+                'nonprivate_examples_per_second': window_examples / elapsed if rate else None,
+                'nonprivate_clip_fraction': (
+                    sum(int(m['num_clipped']) for m in fetched)
+                    / max(1.0, sum(float(m['num_examples']) for m in fetched))),
+                'nonprivate_mean_grad_norm': float(np.mean(
+                    [m['example_grad_norm'] for m in fetched])) if plan.private else None}
+        for line in warnings.check(last, window_start, done, plan.clip_norm):
+          log(f'WARNING: {line}')
         log_metrics, window_start = [], done + 1
+        seen_examples += sum(float(m['num_examples']) for m in fetched)
+        nonfinite_examples += last['nonprivate_num_nonfinite_examples']
+        if nonfinite_examples > config.max_nonfinite_fraction * max(seen_examples, 1.0):
+          raise stop(TooManyNonFinite(
+              f'{nonfinite_examples} of {seen_examples:.0f} examples since the start had a '
+              f'non-finite loss or gradient (step {done}), above max_nonfinite_fraction = '
+              f'{config.max_nonfinite_fraction:g}; each was dropped (zero contribution) and '
+              'the last checkpoint is intact. Lower optimizer.learning_rate, or raise '
+              'max_nonfinite_fraction if the data is known to hold such examples.'))
         if accountant is not None:  # Side estimates only at checkpoints.
           # A log row between checkpoints takes ε only if it is ready (computed on the thread)
           # rather than stall the device; a saved step (and the last) always waits for it.
@@ -339,7 +378,11 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
           shown['epsilon'] += f' ({last["epsilon_bound"]})'
         progress.set_postfix(shown)
         if progress.disable and primary:  # No terminal: one plain progress line per log.
-          eta = (num_steps - done) / rate if rate else float('nan')
+          # The steps left, and the ε each coming checkpoint (and the last step) waits for.
+          saves_left = (num_steps - done) // config.checkpoint_every_steps + 1
+          eta = ((num_steps - done) / rate + saves_left * (
+              epsilons.mean_query_seconds if accountant is not None else 0.0)
+                 if rate else float('nan'))
           speed = f'{last["nonprivate_examples_per_second"]:.0f} ex/s' if rate else 'compiling'
           print(f'step {done}/{num_steps}, {speed}, ETA {eta:.0f} s, '
                 + ' '.join(f'{k}={v}' for k, v in shown.items()), flush=True)
@@ -375,8 +418,9 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
         window_clock, paused, window_steps, window_examples = time.time(), 0.0, 0, 0
       if stopping and done < num_steps:
         raise stop(RunInterrupted(
-            f'stopped by {signals.signal_name} after step {done} of {num_steps}; checkpoint '
-            f'{done} saved. Rerun the same command to resume.', signals.exit_code))
+            f'stopped by {signals.signal_name} after step {done} of {num_steps} '
+            f'({done - signals.progress_at_signal} steps after it arrived); checkpoint {done} '
+            'saved. Rerun the same command to resume.', signals.exit_code))
   progress.close()
   checkpoints.wait_until_finished(manager)
   writer.close()

@@ -3,7 +3,7 @@
 import hashlib
 import os
 
-from configs import digits_mlp
+from dpjax.configs import digits_mlp
 
 
 def small_config(**overrides):

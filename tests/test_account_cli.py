@@ -75,7 +75,7 @@ def test_config_and_calibration():
   out = _run('--config', 'configs/digits_mlp.py', '--num-examples', '1437', '--target-epsilon',
              '4.0', '--json')
   got = json.loads(out.stdout)
-  assert got['sampler'] == 'poisson' and got['steps'] == 40 * got['steps_per_epoch']
+  assert got['sampler'] == 'poisson' and got['steps'] == 20 * got['steps_per_epoch']
   assert 0.99 * 4.0 <= got['epsilon'] <= 4.0
   assert got['details']['calibrated_for_target_epsilon'] == 4.0
   assert got['details']['max_batch_size'] % 64 == 0  # From batching, a multiple of P.
@@ -83,7 +83,7 @@ def test_config_and_calibration():
 
 def test_the_account_cli_resolves_sigma_as_training_does_with_audit_canaries():
   """Issue 24 item 8: the canaries add m rows (N + m); the CLI used N and calibrated another σ."""
-  from configs import digits_mlp  # pylint: disable=import-outside-toplevel
+  from dpjax.configs import digits_mlp  # pylint: disable=import-outside-toplevel
   from dpjax import plan as plan_lib  # pylint: disable=import-outside-toplevel
   out = _run('--config', 'configs/digits_mlp.py', '--config.audit.num_canaries=200',
              '--config.num_epochs=2', '--json')

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from configs import digits_mlp
+from dpjax.configs import digits_mlp
 from dpjax import batching
 from dpjax import samplers
 from dpjax.accounting import accountant as accountant_lib

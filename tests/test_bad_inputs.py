@@ -27,10 +27,13 @@ CONFIG_CASES = [
     ({'seed': -1}, r'seed = -1: must be an integer in \[0, \d+\] or None'),
     ({'data.source': 'imagenet'}, r"data.source = 'imagenet': must be one of 'digits'"),
     ({'data.label_format': 'onehot'}, r"data.label_format = 'onehot': must be one of 'int'"),
-    ({'data.scale': 0.0}, r'data.scale = 0.0: must be a finite number > 0'),
-    ({'data.scale': NAN}, r'data.scale = nan: must be a finite number > 0'),
+    ({'data.scale': -1.0}, r'data.scale = -1.0: must be a finite number >= 0'),
+    ({'data.scale': NAN}, r'data.scale = nan: must be a finite number >= 0'),
     ({'data.std': (0.0,)}, r'data.std = \(0.0,\): must be a tuple of finite numbers, each > 0'),
-    ({'data.num_classes': 1}, r'data.num_classes = 1: must be an integer >= 2'),
+    ({'data.num_classes': -1}, r'data.num_classes = -1: must be an integer >= 0'),
+    ({'data.source': 'synthetic', 'data.num_examples': 100, 'data.num_classes': 1},
+     r"data.num_classes = 1: must be an integer >= 2 for data.source = 'synthetic'"),
+    ({'data.num_classes': 9}, r'digits: y_train: label 9 in row \d+ is not in \[0, 9\)'),
     ({'data.input_shape': (0, 8)}, r'data.input_shape = \(0, 8\): must be a tuple of integers, '
                                    r'each >= 1'),
     ({'data.source': 'npz'}, r"data.path = '':? must name an existing .npz file"),
@@ -94,9 +97,9 @@ CONFIG_CASES = [
     ({'augmult.num_views': 4, 'augmult.crop_padding': 8},
      r'augmult.crop_padding = 8: must be < min\(H, W\) = 8'),
     ({'augmult.num_views': -1}, r'augmult.num_views = -1: must be an integer >= 0'),
-    ({'audit.num_canaries': -1}, r'audit.num_canaries must be an integer >= 0'),
-    ({'audit.kind': 'loss'}, r"audit.kind = 'loss'; valid: "),
-    ({'model.name': 'resnet'}, r"config.model.name='resnet' is not a model"),
+    ({'audit.num_canaries': -1}, r'audit.num_canaries = -1: must be an integer >= 0'),
+    ({'audit.kind': 'loss'}, r"audit.kind = 'loss': must be one of 'gradient'"),
+    ({'model.name': 'resnet'}, r"model.name = 'resnet': must be one of 'mlp', 'cnn'"),
     ({'model.activation': 'swish'}, r"config.model.activation='swish'"),
 ]
 
@@ -170,21 +173,324 @@ def test_command_line_error_is_one_line_with_exit_code_2(tmp_path, args, message
     assert not os.path.exists(workdir)
 
 
-def error_table() -> str:
-  """docs/errors.md's table: each bad config field and the message dpjax gives."""
-  rows = ['| bad input | message (one line, exit code 2 from the CLI) |', '|---|---|']
+_INTRO = """# Refusals and errors
+
+dpjax refuses bad input before any compute, with one line that names the field
+(or file, split, array and row) and its valid range. From the command line that
+line is `dpjax.train: error: <message>` on stderr with exit code 2, no
+traceback, and nothing in `--workdir` changed. Inside Python the same message
+is a `ValueError` (`dpjax.config_fields.ConfigError`, `dpjax.plan.PlanError`,
+`dpjax.data_validation.DataError`, `dpjax.checkpoints.CheckpointMismatchError`).
+Every row below is a case of `tests/test_bad_inputs.py`, and this file is its
+output: `python -m tests.test_bad_inputs > docs/errors.md`.
+
+## Resuming a run
+
+Every checkpoint stores the run's **privacy fingerprint** (`dpjax.plan`): the
+private flag, the sampler's name, N, b and the resolved cap B, the group size,
+σ as used, C, δ, the resolved accountant, the SHA-256 of the seed, the audit
+canaries, and the dataset's source, split, N and a digest of its content.
+Rerunning a workdir with any of them changed is refused, listing each change
+(`Changed: sampler.batch_size: 256 → 128. Use a new --workdir ...`). A
+checkpoint whose state has another structure than the config builds (the model
+or the optimiser changed: e.g. sgd → adam, momentum 0 → 0.9, another width) is
+refused as well, naming what differs, and left untouched; only a checkpoint
+whose files fail their SHA-256 manifest (or cannot be read) is treated as
+corrupt and moved aside. Allowed on resume: the learning rate and its schedule,
+logging, evaluation and checkpoint periods, `keep_checkpoints`, the clipping
+method, P when the checkpoint's B is a multiple of it, and a longer run (ε
+recomputed for the new total with the checkpoint's σ; `privacy.target_epsilon`
+is a budget). `python -m dpjax.train --workdir w` alone resumes with the
+config in `w/config.json` (`--config.<field>=v` overrides still apply).
+
+## Interruptions and sizes
+
+SIGTERM or Ctrl-C during training saves a checkpoint within about two steps
+(the automatic steps per call keep a call near 0.5 s) and exits 128 + signal;
+Ctrl-C before the loop exits 130 with one line. An unwritable HOME or cache
+directory falls back to no cache (a warning; a `compilation_cache_dir` you
+named is refused in one line). A run whose privacy loss cannot be composed in
+memory (e.g. `num_steps = 10**12`) is refused before anything is written.
+
+## Non-finite examples
+
+An example whose loss or gradient is not finite contributes exactly zero and
+is counted (`nonprivate_num_nonfinite_examples` in metrics.jsonl). The run
+stops, keeping its last checkpoint, once more than `max_nonfinite_fraction`
+(default 0.001, i.e. 0.1%) of the examples seen since it (re)started were
+dropped. Non-finite *features* are refused when the data is opened.
+"""
+
+
+def _message(fn) -> str:
+  try:
+    fn()
+    return '(accepted)'
+  except ValueError as e:
+    return ' '.join(str(e).split()).replace('|', '/')
+
+
+def document() -> str:
+  """docs/errors.md: every case of this file with the message dpjax gives."""
   import tempfile  # pylint: disable=import-outside-toplevel
+  import pathlib  # pylint: disable=import-outside-toplevel
+  from dpjax import cli, config_fields  # pylint: disable=import-outside-toplevel
+  out = [_INTRO, '## Your data', '', '| data (an .npz) | message |', '|---|---|']
+  with tempfile.TemporaryDirectory() as tmp:
+    tmp = pathlib.Path(tmp)
+    for name, replace, _ in DATA_CASES:
+      path = _digits_npz(tmp / f'{name}.npz', **replace)
+      text = _message(lambda: train.train_and_evaluate(
+          small_config(**{'data.source': 'npz', 'data.path': path}), str(tmp / 'w')))
+      out.append(f'| {name.replace("_", " ")} | {text.replace(str(tmp) + "/", "")} |')
+    out += ['', '## Your config file', '', '| the config file does | message |', '|---|---|']
+    for body, _ in CONFIG_FILE_CASES:
+      path = _config_file(tmp, body)
+      text = _message(lambda: config_fields.validate(cli.load_config_file(path)))
+      out.append(f'| `{body.strip()}` | {text.replace(str(tmp) + "/", "")} |')
+    text = _message(lambda: cli.load_config_file('digits_mlp:runlcoal'))
+    out.append(f'| `--config digits_mlp:runlcoal` | {text} |')
+  out += ['', '## Command line', '', '| bad input | message (the line after "dpjax.train: error: ") |',
+          '|---|---|']
+  for args, message in CLI_CASES:
+    shown = args if isinstance(args, str) else ' '.join(args)
+    out.append(f'| `{shown}` | matches `{message}` |')
+  out += ['', '## Config fields', '', '| bad input | message |', '|---|---|']
   for overrides, _ in CONFIG_CASES:
     with tempfile.TemporaryDirectory() as work:
-      try:
-        train.train_and_evaluate(small_config(**overrides), work)
-        text = '(accepted)'
-      except ValueError as e:
-        text = ' '.join(str(e).split())
+      text = _message(lambda: train.train_and_evaluate(small_config(**overrides), work))
     given = ', '.join(f'`{k}={v!r}`' for k, v in overrides.items())
-    rows.append(f'| {given} | {text.replace("|", "/")} |')
-  return '\n'.join(rows)
+    out.append(f'| {given} | {text} |')
+  return '\n'.join(out) + '\n'
+
+
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 25: a new user's own data, config files, resumes, interruptions and surprises.
+# --------------------------------------------------------------------------------------------
+
+def _digits_npz(path, **replace):
+  from dpjax import data  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  x_train, y_train, x_test, y_test = data.load_digits_arrays()
+  arrays = dict(x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
+  arrays.update({k: (v(arrays[k]) if callable(v) else v) for k, v in replace.items()})
+  np.savez(path, **arrays)
+  return str(path)
+
+
+def _at(row, value):
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  return lambda y: np.where(np.arange(len(y)) == row, value, y)
+
+
+# (name, the npz's replaced arrays, regex of the one line). Each trained "successfully" before.
+DATA_CASES = [
+    ('fractional_label', dict(y_train=lambda y: y.astype(float) + 0.5 * (y == y[3]) * (
+        __import__('numpy').arange(len(y)) == 3)), r'y_train: label 3.5 in row 3 is not an integer'),
+    ('negative_label', dict(y_train=_at(5, -1)), r'y_train: label -1 in row 5 is negative'),
+    ('lengths_differ', dict(y_train=lambda y: y[:-1]), r'1437 examples but 1436 labels'),
+    ('all_nan', dict(x_train=lambda x: x * float('nan')), r'x_train: example 0 has a non-finite'),
+    ('one_inf_pixel', dict(x_train=lambda x: __import__('numpy').where(
+        __import__('numpy').arange(x.size).reshape(x.shape) == 64 * 9 + 3, float('inf'), x)),
+     r'x_train: example 9 has a non-finite feature value \(inf\)'),
+    ('stray_label_id', dict(y_train=_at(7, 1_000_000)), r'largest label is 1000000 \(row 7\)'),
+    ('class_only_in_test', dict(y_test=_at(2, 10)), r'y_test: label 10 in row 2 is not in \[0, 10\)'),
+    ('other_test_shape', dict(x_test=lambda x: x.reshape(len(x), 64)),
+     r'x_test: rows have shape \(64,\) but the training rows'),
+    ('string_labels', dict(y_train=lambda y: y.astype(str)), r'labels have dtype <U\d+'),
+]
+
+
+@pytest.mark.parametrize('name, replace, message', DATA_CASES, ids=[c[0] for c in DATA_CASES])
+def test_malformed_data_is_one_line_before_any_change(tmp_path, name, replace, message):
+  path = _digits_npz(tmp_path / f'{name}.npz', **replace)
+  work = tmp_path / 'work'
+  with pytest.raises(ValueError, match=message) as info:
+    train.train_and_evaluate(small_config(**{'data.source': 'npz', 'data.path': path}), str(work))
+  assert path in str(info.value) and '\n' not in str(info.value)
+  assert not work.exists()
+
+
+def test_a_npy_file_as_npz_and_a_declared_class_count(tmp_path):
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  np.save(tmp_path / 'x.npy', np.zeros((4, 3)))
+  with pytest.raises(ValueError, match=r"a single .npy array, not an .npz archive"):
+    train.train_and_evaluate(small_config(**{'data.source': 'npz', 'data.path': str(
+        tmp_path / 'x.npy')}), str(tmp_path / 'w'))
+  path = _digits_npz(tmp_path / 'ok.npz')  # 10 classes in the data, 12 declared: allowed.
+  with pytest.raises(ValueError, match=r'label 9 in row \d+ is not in \[0, 9\)'):
+    train.train_and_evaluate(small_config(**{'data.source': 'npz', 'data.path': path,
+                                             'data.num_classes': 9}), str(tmp_path / 'w'))
+
+
+def test_the_scale_is_derived_from_the_dtype_and_printed(tmp_path, capsys):
+  """data.scale = 0 (the default): uint8 data is divided by 255, not by digits' 16."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  path = _digits_npz(tmp_path / 'u8.npz', x_train=lambda x: (x * 15).astype(np.uint8),
+                     x_test=lambda x: (x * 15).astype(np.uint8))
+  train.train_and_evaluate(small_config(**{'data.source': 'npz', 'data.path': path,
+                                           'num_steps': 1}), str(tmp_path / 'w'))
+  assert ('x = (raw / 255 − (0.5)) / (0.5) [scale: data.scale = 0: derived from the uint8 data]'
+          in capsys.readouterr().out)
+
+
+def _config_file(tmp_path, body):
+  path = tmp_path / 'my_config.py'
+  path.write_text('from dpjax.configs import digits_mlp\n\n\ndef get_config(arg=None):\n'
+                  '  c = digits_mlp.get_config(arg)\n' + body + '  return c\n')
+  return str(path)
+
+
+# (what the user's config file does, regex of the one line). Silent or a traceback before.
+CONFIG_FILE_CASES = [
+    ('  c.privacy.target_epislon = 1.0\n',
+     r'privacy.target_epislon: not a field.*Did you mean privacy.target_epsilon\?'),
+    ('  c.privacy.detla = 1e-6\n', r'privacy.detla: not a field.*Did you mean privacy.delta\?'),
+    ('  c.sampler.batchsize = 64\n',
+     r'sampler.batchsize: not a field.*Did you mean sampler.batch_size\?'),
+    ('  c.num_steps = 10.0\n', r"Could not override field 'num_steps'"),
+    ('  raise RuntimeError("my bug")\n', r"get_config\(None\) in .*my_config.py' raised "
+                                          r'RuntimeError: my bug'),
+    ('  c = {"seed": 1}\n', r'returned a dict, not an ml_collections.ConfigDict'),
+]
+
+
+@pytest.mark.parametrize('body, message', CONFIG_FILE_CASES,
+                         ids=[b.strip().split('=')[0].split('(')[0] for b, _ in CONFIG_FILE_CASES])
+def test_config_file_mistakes_are_one_line(tmp_path, body, message):
+  from dpjax import cli, config_fields  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match=message) as info:
+    config_fields.validate(cli.load_config_file(_config_file(tmp_path, body)))
+  assert '\n' not in str(info.value)
+
+
+def test_an_unknown_config_argument_is_refused(tmp_path):
+  from dpjax import cli  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match=r"argument 'runlcoal' is unknown; valid: runlocal"):
+    cli.load_config_file('digits_mlp:runlcoal')
+  path = tmp_path / 'plain.py'  # A user's config that takes no argument at all.
+  path.write_text('from dpjax import config_fields\n\n\ndef get_config(arg=None):\n'
+                  '  return config_fields.default_config()\n')
+  with pytest.raises(ValueError, match=r"the argument 'runlocal' changes nothing"):
+    cli.load_config_file(f'{path}:runlocal')
+
+
+def test_configs_work_from_any_directory_and_help_exits_0(tmp_path, capsys):
+  """The repository's configs imported `from configs import ...` and failed outside its root;
+  `dpjax.train --help` exited 1 and -h was an error; a workdir could not be resumed alone."""
+  from dpjax import cli, configs  # pylint: disable=import-outside-toplevel
+  assert cli.resolve_config_spec('digits_mlp:runlocal') == configs.path_of('digits_mlp') + ':runlocal'
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  proc = subprocess.run([sys.executable, '-m', 'dpjax.train',
+                         f'--config={os.path.join(REPO, "configs", "digits_mlp.py")}:runlocal',
+                         f'--workdir={tmp_path / "w"}', '--config.num_steps=1'],
+                        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+  assert proc.returncode == 0 and 'Final: step 1' in proc.stdout, proc.stderr
+  # Resume with --workdir alone (its config.json), extended by overrides.
+  proc = subprocess.run([sys.executable, '-m', 'dpjax.train', f'--workdir={tmp_path / "w"}',
+                         '--config.num_steps=2', '--config.privacy.target_epsilon=10'],
+                        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+  assert proc.returncode == 0 and 'Resuming from step 1' in proc.stdout, proc.stderr
+  for flag in ('--help', '-h'):
+    with pytest.raises(SystemExit) as info:
+      train.parse_flags(['dpjax.train', flag])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert '--workdir' in out and '--config' in out and 'resume' in out
+
+
+@pytest.fixture(scope='module')
+def two_step_run(tmp_path_factory):
+  work = tmp_path_factory.mktemp('resume') / 'run'
+  train.train_and_evaluate(small_config(num_steps=2, checkpoint_every_steps=2), str(work))
+  return work
+
+
+@pytest.mark.parametrize('overrides, refused', [
+    ({'optimizer.name': 'adam', 'optimizer.learning_rate': 1e-3}, 'optimizer state differ'),
+    ({'optimizer.momentum': 0.9}, 'optimizer state differ'),
+    ({'model.hidden_sizes': (32,)}, 'model parameters differ'),
+    ({'optimizer.schedule': 'cosine'}, None),  # Same state structure: allowed, resumes.
+])
+def test_a_changed_model_or_optimizer_is_refused_and_the_checkpoint_kept(
+    two_step_run, tmp_path, overrides, refused):
+  """A state that does not fit the checkpoint was renamed *.unreadable-* as if corrupt and the
+  run restarted at step 0; now: one line naming what differs, the workdir byte-identical."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  work = tmp_path / 'copy'
+  shutil.copytree(two_step_run, work)
+  config = small_config(**{'num_steps': 3, 'checkpoint_every_steps': 2, **overrides})
+  if refused is None:
+    assert train.train_and_evaluate(config, str(work))['step'] == 3
+    return
+  before = tree_digest(work)
+  with pytest.raises(ValueError, match=f'checkpoint 2 .* holds a state of another structure.*'
+                                       f'{refused}.*the checkpoint is untouched') as info:
+    train.train_and_evaluate(config, str(work))
+  assert '\n' not in str(info.value)
+  assert tree_digest(work) == before
+
+
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path):
+  import signal  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+  proc = subprocess.Popen(  # Calibrating σ for balls-and-bins takes seconds: interrupt it.
+      [sys.executable, '-m', 'dpjax.train', '--config=digits_mlp', f'--workdir={tmp_path / "w"}',
+       '--config.sampler.name=balls_and_bins', '--config.privacy.random_allocation_timeout=600'],
+      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      env=dict(os.environ, JAX_PLATFORMS='cpu', DPJAX_CACHE_DIR=str(tmp_path / 'cache')))
+  time.sleep(6)
+  proc.send_signal(signal.SIGINT)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, err
+  lines = [line for line in err.strip().splitlines() if not line.startswith('dpjax: building')]
+  assert len(lines) == 1 and 'interrupted (Ctrl-C)' in lines[0] and 'Traceback' not in err
+
+
+def test_sizes_that_cannot_fit_and_unwritable_caches(tmp_path, monkeypatch, capsys):
+  with pytest.raises(ValueError, match=r'not reached even with σ = 10000 \(or its privacy loss '
+                                       r'cannot be composed in memory\)'):
+    train.train_and_evaluate(small_config(**{'num_steps': 10**12, 'privacy.noise_multiplier': None,
+                                             'privacy.target_epsilon': 3.0}), str(tmp_path / 'w'))
+  with pytest.raises(ValueError, match=r'num_steps = 1000000000000: composing the privacy loss'):
+    train.train_and_evaluate(small_config(num_steps=10**12), str(tmp_path / 'w'))
+  assert not (tmp_path / 'w').exists()
+  from dpjax import compilation_cache  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv('HOME', '/proc/dpjax-no-home')
+  monkeypatch.delenv('DPJAX_CACHE_DIR', raising=False)
+  assert compilation_cache.resolve_cache_dir('') is not None
+  with pytest.raises(ValueError, match=r"compilation_cache_dir = '/proc/x': .* cannot be created"):
+    compilation_cache.enable_compilation_cache('/proc/x')
+  import jax  # pylint: disable=import-outside-toplevel
+  saved = jax.config.jax_compilation_cache_dir
+  try:
+    assert compilation_cache.enable_compilation_cache('') is None  # Falls back: no cache.
+  finally:
+    jax.config.update('jax_compilation_cache_dir', saved)
+    jax.config.update('jax_enable_compilation_cache', True)
+  assert 'compiling without a persistent cache' in capsys.readouterr().err
+
+
+def test_surprising_runs_are_flagged_and_a_workdir_reports_its_epsilon(tmp_path, capsys):
+  """σ = 0.3 gave ε = 297 silently; C = 1e-30 trained to chance silently; the account CLI could
+  not read a workdir."""
+  train.train_and_evaluate(small_config(**{'num_steps': 2, 'privacy.noise_multiplier': 0.35,
+                                           'privacy.clip_norm': 1e-30}), str(tmp_path / 'w'))
+  out = capsys.readouterr().out
+  assert 'WARNING: the final ε = ' in out and 'is above 10' in out
+  assert 'WARNING: every example was clipped in steps 1-2, at C = 1e-30' in out
+  from dpjax import account  # pylint: disable=import-outside-toplevel
+  assert account.main(['--workdir', str(tmp_path / 'w'), '--json']) == 0
+  import json  # pylint: disable=import-outside-toplevel
+  report = json.loads(capsys.readouterr().out)
+  assert report['steps'] == 2 and report['epsilon'] > 10 and report['bound'] == 'upper'
 
 
 if __name__ == '__main__':
-  print(error_table())
+  import contextlib  # pylint: disable=import-outside-toplevel
+  import io  # pylint: disable=import-outside-toplevel
+  with contextlib.redirect_stdout(io.StringIO()):  # The trainer's start lines.
+    text = document()
+  sys.stdout.write(text)

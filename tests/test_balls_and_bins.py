@@ -262,7 +262,7 @@ def test_finer_epochs_grid_over_budget_falls_back_to_the_one_epoch_grid(tmp_path
 
 
 def test_config_field_sets_the_budget():
-  from configs import digits_mlp  # pylint: disable=g-import-not-at-top
+  from dpjax.configs import digits_mlp  # pylint: disable=g-import-not-at-top
   config = digits_mlp.get_config()
   config.sampler.name = 'balls_and_bins'
   config.privacy.noise_multiplier, config.privacy.target_epsilon = 1.0, 0.0  # nothing to compute

@@ -82,7 +82,7 @@ def test_docstring_parser_joins_continuations_and_drops_comments_and_optional_gr
 @pytest.fixture(scope='module')
 def prepared_workdir(tmp_path_factory):
   """A workdir with checkpoints: 4 steps of the digits MLP (seconds)."""
-  from configs import digits_mlp  # pylint: disable=g-import-not-at-top
+  from dpjax.configs import digits_mlp  # pylint: disable=g-import-not-at-top
   from dpjax import train  # pylint: disable=g-import-not-at-top
   config = digits_mlp.get_config()
   config.update_from_flattened_dict({

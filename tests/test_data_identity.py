@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from configs import digits_mlp
+from dpjax.configs import digits_mlp
 from dpjax import data
 from dpjax import data_identity
 

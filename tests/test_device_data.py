@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 
-from configs import digits_mlp
+from dpjax.configs import digits_mlp
 from dpjax import batching
 from dpjax import data
 from dpjax import device_data

@@ -439,7 +439,7 @@ def test_train_step_draws_noise_key_seed_step_bit_for_bit():
 def test_one_compilation_and_one_dispatch_per_logical_step(sampler_name):
   """Two epochs of every sampler (K varies from step to step under Poisson): one program,
   called once a step, never recompiled."""
-  from configs import digits_mlp  # pylint: disable=g-import-not-at-top
+  from dpjax.configs import digits_mlp  # pylint: disable=g-import-not-at-top
   config = digits_mlp.get_config()
   config.sampler.name = sampler_name
   train, _ = data.make_sources(config.data)
@@ -508,7 +508,7 @@ def test_choose_physical_batch_size_is_the_largest_that_fits():
 _FOUR_DEVICES = '''
 import json, sys
 import jax, numpy as np, optax
-from configs import digits_mlp
+from dpjax.configs import digits_mlp
 from dpjax import batching, data, device_data, dp_step, models, samplers, sharding
 assert jax.device_count() == 4
 config = digits_mlp.get_config()

@@ -67,7 +67,8 @@ def restart_on_copy(finished_runs, tmp_path, run, overrides):
     ({'privacy.accountant': 'rdp'}, 'privacy.accountant'),
     ({'privacy.group_size': 2}, 'privacy.group_size'),
     ({'privacy.enabled': False}, 'privacy.enabled'),
-    ({'data.source': 'synthetic', 'data.num_examples': 1437}, 'data.source'),
+    ({'data.source': 'synthetic', 'data.num_examples': 1437, 'data.num_classes': 10},
+     'data.source'),
 ])
 def test_changing_a_fingerprint_field_is_refused_and_changes_nothing(finished_runs, tmp_path,
                                                                      overrides, field):

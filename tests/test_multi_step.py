@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 
-from configs import digits_mlp
+from dpjax.configs import digits_mlp
 from dpjax import batching
 from dpjax import data
 from dpjax import device_data
@@ -101,13 +101,20 @@ def test_count_zero_changes_nothing():
 
 
 def test_schedule_ends_calls_at_boundaries_and_the_first_step():
-  assert multi_step.schedule(0, 10, 4, (5,)) == [(0, 1), (1, 4), (5, 4), (9, 1)]
-  assert multi_step.schedule(3, 7, 16, (0,)) == [(3, 1), (4, 3)]
-  assert multi_step.schedule(0, 3, 1, ()) == [(0, 1), (1, 1), (2, 1)]
-  assert multi_step.schedule(5, 5, 4, (5,)) == []
+  assert list(multi_step.schedule(0, 10, 4, (5,))) == [(0, 1), (1, 4), (5, 4), (9, 1)]
+  assert list(multi_step.schedule(3, 7, 16, (0,))) == [(3, 1), (4, 3)]
+  pacer = multi_step.CallPacer(16, target_seconds=0.5)
+  calls = multi_step.schedule(0, 10**12, 16, (0,), limit=pacer.limit)  # O(1) memory.
+  assert [next(calls) for _ in range(2)] == [(0, 1), (1, 1)]  # Until a step is timed.
+  pacer.observe(steps=4, seconds=1.0)  # 0.25 s a step: 2 steps make 0.5 s.
+  assert next(calls) == (2, 2)
+  pacer.observe(steps=1, seconds=30.0)  # A slow model: one step a call.
+  assert next(calls) == (4, 1)
+  assert list(multi_step.schedule(0, 3, 1, ())) == [(0, 1), (1, 1), (2, 1)]
+  assert list(multi_step.schedule(5, 5, 4, (5,))) == []
   for start, stop, size, periods in ((2, 100, 7, (10, 25, 0)), (0, 50, 16, (1,)),
                                      (13, 200, 5, (9, 30)), (0, 1, 3, (7,))):
-    calls = multi_step.schedule(start, stop, size, periods)
+    calls = list(multi_step.schedule(start, stop, size, periods))
     steps = [t for first, count in calls for t in range(first, first + count)]
     assert steps == list(range(start, stop)) and all(1 <= c <= size for _, c in calls)
     # Brute force: every step count a periodic action fires at ends a call.
@@ -181,7 +188,7 @@ def test_two_epochs_of_every_sampler_compile_the_multi_step_program_once(sampler
   jax.monitoring.register_event_duration_secs_listener(
       lambda name, secs, **kw: compiles.append(name)
       if name == '/jax/core/compile/backend_compile_duration' else None)
-  calls = multi_step.schedule(0, 2 * sampler.steps_per_epoch, 4, (5,))
+  calls = list(multi_step.schedule(0, 2 * sampler.steps_per_epoch, 4, (5,)))
   assert len({count for _, count in calls}) > 1  # The count really varied.
   for i, (first, count) in enumerate(calls):
     if i == 1:

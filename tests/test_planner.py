@@ -148,7 +148,7 @@ def test_cli_config_and_usage_errors(tmp_path, capsys):
                        '--sampler', 'deterministic', '--batch_sizes', '100,500',
                        '--json', str(out_json)]) == 0
   text = capsys.readouterr().out
-  assert 'ε = 3' in text and '40 epochs' in text and 'sampler deterministic' in text
+  assert 'ε = 3' in text and '20 epochs' in text and 'sampler deterministic' in text
   assert 'without amplification' in text
   rows = json.loads(out_json.read_text())['rows']
   assert rows[0]['noise_multiplier'] == rows[1]['noise_multiplier']

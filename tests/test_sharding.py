@@ -45,7 +45,7 @@ RUN = {  # configs/digits_mlp.py with these fields, for every run here.
 
 
 def _config(**overrides):
-  from configs import digits_mlp  # pylint: disable=g-import-not-at-top
+  from dpjax.configs import digits_mlp  # pylint: disable=g-import-not-at-top
   config = digits_mlp.get_config()
   config.update_from_flattened_dict({**RUN, **overrides})
   return config

@@ -172,7 +172,7 @@ def test_bad_config_fails_before_any_compute(tmp_path, overrides, message):
 def test_mnist_cnn_config_trains_on_mock_tfds_data(tmp_path):
   """The MNIST config end to end on tfds.testing.mock_data (one real step)."""
   import tensorflow_datasets as tfds
-  from configs import mnist_cnn
+  from dpjax.configs import mnist_cnn
   config = mnist_cnn.get_config('runlocal')
   config.num_steps = 1
   config.data.data_dir = str(tmp_path)

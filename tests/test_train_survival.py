@@ -48,8 +48,9 @@ def test_start_states_plan_and_clipping_per_layer_and_progress_rate_eta_and_epsi
   assert lines[1].startswith('Model mlp with 4,810 parameters; poisson sampler, N = 1437, b = 256')
   assert 'σ = ' in lines[1] and '(calibrated)' in lines[1] and 'target ε = 3' in lines[1]
   assert lines[2].startswith('Seed: drawn from OS entropy, kept in ')
+  assert lines[3].startswith('Data: digits, N = 1437, x = (raw / 16 − (0.5)) / (0.5)')
   # What the compiled step runs, per layer (an MLP: rank-1 ghost norms, Goodfellow 2015).
-  assert lines[3:6] == [
+  assert lines[4:7] == [
       'Clipping: ghost clipping, per layer (mixed rule of Bu et al. 2022: ghost where '
       'S²(m + c) < S·m·c):', '  Dense_0: dense rank-1 (S=1, m=64, c=64)',
       '  Dense_1: dense rank-1 (S=1, m=64, c=10)']
@@ -57,7 +58,7 @@ def test_start_states_plan_and_clipping_per_layer_and_progress_rate_eta_and_epsi
   assert [p.split(',')[0] for p in progress] == ['step 2/5', 'step 4/5', 'step 5/5']
   assert all(' ex/s, ETA ' in p and re.search(r'epsilon=[\d.]+ \(upper\)', p) for p in progress)
   assert lines[-1].startswith('Final: step 5, test accuracy ')
-  assert len(lines) == 6 + len(progress) + 1  # No config dump (it is in config.json).
+  assert len(lines) == 7 + len(progress) + 1  # No config dump (it is in config.json).
   rows = [json.loads(line) for line in open(tmp_path / 'w' / 'metrics.jsonl')]
   trained = [row for row in rows if 'nonprivate_train_loss' in row]
   assert all(row['epsilon_bound'] == 'upper' for row in trained)  # ε says what it bounds.
@@ -134,3 +135,30 @@ def test_a_second_run_on_a_workdir_in_use_is_refused_at_once(tmp_path):
       train.train_and_evaluate(small_config(num_steps=4), str(work))
     assert time.time() - start < 30
   assert [row['step'] for row in checkpoints.read_metadata(str(work))] == [2]
+
+
+def test_sigterm_stops_a_slow_run_within_two_steps(tmp_path):
+  """A model whose step takes ~0.3-1 s on this CPU: SIGTERM once it trains; the run saves and
+  exits within two steps of the signal (issue 25: 16-step calls made it wait up to 32 steps,
+  546 s on a slow run). The automatic steps-per-call keeps a call near 0.5 s."""
+  work = tmp_path / 'w'
+  command = [sys.executable, '-m', 'dpjax.train', f'--config={REPO}/configs/digits_mlp.py',
+             f'--workdir={work}', '--config.num_epochs=0', '--config.num_steps=10000',
+             '--config.checkpoint_every_steps=10000', '--config.log_every_steps=10000',
+             '--config.eval_every_steps=10000', '--config.privacy.target_epsilon=0',
+             '--config.privacy.noise_multiplier=1000.0', '--config.sampler.batch_size=1024',
+             '--config.sampler.physical_batch_size=1024', '--config.model.hidden_sizes=(2048,2048)']
+  proc = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  for line in proc.stdout:  # 'Clipping: ...' is printed once the first step has run.
+    if line.startswith('Clipping:'):
+      break
+  time.sleep(2.0)  # A few steps.
+  start = time.time()
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 128 + signal.SIGTERM, err
+  after = int(re.search(r'\((\d+) steps after it arrived\)', err).group(1))
+  step = checkpoints.read_metadata(str(work))[-1]['step']
+  assert step >= 2 and after <= 2, (step, after, err)
+  assert time.time() - start < 60

@@ -49,6 +49,8 @@ from typing import Any
 import ml_collections
 import numpy as np
 from dp_accounting import dp_event
+from dp_accounting.pld import common as pld_common
+from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
 from dpjax import samplers as samplers_lib
@@ -68,6 +70,9 @@ from dpjax.accounting.step_pld import step_pld as _step_pld
 from dpjax.accounting.step_pld import VALUE_DISCRETIZATION
 
 ACCOUNTANTS = ('auto', 'pld', 'rdp', 'monte_carlo')
+# A composed PLD beyond this many grid points (x 16 bytes in its FFT) is refused before it is
+# allocated.
+MAX_COMPOSED_POINTS = 5 * 10**7
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,15 +260,31 @@ class Accountant:
   def composed_pld(self, event: dp_event.DpEvent, count: int) -> pld_lib.PrivacyLossDistribution:
     key = repr(event)
     if key in self._step_plds:
+      self._check_composition(self._step_plds[key], count)
       return self._step_plds[key].self_compose(count)
     interval = self._interval(event)
     self._check_grid(event, interval)
     with progress_bar(2, f'PLD of one {self.sampler.name} step, then {count} steps') as bar:
-      self._step_plds[key] = _step_pld(event, interval)
+      self._step_plds[key] = _dense(_step_pld(event, interval))
       bar.update()
+      self._check_composition(self._step_plds[key], count)
       composed = self._step_plds[key].self_compose(count)
       bar.update()
     return composed
+
+  def _check_composition(self, pld: pld_lib.PrivacyLossDistribution, count: int) -> None:
+    """GridTooLargeError before composing `count` steps would allocate more than
+    MAX_COMPOSED_POINTS (dp_accounting's own truncation bounds of the composed support)."""
+    for pmf in _pmfs(pld):
+      probs = getattr(pmf, '_probs', None)
+      if probs is None or count <= 1:
+        continue
+      low, high = pld_common.compute_self_convolve_bounds(probs, count, 1e-15)
+      if high - low + 1 > MAX_COMPOSED_POINTS:
+        raise GridTooLargeError(
+            f'num_steps = {count}: composing the privacy loss of {count:.3g} steps needs '
+            f'~{high - low + 1:.3g} grid points, beyond the {MAX_COMPOSED_POINTS:.0e} that fit '
+            f'in memory (σ = {self.noise_multiplier:.4g}). Shorten the run, or raise σ.')
 
   def _check_grid(self, event: dp_event.DpEvent, interval: float) -> None:
     points = estimate_pld_grid_points(event, interval)
@@ -350,6 +371,21 @@ class Accountant:
           num_samples=self.monte_carlo_samples, beta=self.beta, seed=self.monte_carlo_seed,
           workers=self.monte_carlo_workers)
     return self._monte_carlo[key]
+
+
+def _pmfs(pld: pld_lib.PrivacyLossDistribution):
+  # pylint: disable-next=protected-access
+  return (pld._pmf_remove,) if pld._symmetric else (pld._pmf_remove, pld._pmf_add)
+
+
+def _dense(pld: pld_lib.PrivacyLossDistribution) -> pld_lib.PrivacyLossDistribution:
+  """The same PLD with dense PMFs: dp_accounting's sparse self_compose evaluates
+  size**count (a big integer) first, which never ends for the step counts of long runs."""
+  pmfs = _pmfs(pld)
+  if not any(isinstance(p, pld_pmf.SparsePLDPmf) for p in pmfs):
+    return pld
+  dense = [p.to_dense_pmf() if isinstance(p, pld_pmf.SparsePLDPmf) else p for p in pmfs]
+  return pld_lib.PrivacyLossDistribution(dense[0], dense[1] if len(dense) > 1 else None)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,13 +54,20 @@ class EpsilonAhead:
     self._ahead: dict[int, futures.Future] = {}
     self._depth = depth
     self._passed = -1  # The last step asked for: the loop never asks for an earlier one.
+    self._seconds = []  # Durations of the queries so far (for the trainer's ETA).
     self._fill()
+
+  @property
+  def mean_query_seconds(self) -> float:
+    """The mean duration of a query so far (0 before the first)."""
+    return sum(self._seconds) / len(self._seconds) if self._seconds else 0.0
 
   def _query(self, step: int, estimates: bool = False) -> PrivacyReport:
     """The accountant's report, on the worker; sets when the next query ahead may start."""
     start = time.monotonic()
     report = self._accountant.epsilon_at(step, estimates=estimates)
     end = time.monotonic()
+    self._seconds.append(end - start)
     self._next_start = end + (end - start) * (1 - self._busy_fraction) / self._busy_fraction
     return report
 

@@ -94,7 +94,9 @@ def smallest_noise_multiplier(epsilon_of_sigma: Callable[[float], float], target
     while eps(hi) > target:
       lo, hi = hi, hi * 2
       if hi > _MAX_SIGMA:
-        raise ValueError(f'target ε = {target} is not reached even with σ = {_MAX_SIGMA}.')
+        raise ValueError(f'target ε = {target} is not reached even with σ = {_MAX_SIGMA:g} (or '
+                         'its privacy loss cannot be composed in memory): shorten the run, raise '
+                         'the target or the batch size.')
   # Invariant: ε(lo) > target >= ε(hi).
   while not close_enough(hi) and hi - lo > sigma_rtol * hi:
     mid = math.sqrt(lo * hi)

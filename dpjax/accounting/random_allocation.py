@@ -245,7 +245,14 @@ def epoch_pld(noise_multiplier: float, num_steps: int, *, discretization: float,
   failed = cached if isinstance(cached, dict) else _read_index().get(key)
   if isinstance(failed, dict) and failed.get('timeout', 0) >= budget:
     return None  # Already timed out with at least this budget.
-  path.parent.mkdir(parents=True, exist_ok=True)
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    probe = tempfile.NamedTemporaryFile(dir=path.parent, delete=True)
+    probe.close()
+  except OSError:  # HOME or $DPJAX_CACHE_DIR not writable: build it uncached.
+    print(f'dpjax: the cache {path.parent} is not writable; the PLD is built without caching.',
+          file=sys.stderr, flush=True)
+    path = pathlib.Path(tempfile.mkdtemp(prefix='dpjax-ra-')) / path.name
   what = (f'random-allocation PLD ({bound} bound) of one epoch, σ = {noise_multiplier:g}, '
           f'T = {num_steps}, grid {discretization:g}')
   if progress:

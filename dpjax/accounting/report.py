@@ -49,6 +49,12 @@ class PrivacyReport:
   def to_dict(self) -> dict[str, Any]:
     return _plain(dataclasses.asdict(self))
 
+  @classmethod
+  def from_dict(cls, values: dict[str, Any]) -> PrivacyReport:
+    """The report `to_dict` wrote (e.g. a checkpoint's metadata)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in names})
+
   def to_json(self, **kwargs) -> str:
     """One JSON object (non-finite ε is written as Infinity, as Python's json does)."""
     return json.dumps(self.to_dict(), **kwargs)

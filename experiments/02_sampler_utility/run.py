@@ -58,8 +58,8 @@ from absl import logging  # pylint: disable=g-import-not-at-top
 import jax  # pylint: disable=g-import-not-at-top
 import numpy as np
 
-from configs import digits_mlp  # pylint: disable=g-import-not-at-top
-from configs import mnist_cnn  # pylint: disable=g-import-not-at-top
+from dpjax.configs import digits_mlp  # pylint: disable=g-import-not-at-top
+from dpjax.configs import mnist_cnn  # pylint: disable=g-import-not-at-top
 from dpjax import data  # pylint: disable=g-import-not-at-top
 from dpjax import provenance  # pylint: disable=g-import-not-at-top
 from dpjax import samplers  # pylint: disable=g-import-not-at-top

@@ -42,7 +42,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..'))
-from configs import digits_mlp  # pylint: disable=g-import-not-at-top
+from dpjax.configs import digits_mlp  # pylint: disable=g-import-not-at-top
 from dpjax import augmult
 from dpjax import batching
 from dpjax import clipping
