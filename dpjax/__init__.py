@@ -1,0 +1,78 @@
+"""dpjax: DP-SGD in JAX with an ε that is an upper bound for what ran.
+
+Three tiers; each is built on the one above it.
+
+Tier 1, config-free primitives (typed arguments, no config):
+  samplers      PoissonSampler, BallsAndBinsSampler, ShuffleSampler,
+                DeterministicSampler, FixedSizeSampler, FixedSizeWithReplacementSampler
+                (num_examples, batch_size, seed); `make_sampler(name, N, b, seed)`.
+  Batcher       a logical batch as static-shape physical batches, padded with
+                weight-0 rows, truncated at a cap B (accounted for).
+  clipped_grad  shaped like `jax.grad`: Σ_i w_i · clip_C(∇loss(params, example_i))
+                for any per-example loss, by per-example gradients or ghost
+                clipping (linen and NNX layers); `PerExample` holds each row's loss,
+                aux and norm (monitoring only, not private).
+  gaussian_privatizer  an optax transform: + N(0, σ²C²) once per logical step, ÷ b,
+                its noise keyed by (seed, step) (`GaussianNoiseState`).
+  Accountant, PrivacyReport, calibrate_noise_multiplier, max_num_steps
+                ε after any step with its kind of bound; σ for a target ε.
+  NNXFunctional an `nnx.Module` as `loss_fn(params, example)` (NNX ghost clipping).
+
+Tier 2, one object binds everything that enters ε:
+  PrivacyPlan.create(sampler, num_steps=T, clip_norm=C, delta=δ,
+                     noise_multiplier=σ | target_epsilon=ε) makes the batcher (with its
+  cap), `clipped_grad`, the `privatizer` and the accountant, so they cannot disagree;
+  refuses σ ≤ 0, C ∉ (0, ∞), δ ≥ 1/N; `epsilon_at(step)`, `fingerprint`. `DPStep.from_plan`
+  is the compiled step the trainer runs (virtual batching, one program per logical step).
+
+Tier 3, the trainer:  python -m dpjax.train --config digits_mlp --workdir w
+  (config fields: docs/config.md), with `dpjax.account`, `dpjax.planner`, `dpjax.audit`,
+  `dpjax.checkpoints` and `dpjax.export` beside it.
+
+Your own loop (README, "Use dpjax in your own training loop"; examples/):
+
+  plan = dpjax.PrivacyPlan.create(dpjax.PoissonSampler(num_examples=N, batch_size=256,
+                                  seed=secrets.randbits(63)), num_steps=T, clip_norm=1.0,
+                                  target_epsilon=3.0, delta=1e-5)
+  grad_fn = jax.jit(plan.clipped_grad(loss_fn))
+  tx = optax.chain(plan.privatizer(), optax.adam(1e-3))
+  for t in range(T):
+    g = sum(grad_fn(params, data[idx], w)[0] for idx, w in plan.batcher(P).logical_batch(t)...)
+    updates, opt_state = tx.update(g, opt_state, params)
+  print(plan.epsilon_at(T))
+
+The guarantee (docs/threat_model.md) is for add/remove neighbours and needs the seed to
+be secret; a seed you choose must be kept private like the data.
+"""
+
+from dpjax.accounting.accountant import Accountant
+from dpjax.accounting.calibration import calibrate_noise_multiplier
+from dpjax.accounting.calibration import max_num_steps
+from dpjax.accounting.report import PrivacyReport
+from dpjax.batching import Batcher
+from dpjax.clipping import clipped_grad
+from dpjax.clipping import PerExample
+from dpjax.dp_step import DPStep
+from dpjax.nnx_model import Functional as NNXFunctional
+from dpjax.noise import gaussian_privatizer
+from dpjax.noise import GaussianNoiseState
+from dpjax.privacy_plan import PrivacyPlan
+from dpjax.samplers import BallsAndBinsSampler
+from dpjax.samplers import DeterministicSampler
+from dpjax.samplers import FixedSizeSampler
+from dpjax.samplers import FixedSizeWithReplacementSampler
+from dpjax.samplers import make as make_sampler
+from dpjax.samplers import PoissonSampler
+from dpjax.samplers import Sampler
+from dpjax.samplers import ShuffleSampler
+
+__all__ = (
+    # Tier 1.
+    'Sampler', 'PoissonSampler', 'BallsAndBinsSampler', 'ShuffleSampler',
+    'DeterministicSampler', 'FixedSizeSampler', 'FixedSizeWithReplacementSampler',
+    'make_sampler', 'Batcher', 'clipped_grad', 'PerExample', 'gaussian_privatizer',
+    'GaussianNoiseState', 'Accountant', 'PrivacyReport', 'calibrate_noise_multiplier',
+    'max_num_steps', 'NNXFunctional',
+    # Tier 2.
+    'PrivacyPlan', 'DPStep',
+)

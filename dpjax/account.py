@@ -164,12 +164,12 @@ def _from_config(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, 
     config.privacy.noise_multiplier, config.privacy.target_epsilon = args.noise_multiplier, 0.0
   if args.target_epsilon is not None:
     config.privacy.noise_multiplier, config.privacy.target_epsilon = None, args.target_epsilon
+  from dpjax import plan as plan_lib  # pylint: disable=g-import-not-at-top
   num_examples = args.num_examples
   if num_examples is None:
-    from dpjax import plan as plan_lib  # pylint: disable=g-import-not-at-top
     # N as training counts it: the data's rows plus the audit canaries' (one code path).
     num_examples = len(plan_lib.make_training_sources(config)[0])
-  acct = accountant_lib.make_accountant(config, num_examples, **monte_carlo_options)
+  acct = plan_lib.make_accountant(config, num_examples, **monte_carlo_options)
   extra = {'config': args.config_file}
   if not config.privacy.get('noise_multiplier') and config.privacy.get('target_epsilon'):
     extra['calibrated_for_target_epsilon'] = config.privacy.target_epsilon

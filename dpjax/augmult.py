@@ -51,7 +51,7 @@ from dpjax import prng
 # 1 (noise) and 2 (init), so no key is shared.
 AUGMULT_STREAM = 3
 
-LossFn = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+LossFn = Callable[[Any, Any], tuple[jax.Array, Any]]  # (params, example) -> (loss, aux).
 
 
 def check_config(num_views: int, crop_padding: int, flip: bool, input_shape=None) -> None:
@@ -159,12 +159,14 @@ def _make_views(x: jax.Array, indices: jax.Array, step, seed, *, num_views: int,
 
 
 def mean_over_views(loss_fn: LossFn) -> LossFn:
-  """(params, views [K, ...], y) → (mean_k loss_k, mean_k logits_k) of a single-example loss.
+  """`(params, {'x': views [K, ...], ...}) -> (mean_k loss_k, mean_k aux_k)` of a single-example
+  loss `(params, example) -> (loss, aux)`.
 
   Its gradient is (1/K) Σ_k ∇loss_k, the view-averaged gradient that DP-SGD
-  clips once (module docstring). With K = 1 it equals loss_fn(params, views[0], y).
+  clips once (module docstring). With K = 1 it equals loss_fn on views[0].
   """
-  def loss(params, views, y):
-    losses, logits = jax.vmap(loss_fn, in_axes=(None, 0, None))(params, views, y)
-    return jnp.mean(losses, axis=0), jnp.mean(logits, axis=0)
+  def loss(params, example):
+    views = example['x']
+    per_view = jax.vmap(lambda v: loss_fn(params, {**example, 'x': v}))(views)
+    return jax.tree.map(lambda a: jnp.mean(a, axis=0), per_view)
   return loss

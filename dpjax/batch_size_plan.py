@@ -1,7 +1,7 @@
 """The batch size plan: for each b at fixed (ε, δ, epochs), the σ training would calibrate.
 
 `plan_batch_sizes` gives each b the config of the run with `sampler.batch_size = b`
-and σ unset, resolved by `accounting.make_accountant` exactly as `dpjax.train`
+and σ unset, resolved by `plan.make_accountant` exactly as `dpjax.train`
 does; a `Plan` holds the rows and says what they show (docs/accounting.md §8,
 seed 003). The command line and the meaning of the columns: `dpjax.planner`.
 """
@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import ml_collections
 
 from dpjax import _checks
+from dpjax import plan as plan_lib
 from dpjax import samplers as samplers_lib
 from dpjax.accounting import accountant as accountant_lib
 
@@ -232,13 +233,13 @@ def plan_batch_sizes(num_examples: int, target_epsilon: float, delta: float, num
   _checks.check_int('--group_size', base.privacy.group_size, 1)
   # Every per-b argument the accountant checks, before any calibration.
   for b in sizes:
-    sampler = samplers_lib.make_sampler(run_config(base, b, eps, delta, epochs), n)
+    sampler = plan_lib.make_sampler(run_config(base, b, eps, delta, epochs), n)
     accountant_lib.Accountant(sampler, 1.0, delta, accountant=base.privacy.accountant,
                               group_size=base.privacy.group_size)
   rows = []
   for b in sizes:
     start, cpu_start = time.perf_counter(), _cpu_seconds()
-    acct = accountant_lib.make_accountant(run_config(base, b, eps, delta, epochs), n)
+    acct = plan_lib.make_accountant(run_config(base, b, eps, delta, epochs), n)
     report = acct.final_report(estimates=False)  # Memoised: make_accountant checked it.
     sigma, steps = acct.noise_multiplier, report.steps
     q = b / n

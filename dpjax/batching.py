@@ -149,8 +149,8 @@ class Batcher:
   max_batch_size: int
 
   def __post_init__(self):
-    _checks.check_int('sampler.physical_batch_size', self.physical_batch_size, 1)
-    _checks.check_int('sampler.max_batch_size', self.max_batch_size, 1)
+    _checks.check_int('physical_batch_size', self.physical_batch_size, 1)
+    _checks.check_int('max_batch_size', self.max_batch_size, 1)
 
   @property
   def max_physical_batches(self) -> int:

@@ -18,11 +18,16 @@ of that example alone with norm ≤ C, so the bound holds) and counted in
 example at the edge of float32 overflow may be finite for one and not the
 other; either way its contribution has norm ≤ C.)
 
-Loss functions act on ONE example: `loss_fn(params, x_i, y_i) -> (loss_i,
-logits_i)`; y_i is an int label or a one-hot vector. The statistics
-(`ClipStats`) are for monitoring and are NOT differentially private.
+Loss functions act on ONE example: `loss_fn(params, example) -> loss` or,
+with `has_aux=True`, `(loss, aux)`; `example` is one row of the batch (a
+pytree: for the trainer `{'x': x_i, 'y': y_i}`). Any per-example loss works
+(classification, regression, a sequence's per-token loss summed or averaged
+over its tokens): the unit of privacy is what one row holds. Losses that mix
+examples (contrastive, batch statistics) have no per-example gradient and are
+out of scope. The statistics (`PerExample`, `ClipStats`) are for monitoring
+and are NOT differentially private.
 
-Methods (`config.privacy.clipping`), all giving the same clipped sum:
+Methods (`method`), all giving the same clipped sum:
   'vmap': per-example gradients with `jax.vmap(jax.grad(...))` (Subramani et
     al. 2021, "Enabling Fast Differentially Private SGD via Just-in-Time
     Compilation and Vectorization"); memory P × #params.
@@ -38,7 +43,6 @@ Methods (`config.privacy.clipping`), all giving the same clipped sum:
 """
 
 from collections.abc import Callable
-import functools
 import logging
 import math
 from typing import Any, NamedTuple
@@ -47,13 +51,26 @@ import jax
 import jax.numpy as jnp
 
 from dpjax import ghost_clipping
+from dpjax import precision as precision_lib
 
 Params = Any
-Batch = dict[str, jax.Array]
-LossFn = Callable[[Params, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+Example = Any  # One row: a pytree of arrays, e.g. {'x': x_i, 'y': y_i}.
+Batch = dict[str, jax.Array]  # Example fields with a leading axis, plus 'weight' [P].
+LossFn = Callable[[Params, Example], Any]  # -> loss, or (loss, aux) with has_aux.
 ClippedSumFn = Callable[[Params, Batch], tuple[Params, 'ClipStats']]
 
 CLIPPING_METHODS = ('auto', 'vmap', 'ghost')
+# Rows a logical step may sum when the caller does not say: the float32 sum's margin grows
+# with it (`precision.sum_margin`); pass the batcher's cap B.
+DEFAULT_MAX_ROWS = 2**16
+
+
+class PerExample(NamedTuple):
+  """Per-row values of one clipped sum (monitoring only: NOT differentially private)."""
+  loss: jax.Array  # [P] loss_i.
+  aux: Any  # The loss's aux, rows stacked ([P, ...] leaves); () without aux.
+  norm: jax.Array  # [P] ‖g_i‖ before clipping.
+  finite: jax.Array  # [P] bool: loss_i and ‖g_i‖ finite (else the row added exactly 0).
 
 
 class ClipStats(NamedTuple):
@@ -62,7 +79,7 @@ class ClipStats(NamedTuple):
   num_clipped: jax.Array  # #{finite rows with ‖g_i‖ > C} (int32).
   num_nonfinite: jax.Array  # #{rows with non-finite gradient or loss} (int32).
   loss_sum: jax.Array  # Σ w_i · loss_i over finite rows (float32).
-  correct: jax.Array  # Σ w_i · [argmax logits_i = label_i] (float32).
+  correct: jax.Array  # Σ w_i · aux_i['correct'] (a classification loss's aux), else 0.
   grad_norm_sum: jax.Array  # Σ w_i · ‖g_i‖ over finite rows, before clipping.
 
   @classmethod
@@ -72,10 +89,33 @@ class ClipStats(NamedTuple):
     i = lambda: jnp.zeros((), jnp.int32)
     return cls(f(), i(), i(), f(), f(), f())
 
+  @classmethod
+  def of(cls, rows: PerExample, weights: jax.Array, clip_norm: float) -> 'ClipStats':
+    """The sums of `rows` with weights w (rows with w = 0 are padding)."""
+    w = weights.astype(jnp.float32)
+    real = w > 0
+    ok = real & rows.finite
+    correct = rows.aux.get('correct') if isinstance(rows.aux, dict) else None
+    return cls(
+        num_rows=jnp.sum(w),
+        num_clipped=jnp.sum(ok & (rows.norm > clip_norm), dtype=jnp.int32),
+        num_nonfinite=jnp.sum(real & ~rows.finite, dtype=jnp.int32),
+        loss_sum=jnp.sum(jnp.where(ok, w * rows.loss, 0.0)),
+        correct=(jnp.zeros((), jnp.float32) if correct is None else
+                 jnp.sum(jnp.where(ok, w * correct.astype(jnp.float32), 0.0))),
+        grad_norm_sum=jnp.sum(jnp.where(ok, w * rows.norm, 0.0)))
 
-def _labels(y: jax.Array, logits: jax.Array) -> jax.Array:
-  """Int labels from int labels [P] or one-hot labels [P, classes]."""
-  return jnp.argmax(y, axis=-1) if y.ndim == logits.ndim else y
+
+def examples_of(batch: Batch) -> dict[str, jax.Array]:
+  """The example fields of a batch (everything but 'weight')."""
+  return {k: v for k, v in batch.items() if k != 'weight'}
+
+
+def with_aux(loss_fn: LossFn, has_aux: bool) -> LossFn:
+  """loss_fn as `(params, example) -> (loss, aux)` (aux = () when it has none)."""
+  if has_aux:
+    return loss_fn
+  return lambda params, example: (loss_fn(params, example), ())
 
 
 def _row_sq_norms(grads: Params) -> jax.Array:
@@ -94,107 +134,92 @@ def _weighted_row_sum(factor: jax.Array, grads: Params,
   return jax.tree.map(one, grads)
 
 
-def _clip_and_sum(losses: jax.Array, logits: jax.Array, sq_norms: jax.Array,
+def _clip_and_sum(losses: jax.Array, aux, sq_norms: jax.Array,
                   weighted_sum: Callable[[jax.Array, jax.Array], Params],
-                  batch: Batch, clip_norm: float) -> tuple[Params, ClipStats]:
-  """Clip factors from ‖g_i‖², the weighted sum, and the statistics.
+                  weights: jax.Array, clip_norm: float) -> tuple[Params, PerExample]:
+  """Clip factors from ‖g_i‖², and the weighted sum Σ_i w_i · clip_C(g_i).
 
   A row is finite iff its loss and ‖g_i‖ are finite; other rows contribute
-  exactly zero (weighted_sum must not let 0 · NaN through) and are counted.
+  exactly zero (weighted_sum must not let 0 · NaN through).
   """
-  w = batch['weight'].astype(jnp.float32)
+  w = weights.astype(jnp.float32)
   norms = jnp.sqrt(sq_norms)
   finite = jnp.isfinite(norms) & jnp.isfinite(losses)
   scale = jnp.where(finite, jnp.minimum(1.0, clip_norm / norms), 0.0)
-  grad_sum = weighted_sum(w * scale, finite)
-  real = w > 0
-  stats = ClipStats(
-      num_rows=jnp.sum(w),
-      num_clipped=jnp.sum(real & finite & (norms > clip_norm), dtype=jnp.int32),
-      num_nonfinite=jnp.sum(real & ~finite, dtype=jnp.int32),
-      loss_sum=jnp.sum(jnp.where(real & finite, w * losses, 0.0)),
-      correct=jnp.sum(w * (jnp.argmax(logits, -1) == _labels(batch['y'],
-                                                              logits))),
-      grad_norm_sum=jnp.sum(jnp.where(real & finite, w * norms, 0.0)))
-  return grad_sum, stats
+  return weighted_sum(w * scale, finite), PerExample(losses, aux, norms, finite)
 
 
-def per_example_clipped_sum(loss_fn: LossFn, params: Params, batch: Batch,
-                            clip_norm: float) -> tuple[Params, ClipStats]:
-  """Σ_i w_i · clip_C(g_i) over one physical batch (vmap per-example grads).
+def vmap_clipped_sum(loss_fn: LossFn, params: Params, examples: Example,
+                     weights: jax.Array, clip_norm: float) -> tuple[Params, PerExample]:
+  """Σ_i w_i · clip_C(g_i) by per-example gradients `jax.vmap(jax.grad(...))`.
 
   Args:
-    loss_fn: `(params, x_i, y_i) -> (loss_i, logits_i)` for a single example.
+    loss_fn: `(params, example) -> (loss_i, aux_i)` for a single example.
     params: model parameters (pytree).
-    batch: {'x': [P, ...], 'y': [P] int or [P, classes] one-hot,
-      'weight': [P] float32 in {0, 1}}.
-    clip_norm: C > 0 (math.inf disables clipping; it still zeroes non-finite
-      rows).
-
-  Returns:
-    (grad_sum, stats): grad_sum has the structure of params.
+    examples: the rows, every leaf with a leading axis P.
+    weights: [P] in {0, 1} (0: a padding row, which adds exactly zero).
+    clip_norm: C > 0 (math.inf disables clipping; it still zeroes non-finite rows).
   """
-  grad_fn = jax.vmap(jax.value_and_grad(loss_fn, has_aux=True),
-                     in_axes=(None, 0, 0))
-  (losses, logits), grads = grad_fn(params, batch['x'], batch['y'])
-  return _clip_and_sum(losses, logits, _row_sq_norms(grads),
-                       lambda factor, keep: _weighted_row_sum(factor, grads,
-                                                              keep),
-                       batch, clip_norm)
+  grad_fn = jax.vmap(jax.value_and_grad(loss_fn, has_aux=True), in_axes=(None, 0))
+  (losses, aux), grads = grad_fn(params, examples)
+  return _clip_and_sum(losses, aux, _row_sq_norms(grads),
+                       lambda factor, keep: _weighted_row_sum(factor, grads, keep),
+                       weights, clip_norm)
 
 
-def ghost_clipped_sum(
-    loss_fn: LossFn, params: Params, batch: Batch, clip_norm: float,
-    coverage: ghost_clipping.Coverage | None = None,
-) -> tuple[Params, ClipStats]:
-  """Σ_i w_i · clip_C(g_i) by ghost norms and book-keeping (same result).
+def ghost_clipped_sum(loss_fn: LossFn, params: Params, examples: Example,
+                      weights: jax.Array, clip_norm: float,
+                      coverage: ghost_clipping.Coverage | None = None,
+                      ) -> tuple[Params, PerExample]:
+  """Σ_i w_i · clip_C(g_i) by ghost norms and book-keeping (same result as vmap).
 
-  Same arguments and result as `per_example_clipped_sum`; no per-example
-  gradient is formed (see `dpjax.ghost_clipping`). Raises ValueError (at
+  No per-example gradient is formed (see `dpjax.ghost_clipping`). Raises ValueError (at
   trace time) if some parameter is not covered.
   """
-  out = ghost_clipping.ghost_pass(loss_fn, params, batch['x'], batch['y'],
-                                  coverage)
-  return _clip_and_sum(out.losses, out.logits, out.sq_norms,
-                       out.weighted_sum, batch, clip_norm)
+  out = ghost_clipping.ghost_pass(loss_fn, params, examples, coverage)
+  return _clip_and_sum(out.losses, out.aux, out.sq_norms, out.weighted_sum, weights,
+                       clip_norm)
+
+
+def _finite_rows(examples: Example) -> jax.Array:
+  """[P] bool: every floating leaf of the row is finite."""
+  leaves = [l for l in jax.tree.leaves(examples) if jnp.issubdtype(l.dtype, jnp.inexact)]
+  n = jax.tree.leaves(examples)[0].shape[0]
+  ok = jnp.ones((n,), bool)
+  for l in leaves:
+    ok &= jnp.all(jnp.isfinite(l.reshape(n, -1)), axis=1)
+  return ok
 
 
 def grad_sum(loss_fn: LossFn, params: Params,
              batch: Batch) -> tuple[Params, ClipStats]:
   """Non-private Σ_i w_i · g_i by one backward pass of Σ_i w_i · loss_i.
 
-  No clipping. Rows with a non-finite input or loss are dropped and counted.
-  A non-finite value that arises inside the network from a finite input cannot
-  be traced to its row without per-example gradients: if the summed gradient is
-  non-finite, the whole physical batch is dropped (zero gradient) and all its
-  rows are counted as non-finite. `num_clipped` and `grad_norm_sum` are 0.
+  `loss_fn` returns (loss, aux). No clipping. Rows with a non-finite input or loss are
+  dropped and counted. A non-finite value that arises inside the network from a finite
+  input cannot be traced to its row without per-example gradients: if the summed gradient
+  is non-finite, the whole physical batch is dropped (zero gradient) and all its rows are
+  counted as non-finite. `num_clipped` and `grad_norm_sum` are 0.
   """
-  x, y = batch['x'], batch['y']
+  examples = examples_of(batch)
   w = batch['weight'].astype(jnp.float32)
   real = w > 0
-  x_finite = jnp.all(jnp.isfinite(x.reshape(x.shape[0], -1)), axis=1)
-  x = jnp.where(x_finite.reshape((-1,) + (1,) * (x.ndim - 1)), x, 0)
+  x_finite = _finite_rows(examples)
+  examples = jax.tree.map(
+      lambda l: (jnp.where(x_finite.reshape((-1,) + (1,) * (l.ndim - 1)), l, 0)
+                 if jnp.issubdtype(l.dtype, jnp.inexact) else l), examples)
 
   def weighted_loss(p):
-    losses, logits = jax.vmap(loss_fn, in_axes=(None, 0, 0))(p, x, y)
+    losses, aux = jax.vmap(loss_fn, in_axes=(None, 0))(p, examples)
     keep = real & x_finite & jnp.isfinite(losses)
-    return jnp.sum(jnp.where(keep, w * losses, 0.0)), (logits, keep)
+    return jnp.sum(jnp.where(keep, w * losses, 0.0)), (losses, aux, keep)
 
-  (loss_sum, (logits, keep)), g = jax.value_and_grad(
-      weighted_loss, has_aux=True)(params)
+  (_, (losses, aux, keep)), g = jax.value_and_grad(weighted_loss, has_aux=True)(params)
   ok = jnp.isfinite(sum(jnp.sum(jnp.square(l)) for l in jax.tree.leaves(g)))
   g = jax.tree.map(lambda l: jnp.where(ok, l, 0.0), g)
-  num_nonfinite = jnp.sum(real & ~keep, dtype=jnp.int32)
-  zero = jnp.zeros((), jnp.float32)
-  stats = ClipStats(
-      num_rows=jnp.sum(w),
-      num_clipped=jnp.zeros((), jnp.int32),
-      num_nonfinite=jnp.where(ok, num_nonfinite,
-                              jnp.sum(real, dtype=jnp.int32)),
-      loss_sum=jnp.where(ok, loss_sum, zero),
-      correct=jnp.sum(w * (jnp.argmax(logits, -1) == _labels(y, logits))),
-      grad_norm_sum=zero)
-  return g, stats
+  rows = PerExample(losses, aux, jnp.zeros_like(losses), keep & ok)
+  stats = ClipStats.of(rows, w, math.inf)
+  return g, stats._replace(grad_norm_sum=jnp.zeros((), jnp.float32))
 
 
 def validate_clip_norm(clip_norm: float) -> float:
@@ -204,56 +229,113 @@ def validate_clip_norm(clip_norm: float) -> float:
   except (TypeError, ValueError):
     c = math.nan
   if not c > 0:  # Also rejects NaN.
-    raise ValueError(f'config.privacy.clip_norm must be > 0 (inf disables '
-                     f'clipping), got {clip_norm!r}.')
+    raise ValueError(f'clip_norm must be > 0 (inf disables clipping), got {clip_norm!r}.')
   return c
 
 
-def make_clipped_sum_fn(method: str, loss_fn: LossFn,
-                        clip_norm: float) -> ClippedSumFn:
-  """`(params, batch) -> (Σ_i w_i · clip_C(g_i), ClipStats)` for `method`.
+def clipped_sum_fn(loss_fn: LossFn, clip_norm: float, method: str = 'auto'):
+  """`(params, examples, weights) -> (Σ_i w_i · clip_C(g_i), PerExample)` by `method`.
 
   The function's `choice` (a list of lines) says what it runs: per-example
   gradients, or ghost clipping with each layer's form; set when first traced
   for 'auto' and 'ghost' (the choice depends on the shapes).
 
   Args:
-    method: `config.privacy.clipping`: 'auto' (ghost where it covers every
-      parameter, else vmap, logged), 'vmap', or 'ghost' (ValueError at trace
-      time if a parameter is uncovered).
-    loss_fn: single-example loss, see `per_example_clipped_sum`.
+    loss_fn: `(params, example) -> (loss, aux)` for a single example (`with_aux`).
     clip_norm: C > 0.
+    method: 'auto' (ghost where it covers every parameter, else vmap, logged),
+      'vmap', or 'ghost' (ValueError at trace time if a parameter is uncovered).
   """
   if method not in CLIPPING_METHODS:
-    raise ValueError(f'config.privacy.clipping={method!r}; valid: '
-                     f'{CLIPPING_METHODS}.')
+    raise ValueError(f'clipping method {method!r}; valid: {CLIPPING_METHODS}.')
   clip_norm = validate_clip_norm(clip_norm)
   vmap_choice = ['per-example gradients (vmap), memory P x #params']
-  if method == 'vmap':
-    clipped_sum = functools.partial(per_example_clipped_sum, loss_fn, clip_norm=clip_norm)
-    clipped_sum.choice = vmap_choice
-    return clipped_sum
 
-  def clipped_sum(params: Params, batch: Batch) -> tuple[Params, ClipStats]:
+  def fn(params: Params, examples: Example, weights: jax.Array):
+    if method == 'vmap':
+      fn.choice[:] = vmap_choice
+      return vmap_clipped_sum(loss_fn, params, examples, weights, clip_norm)
     # Trace time: the coverage depends only on the model and the shapes.
-    coverage = ghost_clipping.analyse_coverage(
-        loss_fn, params, batch['x'][0], batch['y'][0])
+    one = jax.tree.map(lambda l: l[0], examples)
+    coverage = ghost_clipping.analyse_coverage(loss_fn, params, one)
     if coverage.complete:
-      logging.info("clipping=%r: ghost clipping: %s", method,
-                   coverage.describe())
-      clipped_sum.choice[:] = ['ghost clipping, per layer (mixed rule of Bu et al. 2022: '
-                               'ghost where S²(m + c) < S·m·c):', *coverage.layer_forms()]
-      return ghost_clipped_sum(loss_fn, params, batch, clip_norm, coverage)
+      logging.info('clipping=%r: ghost clipping: %s', method, coverage.describe())
+      fn.choice[:] = ['ghost clipping, per layer (mixed rule of Bu et al. 2022: '
+                      'ghost where S²(m + c) < S·m·c):', *coverage.layer_forms()]
+      return ghost_clipped_sum(loss_fn, params, examples, weights, clip_norm, coverage)
     if method == 'ghost':
       raise ValueError(
-          "config.privacy.clipping='ghost' does not cover every parameter of "
-          f"this model: {coverage.describe()}. Use 'auto' (falls back to "
-          "'vmap') or 'vmap'.")
+          "clipping='ghost' does not cover every parameter of this model: "
+          f"{coverage.describe()}. Use 'auto' (falls back to 'vmap') or 'vmap'.")
     uncovered = ', '.join(f'{p} ({why})' for p, why in coverage.uncovered)
-    logging.warning(
-        "clipping='auto': ghost clipping does not cover %s; using per-example "
-        'gradients (vmap) for this model.', uncovered)
-    clipped_sum.choice[:] = [f'{vmap_choice[0]}; ghost clipping does not cover {uncovered}']
-    return per_example_clipped_sum(loss_fn, params, batch, clip_norm)
-  clipped_sum.choice = []  # Known once traced.
-  return clipped_sum
+    logging.warning("clipping='auto': ghost clipping does not cover %s; using per-example "
+                    'gradients (vmap) for this model.', uncovered)
+    fn.choice[:] = [f'{vmap_choice[0]}; ghost clipping does not cover {uncovered}']
+    return vmap_clipped_sum(loss_fn, params, examples, weights, clip_norm)
+  fn.choice = list(vmap_choice) if method == 'vmap' else []  # Known once traced.
+  return fn
+
+
+def with_stats(sum_fn, clip_norm: float) -> ClippedSumFn:
+  """`(params, batch) -> (sum, ClipStats)` from a `clipped_sum_fn` (batch: examples + weight)."""
+  def fn(params: Params, batch: Batch) -> tuple[Params, ClipStats]:
+    total, rows = sum_fn(params, examples_of(batch), batch['weight'])
+    return total, ClipStats.of(rows, batch['weight'], clip_norm)
+  fn.choice = sum_fn.choice
+  return fn
+
+
+def make_clipped_sum_fn(method: str, loss_fn: LossFn, clip_norm: float) -> ClippedSumFn:
+  """`(params, batch) -> (Σ_i w_i · clip_C(g_i), ClipStats)`: `clipped_sum_fn` on a batch dict.
+
+  `loss_fn` returns (loss, aux); `choice` as in `clipped_sum_fn`.
+  """
+  return with_stats(clipped_sum_fn(loss_fn, clip_norm, method), validate_clip_norm(clip_norm))
+
+
+def per_example_clipped_sum(loss_fn: LossFn, params: Params, batch: Batch,
+                            clip_norm: float) -> tuple[Params, ClipStats]:
+  """`vmap_clipped_sum` on a batch dict, with its statistics."""
+  total, rows = vmap_clipped_sum(loss_fn, params, examples_of(batch), batch['weight'],
+                                 clip_norm)
+  return total, ClipStats.of(rows, batch['weight'], clip_norm)
+
+
+def clipped_grad(loss_fn: LossFn, clip_norm: float, *, has_aux: bool = False,
+                 method: str = 'auto', max_batch_size: int = DEFAULT_MAX_ROWS,
+                 precision: str = 'default'):
+  """DP-SGD's clipped gradient sum, shaped like `jax.grad`.
+
+  Returns `grad_fn(params, examples, weights=None) -> (Σ_i w_i · clip_C(g_i), PerExample)`
+  for any per-example loss `loss_fn(params, example) -> loss` (or `(loss, aux)` with
+  has_aux; aux such as accuracy comes back per row in `PerExample.aux`). `examples` holds
+  the rows (every leaf with a leading axis P); `weights` [P] in {0, 1} marks padding rows
+  (default: all ones). Every row's contribution as summed has norm <= C: rows are clipped
+  to C shrunk by the margin of `precision` and of a float32 sum of up to `max_batch_size`
+  rows (`precision.summed_clip_norm`); pass the batcher's cap B (`PrivacyPlan.clipped_grad`
+  does). Add noise with `noise.gaussian_privatizer`.
+
+  Args:
+    loss_fn: a single example's loss; JAX-traceable, pure.
+    clip_norm: C, finite and > 0.
+    has_aux: whether loss_fn returns (loss, aux).
+    method: 'auto' (ghost clipping where it covers every parameter, else vmap),
+      'vmap' or 'ghost' (`dpjax.ghost_clipping`; linen and NNX layers).
+    max_batch_size: B, the most rows one logical step sums.
+    precision: 'default', 'highest' or 'bfloat16' (`dpjax.precision`): the matmul precision
+      the gradients are computed in (bfloat16: the loss must cast itself, see `losses`).
+  """
+  c = validate_clip_norm(clip_norm)
+  if not math.isfinite(c):
+    raise ValueError(f'clip_norm must be finite, got {clip_norm!r}.')
+  bound = precision_lib.summed_clip_norm(c, precision, max_batch_size)
+  inner = clipped_sum_fn(with_aux(loss_fn, has_aux), bound, method)
+
+  def grad_fn(params: Params, examples: Example, weights: jax.Array | None = None):
+    if weights is None:
+      weights = jnp.ones((jax.tree.leaves(examples)[0].shape[0],), jnp.float32)
+    with precision_lib.matmul_precision(precision):
+      return inner(params, examples, weights)
+  grad_fn.choice = inner.choice
+  grad_fn.clip_bound = bound
+  return grad_fn

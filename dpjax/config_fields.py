@@ -32,7 +32,9 @@ import numpy as np
 
 from dpjax import clipping
 from dpjax import data
+from dpjax import losses
 from dpjax import models
+from dpjax import prng
 from dpjax import samplers
 from dpjax._checks import _is_int, _is_number
 from dpjax.accounting import accountant
@@ -157,6 +159,10 @@ FIELDS: tuple[Field, ...] = (
     Field('seed', 'int', None, 'root seed of sampling, noise and init; None = a secret one drawn '
           'from OS entropy (kept in <workdir>/private/seed.json). A given seed must be secret '
           'for ε to hold, and every run of a sweep needs its own', 0, 2**63 - 1, optional=True),
+    Field('loss', 'str', 'softmax_cross_entropy', 'the per-example loss: softmax_cross_entropy '
+          '(classes) | mse (float targets y [N] or [N, d]; npz/memmap) | sequence_cross_entropy '
+          '(int tokens x, y [N, T], y = -1 padding; npz/memmap; the mean over a sequence\'s '
+          'tokens, so the unit of privacy is the sequence)', choices=losses.LOSSES),
     # --- data
     Field('data.source', 'str', 'digits', 'digits (embedded) | tfds | npz | memmap | synthetic',
           choices=data.SOURCES),
@@ -215,6 +221,9 @@ FIELDS: tuple[Field, ...] = (
     Field('privacy.random_allocation_timeout', 'float', 300.0, 'seconds for the provable '
           'balls-and-bins bound (cached on disk); past it the deterministic bound, labelled', 0,
           low_open=True, when=_private),
+    Field('privacy.noise_prng', 'str', 'threefry', 'the JAX generator of the noise: threefry '
+          '(reproducible everywhere) | rbg | unsafe_rbg (faster; none is a cryptographic '
+          'sampler; docs/threat_model.md)', choices=tuple(prng.NOISE_IMPLS)),
     Field('privacy.clipping', 'str', 'auto', 'how per-example norms are computed: auto (ghost '
           'where it covers every parameter, else vmap) | vmap | ghost',
           choices=clipping.CLIPPING_METHODS),

@@ -54,19 +54,27 @@ class Preprocessor:
   mean: tuple[float, ...]
   std: tuple[float, ...]
   label_format: str
-  num_classes: int
+  num_classes: int  # Classes (labels), the output size (values) or the vocabulary (tokens).
   scale_source: str = 'data.scale'  # Where the scale came from (printed at start).
+  targets: str = 'labels'  # 'labels' (classes), 'values' (regression) or 'tokens' (sequences).
 
   def describe(self) -> str:
     """One line: the preprocessing and where its scale came from."""
+    if self.targets == 'tokens':
+      return f'x, y = int tokens (vocabulary {self.num_classes}; y = -1: padding)'
     fmt = lambda v: ', '.join(f'{x:g}' for x in v)
+    kind = (f'{self.num_classes} classes, labels {self.label_format}' if self.targets == 'labels'
+            else f'float targets of size {self.num_classes}')
     return (f'x = (raw / {self.scale:g} − ({fmt(self.mean)})) / ({fmt(self.std)}) '
-            f'[scale: {self.scale_source}], {self.num_classes} classes, labels '
-            f'{self.label_format}')
+            f'[scale: {self.scale_source}], {kind}')
 
   def __call__(self, raw_x: np.ndarray, raw_y: np.ndarray) -> dict[str, np.ndarray]:
+    if self.targets == 'tokens':
+      return {'x': np.asarray(raw_x).astype(np.int32), 'y': np.asarray(raw_y).astype(np.int32)}
     x = np.asarray(raw_x, dtype=np.float32) / np.float32(self.scale)
     x = (x - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+    if self.targets == 'values':
+      return {'x': x, 'y': np.asarray(raw_y, np.float32).reshape(len(x), -1)}
     y = np.asarray(raw_y).astype(np.int32)
     if self.label_format == 'one_hot':
       y = np.eye(self.num_classes, dtype=np.float32)[y]
@@ -187,7 +195,8 @@ def _splitmix64(z: np.ndarray) -> np.ndarray:
 
 
 def _preprocessor(config: ml_collections.ConfigDict, num_classes: int, channels: int,
-                  raw_dtype=np.float32, native_scale: float | None = None) -> Preprocessor:
+                  raw_dtype=np.float32, native_scale: float | None = None,
+                  targets: str = 'labels') -> Preprocessor:
   """The config's preprocessing; `data.scale = 0` derives the scale from the data.
 
   Derived: the source's own range (digits: 16), else 255 for uint8 and the integer type's
@@ -210,13 +219,39 @@ def _preprocessor(config: ml_collections.ConfigDict, num_classes: int, channels:
       raise ValueError(f'{field} has {len(value)} entries; it needs 1 or {channels} (channels).')
   if not all(s > 0 for s in std):
     raise ValueError(f'data.std entries must be > 0, got {std}.')
-  return Preprocessor(scale, mean, std, config.label_format, int(num_classes), source)
+  return Preprocessor(scale, mean, std, config.label_format, int(num_classes), source, targets)
+
+
+TARGETS = {'softmax_cross_entropy': 'labels', 'mse': 'values', 'sequence_cross_entropy': 'tokens'}
 
 
 def _checked_arrays(where: str, declared_classes: int, x_train, y_train, x_test, y_test,
-                    mapped: bool = False):
-  """(y_train, y_test, K) after `data_validation`'s checks of both splits (one line each)."""
+                    mapped: bool = False, targets: str = 'labels'):
+  """(y_train, y_test, K) after `data_validation`'s checks of both splits (one line each).
+
+  K: the number of classes (labels), the target size (values) or the vocabulary (tokens).
+  """
   checks = data_validation
+  if targets == 'values':
+    checks.check_features(f'{where}: x_train', x_train, mapped=mapped)
+    checks.check_features(f'{where}: x_test', x_test, mapped=mapped)
+    checks.check_same_rows(f'{where}: x_train', x_train.shape[1:], f'{where}: x_test',
+                           x_test.shape[1:])
+    size = checks.check_targets(f'{where}: y_train', y_train, num_examples=len(x_train))
+    if checks.check_targets(f'{where}: y_test', y_test, num_examples=len(x_test)) != size:
+      raise checks.DataError(f'{where}: y_test: targets of another size than y_train\'s {size}.')
+    return y_train, y_test, size
+  if targets == 'tokens':
+    sizes = [checks.check_tokens(f'{where}: {name}', a, num_examples=len(x), low=low,
+                                 length=None if name.startswith('x') else x.shape[1])
+             for name, a, x, low in (('x_train', x_train, x_train, 0), ('y_train', y_train,
+                                     x_train, -1), ('x_test', x_test, x_test, 0),
+                                     ('y_test', y_test, x_test, -1))]
+    vocab = declared_classes or max(sizes)
+    if max(sizes) > vocab:
+      raise checks.DataError(f'{where}: token {max(sizes) - 1} is not below data.num_classes = '
+                             f'{vocab} (the vocabulary size).')
+    return y_train, y_test, vocab
   checks.check_features(f'{where}: x_train', x_train, mapped=mapped)
   checks.check_features(f'{where}: x_test', x_test, mapped=mapped)
   checks.check_same_rows(f'{where}: x_train', x_train.shape[1:], f'{where}: x_test',
@@ -355,10 +390,14 @@ def _tfds_split(config, split: str) -> TfdsSource:
   return TfdsSource(source, config.image_key, config.label_key, preprocess, shape)
 
 
-def make_sources(config: ml_collections.ConfigDict, seed: int = 0) -> tuple[DataSource, DataSource]:
+def make_sources(config: ml_collections.ConfigDict, seed: int = 0,
+                 loss: str = 'softmax_cross_entropy') -> tuple[DataSource, DataSource]:
   """The (train, test) sources described by `config` (the `data` block)."""
   if config.source not in SOURCES:
     raise ValueError(f'data.source = {config.source!r} is unknown; valid: {", ".join(SOURCES)}.')
+  if TARGETS.get(loss, 'labels') != 'labels' and config.source not in ('npz', 'memmap'):
+    raise ValueError(f'loss = {loss!r} needs targets from your own arrays: data.source = '
+                     f"'npz' or 'memmap' (got {config.source!r}, whose labels are classes).")
   declared = int(config.get('num_classes', 0) or 0) if config.source != 'synthetic' else 0
   if config.source == 'digits':
     x_train, y_train, x_test, y_test = load_digits_arrays()
@@ -392,10 +431,11 @@ def make_sources(config: ml_collections.ConfigDict, seed: int = 0) -> tuple[Data
       except ValueError as e:  # Object arrays need pickle: strings, ragged lists.
         raise ValueError(f'data.path = {path!r}: an array holds Python objects ({e}); '
                          'features must be numeric and labels integers.') from None
+    targets = TARGETS[loss]
     y_train, y_test, num_classes = _checked_arrays(f'data.path = {path!r}', declared, x_train,
-                                                   y_train, x_test, y_test)
+                                                   y_train, x_test, y_test, targets=targets)
     preprocess = _preprocessor(config, num_classes, x_train.shape[-1] if x_train.ndim > 1 else 1,
-                               x_train.dtype)
+                               x_train.dtype, targets=targets)
     return ArraySource(x_train, y_train, preprocess), ArraySource(x_test, y_test, preprocess)
   if config.source == 'memmap':
     if not config.path or not os.path.isdir(config.path):
@@ -406,10 +446,11 @@ def make_sources(config: ml_collections.ConfigDict, seed: int = 0) -> tuple[Data
     (x_train, y_train), (x_test, y_test) = (
         open_memmap_split(os.path.join(config.path, split))
         for split in (config.train_split, config.test_split))
+    targets = TARGETS[loss]
     _, _, num_classes = _checked_arrays(f'data.path = {config.path!r}', declared, x_train,
-                                        y_train, x_test, y_test, mapped=True)
+                                        y_train, x_test, y_test, mapped=True, targets=targets)
     preprocess = _preprocessor(config, num_classes, x_train.shape[-1] if x_train.ndim > 1 else 1,
-                               x_train.dtype)
+                               x_train.dtype, targets=targets)
     return ArraySource(x_train, y_train, preprocess), ArraySource(x_test, y_test, preprocess)
   if config.source == 'tfds':
     if not config.name:

@@ -138,6 +138,38 @@ def check_features(name: str, x, *, mapped: bool = False) -> None:
                       'features must be finite (drop or repair the example).')
 
 
+def check_targets(name: str, y, *, num_examples: int) -> int:
+  """Regression targets (loss 'mse'): numeric, finite, one row per example; returns their
+  size per example (the model's output size)."""
+  y = np.asarray(y) if not isinstance(y, np.ndarray) else y
+  if y.ndim < 1 or len(y) != num_examples:
+    raise DataError(f'{name}: {num_examples} examples but targets of shape {y.shape}; x and y '
+                    'need one row each per example.')
+  if y.dtype.kind not in 'biuf':
+    raise DataError(f'{name}: targets have dtype {y.dtype}; loss mse needs numbers.')
+  check_features(name, y)
+  return int(np.prod(y.shape[1:], dtype=np.int64)) if y.ndim > 1 else 1
+
+
+def check_tokens(name: str, tokens, *, num_examples: int, low: int, length: int | None = None,
+                 ) -> int:
+  """Token sequences (loss 'sequence_cross_entropy'): integers >= low ([N, T]); returns max + 1."""
+  tokens = np.asarray(tokens) if not isinstance(tokens, np.ndarray) else tokens
+  if tokens.ndim != 2 or len(tokens) != num_examples:
+    raise DataError(f'{name}: shape {tokens.shape}; sequences need shape [N, T] with N = '
+                    f'{num_examples}.')
+  if length is not None and tokens.shape[1] != length:
+    raise DataError(f'{name}: sequences of length {tokens.shape[1]}, but the inputs have '
+                    f'length {length}; y holds the next token of each input position.')
+  if tokens.dtype.kind not in 'iu':
+    raise DataError(f'{name}: dtype {tokens.dtype}; tokens must be integers.')
+  smallest, row = int(tokens.min()), int(np.argmin(tokens.min(axis=1)))
+  if smallest < low:
+    raise DataError(f'{name}: token {smallest} in row {row}; tokens must be >= {low}'
+                    + (' (-1 marks padding positions of y).' if low < 0 else '.'))
+  return int(tokens.max()) + 1
+
+
 def check_same_rows(train_name: str, x_train_shape, test_name: str, x_test_shape) -> None:
   if tuple(x_train_shape) != tuple(x_test_shape):
     raise DataError(f'{test_name}: rows have shape {tuple(x_test_shape)} but the training rows '

@@ -44,13 +44,14 @@ class DeviceDataset:
   """A raw training split on the device and its preprocessing constants."""
 
   images: jax.Array  # [N, ...] raw values, their original dtype.
-  labels: jax.Array  # [N] int32.
+  labels: jax.Array  # [N] int32 labels, [N, d] float32 targets or [N, T] int32 tokens.
   # float32 arrays; see `_divide` for why the divisions are fenced.
   scale: jax.Array  # [].
   mean: jax.Array  # [1] or [channels].
   std: jax.Array  # [1] or [channels].
   label_format: str = flax.struct.field(pytree_node=False)
   num_classes: int = flax.struct.field(pytree_node=False)
+  targets: str = flax.struct.field(pytree_node=False, default='labels')  # data.Preprocessor's.
 
   def __len__(self) -> int:
     return self.labels.shape[0]
@@ -60,7 +61,10 @@ class DeviceDataset:
     return self.images.nbytes + self.labels.nbytes
 
   def gather(self, indices: jax.Array) -> dict[str, jax.Array]:
-    """`DataSource.gather` on the device: {'x': float32 [P, ...], 'y': ...}."""
+    """`DataSource.gather` on the device: {'x': float32 [P, ...], 'y': ...} (tokens: int32)."""
+    if self.targets == 'tokens':
+      return {'x': jnp.take(self.images, indices, axis=0).astype(jnp.int32),
+              'y': jnp.take(self.labels, indices, axis=0)}
     x = _divide(jnp.take(self.images, indices, axis=0).astype(jnp.float32), self.scale)
     x = _divide(x - self.mean, self.std)
     y = jnp.take(self.labels, indices, axis=0)
@@ -135,12 +139,15 @@ def put_on_device(source: data.DataSource,
   images = np.asarray(images)
   if images.dtype == np.float64:  # The host preprocessor computes in float32 too.
     images = images.astype(np.float32)
-  labels = np.asarray(labels).astype(np.int32)
+  labels = np.asarray(labels)
+  labels = (labels.astype(np.float32).reshape(len(labels), -1) if pre.targets == 'values'
+            else labels.astype(np.int32))
   constants = (np.float32(pre.scale), np.asarray(pre.mean, np.float32),
                np.asarray(pre.std, np.float32))
   images, labels, (scale, mean, std) = jax.device_put((images, labels, constants), sharding)
   return DeviceDataset(images=images, labels=labels, scale=scale, mean=mean, std=std,
-                       label_format=pre.label_format, num_classes=int(pre.num_classes))
+                       label_format=pre.label_format, num_classes=int(pre.num_classes),
+                       targets=pre.targets)
 
 
 def index_buffer(logical: batching.LogicalBatch, max_physical_batches: int,

@@ -60,6 +60,7 @@ import optax
 from dpjax import augmult as augmult_lib
 from dpjax import clipping as clipping_lib
 from dpjax import precision as precision_lib
+from dpjax import noise as noise_lib
 from dpjax import privacy_plan
 from dpjax import prng
 # Re-exported: the step's PRNG streams and loss, where users found them before.
@@ -71,14 +72,6 @@ Params = Any
 Batch = dict[str, jax.Array]
 
 PHYSICAL_LOOPS = ('auto', 'device', 'host')
-# Rows a logical step may sum when the caller does not say (max_batch_size=None): the float32
-# sum's margin grows with it (`precision.sum_margin`); DPStep.from_plan passes the plan's B.
-DEFAULT_MAX_ROWS = 2**16
-
-
-def _noise_key(keys: dict, step) -> jax.Array:
-  """noise_key(seed, step) from the noise stream's key data (an argument of the program)."""
-  return jax.random.fold_in(prng.from_data(keys['noise']), jnp.asarray(step, jnp.uint32))
 
 
 def _kahan_add(total: Params, compensation: Params, g: Params) -> tuple[Params, Params]:
@@ -123,7 +116,8 @@ class DPStep:
                mesh: jax.sharding.Mesh | None = None, seed: int = 0,
                precision: str = 'default', physical_loop: str = 'auto',
                sum_fn_wrapper=None, augmult: augmult_lib.Augmult | None = None,
-               max_batch_size: int | None = None):
+               max_batch_size: int | None = None, loss: str = 'softmax_cross_entropy',
+               noise_impl: str = 'threefry'):
     """Validates everything before any compute.
 
     Args:
@@ -140,6 +134,10 @@ class DPStep:
         `accumulate` is first traced; a model 'ghost' does not cover raises
         ValueError there, before any compute.
       label_format: 'int' labels [P] or 'one_hot' [P, classes].
+      noise_impl: the JAX generator of the noise (`prng.NOISE_IMPLS`; threefry, the
+        default, draws the bits `prng.noise_key` names).
+      loss: the per-example loss (`losses.LOSSES`: softmax_cross_entropy, mse,
+        sequence_cross_entropy).
       mesh: data-parallel device mesh (`sharding.make_mesh`): batches are
         sharded over its 'data' axis, params / optimiser state / accumulator
         replicated, outputs replicated. P must be a multiple of its size.
@@ -189,11 +187,13 @@ class DPStep:
     self.expected_batch_size = b
     self.label_format = label_format
     self.augmult = augmult if augmult is not None and augmult.num_views > 1 else None
-    loss_fn = make_loss_fn(model, label_format, precision, views=self.augmult is not None)
+    loss_fn = make_loss_fn(model, label_format, precision, views=self.augmult is not None,
+                           loss=loss)
     if self.private:  # σ > 0 and C finite: anything else releases without a guarantee.
-      self.clip_norm = privacy_plan.check_clip_norm(clip_norm)
-      self.noise_multiplier = privacy_plan.check_noise_multiplier(noise_multiplier)
-      self.max_batch_size = DEFAULT_MAX_ROWS if max_batch_size is None else max_batch_size
+      self.clip_norm = noise_lib.check_clip_norm(clip_norm)
+      self.noise_multiplier = noise_lib.check_noise_multiplier(noise_multiplier)
+      self.max_batch_size = (clipping_lib.DEFAULT_MAX_ROWS if max_batch_size is None
+                             else max_batch_size)
       self.clip_bound = precision_lib.summed_clip_norm(self.clip_norm, precision,
                                                        self.max_batch_size)
       self._sum_fn = clipping_lib.make_clipped_sum_fn(
@@ -212,7 +212,8 @@ class DPStep:
     self.seed = seed
     # The seed's key data, an argument of every program (not a constant in it): one
     # compilation, and one persistent cache entry, serve every run whatever its secret seed.
-    self.keys = {'noise': prng.key_data(prng.stream_key(seed, prng.NOISE_STREAM)),
+    self.noise_impl = prng.check_noise_impl(noise_impl)
+    self.keys = {'noise': prng.noise_stream_data(seed, noise_impl),
                  'views': augmult_lib.stream_data(seed)}
     self._traces = {'accumulate': 0, 'apply': 0, 'train_step': 0}
     self.sizing_compiles = 0  # Programs compiled only for their memory analysis (P = 0).
@@ -324,7 +325,7 @@ class DPStep:
   def _apply_at_fn(self, params, opt_state, acc, step, keys):
     self._traces['train_step'] += 1
     with precision_lib.matmul_precision(self.precision):
-      return self._update(params, opt_state, acc, _noise_key(keys, step))
+      return self._update(params, opt_state, acc, self._noise_key(keys, step))
 
   def _physical_batch(self, logical: Batch, i, step, dataset, keys) -> Batch:
     """Physical batch i of a logical buffer, gathered from `dataset` if given;
@@ -368,7 +369,11 @@ class DPStep:
                              self._physical_batch(logical, i, step, dataset, keys))
 
     acc = jax.lax.fori_loop(0, k, body, self._zero_accumulator(params))
-    return self._update(params, opt_state, acc, _noise_key(keys, step))
+    return self._update(params, opt_state, acc, self._noise_key(keys, step))
+
+  def _noise_key(self, keys: dict, step) -> jax.Array:
+    """Step t's noise key from the noise stream's key data (an argument of the program)."""
+    return prng.step_noise_key(keys['noise'], step, self.noise_impl)
 
   def init_accumulator(self, params: Params) -> Accumulator:
     """Zero sums with the structure of params (replicated over the mesh)."""
@@ -396,15 +401,14 @@ class DPStep:
              acc: Accumulator, step, keys):
     self._traces['apply'] += 1
     with precision_lib.matmul_precision(self.precision):
-      return self._update(params, opt_state, acc, _noise_key(keys, step))
+      return self._update(params, opt_state, acc, self._noise_key(keys, step))
 
   def _update(self, params: Params, opt_state: optax.OptState,
               acc: Accumulator, key: jax.Array):
     g = acc.grad_sum
     if self.private and self.noise_multiplier > 0:
       std = self.noise_multiplier * self.clip_norm
-      noise = optax.tree.random_like(key, g, jax.random.normal)
-      g = jax.tree.map(lambda s, z: s + std * z, g, noise)
+      g = noise_lib.add_noise(g, key, std)
     g = jax.tree.map(lambda s: s / self.expected_batch_size, g)
     updates, opt_state = self.optimizer.update(g, opt_state, params)
     params = optax.apply_updates(params, updates)

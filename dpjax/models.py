@@ -33,6 +33,9 @@ import flax.linen as nn
 import jax.numpy as jnp
 import ml_collections
 
+from dpjax import nnx_model
+from dpjax import nnx_networks
+
 # The networks themselves (dpjax.networks), re-exported: models.MLP, models.ViT, ...
 from dpjax.networks import (  # pylint: disable=unused-import
     ACTIVATIONS, CNN, MLP, Transformer, ViT, WideResNet, WSConv)
@@ -46,6 +49,8 @@ _NORMALIZATIONS = {
     'vit': ('layernorm',),
 }
 MODEL_NAMES = tuple(_NORMALIZATIONS)
+NNX_MODELS = ('mlp', 'cnn', 'vit')  # Also written in Flax NNX (`dpjax.nnx_networks`).
+FRAMEWORKS = ('linen', 'nnx')
 
 
 def default_model_config(name: str) -> ml_collections.ConfigDict:
@@ -55,6 +60,8 @@ def default_model_config(name: str) -> ml_collections.ConfigDict:
         f'config.model.name={name!r} is not a model; valid: {MODEL_NAMES}.')
   c = ml_collections.ConfigDict()
   c.name = name  # mlp | cnn | wrn | transformer | vit
+  if name in NNX_MODELS:
+    c.framework = 'linen'  # linen | nnx (Flax NNX: dpjax.nnx_networks, the same network).
   if name == 'mlp':
     c.normalization = 'none'  # MLP has no normalisation layers.
     c.hidden_sizes = (256, 128)  # Widths of the hidden Dense layers.
@@ -85,6 +92,8 @@ def default_model_config(name: str) -> ml_collections.ConfigDict:
     c.num_heads = 4  # Attention heads; must divide model_dim.
     c.model_dim = 64  # Residual stream width.
     c.mlp_dim = 128  # Hidden width of each block's MLP.
+    # True: a causal language model, logits per position (loss sequence_cross_entropy).
+    c.causal = False
   elif name == 'vit':
     c.normalization = 'layernorm'  # Pre-LayerNorm blocks (LN is per example).
     c.patch_size = 4  # Square patches; must divide the image height and width.
@@ -158,10 +167,16 @@ def make_model(model_config: ml_collections.ConfigDict, num_classes: int,
   if 'activation' in cfg and cfg.activation not in ACTIVATIONS:
     raise ValueError(f'config.model.activation={cfg.activation!r}; valid: '
                      f'{tuple(ACTIVATIONS)}.')
+  nnx = cfg.get('framework', 'linen') == 'nnx'
+  if cfg.get('framework', 'linen') not in FRAMEWORKS:
+    raise ValueError(f'config.model.framework={cfg.framework!r}; valid: {FRAMEWORKS}.')
 
   if name == 'mlp':
     for h in cfg.hidden_sizes:
       _check_positive(name, h, 'hidden_sizes[i]')
+    if nnx:
+      return _nnx(name, lambda rngs: nnx_networks.MLP(
+          input_shape, num_classes, tuple(cfg.hidden_sizes), cfg.activation, rngs=rngs))
     return MLP(num_classes, tuple(cfg.hidden_sizes), cfg.activation)
 
   if name == 'cnn':
@@ -182,9 +197,11 @@ def make_model(model_config: ml_collections.ConfigDict, num_classes: int,
           f'cnn: input_shape={input_shape} is too small for kernel_sizes='
           f'{tuple(cfg.kernel_sizes)}, paddings={tuple(cfg.paddings)} (spatial '
           "size reaches 0); use paddings=('SAME', 'SAME') for small images.")
-    return CNN(num_classes, tuple(cfg.features), tuple(cfg.kernel_sizes),
-               tuple(cfg.strides), tuple(cfg.paddings), cfg.hidden_size,
-               cfg.activation)
+    args = (num_classes, tuple(cfg.features), tuple(cfg.kernel_sizes), tuple(cfg.strides),
+            tuple(cfg.paddings), cfg.hidden_size, cfg.activation)
+    if nnx:
+      return _nnx(name, lambda rngs: nnx_networks.CNN(input_shape, *args, rngs=rngs))
+    return CNN(*args)
 
   if name == 'wrn':
     _check_positive(name, cfg.depth, 'depth')
@@ -213,8 +230,11 @@ def make_model(model_config: ml_collections.ConfigDict, num_classes: int,
       raise ValueError(f'vit needs images HxWxC with H and W multiples of '
                        f'config.model.patch_size={cfg.patch_size}, got '
                        f'input_shape={input_shape}.')
-    return ViT(num_classes, cfg.patch_size, cfg.num_layers, cfg.num_heads,
-               cfg.width, cfg.mlp_dim)
+    args = (num_classes, cfg.patch_size, cfg.num_layers, cfg.num_heads, cfg.width,
+            cfg.mlp_dim)
+    if nnx:
+      return _nnx(name, lambda rngs: nnx_networks.ViT(input_shape, *args, rngs=rngs))
+    return ViT(*args)
 
   # transformer
   for field in ('num_layers', 'num_heads', 'model_dim', 'mlp_dim'):
@@ -231,7 +251,13 @@ def make_model(model_config: ml_collections.ConfigDict, num_classes: int,
         f"{'(L,) of tokens' if cfg.vocab_size > 0 else '(L, D_in, ...) of features'}, got "
         f'{input_shape}.')
   return Transformer(num_classes, input_shape[0], cfg.vocab_size,
-                     cfg.num_layers, cfg.num_heads, cfg.model_dim, cfg.mlp_dim)
+                     cfg.num_layers, cfg.num_heads, cfg.model_dim, cfg.mlp_dim,
+                     bool(cfg.causal))
+
+
+def _nnx(name: str, make) -> nnx_model.NNXModule:
+  """The NNX network `make(rngs)` with linen's init/apply, so the trainer takes it unchanged."""
+  return nnx_model.NNXModule(make, name=f'{name} (nnx)')
 
 
 def input_dtype(model: nn.Module) -> jnp.dtype:

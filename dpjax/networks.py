@@ -150,19 +150,22 @@ class WideResNet(nn.Module):
 
 
 def _pre_ln_encoder(x: jax.Array, num_layers: int, num_heads: int, width: int,
-                    mlp_dim: int) -> jax.Array:
+                    mlp_dim: int, causal: bool = False) -> jax.Array:
   """num_layers x (x += MHA(LN(x)); x += MLP(LN(x))), final LN, mean over tokens.
 
-  Called inside a compact `__call__`: the layers are the caller's submodules
-  (LayerNorm_i, MultiHeadDotProductAttention_i, Dense_i, numbered in order).
+  causal: each position attends to itself and earlier ones, and the final LN's output is
+  returned per position (no mean). Called inside a compact `__call__`: the layers are the
+  caller's submodules (LayerNorm_i, MultiHeadDotProductAttention_i, Dense_i, in order).
   """
+  mask = nn.make_causal_mask(jnp.ones(x.shape[:-1])) if causal else None
   for _ in range(num_layers):
     y = nn.LayerNorm()(x)
     x = x + nn.MultiHeadDotProductAttention(
-        num_heads=num_heads, qkv_features=width, deterministic=True)(y, y)
+        num_heads=num_heads, qkv_features=width, deterministic=True)(y, y, mask=mask)
     y = nn.LayerNorm()(x)
     x = x + nn.Dense(width)(nn.gelu(nn.Dense(mlp_dim)(y)))
-  return jnp.mean(nn.LayerNorm()(x), axis=-2)
+  x = nn.LayerNorm()(x)
+  return x if causal else jnp.mean(x, axis=-2)
 
 
 class Transformer(nn.Module):
@@ -173,6 +176,8 @@ class Transformer(nn.Module):
   flattened into D_in); plus a learned positional
   embedding; num_layers x (x += MHA(LN(x)); x += MLP(LN(x))); final LN; mean
   over positions; Dense classifier. No attention masks: every position counts.
+  causal=True makes it a causal language model: a causal attention mask and logits
+  [n, L, num_classes] per position (loss sequence_cross_entropy).
   """
   num_classes: int
   max_length: int
@@ -181,6 +186,7 @@ class Transformer(nn.Module):
   num_heads: int = 4
   model_dim: int = 64
   mlp_dim: int = 128
+  causal: bool = False
 
   @property
   def input_dtype(self):
@@ -199,7 +205,7 @@ class Transformer(nn.Module):
                      (self.max_length, self.model_dim))
     x = x + pos[:x.shape[-2]]
     x = _pre_ln_encoder(x, self.num_layers, self.num_heads, self.model_dim,
-                        self.mlp_dim)
+                        self.mlp_dim, self.causal)
     return nn.Dense(self.num_classes)(x)
 
 

@@ -5,15 +5,15 @@
                                                                # checkpoint's fingerprint
 
 Resolution, in this order and nowhere else: validate the config
-(`dpjax.config_fields`) → the sampler (`samplers.make_sampler`, seeded by the run's
+(`dpjax.config_fields`) → the sampler (`make_sampler`, seeded by the run's
 secret seed, `dpjax.run_seed`) → the run length in steps → δ (refused at or above
 1/N) → the cap B (`batching.resolve_max_batch_size`; on resume, the checkpoint's B)
 → σ (given; on resume, the checkpoint's σ, never re-calibrated; else calibrated to
 `privacy.target_epsilon`) → the `privacy_plan.PrivacyPlan` that binds sampler, B,
 σ, C, δ and the accountant → the budget check (final ε ≤ target). `dpjax.train`
 builds the batcher and the DP step from that plan and reports ε from its
-accountant, so what is reported is what ran. `accounting.make_accountant(config,
-N)` is `make_plan(config, N).accountant`.
+accountant, so what is reported is what ran. `make_accountant(config, N)` is
+`make_plan(config, N).accountant`.
 
 The **privacy fingerprint** (`RunPlan.fingerprint`) lists everything that
 enters ε: the private flag, the sampler and its accounting parameters (N, b,
@@ -48,6 +48,7 @@ from dpjax import data_identity
 from dpjax import privacy_plan
 from dpjax import samplers as samplers_lib
 from dpjax.accounting import accountant as accountant_lib
+from dpjax.auditing import audited_sgd
 from dpjax.auditing import canaries as canaries_lib
 
 FINGERPRINT_VERSION = 2  # 2: the seed as its SHA-256, the data by its content.
@@ -214,11 +215,48 @@ def make_training_sources(config: ml_collections.ConfigDict):
   The one place that decides N for training, `dpjax.account` and `dpjax.planner` alike
   (canaries are sampled like any example: the run has N + m examples).
   """
-  train, test = data_lib.make_sources(config.data)
+  train, test = data_lib.make_sources(config.data, loss=config.get('loss', 'softmax_cross_entropy'))
   num_canaries = config.get('audit', {}).get('num_canaries', 0)
   if num_canaries:
     train = canaries_lib.CanarySource(train, num_canaries)
   return train, test
+
+
+def make_sampler(config: ml_collections.ConfigDict, num_examples: int,
+                 seed: int | None = None) -> samplers_lib.Sampler:
+  """The sampler named by `config.sampler.name` over N = num_examples.
+
+  seed: the run's resolved (secret) seed; None reads `config.seed` (None there gives 0,
+  enough for accounting, which does not depend on the seed).
+  """
+  if seed is None:
+    seed = config.get('seed') or 0
+  return samplers_lib.make(config.sampler.name, num_examples, config.sampler.batch_size, seed)
+
+
+def make_accountant(config: ml_collections.ConfigDict, num_examples: int,
+                    **kwargs) -> accountant_lib.Accountant:
+  """The accountant of the run that `config` trains on `num_examples` examples:
+  `make_plan(config, N).accountant`, so training and every CLI account for the same run.
+
+  kwargs: extra `accounting.Accountant` options (monte_carlo_samples, beta, ...); they
+  override the config's (monte_carlo_workers).
+  """
+  if not config.privacy.enabled:
+    raise ValueError('privacy.enabled is False: a non-private run has no ε to account.')
+  return make_plan(config, num_examples, accountant_options=kwargs).accountant
+
+
+def audit_settings(config: ml_collections.ConfigDict):
+  """`auditing.audited_sgd.AuditSettings` of a training config (seed None: drawn)."""
+  return audited_sgd.AuditSettings(
+      sampler=config.sampler.name, batch_size=config.sampler.batch_size,
+      physical_batch_size=config.sampler.physical_batch_size,
+      max_batch_size=config.sampler.max_batch_size, num_steps=config.num_steps,
+      clip_norm=float(config.privacy.clip_norm),
+      noise_multiplier=float(config.privacy.noise_multiplier or 0.0),
+      delta=config.privacy.delta, learning_rate=config.optimizer.learning_rate,
+      seed=config.get('seed'))
 
 
 def num_train_steps(config: ml_collections.ConfigDict, sampler: samplers_lib.Sampler) -> int:
@@ -255,7 +293,7 @@ def make_plan(config: ml_collections.ConfigDict, data: Any,
     num_examples, dataset = len(data), dataset_identity(config.data, data, data_key(seed))
   if dataset is not None and config.get('init_from'):
     _check_init_from(config.init_from, dataset)
-  sampler = samplers_lib.make_sampler(config, num_examples, seed=seed)
+  sampler = make_sampler(config, num_examples, seed=seed)
   num_steps = num_train_steps(config, sampler)
   if previous is not None and previous.get('fingerprint_version') != FINGERPRINT_VERSION:
     raise PlanError(f'the checkpoint in this workdir has no privacy fingerprint of version '

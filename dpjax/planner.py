@@ -14,7 +14,7 @@ default grid at N = 60000 takes minutes (see Cost below and README.md).
 At a fixed privacy budget (ε, δ) and a fixed number of epochs E, each batch
 size b gets the σ that training would use: the config of the run with
 `sampler.batch_size = b`, `num_epochs = E`, `privacy.target_epsilon = ε` and
-σ unset, given to `accounting.make_accountant` exactly as `dpjax.train`
+σ unset, given to `plan.make_accountant` exactly as `dpjax.train`
 does (same sampler, accountant and automatic cap B). Steps per epoch are
 ceil(N/b). Columns:
 

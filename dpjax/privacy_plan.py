@@ -3,9 +3,12 @@
   plan = PrivacyPlan.create(PoissonSampler(num_examples=N, batch_size=256, seed=seed),
                             num_steps=T, clip_norm=1.0, target_epsilon=3.0, delta=1e-5)
   batcher = plan.batcher(physical_batch_size=64)   # truncates at the B the accountant pays for
+  grad_fn = plan.clipped_grad(loss_fn)             # Σ_i w_i clip_C(g_i), like jax.grad
+  tx = optax.chain(plan.privatizer(), optax.adam(1e-3))   # + N(0, σ²C²), ÷ b
   report = plan.epsilon_at(t)                      # ε after t steps, with its kind of bound
 
-The batcher, the DP step (`dp_step.DPStep.from_plan`) and the accountant are all made from
+The batcher, the clipped gradient, the noise, the DP step (`dp_step.DPStep.from_plan`) and
+the accountant are all made from
 the plan, so they cannot disagree: an accountant built without the batcher's cap, σ or C
 that differ between step and report, or a sampler other than the one accounted for are
 not expressible through it (the low-level pieces stay available for callers who need
@@ -29,6 +32,8 @@ from typing import Any
 
 from dpjax import _checks
 from dpjax import batching
+from dpjax import clipping
+from dpjax import noise
 from dpjax import samplers as samplers_lib
 from dpjax.accounting import accountant as accountant_lib
 from dpjax.accounting import calibration
@@ -56,16 +61,6 @@ def check_delta(delta, num_examples: int, *, allow_large_delta: bool = False,
     warnings.warn(f'{name} = {delta:g} exceeds 1/(10·N) = {0.1 / num_examples:.3g}: the '
                   f'guarantee is weak for N = {num_examples}.', LargeDeltaWarning, stacklevel=2)
   return delta
-
-
-def check_clip_norm(clip_norm, name: str = 'clip_norm') -> float:
-  """C: a finite number > 0 (C = ∞ would make the noise σ·C infinite or the sensitivity unbounded)."""
-  return _checks.check_number(name, clip_norm, low=0.0)
-
-
-def check_noise_multiplier(noise_multiplier, name: str = 'noise_multiplier') -> float:
-  """σ: a finite number > 0 (σ = 0 releases the clipped sum without noise: no guarantee)."""
-  return _checks.check_number(name, noise_multiplier, low=0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +127,7 @@ class PrivacyPlan:
     if not isinstance(sampler, samplers_lib.Sampler):
       raise TypeError(f'sampler must be a dpjax sampler, got {type(sampler).__name__}.')
     num_steps = _checks.check_int('num_steps', num_steps, 1)
-    clip_norm = check_clip_norm(clip_norm)
+    clip_norm = noise.check_clip_norm(clip_norm)
     delta = check_delta(delta, sampler.num_examples, allow_large_delta=allow_large_delta)
     target = 0.0 if not target_epsilon else _checks.check_number(
         'target_epsilon', target_epsilon, low=0.0)
@@ -149,7 +144,7 @@ class PrivacyPlan:
                                                      accountant=accountant, **options)
       source = 'calibrated'
     else:
-      sigma, source = check_noise_multiplier(noise_multiplier), noise_multiplier_source or 'given'
+      sigma, source = noise.check_noise_multiplier(noise_multiplier), noise_multiplier_source or 'given'
     acct = accountant_lib.Accountant(sampler, sigma, delta, accountant=accountant,
                                      num_steps=num_steps, **options)
     plan = cls(sampler=sampler, num_steps=num_steps, clip_norm=clip_norm, noise_multiplier=sigma,
@@ -195,6 +190,19 @@ class PrivacyPlan:
           f'ε = {final:.4g} (δ = {self.delta:g}), above target_epsilon = '
           f'{self.target_epsilon:g}: raise the budget, raise σ, or shorten the run.',
           final_epsilon=final)
+
+  def clipped_grad(self, loss_fn, *, has_aux: bool = False, method: str = 'auto',
+                   precision: str = 'default'):
+    """`clipping.clipped_grad` with this plan's C and cap B (the float32 sum's margin)."""
+    return clipping.clipped_grad(loss_fn, self.clip_norm, has_aux=has_aux, method=method,
+                                 max_batch_size=self.max_batch_size, precision=precision)
+
+  def privatizer(self, *, noise_impl: str = 'threefry'):
+    """The optax transform adding N(0, σ²C²) to each step's clipped sum and dividing by b,
+    with this plan's σ, C, b and seed (`noise.gaussian_privatizer`)."""
+    return noise.gaussian_privatizer(self.noise_multiplier, self.clip_norm,
+                                     self.expected_batch_size, self.seed,
+                                     noise_impl=noise_impl)
 
   @property
   def fingerprint(self) -> dict[str, Any]:

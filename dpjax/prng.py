@@ -26,6 +26,12 @@ import numpy as np
 NOISE_STREAM = 1
 INIT_STREAM = 2
 MAX_SEED = 2**64 - 1
+# JAX generators the noise may be drawn with (`noise_stream_data`). None is a cryptographic
+# sampler; threefry is the default and the reference (counter-based, the same bits on
+# every backend); 'rbg' and 'unsafe_rbg' use the XLA RngBitGenerator, much faster on
+# CPU and GPU, their bits may differ between backends and JAX versions ('unsafe_rbg'
+# also derives keys by a weak hash: streams of different steps are less well separated).
+NOISE_IMPLS = {'threefry': 'threefry2x32', 'rbg': 'rbg', 'unsafe_rbg': 'unsafe_rbg'}
 
 
 def check_seed(seed: int) -> None:
@@ -54,9 +60,31 @@ def key_data(key: jax.Array) -> np.ndarray:
   return np.asarray(jax.random.key_data(key), np.uint32)
 
 
-def from_data(data) -> jax.Array:
-  """The threefry key of `key_data` (traced or not)."""
-  return jax.random.wrap_key_data(jnp.asarray(data, jnp.uint32), impl='threefry2x32')
+def from_data(data, impl: str = 'threefry') -> jax.Array:
+  """The key of `key_data` (traced or not) for a `NOISE_IMPLS` generator."""
+  return jax.random.wrap_key_data(jnp.asarray(data, jnp.uint32), impl=NOISE_IMPLS[impl])
+
+
+def check_noise_impl(impl: str) -> str:
+  if impl not in NOISE_IMPLS:
+    raise ValueError(f'noise PRNG {impl!r}; valid: {tuple(NOISE_IMPLS)}.')
+  return impl
+
+
+def noise_stream_data(seed: int, impl: str = 'threefry') -> np.ndarray:
+  """Key data of the noise stream for generator `impl`: the threefry stream key itself,
+  or (rbg, unsafe_rbg) a key of that generator seeded from its bits."""
+  key = stream_key(seed, NOISE_STREAM)
+  if check_noise_impl(impl) == 'threefry':
+    return key_data(key)
+  shape = jax.random.key_data(jax.random.key(0, impl=NOISE_IMPLS[impl])).shape
+  return np.asarray(jax.random.bits(key, shape, jnp.uint32), np.uint32)
+
+
+def step_noise_key(stream_data, step, impl: str = 'threefry') -> jax.Array:
+  """fold_in(noise stream key, step): step t's noise key from the stream's key data (traced
+  or not); for threefry equal to `noise_key(seed, step)`."""
+  return jax.random.fold_in(from_data(stream_data, impl), jnp.asarray(step, jnp.uint32))
 
 
 def noise_key(seed: int, step: int) -> jax.Array:

@@ -41,7 +41,6 @@ import dataclasses
 import math
 from typing import ClassVar
 
-import ml_collections
 import numpy as np
 
 from dpjax import _checks
@@ -359,22 +358,6 @@ def make(name: str, num_examples: int, batch_size: int, seed: int = 0) -> Sample
   uses, and `dpjax.prng` derives the noise from it).
   """
   return sampler_class(name)(num_examples=num_examples, batch_size=batch_size, seed=seed)
-
-
-def make_sampler(config: ml_collections.ConfigDict, num_examples: int,
-                 seed: int | None = None) -> Sampler:
-  """Builds the sampler named by `config.sampler.name`.
-
-  Args:
-    config: the training config (reads `sampler.name`, `sampler.batch_size`, and `seed`
-      when `seed` is None; a config seed of None gives 0, enough for accounting, which does
-      not depend on the seed). The accountant calls this same function on the same config.
-    num_examples: N, the number of training examples.
-    seed: the run's resolved (secret) seed; overrides `config.seed`.
-  """
-  if seed is None:
-    seed = config.get('seed') or 0
-  return make(config.sampler.name, num_examples, config.sampler.batch_size, seed)
 
 
 def sampler_class(name: str) -> type[Sampler]:

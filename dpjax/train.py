@@ -123,7 +123,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # written or compiled.
   # ---------------------------------------------------------------------------
   config_fields.validate(config)
-  auditing.check_audit_config(config.audit)
+  a = config.audit
+  auditing.check_audit(a.num_canaries, a.kind, a.confidence, a.every_checkpoint, prefix='audit.')
   workdir = check_workdir(workdir)
   train_source, test_source = plan_lib.make_training_sources(config)
   if config.augmult.num_views > 1:  # Crops and flips need images; checked before any compute.

@@ -116,7 +116,8 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
       audit_record.write_record(workdir, canaries, confidence=config.audit.confidence,
                                 initial_params=params)
   step_options = dict(clipping=config.privacy.clipping, label_format=config.data.label_format,
-                      mesh=mesh, precision=config.precision, sum_fn_wrapper=wrapper,
+                      loss=config.loss, noise_impl=config.privacy.noise_prng, mesh=mesh,
+                      precision=config.precision, sum_fn_wrapper=wrapper,
                       augmult=augmult_lib.Augmult.from_config(config.augmult))
   if plan.private:  # σ, C, b and the seed from the one plan the accountant was made from.
     step_fns = dp_step.DPStep.from_plan(model, optimizer, plan.privacy, **step_options)
@@ -133,7 +134,8 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
   if plan.private:  # What is reported is what runs.
     assert step_fns.noise_multiplier == accountant.noise_multiplier == plan.noise_multiplier
   eval_fn = jax.jit(  # Sharded like training; the sums come back replicated.
-      lambda params, batch: losses.eval_step(model, params, batch, config.data.label_format),
+      lambda params, batch: losses.eval_step(model, params, batch, config.data.label_format,
+                                             config.loss),
       in_shardings=(sharding.replicated(mesh), sharding.batch_sharding(mesh)),
       out_shardings=sharding.replicated(mesh))
 
@@ -447,5 +449,7 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
                  f'{config.audit.num_canaries} canaries)')
   if final_report is not None and not seed.is_secret:
     eps_text += '; the seed came from the config: ε holds only if that seed is secret'
-  log(f'Final: step {num_steps}, test accuracy {last["eval_accuracy"]:.4f}, {eps_text}.')
+  quality = (f'test accuracy {last["eval_accuracy"]:.4f}' if losses.HAS_ACCURACY[config.loss]
+             else f'test loss {last["eval_loss"]:.4f}')
+  log(f'Final: step {num_steps}, {quality}, {eps_text}.')
   return result

@@ -1,6 +1,6 @@
 """Accounting speed as the number of steps T grows: ε time and calibration time.
 
-Question: how long does `dpjax.accounting.make_accountant` take to give the ε of
+Question: how long does `dpjax.plan.make_accountant` take to give the ε of
 a run, and to calibrate σ for a target ε, for each sampler and accountant, as
 T grows from 1e2 to 1e5 steps?
 
@@ -123,7 +123,7 @@ def _cpu_seconds() -> float:
 
 
 def _run_once(sampler: str, accountant: str, task: str, num_steps: int) -> dict:
-  from dpjax.accounting import make_accountant  # pylint: disable=g-import-not-at-top
+  from dpjax.plan import make_accountant  # pylint: disable=g-import-not-at-top
   config = _config(sampler, accountant, task)
   num_examples = num_steps * BATCH_SIZE  # ceil(N/b) = T steps per epoch.
   # The default 1e5 Monte-Carlo samples cannot certify δ = 1e-5 (a ValueError asks for

@@ -30,12 +30,12 @@ import time
 import ml_collections
 import numpy as np
 
-from dpjax import batching, data, samplers
+from dpjax import batching, data, plan as plan_lib, samplers
 
 
 def make(name: str, num_examples: int, batch_size: int, physical: int):
   config = ml_collections.ConfigDict({'seed': 0, 'sampler': {'name': name, 'batch_size': batch_size}})
-  sampler = samplers.make_sampler(config, num_examples)
+  sampler = plan_lib.make_sampler(config, num_examples)
   cap = batching.resolve_max_batch_size(sampler, physical, num_steps=10**6, delta=1e-6)
   return batching.Batcher(sampler, physical, cap)
 

@@ -71,7 +71,7 @@ def proc_status_mib() -> dict[str, float]:
 
 def run_worker(spec: dict) -> dict:
   import ml_collections  # pylint: disable=g-import-not-at-top
-  from dpjax import batching, data, samplers  # pylint: disable=g-import-not-at-top
+  from dpjax import batching, data, plan as plan_lib  # pylint: disable=g-import-not-at-top
 
   baseline = proc_status_mib()
   start = time.perf_counter()
@@ -87,7 +87,7 @@ def run_worker(spec: dict) -> dict:
   assert n == spec['num_examples'], (n, spec)
   config = ml_collections.ConfigDict(
       {'seed': 0, 'sampler': {'name': spec['sampler'], 'batch_size': spec['batch_size']}})
-  sampler = samplers.make_sampler(config, n)
+  sampler = plan_lib.make_sampler(config, n)
   physical = spec['physical_batch_size']
   cap = batching.resolve_max_batch_size(sampler, physical, num_steps=10**6, delta=1e-8)
   batcher = batching.Batcher(sampler, physical, cap)

@@ -96,14 +96,14 @@ class Run:
   """The trainer's objects for a config, rebuilt in this process."""
 
   def __init__(self, spec: dict):
-    from dpjax import augmult, batching, data, dp_step, models, optimizers, samplers  # pylint: disable=g-import-not-at-top,multiple-imports
+    from dpjax import augmult, batching, data, dp_step, models, optimizers, plan as plan_lib  # pylint: disable=g-import-not-at-top,multiple-imports
     config = _load_config(spec)
     self.config = config
     if config.seed is None:  # In-process timers need a seed; the trainer draws its own.
       config.seed = 0
     self.train_source, _ = data.make_sources(config.data)
     n = len(self.train_source)
-    self.sampler = samplers.make_sampler(config, n)
+    self.sampler = plan_lib.make_sampler(config, n)
     p = config.sampler.physical_batch_size
     self.max_batch_size = batching.resolve_max_batch_size(
         self.sampler, p, config.sampler.max_batch_size, num_steps=spec['num_steps'],

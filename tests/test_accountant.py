@@ -8,6 +8,7 @@ import pytest
 
 from dpjax.configs import digits_mlp
 from dpjax import batching
+from dpjax import plan as plan_lib
 from dpjax import samplers
 from dpjax.accounting import accountant as accountant_lib
 from dpjax.accounting import balls_and_bins
@@ -41,8 +42,8 @@ def _sampler(name, n, b):
 
 def test_sampler_and_cap_come_from_the_training_code_paths():
   config = _config()
-  acct = accountant_lib.make_accountant(config, NUM_DIGITS_TRAIN)
-  assert acct.sampler == samplers.make_sampler(config, NUM_DIGITS_TRAIN)
+  acct = plan_lib.make_accountant(config, NUM_DIGITS_TRAIN)
+  assert acct.sampler == plan_lib.make_sampler(config, NUM_DIGITS_TRAIN)
   steps = config.num_epochs * acct.steps_per_epoch
   assert acct.num_steps == steps
   assert acct.max_batch_size == batching.resolve_max_batch_size(
@@ -57,7 +58,7 @@ def test_sampler_and_cap_come_from_the_training_code_paths():
 
 
 def test_epsilon_at_is_memoised():
-  acct = accountant_lib.make_accountant(_config(), NUM_DIGITS_TRAIN)
+  acct = plan_lib.make_accountant(_config(), NUM_DIGITS_TRAIN)
   first = acct.epsilon_at(100, estimates=False)
   computed = []
   real = acct._compute  # pylint: disable=protected-access
@@ -70,7 +71,7 @@ def test_epsilon_at_is_memoised():
 
 def test_target_epsilon_calibrates_sigma():
   config = _config(noise_multiplier=None, target_epsilon=3.0)
-  acct = accountant_lib.make_accountant(config, NUM_DIGITS_TRAIN)
+  acct = plan_lib.make_accountant(config, NUM_DIGITS_TRAIN)
   eps = acct.final_report(estimates=False).epsilon
   assert 0.99 * 3.0 <= eps <= 3.0
 
@@ -84,11 +85,11 @@ def test_target_epsilon_calibrates_sigma():
 ])
 def test_config_errors(change, field):
   with pytest.raises(ValueError, match=field):
-    accountant_lib.make_accountant(_config(**change), NUM_DIGITS_TRAIN)
+    plan_lib.make_accountant(_config(**change), NUM_DIGITS_TRAIN)
 
 
 def test_sigma_within_the_target_is_accepted():
-  acct = accountant_lib.make_accountant(_config(target_epsilon=50.0), NUM_DIGITS_TRAIN)
+  acct = plan_lib.make_accountant(_config(target_epsilon=50.0), NUM_DIGITS_TRAIN)
   assert acct.noise_multiplier == 2.0
 
 
@@ -96,7 +97,7 @@ def test_config_needs_exactly_one_length():
   config = _config()
   config.num_steps = 10
   with pytest.raises(ValueError, match='num_steps'):
-    accountant_lib.make_accountant(config, NUM_DIGITS_TRAIN)
+    plan_lib.make_accountant(config, NUM_DIGITS_TRAIN)
 
 
 # --- balls-and-bins ---------------------------------------------------------------------------
@@ -187,15 +188,15 @@ def test_monte_carlo_workers_reach_the_estimate_and_do_not_change_it(monkeypatch
 
 def test_monte_carlo_workers_from_the_config():
   config = _config()  # None (the default): the available cores.
-  assert (accountant_lib.make_accountant(config, NUM_DIGITS_TRAIN).monte_carlo_workers ==
+  assert (plan_lib.make_accountant(config, NUM_DIGITS_TRAIN).monte_carlo_workers ==
           monte_carlo.available_cores())
   config.privacy.monte_carlo_workers = 2
-  assert accountant_lib.make_accountant(config, NUM_DIGITS_TRAIN).monte_carlo_workers == 2
-  assert accountant_lib.make_accountant(config, NUM_DIGITS_TRAIN,
+  assert plan_lib.make_accountant(config, NUM_DIGITS_TRAIN).monte_carlo_workers == 2
+  assert plan_lib.make_accountant(config, NUM_DIGITS_TRAIN,
                                         monte_carlo_workers=1).monte_carlo_workers == 1
   config.privacy.monte_carlo_workers = 0
   with pytest.raises(ValueError, match='privacy.monte_carlo_workers'):
-    accountant_lib.make_accountant(config, NUM_DIGITS_TRAIN)
+    plan_lib.make_accountant(config, NUM_DIGITS_TRAIN)
   with pytest.raises(ValueError, match='monte_carlo_workers'):
     accountant_lib.Accountant(_sampler('balls_and_bins', 1000, 100), 1.0, DELTA,
                               monte_carlo_workers=1.5)

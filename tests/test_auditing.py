@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dpjax import cli
+from dpjax import plan as plan_lib
 from dpjax import accounting
 from dpjax import clipping
 from dpjax import data
@@ -165,7 +166,7 @@ def test_injected_canary_gradient_is_its_clipped_direction_times_its_coin(digits
 
 
 def _claim(config, run):
-  return accounting.make_accountant(config, run.num_examples).epsilon_at(config.num_steps).epsilon
+  return plan_lib.make_accountant(config, run.num_examples).epsilon_at(config.num_steps).epsilon
 
 
 def _audit(config, run):
@@ -182,7 +183,7 @@ M = 200  # canaries in the training tests
 @pytest.mark.parametrize('bug', [None, *audited_sgd.PLANTED_BUGS])
 def test_planted_bugs_are_flagged_and_correct_code_is_not(digits, bug):
   config, model, train = digits
-  run = audited_sgd.train(config, model, train, num_canaries=M, _bug=bug)
+  run = audited_sgd.train(plan_lib.audit_settings(config), model, train, num_canaries=M, _bug=bug)
   claim = _claim(config, run)
   audit, test = _audit(config, run)
   flagged = audit.epsilon_lower > claim or test.flagged
@@ -202,7 +203,7 @@ def test_planted_bugs_are_flagged_and_correct_code_is_not(digits, bug):
 
 def test_non_private_run_reaches_half_the_largest_bound(digits):
   config, model, train = digits
-  run = audited_sgd.train(config, model, train, num_canaries=M, private=False)
+  run = audited_sgd.train(plan_lib.audit_settings(config), model, train, num_canaries=M, private=False)
   audit = one_run.audit(run.scores(), run.canaries.membership, delta=DELTA, confidence=CONFIDENCE)
   largest = one_run.max_epsilon_lower(M, delta=DELTA, confidence=CONFIDENCE)
   assert largest == pytest.approx(3.52, abs=0.01)  # m = 200, β = 0.05, δ = 1e-5
@@ -211,8 +212,8 @@ def test_non_private_run_reaches_half_the_largest_bound(digits):
 
 def test_cli_recomputes_the_audit_of_a_saved_run(digits, tmp_path, capsys):
   config, model, train = digits
-  run = audited_sgd.train(config, model, train, num_canaries=M, _bug='noise_tenth')
-  report = accounting.make_accountant(config, run.num_examples).epsilon_at(config.num_steps)
+  run = audited_sgd.train(plan_lib.audit_settings(config), model, train, num_canaries=M, _bug='noise_tenth')
+  report = plan_lib.make_accountant(config, run.num_examples).epsilon_at(config.num_steps)
   record.save_run(str(tmp_path), run, report.to_dict(), config.num_steps, confidence=CONFIDENCE)
   assert audit_cli.main(['--workdir', str(tmp_path), '--json']) == 0
   out = json.loads(capsys.readouterr().out)
@@ -251,11 +252,13 @@ def test_cli_bad_workdir_is_one_line_exit_2(tmp_path, capsys):
 def test_audit_config_block_is_off_by_default_and_validated():
   config = cli.load_config_file(str(ROOT / 'configs' / 'digits_mlp.py'))
   config.seed = 0  # Reproducible audits (a real run draws a secret seed).
-  assert canaries_lib.check_audit_config(config.audit) == 0
+  check = lambda a: canaries_lib.check_audit(a.num_canaries, a.kind, a.confidence,
+                                            a.every_checkpoint, prefix='audit.')
+  assert check(config.audit) == 0
   for field, value in (('num_canaries', -1), ('kind', 'input'), ('confidence', 1.0),
                        ('every_checkpoint', 'yes')):
     bad = config.audit.copy_and_resolve_references()
     with bad.ignore_type():
       bad[field] = value
     with pytest.raises(ValueError, match=f'audit.{field}'):
-      canaries_lib.check_audit_config(bad)
+      check(bad)

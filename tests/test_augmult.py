@@ -16,10 +16,10 @@ SHAPE = (6, 6, 1)
 MODEL = models.MLP(num_classes=3, hidden_sizes=(8,), activation='tanh')
 
 
-def loss_fn(params, x, y):
+def loss_fn(params, example):
   """Single-example loss, written here independently of dpjax.dp_step."""
-  logits = MODEL.apply({'params': params}, x[None])[0]
-  return optax.softmax_cross_entropy_with_integer_labels(logits, y), logits
+  logits = MODEL.apply({'params': params}, example['x'][None])[0]
+  return optax.softmax_cross_entropy_with_integer_labels(logits, example['y']), logits
 
 
 def _setup(p=5, k=4, seed=0):
@@ -38,7 +38,7 @@ def test_clipped_sum_is_the_view_mean_clipped_once():
   w = np.array([1, 1, 1, 1, 0], np.float32)  # The last row is padding.
   with jax.default_matmul_precision('highest'):
     # Independently: every per-view gradient by a double vmap, then averaged over views.
-    per_view = jax.vmap(jax.vmap(jax.grad(lambda q, v, t: loss_fn(q, v, t)[0]),
+    per_view = jax.vmap(jax.vmap(jax.grad(lambda q, v, t: loss_fn(q, {'x': v, 'y': t})[0]),
                                  in_axes=(None, 0, None)), in_axes=(None, 0, 0))(params, views, y)
     mean_g = jax.tree.map(lambda g: np.asarray(g, np.float64).mean(axis=1), per_view)
     norms = np.sqrt(sum(np.sum(g.reshape(p, -1) ** 2, 1) for g in jax.tree.leaves(mean_g)))
@@ -67,8 +67,8 @@ def test_one_view_equals_todays_loss():
   params, x, y, _ = _setup()
   wrapped = augmult.mean_over_views(loss_fn)
   for i in range(3):
-    got_loss, got_logits = wrapped(params, x[i][None], y[i])
-    loss, logits = loss_fn(params, x[i], y[i])
+    got_loss, got_logits = wrapped(params, {'x': x[i][None], 'y': y[i]})
+    loss, logits = loss_fn(params, {'x': x[i], 'y': y[i]})
     np.testing.assert_array_equal(np.asarray(got_loss), np.asarray(loss))
     np.testing.assert_array_equal(np.asarray(got_logits), np.asarray(logits))
   batch = {'x': x, 'y': y, 'weight': jnp.ones(x.shape[0])}

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from dpjax import config_fields
 from dpjax import train
 from tests.run_configs import small_config
 from tests.run_configs import tree_digest
@@ -494,3 +495,9 @@ if __name__ == '__main__':
   with contextlib.redirect_stdout(io.StringIO()):  # The trainer's start lines.
     text = document()
   sys.stdout.write(text)
+
+
+def test_docs_config_md_is_generated_from_the_field_declarations():
+  """docs/config.md is `python -m dpjax.config_fields` (one declaration per field)."""
+  with open(os.path.join(REPO, "docs", "config.md")) as f:
+    assert f.read() == config_fields.markdown(), 'regenerate: python -m dpjax.config_fields'

@@ -11,6 +11,7 @@ import numpy as np
 import PLD_accounting
 import pytest
 
+from dpjax import plan as plan_lib
 from dpjax import samplers
 from dpjax.accounting import accountant as accountant_lib
 from dpjax.accounting import balls_and_bins
@@ -267,4 +268,4 @@ def test_config_field_sets_the_budget():
   config.sampler.name = 'balls_and_bins'
   config.privacy.noise_multiplier, config.privacy.target_epsilon = 1.0, 0.0  # nothing to compute
   config.privacy.random_allocation_timeout = 7.5
-  assert accountant_lib.make_accountant(config, 1000).random_allocation_timeout == 7.5
+  assert plan_lib.make_accountant(config, 1000).random_allocation_timeout == 7.5

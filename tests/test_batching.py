@@ -14,8 +14,7 @@ from dpjax import samplers
 
 
 def make_sampler(name, num_examples, batch_size, seed=0):
-  config = ml_collections.ConfigDict({'seed': seed, 'sampler': {'name': name, 'batch_size': batch_size}})
-  return samplers.make_sampler(config, num_examples)
+  return samplers.make(name, num_examples, batch_size, seed)
 
 
 @pytest.mark.parametrize('name', samplers.SAMPLER_NAMES)

@@ -33,10 +33,11 @@ def _params(seed=0):
   }
 
 
-def loss_fn(params, x, y):
+def loss_fn(params, example):
   """Single-example loss, written here independently of dpjax.dp_step."""
-  logits = MODEL.apply({'params': params}, x[None])[0]
-  return optax.softmax_cross_entropy_with_integer_labels(logits, y), logits
+  logits = MODEL.apply({'params': params}, example['x'][None])[0]
+  return (optax.softmax_cross_entropy_with_integer_labels(logits, example['y']),
+          {'correct': (jnp.argmax(logits) == example['y']).astype(jnp.float32)})
 
 
 def _batch(n, seed=1, num_pad=0):
@@ -100,7 +101,7 @@ def test_each_contribution_is_bounded_and_unclipped_rows_unchanged():
   params, batch = _params(seed=2), _batch(10, seed=3)
   _, _, norms = _reference(params, batch, math.inf)
   clip = float(np.median(norms))
-  raw_grad = jax.jit(jax.grad(lambda p, x, y: loss_fn(p, x, y)[0]))
+  raw_grad = jax.jit(jax.grad(lambda p, x, y: loss_fn(p, {'x': x, 'y': y})[0]))
   seen = {'clipped': 0, 'unclipped': 0}
   for i in range(10):
     row = jax.tree.map(lambda a: a[i:i + 1], batch)
@@ -207,9 +208,10 @@ def test_one_hot_labels_match_int_labels():
   params, batch = _params(), _batch(8, seed=9)
   one_hot = dict(batch, y=np.eye(K, dtype=np.float32)[batch['y']])
 
-  def loss_one_hot(p, x, y):
-    logits = MODEL.apply({'params': p}, x[None])[0]
-    return optax.softmax_cross_entropy(logits, y), logits
+  def loss_one_hot(p, ex):
+    logits = MODEL.apply({'params': p}, ex['x'][None])[0]
+    return (optax.softmax_cross_entropy(logits, ex['y']),
+            {'correct': (jnp.argmax(logits) == jnp.argmax(ex['y'])).astype(jnp.float32)})
   a, sa = clipped_sum(loss_fn, params, batch, 0.7)
   b, sb = clipped_sum(loss_one_hot, params, one_hot, 0.7)
   jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-6,
@@ -245,8 +247,11 @@ def test_ghost_matches_the_float64_reference():
   clip = float(np.median(norms[:12]))
   want, want_stats, _ = _reference(params, dict(batch, x=np.nan_to_num(
       batch['x'])), clip)
-  got, stats = jax.jit(clipping.ghost_clipped_sum, static_argnums=(0, 3))(
-      loss_fn, params, batch, clip)
+  def ghost(p, b):
+    total, rows = clipping.ghost_clipped_sum(loss_fn, p, clipping.examples_of(b),
+                                             b['weight'], clip)
+    return total, clipping.ClipStats.of(rows, b['weight'], clip)
+  got, stats = jax.jit(ghost)(params, batch)
   jax.tree.map(lambda g, r: np.testing.assert_allclose(
       g, r, rtol=2e-5, atol=2e-6 * np.abs(r).max()), got, want)
   assert int(stats.num_clipped) == want_stats['num_clipped'] in (5, 6, 7)

@@ -6,6 +6,7 @@ import optax
 import pytest
 
 from dpjax.configs import digits_mlp
+from dpjax import plan as plan_lib
 from dpjax import batching
 from dpjax import data
 from dpjax import device_data
@@ -62,7 +63,7 @@ def test_fits_on_device_uses_the_byte_limit():
 
 def test_buffers_hold_the_logical_batch_and_zero_padding():
   config, source = _digits()
-  sampler = samplers.make_sampler(config, len(source))
+  sampler = plan_lib.make_sampler(config, len(source))
   batcher = batching.Batcher(sampler, 64, 512)
   logical = batcher.logical_batch(3)
   k = logical.num_physical_batches
@@ -86,7 +87,7 @@ def test_buffers_hold_the_logical_batch_and_zero_padding():
 
 def test_device_data_step_equals_host_buffer_step():
   config, source = _digits('one_hot')
-  sampler = samplers.make_sampler(config, len(source))
+  sampler = plan_lib.make_sampler(config, len(source))
   batcher = batching.Batcher(sampler, 64, 512)
   model = models.make_model(config.model, source.num_classes, source.input_shape)
   step = dp_step.DPStep(model, optax.adam(1e-2), clip_norm=1.0, noise_multiplier=1.0,

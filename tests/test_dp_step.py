@@ -12,6 +12,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from dpjax import batching
+from dpjax import plan as plan_lib
 from dpjax import clipping
 from dpjax import data
 from dpjax import device_data
@@ -236,7 +237,7 @@ def test_metrics_match_direct_computation():
   logits = MODEL.apply({'params': params}, x)
   losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
   loss_fn = dp_step.make_loss_fn(MODEL)
-  grads = jax.vmap(jax.grad(lambda p, xi, yi: loss_fn(p, xi, yi)[0]),
+  grads = jax.vmap(jax.grad(lambda p, xi, yi: loss_fn(p, {'x': xi, 'y': yi})[0]),
                    in_axes=(None, 0, 0))(params, x, y)
   norms = np.sqrt(sum(np.sum(np.reshape(g, (10, -1))**2, axis=1)
                       for g in jax.tree.leaves(grads)))
@@ -444,7 +445,7 @@ def test_one_compilation_and_one_dispatch_per_logical_step(sampler_name):
   config.sampler.name = sampler_name
   train, _ = data.make_sources(config.data)
   dataset = device_data.put_on_device(train)
-  sampler = samplers.make_sampler(config, len(train))
+  sampler = plan_lib.make_sampler(config, len(train))
   cap = batching.resolve_max_batch_size(sampler, 64, 0, num_steps=2 * sampler.steps_per_epoch,
                                         delta=1e-5)
   batcher = batching.Batcher(sampler, 64, cap)
@@ -509,11 +510,11 @@ _FOUR_DEVICES = '''
 import json, sys
 import jax, numpy as np, optax
 from dpjax.configs import digits_mlp
-from dpjax import batching, data, device_data, dp_step, models, samplers, sharding
+from dpjax import batching, data, device_data, dp_step, models, plan as plan_lib, sharding
 assert jax.device_count() == 4
 config = digits_mlp.get_config()
 train, _ = data.make_sources(config.data)
-sampler = samplers.make_sampler(config, len(train))
+sampler = plan_lib.make_sampler(config, len(train))
 batcher = batching.Batcher(sampler, 64, 512)
 model = models.make_model(config.model, train.num_classes, train.input_shape)
 out = {}

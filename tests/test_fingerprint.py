@@ -13,6 +13,7 @@ import shutil
 import numpy as np
 import pytest
 
+from dpjax import plan as plan_lib
 from dpjax import accounting
 from dpjax import checkpoints
 from dpjax import data
@@ -161,7 +162,7 @@ def test_extension_recomputes_epsilon_and_respects_the_budget(finished_runs, tmp
   rows = checkpoints.read_metadata(str(tmp_path / 'b' / 'calibrated'))
   assert rows[-1]['step'] == 10 and rows[-1]['noise_multiplier'] == sigma
   assert rows[-1]['noise_multiplier_source'] == 'checkpoint'
-  sampler = samplers.make_sampler(small_config(), 1437)
+  sampler = plan_lib.make_sampler(small_config(), 1437)
   cap = old['fingerprint']['sampler.max_batch_size']  # B is the checkpoint's, not re-derived.
   assert rows[-1]['fingerprint']['sampler.max_batch_size'] == cap
   expected = accounting.Accountant(sampler, sigma, 1e-5, max_batch_size=cap).epsilon(10)

@@ -97,26 +97,27 @@ def _compare(loss_fn, params, batch):
   C is between the middle two finite norms, so about half the rows are
   clipped.
   """
-  x, y = batch['x'], batch['y']
-  (losses, logits), grads = jax.vmap(
-      jax.value_and_grad(loss_fn, has_aux=True),
-      in_axes=(None, 0, 0))(params, x, y)
+  examples, w = clipping.examples_of(batch), batch['weight']
+  y = batch['y']
+  (losses, aux), grads = jax.vmap(
+      jax.value_and_grad(loss_fn, has_aux=True), in_axes=(None, 0))(params, examples)
   want = {}
   for path, g in zip(ghost_clipping._leaf_paths(grads), jax.tree.leaves(grads)):
     key = '/'.join(path if path[0] == 'pos_embedding' else path[:-1])
     want[key] = want.get(key, 0.0) + jnp.sum(jnp.square(g.reshape(len(y), -1)),
                                              axis=1)
-  ghost = ghost_clipping.ghost_pass(loss_fn, params, x, y)
+  ghost = ghost_clipping.ghost_pass(loss_fn, params, examples)
   total = sum(want.values())
   finite = jnp.sort(jnp.where(jnp.isfinite(total), total, jnp.inf))
   m = jnp.sum(jnp.isfinite(total)) // 2
   clip = jnp.sqrt((finite[m - 1] + finite[m]) / 2)
-  ref = clipping._clip_and_sum(
-      losses, logits, total,
-      lambda f, keep: clipping._weighted_row_sum(f, grads, keep), batch, clip)
-  got = clipping._clip_and_sum(ghost.losses, ghost.logits, ghost.sq_norms,
-                               ghost.weighted_sum, batch, clip)
-  return want, ghost.sq_norms_by_path, got, ref
+  ref, ref_rows = clipping._clip_and_sum(
+      losses, aux, total,
+      lambda f, keep: clipping._weighted_row_sum(f, grads, keep), w, clip)
+  got, rows = clipping._clip_and_sum(ghost.losses, ghost.aux, ghost.sq_norms,
+                                     ghost.weighted_sum, w, clip)
+  return (want, ghost.sq_norms_by_path, (got, clipping.ClipStats.of(rows, w, clip)),
+          (ref, clipping.ClipStats.of(ref_rows, w, clip)))
 
 
 def _assert_matches_vmap(model, x, y, num_pad=3):
@@ -124,7 +125,7 @@ def _assert_matches_vmap(model, x, y, num_pad=3):
   rows (garbage copies of real rows, weight 0), one NaN and one inf row."""
   loss_fn = dp_step.make_loss_fn(model)
   params = _init(model, x, seed=int(np.sum(y)))
-  coverage = ghost_clipping.analyse_coverage(loss_fn, params, x[0], y[0])
+  coverage = ghost_clipping.analyse_coverage(loss_fn, params, {'x': x[0], 'y': y[0]})
   assert coverage.complete, coverage.describe()
   n = len(y)
   x = np.concatenate([x, x[:num_pad]])
@@ -189,7 +190,7 @@ def test_layer_forms_follow_the_mixed_rule_from_each_calls_shapes():
   x, y = _inputs((6, 6, 3), 7, seed=100)
   model = AllLayers()
   coverage = ghost_clipping.analyse_coverage(
-      dp_step.make_loss_fn(model), _init(model, x, seed=1), x[0], y[0])
+      dp_step.make_loss_fn(model), _init(model, x, seed=1), {'x': x[0], 'y': y[0]})
   assert coverage.layer_forms() == ALL_LAYERS_FORMS
   for line in ALL_LAYERS_FORMS:  # The logged choice is the rule's: S(m + c) < m·c.
     if match := re.search(r'(ghost|materialised) \(S=(\d+), m=(\d+), c=(\d+)\)', line):
@@ -348,7 +349,7 @@ def test_coverage_reports_what_it_cannot_prove():
     x, y = _inputs(shape, 2, seed=4, vocab=vocab)
     params = _init(model, x, seed=4)
     cov = ghost_clipping.analyse_coverage(dp_step.make_loss_fn(model),
-                                          params, x[0], y[0])
+                                          params, {'x': x[0], 'y': y[0]})
     got = dict(cov.uncovered)
     assert set(got) == set(want), cov.describe()
     for path, reason in want.items():
@@ -361,10 +362,10 @@ def test_parameter_used_outside_its_layer_is_uncovered():
   x, y = _inputs((5,), 2, seed=5)
   params = _init(model, x, seed=5)
 
-  def loss_fn(p, x_i, y_i):
-    loss, logits = dp_step.make_loss_fn(model)(p, x_i, y_i)
-    return loss + 0.1 * jnp.sum(p['Dense_1']['kernel']**2), logits
-  cov = ghost_clipping.analyse_coverage(loss_fn, params, x[0], y[0])
+  def loss_fn(p, example):
+    loss, aux = dp_step.make_loss_fn(model)(p, example)
+    return loss + 0.1 * jnp.sum(p['Dense_1']['kernel']**2), aux
+  cov = ghost_clipping.analyse_coverage(loss_fn, params, {'x': x[0], 'y': y[0]})
   assert {p for p, _ in cov.uncovered} == {'Dense_1/kernel', 'Dense_1/bias'}
   assert 'outside the layer call' in dict(cov.uncovered)['Dense_1/kernel']
   assert len(cov.layers) == 1
@@ -476,7 +477,7 @@ def test_subclass_overriding_call_is_named_as_uncovered():
   model = SubclassedLayers(second=DoubledDense)
   x, y = _inputs((5,), 2, seed=301)
   params = _init(model, x, seed=301)
-  cov = ghost_clipping.analyse_coverage(dp_step.make_loss_fn(model), params, x[0], y[0])
+  cov = ghost_clipping.analyse_coverage(dp_step.make_loss_fn(model), params, {'x': x[0], 'y': y[0]})
   reasons = dict(cov.uncovered)
   assert set(reasons) == {'DoubledDense_0/kernel', 'DoubledDense_0/bias'}
   assert 'DoubledDense subclasses Dense but overrides __call__' in reasons['DoubledDense_0/kernel']

@@ -6,6 +6,7 @@ import optax
 import pytest
 
 from dpjax.configs import digits_mlp
+from dpjax import plan as plan_lib
 from dpjax import batching
 from dpjax import data
 from dpjax import device_data
@@ -25,7 +26,7 @@ def _setup(sampler_name='poisson'):
   config = digits_mlp.get_config()
   config.sampler.name = sampler_name
   train, _ = data.make_sources(config.data)
-  sampler = samplers.make_sampler(config, len(train))
+  sampler = plan_lib.make_sampler(config, len(train))
   cap = batching.resolve_max_batch_size(sampler, 64, 0, num_steps=2 * sampler.steps_per_epoch,
                                         delta=1e-5)
   batcher = batching.Batcher(sampler, 64, cap)

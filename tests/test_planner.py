@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from dpjax import plan as plan_lib
 from dpjax import planner
 from dpjax import samplers
 from dpjax.accounting import accountant as accountant_lib
@@ -109,7 +110,7 @@ def test_default_batch_sizes():
 def test_bad_input_raises_before_compute(kwargs, match, monkeypatch):
   def no_compute(*args, **kw):
     raise AssertionError('calibration ran before validation')
-  monkeypatch.setattr(accountant_lib, 'make_accountant', no_compute)
+  monkeypatch.setattr(plan_lib, 'make_accountant', no_compute)
   args = dict(num_examples=N, target_epsilon=EPS, delta=DELTA, num_epochs=EPOCHS,
               batch_sizes=[100])
   args.update(kwargs)

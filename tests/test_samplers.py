@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from dpjax import plan as plan_lib
 from dpjax import samplers
 
 P_MIN = 1e-4
@@ -23,7 +24,7 @@ P_MIN = 1e-4
 
 def make(name, num_examples, batch_size, seed=0):
   config = ml_collections.ConfigDict({'seed': seed, 'sampler': {'name': name, 'batch_size': batch_size}})
-  return samplers.make_sampler(config, num_examples)
+  return plan_lib.make_sampler(config, num_examples)
 
 
 def binomial_chi2_pvalue(sizes, n, p):

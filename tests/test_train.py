@@ -14,6 +14,7 @@ import pytest
 
 from dpjax import accounting
 from dpjax import checkpoints
+from dpjax import plan as plan_lib
 from dpjax import privacy_plan
 from dpjax import train
 from tests.run_configs import small_config
@@ -42,7 +43,7 @@ def test_run_writes_config_metrics_events_and_checkpoints_with_epsilon(reference
           'eval_accuracy'} <= set(lines[-1])
   assert glob.glob(str(tmp_path / 'tensorboard' / 'events.out.tfevents.*'))
   # The ε in metrics and checkpoints is the accountant's, for the same config.
-  acct = accounting.make_accountant(config, 1437)
+  acct = plan_lib.make_accountant(config, 1437)
   rows = checkpoints.read_metadata(str(tmp_path))
   assert [row['step'] for row in rows] == [2, 4, 6]  # keep_checkpoints = 3
   for row in rows:
@@ -219,7 +220,7 @@ def test_automatic_physical_batch_size_keeps_b_independent_of_the_device(tmp_pat
   cap = meta['fingerprint']['sampler.max_batch_size']
   chosen = meta['sampler']['physical_batch_size']
   config = small_config()
-  sampler = samplers.make_sampler(config, meta['num_examples'])
+  sampler = plan_lib.make_sampler(config, meta['num_examples'])
   assert cap == batching.resolve_max_batch_size(sampler, 0, num_steps=6,
                                                 delta=config.privacy.delta)
   assert chosen >= cap > chosen // 2 and chosen & (chosen - 1) == 0

@@ -59,7 +59,7 @@ def _run(step, params, opt, buffer):
 def _reference_update(model, params, buffer, k, spec, clip_bound):
   """Params after one DP step computed without DPStep's augmult code (float64)."""
   loss = augmult.mean_over_views(dp_step.make_loss_fn(model))
-  grad = jax.jit(jax.grad(lambda p, v, y: loss(p, v, y)[0]))
+  grad = jax.jit(jax.grad(lambda p, v, y: loss(p, {'x': v, 'y': y})[0]))
   total = jax.tree.map(lambda p: np.zeros(p.shape, np.float64), params)
   p64 = jax.tree.map(lambda p: np.asarray(p, np.float64), params)
   # The views as float32 programs draw them (under x64, randint draws other bits).

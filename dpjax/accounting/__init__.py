@@ -1,7 +1,7 @@
 """Privacy accounting for every dpjax sampler (docs/accounting.md).
 
 ```python
-acct = dpjax.accounting.make_accountant(config, num_examples)   # same config as training
+acct = Accountant(sampler, noise_multiplier, delta, num_steps=T, max_batch_size=B)
 report = acct.epsilon_at(step)    # PrivacyReport: epsilon, delta, bound, epsilon_lower, details
 ```
 
@@ -14,7 +14,6 @@ events per sampler), `fixed_size_rdp` (Birrell et al. FS-RDP),
 from dpjax.accounting.accountant import ACCOUNTANTS
 from dpjax.accounting.accountant import Accountant
 from dpjax.accounting.accountant import BOUNDS
-from dpjax.accounting.accountant import make_accountant
 from dpjax.accounting.accountant import PrivacyReport
 from dpjax.accounting.accountant import resolve_accountant
 from dpjax.accounting.calibration import calibrate_noise_multiplier

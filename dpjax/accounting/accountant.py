@@ -1,10 +1,10 @@
 """The privacy accountant of a training run: ε after any step, with its kind of bound.
 
-`make_accountant(config, N)` is `dpjax.plan.make_plan(config, N).accountant`:
-the sampler, the batch cap and σ are resolved from the *training* config in
-the one place training resolves them, so the accountant describes exactly
-what training samples. Which
-number is attached to a run, per sampler (docs/accounting.md):
+`Accountant(sampler, σ, δ, num_steps=T, max_batch_size=B)` takes typed
+arguments; `dpjax.PrivacyPlan` makes it from the same sampler, σ and cap B
+as the batcher and the noise, and the trainer's `plan.make_accountant(config,
+N)` from the training config through the same plan. Which number is attached
+to a run, per sampler (docs/accounting.md):
 
 * poisson: PLD (default) or RDP of the Poisson-subsampled Gaussian; a cap B
   by the exact `TruncatedSubsampledGaussianDpEvent` or the TV penalty.
@@ -46,7 +46,6 @@ import dataclasses
 import math
 from typing import Any
 
-import ml_collections
 import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.pld import common as pld_common
@@ -123,7 +122,7 @@ def _check_delta(delta) -> float:
 class Accountant:
   """ε(step) for one run: a sampler, σ, δ, the cap B and the group size k.
 
-  Build it with `make_accountant(config, N)` from the training config; the
+  Build it with `plan.make_accountant(config, N)` from the training config; the
   constructor is for callers that already hold a sampler (the CLI, tests).
   """
 
@@ -142,7 +141,7 @@ class Accountant:
     """Validates everything before any computation.
 
     Args:
-      sampler: the run's sampler (`samplers.make_sampler`).
+      sampler: the run's sampler (`dpjax.samplers`).
       noise_multiplier: σ > 0.
       delta: δ in (0, 1).
       accountant: 'auto', 'pld', 'rdp' or 'monte_carlo' (the sampler class's `accountants`).
@@ -386,33 +385,3 @@ def _dense(pld: pld_lib.PrivacyLossDistribution) -> pld_lib.PrivacyLossDistribut
     return pld
   dense = [p.to_dense_pmf() if isinstance(p, pld_pmf.SparsePLDPmf) else p for p in pmfs]
   return pld_lib.PrivacyLossDistribution(dense[0], dense[1] if len(dense) > 1 else None)
-
-
-# ---------------------------------------------------------------------------------------------
-# From the training config
-# ---------------------------------------------------------------------------------------------
-
-
-def make_accountant(config: ml_collections.ConfigDict, num_examples: int,
-                    **kwargs) -> Accountant:
-  """The accountant of the run that `config` trains on `num_examples` examples.
-
-  `dpjax.plan.make_plan(config, N).accountant`: the one place where a config
-  is resolved (sampler, cap B, σ given or calibrated to
-  `privacy.target_epsilon`, the budget check), so training and every CLI
-  account for the same run. σ = None calibrates; σ <= 0, C <= 0 or C = inf
-  are refused (set `privacy.enabled = False` to train without privacy).
-  `privacy.monte_carlo_workers` (None: the available cores) is the number of
-  processes of the Monte-Carlo estimate; `privacy.random_allocation_timeout`
-  (seconds) the budget of the balls-and-bins random-allocation bound.
-
-  Args:
-    config: the training config.
-    num_examples: N.
-    **kwargs: passed to `Accountant` (e.g. monte_carlo_samples, beta); they
-      override the config (monte_carlo_workers).
-  """
-  if not config.privacy.enabled:
-    raise ValueError('privacy.enabled is False: a non-private run has no ε to account.')
-  from dpjax import plan as plan_lib  # pylint: disable=g-import-not-at-top
-  return plan_lib.make_plan(config, num_examples, accountant_options=kwargs).accountant

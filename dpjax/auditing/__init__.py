@@ -7,7 +7,7 @@ rows), `gradient_canary` (their injection into the clipped sum, projections),
 `record` (audit.json in a workdir, and the audit of a finished run).
 """
 
-from dpjax.auditing.canaries import CanarySet, CanarySource, check_audit_config, make_canaries
+from dpjax.auditing.canaries import CanarySet, CanarySource, check_audit, make_canaries
 from dpjax.auditing.gradient_canary import project, with_gradient_canaries
 from dpjax.auditing.one_run import OneRunAudit, audit, epsilon_lower_bound, max_epsilon_lower, p_value
 from dpjax.auditing.white_box import EffectiveSigma, effective_sigma

@@ -34,7 +34,6 @@ import math
 import jax
 import jax.flatten_util
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from dpjax import batching
@@ -69,32 +68,42 @@ class AuditedRun:
     return {'released': self.released, 'ordinary': self.ordinary, 'counts': self.counts}
 
 
-def train(config: ml_collections.ConfigDict, model, base_source, *, num_canaries: int,
-          private: bool = True, _bug: str | None = None) -> AuditedRun:
-  """Trains `model` for `config.num_steps` steps on `base_source` plus m canaries.
+@dataclasses.dataclass(frozen=True)
+class AuditSettings:
+  """The audited run: sampler, sizes, C, σ, δ, learning rate, length and seed."""
+  sampler: str  # A `samplers.SAMPLER_NAMES` name.
+  batch_size: int  # b.
+  physical_batch_size: int  # P.
+  max_batch_size: int  # B (0: automatic, `batching.resolve_max_batch_size`).
+  num_steps: int  # T.
+  clip_norm: float  # C.
+  noise_multiplier: float  # σ.
+  delta: float  # δ (sets the automatic B).
+  learning_rate: float  # η of plain SGD.
+  seed: int | None = None  # None: drawn from OS entropy.
 
-  Reads config.seed (None: drawn from OS entropy), sampler.{name, batch_size,
-  physical_batch_size, max_batch_size}, privacy.{clip_norm, noise_multiplier, delta},
-  optimizer.learning_rate, num_steps.
-  """
+
+def train(settings: AuditSettings, model, base_source, *, num_canaries: int,
+          private: bool = True, _bug: str | None = None) -> AuditedRun:
+  """Trains `model` for `settings.num_steps` steps on `base_source` plus m canaries."""
   if _bug is not None and _bug not in PLANTED_BUGS:
     raise ValueError(f'_bug = {_bug!r}; valid: {PLANTED_BUGS}.')
   source = canaries_lib.CanarySource(base_source, num_canaries)
-  seed = run_seed.draw_seed() if config.get('seed') is None else config.seed
-  sampler = samplers.make_sampler(config, len(source), seed=seed)
-  num_steps = config.num_steps
-  physical = config.sampler.physical_batch_size
+  seed = run_seed.draw_seed() if settings.seed is None else settings.seed
+  sampler = samplers.make(settings.sampler, len(source), settings.batch_size, seed)
+  num_steps = settings.num_steps
+  physical = settings.physical_batch_size
   max_batch_size = batching.resolve_max_batch_size(
-      sampler, physical, config.sampler.max_batch_size, num_steps=num_steps,
-      delta=config.privacy.delta)
+      sampler, physical, settings.max_batch_size, num_steps=num_steps,
+      delta=settings.delta)
   batcher = batching.Batcher(sampler, physical, max_batch_size)
   params = prng.init_params(model, seed, base_source.input_shape)
   flat0, unravel = jax.flatten_util.ravel_pytree(params)
   canaries = canaries_lib.make_canaries(seed, num_canaries, flat0.size)
   loss_fn = losses.make_loss_fn(model)
 
-  clip_norm = float(config.privacy.clip_norm) if private else 1.0
-  sigma = float(config.privacy.noise_multiplier) if private else 0.0
+  clip_norm = float(settings.clip_norm) if private else 1.0
+  sigma = float(settings.noise_multiplier) if private else 0.0
   canary_norm = canaries.gradient_scale * clip_norm
   if not private:
     base = functools.partial(clipping.grad_sum, loss_fn)
@@ -123,7 +132,7 @@ def train(config: ml_collections.ConfigDict, model, base_source, *, num_canaries
   @jax.jit
   def release(flat, grad_sum, key, noise_std):
     s = grad_sum + noise_std * jax.random.normal(key, grad_sum.shape, grad_sum.dtype)
-    new = flat - config.optimizer.learning_rate * s / sampler.expected_batch_size
+    new = flat - settings.learning_rate * s / sampler.expected_batch_size
     return new, s[coordinates] * signs
 
   flat = flat0

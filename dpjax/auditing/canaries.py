@@ -16,7 +16,7 @@ accountant see N + m examples whatever the coins: under add/remove
 The run's ε claim covers the canaries as ordinary examples of that N + m.
 
 Randomness: coins, coordinates and signs are a pure function of
-(config.seed, AUDIT_STREAM), disjoint from the sampler, truncation, noise and
+(the run's seed, AUDIT_STREAM), disjoint from the sampler, truncation, noise and
 init streams.
 """
 
@@ -120,15 +120,17 @@ class CanarySource:
     return batch
 
 
-def check_audit_config(audit) -> int:
-  """Validates `config.audit` before any compute (ValueError naming the field); returns m."""
-  m = audit.num_canaries
+def check_audit(num_canaries, kind, confidence, every_checkpoint, *,
+                prefix: str = '') -> int:
+  """Validates an audit's settings before any compute (ValueError naming the argument, with
+  `prefix`, e.g. 'audit.'); returns m = num_canaries."""
+  m = num_canaries
   if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 0:
-    raise ValueError(f'audit.num_canaries must be an integer >= 0 (0 = off), got {m!r}.')
-  if audit.kind not in CANARY_KINDS:
-    raise ValueError(f'audit.kind = {audit.kind!r}; valid: {", ".join(CANARY_KINDS)}.')
-  if not isinstance(audit.confidence, float) or not 0 < audit.confidence < 1:
-    raise ValueError(f'audit.confidence must be in (0, 1), got {audit.confidence!r}.')
-  if not isinstance(audit.every_checkpoint, bool):
-    raise ValueError(f'audit.every_checkpoint must be True or False, got {audit.every_checkpoint!r}.')
+    raise ValueError(f'{prefix}num_canaries must be an integer >= 0 (0 = off), got {m!r}.')
+  if kind not in CANARY_KINDS:
+    raise ValueError(f'{prefix}kind = {kind!r}; valid: {", ".join(CANARY_KINDS)}.')
+  if not isinstance(confidence, float) or not 0 < confidence < 1:
+    raise ValueError(f'{prefix}confidence must be in (0, 1), got {confidence!r}.')
+  if not isinstance(every_checkpoint, bool):
+    raise ValueError(f'{prefix}every_checkpoint must be True or False, got {every_checkpoint!r}.')
   return int(m)

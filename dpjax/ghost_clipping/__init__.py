@@ -20,7 +20,9 @@ materialised by a vmapped vjp of the layer itself. A weight-standardised conv
 the per-example gradient w.r.t. W' has a closed form per output channel (see
 `_ws_sq_norms`), again ghost or materialised.
 
-Capture: `flax.linen.intercept_methods` sees every call of a covered layer,
+Capture: `flax.linen.intercept_methods` sees every call of a covered layer (for
+Flax NNX layers, `nnx_layers` reports each call with its linen twin, so the same
+rules and proof apply),
 records its input, and adds a zero perturbation to its output; the gradient of
 Σ_i loss_i w.r.t. the perturbations is δ_i for every example at once, since
 examples do not interact (one backward pass through the activations, no weight

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from dpjax.ghost_clipping.coverage import _leaf_paths
+from dpjax.ghost_clipping.coverage import _Interceptor
 from dpjax.ghost_clipping.coverage import _run
 from dpjax.ghost_clipping.coverage import _subtree
 from dpjax.ghost_clipping.coverage import analyse_coverage
@@ -50,8 +51,8 @@ def _masked_row_sum(factor: jax.Array, g: jax.Array,
 
 
 class GhostPass(collections.namedtuple(
-    'GhostPass', 'losses logits sq_norms sq_norms_by_path weighted_sum')):
-  """Per-example losses, logits, ‖g_i‖², and `weighted_sum(factor, keep)`.
+    'GhostPass', 'losses aux sq_norms sq_norms_by_path weighted_sum')):
+  """Per-example losses, the loss's aux, ‖g_i‖², and `weighted_sum(factor, keep)`.
 
   `sq_norms_by_path` maps 'module/path' (a covered layer) or
   'module/path/leaf' (a per-example copy) to that part of ‖g_i‖² [n].
@@ -63,27 +64,26 @@ class GhostPass(collections.namedtuple(
   """
 
 
-def ghost_pass(loss_fn: LossFn, params: Params, x: jax.Array, y: jax.Array,
+def ghost_pass(loss_fn: LossFn, params: Params, examples,
                coverage: Coverage | None = None) -> GhostPass:
-  """One forward and one activation-backward pass over a batch x, y.
+  """One forward and one activation-backward pass over a batch of examples.
 
   Args:
-    loss_fn: single-example loss `(params, x_i, y_i) -> (loss_i, logits_i)`.
+    loss_fn: single-example loss `(params, example) -> (loss_i, aux_i)`.
     params: parameters.
-    x: inputs [n, ...].
-    y: labels [n] or [n, classes].
+    examples: the rows (a pytree, every leaf with a leading axis n).
     coverage: from `analyse_coverage` (computed if None); must be complete.
 
   Returns:
-    GhostPass with losses [n], logits [n, ...], sq_norms [n] (‖g_i‖² over all
+    GhostPass with losses [n], aux (rows stacked), sq_norms [n] (‖g_i‖² over all
     parameters) and weighted_sum.
   """
   if coverage is None:
-    coverage = analyse_coverage(loss_fn, params, x[0], y[0])
+    coverage = analyse_coverage(loss_fn, params, jax.tree.map(lambda l: l[0], examples))
   if not coverage.complete:
     raise ValueError('ghost clipping does not cover these parameters: '
                      + coverage.describe())
-  n = x.shape[0]
+  n = jax.tree.leaves(examples)[0].shape[0]
   layers = coverage.layers
   index = {l.key: j for j, l in enumerate(layers)}
   flat = dict(zip(_leaf_paths(params), jax.tree.leaves(params)))
@@ -91,7 +91,7 @@ def ghost_pass(loss_fn: LossFn, params: Params, x: jax.Array, y: jax.Array,
             for p in coverage.materialised]
   zeros = [jnp.zeros((n, *l.out_aval.shape), l.out_aval.dtype) for l in layers]
 
-  def one(copies_i, perturbations_i, x_i, y_i):
+  def one(copies_i, perturbations_i, example):
     replace = dict(zip(coverage.materialised, copies_i))
     p = jax.tree_util.tree_unflatten(
         jax.tree.structure(params),
@@ -105,13 +105,13 @@ def ghost_pass(loss_fn: LossFn, params: Params, x: jax.Array, y: jax.Array,
         return next_fun(*args, **kwargs)
       inputs[j] = args[0]
       return next_fun(*args, **kwargs) + perturbations_i[j]
-    loss, logits = _run(loss_fn, capture, p, x_i, y_i)
-    return loss, (logits, inputs)
+    loss, aux = _run(loss_fn, _Interceptor(capture), p, example)
+    return loss, (aux, inputs)
 
   def batched(copies, perturbations):
-    return jax.vmap(one)(copies, perturbations, x, y)
+    return jax.vmap(one)(copies, perturbations, examples)
 
-  losses, vjp, (logits, inputs) = jax.vjp(batched, copies, zeros,
+  losses, vjp, (aux, inputs) = jax.vjp(batched, copies, zeros,
                                           has_aux=True)
   copy_grads, deltas = vjp(jnp.ones_like(losses))
 
@@ -157,10 +157,9 @@ def ghost_pass(loss_fn: LossFn, params: Params, x: jax.Array, y: jax.Array,
     return jax.tree_util.tree_unflatten(jax.tree.structure(params),
                                         [out[p] for p in flat])
 
-  return GhostPass(losses, logits, sq_norms, by_path, weighted_sum)
+  return GhostPass(losses, aux, sq_norms, by_path, weighted_sum)
 
 
-def per_example_sq_norms(loss_fn: LossFn, params: Params, x: jax.Array,
-                         y: jax.Array) -> jax.Array:
+def per_example_sq_norms(loss_fn: LossFn, params: Params, examples) -> jax.Array:
   """‖g_i‖² [n] over all parameters by ghost norms (no per-example grads)."""
-  return ghost_pass(loss_fn, params, x, y).sq_norms
+  return ghost_pass(loss_fn, params, examples).sq_norms

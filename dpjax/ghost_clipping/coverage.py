@@ -21,13 +21,14 @@ import jax
 import jax.extend.core as jax_core
 import jax.numpy as jnp
 
+from dpjax.ghost_clipping import nnx_layers
 from dpjax.ghost_clipping.registry import NormRule
 from dpjax.ghost_clipping.registry import rule_for
 
 Params = Any
 LeafPath = tuple[str, ...]
 CallKey = tuple[tuple[str, ...], str, int]  # (module path, method, index).
-LossFn = Callable[[Params, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+LossFn = Callable[[Params, Any], tuple[jax.Array, Any]]  # (params, example) -> (loss, aux).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,9 +90,10 @@ class _Interceptor:
     self._on_call = on_call
     self._count = collections.Counter()
     self._stack = []
+    self.containers = set()  # Paths of NNX modules that are not layers (`nnx_layers`).
 
   def __call__(self, next_fun, args, kwargs, ctx):
-    path = tuple(ctx.module.path)
+    path = tuple(ctx.path) if hasattr(ctx, 'path') else tuple(ctx.module.path)
     if ctx.method_name == 'setup' or (self._stack and self._stack[-1] == path):
       return next_fun(*args, **kwargs)
     name = (path, ctx.method_name)
@@ -115,8 +117,8 @@ def _leaf_paths(tree) -> list[LeafPath]:
 
 
 def _subtree(params, path):
-  for k in path:
-    params = params[k]
+  for k in path:  # NNX lists have int keys; leaf paths name them as strings.
+    params = params[k] if k in params else params[int(k)]
   return params
 
 
@@ -138,9 +140,10 @@ def _rule_for(module: nn.Module, method: str, args, kwargs) -> tuple[NormRule | 
   return (None, reason) if reason else (rule, '')
 
 
-def _run(loss_fn: LossFn, on_call, params, x, y):
-  with nn.intercept_methods(_Interceptor(on_call)):
-    return loss_fn(params, x, y)
+def _run(loss_fn: LossFn, interceptor: _Interceptor, params, example):
+  """loss_fn(params, example) with every linen and NNX layer call seen by `interceptor`."""
+  with nn.intercept_methods(interceptor), nnx_layers.intercepting(interceptor):
+    return loss_fn(params, example)
 
 
 def _dependencies(closed_jaxpr, num_params: int) -> list[int]:
@@ -163,29 +166,30 @@ def _dependencies(closed_jaxpr, num_params: int) -> list[int]:
           for v in jaxpr.outvars]
 
 
-def analyse_coverage(loss_fn: LossFn, params: Params, x, y) -> Coverage:
-  """Which parameters ghost clipping covers, for ONE example (x, y).
+def analyse_coverage(loss_fn: LossFn, params: Params, example) -> Coverage:
+  """Which parameters ghost clipping covers, for ONE example.
 
   Only abstract traces (shapes), so it may run inside jit (at trace time).
 
   Args:
-    loss_fn: `(params, x_i, y_i) -> (loss_i, logits_i)` for a single example.
+    loss_fn: `(params, example) -> (loss, aux)` for a single example.
     params: parameters (arrays or ShapeDtypeStructs).
-    x: one example's input (array or ShapeDtypeStruct).
-    y: its label.
+    example: one example (a pytree of arrays or ShapeDtypeStructs).
 
   Returns:
     The Coverage: covered layer calls, parameters given per-example copies,
     and uncovered parameters with the reason.
   """
   params = jax.tree.map(_aval, params)
-  x, y = _aval(x), _aval(y)
+  example = jax.tree.map(_aval, example)
   leaf_paths = _leaf_paths(params)
   calls = []  # (key, module, rule, reason, in_aval, out_aval).
   in_rule = []
 
   def record(key, next_fun, args, kwargs, ctx):
-    rule, reason = _rule_for(ctx.module, ctx.method_name, args, kwargs)
+    reason = getattr(ctx, 'reason', '')  # An NNX layer dpjax cannot see as a linen one.
+    rule, reason = ((None, reason) if reason else
+                    _rule_for(ctx.module, ctx.method_name, args, kwargs))
     if any(in_rule):
       rule, reason = None, 'called inside another covered layer'
     in_rule.append(rule is not None)
@@ -195,12 +199,13 @@ def analyse_coverage(loss_fn: LossFn, params: Params, x, y) -> Coverage:
       in_rule.pop()
     if rule and not hasattr(out, 'shape'):
       rule, reason = None, 'output is not one array'
-    calls.append((key, ctx.module.clone(parent=None), rule, reason,
+    calls.append((key, ctx.module.clone(parent=None) if ctx.module else None, rule, reason,
                   _aval(args[0]) if rule else None,
                   _aval(out) if rule else None))
     return out
 
-  jax.eval_shape(functools.partial(_run, loss_fn, record), params, x, y)
+  recorder = _Interceptor(record)
+  jax.eval_shape(functools.partial(_run, loss_fn, recorder), params, example)
 
   uses = collections.Counter(key[0] for key, *_ in calls)
   kinds = {key[0]: type(module) for key, module, *_ in calls}
@@ -228,7 +233,7 @@ def analyse_coverage(loss_fn: LossFn, params: Params, x, y) -> Coverage:
   # on none of them.
   index = {c.key: j for j, c in enumerate(candidates)}
 
-  def substituted(p, fresh_in, fresh_out, x, y):
+  def substituted(p, fresh_in, fresh_out, example):
     outs = [None] * len(candidates)
 
     def swap(key, next_fun, args, kwargs, ctx):
@@ -238,12 +243,12 @@ def analyse_coverage(loss_fn: LossFn, params: Params, x, y) -> Coverage:
         return next_fun(*args, **kwargs)
       outs[j] = next_fun(fresh_in[j])
       return fresh_out[j]
-    loss, _ = _run(loss_fn, swap, p, x, y)
+    loss, _ = _run(loss_fn, _Interceptor(swap), p, example)
     return loss, outs
 
   jaxpr = jax.make_jaxpr(substituted)(
       params, [c.in_aval for c in candidates],
-      [c.out_aval for c in candidates], x, y)
+      [c.out_aval for c in candidates], example)
   deps = _dependencies(jaxpr, len(leaf_paths))
   loss_deps, out_deps = deps[0], deps[1:]
   bit = {p: 1 << i for i, p in enumerate(leaf_paths)}
@@ -266,7 +271,9 @@ def analyse_coverage(loss_fn: LossFn, params: Params, x, y) -> Coverage:
     owner = p[:-1]
     has_children = any(len(q) > len(owner) and q[:len(owner)] == owner
                        for q in uses)
-    if owner in kinds and rule_for(kinds[owner])[0] is None and has_children:
+    container = ((owner in kinds and rule_for(kinds[owner])[0] is None)
+                 or owner in recorder.containers)
+    if container and has_children:
       materialised.append(p)  # Declared in a model body, e.g. pos_embedding.
     else:
       uncovered.append(('/'.join(p), reasons.get(

@@ -58,11 +58,11 @@ from absl import logging  # pylint: disable=g-import-not-at-top
 import jax  # pylint: disable=g-import-not-at-top
 import numpy as np
 
+from dpjax import plan as plan_lib  # pylint: disable=g-import-not-at-top
 from dpjax.configs import digits_mlp  # pylint: disable=g-import-not-at-top
 from dpjax.configs import mnist_cnn  # pylint: disable=g-import-not-at-top
 from dpjax import data  # pylint: disable=g-import-not-at-top
 from dpjax import provenance  # pylint: disable=g-import-not-at-top
-from dpjax import samplers  # pylint: disable=g-import-not-at-top
 from dpjax import train  # pylint: disable=g-import-not-at-top
 
 SAMPLERS = ('poisson', 'balls_and_bins', 'shuffle')
@@ -124,7 +124,7 @@ def run_one(dataset: str, sampler: str, sigma: float | None, seed: int, epochs: 
       'dataset': dataset, 'sampler': sampler, 'sigma': sigma, 'seed': seed, 'epochs': epochs,
       'batch_size': config.sampler.batch_size,
       # The divisor of the noisy sum: b, or N/T for balls-and-bins.
-      'expected_batch_size': samplers.make_sampler(config, num_examples).expected_batch_size,
+      'expected_batch_size': plan_lib.make_sampler(config, num_examples).expected_batch_size,
       'num_examples': num_examples,
       'private': sigma is not None,
       'steps': result.get('step'),

@@ -46,7 +46,7 @@ from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
 from dpjax.cli import load_config_file as load_config
-from dpjax.accounting import make_accountant
+from dpjax.plan import make_accountant
 
 NUM_EXAMPLES = 10_000
 BATCH_SIZE = 100  # q = 0.01

@@ -35,6 +35,7 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
 from dpjax import cli
+from dpjax import plan as plan_lib
 from dpjax import accounting
 from dpjax import data
 from dpjax import models
@@ -62,7 +63,7 @@ def base_config():
 
 def one(config, model, train, *, private=True, bug=None) -> dict:
   start = time.time()
-  run = audited_sgd.train(config, model, train, num_canaries=M, private=private, _bug=bug)
+  run = audited_sgd.train(plan_lib.audit_settings(config), model, train, num_canaries=M, private=private, _bug=bug)
   audit = one_run.audit(run.scores(), run.canaries.membership, delta=DELTA, confidence=CONFIDENCE)
   row = {'sampler': config.sampler.name, 'sigma': run.noise_multiplier, 'seed': config.seed,
          'bug': bug, 'private': private, 'audit': audit.to_dict(),
