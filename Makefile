@@ -19,7 +19,7 @@ train: setup
 	$(PY) -m dpjax.train --config configs/digits_mlp.py --workdir $(WORKDIR)
 
 test: setup
-	$(PY) -m pytest -n 2 -q
+	$(PY) -m pytest -n 4 -q
 
 clean:
 	rm -rf $(VENV) workdirs

@@ -55,34 +55,42 @@ class TinyTransformer(nnx.Module):
 
 
 def main(quick: bool) -> None:
-  x_train, y_train, vocab = make_corpus(1000 if quick else 4000)
-  x_test, y_test, _ = make_corpus(500, seed=1)
+  x_train, y_train, vocab = make_corpus(600 if quick else 4000)
+  x_test, y_test, _ = make_corpus(200 if quick else 500, seed=1)
   epochs = 1 if quick else 8
   sampler = dpjax.PoissonSampler(num_examples=len(x_train), batch_size=100 if quick else 200,
                                  seed=secrets.randbits(63))
   steps = epochs * sampler.steps_per_epoch
   plan = dpjax.PrivacyPlan.create(sampler, num_steps=steps, clip_norm=1.0,
                                   target_epsilon=8.0, delta=1e-5)
-  model = TinyTransformer(vocab, 64, nnx.Rngs(0))
+  model = TinyTransformer(vocab, 32 if quick else 64, nnx.Rngs(0))
   fm = dpjax.NNXFunctional(model)
 
   def loss(m, example):  # Mean token cross-entropy of ONE window.
     logits = m(example['x'][None])[0]
     return optax.softmax_cross_entropy_with_integer_labels(logits, example['y']).mean()
 
-  grad_fn = jax.jit(plan.clipped_grad(fm.loss(loss), method='ghost'))
+  grad_fn = plan.clipped_grad(fm.loss(loss), method='ghost')
   tx = optax.chain(plan.privatizer(), optax.adam(3e-3))
+
+  @jax.jit
+  def accumulate(grad_sum, params, batch, weights):  # += Σ_i w_i·clip_C(g_i) of P rows.
+    return jax.tree.map(jnp.add, grad_sum, grad_fn(params, batch, weights)[0])
+
+  @jax.jit
+  def update(grad_sum, opt_state, params):  # One logical step: noise, ÷ b, optimiser.
+    updates, opt_state = tx.update(grad_sum, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
   params, batcher = fm.params, plan.batcher(physical_batch_size=128)
   opt_state = tx.init(params)
   for t in range(steps):
     grad_sum = jax.tree.map(jnp.zeros_like, params)
     for idx, weights in batcher.logical_batch(t).physical_batches():
-      g, _ = grad_fn(params, {'x': x_train[idx], 'y': y_train[idx]}, weights)
-      grad_sum = jax.tree.map(jnp.add, grad_sum, g)
-    updates, opt_state = tx.update(grad_sum, opt_state, params)
-    params = optax.apply_updates(params, updates)
+      grad_sum = accumulate(grad_sum, params, {'x': x_train[idx], 'y': y_train[idx]}, weights)
+    params, opt_state = update(grad_sum, opt_state, params)
   fm.update(model, params)
-  logits = model(x_test)
+  logits = jax.jit(fm.apply)(params, x_test)
   test_loss = float(optax.softmax_cross_entropy_with_integer_labels(logits, y_test).mean())
   accuracy = float(np.mean(np.argmax(logits, -1) == y_test))
   report = plan.epsilon_at(steps)

@@ -41,6 +41,11 @@ def test_each_loss_equals_its_closed_form():
     losses.output_loss('hinge')
 
 
+# One physical batch per step, and evaluation and checkpoints only at the end.
+_QUIET = {'sampler.physical_batch_size': 256, 'eval_every_steps': 1000,
+          'checkpoint_every_steps': 1000, 'log_every_steps': 1000}
+
+
 def _regression_npz(path, n=1200, d=8, seed=0):
   rng = np.random.default_rng(seed)
   w = rng.normal(size=d)
@@ -54,8 +59,9 @@ def test_trainer_mse_learns_a_linear_map(tmp_path, capsys):
   variance = _regression_npz(tmp_path / 'reg.npz')
   config = small_config(**{'loss': 'mse', 'data.source': 'npz', 'data.path': str(tmp_path / 'reg.npz'),
                            'data.scale': 1.0, 'data.mean': (0.0,), 'data.std': (1.0,),
-                           'num_steps': 40, 'optimizer.learning_rate': 0.2,
-                           'privacy.noise_multiplier': 0.5, 'privacy.clip_norm': 5.0})
+                           'num_steps': 30, 'optimizer.learning_rate': 0.2,
+                           'privacy.noise_multiplier': 0.5, 'privacy.clip_norm': 5.0,
+                           **_QUIET})
   config.model.hidden_sizes = (16,)
   config.privacy.delta = 1e-4
   result = train.train_and_evaluate(config, str(tmp_path / 'w'))
@@ -78,9 +84,9 @@ def _sequence_npz(path, n=1200, length=12, vocab=6, seed=0):
 def test_trainer_sequence_cross_entropy_learns_next_tokens(tmp_path, capsys):
   vocab = _sequence_npz(tmp_path / 'seq.npz')
   config = small_config(**{'loss': 'sequence_cross_entropy', 'data.source': 'npz',
-                           'data.path': str(tmp_path / 'seq.npz'), 'num_steps': 40,
+                           'data.path': str(tmp_path / 'seq.npz'), 'num_steps': 30,
                            'optimizer.name': 'adam', 'optimizer.learning_rate': 0.01,
-                           'privacy.noise_multiplier': 0.5})
+                           'privacy.noise_multiplier': 0.5, **_QUIET})
   config.model = config.model.__class__({'name': 'transformer', 'vocab_size': vocab,
                                          'num_layers': 1, 'num_heads': 2, 'model_dim': 16,
                                          'mlp_dim': 32, 'causal': True,
