@@ -45,34 +45,46 @@ The guarantee (docs/threat_model.md) is for add/remove neighbours and needs the 
 be secret; a seed you choose must be kept private like the data.
 """
 
-from dpjax.accounting.accountant import Accountant
-from dpjax.accounting.calibration import calibrate_noise_multiplier
-from dpjax.accounting.calibration import max_num_steps
-from dpjax.accounting.report import PrivacyReport
-from dpjax.batching import Batcher
-from dpjax.clipping import clipped_grad
-from dpjax.clipping import PerExample
-from dpjax.dp_step import DPStep
-from dpjax.nnx_model import Functional as NNXFunctional
-from dpjax.noise import gaussian_privatizer
-from dpjax.noise import GaussianNoiseState
-from dpjax.privacy_plan import PrivacyPlan
-from dpjax.samplers import BallsAndBinsSampler
-from dpjax.samplers import DeterministicSampler
-from dpjax.samplers import FixedSizeSampler
-from dpjax.samplers import FixedSizeWithReplacementSampler
-from dpjax.samplers import make as make_sampler
-from dpjax.samplers import PoissonSampler
-from dpjax.samplers import Sampler
-from dpjax.samplers import ShuffleSampler
+import importlib
 
-__all__ = (
+# Name -> (module, attribute). Imported on first use (PEP 562), so that `import dpjax`, which
+# every `python -m dpjax.<command>` runs first, is instant and an early Ctrl-C is the
+# command's to handle.
+_EXPORTS = {
     # Tier 1.
-    'Sampler', 'PoissonSampler', 'BallsAndBinsSampler', 'ShuffleSampler',
-    'DeterministicSampler', 'FixedSizeSampler', 'FixedSizeWithReplacementSampler',
-    'make_sampler', 'Batcher', 'clipped_grad', 'PerExample', 'gaussian_privatizer',
-    'GaussianNoiseState', 'Accountant', 'PrivacyReport', 'calibrate_noise_multiplier',
-    'max_num_steps', 'NNXFunctional',
+    'Sampler': ('dpjax.samplers', 'Sampler'),
+    'PoissonSampler': ('dpjax.samplers', 'PoissonSampler'),
+    'BallsAndBinsSampler': ('dpjax.samplers', 'BallsAndBinsSampler'),
+    'ShuffleSampler': ('dpjax.samplers', 'ShuffleSampler'),
+    'DeterministicSampler': ('dpjax.samplers', 'DeterministicSampler'),
+    'FixedSizeSampler': ('dpjax.samplers', 'FixedSizeSampler'),
+    'FixedSizeWithReplacementSampler': ('dpjax.samplers', 'FixedSizeWithReplacementSampler'),
+    'make_sampler': ('dpjax.samplers', 'make'),
+    'Batcher': ('dpjax.batching', 'Batcher'),
+    'clipped_grad': ('dpjax.clipping', 'clipped_grad'),
+    'PerExample': ('dpjax.clipping', 'PerExample'),
+    'gaussian_privatizer': ('dpjax.noise', 'gaussian_privatizer'),
+    'GaussianNoiseState': ('dpjax.noise', 'GaussianNoiseState'),
+    'Accountant': ('dpjax.accounting.accountant', 'Accountant'),
+    'PrivacyReport': ('dpjax.accounting.report', 'PrivacyReport'),
+    'calibrate_noise_multiplier': ('dpjax.accounting.calibration', 'calibrate_noise_multiplier'),
+    'max_num_steps': ('dpjax.accounting.calibration', 'max_num_steps'),
+    'NNXFunctional': ('dpjax.nnx_model', 'Functional'),
     # Tier 2.
-    'PrivacyPlan', 'DPStep',
-)
+    'PrivacyPlan': ('dpjax.privacy_plan', 'PrivacyPlan'),
+    'DPStep': ('dpjax.dp_step', 'DPStep'),
+}
+__all__ = tuple(_EXPORTS)
+
+
+def __getattr__(name: str):
+  if name not in _EXPORTS:
+    raise AttributeError(f'module dpjax has no attribute {name!r}')
+  module, attribute = _EXPORTS[name]
+  value = getattr(importlib.import_module(module), attribute)
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(__all__))

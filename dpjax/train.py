@@ -27,8 +27,17 @@ locks the workdir, all before any compute; `dpjax.training_loop` runs it.
 from __future__ import annotations
 
 import os
+import signal
 import sys
-import tempfile
+
+if __name__ == '__main__':  # Ctrl-C during the imports below: one line, exit 130.
+  def _interrupted_while_starting(signum, frame):  # pylint: disable=unused-argument
+    sys.stderr.write('dpjax.train: interrupted (Ctrl-C) before training started.\n')
+    sys.stderr.flush()
+    os._exit(130)  # pylint: disable=protected-access
+  signal.signal(signal.SIGINT, _interrupted_while_starting)
+
+import tempfile  # pylint: disable=g-import-not-at-top,wrong-import-position
 from typing import Any
 
 from absl import app
@@ -214,6 +223,7 @@ def main(argv):
 
 
 if __name__ == '__main__':
+  signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt from here on.
   try:
     app.run(main, flags_parser=parse_flags)
   except KeyboardInterrupt:  # During start-up (imports, flag parsing).
