@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 
 from dpjax import ghost_clipping
+from dpjax import noise
 from dpjax import precision as precision_lib
 
 Params = Any
@@ -325,9 +326,7 @@ def clipped_grad(loss_fn: LossFn, clip_norm: float, *, has_aux: bool = False,
     precision: 'default', 'highest' or 'bfloat16' (`dpjax.precision`): the matmul precision
       the gradients are computed in (bfloat16: the loss must cast itself, see `losses`).
   """
-  c = validate_clip_norm(clip_norm)
-  if not math.isfinite(c):
-    raise ValueError(f'clip_norm must be finite, got {clip_norm!r}.')
+  c = noise.check_clip_norm(clip_norm)  # Finite and > 0, as the noise transform checks it.
   bound = precision_lib.summed_clip_norm(c, precision, max_batch_size)
   inner = clipped_sum_fn(with_aux(loss_fn, has_aux), bound, method)
 
