@@ -27,7 +27,7 @@ Tier 2, one object binds everything that enters ε:
 
 Tier 3, the trainer:  python -m dpjax.train --config digits_mlp --workdir w
   (config fields: docs/config.md), with `dpjax.account`, `dpjax.planner`, `dpjax.audit`,
-  `dpjax.checkpoints` and `dpjax.export` beside it.
+  `dpjax.trainer.checkpoints` and `dpjax.export` beside it.
 
 Your own loop (README, "Use dpjax in your own training loop"; examples/):
 
@@ -52,27 +52,29 @@ import importlib
 # command's to handle.
 _EXPORTS = {
     # Tier 1.
-    'Sampler': ('dpjax.samplers', 'Sampler'),
-    'PoissonSampler': ('dpjax.samplers', 'PoissonSampler'),
-    'BallsAndBinsSampler': ('dpjax.samplers', 'BallsAndBinsSampler'),
-    'ShuffleSampler': ('dpjax.samplers', 'ShuffleSampler'),
-    'DeterministicSampler': ('dpjax.samplers', 'DeterministicSampler'),
-    'FixedSizeSampler': ('dpjax.samplers', 'FixedSizeSampler'),
-    'FixedSizeWithReplacementSampler': ('dpjax.samplers', 'FixedSizeWithReplacementSampler'),
-    'make_sampler': ('dpjax.samplers', 'make'),
-    'Batcher': ('dpjax.batching', 'Batcher'),
-    'clipped_grad': ('dpjax.clipping', 'clipped_grad'),
-    'PerExample': ('dpjax.clipping', 'PerExample'),
-    'gaussian_privatizer': ('dpjax.noise', 'gaussian_privatizer'),
-    'GaussianNoiseState': ('dpjax.noise', 'GaussianNoiseState'),
-    'Accountant': ('dpjax.accounting.accountant', 'Accountant'),
-    'PrivacyReport': ('dpjax.accounting.report', 'PrivacyReport'),
-    'calibrate_noise_multiplier': ('dpjax.accounting.calibration', 'calibrate_noise_multiplier'),
-    'max_num_steps': ('dpjax.accounting.calibration', 'max_num_steps'),
-    'NNXFunctional': ('dpjax.nnx_model', 'Functional'),
+    'Sampler': ('dpjax.privacy.samplers', 'Sampler'),
+    'PoissonSampler': ('dpjax.privacy.samplers', 'PoissonSampler'),
+    'BallsAndBinsSampler': ('dpjax.privacy.samplers', 'BallsAndBinsSampler'),
+    'ShuffleSampler': ('dpjax.privacy.samplers', 'ShuffleSampler'),
+    'DeterministicSampler': ('dpjax.privacy.samplers', 'DeterministicSampler'),
+    'FixedSizeSampler': ('dpjax.privacy.samplers', 'FixedSizeSampler'),
+    'FixedSizeWithReplacementSampler': ('dpjax.privacy.samplers',
+                                        'FixedSizeWithReplacementSampler'),
+    'make_sampler': ('dpjax.privacy.samplers', 'make'),
+    'Batcher': ('dpjax.privacy.batching', 'Batcher'),
+    'clipped_grad': ('dpjax.privacy.clipping', 'clipped_grad'),
+    'PerExample': ('dpjax.privacy.clipping', 'PerExample'),
+    'gaussian_privatizer': ('dpjax.privacy.noise', 'gaussian_privatizer'),
+    'GaussianNoiseState': ('dpjax.privacy.noise', 'GaussianNoiseState'),
+    'Accountant': ('dpjax.privacy.accounting.accountant', 'Accountant'),
+    'PrivacyReport': ('dpjax.privacy.accounting.report', 'PrivacyReport'),
+    'calibrate_noise_multiplier': ('dpjax.privacy.accounting.calibration',
+                                   'calibrate_noise_multiplier'),
+    'max_num_steps': ('dpjax.privacy.accounting.calibration', 'max_num_steps'),
+    'NNXFunctional': ('dpjax.models.functional', 'Functional'),
     # Tier 2.
-    'PrivacyPlan': ('dpjax.privacy_plan', 'PrivacyPlan'),
-    'DPStep': ('dpjax.dp_step', 'DPStep'),
+    'PrivacyPlan': ('dpjax.privacy.privacy_plan', 'PrivacyPlan'),
+    'DPStep': ('dpjax.privacy.dp_step', 'DPStep'),
 }
 __all__ = tuple(_EXPORTS)
 

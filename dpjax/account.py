@@ -13,7 +13,7 @@
       --epochs 1 --noise-multiplier 0.7 --delta 1e-3 --accountant monte_carlo \\
       --monte-carlo-samples 20000 --workers 2
 
-Each example runs in seconds (tests/test_cli_examples.py runs them all);
+Each example runs in seconds (tests/e2e/test_cli_examples.py runs them all);
 larger runs, e.g. N = 10^6 with Monte Carlo, are in README.md.
 
 Conventions (docs/accounting.md): q = b/N for Poisson; T = ceil(N/b) steps per
@@ -50,10 +50,10 @@ import types
 from absl import flags
 from ml_collections import config_flags
 
-from dpjax import cli
-from dpjax import samplers as samplers_lib
-from dpjax.accounting import accountant as accountant_lib
-from dpjax.accounting import calibration
+from dpjax.trainer import cli
+from dpjax.privacy import samplers as samplers_lib
+from dpjax.privacy.accounting import accountant as accountant_lib
+from dpjax.privacy.accounting import calibration
 
 
 # Flag names keep the dashes users type (absl accepts them); the value is read as
@@ -113,7 +113,7 @@ def _flag_values(argv: list[str]) -> flags.FlagValues:
 def parse_args(argv: list[str]) -> types.SimpleNamespace:
   """argv (without the program name) -> the flag values as attributes (dashes -> underscores).
 
-  `dpjax.cli.parse_command` conventions: --help exits 0, a bad flag, config
+  `dpjax.trainer.cli.parse_command` conventions: --help exits 0, a bad flag, config
   file or `--config.<field>` is one line and exit 2.
   """
   argv = cli.resolve_config_argv(argv)  # A packaged config's name as its file.
@@ -164,7 +164,7 @@ def _from_config(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, 
     config.privacy.noise_multiplier, config.privacy.target_epsilon = args.noise_multiplier, 0.0
   if args.target_epsilon is not None:
     config.privacy.noise_multiplier, config.privacy.target_epsilon = None, args.target_epsilon
-  from dpjax import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer import plan as plan_lib  # pylint: disable=g-import-not-at-top
   num_examples = args.num_examples
   if num_examples is None:
     # N as training counts it: the data's rows plus the audit canaries' (one code path).
@@ -249,7 +249,7 @@ def format_table(report: accountant_lib.PrivacyReport) -> str:
 
 def _from_workdir(workdir: str) -> tuple[accountant_lib.PrivacyReport, dict]:
   """The newest checkpoint's report, and the planned final ε if the run is not finished."""
-  from dpjax import checkpoints  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer import checkpoints  # pylint: disable=g-import-not-at-top
   if not os.path.isdir(workdir):
     raise ValueError(f'--workdir {workdir!r}: not a directory.')
   rows = [row for row in checkpoints.read_metadata(workdir) if 'error' not in row]
@@ -262,7 +262,7 @@ def _from_workdir(workdir: str) -> tuple[accountant_lib.PrivacyReport, dict]:
   extra = {'workdir': os.path.abspath(workdir), 'checkpoint_step': meta['step']}
   planned = meta['config'].get('num_steps')
   if planned and planned > meta['step']:
-    from dpjax import plan as plan_lib  # pylint: disable=g-import-not-at-top
+    from dpjax.trainer import plan as plan_lib  # pylint: disable=g-import-not-at-top
     from dpjax.configs import from_workdir  # pylint: disable=g-import-not-at-top
     config = from_workdir.get_config(workdir)
     extra['planned_steps'] = planned

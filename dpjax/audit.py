@@ -8,7 +8,7 @@
 
 Reads the newest checkpoint (its ε claim and parameters) and the audit record
 `audit.json` (the canaries: their seed, coins and directions; see
-`dpjax.auditing.record` for the layout). Prints the claimed ε (an upper
+`dpjax.trainer.audit_record` for the layout). Prints the claimed ε (an upper
 bound), the one-run audit's ε lower bound at its confidence (Steinke, Nasr &
 Jagielski 2023), the largest lower bound the canary count allows, and, with
 per-step records, the white-box effective σ. --json prints one JSON object:
@@ -29,8 +29,8 @@ import sys
 
 from absl import flags
 
-from dpjax import cli
-from dpjax.auditing import record
+from dpjax.trainer import cli
+from dpjax.trainer import audit_record as record
 
 
 def _format(result: dict) -> str:

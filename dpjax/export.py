@@ -43,10 +43,10 @@ from absl import flags
 import ml_collections
 import numpy as np
 
-from dpjax import checkpoints
-from dpjax import cli
-from dpjax import finetune
-from dpjax import run_seed
+from dpjax.trainer import checkpoints
+from dpjax.trainer import cli
+from dpjax.trainer import finetune
+from dpjax.trainer import run_seed
 
 PROG = 'python -m dpjax.export'
 CARD = 'privacy_card.json'
@@ -127,8 +127,8 @@ def _full_params(trainable: dict, meta: dict, workdir: str) -> dict:
   config = meta['config']
   if not (config.get('freeze') or config.get('lora', {}).get('rank')):
     return trainable
-  from dpjax import models  # pylint: disable=import-outside-toplevel
-  from dpjax import prng  # pylint: disable=import-outside-toplevel
+  from dpjax.models import factory as models  # pylint: disable=import-outside-toplevel
+  from dpjax.privacy import prng  # pylint: disable=import-outside-toplevel
   io, seed = meta.get('model_io'), run_seed.stored_seed(workdir)
   if io is None or seed is None:
     raise ValueError(f'--workdir {workdir!r}: a fine-tuned run needs its model_io metadata and '

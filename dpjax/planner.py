@@ -8,7 +8,7 @@
   python -m dpjax.planner --batch_sizes 256 --config configs/digits_mlp.py \\
       --config.privacy.target_epsilon=2
 
-Each example runs in seconds (tests/test_cli_examples.py runs them all); the
+Each example runs in seconds (tests/e2e/test_cli_examples.py runs them all); the
 default grid at N = 60000 takes minutes (see Cost below and README.md).
 
 At a fixed privacy budget (ε, δ) and a fixed number of epochs E, each batch
@@ -49,14 +49,10 @@ from absl import flags
 import ml_collections
 from ml_collections import config_flags
 
-from dpjax import cli
-from dpjax import samplers as samplers_lib
-from dpjax.accounting import accountant as accountant_lib
-# The planner as a library (dpjax.batch_size_plan), under the names it always had here.
-from dpjax.batch_size_plan import (  # pylint: disable=unused-import
-    DEFAULT_PHYSICAL_BATCH_SIZE, DEFAULT_SMALLEST_BATCH_SIZE, FLAT_TOLERANCE, Plan, PlanRow,
-    base_config, check_batch_sizes, default_batch_sizes, format_table, plan_batch_sizes,
-    run_config)
+from dpjax.trainer import cli
+from dpjax.privacy import samplers as samplers_lib
+from dpjax.privacy.accounting import accountant as accountant_lib
+from dpjax.trainer import batch_size_plan
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,7 +71,7 @@ _FLAGS = (
     ('enum', 'accountant', 'default auto', accountant_lib.ACCOUNTANTS),
     ('float', 'clip_norm', 'C (default 1)'),
     ('integer', 'physical_batch_size',
-     f'P, sets the automatic cap B (default {DEFAULT_PHYSICAL_BATCH_SIZE})'),
+     f'P, sets the automatic cap B (default {batch_size_plan.DEFAULT_PHYSICAL_BATCH_SIZE})'),
     ('string', 'json', 'write the plan as JSON to this file'),
 )
 PROG = 'python -m dpjax.planner'
@@ -99,7 +95,7 @@ def _flag_values(argv: list[str]) -> flags.FlagValues:
 
 
 def parse_args(argv: list[str]) -> types.SimpleNamespace:
-  """argv (without the program name) -> the flag values (`dpjax.cli.parse_command` conventions)."""
+  """argv (without the program name) -> the flag values (`dpjax.trainer.cli.parse_command` conventions)."""
   argv = cli.resolve_config_argv(argv)  # A packaged config's name as its file.
   fv = _flag_values([PROG, *argv])
   cli.parse_command(PROG, __doc__, fv, argv)
@@ -127,7 +123,7 @@ def _resolve(args) -> tuple[ml_collections.ConfigDict, int, float, float, int]:
       raise ValueError('--epochs must be given: the config sets num_steps, not num_epochs, and '
                        'the planner compares batch sizes at a fixed number of epochs.')
   else:
-    config = base_config()
+    config = batch_size_plan.base_config()
     eps, delta, epochs = args.epsilon, args.delta, args.epochs
     missing = [f for f, v in (('--num_examples', args.num_examples), ('--epsilon', eps),
                               ('--delta', delta), ('--epochs', epochs)) if v is None]
@@ -138,7 +134,7 @@ def _resolve(args) -> tuple[ml_collections.ConfigDict, int, float, float, int]:
       'privacy.accountant': args.accountant, 'privacy.clip_norm': args.clip_norm})
   n = args.num_examples
   if n is None:
-    from dpjax import plan as plan_lib  # pylint: disable=g-import-not-at-top
+    from dpjax.trainer import plan as plan_lib  # pylint: disable=g-import-not-at-top
     n = len(plan_lib.make_training_sources(config)[0])  # With audit canaries, as training.
   return config, n, eps, delta, epochs
 
@@ -162,10 +158,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f'{row.cpu_seconds:.1f} s CPU)',
             file=sys.stderr, flush=True)
 
-    plan = plan_batch_sizes(n, eps, delta, epochs, sizes, config=config, progress=progress)
+    plan = batch_size_plan.plan_batch_sizes(n, eps, delta, epochs, sizes, config=config, progress=progress)
   except ValueError as e:
     cli.fail(PROG, e)
-  print(format_table(plan))
+  print(batch_size_plan.format_table(plan))
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(plan.to_dict(), f, indent=2)

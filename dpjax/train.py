@@ -5,13 +5,13 @@
       --config.privacy.target_epsilon=2.0
 
 (`:runlocal` shrinks the run to a few steps; drop it for the full run.) Every
-field that enters ε is resolved once into a `dpjax.plan.RunPlan` and stored
+field that enters ε is resolved once into a `dpjax.trainer.plan.RunPlan` and stored
 as the privacy fingerprint of every checkpoint; a rerun that would change it
 is refused before any compute (use a new --workdir). Bad input of any kind
 prints one line and exits with code 2 before anything in the workdir changes.
 
 Data parallel over all devices of the machine (`config.num_devices`, see
-`dpjax.sharding`); over several hosts, start the same command on every host
+`dpjax.privacy.sharding`); over several hosts, start the same command on every host
 with --distributed (jax.distributed.initialize; the coordinator, process count
 and id from the flags below, JAX_COORDINATOR_ADDRESS, or the cluster's
 environment). Only process 0 writes metrics and the config; every process
@@ -21,7 +21,7 @@ Everything lands under --workdir: `config.json` (the resolved config),
 `metrics.jsonl` (one JSON object per logged step), TensorBoard event files,
 and `checkpoints/<step>/` with the ε of that step. This module validates the
 config, data and workdir, resolves the plan (sampler, B, σ, accountant) and
-locks the workdir, all before any compute; `dpjax.training_loop` runs it.
+locks the workdir, all before any compute; `dpjax.trainer.loop` runs it.
 """
 
 from __future__ import annotations
@@ -46,22 +46,20 @@ from absl import logging
 import ml_collections
 from ml_collections import config_flags
 
-from dpjax import config_fields
+from dpjax.trainer import config_fields
 from dpjax import configs
-from dpjax import auditing
-from dpjax import augmult as augmult_lib
-from dpjax import checkpoints
-from dpjax import cli
-from dpjax import compilation_cache
-from dpjax import data
-from dpjax import models
-from dpjax import plan as plan_lib
-from dpjax import run_seed
-from dpjax import sharding
-from dpjax import training_loop
-from dpjax import workdir_lock
-# Re-exported: the loop's state and its two ways to stop.
-from dpjax.training_loop import RunInterrupted, TrainingDiverged, TrainState  # pylint: disable=unused-import
+from dpjax.privacy import auditing
+from dpjax.privacy import augmult as augmult_lib
+from dpjax.trainer import checkpoints
+from dpjax.trainer import cli
+from dpjax.trainer import compilation_cache
+from dpjax.models import factory as models
+from dpjax.trainer import perf as perf_lib
+from dpjax.trainer import plan as plan_lib
+from dpjax.trainer import run_seed
+from dpjax.privacy import sharding
+from dpjax.trainer import loop as training_loop
+from dpjax.trainer import workdir_lock
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'the training config: a file (path[:arg]) or a packaged config\'s name '
@@ -140,8 +138,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     augmult_lib.check_config(config.augmult.num_views, config.augmult.crop_padding,
                              config.augmult.flip, input_shape=train_source.input_shape)
   model = models.make_model(config.model, train_source.num_classes, train_source.input_shape)
-  mesh = sharding.make_mesh(config.num_devices)
-  sharding.check_physical_batch_size(config.sampler.physical_batch_size, mesh)
+  perf = perf_lib.Perf.from_config(config)
+  mesh = sharding.make_mesh(perf.num_devices)
+  sharding.check_physical_batch_size(perf.physical_batch_size, mesh)
 
   # ---------------------------------------------------------------------------
   # The plan: sampler, B, σ (given, the checkpoint's, or calibrated) and the
@@ -156,13 +155,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     resumed = resume_point(workdir)
     seed = run_seed.broadcast_seed(run_seed.resolve_seed(config.seed, workdir))
     plan = plan_lib.make_plan(config, train_source, resumed[1], seed=seed.value,
-                              seed_source=seed.source, resumed_step=resumed[0])
+                              seed_source=seed.source, resumed_step=resumed[0], perf=perf)
     lock.acquire()  # Creates a fresh workdir; a no-op if held.
     if resume_point(workdir) != resumed:  # Another run wrote here meanwhile: plan again.
       resumed = resume_point(workdir)
       seed = run_seed.broadcast_seed(run_seed.resolve_seed(config.seed, workdir))
       plan = plan_lib.make_plan(config, train_source, resumed[1], seed=seed.value,
-                                seed_source=seed.source, resumed_step=resumed[0])
+                                seed_source=seed.source, resumed_step=resumed[0], perf=perf)
     if sharding.is_primary_process():  # Before any compute: the resume needs it.
       run_seed.store_seed(workdir, seed)
     return training_loop.run(plan, workdir, train_source, test_source, model, mesh)
@@ -208,10 +207,10 @@ def main(argv):
     train_and_evaluate(config, _WORKDIR.value)
   except ValueError as e:  # Bad config, data or workdir: the message names the field.
     cli.fail(prog, e)
-  except RunInterrupted as e:
+  except training_loop.RunInterrupted as e:
     print(f'{prog}: {e}', file=sys.stderr, flush=True)
     sys.exit(e.exit_code)
-  except (TrainingDiverged, checkpoints.CheckpointSaveError) as e:
+  except (training_loop.TrainingDiverged, checkpoints.CheckpointSaveError) as e:
     cli.fail(prog, e, code=1)
   except BrokenPipeError:  # The reader of our output went away (`| head`).
     cli.quiet_broken_pipe()

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 
 import dpjax
-from dpjax import data
+from dpjax.data import digits
 
 
 class MLP(nn.Module):
@@ -28,7 +28,7 @@ class MLP(nn.Module):
 
 
 def main(quick: bool) -> None:
-  x_train, y_train, x_test, y_test = data.load_digits_arrays()
+  x_train, y_train, x_test, y_test = digits.load_digits_arrays()
   x_train, x_test = x_train / 16, x_test / 16
   epochs = 1 if quick else 10
   sampler = dpjax.ShuffleSampler(num_examples=len(x_train), batch_size=128,

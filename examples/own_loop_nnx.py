@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 
 import dpjax
-from dpjax import data
+from dpjax.data import digits
 
 
 class CNN(nnx.Module):
@@ -31,7 +31,7 @@ class CNN(nnx.Module):
 
 
 def main(quick: bool) -> None:
-  x_train, y_train, x_test, y_test = data.load_digits_arrays()
+  x_train, y_train, x_test, y_test = digits.load_digits_arrays()
   x_train, x_test = x_train / 16, x_test / 16
   steps = len(x_train) // 256 if quick else 15 * len(x_train) // 128  # 1/2 or 15 epochs.
 

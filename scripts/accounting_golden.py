@@ -1,4 +1,4 @@
-"""Golden accounting numbers: does a refactor of dpjax.accounting change any ε, σ or bound?
+"""Golden accounting numbers: does a refactor of dpjax.privacy.accounting change any ε, σ or bound?
 
 Records, bit for bit (repr of every float), ε reports for every sampler x accountant
 (x group size 2 where supported), calibrated σ, max_num_steps and the max-test lower
@@ -21,10 +21,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dpjax import accounting  # pylint: disable=wrong-import-position
-from dpjax import samplers  # pylint: disable=wrong-import-position
-from dpjax.accounting import calibration  # pylint: disable=wrong-import-position
-from dpjax.accounting import max_test  # pylint: disable=wrong-import-position
+from dpjax.privacy import accounting  # pylint: disable=wrong-import-position
+from dpjax.privacy import samplers  # pylint: disable=wrong-import-position
+from dpjax.privacy.accounting import calibration  # pylint: disable=wrong-import-position
+from dpjax.privacy.accounting import max_test  # pylint: disable=wrong-import-position
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results',
                     'accounting_golden.json')

@@ -10,7 +10,7 @@ Measures (docs/accounting.md; targets from issue 4):
     (target < 60 s), and how its time grows with T and with the number of samples;
   * random-allocation PLD (pld-accounting) for T = 1e2, 1e3, 1e4, each in a subprocess with a
     timeout (it grows steeply with T), which sets the default policy in
-    dpjax/accounting/balls_and_bins.py, and the one-epoch dominating PLD composed E times
+    dpjax/privacy/accounting/balls_and_bins.py, and the one-epoch dominating PLD composed E times
     (the E > 1 policy);
   * reference values: truncated Poisson (4.20 / 4.20 / 5.60 / 14.2), FS-RDP (0.454 / 0.659 /
     1.083), the MoG PLD in the same setting.
@@ -26,13 +26,13 @@ import sys
 import tempfile
 import time
 
-from dpjax import provenance
-from dpjax import samplers
-from dpjax.accounting import accountant as accountant_lib
-from dpjax.accounting import balls_and_bins
-from dpjax.accounting import calibration
-from dpjax.accounting import fixed_size_rdp
-from dpjax.accounting import monte_carlo
+from dpjax.trainer import provenance
+from dpjax.privacy import samplers
+from dpjax.privacy.accounting import accountant as accountant_lib
+from dpjax.privacy.accounting import balls_and_bins
+from dpjax.privacy.accounting import calibration
+from dpjax.privacy.accounting import fixed_size_rdp
+from dpjax.privacy.accounting import monte_carlo
 
 DELTA = 1e-5
 
@@ -189,7 +189,7 @@ def main():
       results = json.load(f)  # Update the chosen sections only.
   results['machine'] = dict(provenance.machine(), time=time.strftime('%Y-%m-%d %H:%M:%S'),
                             git=provenance.git_state())
-  # The default policy chosen from these measurements (dpjax/accounting/balls_and_bins.py).
+  # The default policy chosen from these measurements (dpjax/privacy/accounting/balls_and_bins.py).
   results.get('random_allocation_pld', {}).pop('policy', None)
   results['random_allocation_policy'] = dict(
       attempt='every T and E', timeout_seconds=balls_and_bins.RANDOM_ALLOCATION_TIMEOUT,

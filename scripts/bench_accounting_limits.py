@@ -28,8 +28,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _CHILD = r'''
 import json, resource, sys, time
-from dpjax import samplers
-from dpjax.accounting import accountant, calibration
+from dpjax.privacy import samplers
+from dpjax.privacy.accounting import accountant, calibration
 case = json.loads(sys.argv[1])
 sampler = samplers.sampler_class(case['sampler'])(num_examples=case['n'], batch_size=case['b'])
 start = time.perf_counter()

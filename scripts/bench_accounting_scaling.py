@@ -1,6 +1,6 @@
 """Accounting speed as the number of steps T grows: ε time and calibration time.
 
-Question: how long does `dpjax.plan.make_accountant` take to give the ε of
+Question: how long does `dpjax.trainer.plan.make_accountant` take to give the ε of
 a run, and to calibrate σ for a target ε, for each sampler and accountant, as
 T grows from 1e2 to 1e5 steps?
 
@@ -64,7 +64,7 @@ import tempfile
 import threading
 import time
 
-from dpjax import provenance  # Light (no jax): the parent stays free of the accountant it times.
+from dpjax.trainer import provenance  # Light (no jax): the parent stays free of the accountant it times.
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 DEFAULT_OUT = os.path.join(HERE, 'results', 'accounting_scaling.json')
@@ -87,7 +87,7 @@ _WALL_FACTOR = 20  # A hard wall-clock cap of 20 × the CPU timeout, against han
 
 
 def _config(sampler: str, accountant: str, task: str):
-  from dpjax.cli import load_config_file as load_config  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer.cli import load_config_file as load_config  # pylint: disable=g-import-not-at-top
   config = load_config(os.path.join(REPO, 'configs', 'digits_mlp.py'))
   config.sampler.name = sampler
   config.sampler.batch_size = BATCH_SIZE
@@ -108,7 +108,7 @@ def _config(sampler: str, accountant: str, task: str):
 
 def _fresh_caches() -> None:
   """Cold start for every timed run: no memoised random-allocation PLD or max-test pair."""
-  from dpjax.accounting import max_test, random_allocation  # pylint: disable=g-import-not-at-top
+  from dpjax.privacy.accounting import max_test, random_allocation  # pylint: disable=g-import-not-at-top
   os.environ['DPJAX_CACHE_DIR'] = tempfile.mkdtemp(prefix='dpjax_bench_cache_')
   random_allocation._memo.clear()  # pylint: disable=protected-access
   for fn in (max_test._cached_binned_pair,  # pylint: disable=protected-access
@@ -123,7 +123,7 @@ def _cpu_seconds() -> float:
 
 
 def _run_once(sampler: str, accountant: str, task: str, num_steps: int) -> dict:
-  from dpjax.plan import make_accountant  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer.plan import make_accountant  # pylint: disable=g-import-not-at-top
   config = _config(sampler, accountant, task)
   num_examples = num_steps * BATCH_SIZE  # ceil(N/b) = T steps per epoch.
   # The default 1e5 Monte-Carlo samples cannot certify δ = 1e-5 (a ValueError asks for
@@ -142,7 +142,7 @@ def _run_once(sampler: str, accountant: str, task: str, num_steps: int) -> dict:
 
 
 def worker(spec: dict) -> None:
-  import dpjax.accounting  # pylint: disable=g-import-not-at-top,unused-import
+  import dpjax.privacy.accounting  # pylint: disable=g-import-not-at-top,unused-import
   print(json.dumps({'ready': True}), flush=True)
   for num_steps in spec['steps']:
     row: dict = {'num_steps': num_steps}
@@ -268,7 +268,7 @@ def _log(sampler, accountant, task, row):
 
 
 def combos(samplers: list[str]) -> list[tuple[str, str]]:
-  from dpjax import samplers as samplers_lib  # pylint: disable=g-import-not-at-top
+  from dpjax.privacy import samplers as samplers_lib  # pylint: disable=g-import-not-at-top
   return [(s, a) for s in samplers for a in samplers_lib.sampler_class(s).accountants]
 
 
@@ -344,8 +344,8 @@ BNB_CASES = (
 def _calibrate_cold(cache: str) -> dict:
   """σ for ε = 1 at T = 1000 (N = 1e6, b = 1000), cold cache, timed in a fresh process."""
   code = ('import json, time\n'
-          'from dpjax import samplers\n'
-          'from dpjax.accounting import accountant, calibration\n'
+          'from dpjax.privacy import samplers\n'
+          'from dpjax.privacy.accounting import accountant, calibration\n'
           's = samplers.sampler_class("balls_and_bins")(num_examples=10**6, batch_size=1000)\n'
           't = time.perf_counter()\n'
           'sigma = calibration.calibrate_noise_multiplier(s, 1.0, 1e-5, 1000)\n'

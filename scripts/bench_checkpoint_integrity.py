@@ -25,8 +25,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from dpjax import checkpoints
-from dpjax import provenance
+from dpjax.trainer import checkpoints
+from dpjax.trainer import provenance
+from dpjax.trainer import manifest
 
 
 def _median_seconds(fn, repeats):
@@ -81,7 +82,7 @@ def main():
         state=ocp.args.StandardRestore(target)))
     results['restore_seconds'], results['restore_samples'] = _median_seconds(restore, args.repeats)
     results['verify_seconds'], results['verify_samples'] = _median_seconds(
-        lambda: checkpoints.verify_checkpoint(step_dir), args.repeats)
+        lambda: manifest.verify_checkpoint(step_dir), args.repeats)
   results.update(
       megabytes=args.megabytes, repeats=args.repeats,
       save_ratio_dpjax_over_plain=(results['save_dpjax_seconds']

@@ -3,7 +3,7 @@
 For each model, times one `DPStep.accumulate` call (one physical batch of P
 random examples) for three methods: non-private (one backward pass, no
 clipping), 'vmap' (per-example gradients) and 'ghost' (ghost norms and
-book-keeping, `dpjax.ghost_clipping`). Reports examples/s (P / median time
+book-keeping, `dpjax.privacy.ghost_clipping`). Reports examples/s (P / median time
 over repeats of samples >= 0.1 s, after compilation), the ratios to
 non-private, XLA's memory
 estimate of the compiled program (arguments + outputs + temporaries, from
@@ -53,9 +53,10 @@ import ml_collections
 import numpy as np
 import optax
 
-from dpjax import dp_step
-from dpjax import ghost_clipping
-from dpjax import models
+from dpjax.privacy import dp_step
+from dpjax.privacy import ghost_clipping
+from dpjax.models import factory as models
+from dpjax.privacy import prng
 
 METHODS = ('nonprivate', 'vmap', 'ghost')
 MAX_P = 2**16  # Larger physical batches are reported as this cap.
@@ -146,7 +147,7 @@ def bench_model(name: str, repeats: int, budget: int,
   """Times the methods interleaved (round-robin), so that load changes
   on the shared machine affect them alike; medians over rounds."""
   model, shape, p = _model(name)
-  params = dp_step.init_params(model, 0, shape)
+  params = prng.init_params(model, 0, shape)
   batch = _batch(shape, p)
   out = {'physical_batch_size': p, 'input_shape': list(shape),
          'num_params': int(sum(l.size for l in jax.tree.leaves(params))),

@@ -8,7 +8,7 @@ with the files in the page cache (warm) and evicted from it (cold)? And so:
 up to how many bytes can the full method be the default?
 
 Rows are 64 uint8 features and a uint8 label (N = 1e8 is 6.4 GB; the files
-are written with `data.write_memmap_split` into a temporary directory and
+are written with `arrays.write_memmap_split` into a temporary directory and
 deleted afterwards). Methods:
 
   in_memory     an ArraySource over numpy arrays in RAM (always 'full'); 1e8
@@ -45,13 +45,14 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dpjax import data  # pylint: disable=g-import-not-at-top,wrong-import-position
-from dpjax import data_identity  # pylint: disable=g-import-not-at-top,wrong-import-position
-from dpjax import provenance  # pylint: disable=g-import-not-at-top,wrong-import-position
+from dpjax.data import arrays  # pylint: disable=g-import-not-at-top,wrong-import-position
+from dpjax.data import preprocess  # pylint: disable=g-import-not-at-top,wrong-import-position
+from dpjax.data import identity as data_identity  # pylint: disable=g-import-not-at-top,wrong-import-position
+from dpjax.trainer import provenance  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 CHUNK_ROWS = 1 << 20  # Rows per chunk when writing or generating.
 KEY = b'bench-data-identity'
-PREPROCESS = data.Preprocessor(255.0, (0.0,), (1.0,), 'int', 10)
+PREPROCESS = preprocess.Preprocessor(255.0, (0.0,), (1.0,), 'int', 10)
 
 
 def chunks(num_examples: int, features: int, seed: int):
@@ -71,7 +72,7 @@ def mem_available_bytes() -> int:
 
 
 def split_files(root: str) -> list[str]:
-  return [os.path.join(root, name) for name in data.MEMMAP_FILES]
+  return [os.path.join(root, name) for name in arrays.MEMMAP_FILES]
 
 
 def evict(root: str) -> None:
@@ -106,10 +107,10 @@ def cached_fraction(root: str) -> float | None:
   return resident / size if size else None
 
 
-def open_source(root: str) -> data.ArraySource:
+def open_source(root: str) -> arrays.ArraySource:
   """A memmap ArraySource without `make_sources`' label scan (which would warm y.npy)."""
   x, y = (np.load(path, mmap_mode='r') for path in split_files(root))
-  return data.ArraySource(x, y, PREPROCESS)
+  return arrays.ArraySource(x, y, PREPROCESS)
 
 
 def measure(name, num_examples, make_source, full_read_bytes, repeats, root=None, cold=False):
@@ -165,7 +166,7 @@ def main():
         for i, (cx, cy) in enumerate(chunks(n, args.features, 0)):
           part = slice(i * CHUNK_ROWS, i * CHUNK_ROWS + len(cx))
           x[part], y[part] = cx, cy
-        rows.append(measure('in_memory', n, lambda: data.ArraySource(x, y, PREPROCESS),
+        rows.append(measure('in_memory', n, lambda: arrays.ArraySource(x, y, PREPROCESS),
                             data_identity.DEFAULT_FULL_READ_BYTES, repeats))
         del x, y
         gc.collect()
@@ -176,7 +177,7 @@ def main():
       # Memory-mapped.
       root = os.path.join(workdir, f'n{n}')
       start = time.perf_counter()
-      data.write_memmap_split(root, n, chunks(n, args.features, 0))
+      arrays.write_memmap_split(root, n, chunks(n, args.features, 0))
       write_seconds = time.perf_counter() - start
       label_bytes = os.path.getsize(split_files(root)[1])
       print(f'wrote {nbytes / 1e9:.2f} GB in {write_seconds:.1f} s', flush=True)

@@ -30,7 +30,10 @@ import time
 import ml_collections
 import numpy as np
 
-from dpjax import batching, data, plan as plan_lib, samplers
+from dpjax.privacy import batching
+from dpjax.data import synthetic
+from dpjax.trainer import plan as plan_lib
+from dpjax.privacy import samplers
 
 
 def make(name: str, num_examples: int, batch_size: int, physical: int):
@@ -123,7 +126,7 @@ def main():
     for n_float in args.sizes:
       n = int(n_float)
       batcher = make(name, n, args.batch_size, args.physical_batch_size)
-      source = data.SyntheticSource(n, (args.input_dim,), 10)
+      source = synthetic.SyntheticSource(n, (args.input_dim,), 10)
       per_epoch = batcher.sampler.steps_per_epoch
       medians, sampling, amortised, num_physical = [], [], [], []
       for r in range(args.repeats):

@@ -17,7 +17,7 @@ the number of steps run, not with N).
 
 Sources:
   synthetic  examples computed from their index (64 float32 features).
-  memmap     `data.write_memmap_split` files: 64 uint8 features + a uint8
+  memmap     `arrays.write_memmap_split` files: 64 uint8 features + a uint8
              label per row, so N = 1e8 is 6.4 GB (28x28 images would be 78 GB,
              more than this disk has free). Files are written to a temporary
              directory, one N at a time, and deleted at the end. Timed "warm":
@@ -71,12 +71,15 @@ def proc_status_mib() -> dict[str, float]:
 
 def run_worker(spec: dict) -> dict:
   import ml_collections  # pylint: disable=g-import-not-at-top
-  from dpjax import batching, data, plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from dpjax.privacy import batching
+  from dpjax.data import sources as data
+  from dpjax.data import synthetic
+  from dpjax.trainer import plan as plan_lib  # pylint: disable=g-import-not-at-top
 
   baseline = proc_status_mib()
   start = time.perf_counter()
   if spec['source'] == 'synthetic':
-    source = data.SyntheticSource(spec['num_examples'], (spec['features'],), 10)
+    source = synthetic.SyntheticSource(spec['num_examples'], (spec['features'],), 10)
   else:
     config = ml_collections.ConfigDict(dict(
         source='memmap', path=spec['path'], train_split='train', test_split='test', scale=255.0,
@@ -139,7 +142,7 @@ def run_worker(spec: dict) -> dict:
 
 def write_memmap_files(root: str, num_examples: int, features: int) -> float:
   """Writes train (N rows) and test (1000 rows) splits of random bytes; returns seconds."""
-  from dpjax import data  # pylint: disable=g-import-not-at-top
+  from dpjax.data import arrays  # pylint: disable=g-import-not-at-top
   rows = max(1, PAGE_CACHE_CHUNK // features)
   def chunks(total, seed):
     for first in range(0, total, rows):
@@ -148,8 +151,8 @@ def write_memmap_files(root: str, num_examples: int, features: int) -> float:
       x = np.frombuffer(rng.bytes(count * features), np.uint8).reshape(count, features)
       yield x, rng.integers(0, 10, count, dtype=np.uint8)
   start = time.perf_counter()
-  data.write_memmap_split(os.path.join(root, 'train'), num_examples, chunks(num_examples, 0))
-  data.write_memmap_split(os.path.join(root, 'test'), 1000, chunks(1000, 1))
+  arrays.write_memmap_split(os.path.join(root, 'train'), num_examples, chunks(num_examples, 0))
+  arrays.write_memmap_split(os.path.join(root, 'test'), 1000, chunks(1000, 1))
   return time.perf_counter() - start
 
 

@@ -18,8 +18,9 @@ import ml_collections
 import numpy as np
 import optax
 
-from dpjax import dp_step
-from dpjax import models
+from dpjax.privacy import dp_step
+from dpjax.models import factory as models
+from dpjax.privacy import prng
 
 
 def _median_ms(fn, repeats):
@@ -44,7 +45,7 @@ def main():
   else:
     cfg = models.default_model_config('cnn')
   model = models.make_model(cfg, 10, (28, 28, 1))
-  params = dp_step.init_params(model, 0, (28, 28, 1))
+  params = prng.init_params(model, 0, (28, 28, 1))
   num_params = sum(p.size for p in jax.tree.leaves(params))
   print(f'{args.model}: {num_params} parameters, jax {jax.__version__}, '
         f'{jax.devices()[0].device_kind}')

@@ -11,7 +11,7 @@ trainer draws):
   back to back on device-resident logical batches (index buffers into the
   training set on the device, or host-gathered buffers put on the device
   beforehand) after warm-up.
-* multi_step_kernel: the program the trainer runs (`dpjax.multi_step`: S
+* multi_step_kernel: the program the trainer runs (`dpjax.privacy.multi_step`: S
   logical steps a call, same results) back to back on device-resident chunks.
 * fused_loop: the trainer's loop rebuilt in this process: sampler -> index
   buffers -> chunks -> the multi-step program (a `Prefetcher` thread for
@@ -50,8 +50,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-from dpjax import ema as ema_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
+from dpjax.privacy import ema as ema_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
+from dpjax.privacy import prng
 
 COMMON = {  # Fixed σ (no calibration), no periodic eval / checkpoint inside the timed steps.
     'num_epochs': 0, 'privacy.target_epsilon': 0.0, 'privacy.noise_multiplier': 1.0,
@@ -96,7 +97,13 @@ class Run:
   """The trainer's objects for a config, rebuilt in this process."""
 
   def __init__(self, spec: dict):
-    from dpjax import augmult, batching, data, dp_step, models, optimizers, plan as plan_lib  # pylint: disable=g-import-not-at-top,multiple-imports
+    from dpjax.privacy import augmult
+    from dpjax.privacy import batching
+    from dpjax.data import sources as data
+    from dpjax.privacy import dp_step
+    from dpjax.models import factory as models
+    from dpjax.trainer import optimizers
+    from dpjax.trainer import plan as plan_lib  # pylint: disable=g-import-not-at-top,multiple-imports
     config = _load_config(spec)
     self.config = config
     if config.seed is None:  # In-process timers need a seed; the trainer draws its own.
@@ -119,7 +126,7 @@ class Run:
         max_batch_size=self.max_batch_size,
         clipping=config.privacy.clipping, label_format=config.data.label_format, seed=config.seed,
         precision=config.precision, augmult=augmult.Augmult.from_config(config.augmult))
-    self.params = dp_step.init_params(model, config.seed, self.train_source.input_shape)
+    self.params = prng.init_params(model, config.seed, self.train_source.input_shape)
     self.opt_state = self.step.optimizer.init(self.params)
 
   def rows(self, step: int) -> int:
@@ -140,7 +147,7 @@ def time_e2e(name: str, spec: dict, run: Run, env: dict | None = None) -> dict:
       raise RuntimeError(f'{name}: dpjax.train failed:\n{proc.stderr[-3000:]}')
     with open(os.path.join(workdir, 'metrics.jsonl')) as f:
       lines = [json.loads(l) for l in f if l.strip()]
-  n = 'nonprivate_'  # Timings are not covered by ε (dpjax.metrics): named nonprivate_*.
+  n = 'nonprivate_'  # Timings are not covered by ε (dpjax.trainer.metrics): named nonprivate_*.
   logged = [l for l in lines if n + 'steps_per_second' in l]
   # The trainer's rate of each log window (eval and checkpoint time excluded), after warm-up.
   rates = [l[n + 'examples_per_second'] for l in logged
@@ -164,12 +171,13 @@ def kernel_and_loop_timers(run: Run, steps: range, log_every: int) -> tuple[dict
 
   kernel: `DPStep.train_step`, the logical-step program, back to back on device-resident
   logical batches after warm-up (the issue's definition). multi_step_kernel: the program the
-  trainer runs (`dpjax.multi_step`, S steps a call) back to back on device-resident chunks.
+  trainer runs (`dpjax.privacy.multi_step`, S steps a call) back to back on device-resident chunks.
   loop: the trainer's loop in this process: sampler -> index buffers -> chunks -> the
   multi-step program, one host sync per logged step (a Prefetcher for host-gathered rows).
   Also returns facts about them (compilations, S, first call).
   """
-  from dpjax import device_data, multi_step  # pylint: disable=g-import-not-at-top,multiple-imports
+  from dpjax.data import device as device_data
+  from dpjax.privacy import multi_step  # pylint: disable=g-import-not-at-top,multiple-imports
   k_max = run.batcher.max_physical_batches
   on_device = device_data.fits_on_device(run.train_source)
   dataset = device_data.put_on_device(run.train_source) if on_device else None
@@ -263,8 +271,8 @@ def main():
   repeats = args.repeats or (3 if args.quick else 5)
   out_path = args.out or os.path.join(REPO, 'scripts', 'results',
                                       'e2e_quick.json' if args.quick else 'e2e.json')
-  from dpjax import compilation_cache  # pylint: disable=g-import-not-at-top
-  from dpjax import provenance  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer import compilation_cache  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer import provenance  # pylint: disable=g-import-not-at-top
   cache_dir = compilation_cache.enable_compilation_cache('')  # The same cache as a user's runs.
   began = time.perf_counter()
   device = jax.devices()[0]

@@ -32,15 +32,15 @@ import numpy as np
 import optax
 
 import dpjax
-from dpjax import networks
-from dpjax import nnx_networks
+from dpjax.models import cnn
+from dpjax.models import mlp
 
 SHAPE, CLASSES, BATCH = (8, 8, 1), 10, 256
 MODELS = {
-    'mlp': (lambda: networks.MLP(CLASSES, (256, 128)),
-            lambda rngs: nnx_networks.MLP(SHAPE, CLASSES, (256, 128), rngs=rngs)),
-    'cnn': (lambda: networks.CNN(CLASSES, (16, 32), (3, 3), (1, 1), ('SAME', 'SAME'), 32),
-            lambda rngs: nnx_networks.CNN(SHAPE, CLASSES, (16, 32), (3, 3), (1, 1),
+    'mlp': (lambda: mlp.MLP(CLASSES, (256, 128)),
+            lambda rngs: mlp.NNXMLP(SHAPE, CLASSES, (256, 128), rngs=rngs)),
+    'cnn': (lambda: cnn.CNN(CLASSES, (16, 32), (3, 3), (1, 1), ('SAME', 'SAME'), 32),
+            lambda rngs: cnn.NNXCNN(SHAPE, CLASSES, (16, 32), (3, 3), (1, 1),
                                           ('SAME', 'SAME'), 32, rngs=rngs)),
 }
 

@@ -34,8 +34,8 @@ import statistics
 import sys
 import time
 
-from dpjax.accounting import monte_carlo
-from dpjax import provenance
+from dpjax.privacy.accounting import monte_carlo
+from dpjax.trainer import provenance
 
 SIGMA, NUM_STEPS, DELTA, BETA = 0.7, 10_000, 1e-4, 1e-3
 METHOD = 'importance_order_statistics'
@@ -102,7 +102,7 @@ def bench(samples: list[int], workers: list[int], repeats: int) -> dict:
   return dict(
       setting=dict(noise_multiplier=SIGMA, num_steps=NUM_STEPS, num_epochs=1, delta=DELTA,
                    beta=BETA, method=METHOD, seed=0, repeats=repeats,
-                   samples_per_chunk=monte_carlo._SAMPLES_PER_CHUNK),  # pylint: disable=protected-access
+                   samples_per_chunk=monte_carlo.SAMPLES_PER_CHUNK),
       machine=dict(provenance.machine(), git=provenance.git_state(),
                    usable_cpus=len(os.sched_getaffinity(0)),
                    sched_autogroup_enabled=_autogroup(),

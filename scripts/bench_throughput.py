@@ -10,7 +10,7 @@ new batch size cost over one epoch?
 
 Every method trains on the same Poisson logical batches (dpjax's
 `PoissonSampler`, q = b/N, same seed) of the same synthetic 28x28x1 examples
-(`dpjax.data.SyntheticSource`, gathered once into memory), with the same
+(`dpjax.data.synthetic.SyntheticSource`, gathered once into memory), with the same
 σ, C and SGD step:
 
 - jax_nonprivate: `dp_step.DPStep(private=False)`, the dpjax pipeline
@@ -88,11 +88,13 @@ import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_clipping
-from dpjax import batching
-from dpjax import data
-from dpjax import dp_step
-from dpjax import provenance
-from dpjax import samplers
+from dpjax.privacy import batching
+from dpjax.data import synthetic
+from dpjax.privacy import dp_step
+from dpjax.trainer import provenance
+from dpjax.privacy import samplers
+from dpjax.privacy import losses
+from dpjax.privacy import prng
 
 MODELS = ('mlp', 'cnn')
 JAX_METHODS = ('jax_nonprivate', 'dpjax_vmap', 'dpjax_ghost', 'naive_jax')
@@ -122,7 +124,7 @@ class Workload:
 
   def __init__(self, num_examples: int, batch_size: int,
                physical_batch_size: int, input_shape=(28, 28, 1)):
-    source = data.SyntheticSource(num_examples, tuple(input_shape), 10,
+    source = synthetic.SyntheticSource(num_examples, tuple(input_shape), 10,
                                    seed=SEED)
     arrays = source.gather(np.arange(num_examples))
     self.x, self.y = arrays['x'], arrays['y']
@@ -163,7 +165,7 @@ class JaxMethod:
                sigma: float, clip_norm: float):
     self.name, self.wl = name, wl
     model, shape, _ = bench_clipping._model(model_name)
-    self.params = dp_step.init_params(model, SEED, shape)
+    self.params = prng.init_params(model, SEED, shape)
     optimizer = optax.sgd(LEARNING_RATE)
     self.opt_state = optimizer.init(self.params)
     clipping = {'dpjax_ghost': 'ghost'}.get(name, 'vmap')
@@ -289,12 +291,12 @@ def check_same_clipped_sum(model_name: str, wl: Workload,
   """
   import opacus
   import torch
-  from dpjax import clipping
+  from dpjax.privacy import clipping
   flax_model, shape, _ = bench_clipping._model(model_name)
-  params = dp_step.init_params(flax_model, SEED, shape)
+  params = prng.init_params(flax_model, SEED, shape)
   chunk = wl.chunks(0)[0]
   want, _ = clipping.per_example_clipped_sum(
-      dp_step.make_loss_fn(flax_model), params,
+      losses.make_loss_fn(flax_model), params,
       {'x': wl.x[chunk], 'y': wl.y[chunk],
        'weight': np.ones(len(chunk), np.float32)}, clip_norm)
   model = _torch_model(flax_model, shape)
@@ -330,7 +332,7 @@ class TorchMethod:
     torch.manual_seed(SEED)
     flax_model, shape, _ = bench_clipping._model(model_name)
     model = _torch_model(flax_model, shape)
-    params = dp_step.init_params(flax_model, SEED, shape)
+    params = prng.init_params(flax_model, SEED, shape)
     _load_flax_params(model, params)
     model = model.to(TORCH_DEVICE)
     # Same function, not just the same parameter count: equal logits.
@@ -678,7 +680,7 @@ def main():
                  'clip_norm': args.clip_norm, 'optimizer': f'sgd({LEARNING_RATE})',
                  'steps_per_repeat': s, 'repeats': repeats,
                  'epoch_repeats': epoch_repeats, 'seed': SEED,
-                 'data': 'dpjax.data.SyntheticSource 28x28x1, 10 classes'},
+                 'data': 'dpjax.data.synthetic.SyntheticSource 28x28x1, 10 classes'},
       'load_average_start': _load(), 'models': {},
   }
   print(f'N={n} b={args.batch_size} P={args.physical_batch_size} '

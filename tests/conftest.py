@@ -1,15 +1,25 @@
-"""Test-session settings: a shared persistent XLA compilation cache.
+"""Test-session settings: a shared persistent XLA compilation cache; setup shared by workers.
 
 Many tests (and the training subprocesses of the resume test) compile the
 same small programs; caching them on disk for the session keeps the suite
 within its time budget on two CPU cores. Results are unaffected: a cached
 executable is the same program.
+
+The `shared_setup` fixture builds an expensive, read-only setup (finished runs, a workdir)
+once per test session even under pytest-xdist, where each worker would otherwise run a
+module-scoped fixture again for its share of the module's tests. `in_process_pld_builds`
+builds balls-and-bins PLDs without starting an interpreter for each.
 """
 
+import contextlib
+import fcntl
+import functools
 import os
+import shutil
 import tempfile
 
 import jax
+import pytest
 
 _CACHE = os.environ.setdefault(
     'JAX_COMPILATION_CACHE_DIR', os.path.join(tempfile.gettempdir(), 'dpjax-test-xla-cache'))
@@ -18,3 +28,70 @@ os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 jax.config.update('jax_compilation_cache_dir', _CACHE)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
 jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+
+
+def shared_directory(tmp_path_factory, name: str, build) -> str:
+  """A directory that `build(path)` fills once per test session, for every pytest-xdist worker.
+
+  The first worker to ask builds it under a lock; the others wait and reuse it. Tests must only
+  read it (copy it to change anything). A failed build leaves nothing behind: the next worker
+  builds again and fails the same way in its own tests.
+  """
+  base = tmp_path_factory.getbasetemp()
+  root = base.parent if os.environ.get('PYTEST_XDIST_WORKER') else base  # The session's root.
+  path, done = root / f'shared-{name}', root / f'shared-{name}.done'
+  with open(root / f'shared-{name}.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      if not done.exists():
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir()
+        try:
+          build(path)
+        except BaseException:
+          shutil.rmtree(path, ignore_errors=True)
+          raise
+        done.touch()
+    finally:
+      with contextlib.suppress(OSError):
+        fcntl.flock(lock, fcntl.LOCK_UN)
+  return str(path)
+
+
+@pytest.fixture(scope='session')
+def shared_setup(tmp_path_factory):
+  """`shared_setup(name, build)`: the path of `shared_directory` `name`, built by `build`."""
+  return functools.partial(shared_directory, tmp_path_factory)
+
+
+@pytest.fixture
+def in_process_pld_builds(monkeypatch):
+  """Random-allocation PLDs built in this process, not in a child interpreter.
+
+  dpjax builds each one-epoch PLD in a child `python -m dpjax.privacy.accounting.random_allocation
+  σ T grid tail bound out.npz` (killable at its time budget) whose interpreter start costs
+  ~3 s of CPU, far more than the builds of the small T used in tests. Here that command runs
+  its `main` in this process instead: the same build and the same .npz written and loaded,
+  a failure raised as the child's CalledProcessError with the traceback as stderr; the time
+  budget is not enforced. Tests of the child itself (killed at the budget, its failure, its
+  build) do not use this.
+  """
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import traceback  # pylint: disable=import-outside-toplevel
+  from dpjax.privacy.accounting import random_allocation  # pylint: disable=import-outside-toplevel
+  real = random_allocation.subprocess.run
+
+  def run(argv, *args, **kwargs):
+    if list(argv[1:3]) != ['-m', random_allocation.__name__]:
+      return real(argv, *args, **kwargs)
+    try:
+      returncode = random_allocation.main(list(argv[3:]))
+    except SystemExit as e:  # argparse's usage error: exit code 2, as the child's.
+      returncode = e.code
+    except Exception as e:  # pylint: disable=broad-except
+      raise subprocess.CalledProcessError(1, argv, stderr=traceback.format_exc()) from e
+    if returncode:
+      raise subprocess.CalledProcessError(returncode, argv, stderr='')
+    return subprocess.CompletedProcess(argv, 0, '', '')
+
+  monkeypatch.setattr(random_allocation.subprocess, 'run', run)

@@ -10,7 +10,7 @@ def small_config(**overrides):
   """configs/digits_mlp.py as a 6-step run with a given σ = 1 (no calibration), b = 128, P = 32.
 
   The seed is fixed (0) so that tests can compare two runs bit for bit; a real run draws a
-  secret one (seed None: tests/test_run_seed.py). `overrides` are dotted paths, e.g.
+  secret one (seed None: tests/trainer/test_run_seed.py). `overrides` are dotted paths, e.g.
   small_config(**{'privacy.enabled': False}).
   """
   config = digits_mlp.get_config()

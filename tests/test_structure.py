@@ -1,4 +1,5 @@
-"""The package's import graph has no cycle, counting imports inside functions."""
+"""The package's shape: layers import only downward, no cycle, small functions and modules,
+no private name imported across modules, no re-export kept for old names."""
 
 import ast
 import pathlib
@@ -89,12 +90,98 @@ def test_no_import_cycle_among_dpjax_modules():
   assert find_cycle(graph) == []
 
 
-def test_the_mechanism_reads_no_config():
-  """Samplers, batching, clipping, noise, accounting, ghost clipping and auditing take typed
-  arguments; only the trainer and the command lines read a config."""
-  mechanism = ['samplers.py', 'batching.py', 'clipping.py', 'noise.py', 'privacy_plan.py',
-               'nnx_model.py']
-  paths = [ROOT / m for m in mechanism] + [p for d in ('accounting', 'ghost_clipping',
-                                                        'auditing') for p in (ROOT / d).rglob('*.py')]
+# Each folder is a layer; a module imports only from its own layer or the ones below it.
+# The entry points (`python -m dpjax.<command>`) and the public API sit at the top.
+LAYERS = {'privacy': 0, 'data': 1, 'models': 1, 'trainer': 2, 'configs': 2}
+TOP = 3
+MAX_FUNCTION_LINES = 80
+MAX_MODULE_LINES = 400
+
+
+def layer(module: str) -> int:
+  parts = module.split('.')
+  return LAYERS.get(parts[1], TOP) if len(parts) > 1 else TOP
+
+
+def test_every_import_goes_to_the_same_layer_or_below():
+  upward = sorted(f'{m} -> {t}' for m, targets in import_graph().items() for t in targets
+                  if layer(t) > layer(m))
+  assert upward == []
+
+
+def test_the_privacy_core_reads_no_config():
+  """Samplers, batching, clipping, noise, the step, accounting, ghost clipping and auditing
+  take typed arguments; only the trainer and the command lines read a config."""
+  paths = list((ROOT / 'privacy').rglob('*.py'))
+  assert len(paths) > 30
   for path in paths:
     assert 'ml_collections' not in path.read_text(), path
+
+
+def _functions(tree):
+  return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_no_function_over_80_lines_and_no_module_over_400():
+  long = []
+  for name, path in sorted(_modules().items()):
+    text = path.read_text()
+    if len(text.splitlines()) > MAX_MODULE_LINES:
+      long.append(f'{name}: {len(text.splitlines())} lines')
+    for f in _functions(ast.parse(text)):
+      if f.end_lineno - f.lineno + 1 > MAX_FUNCTION_LINES:
+        long.append(f'{name}.{f.name}: {f.end_lineno - f.lineno + 1} lines')
+  assert long == []
+
+
+def _private_imports(tree: ast.AST, modules) -> list[str]:
+  """`from dpjax.x import _y` and `dpjax_module._y` where the module is imported by name."""
+  found, aliases = [], {}
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and (node.module or '').startswith('dpjax'):
+      for a in node.names:
+        full = f'{node.module}.{a.name}'
+        if a.name.startswith('_'):
+          found.append(full)
+        elif full in modules:
+          aliases[a.asname or a.name] = full
+    elif isinstance(node, ast.Import):
+      for a in node.names:
+        if a.name in modules and a.asname:
+          aliases[a.asname] = a.name
+  for node in ast.walk(tree):
+    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        and node.value.id in aliases and node.attr.startswith('_')
+        and not node.attr.startswith('__')):
+      found.append(f'{aliases[node.value.id]}.{node.attr}')
+  return found
+
+
+def test_the_private_import_checker_sees_both_forms():
+  modules = {'dpjax.a': None}
+  tree = ast.parse('from dpjax.a import _x\nfrom dpjax import a\na._y()\n')
+  assert _private_imports(tree, modules) == ['dpjax.a._x', 'dpjax.a._y']
+
+
+def test_no_private_name_is_imported_across_modules():
+  modules = _modules()
+  found = sorted(f'{name}: {p}' for name, path in modules.items()
+                 for p in _private_imports(ast.parse(path.read_text()), modules))
+  assert found == []
+
+
+def _unused_dpjax_imports(tree: ast.AST) -> list[str]:
+  used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+  return [a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom)
+          and (node.module or '').startswith('dpjax') for a in node.names
+          if (a.asname or a.name) not in used]
+
+
+def test_no_module_re_exports_names_it_does_not_use():
+  """A package's `__init__` may name its public API; any other module that imports a dpjax name
+  uses it (no re-exports kept so that old import paths still work)."""
+  found = sorted(f'{name}: {n}' for name, path in _modules().items()
+                 if path.name != '__init__.py'
+                 for n in _unused_dpjax_imports(ast.parse(path.read_text())))
+  assert _unused_dpjax_imports(ast.parse('from dpjax.a import b, c\nb()\n')) == ['c']
+  assert found == []

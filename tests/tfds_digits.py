@@ -8,7 +8,7 @@ dataset.
 import numpy as np
 import tensorflow_datasets as tfds
 
-from dpjax import data
+from dpjax.data import digits
 
 
 class DigitsTfds(tfds.core.GeneratorBasedBuilder):
@@ -28,7 +28,7 @@ class DigitsTfds(tfds.core.GeneratorBasedBuilder):
 
   def _split_generators(self, dl_manager):
     del dl_manager
-    x_train, y_train, x_test, y_test = data.load_digits_arrays()
+    x_train, y_train, x_test, y_test = digits.load_digits_arrays()
     return {'train': self._generate_examples(x_train, y_train),
             'test': self._generate_examples(x_test, y_test)}
 

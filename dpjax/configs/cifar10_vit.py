@@ -19,7 +19,7 @@ Smoke run (no data needed):
 """
 
 from dpjax import configs
-from dpjax import models
+from dpjax.models import factory as models
 from dpjax.configs import cifar10_wrn
 
 

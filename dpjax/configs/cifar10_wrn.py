@@ -33,9 +33,9 @@ Smoke run (no data needed):
   python -m dpjax.train --config configs/cifar10_wrn.py:runlocal --workdir /tmp/wrn_smoke
 """
 
-from dpjax import config_fields
+from dpjax.trainer import config_fields
 from dpjax import configs
-from dpjax import models
+from dpjax.models import factory as models
 
 
 def get_config(arg: str | None = None):

@@ -8,9 +8,9 @@ Run:
   python -m dpjax.train --config configs/digits_transformer.py --workdir workdirs/digits_transformer
 """
 
-from dpjax import config_fields
+from dpjax.trainer import config_fields
 from dpjax import configs
-from dpjax import models
+from dpjax.models import factory as models
 
 
 def get_config(arg: str | None = None):

@@ -13,8 +13,8 @@ import os
 
 import ml_collections
 
-from dpjax import config_fields
-from dpjax import models
+from dpjax.trainer import config_fields
+from dpjax.models import factory as models
 
 
 def _merge(node: ml_collections.ConfigDict, values: dict, prefix: str) -> None:

@@ -2,7 +2,7 @@
 
 Source: Papernot, Thakurta, Song, Chien, Erlingsson 2021, "Tempered Sigmoid
 Activations for Deep Learning with Differential Privacy" (AAAI; arXiv
-2007.14191): the tanh CNN of dpjax.models.CNN reaches 98.1% test accuracy on
+2007.14191): the tanh CNN of dpjax.models.cnn.CNN reaches 98.1% test accuracy on
 MNIST at ε = 2.93, δ = 1e-5 (Opacus' MNIST example: 96.8% at ε = 2.9). The
 batch size, learning rate, momentum and epochs below are those this repository
 used before (not re-checked against the paper's hyper-parameter table, whose
@@ -20,9 +20,9 @@ Run:
       --config.data.data_dir=$HOME/tfds
 """
 
-from dpjax import config_fields
+from dpjax.trainer import config_fields
 from dpjax import configs
-from dpjax import models
+from dpjax.models import factory as models
 
 
 def get_config(arg: str | None = None):

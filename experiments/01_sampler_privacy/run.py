@@ -3,7 +3,7 @@
 Chua et al. 2025, "Balls-and-Bins Sampling for DP-SGD" (seed 000), Figure 2 plots ε against the
 noise multiplier σ for Poisson subsampling, shuffling and balls-and-bins. This script draws the
 same comparison with the numbers *dpjax itself reports*: every ε comes from
-`dpjax.accounting.Accountant` (the object training attaches ε with) or, where the accountant
+`dpjax.privacy.accounting.Accountant` (the object training attaches ε with) or, where the accountant
 does not report a number at this size, from the dpjax function it would call.
 
   .venv/bin/python experiments/01_sampler_privacy/run.py          # default (27 min, busy 2 cores)
@@ -47,9 +47,9 @@ import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-from dpjax import provenance
-from dpjax import samplers
-from dpjax.accounting import accountant as accountant_lib
+from dpjax.trainer import provenance
+from dpjax.privacy import samplers
+from dpjax.privacy.accounting import accountant as accountant_lib
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent

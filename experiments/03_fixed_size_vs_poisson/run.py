@@ -41,9 +41,9 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpjax import samplers
-from dpjax.accounting import accountant as accountant_lib
-from dpjax.accounting import sampler_events
+from dpjax.privacy import samplers
+from dpjax.privacy.accounting import accountant as accountant_lib
+from dpjax.privacy.accounting import sampler_events
 
 NOISE_MULTIPLIER = 6.0
 BATCH_SIZE = 120

@@ -6,7 +6,7 @@
   python experiments/05_batch_size_planner/plot_plans.py a.json b.json --out both.png \\
       --reference shuffle.json --reference_note ' (no amplification)'
 
-Reads the planner's --json files (`dpjax.planner.Plan.from_dict`); experiment 5
+Reads the planner's --json files (`dpjax.trainer.batch_size_plan.Plan.from_dict`); experiment 5
 (run.py beside this file) draws its figure with `plot_plans`. Plotting lives
 here, not in the library: dpjax itself never imports matplotlib.
 """
@@ -22,10 +22,11 @@ import matplotlib
 from matplotlib import figure
 
 from dpjax import planner
+from dpjax.trainer import batch_size_plan
 
 
-def plot_plans(plans: Sequence[planner.Plan], path: str, *,
-               reference: Sequence[planner.Plan] = (),
+def plot_plans(plans: Sequence[batch_size_plan.Plan], path: str, *,
+               reference: Sequence[batch_size_plan.Plan] = (),
                reference_note: str = '') -> None:
   """σ, σ·C/b and σ/(q√S) against b (log axes), one line per plan (dashed: `reference`,
   labelled with `reference_note`)."""
@@ -65,9 +66,9 @@ def plot_plans(plans: Sequence[planner.Plan], path: str, *,
   fig.savefig(path, dpi=120)
 
 
-def _load(path: str) -> planner.Plan:
+def _load(path: str) -> batch_size_plan.Plan:
   with open(path) as f:
-    return planner.Plan.from_dict(json.load(f))
+    return batch_size_plan.Plan.from_dict(json.load(f))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,7 +6,7 @@
 MNIST-sized run: N = 60000, δ = 1e-5, E = 10 epochs, Poisson sampling, C = 1,
 physical batch P = 256 (it sets the automatic cap B). For each ε and each b
 in 32, 64, …, 32768, 60000 the σ is what `dpjax.train` would calibrate:
-`dpjax.planner.plan_batch_sizes`, i.e. `plan.make_accountant` on the
+`dpjax.trainer.batch_size_plan.plan_batch_sizes`, i.e. `plan.make_accountant` on the
 run's config with σ unset. Reported per b: σ, σ·C/b (noise std on the
 averaged gradient), σ/(q·√S) (noise of the whole run), the attached ε.
 
@@ -27,8 +27,9 @@ import os
 import sys
 
 from dpjax import planner
-from dpjax import provenance
+from dpjax.trainer import provenance
 import plot_plans  # Beside this file: plotting stays out of the library.
+from dpjax.trainer import batch_size_plan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NUM_EXAMPLES = 60_000
@@ -47,7 +48,7 @@ def main(argv=None) -> int:
   os.makedirs(args.out, exist_ok=True)
   epsilons = (3.0,) if args.quick else EPSILONS
   sizes = ([64, 512, 4096, 32768, NUM_EXAMPLES] if args.quick
-           else planner.default_batch_sizes(NUM_EXAMPLES))
+           else batch_size_plan.default_batch_sizes(NUM_EXAMPLES))
   path = os.path.join(args.out, 'results.json')
   results = {
       'setting': dict(num_examples=NUM_EXAMPLES, delta=DELTA, num_epochs=NUM_EPOCHS,
@@ -67,8 +68,8 @@ def main(argv=None) -> int:
     if eps in done:
       continue
     for name, key in (('poisson', 'poisson'), ('shuffle', 'shuffle_reference')):
-      config = planner.base_config(sampler=name, physical_batch_size=PHYSICAL_BATCH_SIZE)
-      plan = planner.plan_batch_sizes(
+      config = batch_size_plan.base_config(sampler=name, physical_batch_size=PHYSICAL_BATCH_SIZE)
+      plan = batch_size_plan.plan_batch_sizes(
           NUM_EXAMPLES, eps, DELTA, NUM_EPOCHS, sizes, config=config,
           progress=lambda r, name=name, eps=eps: print(
               f'{name} ε={eps:g} b={r.batch_size}: σ={r.noise_multiplier:.4f} '
@@ -77,8 +78,8 @@ def main(argv=None) -> int:
       results[key].append(plan.to_dict())
       with open(path, 'w') as f:
         json.dump(results, f, indent=2)
-  plans = [planner.Plan.from_dict(d) for d in results['poisson']]
-  reference = [planner.Plan.from_dict(d) for d in results['shuffle_reference']]
+  plans = [batch_size_plan.Plan.from_dict(d) for d in results['poisson']]
+  reference = [batch_size_plan.Plan.from_dict(d) for d in results['shuffle_reference']]
   # Derived fields (best b, message) from the current planner, also for resumed results.
   results['poisson'] = [plan.to_dict() for plan in plans]
   results['shuffle_reference'] = [plan.to_dict() for plan in reference]
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
   with open(path, 'w') as f:
     json.dump(results, f, indent=2)
   for plan in plans:
-    print(planner.format_table(plan), end='\n\n')
+    print(batch_size_plan.format_table(plan), end='\n\n')
   png = os.path.join(args.out, 'noise_vs_batch_size.png')
   plot_plans.plot_plans(plans, png, reference=reference,
                      reference_note=' (provable bound: no amplification)')

@@ -50,11 +50,11 @@ import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-from dpjax import batching
-from dpjax import provenance
-from dpjax import samplers
-from dpjax.accounting import accountant as accountant_lib
-from dpjax.accounting import balls_and_bins
+from dpjax.privacy import batching
+from dpjax.trainer import provenance
+from dpjax.privacy import samplers
+from dpjax.privacy.accounting import accountant as accountant_lib
+from dpjax.privacy.accounting import balls_and_bins
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent

@@ -1,14 +1,14 @@
 """The DP training recipe on digits: baseline / +augmult / +EMA / +both / fine-tuned, same ε.
 
-Question: at one ε, how much do augmentation multiplicity (dpjax/augmult.py),
-EMA of the parameters (dpjax/ema.py) and fine-tuning from a non-privately
-pretrained model (dpjax/finetune.py) change the test accuracy of the digits
+Question: at one ε, how much do augmentation multiplicity (dpjax/privacy/augmult.py),
+EMA of the parameters (dpjax/privacy/ema.py) and fine-tuning from a non-privately
+pretrained model (dpjax/trainer/finetune.py) change the test accuracy of the digits
 MLP, and is the difference larger than the seed-to-seed spread?
 
 Setup. Digits' training split is cut in two halves by a fixed permutation: A
 is "public" (pretraining, non-private, 30 epochs of plain SGD) and B is the
 private set. Every private run trains on B only, with the same sampler, b, C,
-number of steps and the σ calibrated by `dpjax.plan.make_plan` to the same
+number of steps and the σ calibrated by `dpjax.trainer.plan.make_plan` to the same
 target ε (δ = 1e-5), so the ε of every row is identical and covers B only;
 augmult and EMA change nothing the accountant sees (asserted below: the same
 σ and ε for every variant). 'finetune' starts from the pretrained parameters
@@ -16,7 +16,7 @@ augmult and EMA change nothing the accountant sees (asserted below: the same
 'finetune_head' freezes the hidden layer (only the head is clipped and noised).
 
 Until dpjax.train integrates these modules, the loop is written here over
-`dpjax.plan.make_plan` + `dpjax.batching.Batcher` + `dpjax.dp_step.DPStep`:
+`dpjax.trainer.plan.make_plan` + `dpjax.privacy.batching.Batcher` + `dpjax.privacy.dp_step.DPStep`:
 augmult replaces the DPStep's clipped-sum function by the one of the
 view-mean loss before the first trace (`_use_augmult`), the only use of a
 private attribute, marking where dp_step must take a loss wrapper.
@@ -43,16 +43,19 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', '..'))
 from dpjax.configs import digits_mlp  # pylint: disable=g-import-not-at-top
-from dpjax import augmult
-from dpjax import batching
-from dpjax import clipping
-from dpjax import data
-from dpjax import dp_step
-from dpjax import ema
-from dpjax import finetune
-from dpjax import models
-from dpjax import optimizers
-from dpjax import plan as plan_lib
+from dpjax.privacy import augmult
+from dpjax.privacy import batching
+from dpjax.privacy import clipping
+from dpjax.data import arrays
+from dpjax.data import sources as data
+from dpjax.privacy import dp_step
+from dpjax.privacy import ema
+from dpjax.trainer import finetune
+from dpjax.models import factory as models
+from dpjax.trainer import optimizers
+from dpjax.trainer import plan as plan_lib
+from dpjax.privacy import losses
+from dpjax.privacy import prng
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPLIT_SEED = 1234  # The fixed public/private split of digits' training set.
@@ -93,11 +96,11 @@ def base_config(seed: int, epsilon: float, num_steps: int, sigma: float | None =
   return c
 
 
-def halves(source: data.ArraySource) -> tuple[data.ArraySource, data.ArraySource]:
+def halves(source: arrays.ArraySource) -> tuple[arrays.ArraySource, arrays.ArraySource]:
   """(public A, private B): a fixed permutation of the training split cut in two."""
   order = np.random.default_rng(SPLIT_SEED).permutation(len(source))
   a, b = np.sort(order[:len(order) // 2]), np.sort(order[len(order) // 2:])
-  return tuple(data.ArraySource(source.images[i], source.labels[i], source.preprocess)
+  return tuple(arrays.ArraySource(source.images[i], source.labels[i], source.preprocess)
                for i in (a, b))
 
 
@@ -107,7 +110,7 @@ def evaluate(model, params, source, batch_size=256) -> float:
     idx = np.arange(start, min(start + batch_size, len(source)))
     batch = source.gather(idx)
     batch['weight'] = np.ones(len(idx), np.float32)
-    out = dp_step.eval_step(model, params, batch)
+    out = losses.eval_step(model, params, batch)
     correct += float(out['correct'])
     total += float(out['num_examples'])
   return correct / total
@@ -115,7 +118,7 @@ def evaluate(model, params, source, batch_size=256) -> float:
 
 def _use_augmult(step: dp_step.DPStep, model, clip_norm: float) -> None:
   """Makes `step` clip the view-mean gradient (see the module docstring)."""
-  loss = augmult.mean_over_views(dp_step.make_loss_fn(model))
+  loss = augmult.mean_over_views(losses.make_loss_fn(model))
   if step.private:
     # pylint: disable-next=protected-access
     step._sum_fn = clipping.make_clipped_sum_fn('vmap', loss, clip_norm)
@@ -141,7 +144,7 @@ def train(config, train_source, variant: Variant, init=None):
   batcher = (plan.privacy.batcher(plan.physical_batch_size) if plan.private else
              batching.Batcher(plan.sampler, plan.physical_batch_size, plan.max_batch_size))
   model = models.make_model(config.model, train_source.num_classes, train_source.input_shape)
-  params = dp_step.init_params(model, config.seed, train_source.input_shape)
+  params = prng.init_params(model, config.seed, train_source.input_shape)
   eval_model = model
   if init is not None:
     params = init
@@ -193,7 +196,7 @@ def run_variant(variant: Variant, seed: int, epsilon: float, num_steps: int,
   init = None
   if variant.finetune:
     model = models.make_model(config.model, private.num_classes, private.input_shape)
-    template = dp_step.init_params(model, seed, private.input_shape)
+    template = prng.init_params(model, seed, private.input_shape)
     init = finetune.load_pretrained(pretrained_npz, template)
   params, info = train(config, private, variant, init)
   model = models.make_model(config.model, private.num_classes, private.input_shape)
@@ -242,7 +245,7 @@ def main(argv=None) -> int:
     public, _ = halves(train_source)
     model = models.make_model(config.model, public.num_classes, public.input_shape)
     pretrained_acc = evaluate(model, finetune.load_pretrained(
-        npz, dp_step.init_params(model, 0, public.input_shape)), test_source)
+        npz, prng.init_params(model, 0, public.input_shape)), test_source)
     print(f'pretrained on the public half (no fine-tuning): {pretrained_acc:.4f}', flush=True)
     for variant in VARIANTS:
       for seed in range(args.seeds):

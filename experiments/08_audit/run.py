@@ -6,7 +6,7 @@
 Setting: digits MLP (one hidden layer of 32), 1437 training digits + m = 500 gradient
 canaries (N = 1937), b = 256, 48 steps (Poisson q = b/N; balls-and-bins T = 8 steps per
 epoch, 6 epochs), C = 1, SGD η = 1, δ = 1e-5, audit confidence 0.95, white-box confidence
-0.999. Runs use `dpjax.auditing.audited_sgd.train` (samplers, batching, clipping of dpjax,
+0.999. Runs use `dpjax.privacy.auditing.audited_sgd.train` (samplers, batching, clipping of dpjax,
 canaries through the sampler as N + m data rows). For every run: the claimed ε (dpjax's
 accountant for the sampler that ran, N + m examples), the one-run lower bound (Steinke et al.
 2023) from white-box scores, and the white-box effective-σ test.
@@ -34,14 +34,14 @@ import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-from dpjax import cli
-from dpjax import plan as plan_lib
-from dpjax import accounting
-from dpjax import data
-from dpjax import models
-from dpjax.auditing import audited_sgd
-from dpjax.auditing import one_run
-from dpjax.auditing import white_box
+from dpjax.trainer import cli
+from dpjax.trainer import plan as plan_lib
+from dpjax.privacy import accounting
+from dpjax.data import sources as data
+from dpjax.models import factory as models
+from dpjax.privacy.auditing import audited_sgd
+from dpjax.privacy.auditing import one_run
+from dpjax.privacy.auditing import white_box
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

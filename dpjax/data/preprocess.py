@@ -1,0 +1,78 @@
+"""Preprocessing a split's raw rows with public constants: x = (raw / scale − mean) / std.
+
+The constants are declared in the config (`data.scale`, `data.mean`, `data.std`), never
+fitted on the private data (a fitted mean would leak it); `data.scale = 0` derives the scale
+from the data's type or range. Labels stay int or become one-hot; regression targets and
+token sequences pass through as float32 and int32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+import numpy as np
+
+from dpjax.data import validation as data_validation
+
+
+@dataclasses.dataclass(frozen=True)
+class Preprocessor:
+  """x = (raw / scale − mean) / std (per channel); labels int or one-hot."""
+
+  scale: float
+  mean: tuple[float, ...]
+  std: tuple[float, ...]
+  label_format: str
+  num_classes: int  # Classes (labels), the output size (values) or the vocabulary (tokens).
+  scale_source: str = 'data.scale'  # Where the scale came from (printed at start).
+  targets: str = 'labels'  # 'labels' (classes), 'values' (regression) or 'tokens' (sequences).
+
+  def describe(self) -> str:
+    """One line: the preprocessing and where its scale came from."""
+    if self.targets == 'tokens':
+      return f'x, y = int tokens (vocabulary {self.num_classes}; y = -1: padding)'
+    fmt = lambda v: ', '.join(f'{x:g}' for x in v)
+    kind = (f'{self.num_classes} classes, labels {self.label_format}' if self.targets == 'labels'
+            else f'float targets of size {self.num_classes}')
+    return (f'x = (raw / {self.scale:g} − ({fmt(self.mean)})) / ({fmt(self.std)}) '
+            f'[scale: {self.scale_source}], {kind}')
+
+  def __call__(self, raw_x: np.ndarray, raw_y: np.ndarray) -> dict[str, np.ndarray]:
+    if self.targets == 'tokens':
+      return {'x': np.asarray(raw_x).astype(np.int32), 'y': np.asarray(raw_y).astype(np.int32)}
+    x = np.asarray(raw_x, dtype=np.float32) / np.float32(self.scale)
+    x = (x - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+    if self.targets == 'values':
+      return {'x': x, 'y': np.asarray(raw_y, np.float32).reshape(len(x), -1)}
+    y = np.asarray(raw_y).astype(np.int32)
+    if self.label_format == 'one_hot':
+      y = np.eye(self.num_classes, dtype=np.float32)[y]
+    return {'x': x, 'y': y}
+
+
+def make_preprocessor(config: ml_collections.ConfigDict, num_classes: int, channels: int,
+                      raw_dtype=np.float32, native_scale: float | None = None,
+                      targets: str = 'labels') -> Preprocessor:
+  """The `data` block's preprocessing; `data.scale = 0` derives the scale from the data.
+
+  Derived: the source's own range (`native_scale`, e.g. digits: 16), else 255 for uint8 and
+  the integer type's maximum for other integers, 1 for floats (`data_validation.auto_scale`).
+  `data.label_format` is checked by `sources.make_sources`.
+  """
+  if config.scale:
+    if not config.scale > 0:
+      raise ValueError(f'data.scale must be > 0 (0 = derived from the data), got {config.scale}.')
+    scale, source = float(config.scale), 'data.scale'
+  elif native_scale is not None:
+    scale, source = float(native_scale), f"data.scale = 0: the {config.source} data's range"
+  else:
+    scale = data_validation.auto_scale(raw_dtype)
+    source = f'data.scale = 0: derived from the {np.dtype(raw_dtype).name} data'
+  mean, std = tuple(config.mean), tuple(config.std)
+  for field, value in (('data.mean', mean), ('data.std', std)):
+    if len(value) not in (1, channels):
+      raise ValueError(f'{field} has {len(value)} entries; it needs 1 or {channels} (channels).')
+  if not all(s > 0 for s in std):
+    raise ValueError(f'data.std entries must be > 0, got {std}.')
+  return Preprocessor(scale, mean, std, config.label_format, int(num_classes), source, targets)

@@ -1,0 +1,391 @@
+"""The privacy accountant of a training run: ε after any step, with its kind of bound.
+
+`Accountant(sampler, σ, δ, num_steps=T, max_batch_size=B)` takes typed
+arguments; `dpjax.PrivacyPlan` makes it from the same sampler, σ and cap B
+as the batcher and the noise, and the trainer's `plan.make_accountant(config,
+N)` from the training config through the same plan. Which number is attached
+to a run, per sampler (docs/accounting.md):
+
+* poisson: PLD (default) or RDP of the Poisson-subsampled Gaussian; a cap B
+  by the exact `TruncatedSubsampledGaussianDpEvent` or the TV penalty.
+  Beside it: RDP (for PLD).
+* fixed_size: PLD of the MoG [0, 2] (Ganesh, seed 004) or FS-RDP (Birrell et
+  al., seed 001). Beside it: the other one; Wang et al. replace-one RDP.
+* fixed_size_with_replacement: PLD of the MoG [0, 2, …, 2b], Binomial(b, 1/N).
+* deterministic: exact Gaussian, once per epoch.
+* shuffle: the deterministic ε (the only rigorous upper bound known). Beside
+  it: the max-test lower bound; an "as if Poisson" ε, *not a guarantee*.
+* balls_and_bins: provable (random-allocation PLD at every T within a time
+  budget, else the labelled deterministic fallback). Beside it: the max-test
+  and random-allocation lower bounds, and (opt-in, `monte_carlo_estimate`)
+  the Monte-Carlo high-probability bound (confidence 1 − β, not a proof).
+
+`accountant='monte_carlo'` (balls-and-bins only) attaches the Monte-Carlo
+bound instead, with bound = 'high_probability_upper'. Group privacy (k > 1)
+uses the MoG events of Ganesh for Poisson and fixed size, sensitivity k for
+the epoch-based samplers; the generic k·ε conversion is only a comparison.
+
+Steps and epochs: Poisson and fixed-size samplers compose per step, so
+`epsilon_at(t)` is the ε of t steps. For balls-and-bins, shuffle and
+deterministic the unit is the epoch: a checkpoint inside epoch e releases a
+prefix of that epoch (post-processing of the whole epoch), so the ε attached
+is that of the e epochs started so far.
+
+Cost: per-step PLDs are built once per accountant and self-composed per
+query; reports are memoised per step (per epoch for epoch-based samplers);
+random-allocation PLD results are cached on disk. The Monte-Carlo samples
+are drawn by `monte_carlo_workers` processes (`privacy.monte_carlo_workers`;
+the estimate does not depend on it).
+`estimates=False` skips the numbers reported beside the attached one
+(Monte-Carlo, lower bounds, comparisons) for cheap per-checkpoint calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+from dp_accounting import dp_event
+from dp_accounting.pld import common as pld_common
+from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
+from dpjax.privacy import samplers as samplers_lib
+from dpjax.privacy.accounting import analyses
+from dpjax.privacy.accounting import balls_and_bins
+from dpjax.privacy.accounting import monte_carlo
+from dpjax.privacy.accounting import sampler_events
+from dpjax.privacy.accounting.report import PrivacyReport
+from dpjax.privacy.accounting.step_pld import estimate_pld_grid_points
+from dpjax.privacy.accounting.step_pld import GridTooLargeError
+from dpjax.privacy.accounting.step_pld import MAX_GRID_POINTS
+from dpjax.privacy.accounting.step_pld import mixture_components as _mixture_components
+from dpjax.privacy.accounting.step_pld import MOG_VALUE_DISCRETIZATION
+from dpjax.privacy.accounting.step_pld import pld_pmfs
+from dpjax.privacy.accounting.step_pld import progress_bar
+from dpjax.privacy.accounting.step_pld import step_pld as _step_pld
+from dpjax.privacy.accounting.step_pld import VALUE_DISCRETIZATION
+from dpjax.privacy.accounting.step_pld import with_dense_pmfs
+
+ACCOUNTANTS = ('auto', 'pld', 'rdp', 'monte_carlo')
+# A composed PLD beyond this many grid points (x 16 bytes in its FFT) is refused before it is
+# allocated.
+MAX_COMPOSED_POINTS = 5 * 10**7
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_accountant(sampler_name: str, accountant: str, group_size: int = 1) -> str:
+  """'auto' → the sampler's default accountant; ValueError for unsupported pairs.
+
+  The sampler class says which accountants fit it (`Sampler.accountants`, the
+  first is the default; `group_accountants` for group_size > 1) and why others
+  do not (`unsupported_accountant_reason`).
+  """
+  sampler = samplers_lib.sampler_class(sampler_name)  # ValueError names the valid samplers.
+  if accountant not in ACCOUNTANTS:
+    raise ValueError(f'privacy.accountant = {accountant!r} is unknown; valid: '
+                     f'{", ".join(ACCOUNTANTS)}.')
+  supported = sampler.accountants
+  if accountant == 'auto':
+    return supported[0]
+  if accountant not in supported:
+    raise ValueError(f'privacy.accountant = {accountant!r} is not supported for sampler '
+                     f'{sampler_name!r} ({sampler.unsupported_accountant_reason}); valid: '
+                     f'{", ".join(("auto",) + supported)}.')
+  if group_size > 1 and accountant not in sampler.group_accountants:
+    if accountant == 'monte_carlo':
+      raise ValueError(f'privacy.group_size = {group_size} > 1: the Monte-Carlo accountant '
+                       'covers single examples only (group_size = 1). Use accountant pld.')
+    raise ValueError(f'privacy.group_size = {group_size} > 1 needs the mixture-of-Gaussians PLD '
+                     f'for sampler {sampler_name!r}; accountant {accountant} supports '
+                     'group_size = 1 only. Use accountant pld.')
+  return accountant
+
+
+def _check_delta(delta, num_examples: int, allow_large_delta: bool) -> float:
+  """δ in (0, 1), and below 1/N unless allow_large_delta."""
+  if isinstance(delta, bool) or not isinstance(delta, (int, float, np.floating)) or not (
+      0 < delta < 1):
+    raise ValueError(f'privacy.delta must be in (0, 1), got {delta!r}.')
+  delta = float(delta)
+  if delta >= 1.0 / num_examples and not allow_large_delta:
+    raise ValueError(
+        f'delta = {delta:g} is >= 1/N = {1.0 / num_examples:.3g} (N = '
+        f'{num_examples}): such a guarantee allows publishing a random record in the '
+        'clear. Use δ well below 1/N, or allow_large_delta=True (--allow-large-delta).')
+  return delta
+
+
+def _check_group_size(group_size, num_examples: int) -> int:
+  """k in [1, N]."""
+  k = sampler_events.check_positive_int('privacy.group_size', group_size)
+  if k > num_examples:
+    raise ValueError(f'privacy.group_size = {group_size} must be in [1, N = {num_examples}].')
+  return k
+
+
+def _check_max_batch_size(sampler: samplers_lib.Sampler, max_batch_size) -> int | None:
+  """The cap B: None, or an integer >= 1 (>= b where batches never exceed b)."""
+  if max_batch_size is not None:
+    sampler_events.check_positive_int('sampler.max_batch_size', max_batch_size)
+    if not sampler.binomial_batch_size and max_batch_size < sampler.batch_size:
+      raise ValueError(
+          f'sampler.max_batch_size = {max_batch_size} must be >= sampler.batch_size = '
+          f'{sampler.batch_size} for the {sampler.name} sampler (its batches are never '
+          f'larger than b, and truncating every batch is not accounted).')
+  return max_batch_size
+
+
+def _check_pld_options(random_allocation_timeout, value_discretization_interval,
+                       pld_coarsening) -> None:
+  """Timeout None or > 0; discretisation None or a float in (0, 0.1]; coarsening in [1, 100]."""
+  if random_allocation_timeout is not None and not (
+      isinstance(random_allocation_timeout, (int, float)) and random_allocation_timeout > 0):
+    raise ValueError(f'random_allocation_timeout must be None (no limit) or seconds > 0, got '
+                     f'{random_allocation_timeout!r}.')
+  if value_discretization_interval is not None and not (
+      isinstance(value_discretization_interval, float) and
+      0 < value_discretization_interval <= 0.1):
+    raise ValueError('value_discretization_interval must be None or a float in (0, 0.1], '
+                     f'got {value_discretization_interval!r}.')
+  if not (isinstance(pld_coarsening, (int, float)) and 1 <= pld_coarsening <= 100):
+    raise ValueError(f'pld_coarsening must be in [1, 100], got {pld_coarsening!r}.')
+
+
+# ---------------------------------------------------------------------------------------------
+# The accountant
+# ---------------------------------------------------------------------------------------------
+
+
+class Accountant:
+  """ε(step) for one run: a sampler, σ, δ, the cap B and the group size k.
+
+  Build it with `plan.make_accountant(config, N)` from the training config; the
+  constructor is for callers that already hold a sampler (the CLI, tests).
+  """
+
+  def __init__(self, sampler: samplers_lib.Sampler, noise_multiplier: float, delta: float, *,
+               accountant: str = 'auto', max_batch_size: int | None = None,
+               group_size: int = 1, num_steps: int | None = None,
+               monte_carlo_samples: int | None = None, beta: float = 1e-3,
+               monte_carlo_seed: int = 0, monte_carlo_workers: int | None = None,
+               monte_carlo_estimate: bool = False,
+               random_allocation: bool | None = None,
+               value_discretization_interval: float | None = None,
+               pld_coarsening: float = 1.0,
+               exact_truncation: bool = True,
+               random_allocation_timeout: float | None = balls_and_bins.RANDOM_ALLOCATION_TIMEOUT,
+               max_grid_points: int = MAX_GRID_POINTS, allow_large_delta: bool = False):
+    """Validates everything before any computation.
+
+    Args:
+      sampler: the run's sampler (`dpjax.privacy.samplers`).
+      noise_multiplier: σ > 0.
+      delta: δ in (0, 1).
+      accountant: 'auto', 'pld', 'rdp' or 'monte_carlo' (the sampler class's `accountants`).
+      max_batch_size: B, the cap on the logical batch; None = never truncated.
+      group_size: k >= 1 (add/remove up to k examples).
+      num_steps: the planned run length (used by `final_report`), optional.
+      monte_carlo_samples: samples per direction of the Monte-Carlo estimate; None =
+        chosen from δ and β so that an estimate exists (`monte_carlo.default_num_samples`).
+      beta: the Monte-Carlo failure probability (confidence 1 − β).
+      monte_carlo_seed: its seed (fixed, so reports are reproducible).
+      monte_carlo_workers: processes drawing its samples (this one included); None = the
+        cores available to this process. The estimate does not depend on it.
+      monte_carlo_estimate: also compute the Monte-Carlo estimate beside the provable
+        balls-and-bins ε when `estimates` are asked for (opt-in: its samples grow as 1/δ);
+        accountant='monte_carlo' always computes it.
+      random_allocation: force (True, no time limit) / skip (False) random-allocation PLD
+        for balls-and-bins; None = attempt it within `random_allocation_timeout` seconds
+        per new one-epoch PLD (cached on disk), else the labelled deterministic fallback.
+      value_discretization_interval: PLD discretisation (pessimistic rounding);
+        None = VALUE_DISCRETIZATION, or MOG_VALUE_DISCRETIZATION for mixtures
+        of more than two Gaussians.
+      pld_coarsening: multiplies the discretisation (calibration searches with
+        10: a looser but still valid upper bound, then checks at 1).
+      exact_truncation: for Poisson with a cap B, also compute dp_accounting's exact
+        truncated event (costly) when the TV penalty is not negligible; False keeps the TV
+        penalty alone (valid, looser).
+      max_grid_points: refuse (GridTooLargeError, before allocating) a per-step
+        PLD of more grid points × mixture components (`estimate_pld_grid_points`).
+      allow_large_delta: accept δ >= 1/N (refused by default: such a δ allows releasing a
+        random record in the clear).
+    """
+    if not isinstance(sampler, samplers_lib.Sampler):
+      raise TypeError(f'sampler must be a dpjax.privacy.samplers.Sampler, got {type(sampler)}.')
+    self.sampler = sampler
+    self.noise_multiplier = sampler_events.check_noise_multiplier(noise_multiplier)
+    self.delta = _check_delta(delta, sampler.num_examples, allow_large_delta)
+    self.allow_large_delta = bool(allow_large_delta)
+    self.group_size = _check_group_size(group_size, sampler.num_examples)
+    self.accountant = resolve_accountant(sampler.name, accountant, self.group_size)
+    self.max_batch_size = _check_max_batch_size(sampler, max_batch_size)
+    self.num_steps = (None if num_steps is None else
+                      sampler_events.check_positive_int('num_steps', num_steps))
+    self.monte_carlo_samples = (None if monte_carlo_samples is None else sampler_events
+                                .check_positive_int('monte_carlo_samples', monte_carlo_samples))
+    if not (isinstance(beta, (int, float)) and 0 < beta < 1):
+      raise ValueError(f'beta must be in (0, 1), got {beta!r}.')
+    self.beta = float(beta)
+    self.monte_carlo_seed = monte_carlo_seed
+    self.monte_carlo_workers = (monte_carlo.available_cores() if monte_carlo_workers is None
+                                else sampler_events.check_positive_int('monte_carlo_workers',
+                                                                       monte_carlo_workers))
+    self.monte_carlo_estimate = bool(monte_carlo_estimate)
+    _check_pld_options(random_allocation_timeout, value_discretization_interval, pld_coarsening)
+    self.random_allocation = random_allocation
+    self.value_discretization_interval = value_discretization_interval
+    self.pld_coarsening = float(pld_coarsening)
+    self.exact_truncation = bool(exact_truncation)
+    self.random_allocation_timeout = random_allocation_timeout
+    self.max_grid_points = sampler_events.check_positive_int('max_grid_points', max_grid_points)
+    self._step_plds: dict[Any, pld_lib.PrivacyLossDistribution] = {}
+    self._reports: dict[tuple[int, bool], PrivacyReport] = {}
+    self._monte_carlo: dict[tuple[int, float], monte_carlo.MonteCarloResult] = {}
+
+  # --- derived quantities ---------------------------------------------------------------------
+
+  @property
+  def steps_per_epoch(self) -> int:
+    return self.sampler.steps_per_epoch
+
+  @property
+  def sampling_probability(self) -> float:
+    return self.sampler.sampling_probability
+
+  @property
+  def is_epoch_based(self) -> bool:
+    return self.sampler.is_epoch_based
+
+  def epochs_started(self, step: int) -> int:
+    """ceil(step / T): the epochs a checkpoint after `step` steps has touched."""
+    return -(-step // self.steps_per_epoch)
+
+  def log_truncation_mass(self, num_steps: int) -> float:
+    """log τ = log(T·Pr[n_t > B]) for binomial batch sizes; −inf without truncation."""
+    if self.max_batch_size is None or not self.sampler.binomial_batch_size:
+      return -math.inf
+    return balls_and_bins.log_truncation_mass(
+        self.sampler.num_examples, self.sampling_probability, self.max_batch_size, num_steps,
+        group_size=self.group_size)
+
+  def composed_pld(self, event: dp_event.DpEvent, count: int) -> pld_lib.PrivacyLossDistribution:
+    key = repr(event)
+    if key in self._step_plds:
+      self._check_composition(self._step_plds[key], count)
+      return self._step_plds[key].self_compose(count)
+    interval = self._interval(event)
+    self._check_grid(event, interval)
+    with progress_bar(2, f'PLD of one {self.sampler.name} step, then {count} steps') as bar:
+      self._step_plds[key] = with_dense_pmfs(_step_pld(event, interval))
+      bar.update()
+      self._check_composition(self._step_plds[key], count)
+      composed = self._step_plds[key].self_compose(count)
+      bar.update()
+    return composed
+
+  def _check_composition(self, pld: pld_lib.PrivacyLossDistribution, count: int) -> None:
+    """GridTooLargeError before composing `count` steps would allocate more than
+    MAX_COMPOSED_POINTS (dp_accounting's own truncation bounds of the composed support)."""
+    for pmf in pld_pmfs(pld):
+      probs = getattr(pmf, '_probs', None)
+      if probs is None or count <= 1:
+        continue
+      low, high = pld_common.compute_self_convolve_bounds(probs, count, 1e-15)
+      if high - low + 1 > MAX_COMPOSED_POINTS:
+        raise GridTooLargeError(
+            f'num_steps = {count}: composing the privacy loss of {count:.3g} steps needs '
+            f'~{high - low + 1:.3g} grid points, beyond the {MAX_COMPOSED_POINTS:.0e} that fit '
+            f'in memory (σ = {self.noise_multiplier:.4g}). Shorten the run, or raise σ.')
+
+  def _check_grid(self, event: dp_event.DpEvent, interval: float) -> None:
+    points = estimate_pld_grid_points(event, interval)
+    if points is None or points <= self.max_grid_points:
+      return
+    sensitivities = _mixture_components(event)[1]
+    hints = ['raise σ (privacy.noise_multiplier)']
+    if self.group_size > 1:
+      hints.insert(0, f'lower privacy.group_size = {self.group_size}')
+    if self.sampler.grid_too_large_hint:
+      hints.append(self.sampler.grid_too_large_hint)
+    hints.append(f'coarsen value_discretization_interval (now {interval:g})')
+    raise GridTooLargeError(
+        f'the privacy-loss distribution of one {self.sampler.name} step (σ = '
+        f'{self.noise_multiplier:.4g}, {len(sensitivities)} mixture components, sensitivity up '
+        f'to {max(sensitivities):g}) needs ~{points:.3g} grid points × components, '
+        f'above max_grid_points = {self.max_grid_points:.3g} (minutes and GBs of memory). '
+        f'To fix: {"; ".join(hints)}; or raise max_grid_points.')
+
+  def _interval(self, event: dp_event.DpEvent) -> float:
+    interval = self.value_discretization_interval
+    if interval is None:
+      many = isinstance(event, dp_event.MixtureOfGaussiansDpEvent) and len(event.sensitivities) > 2
+      interval = MOG_VALUE_DISCRETIZATION if many else VALUE_DISCRETIZATION
+    return min(0.1, interval * self.pld_coarsening)
+
+  # --- public API -----------------------------------------------------------------------------
+
+  def epsilon_at(self, step: int, *, estimates: bool = True) -> PrivacyReport:
+    """The PrivacyReport after `step` completed steps (memoised).
+
+    Args:
+      step: steps completed, >= 0 (0: nothing released, ε = 0).
+      estimates: also compute the numbers reported beside ε (Monte-Carlo,
+        lower bounds, comparisons). False is cheaper and gives the same ε,
+        except for accountant='monte_carlo', whose ε *is* the estimate.
+    """
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+      raise ValueError(f'step must be an integer >= 0, got {step!r}.')
+    step = int(step)
+    unit = self.epochs_started(step) if self.is_epoch_based else step
+    key = (unit, bool(estimates))
+    if key not in self._reports:
+      self._reports[key] = self._compute(unit, bool(estimates))
+    report = self._reports[key]
+    return dataclasses.replace(report, steps=step, details=dict(report.details))
+
+  def epsilon(self, step: int) -> float:
+    """Just the attached ε after `step` steps."""
+    return self.epsilon_at(step, estimates=False).epsilon
+
+  def final_report(self, *, estimates: bool = True) -> PrivacyReport:
+    if self.num_steps is None:
+      raise ValueError('final_report needs num_steps (the planned run length).')
+    return self.epsilon_at(self.num_steps, estimates=estimates)
+
+  # --- per sampler ----------------------------------------------------------------------------
+
+  def report(self, unit: int, epsilon: float, details: dict, **kwargs) -> PrivacyReport:
+    details = dict(details)
+    details.setdefault('group_size', self.group_size)
+    details.setdefault('num_examples', self.sampler.num_examples)
+    details.setdefault('batch_size', self.sampler.batch_size)
+    details.setdefault('sampling_probability', self.sampling_probability)
+    details['max_batch_size'] = self.max_batch_size
+    if self.is_epoch_based:
+      details['epochs_accounted'] = unit
+    kwargs.setdefault('bound', 'upper')
+    return PrivacyReport(
+        epsilon=float(epsilon), delta=self.delta, accountant=self.accountant,
+        sampler=self.sampler.name, noise_multiplier=self.noise_multiplier,
+        steps=unit, steps_per_epoch=self.steps_per_epoch, details=details, **kwargs)
+
+  def _compute(self, unit: int, estimates: bool) -> PrivacyReport:
+    if unit == 0:
+      return self.report(0, 0.0, {'method': 'nothing released yet'})
+    return analyses.ANALYSES[self.sampler.analysis](self, unit, estimates)
+
+  def monte_carlo_epsilon(self, epochs: int, delta0: float) -> monte_carlo.MonteCarloResult:
+    key = (epochs, delta0)
+    if key not in self._monte_carlo:
+      self._monte_carlo[key] = monte_carlo.balls_and_bins_epsilon(
+          self.noise_multiplier, self.steps_per_epoch, delta0, num_epochs=epochs,
+          num_samples=self.monte_carlo_samples, beta=self.beta, seed=self.monte_carlo_seed,
+          workers=self.monte_carlo_workers)
+    return self._monte_carlo[key]
+

@@ -1,0 +1,296 @@
+"""Per-sampler analyses: (accountant, steps or epochs, estimates) -> PrivacyReport.
+
+Each sampler class names its analysis (`Sampler.analysis`, a key of
+`ANALYSES`); the accountant calls it with itself, which holds σ, δ, the group
+size k, the cap B and the per-step PLD cache (docs/accounting.md):
+
+* poisson_subsampling: PLD (default) or RDP of the Poisson-subsampled
+  Gaussian; a cap B by the exact truncated event or the TV penalty.
+* fixed_size_subsampling: PLD of the MoG [0, 2] (Ganesh, seed 004) or FS-RDP
+  (Birrell et al., seed 001); Wang et al. replace-one RDP beside it.
+* subsampling_with_replacement: PLD of the MoG [0, 2, …, 2b], Binomial(b, 1/N).
+* gaussian_per_epoch: exact Gaussian, once per epoch (deterministic order).
+* shuffled_epochs: the deterministic ε (the only rigorous upper bound known),
+  with the max-test lower bound and an "as if Poisson" ε (not a guarantee).
+* random_allocation: balls-and-bins; provable random-allocation PLD within a
+  time budget, else the labelled deterministic fallback; Monte Carlo opt-in.
+
+A new sampler that fits one of these names it; a new analysis is one
+function here and one entry in `ANALYSES` (docs/design.md, "Adding a sampler").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, TYPE_CHECKING
+
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from dpjax.privacy.accounting import balls_and_bins
+from dpjax.privacy.accounting import fixed_size_rdp
+from dpjax.privacy.accounting import max_test
+from dpjax.privacy.accounting import monte_carlo
+from dpjax.privacy.accounting import sampler_events
+from dpjax.privacy.accounting.report import PrivacyReport
+
+if TYPE_CHECKING:
+  from dpjax.privacy.accounting.accountant import Accountant
+
+# Poisson truncation whose TV penalty costs less than this fraction of δ is accounted by the
+# TV argument alone; above it the exact truncated event is computed too.
+_NEGLIGIBLE_PENALTY = 1e-3
+
+
+def _group_conversion_epsilon(delta_one: callable, group_size: int, delta: float) -> float:
+  """k·ε₁ with k·e^{(k−1)ε₁}·δ₁(ε₁) ≤ δ (Vadhan 2017, Lemma 2.2). Comparison only."""
+  k = group_size
+
+  def delta_group(eps):
+    d1 = delta_one(eps)
+    if d1 <= 0:
+      return 0.0
+    return math.exp(min(700.0, math.log(k) + (k - 1) * eps + math.log(d1)))
+
+  return k * balls_and_bins.smallest_epsilon(delta_group, delta)
+
+
+def poisson_subsampling(acct: Accountant, steps: int, estimates: bool) -> PrivacyReport:
+  q, sigma = acct.sampling_probability, acct.noise_multiplier
+  k, delta = acct.group_size, acct.delta
+  event = sampler_events.poisson_step_event(q, sigma, group_size=k)
+  log_tau = acct.log_truncation_mass(steps)
+  tau = math.exp(log_tau)
+  details: dict[str, Any] = {'truncation_mass': tau}
+  if acct.max_batch_size is None:
+    details['truncation'] = 'none (no max_batch_size)'
+  if acct.accountant == 'rdp':
+    rdp = rdp_privacy_accountant.RdpAccountant()
+    rdp.compose(event, steps)
+    if tau == 0:
+      eps = rdp.get_epsilon(delta)
+      details['method'] = 'rdp(poisson_subsampled_gaussian)'
+    else:
+      eps = balls_and_bins.smallest_epsilon(rdp.get_delta, delta, penalty_mass=tau)
+      details['method'] = 'rdp(poisson_subsampled_gaussian) + tv_truncation_penalty'
+    if estimates:
+      details['pld_epsilon'] = _poisson_pld(acct, event, steps, tau)[0]
+    return acct.report(steps, eps, details)
+  eps, method, extra = _poisson_pld(acct, event, steps, tau)
+  details.update(extra, method=method)
+  if estimates:
+    if k == 1:
+      rdp = rdp_privacy_accountant.RdpAccountant()
+      rdp.compose(event, steps)
+      details['rdp_epsilon'] = balls_and_bins.smallest_epsilon(rdp.get_delta, delta,
+                                                               penalty_mass=tau)
+    else:
+      one = acct.composed_pld(sampler_events.poisson_step_event(q, sigma), steps)
+      details['group_conversion_epsilon_comparison_only'] = _group_conversion_epsilon(
+          one.get_delta_for_epsilon, k, delta)
+  return acct.report(steps, eps, details)
+
+def _poisson_pld(acct: Accountant, event, steps: int, tau: float) -> tuple[float, str, dict]:
+  delta = acct.delta
+  composed = acct.composed_pld(event, steps)
+  if tau == 0:
+    return float(composed.get_epsilon_for_delta(delta)), 'pld', {}
+  eps_tv = balls_and_bins.smallest_epsilon(composed.get_delta_for_epsilon, delta,
+                                           penalty_mass=tau)
+  extra = {'tv_truncation_epsilon': eps_tv}
+  penalty = (1 + math.exp(eps_tv)) * tau if math.isfinite(eps_tv) else math.inf
+  if acct.group_size > 1 or not acct.exact_truncation or penalty <= _NEGLIGIBLE_PENALTY * delta:
+    return eps_tv, 'pld + tv_truncation_penalty', extra
+  # The exact truncated event, for the dataset holding the sensitive example: N (remove)
+  # and N + 1 (add); the worse of the two covers both directions.
+  exact = max(
+      float(acct.composed_pld(sampler_events.truncated_poisson_step_event(
+          n, acct.sampling_probability, acct.max_batch_size, acct.noise_multiplier),
+                      steps).get_epsilon_for_delta(delta))
+      for n in (acct.sampler.num_examples, acct.sampler.num_examples + 1))
+  extra['truncated_event_epsilon'] = exact
+  if exact <= eps_tv:
+    return exact, 'pld(truncated_subsampled_gaussian)', extra
+  return eps_tv, 'pld + tv_truncation_penalty', extra
+
+def fixed_size_subsampling(acct: Accountant, steps: int, estimates: bool) -> PrivacyReport:
+  n, b, sigma, k, delta = (acct.sampler.num_examples, acct.sampler.batch_size,
+                           acct.noise_multiplier, acct.group_size, acct.delta)
+  details: dict[str, Any] = {}
+  pld_eps = fs_rdp_eps = None
+  if acct.accountant == 'pld' or estimates:
+    event = sampler_events.fixed_size_step_event(n, b, sigma, group_size=k)
+    pld_eps = float(acct.composed_pld(event, steps).get_epsilon_for_delta(delta))
+  if k == 1 and b < n and (acct.accountant == 'rdp' or estimates):
+    fs_rdp_eps, order = fixed_size_rdp.fixed_size_rdp_epsilon(b / n, sigma, steps, delta)
+    details['fs_rdp_order'] = order
+  elif acct.accountant == 'rdp':
+    raise ValueError(f'FS-RDP needs q = b/N < 1, got b = N = {n}; use accountant pld.')
+  if acct.accountant == 'pld':
+    eps = pld_eps
+    details['method'] = 'pld(mixture_of_gaussians[0,2])' if k == 1 else \
+        'pld(mixture_of_gaussians, hypergeometric group)'
+    if fs_rdp_eps is not None:
+      details['fs_rdp_epsilon'] = fs_rdp_eps
+  else:
+    eps = fs_rdp_eps
+    details['method'] = 'fs_rdp(birrell_et_al_2024, add/remove, integer orders)'
+    if pld_eps is not None:
+      details['pld_epsilon'] = pld_eps
+  if estimates and k == 1:
+    wor = rdp_privacy_accountant.RdpAccountant(
+        neighboring_relation=rdp_privacy_accountant.NeighborRel.REPLACE_ONE)
+    wor.compose(sampler_events.sampled_without_replacement_rdp_event(n, b, sigma), steps)
+    details['wang_et_al_rdp_replace_one_epsilon'] = float(wor.get_epsilon(delta))
+  if estimates and k > 1:
+    one = acct.composed_pld(sampler_events.fixed_size_step_event(n, b, sigma), steps)
+    details['group_conversion_epsilon_comparison_only'] = _group_conversion_epsilon(
+        one.get_delta_for_epsilon, k, delta)
+  return acct.report(steps, eps, details)
+
+def subsampling_with_replacement(acct: Accountant, steps: int, estimates: bool) -> PrivacyReport:
+  n, b, sigma, k, delta = (acct.sampler.num_examples, acct.sampler.batch_size,
+                           acct.noise_multiplier, acct.group_size, acct.delta)
+  event = sampler_events.fixed_size_with_replacement_step_event(n, b, sigma, group_size=k)
+  eps = float(acct.composed_pld(event, steps).get_epsilon_for_delta(delta))
+  details: dict[str, Any] = {
+      'method': 'pld(mixture_of_gaussians[0,2,...,2b], binomial(b, k/N))'}
+  if estimates and k > 1:
+    one = acct.composed_pld(sampler_events.fixed_size_with_replacement_step_event(n, b, sigma), steps)
+    details['group_conversion_epsilon_comparison_only'] = _group_conversion_epsilon(
+        one.get_delta_for_epsilon, k, delta)
+  return acct.report(steps, eps, details)
+
+def _epoch_gaussian_epsilon(acct: Accountant, epochs: int) -> tuple[float, str]:
+  """Deterministic-order ε of `epochs` epochs (exact with 'pld', RDP with 'rdp')."""
+  if acct.accountant == 'rdp':
+    rdp = rdp_privacy_accountant.RdpAccountant()
+    rdp.compose(sampler_events.epoch_gaussian_event(acct.noise_multiplier,
+                                                    group_size=acct.group_size), epochs)
+    return float(rdp.get_epsilon(acct.delta)), 'rdp(gaussian per epoch)'
+  return (balls_and_bins.deterministic_epsilon(acct.noise_multiplier, epochs, acct.delta,
+                                               group_size=acct.group_size),
+          'gaussian per epoch (exact)')
+
+def gaussian_per_epoch(acct: Accountant, epochs: int, estimates: bool) -> PrivacyReport:
+  del estimates  # Exact: nothing to report beside ε.
+  eps, method = _epoch_gaussian_epsilon(acct, epochs)
+  return acct.report(epochs, eps, {'method': method})
+
+def shuffled_epochs(acct: Accountant, epochs: int, estimates: bool) -> PrivacyReport:
+  eps, method = _epoch_gaussian_epsilon(acct, epochs)
+  details: dict[str, Any] = {
+      'method': f'deterministic upper bound: {method} (joint convexity; no tight shuffle '
+                f'accountant is known)'}
+  lower = None
+  if estimates:
+    lower = max_test.shuffle_lower_bound_epsilon(
+        acct.noise_multiplier, acct.steps_per_epoch, acct.delta, num_epochs=epochs)
+    details['lower_bound_method'] = 'max test on the Chua et al. 2024a shuffle pair'
+    poisson = acct.composed_pld(sampler_events.poisson_step_event(
+        acct.sampler.batch_size / acct.sampler.num_examples, acct.noise_multiplier,
+        group_size=acct.group_size), epochs * acct.steps_per_epoch)
+    details['as_if_poisson_not_a_guarantee'] = float(poisson.get_epsilon_for_delta(acct.delta))
+  return acct.report(epochs, eps, details, epsilon_lower=lower)
+
+def random_allocation(acct: Accountant, epochs: int, estimates: bool) -> PrivacyReport:
+  sigma, steps_per_epoch, delta, k = (acct.noise_multiplier, acct.steps_per_epoch, acct.delta,
+                                      acct.group_size)
+  log_tau = acct.log_truncation_mass(epochs * steps_per_epoch)
+  tau = math.exp(log_tau)
+  # The Monte-Carlo accountant's ε needs only the deterministic bound (for δ₀); the costly
+  # random-allocation PLD is then computed only when the estimates beside ε are asked for.
+  skip_ra = acct.accountant == 'monte_carlo' and not estimates
+  provable = balls_and_bins.provable_epsilon(
+      sigma, steps_per_epoch, delta, num_epochs=epochs, group_size=k, log_penalty_mass=log_tau,
+      random_allocation=False if skip_ra else acct.random_allocation,
+      timeout=acct.random_allocation_timeout, lower=estimates)
+  details: dict[str, Any] = {
+      'provable_epsilon': provable.epsilon,
+      'provable_method': provable.method,
+      'deterministic_epsilon': provable.deterministic_epsilon,
+      'random_allocation_upper': provable.random_allocation_upper,
+      'random_allocation_lower': provable.random_allocation_lower,
+      'random_allocation_grid': provable.discretization,
+      'truncation_mass': tau,
+  }
+  if acct.max_batch_size is None:
+    details['truncation'] = 'none (no max_batch_size)'
+  mc = _monte_carlo(acct, epochs, estimates, provable, tau, details)
+  lower = None
+  if estimates:
+    delta_low = delta + (1 + math.exp(provable.epsilon)) * tau if math.isfinite(
+        provable.epsilon) else 1.0
+    lower = 0.0
+    if delta_low < 1:
+      lower = max_test.balls_and_bins_lower_bound_epsilon(sigma, steps_per_epoch, delta_low,
+                                                          num_epochs=epochs)
+    details['max_test_lower_bound'] = lower
+    if tau == 0 and provable.random_allocation_lower is not None and k == 1:
+      lower = max(lower, provable.random_allocation_lower)
+  extra: dict[str, Any] = {'epsilon_lower': lower}
+  if mc is not None:
+    extra.update(confidence=mc.confidence, num_samples=mc.num_samples)
+  if acct.accountant == 'monte_carlo':
+    details['method'] = 'monte_carlo (Chua et al. 2025, Algorithms 4-6)'
+    # No δ left for the estimate (truncation penalty ≥ δ): ε = ∞, still a valid bound.
+    return acct.report(epochs, details.get('monte_carlo_epsilon_high_probability', math.inf),
+                       details, bound='high_probability_upper' if mc is not None else 'upper',
+                       **extra)
+  details['method'] = provable.method
+  return acct.report(epochs, provable.epsilon, details, **extra)
+
+
+def _monte_carlo(acct: Accountant, epochs: int, estimates: bool,
+                 provable: balls_and_bins.ProvableBound, tau: float, details: dict) -> monte_carlo.MonteCarloResult | None:
+  """The Monte-Carlo ε of balls-and-bins at δ₀ (`provable.delta0`), if asked for and possible;
+  `details` gets it, or why it was not computed (and its cost when it is opt-in)."""
+  sigma, steps_per_epoch, delta, k = (acct.noise_multiplier, acct.steps_per_epoch, acct.delta,
+                                      acct.group_size)
+  want_mc = acct.accountant == 'monte_carlo' or (
+      estimates and acct.monte_carlo_estimate and k == 1)
+  mc = None
+  if want_mc and provable.delta0 > 0:
+    try:
+      mc = acct.monte_carlo_epsilon(epochs, provable.delta0)
+    except ValueError as e:  # e.g. too few samples for this δ.
+      if acct.accountant == 'monte_carlo':
+        raise
+      details['monte_carlo_error'] = str(e)
+  if mc is not None:
+    # With truncation, δ₀ assumed ε ≤ ε_det; the deterministic bound is valid regardless.
+    mc_eps = min(mc.epsilon, provable.deterministic_epsilon)
+    details.update({
+        'monte_carlo_epsilon_high_probability': mc_eps,
+        'monte_carlo_label': f'high-probability upper bound (holds with probability >= '
+                             f'{mc.confidence} over the sampling), not a proof',
+        'monte_carlo_epsilon_point_estimate_not_a_guarantee': mc.epsilon_point,
+        'monte_carlo_method': mc.method,
+        'monte_carlo_seed': mc.seed,
+    })
+  elif k > 1:
+    details['monte_carlo'] = 'not computed: it covers group_size = 1 only'
+  elif provable.delta0 <= 0:  # (1 + e^ε)·τ ≥ δ at every finite ε: ε = ∞ (a valid bound).
+    details['monte_carlo'] = 'not computed: the truncation penalty leaves no δ'
+    details['truncation_note'] = (
+        f'the cap B = {acct.max_batch_size} truncates with probability {tau:.3g} over the run, '
+        f'which alone exceeds δ = {delta:g}: ε is infinite; raise max_batch_size (0 = automatic)')
+  elif estimates and not want_mc:
+    m = monte_carlo.default_num_samples(sigma, steps_per_epoch, provable.delta0, acct.beta,
+                                        num_epochs=epochs)
+    seconds = monte_carlo.estimated_seconds(m, steps_per_epoch, epochs,
+                                            acct.monte_carlo_workers)
+    details['monte_carlo'] = (
+        f'not computed (opt-in: Accountant(monte_carlo_estimate=True) or python -m dpjax.account '
+        f'--monte-carlo): it would draw {m} samples per direction, about {seconds:.0f} s on '
+        f'{acct.monte_carlo_workers} core(s)')
+  return mc
+
+
+ANALYSES = {
+    'poisson_subsampling': poisson_subsampling,
+    'fixed_size_subsampling': fixed_size_subsampling,
+    'subsampling_with_replacement': subsampling_with_replacement,
+    'gaussian_per_epoch': gaussian_per_epoch,
+    'shuffled_epochs': shuffled_epochs,
+    'random_allocation': random_allocation,
+}

@@ -1,0 +1,351 @@
+"""Calibration: the smallest σ for a target (ε, δ), the largest run for a given σ.
+
+docs/accounting.md §6. ε is non-increasing in σ and non-decreasing in the
+number of steps, so both searches bracket (doubling) and bisect. The search
+always returns the end of the bracket at which the target *holds*, so the
+answer is valid even where the accountant's ε is only approximately monotone
+(PLD discretisation, adaptive random-allocation refinement). Integer searches
+(steps, epochs, the cap B) run through `monotone` (dp_accounting's
+inverse_monotone_function): their answer is unique. The σ search stays its own
+geometric bisection because it stops as soon as ε(σ) lands within epsilon_rtol
+below the target: each ε(σ) costs a PLD build, no library search stops on the
+function's value, and the calibrated σ of every recorded run stays as it was.
+
+Gaussian-type PLD accountants search with a 10× coarser discretisation first
+(a coarser pessimistic PLD is still an upper bound, just looser), then refine
+at the reporting discretisation in a narrow bracket; the final σ is always
+checked at the reporting discretisation.
+
+Monte-Carlo (balls-and-bins, accountant='monte_carlo'): inside the search the
+sampler seed is fixed (a seed derived from, but different from, the report's)
+so ε(σ) is a deterministic monotone function; the final ε is then computed
+with the report's own seed, and σ is raised in 0.5% steps until that fresh
+estimate meets the target, so the returned σ is never selected on the
+samples that certify it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from dpjax.privacy import samplers as samplers_lib
+from dpjax.privacy.accounting import accountant as accountant_lib
+from dpjax.privacy.accounting import balls_and_bins
+from dpjax.privacy.accounting import max_test
+from dpjax.privacy.accounting import monotone
+from dpjax.privacy.accounting import sampler_events
+
+# ε(σ) within this relative distance below the target ends the σ search.
+DEFAULT_EPSILON_RTOL = 5e-3
+_MIN_SIGMA, _MAX_SIGMA = 1e-2, 1e4
+_SEARCH_SEED_OFFSET = 0x5EED
+
+
+def _check_target(target_epsilon) -> float:
+  if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, (int, float)) or not (
+      math.isfinite(target_epsilon) and target_epsilon > 0):
+    raise ValueError(f'privacy.target_epsilon must be a finite number > 0, got '
+                     f'{target_epsilon!r}.')
+  return float(target_epsilon)
+
+
+def smallest_noise_multiplier(epsilon_of_sigma: Callable[[float], float], target_epsilon: float,
+                              *, initial: float = 1.0, lower: float | None = None,
+                              bracket: tuple[float, float] | None = None,
+                              epsilon_rtol: float = DEFAULT_EPSILON_RTOL,
+                              sigma_rtol: float = 1e-6) -> float:
+  """The smallest σ (to tolerance) with ε(σ) <= target, by bracketing and bisection.
+
+  Stops when target·(1 − epsilon_rtol) <= ε(σ) <= target or when the bracket is
+  narrower than sigma_rtol. Returns σ with ε(σ) <= target (always checked).
+  `bracket` = (lo, hi), a guess with ε(lo) > target >= ε(hi) (checked; the
+  search falls back to doubling/halving from hi if it is wrong).
+
+  Raises:
+    ValueError: if even σ = 1e4 misses the target.
+  """
+  target = _check_target(target_epsilon)
+  cache: dict[float, float] = {}
+
+  def eps(sigma):
+    if sigma not in cache:
+      cache[sigma] = epsilon_of_sigma(sigma)
+    return cache[sigma]
+
+  def close_enough(sigma):
+    return target * (1 - epsilon_rtol) <= eps(sigma) <= target
+
+  if bracket is not None:
+    initial, lower = bracket[1], bracket[0]
+  hi = float(initial)
+  if eps(hi) <= target:
+    if close_enough(hi):
+      return hi
+    ratio = 0.5 if lower is None else min(float(lower) / hi, 0.999)
+    lo = hi * ratio
+    while eps(lo) <= target:
+      if close_enough(lo) or lo <= _MIN_SIGMA:
+        return lo
+      ratio = max(0.5, ratio * ratio)  # Widen the downward steps geometrically.
+      hi, lo = lo, lo * ratio
+  else:
+    lo = hi
+    while eps(hi) > target:
+      lo, hi = hi, hi * 2
+      if hi > _MAX_SIGMA:
+        raise ValueError(f'target ε = {target} is not reached even with σ = {_MAX_SIGMA:g} (or '
+                         'its privacy loss cannot be composed in memory): shorten the run, raise '
+                         'the target or the batch size.')
+  # Invariant: ε(lo) > target >= ε(hi).
+  while not close_enough(hi) and hi - lo > sigma_rtol * hi:
+    mid = math.sqrt(lo * hi)
+    if eps(mid) <= target:
+      hi = mid
+    else:
+      lo = mid
+  return hi
+
+
+def largest_count(epsilon_of_count: Callable[[int], float], target_epsilon: float, *,
+                  max_count: int = 10**9) -> int:
+  """The largest integer n >= 0 (<= max_count) with ε(n) <= target (0 if ε(1) > target)."""
+  target = _check_target(target_epsilon)
+  found = monotone.largest_integer(epsilon_of_count, target, lower=1, upper=max_count,
+                                   first_guess=2)
+  return 0 if found is None else found
+
+
+def _coarse_search_is_safe(sampler: samplers_lib.Sampler, accountant: str,
+                           group_size: int) -> bool:
+  """Gaussian-type PLDs lose little ε at 10× coarser discretisation; mixtures of more than two
+  Gaussians (group privacy, with replacement) lose far more, so they search at 1×."""
+  return (accountant_lib.resolve_accountant(sampler.name, accountant) == 'pld' and
+          sampler.coarse_pld_search and group_size == 1)
+
+
+def calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: float,
+                               delta: float, num_steps: int, **kwargs) -> float:
+  """`_calibrate_noise_multiplier` with a progress bar (stderr, a terminal, after 10 s)."""
+  with accountant_lib.progress_bar(
+      None, f'calibrating σ for ε = {target_epsilon} ({sampler.name})') as bar:
+    return _calibrate_noise_multiplier(sampler, target_epsilon, delta, num_steps, bar=bar,
+                                       **kwargs)
+
+
+def _calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: float,
+                                delta: float, num_steps: int, *, bar, accountant: str = 'auto',
+                                monte_carlo_seed: int = 0, **kwargs) -> float:
+  """The smallest σ whose attached ε after `num_steps` steps is <= target_epsilon.
+
+  Args:
+    sampler: the run's sampler.
+    target_epsilon: ε target.
+    delta: δ.
+    num_steps: steps of the run.
+    accountant: as in `Accountant`.
+    monte_carlo_seed: the report's Monte-Carlo seed (see the module docstring).
+    bar: a tqdm bar, advanced once per ε evaluated.
+    **kwargs: other `Accountant` options (max_batch_size, group_size, ...).
+
+  Returns:
+    σ with `Accountant(sampler, σ, ...).epsilon(num_steps) <= target_epsilon`.
+  """
+  target = _check_target(target_epsilon)
+  steps = sampler_events.check_positive_int('num_steps', num_steps)
+  kwargs.pop('num_steps', None)
+  kwargs.pop('pld_coarsening', None)
+  exact_truncation = kwargs.pop('exact_truncation', True)
+  # Validates every argument once, before any search.
+  accountant_lib.Accountant(sampler, 1.0, delta, accountant=accountant,
+                            monte_carlo_seed=monte_carlo_seed, **kwargs)
+  resolved = accountant_lib.resolve_accountant(sampler.name, accountant,
+                                               kwargs.get('group_size', 1))
+  _check_truncation_cap(sampler, target, delta, steps, kwargs.get('max_batch_size'),
+                        kwargs.get('group_size', 1))
+
+  def epsilon_fn(coarsening, seed, exact):
+    return _epsilon_of_sigma(sampler, delta, steps, bar, accountant=accountant,
+                             monte_carlo_seed=seed, pld_coarsening=coarsening,
+                             exact_truncation=exact, **kwargs)
+
+  # Search stage: cheap and still valid upper bounds (coarser PLD, truncation by the TV
+  # penalty alone, a search seed for Monte Carlo).
+  if resolved == 'monte_carlo':
+    search = epsilon_fn(1.0, monte_carlo_seed + _SEARCH_SEED_OFFSET, False)
+  elif _coarse_search_is_safe(sampler, accountant, kwargs.get('group_size', 1)):
+    search = epsilon_fn(10.0, monte_carlo_seed, False)
+  else:
+    search = epsilon_fn(1.0, monte_carlo_seed, False)
+  search, bracket = _search_bracket(search, sampler, resolved, target, delta, steps,
+                                    kwargs.get('group_size', 1), kwargs.get('random_allocation'))
+  initial = _initial_sigma(sampler, resolved, target, delta, steps, accountant, kwargs)
+  sigma = smallest_noise_multiplier(search, target, initial=initial, bracket=bracket)
+  # Final stage: the accountant exactly as it will report.
+  report_fn = epsilon_fn(1.0, monte_carlo_seed, exact_truncation)
+  if resolved == 'monte_carlo':
+    for _ in range(100):
+      if report_fn(sigma) <= target:
+        return sigma
+      sigma *= 1.005
+    raise RuntimeError('Monte-Carlo calibration did not meet the target with a fresh seed.')
+  return smallest_noise_multiplier(report_fn, target, initial=sigma, lower=sigma * 0.995)
+
+
+def _epsilon_of_sigma(sampler, delta: float, steps: int, bar,
+                      **accountant_kwargs) -> Callable[[float], float]:
+  """σ -> the ε after `steps` steps of `Accountant(sampler, σ, delta, **accountant_kwargs)`."""
+  def epsilon_of_sigma(sigma):
+    acct = accountant_lib.Accountant(sampler, sigma, delta, **accountant_kwargs)
+    try:
+      eps = acct.epsilon(steps)
+    except accountant_lib.GridTooLargeError:
+      # Grids widen as σ falls: this σ is too small to account, so search above it. The
+      # returned σ is always one whose ε was computed and meets the target.
+      eps = math.inf
+    bar.set_postfix_str(f'σ = {sigma:.4g}: ε = {eps:.4g}', refresh=False)
+    bar.update()
+    return eps
+  return epsilon_of_sigma
+
+
+def _search_bracket(search, sampler, resolved: str, target: float, delta: float, steps: int,
+                    group_size: int, random_allocation):
+  """(search, provable (lo, hi) or None) for samplers with a random-allocation bracket.
+
+  The exact deterministic σ is an upper end (ε_det ≥ ε), the σ where the max-test lower
+  bound meets the target a lower end; random allocation and Monte Carlo are then evaluated
+  only inside it (random allocation in a narrower bracket, on a memoised `search`).
+  """
+  if not (sampler.random_allocation_bracket and group_size == 1 and
+          (resolved == 'monte_carlo' or random_allocation is not False)):
+    return search, None
+  steps_per_epoch, epochs = sampler.steps_per_epoch, -(-steps // sampler.steps_per_epoch)
+  hi = smallest_noise_multiplier(
+      lambda s: balls_and_bins.deterministic_epsilon(s, epochs, delta), target,
+      epsilon_rtol=1e-6)
+  lo = smallest_noise_multiplier(
+      lambda s: max_test.balls_and_bins_lower_bound_epsilon(s, steps_per_epoch, delta,
+                                                            num_epochs=epochs), target,
+      initial=hi, epsilon_rtol=1e-2)
+  bracket = (lo * 0.99, hi)
+  if resolved != 'monte_carlo':
+    search = _memoised(search)
+    bracket = _random_allocation_bracket(search, sampler, target, delta, epochs, bracket)
+  return search, bracket
+
+
+def _initial_sigma(sampler, resolved: str, target: float, delta: float, steps: int,
+                   accountant: str, kwargs: dict) -> float:
+  """Where the σ search starts: 1, except for PLDs of many-Gaussian mixtures (slow to build at
+  small σ), whose ε is at least that of the example-level / without-replacement event
+  (`sampler.calibration_base()`): its σ, found fast."""
+  group_size = kwargs.get('group_size', 1)
+  if resolved == 'pld' and (sampler.many_component_pld or (
+      group_size > 1 and sampler.coarse_pld_search)):
+    base = sampler.calibration_base()
+    base_kwargs = dict(kwargs, group_size=1)
+    return calibrate_noise_multiplier(base, target, delta, steps, accountant=accountant,
+                                      **base_kwargs)
+  return 1.0
+
+
+def _memoised(fn: Callable[[float], float]) -> Callable[[float], float]:
+  cache: dict[float, float] = {}
+
+  def wrapped(x):
+    if x not in cache:
+      cache[x] = fn(x)
+    return cache[x]
+  return wrapped
+
+
+def _random_allocation_bracket(epsilon_of_sigma, sampler, target: float, delta: float,
+                               epochs: int, bracket: tuple[float, float],
+                               epsilon_rtol: float = DEFAULT_EPSILON_RTOL,
+                               max_evaluations: int = 12) -> tuple[float, float]:
+  """(lo, hi) with ε(lo) > target ≥ ε(hi), hi close to the answer, for balls-and-bins.
+
+  Each ε(σ) builds a one-epoch random-allocation PLD (costly), so the search starts from the
+  σ of Poisson sampling with q = 1/T over the same steps (dp_accounting, cheap):
+  balls-and-bins is within a few percent of Poisson at moderate σ but can be worse at small σ
+  (Chua et al. 2025), so that σ is a first guess, not a bracket end. Then secant
+  steps on log ε vs log σ (slope −1 at first, as for the Gaussian mechanism), aimed just
+  below the target and kept strictly inside the best bracket known, which starts as the
+  provable `bracket` (deterministic σ above, max-test σ below).
+  """
+  lo, hi = bracket  # ε(lo) > target ≥ ε(hi) (provable)
+  poisson = samplers_lib.PoissonSampler(num_examples=sampler.num_examples,
+                                       batch_size=sampler.batch_size)
+  sigma = calibrate_noise_multiplier(poisson, target, delta, epochs * sampler.steps_per_epoch)
+  sigma = min(max(sigma, lo * 1.001), hi)
+  aim, slope, last = target * (1 - epsilon_rtol / 2), -1.0, None
+  for _ in range(max_evaluations):
+    eps = epsilon_of_sigma(sigma)
+    if eps <= target:
+      hi = sigma
+      if eps >= target * (1 - epsilon_rtol):
+        break
+    else:
+      lo = sigma
+    if last is not None and sigma != last[0] and math.isfinite(eps) and math.isfinite(last[1]):
+      fitted = math.log(eps / last[1]) / math.log(sigma / last[0])
+      slope = fitted if fitted < -0.05 else slope
+    last = (sigma, eps)
+    step = math.exp((math.log(aim) - math.log(eps)) / slope) if math.isfinite(eps) and eps > 0 \
+        else 2.0
+    proposal = sigma * step
+    if not lo < proposal < hi:
+      proposal = math.sqrt(lo * hi)
+    sigma = proposal
+  return lo, hi
+
+
+def _truncation_penalty(sampler, delta, steps, cap, group_size, target) -> float:
+  """(1 + e^ε)·τ / δ: the share of δ the TV truncation penalty takes at ε = target."""
+  log_tau = balls_and_bins.log_truncation_mass(sampler.num_examples, sampler.sampling_probability,
+                                               cap, steps, group_size=group_size)
+  return math.exp(min(700.0, log_tau + math.log1p(math.exp(min(target, 700.0))) -
+                      math.log(delta)))
+
+
+def _check_truncation_cap(sampler, target: float, delta: float, steps: int, cap, group_size: int):
+  """Refuses a cap B whose truncation penalty alone exceeds δ at the target; names the B needed.
+
+  Calibration searches with the TV truncation penalty (1 + e^ε)·τ, τ = T·Pr[n_t > B]
+  (`balls_and_bins.log_truncation_mass`); if it is >= δ at ε = target, no σ
+  reaches the target and the failure is the cap's, not the noise's. B needed:
+  the smallest B with a penalty <= δ/2 (half of δ left to the mechanism).
+  """
+  if cap is None or not sampler.binomial_batch_size:
+    return
+  if _truncation_penalty(sampler, delta, steps, cap, group_size, target) < 1:
+    return
+  needed = monotone.smallest_integer(  # penalty(cap) >= 1 > 1/2: the cap is below the answer.
+      lambda b: _truncation_penalty(sampler, delta, steps, b, group_size, target), 0.5,
+      above=cap, first_guess=max(cap + 1, 2 * cap))
+  tau = math.exp(balls_and_bins.log_truncation_mass(
+      sampler.num_examples, sampler.sampling_probability, cap, steps, group_size=group_size))
+  raise ValueError(
+      f'sampler.max_batch_size B = {cap} is too small for target ε = {target}: over {steps} '
+      f'steps of the {sampler.name} sampler, τ = T·Pr[batch > B] = {tau:.3g}, and the '
+      f'truncation penalty (1 + e^ε)·τ alone is above δ = {delta:g} whatever σ. Needed: '
+      f'B >= {needed} (penalty <= δ/2), or no max_batch_size (no truncation).')
+
+
+def max_num_steps(sampler: samplers_lib.Sampler, noise_multiplier: float, target_epsilon: float,
+                  delta: float, *, max_steps: int = 10**7, **kwargs) -> int:
+  """The largest number of steps whose attached ε stays <= target_epsilon.
+
+  Epoch-based samplers are accounted per epoch started, so the answer is a
+  whole number of epochs. Returns 0 if even one step (epoch) exceeds it.
+  """
+  target = _check_target(target_epsilon)
+  kwargs.pop('num_steps', None)
+  acct = accountant_lib.Accountant(sampler, noise_multiplier, delta, **kwargs)
+  if acct.is_epoch_based:
+    per_epoch = acct.steps_per_epoch
+    epochs = largest_count(lambda e: acct.epsilon(e * per_epoch), target,
+                           max_count=max(1, max_steps // per_epoch))
+    return epochs * per_epoch
+  return largest_count(acct.epsilon, target, max_count=max_steps)

@@ -1,0 +1,121 @@
+"""The PLD of one DP-SGD step, built as dp_accounting builds it, with its cost known first.
+
+dp_accounting's `PLDAccountant` discretises each event's privacy-loss
+distribution with pessimistic rounding (any grid gives an upper bound); the
+grid of a mixture of Gaussians (group privacy, sampling with replacement)
+grows as σ falls and its construction costs points × components, so its size
+is estimated before anything is allocated (`estimate_pld_grid_points`) and an
+oversized grid is refused with `GridTooLargeError`.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import tqdm
+from dp_accounting import dp_event
+from dp_accounting.pld import pld_pmf
+from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from dp_accounting.pld import privacy_loss_mechanism
+
+# PLD discretisation (pessimistic rounding, so any value gives an upper bound): 1e-4 for
+# Gaussian-type events; 1e-3 for mixtures of > 2 Gaussians (group privacy, sampling with
+# replacement), whose dp_accounting construction costs far more per decade of resolution.
+VALUE_DISCRETIZATION = 1e-4
+MOG_VALUE_DISCRETIZATION = 1e-3
+# Refuse to build a per-step PLD whose grid (privacy-loss points × mixture components, what
+# dp_accounting evaluates and holds as float64 arrays) exceeds this (the cost of large grids:
+# scripts/README.md, bench_accounting_limits.py).
+MAX_GRID_POINTS = 2 * 10**6
+
+
+def step_pld(event: dp_event.DpEvent, interval: float) -> pld_lib.PrivacyLossDistribution:
+  """The PLD of one step, built as dp_accounting's PLDAccountant builds it."""
+  if isinstance(event, dp_event.PoissonSampledDpEvent):
+    return pld_lib.from_gaussian_mechanism(
+        standard_deviation=event.event.noise_multiplier, value_discretization_interval=interval,
+        sampling_prob=event.sampling_probability)
+  if isinstance(event, dp_event.MixtureOfGaussiansDpEvent):
+    if len(event.sensitivities) == 2 and event.sensitivities[0] == 0:
+      # MoG [0, s] with probabilities [1 − p, p] *is* the Poisson-subsampled Gaussian pair
+      # with sensitivity s and rate p (both directions); dp_accounting builds that one faster,
+      # with the same ε (tests/privacy/accounting/test_accounting_events.py).
+      return pld_lib.from_gaussian_mechanism(
+          standard_deviation=event.standard_deviation, sensitivity=event.sensitivities[1],
+          value_discretization_interval=interval, sampling_prob=event.sampling_probs[1])
+    return pld_lib.from_mixture_gaussian_mechanism(
+        standard_deviation=event.standard_deviation, sensitivities=event.sensitivities,
+        sampling_probs=event.sampling_probs, value_discretization_interval=interval)
+  if isinstance(event, dp_event.TruncatedSubsampledGaussianDpEvent):
+    return pld_lib.from_truncated_subsampled_gaussian_mechanism(
+        dataset_size=event.dataset_size, sampling_probability=event.sampling_probability,
+        truncated_batch_size=event.truncated_batch_size,
+        noise_multiplier=event.noise_multiplier, value_discretization_interval=interval)
+  raise TypeError(f'no per-step PLD for {event!r}')
+
+
+def progress_bar(total: int | None, desc: str) -> tqdm.tqdm:
+  """A tqdm bar on stderr that appears only after 10 s, and only on a terminal (quiet in tests
+  and logs)."""
+  return tqdm.tqdm(total=total, desc=f'dpjax.privacy.accounting: {desc}', delay=10, disable=None,
+                   file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+class GridTooLargeError(ValueError):
+  """A per-step PLD would exceed `max_grid_points` (raised before anything is allocated)."""
+
+
+def mixture_components(event: dp_event.DpEvent) -> tuple[float, list, list] | None:
+  """(σ, sensitivities, probabilities) of a Gaussian-type step event; None for others."""
+  if isinstance(event, dp_event.PoissonSampledDpEvent):
+    q = event.sampling_probability
+    return event.event.noise_multiplier, [0.0, 1.0], [1 - q, q]
+  if isinstance(event, dp_event.MixtureOfGaussiansDpEvent):
+    return event.standard_deviation, list(event.sensitivities), list(event.sampling_probs)
+  return None
+
+
+def estimate_pld_grid_points(event: dp_event.DpEvent, interval: float) -> int | None:
+  """The size of the per-step PLD `step_pld` would build: grid points × mixture components.
+
+  The points are dp_accounting's own connect-the-dots range (its privacy-loss
+  tail bounds, both adjacency directions) divided by the discretisation. A
+  mixture of > 2 Gaussians evaluates each point against every component (in
+  a binary search, arrays of points × components); the Poisson-type pair [0, s]
+  has a closed-form inverse and counts its points once. Nothing is built; None
+  for events without an estimate (truncated Poisson).
+  """
+  parts = mixture_components(event)
+  if parts is None:
+    return None
+  sigma, sensitivities, probs = parts
+  points = 0.0
+  closed_form = len(sensitivities) == 2 and sensitivities[0] == 0  # As `step_pld` builds it.
+  for adjacency in (privacy_loss_mechanism.AdjacencyType.ADD,
+                    privacy_loss_mechanism.AdjacencyType.REMOVE):
+    if closed_form:
+      loss = privacy_loss_mechanism.GaussianPrivacyLoss(
+          sigma, sensitivity=sensitivities[1], sampling_prob=probs[1], adjacency_type=adjacency)
+    else:
+      loss = privacy_loss_mechanism.MixtureGaussianPrivacyLoss(
+          sigma, sensitivities, probs, adjacency_type=adjacency)
+    bounds = loss.connect_dots_bounds()
+    points = max(points, (bounds.epsilon_upper - bounds.epsilon_lower) / interval + 1)
+  return int(math.ceil(points * (1 if closed_form else len(sensitivities))))
+
+
+def pld_pmfs(pld: pld_lib.PrivacyLossDistribution):
+  """The PLD's PMFs: (remove,) if symmetric, else (remove, add)."""
+  # pylint: disable-next=protected-access
+  return (pld._pmf_remove,) if pld._symmetric else (pld._pmf_remove, pld._pmf_add)
+
+
+def with_dense_pmfs(pld: pld_lib.PrivacyLossDistribution) -> pld_lib.PrivacyLossDistribution:
+  """The same PLD with dense PMFs: dp_accounting's sparse self_compose evaluates
+  size**count (a big integer) first, which never ends for the step counts of long runs."""
+  pmfs = pld_pmfs(pld)
+  if not any(isinstance(p, pld_pmf.SparsePLDPmf) for p in pmfs):
+    return pld
+  dense = [p.to_dense_pmf() if isinstance(p, pld_pmf.SparsePLDPmf) else p for p in pmfs]
+  return pld_lib.PrivacyLossDistribution(dense[0], dense[1] if len(dense) > 1 else None)

@@ -1,0 +1,102 @@
+"""The sums of one DP-SGD logical step: accumulated over its physical batches, then released.
+
+`grad_sum` is Σ_i w_i · clip_C(g_i) over the K physical batches, added with Kahan's
+compensation (Higham 2002, "Accuracy and Stability of Numerical Algorithms", §4.3), so
+its float32 rounding error is O(u)·|sum| rather than O(K·u)·|sum| (`precision.sum_margin`
+relies on it).
+
+`release` takes an optax step on ĝ = (Σ_i w_i · clip_C(g_i) + N(0, σ²C² I)) / b. The noise
+is added ONCE per logical step, to the sum over all K physical batches (Abadi et al. 2016,
+"Deep Learning with Differential Privacy", Alg. 1; docs/accounting.md: noise std on the
+*sum* of clipped gradients is σ·C), and the divisor is the sampler's `expected_batch_size`
+b (q·N for Poisson, b for fixed-size samplers), never the realised number of rows:
+dividing by a data-dependent count would change the sensitivity (seed 002; optax's
+`differentially_private_aggregate` makes this mistake for padded / Poisson batches).
+
+The metrics are monitoring values from the raw batch: NOT differentially private.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from dpjax.privacy import clipping as clipping_lib
+from dpjax.privacy import noise as noise_lib
+
+Params = Any
+
+
+class Accumulator(NamedTuple):
+  """Running sums over the physical batches of one logical step.
+
+  `grad_sum` is a compensated (Kahan) sum over the physical batches: `compensation`
+  holds the low-order bits each float32 addition lost, so the sum's rounding error does
+  not grow with the number of batches (`precision.sum_margin`).
+  """
+  grad_sum: Params  # Σ_i w_i · clip_C(g_i) (private) or Σ_i w_i · g_i.
+  stats: clipping_lib.ClipStats
+  compensation: Params  # −(the rounding error of grad_sum so far), per coordinate.
+
+
+def kahan_add(total: Params, compensation: Params, g: Params) -> tuple[Params, Params]:
+  """total + g with Kahan's compensation (Higham 2002, §4.3): error O(u)·|total|, not O(K·u)."""
+  def add(s, c, x):
+    y = x - c
+    t = s + y
+    return t, (t - s) - y
+  pairs = jax.tree.map(add, total, compensation, g)
+  outer = jax.tree.structure(total)
+  return jax.tree.transpose(outer, jax.tree.structure((0, 0)), pairs)
+
+
+def zeros(params: Params) -> Accumulator:
+  """Zero float32 sums with the structure of `params`."""
+  zero_tree = lambda: jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  return Accumulator(zero_tree(), clipping_lib.ClipStats.zeros(), zero_tree())
+
+
+def add(acc: Accumulator, g: Params, stats: clipping_lib.ClipStats) -> Accumulator:
+  """acc + one physical batch's clipped sum `g` and statistics."""
+  total, compensation = kahan_add(acc.grad_sum, acc.compensation, g)
+  return Accumulator(total, jax.tree.map(jnp.add, acc.stats, stats), compensation)
+
+
+def metrics(acc: Accumulator, noisy_grad: Params, expected_batch_size: float) -> dict:
+  """The step's monitoring values (not private) from its sums and the released ĝ."""
+  s = acc.stats
+  finite_rows = s.num_rows - s.num_nonfinite.astype(jnp.float32)
+  return {
+      'loss': s.loss_sum / jnp.maximum(finite_rows, 1.0),
+      'accuracy': s.correct / jnp.maximum(s.num_rows, 1.0),
+      'num_examples': s.num_rows,
+      'num_clipped': s.num_clipped,
+      'num_nonfinite': s.num_nonfinite,
+      # ‖Σ_i w_i clip(g_i)‖ / b: the mean clipped gradient before noise.
+      'grad_norm': optax.tree.norm(acc.grad_sum) / expected_batch_size,
+      'noisy_grad_norm': optax.tree.norm(noisy_grad),
+      # Mean per-example ‖g_i‖ before clipping (helps choose C); 0 when
+      # not private (no per-example gradients are formed).
+      'example_grad_norm': s.grad_norm_sum / jnp.maximum(finite_rows, 1.0),
+  }
+
+
+def release(params: Params, opt_state: optax.OptState, acc: Accumulator, key: jax.Array,
+            optimizer: optax.GradientTransformation, noise_std: float | None,
+            expected_batch_size: float):
+  """ĝ = (acc.grad_sum + N(0, noise_std² I)) / b, one optax step on ĝ, and the metrics.
+
+  noise_std: σ·C, the noise of `key`; None: no noise (the non-private step).
+  expected_batch_size: b, the sampler's; never the realised number of rows.
+
+  Returns:
+    (params, opt_state, metrics).
+  """
+  g = acc.grad_sum
+  if noise_std is not None:
+    g = noise_lib.add_noise(g, key, noise_std)
+  g = jax.tree.map(lambda s: s / expected_batch_size, g)
+  updates, opt_state = optimizer.update(g, opt_state, params)
+  params = optax.apply_updates(params, updates)
+  return params, opt_state, metrics(acc, g, expected_batch_size)

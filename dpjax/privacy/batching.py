@@ -1,0 +1,185 @@
+"""Static-shape batching: a logical batch becomes K physical batches of P rows.
+
+A logical batch of n indices is first capped at B (a multiple of P): if
+n > B, a uniformly random B of them are kept ("truncation"; Chua et al. 2025,
+seed 000, Section 5; the accountant pays for it, see `dpjax.privacy.accounting`).
+The kept m = min(n, B) indices fill K = ceil(m / P) physical batches of
+exactly P rows; only the last is padded. Padded rows point at example 0 and
+carry weight 0, so they contribute exactly zero to any weighted sum. Shapes
+never depend on n, so a step jitted on one physical batch compiles once.
+
+The default cap is the smallest multiple of P whose total truncation
+probability over the run, τ = T·Pr[n_t > B], is at most δ·1e-3·e^{-50}, so the
+accounting penalty (δ grows by at most (1 + e^ε)·τ) is negligible for any ε
+up to 50 (`DEFAULT_TRUNCATION_BUDGET`).
+
+  >>> from dpjax.privacy.samplers import FixedSizeSampler
+  >>> batcher = Batcher(FixedSizeSampler(num_examples=10, batch_size=4, seed=0),
+  ...                   physical_batch_size=3, max_batch_size=6)
+  >>> batch = batcher.logical_batch(0)   # 4 examples in K = 2 physical batches of P = 3
+  >>> batch.indices.shape, batch.weights.tolist(), batch.size
+  ((2, 3), [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]], 4)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterator
+
+import numpy as np
+from scipy import stats
+
+from dpjax.privacy import checks as _checks
+from dpjax.privacy import samplers as samplers_lib
+
+TRUNCATION_STREAM = 0x7A7C
+# The automatic cap keeps τ = T·Pr[n_t > B] <= DEFAULT_TRUNCATION_BUDGET · δ, with
+# budget 1e-3·e^{-50}: the TV penalty (1 + e^ε)·τ then stays below δ/1000 for every ε <= 50,
+# including the deterministic bound attached to long balls-and-bins runs (ε ≈ 10-50), where a
+# budget of δ/1000 alone made the penalty exceed δ (ε = ∞; experiments/06_truncation). A
+# higher cap costs nothing on ordinary steps: the number of physical batches follows the
+# sampled size, B only bounds it (the binomial tail falls like e^{-k²/2} k std above the mean,
+# so this is ~6 std more than δ/1000 would give: B = 913 instead of 768 at b = 600, N = 60000).
+DEFAULT_TRUNCATION_BUDGET = 1e-3 * math.exp(-50.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogicalBatch:
+  """One logical step as K physical batches.
+
+  Attributes:
+    indices: int64 [K, P] example indices (padding rows hold 0).
+    weights: float32 [K, P], 1 for real examples and 0 for padding.
+    size: n, the sampled logical batch size before truncation.
+    truncated: whether n > B and a random B were kept.
+  """
+
+  indices: np.ndarray
+  weights: np.ndarray
+  size: int
+  truncated: bool
+
+  @property
+  def num_physical_batches(self) -> int:
+    return self.indices.shape[0]
+
+  def physical_batches(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    yield from zip(self.indices, self.weights)
+
+
+def _is_binomial(sampler: samplers_lib.Sampler) -> bool:
+  """Binomial(N, p) batch sizes (Poisson, balls-and-bins) can exceed any B < N; others are <= b."""
+  return sampler.binomial_batch_size
+
+
+def log_truncation_probability(sampler: samplers_lib.Sampler, max_batch_size: int) -> float:
+  """log Pr[n_t > B] for one step, in log-space (no underflow at N = 1e7)."""
+  if _is_binomial(sampler):
+    return float(stats.binom.logsf(max_batch_size, sampler.num_examples,
+                                   sampler.sampling_probability))
+  return 0.0 if max_batch_size < sampler.batch_size else -math.inf
+
+
+def truncation_probability(sampler: samplers_lib.Sampler, max_batch_size: int) -> float:
+  """Pr[n_t > B] for one step."""
+  return math.exp(log_truncation_probability(sampler, max_batch_size))
+
+
+def _round_up(value: int, multiple: int) -> int:
+  return -(-value // multiple) * multiple
+
+
+def resolve_max_batch_size(sampler: samplers_lib.Sampler, physical_batch_size: int,
+                           requested: int = 0, *, num_steps: int = 1,
+                           delta: float = 1e-5) -> int:
+  """The cap B on the logical batch size actually used for training.
+
+  Args:
+    sampler: the run's sampler.
+    physical_batch_size: P; B is a multiple of it. 0 (automatic P, chosen later from the
+      device's memory): B is resolved alone, to the row, so it does not depend on P or the
+      device; the last physical batch of a full logical batch is then padded.
+    requested: the user's B (`sampler.max_batch_size`); 0 derives it.
+    num_steps: T, the run's number of steps (for the τ budget).
+    delta: the run's δ; the automatic cap keeps τ = T·Pr[n_t > B] <=
+      DEFAULT_TRUNCATION_BUDGET·δ (see there).
+
+  Returns:
+    B. Samplers with a fixed batch size never truncate: B >= b is required.
+  """
+  _checks.check_int('sampler.physical_batch_size', physical_batch_size, 0)
+  physical_batch_size = physical_batch_size or 1  # P = 0: B to the row (see above).
+  if isinstance(requested, bool) or not isinstance(requested, (int, np.integer)) or requested < 0:
+    raise ValueError(f'sampler.max_batch_size must be 0 (auto) or a positive multiple of '
+                     f'sampler.physical_batch_size = {physical_batch_size}, got {requested!r}.')
+  # Under add/remove adjacency the neighbouring dataset has N + 1 examples, so B > N is what
+  # rules truncation out for both (the accountant checks the neighbour too).
+  no_truncation = _round_up(sampler.num_examples + 1 if _is_binomial(sampler) else sampler.batch_size,
+                            physical_batch_size)
+  if requested:
+    if requested % physical_batch_size:
+      raise ValueError(f'sampler.max_batch_size = {requested} must be a multiple of '
+                       f'sampler.physical_batch_size = {physical_batch_size}.')
+    if not _is_binomial(sampler) and requested < sampler.batch_size:
+      raise ValueError(
+          f'sampler.max_batch_size = {requested} is below sampler.batch_size = '
+          f'{sampler.batch_size}; the {sampler.name} sampler has no truncation accounting, '
+          f'so B must be >= b (or 0 for auto).')
+    return min(requested, no_truncation)
+  if not _is_binomial(sampler):
+    return no_truncation
+  if not 0 < delta < 1:
+    raise ValueError(f'privacy.delta must be in (0, 1), got {delta}.')
+  # Smallest multiple of P with log(T) + log Pr[n > B] <= log(budget · δ).
+  log_budget = math.log(DEFAULT_TRUNCATION_BUDGET * delta) - math.log(max(num_steps, 1))
+  mean = sampler.expected_batch_size
+  std = math.sqrt(mean * (1 - sampler.sampling_probability))
+  candidate = _round_up(max(int(mean + 4 * std), 1), physical_batch_size)
+  # The tail of the larger (N + 1) neighbour, as the accountant pays for it.
+  def log_tail(cap):
+    return float(stats.binom.logsf(cap, sampler.num_examples + 1, sampler.sampling_probability))
+  while candidate < no_truncation and log_tail(candidate) > log_budget:
+    candidate += physical_batch_size
+  while (candidate - physical_batch_size >= physical_batch_size and
+         log_tail(candidate - physical_batch_size) <= log_budget):
+    candidate -= physical_batch_size
+  return min(candidate, no_truncation)
+
+
+@dataclasses.dataclass(frozen=True)
+class Batcher:
+  """Turns the sampler's logical batches into fixed-shape physical batches."""
+
+  sampler: samplers_lib.Sampler
+  physical_batch_size: int
+  max_batch_size: int
+
+  def __post_init__(self):
+    _checks.check_int('physical_batch_size', self.physical_batch_size, 1)
+    _checks.check_int('max_batch_size', self.max_batch_size, 1)
+
+  @property
+  def max_physical_batches(self) -> int:
+    """K_max = ceil(B/P) (B need not be a multiple of P: the last batch is then padded)."""
+    return -(-self.max_batch_size // self.physical_batch_size)
+
+  def logical_batch(self, step: int) -> LogicalBatch:
+    """The padded physical batches of `step`; a pure function of (seed, step)."""
+    indices = self.sampler.indices(step)
+    size = len(indices)
+    truncated = size > self.max_batch_size
+    if truncated:
+      rng = np.random.Generator(np.random.PCG64(
+          np.random.SeedSequence([self.sampler.seed, TRUNCATION_STREAM, int(step)])))
+      keep = rng.choice(size, size=self.max_batch_size, replace=False)
+      indices = np.sort(indices[keep])
+    num_rows = len(indices)
+    num_batches = -(-num_rows // self.physical_batch_size)
+    padded = np.zeros(num_batches * self.physical_batch_size, dtype=np.int64)
+    padded[:num_rows] = indices
+    weights = np.zeros(padded.shape, dtype=np.float32)
+    weights[:num_rows] = 1.0
+    shape = (num_batches, self.physical_batch_size)
+    return LogicalBatch(indices=padded.reshape(shape), weights=weights.reshape(shape),
+                        size=size, truncated=truncated)

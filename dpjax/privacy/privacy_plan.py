@@ -1,0 +1,237 @@
+"""One object binds everything that enters ε: sampler, cap B, σ, C, δ and the accountant.
+
+  plan = PrivacyPlan.create(PoissonSampler(num_examples=N, batch_size=256, seed=seed),
+                            num_steps=T, clip_norm=1.0, target_epsilon=3.0, delta=1e-5)
+  batcher = plan.batcher(physical_batch_size=64)   # truncates at the B the accountant pays for
+  grad_fn = plan.clipped_grad(loss_fn)             # Σ_i w_i clip_C(g_i), like jax.grad
+  tx = optax.chain(plan.privatizer(), optax.adam(1e-3))   # + N(0, σ²C²), ÷ b
+  report = plan.epsilon_at(t)                      # ε after t steps, with its kind of bound
+
+The batcher, the clipped gradient, the noise, the DP step (`dp_step.DPStep.from_plan`) and
+the accountant are all made from
+the plan, so they cannot disagree: an accountant built without the batcher's cap, σ or C
+that differ between step and report, or a sampler other than the one accounted for are
+not expressible through it (the low-level pieces stay available for callers who need
+them, without this guarantee).
+
+Refused here, with one line naming the argument: σ ≤ 0 or not finite, C ∉ (0, ∞),
+δ ∉ (0, 1), and δ ≥ 1/N unless `allow_large_delta` (an (ε, δ) guarantee with δ ≥ 1/N
+permits releasing a random record in the clear: "name-and-shame", Dwork & Roth 2014,
+§2.3). δ > 1/(10·N) is allowed with a warning (`warnings`).
+
+Inputs: the sampler's seed is secret (it drives sampling and, through `dpjax.privacy.prng`,
+the noise); N, b, T, σ, C and δ are public.
+
+  >>> from dpjax.privacy.samplers import PoissonSampler
+  >>> plan = PrivacyPlan.create(PoissonSampler(num_examples=60000, batch_size=256, seed=0),
+  ...                           num_steps=1000, clip_norm=1.0, noise_multiplier=1.1, delta=1e-6)
+  >>> report = plan.epsilon_at(1000)
+  >>> plan.max_batch_size, round(report.epsilon, 3), report.bound, report.accountant
+  (474, 0.706, 'upper', 'pld')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import warnings
+from typing import Any
+
+from dpjax.privacy import checks as _checks
+from dpjax.privacy import batching
+from dpjax.privacy import clipping
+from dpjax.privacy import noise
+from dpjax.privacy import samplers as samplers_lib
+from dpjax.privacy.accounting import accountant as accountant_lib
+from dpjax.privacy.accounting import calibration
+
+
+class LargeDeltaWarning(UserWarning):
+  """δ > 1/(10·N): allowed, but weak (a few records could be released with probability δ·N)."""
+
+
+def seed_digest(seed: int) -> str:
+  """SHA-256 of the seed (what a fingerprint stores instead of the seed itself)."""
+  return hashlib.sha256(f'dpjax-seed:{int(seed)}'.encode()).hexdigest()
+
+
+def check_delta(delta, num_examples: int, *, allow_large_delta: bool = False,
+                name: str = 'delta', flag: str = 'allow_large_delta=True') -> float:
+  """δ in (0, 1) and < 1/N (unless allow_large_delta); warns above 1/(10·N)."""
+  delta = _checks.check_number(name, delta, low=0.0, high=1.0, open_high=True)
+  if delta >= 1.0 / num_examples and not allow_large_delta:
+    raise ValueError(
+        f'{name} = {delta:g} is >= 1/N = {1.0 / num_examples:.3g} (N = {num_examples}): such a '
+        'guarantee allows publishing a random record in the clear. Use δ well below 1/N '
+        f'(e.g. <= 1/(10·N)), or set {flag} to accept it.')
+  if delta > 0.1 / num_examples:
+    warnings.warn(f'{name} = {delta:g} exceeds 1/(10·N) = {0.1 / num_examples:.3g}: the '
+                  f'guarantee is weak for N = {num_examples}.', LargeDeltaWarning, stacklevel=2)
+  return delta
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacyPlan:
+  """The sampler, B, σ, C, δ, k and the accountant of one private run, resolved once.
+
+  Build it with `PrivacyPlan.create` (validates, resolves B, calibrates σ if asked).
+
+  Attributes:
+    sampler: selects every logical batch (its seed is secret).
+    num_steps: the planned run length T.
+    clip_norm: C, the per-example clip norm.
+    noise_multiplier: σ; the noise on the summed clipped gradients has std σ·C.
+    noise_multiplier_source: 'given', 'calibrated' or 'checkpoint'.
+    delta: δ.
+    max_batch_size: B, the cap on a logical batch (truncation is accounted).
+    group_size: k (the guarantee is for groups of k examples).
+    target_epsilon: the ε budget at the last step (0 = none).
+    accountant: the `accounting.Accountant` of this sampler, σ, δ, B and k.
+  """
+
+  sampler: samplers_lib.Sampler
+  num_steps: int
+  clip_norm: float
+  noise_multiplier: float
+  noise_multiplier_source: str
+  delta: float
+  max_batch_size: int
+  group_size: int
+  target_epsilon: float
+  accountant: accountant_lib.Accountant = dataclasses.field(compare=False, repr=False)
+
+  @classmethod
+  def create(cls, sampler: samplers_lib.Sampler, *, num_steps: int, clip_norm: float,
+             delta: float, noise_multiplier: float | None = None,
+             target_epsilon: float = 0.0, max_batch_size: int = 0,
+             physical_batch_size: int = 0, accountant: str = 'auto', group_size: int = 1,
+             allow_large_delta: bool = False, noise_multiplier_source: str | None = None,
+             check_budget: bool = True, **accountant_options: Any) -> PrivacyPlan:
+    """Validates every argument, resolves B, calibrates σ if it is None, checks the budget.
+
+    Args:
+      sampler: the run's sampler (`dpjax.privacy.samplers`), seeded by the run's secret seed.
+      num_steps: T, the number of logical steps.
+      clip_norm: C, finite and > 0.
+      delta: δ in (0, 1), below 1/N unless `allow_large_delta`.
+      noise_multiplier: σ > 0, or None to calibrate the smallest σ meeting `target_epsilon`.
+      target_epsilon: the ε budget (0 = none; required when σ is None). With σ given, a run
+        whose final ε would exceed it is refused (`check_budget`).
+      max_batch_size: B; 0 = the automatic cap (`batching.resolve_max_batch_size`).
+      physical_batch_size: P, if known (B is then a multiple of it); 0 = B to the row.
+      accountant: 'auto', 'pld', 'rdp' or 'monte_carlo' (the sampler's `accountants`).
+      group_size: k >= 1.
+      allow_large_delta: accept δ >= 1/N.
+      noise_multiplier_source: how σ was obtained ('given' by default, 'checkpoint' on resume).
+      check_budget: refuse a given σ whose final ε exceeds `target_epsilon` (costs one
+        accounting query; False defers it to `check_budget`).
+      **accountant_options: other `accounting.Accountant` options (random_allocation_timeout,
+        monte_carlo_workers, ...).
+
+    Raises:
+      ValueError (one line, naming the argument) for any invalid input or a budget overrun.
+    """
+    if not isinstance(sampler, samplers_lib.Sampler):
+      raise TypeError(f'sampler must be a dpjax sampler, got {type(sampler).__name__}.')
+    num_steps = _checks.check_int('num_steps', num_steps, 1)
+    clip_norm = noise.check_clip_norm(clip_norm)
+    delta = check_delta(delta, sampler.num_examples, allow_large_delta=allow_large_delta)
+    target = 0.0 if not target_epsilon else _checks.check_number(
+        'target_epsilon', target_epsilon, low=0.0)
+    if noise_multiplier is None and not target:
+      raise ValueError('noise_multiplier or target_epsilon must be given (σ, or an ε to '
+                       'calibrate σ to).')
+    group_size = _checks.check_int('group_size', group_size, 1)
+    max_batch_size = batching.resolve_max_batch_size(
+        sampler, physical_batch_size, max_batch_size, num_steps=num_steps, delta=delta)
+    options = dict(accountant_options, max_batch_size=max_batch_size, group_size=group_size,
+                   allow_large_delta=allow_large_delta)
+    if noise_multiplier is None:
+      sigma = calibration.calibrate_noise_multiplier(sampler, target, delta, num_steps,
+                                                     accountant=accountant, **options)
+      source = 'calibrated'
+    else:
+      sigma, source = noise.check_noise_multiplier(noise_multiplier), noise_multiplier_source or 'given'
+    acct = accountant_lib.Accountant(sampler, sigma, delta, accountant=accountant,
+                                     num_steps=num_steps, **options)
+    plan = cls(sampler=sampler, num_steps=num_steps, clip_norm=clip_norm, noise_multiplier=sigma,
+               noise_multiplier_source=source, delta=delta, max_batch_size=max_batch_size,
+               group_size=group_size, target_epsilon=target, accountant=acct)
+    if check_budget and source != 'calibrated':
+      plan.check_budget()
+    return plan
+
+  @property
+  def accountant_name(self) -> str:
+    """The resolved accountant ('pld', 'rdp' or 'monte_carlo')."""
+    return self.accountant.accountant
+
+  @property
+  def expected_batch_size(self) -> float:
+    """What the noisy sum is divided by: the sampler's E[n_t], never the rows present."""
+    return self.sampler.expected_batch_size
+
+  @property
+  def seed(self) -> int:
+    return self.sampler.seed
+
+  def batcher(self, physical_batch_size: int) -> batching.Batcher:
+    """The static-shape batcher of this plan: P rows per physical batch, truncation at B."""
+    return batching.Batcher(self.sampler, physical_batch_size, self.max_batch_size)
+
+  def epsilon_at(self, step: int, *, estimates: bool = False) -> accountant_lib.PrivacyReport:
+    """The PrivacyReport after `step` steps: ε, δ and the kind of bound (`report.bound`)."""
+    return self.accountant.epsilon_at(step, estimates=estimates)
+
+  def final_report(self, *, estimates: bool = True) -> accountant_lib.PrivacyReport:
+    return self.accountant.epsilon_at(self.num_steps, estimates=estimates)
+
+  def check_budget(self) -> None:
+    """ValueError if the final ε exceeds `target_epsilon` (> 0)."""
+    if not self.target_epsilon:
+      return
+    final = self.accountant.epsilon(self.num_steps)
+    if final > self.target_epsilon:
+      raise BudgetExceededError(
+          f'noise_multiplier = {self.noise_multiplier:g} over {self.num_steps} steps would reach '
+          f'ε = {final:.4g} (δ = {self.delta:g}), above target_epsilon = '
+          f'{self.target_epsilon:g}: raise the budget, raise σ, or shorten the run.',
+          final_epsilon=final)
+
+  def clipped_grad(self, loss_fn, *, has_aux: bool = False, method: str = 'auto',
+                   precision: str = 'default'):
+    """`clipping.clipped_grad` with this plan's C and cap B (the float32 sum's margin)."""
+    return clipping.clipped_grad(loss_fn, self.clip_norm, has_aux=has_aux, method=method,
+                                 max_batch_size=self.max_batch_size, precision=precision)
+
+  def privatizer(self, *, noise_impl: str = 'threefry'):
+    """The optax transform adding N(0, σ²C²) to each step's clipped sum and dividing by b,
+    with this plan's σ, C, b and seed (`noise.gaussian_privatizer`)."""
+    return noise.gaussian_privatizer(self.noise_multiplier, self.clip_norm,
+                                     self.expected_batch_size, self.seed,
+                                     noise_impl=noise_impl)
+
+  @property
+  def fingerprint(self) -> dict[str, Any]:
+    """Everything here that enters ε, JSON-ready (the seed only as its SHA-256)."""
+    s = self.sampler
+    return {
+        'sampler.name': s.name,
+        'sampler.num_examples': s.num_examples,
+        'sampler.batch_size': s.batch_size,
+        'sampler.max_batch_size': self.max_batch_size,
+        'privacy.group_size': self.group_size,
+        'privacy.noise_multiplier': self.noise_multiplier,
+        'privacy.clip_norm': self.clip_norm,
+        'privacy.delta': self.delta,
+        'privacy.accountant': self.accountant_name,
+        'seed_sha256': seed_digest(s.seed),
+    }
+
+
+class BudgetExceededError(ValueError):
+  """The run's final ε would exceed the target; `final_epsilon` holds it."""
+
+  def __init__(self, message: str, final_epsilon: float):
+    super().__init__(message)
+    self.final_epsilon = final_epsilon

@@ -1,0 +1,375 @@
+"""Batch samplers: which examples form the logical batch of step t.
+
+Every sampler is a frozen dataclass whose `indices(step)` is a pure function
+of (seed, step): resuming at step t costs O(b) (Poisson, fixed size) or one
+O(N) epoch assignment (balls-and-bins, shuffle), never a replay of earlier
+steps. The accountant (`dpjax.privacy.accounting`) builds its privacy analysis from
+the same object, so what is sampled is what is accounted.
+
+| name | batch of step t | accounting |
+|---|---|---|
+| `poisson` | each example independently with prob. q = b/N | Poisson-subsampled Gaussian |
+| `balls_and_bins` | each epoch, every example in one uniform of T = ceil(N/b) batches | Chua et al. 2025 (seed 000) |
+| `shuffle` | one permutation per epoch, consecutive batches of b | deterministic upper bound |
+| `deterministic` | dataset order, consecutive batches of b | Gaussian, once per epoch |
+| `fixed_size` | an independent uniform b-subset | MoG (Ganesh, seed 004), FS-RDP (Birrell et al., seed 001) |
+| `fixed_size_with_replacement` | b independent uniform draws | see `dpjax.privacy.accounting` |
+
+Epoch-based samplers (`balls_and_bins`, `shuffle`, `deterministic`) have
+T = ceil(N/b) steps per epoch. For `shuffle` and `deterministic` the last
+batch of an epoch holds the remainder N - (T-1)·b (smaller than b when b does
+not divide N); every example is used exactly once per epoch.
+
+Randomness: step t of a per-step sampler uses a generator seeded by
+(seed, stream, t); epoch e of a per-epoch sampler by (seed, stream, e). The
+streams are disjoint from truncation, noise and initialisation.
+
+Memory: `poisson`, `fixed_size`, `fixed_size_with_replacement` and
+`deterministic` keep no per-example state (O(b) per step). `shuffle` and
+`balls_and_bins` keep the current epoch's permutation, 4 bytes per example
+while N < 2^31 (8 above), plus 8 bytes per batch for the offsets; one epoch is
+cached per sampler object. Building it is an in-place Fisher-Yates shuffle,
+O(N) time once per epoch.
+
+  >>> sampler = PoissonSampler(num_examples=1000, batch_size=100, seed=0)
+  >>> sampler.sampling_probability, sampler.expected_batch_size, sampler.steps_per_epoch
+  (0.1, 100.0, 10)
+  >>> bool((sampler.indices(3) == sampler.indices(3)).all())   # a function of (seed, step)
+  True
+  >>> shuffle = ShuffleSampler(num_examples=10, batch_size=4, seed=0)
+  >>> sorted(int(i) for t in range(3) for i in shuffle.indices(t))   # one epoch: each once
+  [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from typing import ClassVar
+
+import numpy as np
+
+from dpjax.privacy import checks as _checks
+
+# Stream identifiers keep the sampler's randomness independent of other
+# consumers of the root seed (truncation in `batching`, noise in `dp_step`).
+SAMPLER_STREAM = 0x5A4D
+
+
+def _generator(seed: int, *key: int) -> np.random.Generator:
+  """A numpy generator that is a pure function of (seed, *key)."""
+  return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, SAMPLER_STREAM, *key])))
+
+
+def _index_dtype(num_examples: int) -> np.dtype:
+  """int32 halves the memory of per-epoch permutations when N < 2^31."""
+  return np.dtype(np.int32) if num_examples < 2**31 else np.dtype(np.int64)
+
+
+def _uniform_permutation(rng: np.random.Generator, num_examples: int) -> np.ndarray:
+  """A uniform permutation of range(N), 4 bytes per example when N < 2^31.
+
+  Shuffles an arange of the index dtype in place: the same Fisher-Yates draws,
+  hence the same permutation, as `rng.permutation(N)`, without its int64
+  array and the int32 copy (12 bytes per example at the peak).
+  """
+  order = np.arange(num_examples, dtype=_index_dtype(num_examples))
+  rng.shuffle(order)
+  return order
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler(abc.ABC):
+  """Base class: a logical batch of example indices for every step."""
+
+  num_examples: int
+  batch_size: int
+  seed: int = 0
+
+  name: ClassVar[str]
+  # Privacy facts (docs/accounting.md); accounting asks the sampler, never its name.
+  # Accountants that support the sampler; the first is what 'auto' means.
+  accountants: ClassVar[tuple[str, ...]] = ('pld', 'rdp')
+  # ... and those that support group privacy (privacy.group_size > 1).
+  group_accountants: ClassVar[tuple[str, ...]] = ('pld',)
+  # Why an accountant outside `accountants` does not apply (the error message says it).
+  unsupported_accountant_reason: ClassVar[str] = (
+      'the Monte-Carlo accountant exists for balls-and-bins only')
+  # Batch sizes are Binomial(N, p): a cap B truncates with probability > 0, and the
+  # accountant pays for it. Other samplers' batches never exceed b (B >= b is required).
+  binomial_batch_size: ClassVar[bool] = False
+  # The analysis that turns (σ, steps) into ε for this sampler: a key of
+  # `dpjax.privacy.accounting.accountant.ANALYSES` (docs/design.md, "Adding a sampler").
+  analysis: ClassVar[str]
+  # ε falls as b/N falls at fixed σ (privacy amplification by sampling). False: each
+  # example is in exactly one batch per epoch, accounted without amplification.
+  amplified_by_sampling: ClassVar[bool] = True
+  # The one-step PLD at group size 1 is a Gaussian or a 2-component mixture: a 10x coarser
+  # grid loses ~0.3% of ε, so σ calibration searches on it before the exact grid.
+  coarse_pld_search: ClassVar[bool] = False
+  # The one-step PLD is a mixture of many Gaussians (slow to build at small σ): σ
+  # calibration starts from the σ of `calibration_base()`, whose ε is never larger.
+  many_component_pld: ClassVar[bool] = False
+  # What to try when the step PLD's grid is too large (beyond raising σ), if anything.
+  grid_too_large_hint: ClassVar[str | None] = None
+  # ε has a provable random-allocation bound and a max-test lower bound per epoch (Chua et
+  # al. 2025), so σ calibration brackets the answer before evaluating the costly bound.
+  random_allocation_bracket: ClassVar[bool] = False
+
+  def calibration_base(self) -> Sampler:
+    """A sampler whose ε never exceeds this one's at equal σ (see many_component_pld)."""
+    return self
+
+  def __post_init__(self):
+    _checks.check_int('num_examples', self.num_examples, 1)
+    _checks.check_int('sampler.batch_size', self.batch_size, 1)
+    if self.batch_size > self.num_examples:
+      raise ValueError(
+          f'sampler.batch_size = {self.batch_size} must be in [1, N = '
+          f'{self.num_examples}] (the number of training examples).')
+
+  @abc.abstractmethod
+  def indices(self, step: int) -> np.ndarray:
+    """The example indices (int64, sorted) of the logical batch of `step`."""
+
+  @property
+  def expected_batch_size(self) -> float:
+    """E[n_t]; the DP step divides the noisy sum by this, never by n_t."""
+    return float(self.batch_size)
+
+  @property
+  def steps_per_epoch(self) -> int:
+    """ceil(N / b): one pass over the data in expectation."""
+    return math.ceil(self.num_examples / self.batch_size)
+
+  @property
+  def sampling_probability(self) -> float:
+    """Probability that a given example is in a given step's batch."""
+    return self.batch_size / self.num_examples
+
+  @property
+  def is_epoch_based(self) -> bool:
+    """True when the privacy unit is the epoch (each example once per epoch)."""
+    return False
+
+  def epoch_of(self, step: int) -> int:
+    return step // self.steps_per_epoch
+
+  def _check_step(self, step: int) -> int:
+    step = int(step)
+    if step < 0:
+      raise ValueError(f'step must be >= 0, got {step}.')
+    return step
+
+
+@dataclasses.dataclass(frozen=True)
+class PoissonSampler(Sampler):
+  """Each example joins each batch independently with probability q = b/N.
+
+  Sampled in O(n_t): n_t ~ Binomial(N, q), then n_t distinct indices
+  uniformly at random. Conditionally on its size a Poisson batch is a uniform
+  subset of that size, so this is exactly Poisson sampling.
+
+  Memory: no per-example state. numpy draws the subset with Floyd's algorithm
+  (O(n_t)) while n_t <= N/50; above that (q > ~1/50) it shuffles the tail of
+  a transient int64 arange, 8 bytes per example for that step only.
+  """
+
+  name: ClassVar[str] = 'poisson'
+  binomial_batch_size: ClassVar[bool] = True
+  analysis: ClassVar[str] = 'poisson_subsampling'
+  coarse_pld_search: ClassVar[bool] = True
+
+  @property
+  def expected_batch_size(self) -> float:
+    return self.sampling_probability * self.num_examples
+
+  def indices(self, step: int) -> np.ndarray:
+    rng = _generator(self.seed, self._check_step(step))
+    size = rng.binomial(self.num_examples, self.sampling_probability)
+    return np.sort(rng.choice(self.num_examples, size=size, replace=False)).astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedSizeSampler(Sampler):
+  """Each step an independent uniformly random b-subset (without replacement).
+
+  Memory as for Poisson: O(b) while b <= N/50, else a transient 8 bytes per example.
+  """
+
+  name: ClassVar[str] = 'fixed_size'
+  analysis: ClassVar[str] = 'fixed_size_subsampling'
+  coarse_pld_search: ClassVar[bool] = True
+
+  def indices(self, step: int) -> np.ndarray:
+    rng = _generator(self.seed, self._check_step(step))
+    return np.sort(rng.choice(self.num_examples, size=self.batch_size, replace=False)).astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedSizeWithReplacementSampler(Sampler):
+  """Each step b independent uniform draws; an example may appear twice. O(b) memory."""
+
+  name: ClassVar[str] = 'fixed_size_with_replacement'
+  accountants: ClassVar[tuple[str, ...]] = ('pld',)
+  unsupported_accountant_reason: ClassVar[str] = (
+      'dp_accounting has no RDP for sampling with replacement')
+  analysis: ClassVar[str] = 'subsampling_with_replacement'
+  many_component_pld: ClassVar[bool] = True
+  grid_too_large_hint: ClassVar[str | None] = (
+      'use sampler fixed_size (without replacement: a 2-component mixture)')
+
+  def calibration_base(self) -> Sampler:
+    """Fixed size without replacement: ε of its 2-component mixture is never larger."""
+    return FixedSizeSampler(num_examples=self.num_examples, batch_size=self.batch_size,
+                            seed=self.seed)
+
+  def indices(self, step: int) -> np.ndarray:
+    rng = _generator(self.seed, self._check_step(step))
+    return np.sort(rng.integers(0, self.num_examples, size=self.batch_size, dtype=np.int64))
+
+
+@dataclasses.dataclass(frozen=True)
+class _EpochSampler(Sampler):
+  """A sampler that partitions the data into T batches per epoch."""
+
+  # One epoch is a post-processing of a fixed assignment: sensitivity k for a group of k,
+  # so RDP covers groups too (Gaussian per epoch).
+  group_accountants: ClassVar[tuple[str, ...]] = ('pld', 'rdp')
+
+  @property
+  def is_epoch_based(self) -> bool:
+    return True
+
+  @abc.abstractmethod
+  def _epoch_assignment(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order, offsets): batch t of the epoch is order[offsets[t]:offsets[t+1]]."""
+
+  def indices(self, step: int) -> np.ndarray:
+    step = self._check_step(step)
+    epoch, t = divmod(step, self.steps_per_epoch)
+    order, offsets = self._cached_assignment(epoch)
+    return np.sort(order[offsets[t]:offsets[t + 1]]).astype(np.int64)
+
+  def _cached_assignment(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    # One epoch's assignment is kept per sampler object (O(N) memory); a
+    # frozen dataclass cannot hold the cache as a field, hence the dict.
+    cache = self.__dict__.setdefault('_assignment_cache', {})
+    if epoch not in cache:
+      cache.clear()
+      cache[epoch] = self._epoch_assignment(epoch)
+    return cache[epoch]
+
+
+@dataclasses.dataclass(frozen=True)
+class BallsAndBinsSampler(_EpochSampler):
+  """Each epoch, every example goes to one of T = ceil(N/b) batches uniformly.
+
+  Chua et al. 2025, "Balls-and-Bins Sampling for DP-SGD" (seed 000). Drawn
+  exactly as: bin sizes ~ Multinomial(N, (1/T, ..., 1/T)), then a uniform
+  permutation cut into consecutive runs of those sizes (given the sizes, the
+  assignment of i.i.d. uniform bins is a uniform arrangement). Each batch size
+  is Binomial(N, 1/T) marginally.
+
+  Memory: the epoch's permutation, 4 bytes per example (N < 2^31; 8 above),
+  and T + 1 int64 offsets (8/b bytes per example; 32/b transiently while the
+  multinomial is drawn). At N = 1e8, b = 256: 400 MB + 3.1 MB.
+  """
+
+  name: ClassVar[str] = 'balls_and_bins'
+  analysis: ClassVar[str] = 'random_allocation'
+  random_allocation_bracket: ClassVar[bool] = True
+  accountants: ClassVar[tuple[str, ...]] = ('pld', 'monte_carlo')
+  group_accountants: ClassVar[tuple[str, ...]] = ('pld',)
+  unsupported_accountant_reason: ClassVar[str] = (
+      'no RDP analysis of balls-and-bins is implemented; use pld (provable) or monte_carlo')
+  binomial_batch_size: ClassVar[bool] = True
+
+  @property
+  def sampling_probability(self) -> float:
+    return 1.0 / self.steps_per_epoch
+
+  @property
+  def expected_batch_size(self) -> float:
+    return self.num_examples / self.steps_per_epoch
+
+  def _epoch_assignment(self, epoch):
+    rng = _generator(self.seed, 1 << 40, epoch)
+    num_bins = self.steps_per_epoch
+    sizes = rng.multinomial(self.num_examples, np.full(num_bins, 1.0 / num_bins))
+    order = _uniform_permutation(rng, self.num_examples)
+    return order, np.concatenate([[0], np.cumsum(sizes)])
+
+
+@dataclasses.dataclass(frozen=True)
+class ShuffleSampler(_EpochSampler):
+  """One uniform permutation per epoch, cut into consecutive batches of b.
+
+  The last batch of each epoch holds the remainder N - (T-1)·b.
+
+  Memory: the epoch's permutation, 4 bytes per example (N < 2^31; 8 above),
+  plus T + 1 int64 offsets. At N = 1e8, b = 256: 400 MB + 3.1 MB.
+  """
+
+  name: ClassVar[str] = 'shuffle'
+  analysis: ClassVar[str] = 'shuffled_epochs'
+  amplified_by_sampling: ClassVar[bool] = False
+
+  def _epoch_assignment(self, epoch):
+    rng = _generator(self.seed, 1 << 41, epoch)
+    order = _uniform_permutation(rng, self.num_examples)
+    return order, _consecutive_offsets(self.num_examples, self.batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeterministicSampler(_EpochSampler):
+  """The dataset order, consecutive batches of b (the last one holds the rest).
+
+  Memory: none per example; a step is an arange of its b indices.
+  """
+
+  name: ClassVar[str] = 'deterministic'
+  analysis: ClassVar[str] = 'gaussian_per_epoch'
+  amplified_by_sampling: ClassVar[bool] = False
+
+  def indices(self, step: int) -> np.ndarray:
+    step = self._check_step(step)
+    t = step % self.steps_per_epoch
+    stop = min((t + 1) * self.batch_size, self.num_examples)
+    return np.arange(t * self.batch_size, stop, dtype=np.int64)
+
+  def _epoch_assignment(self, epoch):
+    return (np.arange(self.num_examples, dtype=_index_dtype(self.num_examples)),
+            _consecutive_offsets(self.num_examples, self.batch_size))
+
+
+def _consecutive_offsets(num_examples: int, batch_size: int) -> np.ndarray:
+  return np.minimum(np.arange(0, num_examples + batch_size, batch_size), num_examples)[
+      : math.ceil(num_examples / batch_size) + 1]
+
+
+# Every sampler class, by config name (a new sampler is added here, once).
+_SAMPLERS = {
+    cls.name: cls
+    for cls in (PoissonSampler, BallsAndBinsSampler, ShuffleSampler, DeterministicSampler,
+                FixedSizeSampler, FixedSizeWithReplacementSampler)
+}
+SAMPLER_NAMES = tuple(_SAMPLERS)
+
+
+def make(name: str, num_examples: int, batch_size: int, seed: int = 0) -> Sampler:
+  """The sampler called `name` over N = num_examples with batch size b, seeded by `seed`.
+
+  The seed must be secret for the privacy guarantee (it decides which examples each step
+  uses, and `dpjax.privacy.prng` derives the noise from it).
+  """
+  return sampler_class(name)(num_examples=num_examples, batch_size=batch_size, seed=seed)
+
+
+def sampler_class(name: str) -> type[Sampler]:
+  if name not in _SAMPLERS:
+    raise ValueError(f'sampler.name = {name!r} is unknown; valid: {", ".join(SAMPLER_NAMES)}.')
+  return _SAMPLERS[name]
+
+

@@ -1,0 +1,112 @@
+"""The privacy fingerprint of a run: everything that enters ε, compared on resume.
+
+`run_fingerprint` lists the private flag, the sampler and its accounting parameters (N, b,
+the resolved cap B, the group size), σ as used, C, δ, the resolved accountant, the SHA-256
+of the seed, the audit canaries and the dataset's identity (`dataset_identity`: source,
+split, N and a digest of its content, `dpjax.data.identity`). Settings that cannot change
+ε (`dpjax.trainer.perf.Perf`) are not among its inputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from typing import Any
+
+import ml_collections
+
+from dpjax.data import identity as data_identity
+from dpjax.privacy import privacy_plan
+from dpjax.privacy.accounting import accountant as accountant_lib
+
+FINGERPRINT_VERSION = 2  # 2: the seed as its SHA-256, the data by its content.
+# The dataset's part of the fingerprint: its content, not where it lives (a copy resumes).
+DATASET_FIELDS = ('source', 'split', 'num_examples', 'content_sha256')
+
+
+def run_fingerprint(config, sampler, max_batch_size: int, privacy, dataset) -> dict[str, Any]:
+  """The privacy fingerprint: the privacy plan's fields, the private flag, audit and data."""
+  dataset = dataset or {}
+  audit = config.get('audit', {})
+  canaries = audit.get('num_canaries', 0)
+  if privacy is not None:
+    fields = privacy.fingerprint
+  else:
+    fields = {'sampler.name': sampler.name, 'sampler.num_examples': sampler.num_examples,
+              'sampler.batch_size': sampler.batch_size, 'sampler.max_batch_size': max_batch_size,
+              'privacy.group_size': None, 'privacy.noise_multiplier': None,
+              'privacy.clip_norm': None, 'privacy.delta': None, 'privacy.accountant': None,
+              'seed_sha256': privacy_plan.seed_digest(sampler.seed)}
+  return {
+      'fingerprint_version': FINGERPRINT_VERSION,
+      'privacy.enabled': privacy is not None,
+      **fields,
+      # Audit canaries change the data (N + m rows) and what each canary contributes.
+      'audit.num_canaries': canaries,
+      'audit.kind': audit.get('kind') if canaries else None,
+      **{f'data.{key}': dataset.get(key) for key in DATASET_FIELDS},
+  }
+
+
+def dataset_identity(data_config: ml_collections.ConfigDict, source,
+                     key: bytes = b'') -> dict[str, Any]:
+  """Source, name, location, split, N and a digest of a train split's content (features, labels).
+
+  The digest is `data_identity.content_identity(source, key=key)`: a SHA-256 over every
+  example for in-memory data (and for files up to its full-read limit), else file sizes,
+  modification times and a keyed sample of rows (`key` is derived from the run's secret seed).
+  `location` (the TFDS name and data_dir, the file's real path) is kept in the checkpoint's
+  metadata, not in the fingerprint: the same content elsewhere resumes.
+  """
+  identity = data_identity.content_identity(source, key=key)
+  kind = data_config.source
+  path = str(data_config.get('path', '') or '')
+  name = {'tfds': data_config.name, 'digits': 'sklearn digits'}.get(
+      kind, path.rstrip('/').rsplit('/', 1)[-1] or kind)
+  location = {'tfds': f'{data_config.name}@{os.path.realpath(data_config.data_dir or ".")}',
+              'npz': os.path.realpath(path) if path else '', 'memmap': os.path.realpath(path)
+              if path else ''}.get(kind, kind)
+  split = data_config.train_split if kind in ('tfds', 'memmap') else 'train'
+  return {'source': kind, 'name': name, 'location': location, 'split': split,
+          'num_examples': len(source), 'content_sha256': identity['sha256'],
+          'content_method': identity['method']}
+
+
+def data_key(seed: int) -> bytes:
+  """The key of the dataset identity's row sample: a function of the secret seed."""
+  return hashlib.sha256(f'dpjax-data-key:{int(seed)}'.encode()).digest()
+
+
+def fingerprint_changes(previous: dict[str, Any], current: dict[str, Any]) -> list[str]:
+  """'field: old → new' for every fingerprint field that differs (the seed by name only)."""
+  changes = []
+  for key in sorted(set(previous) | set(current)):
+    old, new = previous.get(key, '<absent>'), current.get(key, '<absent>')
+    if old != new and not (_is_float(old) and _is_float(new) and math.isclose(old, new,
+                                                                             rel_tol=1e-12)):
+      if key == 'seed_sha256':
+        changes.append('seed: another seed than the run being resumed (a given seed differs, '
+                       "or the workdir's private/seed.json is missing or was changed)")
+      else:
+        changes.append(f'{key}: {old!r} → {new!r}')
+  return changes
+
+
+def _is_float(x) -> bool:
+  return isinstance(x, float)
+
+
+class PendingFields:
+  """The fingerprint fields of a privacy plan before σ is calibrated (for the resume check)."""
+
+  def __init__(self, sampler, max_batch_size, privacy, sigma):
+    self.fingerprint = {
+        'sampler.name': sampler.name, 'sampler.num_examples': sampler.num_examples,
+        'sampler.batch_size': sampler.batch_size, 'sampler.max_batch_size': max_batch_size,
+        'privacy.group_size': privacy.group_size,
+        'privacy.noise_multiplier': None if sigma is None else float(sigma),
+        'privacy.clip_norm': float(privacy.clip_norm), 'privacy.delta': float(privacy.delta),
+        'privacy.accountant': accountant_lib.resolve_accountant(
+            sampler.name, privacy.accountant, privacy.group_size),
+        'seed_sha256': privacy_plan.seed_digest(sampler.seed)}

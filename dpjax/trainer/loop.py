@@ -1,0 +1,395 @@
+"""The training loop of a resolved plan: DP step, restore, log / eval / audit / checkpoint.
+
+`run(plan, ...)` is what `dpjax.train` calls once the config is validated, the
+plan resolved (`dpjax.trainer.plan`) and the workdir locked:
+
+  model, params → the DP step (`build`) → P resolved (`physical_batch`)
+  → `build.restore_or_init` → the start lines → `Loop(...).run(state)` → the final result.
+
+`Loop` runs calls of S logical steps (`dpjax.privacy.multi_step`) over chunks of
+logical batches (`chunks`) and after each call fires the periodic actions that
+are due by `is_time`: log, eval, audit and checkpoint (all at the last step; a
+signal saves at once). Every checkpoint stores the ε of its step and the plan's
+privacy fingerprint (`plan.privacy_metadata`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+
+from dpjax.data import device as device_data
+from dpjax.data import sources as data
+from dpjax.privacy import ema as ema_lib
+from dpjax.privacy import multi_step
+from dpjax.privacy import sharding
+from dpjax.privacy.accounting import ahead as ahead_lib
+from dpjax.trainer import build
+from dpjax.trainer import checkpoints
+from dpjax.trainer import chrono as chrono_lib
+from dpjax.trainer import chunks as chunks_lib
+from dpjax.trainer import interrupts
+from dpjax.trainer import metrics as metrics_lib
+from dpjax.trainer import optimizers
+from dpjax.trainer import physical_batch
+from dpjax.trainer import plan as plan_lib
+from dpjax.trainer import run_report
+from dpjax.trainer import run_warnings
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a resume needs: sampler and noise are pure functions of (seed, step).
+
+  In the loop `step` and `num_truncated` are host ints; a checkpoint holds them
+  as replicated int32 arrays (`Loop._stored`).
+  """
+  step: Any
+  params: Any  # The trainable parameters (all of them unless fine-tuning freezes some).
+  opt_state: Any
+  num_truncated: Any  # Steps whose logical batch exceeded B (the accountant pays).
+  ema: ema_lib.EmaState  # EMA of params (= params when ema_decay = 0): post-processing.
+
+
+def is_time(step: int, every: int, last_step: int) -> bool:
+  """Whether a periodic action fires after `step` (1-based count); always at the last."""
+  return step == last_step or (every > 0 and step % every == 0)
+
+
+class TrainingDiverged(RuntimeError):
+  """Non-finite loss or parameters: the run stops, the last good checkpoint is kept."""
+
+
+class TooManyNonFinite(TrainingDiverged):
+  """More than max_nonfinite_fraction of the examples had a non-finite loss or gradient."""
+
+
+class RunInterrupted(Exception):
+  """SIGTERM / SIGINT: the run saved a checkpoint and stops; `exit_code` = 128 + signal."""
+
+  def __init__(self, message: str, exit_code: int):
+    super().__init__(message)
+    self.exit_code = exit_code
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+class Loop:
+  """The loop of one run: compiled calls, then the periodic actions that are due.
+
+  Owns the metric writer, the progress bar, the `Chrono`, the signal handler
+  and ε computed ahead on a thread. Each action is one method: `_log` (training
+  statistics of the window and ε), `_eval`, `_audit` and `_save`; `_due` says when
+  it fires. A logged step writes one row with all of them; an eval or audit
+  without a log writes its own row.
+  """
+
+  def __init__(self, plan: plan_lib.RunPlan, workdir: str, step_fns, evaluate: Callable,
+               auditor: build.Auditor | None, train_source: data.DataSource, dataset,
+               mesh: jax.sharding.Mesh, manager, restored_step: int | None, log=print):
+    config = plan.config
+    self.plan, self.step_fns, self.evaluate, self.auditor = plan, step_fns, evaluate, auditor
+    self.train_source, self.dataset, self.mesh, self.manager = train_source, dataset, mesh, manager
+    self.log, self.primary = log, sharding.is_primary_process()
+    self.every = {'log': config.log_every_steps, 'eval': config.eval_every_steps,
+                  'checkpoint': config.checkpoint_every_steps}
+    self.ema_decay, self.steps_per_call = config.ema_decay, plan.perf.steps_per_call
+    self.max_nonfinite_fraction = config.max_nonfinite_fraction
+    self.serial = chunks_lib.serial_dispatch(mesh)
+    self.batcher = chunks_lib.make_batcher(plan)
+    self.writer = metrics_lib.MetricWriter(workdir, restored_step, enabled=self.primary)
+    self.warnings = run_warnings.RunWarnings()
+    self.runner = self.progress = self.chrono = self.pacer = self.signals = self.ahead = None
+    self.last: dict[str, Any] = {}  # The latest log row (or the step-0 evaluation).
+    self._pending = []  # Metrics of the calls since the latest log, on the device.
+    self._window_start = 0  # The first step of the current log window.
+    self._seen = 0.0  # Examples since this (re)start (max_nonfinite_fraction) ...
+    self._nonfinite = 0  # ... and those with a non-finite loss or gradient.
+
+  def _due(self, action: str, step: int) -> bool:
+    """Whether `action` ('log', 'eval' or 'checkpoint') fires after `step`."""
+    return is_time(step, self.every[action], self.plan.num_steps)
+
+  def run(self, state: TrainState) -> TrainState:
+    """Trains from `state` to the plan's last step; returns the final state."""
+    start, last_step = state.step, self.plan.num_steps
+    if start == 0:
+      self.last = self.evaluate(state)
+      self.writer.write(0, self.last)
+    self.progress = tqdm.tqdm(total=last_step, initial=start, desc='train', dynamic_ncols=True,
+                              disable=not self.primary or (
+                                  not sys.stderr.isatty()
+                                  and os.environ.get('DPJAX_PROGRESS') != '1'))
+    self.chrono = chrono_lib.Chrono()
+    self._window_start = start + 1
+    # S logical steps per compiled call; calls end where the host needs the parameters.
+    size = multi_step.steps_per_call(self.steps_per_call, self.step_fns.loop_mode(state.params),
+                                     self.dataset is not None)
+    self.runner = multi_step.MultiStep(self.step_fns, size, self.ema_decay, self.mesh)
+    # Automatic S: a call lasts ~0.5 s at most, so a signal stops a slow run within ~2 steps.
+    self.pacer = multi_step.CallPacer(size, adaptive=self.steps_per_call == 0 and size > 1)
+    calls = multi_step.schedule(start, last_step, size, tuple(self.every.values()),
+                                limit=self.pacer.limit)
+    stream = chunks_lib.make_chunks(calls, self.batcher, self.train_source, self.dataset,
+                                    self.mesh, size, self.serial)
+    # ε of the logged and saved steps, computed ahead while the device trains.
+    self.ahead = None if self.plan.accountant is None else ahead_lib.EpsilonAhead(
+        self.plan.accountant, () if self.serial else (
+            s for s in range(start + 1, last_step + 1)
+            if self._due('log', s) or self._due('checkpoint', s)))
+    with interrupts.GracefulStop() as self.signals, stream as prepared, (
+        contextlib.nullcontext() if self.ahead is None else self.ahead):
+      chunks = iter(prepared)
+      upcoming = next(chunks, None)
+      while upcoming is not None:
+        chunk = upcoming[1]
+        state = self._dispatch(state, chunk)
+        upcoming = next(chunks, None)  # The next call's buffers, made while this one runs.
+        self._count(state, chunk)
+        self._periodic(state)
+    self._close()
+    return state
+
+  def _dispatch(self, state: TrainState, chunk: multi_step.Chunk) -> TrainState:
+    """One compiled call: S logical steps (K physical batches each, noise keyed by
+    (seed, step), the update and the EMA)."""
+    self.chrono.dispatch()
+    params, opt_state, ema, metrics = self.runner(
+        state.params, state.opt_state, state.ema if self.ema_decay else None, chunk, self.dataset)
+    self.signals.progress = chunk.last_step + 1  # Read by the signal handler.
+    if self.serial:
+      jax.block_until_ready(params)
+    self._pending.append((metrics, chunk.count))
+    return state.replace(
+        step=chunk.last_step + 1, params=params, opt_state=opt_state,
+        ema=ema if self.ema_decay else state.ema,
+        num_truncated=state.num_truncated + sum(int(b.truncated) for b in chunk.logicals))
+
+  def _count(self, state: TrainState, chunk: multi_step.Chunk) -> None:
+    """Progress and timing of a call: compilation apart, then the window's steps and rows."""
+    self.progress.update(int(chunk.count))
+    if self.chrono.compile_seconds is None:  # One sync: the first call, compilation included.
+      jax.block_until_ready(state.params)
+      self.chrono.compiled()
+      if self.step_fns.clipping_choice:  # Known once the step is traced: one line per layer.
+        self.log('Clipping: ' + '\n  '.join(self.step_fns.clipping_choice))
+      return
+    if not self.pacer.observed:  # One more sync: how long a step takes, after compilation.
+      jax.block_until_ready(state.params)
+      self.pacer.observe(int(chunk.count), self.chrono.since_dispatch())
+    self.chrono.count(int(chunk.count), sum(min(b.size, self.plan.max_batch_size)
+                                            for b in chunk.logicals))
+
+  def _periodic(self, state: TrainState) -> None:
+    """The actions due after the call that ended at `state.step`, in order."""
+    done, last_step = state.step, self.plan.num_steps
+    stopping = self.signals.requested  # A signal: save this step, then exit 128 + signal.
+    logging_now = self._due('log', done)
+    saving_now = stopping or self._due('checkpoint', done)
+    # One host sync per logged or saved step.
+    fetched = self._fetch(state) if logging_now or saving_now else None
+    audit = self._audit(state) if saving_now else None
+    row = self._log(state, *fetched, wait=saving_now) if logging_now else None
+    evaluated = self._eval(state) if self._due('eval', done) else None
+    audit_row = None if audit is None else {
+        k: audit[k] for k in ('audit_epsilon_lower', 'audit_confidence')}
+    if row is not None:
+      row.update(evaluated or {})
+      if self.chrono.checkpoint_seconds is not None:  # The latest save's (outside the rates).
+        row['nonprivate_checkpoint_seconds'] = self.chrono.checkpoint_seconds
+      row.update(audit_row or {})  # Beside ε: an empirical lower bound, with its confidence.
+      self.writer.write(done, row)
+      self._show(done, row)
+      self.last = row
+    else:
+      for part in (audit_row, evaluated):
+        if part is not None:
+          self.writer.write(done, part)
+    if saving_now:
+      self._save(state, audit)
+    if logging_now:
+      self.chrono.next_window()
+    if stopping and done < last_step:
+      raise self._stop(RunInterrupted(
+          f'stopped by {self.signals.signal_name} after step {done} of {last_step} '
+          f'({done - self.signals.progress_at_signal} steps after it arrived); checkpoint '
+          f'{done} saved. Rerun the same command to resume.', self.signals.exit_code))
+
+  def _fetch(self, state: TrainState) -> tuple[list[dict], float]:
+    """(per-step metrics since the latest log, their mean loss), in one host sync;
+    TrainingDiverged if that loss or the parameters are not finite."""
+    fetched, finite = jax.device_get((self._pending, _all_finite(state.params)))
+    fetched = [row for m, count in fetched for row in multi_step.rows_of(m, count)]
+    loss = float(np.mean([m['loss'] for m in fetched])) if fetched else 0.0
+    if not (math.isfinite(loss) and bool(finite)):
+      raise self._stop(TrainingDiverged(
+          f'non-finite training loss or parameters between steps {self._window_start} and '
+          f'{state.step}; the last checkpoint before step {self._window_start} is intact. Try '
+          'a smaller optimizer.learning_rate or privacy.clip_norm, or check the data for '
+          'NaN/inf.'))
+    return fetched, loss
+
+  def _log(self, state: TrainState, fetched: list[dict], loss: float, wait: bool) -> dict:
+    """The log row of the window: rates, statistics of the private data that ε does not
+    cover (`nonprivate_*`, never exported) and ε (`wait`: even if not computed yet)."""
+    done = state.step
+    rate, elapsed = self.chrono.window_rate()
+    if rate:
+      self.pacer.observe(self.chrono.window_steps, elapsed)  # The steady-state step time.
+    total = lambda name: sum(int(m[name]) for m in fetched)
+    examples = sum(float(m['num_examples']) for m in fetched)
+    row = {'nonprivate_train_loss': loss,
+           'nonprivate_train_accuracy': float(np.mean([m['accuracy'] for m in fetched])),
+           'nonprivate_num_nonfinite_examples': total('num_nonfinite'),
+           'nonprivate_num_truncated': state.num_truncated,
+           'nonprivate_compile_seconds': self.chrono.compile_seconds,
+           'nonprivate_steps_per_second': rate,
+           'nonprivate_wall_seconds': self.chrono.wall_seconds(),
+           'nonprivate_examples_per_second': self.chrono.window_examples / elapsed if rate
+                                             else None,
+           'nonprivate_clip_fraction': total('num_clipped') / max(1.0, examples),
+           'nonprivate_mean_grad_norm': float(np.mean([m['example_grad_norm'] for m in fetched]))
+                                        if self.plan.private else None}
+    for line in self.warnings.check(row, self._window_start, done, self.plan.clip_norm):
+      self.log(f'WARNING: {line}')
+    self._pending, self._window_start = [], done + 1
+    self._seen += examples
+    self._nonfinite += row['nonprivate_num_nonfinite_examples']
+    if self._nonfinite > self.max_nonfinite_fraction * max(self._seen, 1.0):
+      raise self._stop(TooManyNonFinite(
+          f'{self._nonfinite} of {self._seen:.0f} examples since the start had a non-finite '
+          f'loss or gradient (step {done}), above max_nonfinite_fraction = '
+          f'{self.max_nonfinite_fraction:g}; each was dropped (zero contribution) and the last '
+          'checkpoint is intact. Lower optimizer.learning_rate, or raise '
+          'max_nonfinite_fraction if the data is known to hold such examples.'))
+    report = self._epsilon(done, wait=wait or self.serial)
+    if report is not None:
+      row.update(epsilon=report.epsilon, epsilon_bound=report.bound)
+    return row
+
+  def _epsilon(self, step: int, *, wait: bool, estimates: bool = False):
+    """The accountant's report for `step`; without `wait`, only if already computed (else
+    None, as for a non-private run). `estimates`: with the side estimates."""
+    if self.ahead is None:
+      return None
+    return (self.ahead.epsilon_at(step, estimates=estimates) if wait
+            else self.ahead.epsilon_if_ready(step))
+
+  def _eval(self, state: TrainState) -> dict:
+    """The evaluation of `state` and its seconds (queued steps finish before the clock)."""
+    jax.block_until_ready(state.params)
+    clock = time.time()
+    evaluated = self.evaluate(state)
+    evaluated['nonprivate_eval_seconds'] = self.chrono.pause(clock)
+    return evaluated
+
+  def _audit(self, state: TrainState) -> dict | None:
+    """The audit at a saved `state` when due: at every checkpoint with
+    `audit.every_checkpoint`, else at the last step; None without canaries."""
+    if self.auditor is None or not (self.auditor.every_checkpoint
+                                    or state.step == self.plan.num_steps):
+      return None
+    return self.auditor(state.params)
+
+  def _save(self, state: TrainState, audit: dict | None) -> None:
+    """A checkpoint of `state` with the ε of its step (side estimates at the last step
+    only) and the audit; metrics and events made durable with it."""
+    jax.block_until_ready(state.params)
+    clock = time.time()
+    done = state.step
+    report = self._epsilon(done, wait=True, estimates=done == self.plan.num_steps)
+    metadata = plan_lib.privacy_metadata(done, report, self.plan, self.step_fns, self.batcher,
+                                         state.num_truncated)
+    metadata['model_io'] = {  # For export.
+        'num_classes': int(self.train_source.num_classes),
+        'input_shape': [int(d) for d in self.train_source.input_shape]}
+    if audit is not None:
+      metadata['audit'] = audit
+    checkpoints.save(self.manager, done, self._stored(state), metadata)
+    self.writer.flush()
+    self.chrono.checkpoint_seconds = self.chrono.pause(clock)
+
+  def _stored(self, state: TrainState) -> TrainState:
+    """`state` as a checkpoint holds it: replicated int32 counters; with ema_decay = 0 the
+    EMA is what the update would have made, (θ, t)."""
+    count = lambda n: sharding.replicate(self.mesh, np.int32(n))
+    return state.replace(
+        step=count(state.step), num_truncated=count(state.num_truncated),
+        ema=state.ema if self.ema_decay else ema_lib.EmaState(state.params, count(state.step)))
+
+  def _show(self, done: int, row: dict) -> None:
+    """The progress bar's postfix; without a terminal, one plain progress line."""
+    shown = {k: f'{v:.4g}' for k, v in row.items()
+             if k in ('nonprivate_train_loss', 'nonprivate_train_accuracy', 'eval_accuracy',
+                      'epsilon')}
+    if 'epsilon' in shown:  # The kind of bound beside the number.
+      shown['epsilon'] += f' ({row["epsilon_bound"]})'
+    self.progress.set_postfix(shown)
+    if not (self.progress.disable and self.primary):
+      return
+    # The steps left, and the ε each coming checkpoint (and the last step) waits for.
+    rate, left = row['nonprivate_steps_per_second'], self.plan.num_steps - done
+    saves_left = left // self.every['checkpoint'] + 1
+    query_seconds = 0.0 if self.ahead is None else self.ahead.mean_query_seconds
+    eta = left / rate + saves_left * query_seconds if rate else float('nan')
+    speed = f'{row["nonprivate_examples_per_second"]:.0f} ex/s' if rate else 'compiling'
+    print(f'step {done}/{self.plan.num_steps}, {speed}, ETA {eta:.0f} s, '
+          + ' '.join(f'{k}={v}' for k, v in shown.items()), flush=True)
+
+  def _close(self) -> None:
+    """Leaves the workdir consistent: earlier saves complete, metrics and events flushed."""
+    self.progress.close()
+    checkpoints.wait_until_finished(self.manager)
+    self.writer.close()
+
+  def _stop(self, error: Exception) -> Exception:
+    """Closes (`_close`) and returns `error`, to be raised."""
+    self._close()
+    return error
+
+  def compilations(self) -> dict[str, int]:
+    """The programs the loop compiled, by name (those compiled at least once)."""
+    counts = (('train_steps', self.runner.compile_count()),
+              ('train_step', self.step_fns.compile_count('train_step')))
+    return {name: count for name, count in counts if count}
+
+
+def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
+        test_source: data.DataSource, model, mesh: jax.sharding.Mesh) -> dict[str, Any]:
+  """The run of a plan, in a locked workdir; returns the final metrics and parameters."""
+  log = print if sharding.is_primary_process() else lambda *args, **kwargs: None
+  config = plan.config
+  optimizer = optimizers.make_optimizer(config.optimizer, plan.num_steps)
+  model, params = build.init_params(plan, model, train_source.input_shape)
+  auditor = build.Auditor(plan, params, workdir) if config.audit.num_canaries else None
+  step_fns = build.build_step(plan, model, optimizer, mesh, auditor)
+  state = sharding.replicate(mesh, TrainState(  # Same seed, same values on every host.
+      step=np.int32(0), params=params, opt_state=optimizer.init(params),
+      num_truncated=np.int32(0), ema=ema_lib.init(params)))
+  # The training set on the device when it fits (the sampler sends indices only); else
+  # host-gathered rows, prefetched on a thread.
+  dataset = (device_data.put_on_device(train_source, sharding.replicated(mesh))
+             if device_data.fits_on_device(train_source) else None)
+  plan = physical_batch.resolve_physical_batch_size(
+      plan, step_fns, state.params, state.opt_state, train_source, dataset, mesh, log)
+  evaluate = build.make_evaluator(plan, model, test_source, mesh)
+  manager = checkpoints.make_manager(workdir, config.keep_checkpoints)
+  restored_step, state = build.restore_or_init(manager, state, plan, workdir, log)
+  run_report.announce(plan, workdir, train_source, mesh, params, log)
+  loop = Loop(plan, workdir, step_fns, evaluate, auditor, train_source, dataset, mesh, manager,
+              restored_step, log)
+  state = loop.run(state)
+  return run_report.finish(plan, state, loop.last, evaluate, auditor, loop.compilations(), log)

@@ -1,0 +1,80 @@
+"""What a run states at its start (`announce`) and its end (`finish`: the result and Final line).
+
+Lines go to `log` (print on process 0, nothing elsewhere); the resolved config
+goes to `<workdir>/config.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from dpjax.data import sources as data
+from dpjax.privacy import losses
+from dpjax.privacy import sharding
+from dpjax.trainer import build
+from dpjax.trainer import plan as plan_lib
+from dpjax.trainer import run_seed
+from dpjax.trainer import run_warnings
+
+
+def announce(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
+             mesh: jax.sharding.Mesh, params, log=print) -> None:
+  """Writes config.json (process 0), then the start lines: devices, model and plan (with the
+  final ε), seed, a large-ε warning, the data's preprocessing and the plan's warnings."""
+  config = plan.config
+  if sharding.is_primary_process():
+    with open(os.path.join(workdir, 'config.json'), 'w') as f:
+      json.dump(config.to_dict(), f, indent=2)
+  rows = sharding.local_rows(mesh, plan.physical_batch_size)
+  log(f'{mesh.devices.size} device(s) on {jax.process_count()} process(es), {len(rows)} rows of '
+      f'each physical batch gathered here ({jax.devices()[0].device_kind}).')
+  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+  final_epsilon = plan.accountant.epsilon(plan.num_steps) if plan.private else None
+  log(f'Model {config.model.name} with {num_params:,} parameters; {plan.summary()}'
+      + (f'; final ε = {final_epsilon:.4f}' if plan.private else '') + '.')
+  log(run_seed.RunSeed(plan.seed, plan.seed_source).describe(workdir))
+  if plan.private:
+    for line in run_warnings.RunWarnings().epsilon(final_epsilon, plan.target_epsilon):
+      log(f'WARNING: {line}')
+  preprocess = getattr(getattr(train_source, 'base', train_source), 'preprocess', None)
+  if preprocess is not None:  # Where the scale came from: derived or data.scale.
+    log(f'Data: {config.data.source}, N = {len(train_source)}, {preprocess.describe()}.')
+  for line in plan.warnings:
+    log(f'WARNING: {line}')
+
+
+def finish(plan: plan_lib.RunPlan, state, last: dict[str, Any], evaluate: Callable,
+           auditor: build.Auditor | None, compilations: dict[str, int],
+           log=print) -> dict[str, Any]:
+  """The result of a finished run: the last log row (evaluated if it was not), the
+  parameters, the compiled programs, ε with its side estimates and the audit; prints the
+  truncation count and the Final line."""
+  accountant = plan.accountant
+  if state.num_truncated and accountant is not None:
+    log(f'{state.num_truncated} of {plan.num_steps} logical batches exceeded B = '
+        f'{plan.max_batch_size} and were truncated; the reported ε accounts for the cap (this '
+        'count is not covered by ε).')
+  if 'eval_accuracy' not in last:
+    last.update(evaluate(state))
+  result = {'step': plan.num_steps, **last, 'params': state.params, 'compilations': compilations}
+  final_report = accountant.epsilon_at(plan.num_steps) if accountant else None  # With estimates.
+  if final_report is not None:
+    result['privacy'] = final_report.to_dict()
+  eps_text = (f'ε = {final_report.epsilon:.4f} ({final_report.bound} bound, '
+              f'{final_report.accountant}), δ = {final_report.delta:g}' if final_report
+              else 'non-private (ε = ∞)')
+  if auditor is not None:
+    result['audit'] = auditor(state.params)
+    eps_text += (f'; audit ε ≥ {result["audit"]["audit_epsilon_lower"]:.4f} (one-run lower '
+                 f'bound, confidence {auditor.confidence:g}, {auditor.num_canaries} canaries)')
+  if final_report is not None and not plan.seed_is_secret:
+    eps_text += '; the seed came from the config: ε holds only if that seed is secret'
+  quality = (f'test accuracy {last["eval_accuracy"]:.4f}' if losses.HAS_ACCURACY[plan.config.loss]
+             else f'test loss {last["eval_loss"]:.4f}')
+  log(f'Final: step {plan.num_steps}, {quality}, {eps_text}.')
+  return result

@@ -1,0 +1,155 @@
+"""`python -m dpjax.account`: JSON keys and values agree with the Python API; errors.
+
+The command runs in-process through `account.main(argv)` (its stdout, stderr and exit code
+are what the command prints and returns); one case runs as a real `python -m` process, for
+what only a process shows: exit code 2, one line on stderr, no traceback.
+"""
+
+import contextlib
+import io
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from dpjax.privacy import samplers
+from dpjax.privacy.accounting import accountant as accountant_lib
+from dpjax.privacy.accounting import monte_carlo
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+REQUIRED = ('epsilon', 'delta', 'noise_multiplier', 'steps', 'steps_per_epoch', 'sampler',
+            'accountant', 'bound')
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+  monkeypatch.setenv('DPJAX_CACHE_DIR', str(tmp_path))
+
+
+def _run(*args, check=True):
+  """`python -m dpjax.account ARGS` in-process: returncode, stdout and stderr as a process's."""
+  from dpjax import account  # pylint: disable=import-outside-toplevel
+  stdout, stderr, cwd = io.StringIO(), io.StringIO(), os.getcwd()
+  os.chdir(ROOT)  # Where the command ran: config paths are relative to the repository.
+  try:
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+      returncode = account.main(list(args))
+  except SystemExit as e:  # --help (0) and `dpjax.account: error: ...` (2).
+    returncode = e.code
+  finally:
+    os.chdir(cwd)
+  out = subprocess.CompletedProcess(['dpjax.account', *args], returncode, stdout.getvalue(),
+                                    stderr.getvalue())
+  if check:
+    assert out.returncode == 0, out.stderr
+  return out
+
+
+def _process(*args):
+  """`python -m dpjax.account ARGS` as a real process."""
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  return subprocess.run([sys.executable, '-m', 'dpjax.account', *args], capture_output=True,
+                        text=True, cwd=ROOT, env=env, timeout=300)
+
+
+def test_help():
+  out = _run('--help')
+  for flag in ('--sampler', '--num-examples', '--batch-size', '--steps', '--epochs',
+               '--noise-multiplier', '--target-epsilon', '--delta', '--accountant',
+               '--max-batch-size', '--group-size', '--json', '--config', '--workers'):
+    assert flag in out.stdout
+
+
+def test_poisson_json_matches_the_api():
+  out = _run('--sampler', 'poisson', '--num-examples', '60000', '--batch-size', '256',
+             '--epochs', '3', '--noise-multiplier', '1.1', '--delta', '1e-5', '--json')
+  got = json.loads(out.stdout)
+  assert all(key in got for key in REQUIRED)
+  sampler = samplers.sampler_class('poisson')(num_examples=60_000, batch_size=256)
+  steps = 3 * sampler.steps_per_epoch
+  expected = accountant_lib.Accountant(sampler, 1.1, 1e-5).epsilon(steps)
+  assert got['epsilon'] == pytest.approx(expected, rel=1e-12)
+  assert (got['steps'], got['steps_per_epoch']) == (steps, 235)
+  assert (got['sampler'], got['accountant'], got['bound']) == ('poisson', 'pld', 'upper')
+  assert got['details']['truncation'].startswith('none')
+
+
+def test_balls_and_bins_json_reports_estimates_beside_the_provable_bound(in_process_pld_builds):
+  out = _run('--sampler', 'balls_and_bins', '--num-examples', '1000', '--batch-size', '100',
+             '--steps', '10', '--noise-multiplier', '1.0', '--delta', '1e-5',
+             '--monte-carlo', '--monte-carlo-samples', '200000', '--workers', '2', '--json')
+  got = json.loads(out.stdout)
+  assert got['bound'] == 'upper' and got['steps_per_epoch'] == 10
+  assert got['epsilon'] == got['details']['provable_epsilon']
+  assert got['epsilon_lower'] <= got['epsilon'] <= got['details']['deterministic_epsilon']
+  m = 200_000  # > 96973, the least count that gives an estimate here (default: 10x that)
+  assert (got['confidence'], got['num_samples']) == (0.999, m)
+  assert got['details']['monte_carlo_epsilon_high_probability'] >= got['epsilon_lower']
+  # Two worker processes, the numbers of one (untruncated: δ₀ = δ).
+  serial = monte_carlo.balls_and_bins_epsilon(1.0, 10, 1e-5, num_samples=m, beta=1e-3,
+                                              workers=1)
+  assert got['details']['monte_carlo_epsilon_high_probability'] == min(
+      serial.epsilon, got['details']['deterministic_epsilon'])
+
+
+def test_config_and_calibration():
+  out = _run('--config', 'configs/digits_mlp.py', '--num-examples', '1437', '--target-epsilon',
+             '4.0', '--json')
+  got = json.loads(out.stdout)
+  assert got['sampler'] == 'poisson' and got['steps'] == 20 * got['steps_per_epoch']
+  assert 0.99 * 4.0 <= got['epsilon'] <= 4.0
+  assert got['details']['calibrated_for_target_epsilon'] == 4.0
+  assert got['details']['max_batch_size'] % 64 == 0  # From batching, a multiple of P.
+
+
+def test_the_account_cli_resolves_sigma_as_training_does_with_audit_canaries():
+  """Issue 24 item 8: the canaries add m rows (N + m); the CLI used N and calibrated another σ."""
+  from dpjax.configs import digits_mlp  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  out = _run('--config', 'configs/digits_mlp.py', '--config.audit.num_canaries=200',
+             '--config.num_epochs=2', '--json')
+  got = json.loads(out.stdout)
+  config = digits_mlp.get_config()
+  config.audit.num_canaries, config.num_epochs = 200, 2
+  train_source = plan_lib.make_training_sources(config)[0]
+  plan = plan_lib.make_plan(config, train_source)
+  assert got['details']['num_examples'] == len(train_source) == 1437 + 200
+  assert got['noise_multiplier'] == plan.noise_multiplier
+  assert got['epsilon'] == plan.accountant.epsilon(plan.num_steps)
+
+
+def test_delta_at_or_above_one_over_n_is_refused_unless_allowed():
+  base = ('--sampler', 'poisson', '--num-examples', '1000', '--batch-size', '100', '--steps',
+          '10', '--noise-multiplier', '1.0')
+  out = _process(*base, '--delta', '0.5')  # A real process: exit code, one line, no traceback.
+  assert out.returncode == 2 and 'delta = 0.5 is >= 1/N' in out.stderr
+  assert len(out.stderr.strip().splitlines()) == 1 and 'Traceback' not in out.stderr
+  assert out.stdout == ''
+  got = json.loads(_run(*base, '--delta', '0.5', '--allow-large-delta', '--json').stdout)
+  assert got['delta'] == 0.5
+
+
+def test_table_labels_shuffle_numbers():
+  out = _run('--sampler', 'shuffle', '--num-examples', '10000', '--batch-size', '100',
+             '--epochs', '1', '--noise-multiplier', '1.0', '--delta', '1e-5')
+  assert 'upper bound (provable)' in out.stdout
+  assert 'NOT a guarantee' in out.stdout
+  assert 'lower bound' in out.stdout
+
+
+@pytest.mark.parametrize('args, message', [
+    (('--noise-multiplier', '-1'), 'noise_multiplier'),
+    (('--noise-multiplier', '1', '--batch-size', '20000'), 'batch_size'),
+    (('--noise-multiplier', '1', '--workers', '0'), '--workers'),
+])
+def test_errors_name_the_field(args, message):
+  base = {'--sampler': 'poisson', '--num-examples': '10000', '--batch-size': '100',
+          '--steps': '10', '--delta': '1e-5'}
+  for flag, value in zip(args[::2], args[1::2]):
+    base[flag] = value
+  out = _run(*[x for kv in base.items() for x in kv], check=False)
+  assert out.returncode == 2
+  assert message in out.stderr

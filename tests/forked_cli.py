@@ -1,0 +1,94 @@
+"""Many `python -m <module> ARGS` command lines in one process: the imports once, a fork each.
+
+  python -m tests.forked_cli MODULE CASES.json RESULTS.json
+
+CASES.json is a list of {"argv": [...], "cwd": "..."}. This process imports what MODULE
+imports at its top level (not MODULE itself), then for each case forks a child that runs
+MODULE as `python -m` does (`runpy`, as __main__, sys.argv = [its path, *argv], in cwd), with
+stdout and stderr going to files; an exception leaving MODULE prints its traceback and exits
+1, as the interpreter does. RESULTS.json gets one list: per case the exit code (negative:
+killed by that signal), stdout and stderr. Each child starts from the state a fresh interpreter
+reaches after those imports, so it sees what a user's command sees, except what the imports
+themselves print: a test keeps one real `python -m` run beside it for that.
+"""
+
+import ast
+import importlib
+import importlib.util
+import json
+import os
+import runpy
+import sys
+import tempfile
+import traceback
+
+
+def preimport(module: str) -> None:
+  """Imports the modules `module` imports at its top level (absolute imports)."""
+  spec = importlib.util.find_spec(module)
+  with open(spec.origin, encoding='utf-8') as f:
+    tree = ast.parse(f.read())
+  for node in tree.body:
+    if isinstance(node, ast.Import):
+      names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != '__future__':
+      names = [node.module] + [f'{node.module}.{alias.name}' for alias in node.names]
+    else:
+      continue
+    for name in names:
+      try:
+        importlib.import_module(name)
+      except ImportError:  # `from package import function`: not a module.
+        pass
+
+
+def _child(module: str, argv: list[str], cwd: str, out: str, err: str) -> None:
+  """In the forked child: MODULE as __main__; never returns."""
+  code = 1
+  try:
+    for path, fd in ((out, 1), (err, 2)):
+      os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+    os.chdir(cwd)
+    sys.argv = [importlib.util.find_spec(module).origin, *argv]
+    runpy.run_module(module, run_name='__main__', alter_sys=True)
+    code = 0
+  except SystemExit as e:  # As the interpreter: None is 0, a non-integer is printed and 1.
+    if e.code is None or isinstance(e.code, int):
+      code = e.code or 0
+    else:
+      print(e.code, file=sys.stderr)
+  except BaseException:  # pylint: disable=broad-except
+    traceback.print_exc()
+  finally:
+    for stream in (sys.stdout, sys.stderr):
+      try:
+        stream.flush()
+      except Exception:  # pylint: disable=broad-except
+        pass
+    os._exit(code & 0xFF)  # pylint: disable=protected-access
+
+
+def run(module: str, cases: list[dict]) -> list[dict]:
+  preimport(module)
+  results = []
+  with tempfile.TemporaryDirectory() as tmp:
+    for i, case in enumerate(cases):
+      out, err = os.path.join(tmp, f'{i}.out'), os.path.join(tmp, f'{i}.err')
+      sys.stdout.flush()
+      sys.stderr.flush()
+      pid = os.fork()
+      if pid == 0:
+        _child(module, case['argv'], case['cwd'], out, err)
+      _, status = os.waitpid(pid, 0)
+      with open(out, encoding='utf-8', errors='replace') as f_out, \
+          open(err, encoding='utf-8', errors='replace') as f_err:
+        results.append({'returncode': os.waitstatus_to_exitcode(status),
+                        'stdout': f_out.read(), 'stderr': f_err.read()})
+  return results
+
+
+if __name__ == '__main__':
+  with open(sys.argv[2], encoding='utf-8') as f:
+    results = run(sys.argv[1], json.load(f))
+  with open(sys.argv[3], 'w', encoding='utf-8') as f:
+    json.dump(results, f)

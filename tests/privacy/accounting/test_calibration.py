@@ -1,0 +1,104 @@
+"""Calibration round trips: ε(calibrated σ) <= target and within 1% of it, for every sampler."""
+
+import math
+
+import pytest
+
+from dpjax.privacy import samplers
+from dpjax.privacy.accounting import accountant as accountant_lib
+from dpjax.privacy.accounting import calibration
+
+DELTA = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+  monkeypatch.setenv('DPJAX_CACHE_DIR', str(tmp_path))
+
+
+def _sampler(name, n, b):
+  return samplers.sampler_class(name)(num_examples=n, batch_size=b)
+
+
+def _round_trip(sampler, target, steps, delta=DELTA, **kwargs):
+  sigma = calibration.calibrate_noise_multiplier(sampler, target, delta, steps, **kwargs)
+  eps = accountant_lib.Accountant(sampler, sigma, delta, **kwargs).epsilon(steps)
+  assert 0.99 * target <= eps <= target, (sigma, eps)
+  return sigma
+
+
+@pytest.mark.parametrize('name, accountant', [
+    ('poisson', 'pld'), ('poisson', 'rdp'), ('fixed_size', 'pld'), ('fixed_size', 'rdp'),
+    ('deterministic', 'auto'), ('shuffle', 'auto'), ('shuffle', 'rdp')])
+def test_round_trip(name, accountant):
+  _round_trip(_sampler(name, 10_000, 100), 2.0, 1000, accountant=accountant)
+
+
+def test_round_trip_fixed_size_with_replacement():
+  _round_trip(_sampler('fixed_size_with_replacement', 1000, 4), 0.25, 250)
+
+
+def test_round_trip_group_poisson():
+  sigma_group = _round_trip(_sampler('poisson', 10_000, 100), 0.5, 500, group_size=2)
+  sigma_one = calibration.calibrate_noise_multiplier(_sampler('poisson', 10_000, 100), 0.5, DELTA,
+                                                     500)
+  assert sigma_group > sigma_one
+
+
+def test_round_trip_balls_and_bins_deterministic_fallback():
+  sampler = _sampler('balls_and_bins', 10_000, 100)
+  sigma = _round_trip(sampler, 3.0, 300, random_allocation=False)
+  shuffle = calibration.calibrate_noise_multiplier(_sampler('shuffle', 10_000, 100), 3.0, DELTA,
+                                                   300)
+  assert sigma == pytest.approx(shuffle, rel=0.01)  # Both are the deterministic bound here.
+
+
+def test_round_trip_balls_and_bins_monte_carlo():
+  sampler = _sampler('balls_and_bins', 500, 50)  # T = 10; δ = 1e-3 < 1/N.
+  # One process draws the samples: the estimate does not depend on the worker count
+  # (test_accountant.py), and the ~20 evaluations of the search would each start a pool.
+  options = dict(accountant='monte_carlo', monte_carlo_samples=20_000, beta=1e-2,
+                 monte_carlo_seed=3, monte_carlo_workers=1)
+  sigma = _round_trip(sampler, 1.5, 10, delta=1e-3, **options)
+  det = calibration.calibrate_noise_multiplier(sampler, 1.5, 1e-3, 10, random_allocation=False)
+  assert sigma < det
+
+
+def test_pld_calibration_is_fast():
+  import time  # pylint: disable=g-import-not-at-top
+  start = time.perf_counter()
+  _round_trip(_sampler('poisson', 60_000, 256), 3.0, 20_000)
+  assert time.perf_counter() - start < 30  # < 10 s on an idle core; CI machines are shared.
+
+
+@pytest.mark.parametrize('name', ['poisson', 'shuffle'])
+def test_largest_number_of_steps(name):
+  sampler = _sampler(name, 10_000, 100)
+  acct = accountant_lib.Accountant(sampler, 1.5, DELTA)
+  steps = calibration.max_num_steps(sampler, 1.5, 3.0, DELTA)
+  unit = sampler.steps_per_epoch if name == 'shuffle' else 1
+  assert steps % unit == 0
+  assert acct.epsilon(steps) <= 3.0 < acct.epsilon(steps + unit)
+
+
+def test_search_helpers_on_closed_forms():
+  # ε(σ) = 2/σ: the smallest σ with ε <= 0.5 is 4; ε(n) = n/10: the largest n with ε <= 3 is 30.
+  sigma = calibration.smallest_noise_multiplier(lambda s: 2 / s, 0.5, epsilon_rtol=1e-9)
+  assert 2 / sigma <= 0.5 and sigma == pytest.approx(4.0, rel=1e-6)
+  assert calibration.largest_count(lambda n: n / 10, 3.0) == 30
+  assert calibration.largest_count(lambda n: n / 10, 0.05) == 0
+
+
+@pytest.mark.parametrize('target', [0.0, -1.0, math.inf])
+def test_bad_target(target):
+  with pytest.raises(ValueError, match='target_epsilon'):
+    calibration.calibrate_noise_multiplier(_sampler('poisson', 100, 10), target, DELTA, 10)
+
+
+def test_bad_arguments_fail_before_the_search():
+  with pytest.raises(ValueError, match='delta'):
+    calibration.calibrate_noise_multiplier(_sampler('poisson', 100, 10), 1.0, 0.0, 10)
+  with pytest.raises(ValueError, match='num_steps'):
+    calibration.calibrate_noise_multiplier(_sampler('poisson', 100, 10), 1.0, DELTA, 0)
+  with pytest.raises(ValueError, match='not reached'):
+    calibration.smallest_noise_multiplier(lambda s: 1.0, 0.5)

@@ -1,0 +1,160 @@
+"""The shared harness of the ghost-clipping tests: a model with every covered layer, inputs, and
+the comparison of ghost norms and clipped sums with per-example (vmap) gradients."""
+
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpjax.privacy import clipping
+from dpjax.privacy import ghost_clipping
+from dpjax.privacy.ghost_clipping.coverage import leaf_paths
+from dpjax.models import layers
+from dpjax.privacy import losses
+
+K = 3  # Classes.
+
+
+class AllLayers(nn.Module):
+  """Every covered layer type, each on its own branch of a [6, 6, 3] input.
+
+  Shapes exercise both branches of the mixed rule (ghost when
+  S·(m + c) < m·c, else materialised): see the comment on each layer.
+  """
+
+  @nn.compact
+  def __call__(self, x):
+    n = x.shape[0]
+    seq = x.reshape(n, 6, 18)
+    tokens = jnp.floor(jnp.abs(x[:, :, 0, 0]) * 2).astype(jnp.int32)  # Repeats.
+    gn_in = nn.Conv(4, (3, 3), strides=2)(x)  # S=9, m=27, c=4: materialised.
+    branches = [
+        nn.Dense(5)(x.reshape(n, -1)),  # One vector per example: S = 1.
+        nn.Dense(16)(seq),  # S=6, m=18, c=16: ghost.
+        nn.Dense(2)(seq),  # Materialised.
+        nn.DenseGeneral((4, 8))(seq),  # Ghost.
+        nn.DenseGeneral(5, axis=(-2, -1))(x),  # Two contracted axes.
+        nn.Conv(3, (2, 3), padding='VALID', kernel_dilation=(2, 1))(x),
+        nn.Conv(32, (3, 3), strides=3, padding=((1, 0), (2, 1)))(x),  # Ghost.
+        nn.Conv(3, (3,), use_bias=False)(seq),  # 1-D.
+        nn.Embed(50, 4)(tokens),  # V > S: ghost with [tok_s = tok_s'].
+        nn.Embed(3, 4)(tokens % 3),  # V <= S: one-hot, materialised.
+        nn.LayerNorm()(seq),
+        nn.RMSNorm()(seq),
+        nn.GroupNorm(num_groups=2)(gn_in),
+        layers.WSConv(4, (3, 3), (2, 2))(x),
+    ]
+    h = jnp.concatenate([jnp.tanh(b).reshape(n, -1) for b in branches], -1)
+    return nn.Dense(K)(h)
+
+
+def init(model, x, seed):
+  """Random parameters from numpy (jax.random in init compiles slowly).
+
+  Kernels N(0, 1/fan_in); scales and gains 1 + N(0, 0.09), so norm layers
+  are not at their identity initialisation; other vectors N(0, 0.09).
+  """
+  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
+                                             x[:1]))['params']
+  rng = np.random.default_rng(seed)
+
+  def draw(path, s):
+    name = str(getattr(path[-1], 'key', path[-1]))
+    if len(s.shape) >= 2:
+      return (rng.normal(size=s.shape) /
+              np.sqrt(np.prod(s.shape[:-1]))).astype(np.float32)
+    return (float(name in ('scale', 'gain')) +
+            0.3 * rng.normal(size=s.shape)).astype(np.float32)
+  return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def inputs(shape, n, seed, vocab=0):
+  rng = np.random.default_rng(seed)
+  if vocab:
+    x = rng.integers(0, vocab, (n, *shape)).astype(np.int32)
+  else:
+    x = rng.normal(size=(n, *shape)).astype(np.float32)
+  return x, rng.integers(0, K, n).astype(np.int32)
+
+
+def compare(loss_fn, params, batch):
+  """Per-example ‖g_i‖² per layer both ways, and both clipped sums.
+
+  One vmap pass and one ghost pass, each feeding the same clipping code as
+  `per_example_clipped_sum` / `ghost_clipped_sum` (halves the compile time).
+  C is between the middle two finite norms, so about half the rows are
+  clipped.
+  """
+  examples, w = clipping.examples_of(batch), batch['weight']
+  y = batch['y']
+  (losses, aux), grads = jax.vmap(
+      jax.value_and_grad(loss_fn, has_aux=True), in_axes=(None, 0))(params, examples)
+  want = {}
+  for path, g in zip(leaf_paths(grads), jax.tree.leaves(grads)):
+    key = '/'.join(path if path[0] == 'pos_embedding' else path[:-1])
+    want[key] = want.get(key, 0.0) + jnp.sum(jnp.square(g.reshape(len(y), -1)),
+                                             axis=1)
+  ghost = ghost_clipping.ghost_pass(loss_fn, params, examples)
+  total = sum(want.values())
+  finite = jnp.sort(jnp.where(jnp.isfinite(total), total, jnp.inf))
+  m = jnp.sum(jnp.isfinite(total)) // 2
+  clip = jnp.sqrt((finite[m - 1] + finite[m]) / 2)
+  ref, ref_rows = clipping._clip_and_sum(
+      losses, aux, total,
+      lambda f, keep: clipping._weighted_row_sum(f, grads, keep), w, clip)
+  got, rows = clipping._clip_and_sum(ghost.losses, ghost.aux, ghost.sq_norms,
+                                     ghost.weighted_sum, w, clip)
+  return (want, ghost.sq_norms_by_path, (got, clipping.ClipStats.of(rows, w, clip)),
+          (ref, clipping.ClipStats.of(ref_rows, w, clip)))
+
+
+def assert_matches_vmap(model, x, y, num_pad=3):
+  """Norms and clipped sums equal the vmap path, on a batch with padding
+  rows (garbage copies of real rows, weight 0), one NaN and one inf row."""
+  loss_fn = losses.make_loss_fn(model)
+  params = init(model, x, seed=int(np.sum(y)))
+  coverage = ghost_clipping.analyse_coverage(loss_fn, params, {'x': x[0], 'y': y[0]})
+  assert coverage.complete, coverage.describe()
+  n = len(y)
+  x = np.concatenate([x, x[:num_pad]])
+  floats = x.dtype == np.float32
+  if floats:  # Real rows 1, 2 and the first padding row become non-finite.
+    x[1].flat[3], x[2].flat[0], x[n].flat[5] = np.nan, np.inf, np.nan
+  batch = {'x': x, 'y': np.concatenate([y, y[:num_pad]]),
+           'weight': np.r_[np.ones(n), np.zeros(num_pad)].astype(np.float32)}
+  want, got, (ghost, stats), (ref, ref_stats) = jax.jit(
+      compare, static_argnums=0)(loss_fn, params, batch)
+  assert set(got) == set(want)
+  ok = np.isfinite(sum(want.values()))
+  assert np.sum(ok) == n + num_pad - 3 * floats
+  for path in want:
+    # Never below the per-example gradient's norm; above it by at most the cancellation
+    # allowances (mixed.with_allowance, conv.ws_allowance: ~1e-5 relative in float32).
+    np.testing.assert_array_less(want[path][ok] * (1 - 2e-5), got[path][ok], err_msg=path)
+    np.testing.assert_allclose(got[path][ok], want[path][ok], rtol=2e-4, err_msg=path)
+  assert not np.isfinite(sum(got.values())[~ok]).any()
+  assert all(np.isfinite(l).all() for l in jax.tree.leaves(ghost))
+  scale = max(float(np.max(np.abs(l))) for l in jax.tree.leaves(ref))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(
+      a, b, rtol=1e-4, atol=1e-5 * scale), ghost, ref)
+  for field in clipping.ClipStats._fields:
+    np.testing.assert_allclose(getattr(stats, field),
+                               getattr(ref_stats, field), rtol=1e-5)
+  assert 0 < int(stats.num_clipped) < n
+  assert int(stats.num_nonfinite) == 2 * floats  # Padding is not counted.
+  return coverage
+
+
+class Scaled(nn.Module):
+  """A layer ghost clipping has no rule for."""
+
+  @nn.compact
+  def __call__(self, x):
+    return x * self.param('gain', nn.initializers.ones, (x.shape[-1],))
+
+
+class Uncovered(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(K)(jnp.tanh(Scaled()(nn.Dense(4)(x))))

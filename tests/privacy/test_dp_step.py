@@ -1,0 +1,567 @@
+"""dpjax.privacy.dp_step: the logical DP-SGD step against closed forms."""
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from scipy import stats as scipy_stats
+
+from dpjax.privacy import batching
+from dpjax.trainer import plan as plan_lib
+from dpjax.privacy import clipping
+from dpjax.data import sources as data
+from dpjax.data import device as device_data
+from dpjax.privacy import dp_step
+from dpjax.trainer import physical_batch
+from dpjax.models import factory as models
+from dpjax.privacy import samplers
+from dpjax.privacy import sharding
+from dpjax.models import mlp
+from dpjax.privacy import losses
+from dpjax.privacy import prng
+
+D, K = 8, 4  # Input features, classes.
+MODEL = mlp.MLP(num_classes=K, hidden_sizes=(32,), activation='tanh')
+
+
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+  """Matmuls in float32 on every backend (GPUs default to TF32): these tests
+  compare with float64 or float32 references at float32 tolerances."""
+  with jax.default_matmul_precision('highest'):
+    yield
+
+
+def _params(model=MODEL, d=D, seed=0):
+  """Fan-in scaled numpy parameters (avoids compiling jax.random in init)."""
+  rng = np.random.default_rng(seed)
+  shapes = jax.eval_shape(
+      lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, d))))['params']
+  return jax.tree.map(
+      lambda s: (rng.normal(size=s.shape) / np.sqrt(s.shape[0])).astype(
+          np.float32), shapes)
+
+
+def _rows(n, seed=1):
+  rng = np.random.default_rng(seed)
+  return (rng.normal(size=(n, D)).astype(np.float32) * 2,
+          rng.integers(0, K, n).astype(np.int32))
+
+
+def _physical_batches(x, y, p, garbage=False):
+  """Split n real rows into ceil(n/p) batches of p rows, padding the last."""
+  n = len(y)
+  num = -(-n // p)
+  pad = num * p - n
+  fill = np.nan if garbage else 0.0
+  xs = np.r_[x, np.full((pad, D), fill, np.float32)]
+  ys = np.r_[y, np.full(pad, K - 1, np.int32)]
+  ws = np.r_[np.ones(n), np.zeros(pad)].astype(np.float32)
+  return [{'x': xs[i * p:(i + 1) * p], 'y': ys[i * p:(i + 1) * p],
+           'weight': ws[i * p:(i + 1) * p]} for i in range(num)]
+
+
+@functools.cache
+def _standard_step(label_format='int'):
+  """One DPStep shared by tests (each instance costs an XLA compile)."""
+  return dp_step.DPStep(MODEL, optax.sgd(0.5), clip_norm=0.5,
+                        noise_multiplier=1.0, expected_batch_size=10,
+                        label_format=label_format, max_batch_size=16)
+
+
+def _run_step(step, params, batches, t=0, optimizer_state=None):
+  """init_accumulator, accumulate each batch, apply with the noise of (step.seed, t)."""
+  opt_state = (step.optimizer.init(params) if optimizer_state is None
+               else optimizer_state)
+  acc = step.init_accumulator(params)
+  for b in batches:
+    acc = step.accumulate(params, acc, b)
+  return step.apply(params, opt_state, acc, np.uint32(t))
+
+
+@jax.jit
+def _mean_loss_grad(params, x, y):
+  """∇ of the mean loss by one batched pass: the non-private reference."""
+  def mean_loss(p):
+    logits = MODEL.apply({'params': p}, x)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+  return jax.grad(mean_loss)(params)
+
+
+def _assert_trees_close(a, b, **kw):
+  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, **kw), a, b)
+
+
+def test_unclipped_sums_are_the_gradient_sum_and_the_divisor_is_b():
+  """A private step whose C exceeds every gradient norm accumulates Σ_i g_i; the non-private
+  step (no clipping, no noise) is SGD on Σ_i g_i / b with b the expected batch size."""
+  params, (x, y) = _params(), _rows(10)
+  lr = 0.3
+  g = _mean_loss_grad(params, x, y)  # Σ_i g_i / 10.
+  batches = _physical_batches(x, y, 4)  # K = 3, two padding rows.
+  private = dp_step.DPStep(MODEL, optax.sgd(lr), clip_norm=1e6, noise_multiplier=1.0,
+                           expected_batch_size=10, max_batch_size=16)
+  acc = private.init_accumulator(params)
+  for batch in batches:
+    acc = private.accumulate(params, acc, batch)
+  _assert_trees_close(acc.grad_sum, jax.tree.map(lambda v: 10 * v, g), rtol=1e-5, atol=1e-6)
+  assert int(acc.stats.num_clipped) == 0
+  # Non-private, b = 16 != 10 rows: the divisor is the expected batch size.
+  nonprivate = dp_step.DPStep(MODEL, optax.sgd(lr), clip_norm=None,
+                              noise_multiplier=None, expected_batch_size=16,
+                              private=False)
+  new, _, metrics = _run_step(nonprivate, params, batches)
+  want = jax.tree.map(lambda p, g: p - lr * g * 10 / 16, params, g)
+  _assert_trees_close(new, want, rtol=1e-5, atol=1e-6)
+  assert int(metrics['num_clipped']) == 0
+  assert float(metrics['num_examples']) == 10
+
+
+def test_padded_batches_give_the_same_update():
+  params, (x, y) = _params(), _rows(5, seed=2)
+  step = _standard_step()  # clipping='auto': ghost clipping for the MLP.
+  a, _, ma = _run_step(step, params, _physical_batches(x, y, 8), t=3)
+  b, _, mb = _run_step(step, params,  # P = 8: three NaN padding rows.
+                       _physical_batches(x, y, 8, garbage=True), t=3)
+  jax.tree.map(np.testing.assert_array_equal, a, b)  # Bit-exact.
+  for k in ma:
+    np.testing.assert_array_equal(ma[k], mb[k])
+  # P = 5 (no padding): the same sums, reduced in another order.
+  c, _, mc = _run_step(step, params, _physical_batches(x, y, 5), t=3)
+  _assert_trees_close(c, a, rtol=1e-6, atol=1e-7)
+  for k in ma:
+    np.testing.assert_allclose(mc[k], ma[k], rtol=1e-6)
+
+
+def test_accumulating_k_batches_equals_the_one_shot_clipped_sum():
+  params, (x, y) = _params(), _rows(10, seed=3)
+  step = _standard_step()
+  acc = step.init_accumulator(params)
+  for b in _physical_batches(x, y, 4):
+    acc = step.accumulate(params, acc, b)
+  one_shot = jax.jit(clipping.per_example_clipped_sum, static_argnums=(0, 3))
+  want, want_stats = one_shot(losses.make_loss_fn(MODEL), params,
+                              _physical_batches(x, y, 12)[0], step.clip_bound)
+  _assert_trees_close(acc.grad_sum, want, rtol=1e-6, atol=1e-7)
+  for field in clipping.ClipStats._fields:
+    np.testing.assert_allclose(getattr(acc.stats, field),
+                               getattr(want_stats, field), rtol=1e-6)
+  assert int(acc.stats.num_clipped) > 0
+
+
+def test_noise_is_added_once_and_signal_scaled_by_one_over_b():
+  """update(K batches) − update(K = 0) with the same key = −lr·Σclip(g)/b."""
+  params, (x, y) = _params(), _rows(10, seed=4)
+  step = _standard_step()
+  lr, b = 0.5, step.expected_batch_size
+  batches = _physical_batches(x, y, 4)
+  with_data, _, _ = _run_step(step, params, batches, t=5)
+  noise_only, _, metrics = _run_step(step, params, [], t=5)  # K = 0.
+  acc = step.init_accumulator(params)
+  for batch in batches:
+    acc = step.accumulate(params, acc, batch)
+  diff = jax.tree.map(lambda u, v: u - v, with_data, noise_only)
+  _assert_trees_close(diff, jax.tree.map(lambda s: -lr * s / b, acc.grad_sum),
+                      rtol=1e-4, atol=1e-6)
+  assert float(metrics['num_examples']) == 0
+  assert float(metrics['loss']) == 0 and float(metrics['grad_norm']) == 0
+
+
+def test_noise_std_is_sigma_c_over_b():
+  """K = 0 and SGD(lr=1): update = −σC/b · z, z ~ N(0, I), on ~100k coords."""
+  model = mlp.MLP(num_classes=10, hidden_sizes=(128,))
+  params = _params(model, d=784)
+  sigma, c, b = 1.3, 0.7, 50.0
+  steps = [dp_step.DPStep(model, optax.sgd(1.0), clip_norm=c, noise_multiplier=sigma,
+                          expected_batch_size=b, seed=seed) for seed in (0, 1)]
+  step = steps[0]
+  opt_state = step.optimizer.init(params)
+
+  def z(t, seed=0):
+    new, _, _ = steps[seed].apply(params, opt_state, step.init_accumulator(params),
+                                  np.uint32(t))
+    leaves = jax.tree.map(lambda p, q: (p - q) / (-sigma * c / b), new, params)
+    return leaves, np.concatenate([np.ravel(l) for l in jax.tree.leaves(
+        leaves)]).astype(np.float64)
+
+  leaves, z0 = z(0)
+  n = z0.size
+  assert n == 784 * 128 + 128 + 128 * 10 + 10
+  # Σ z² ~ χ²(n): two-sided test at 1e-4 (std within ~1%).
+  chi2 = np.sum(z0**2)
+  p = 2 * min(scipy_stats.chi2.cdf(chi2, n), scipy_stats.chi2.sf(chi2, n))
+  assert p > 1e-4, np.sqrt(chi2 / n)
+  assert abs(z0.mean()) < 5 / np.sqrt(n)
+  assert scipy_stats.kstest(z0, 'norm').pvalue > 1e-4
+  for leaf in jax.tree.leaves(leaves):  # Every leaf gets its own noise.
+    if leaf.size >= 128:
+      assert abs(np.std(leaf) - 1) < 6 / np.sqrt(2 * leaf.size)
+  # A pure function of (seed, step), fresh for each step and each seed.
+  np.testing.assert_array_equal(z(0)[1], z0)
+  for other in (z(1)[1], z(0, seed=1)[1]):
+    assert abs(np.corrcoef(z0, other)[0, 1]) < 5 / np.sqrt(n)
+  assert step.compile_count('apply') == 1
+
+
+def test_compiles_once_across_steps_with_varying_k():
+  params, (x, y) = _params(), _rows(40, seed=5)
+  opt = optax.sgd(0.1, momentum=0.9)
+  for private in (True, False):
+    step = dp_step.DPStep(MODEL, opt, clip_norm=1.0, noise_multiplier=1.0,
+                          expected_batch_size=8, private=private)
+    opt_state, p = opt.init(params), params
+    start = 0
+    for t, k in enumerate((0, 1, 3, 0, 2, 1)):
+      acc = step.init_accumulator(p)
+      for _ in range(k):
+        rows = slice(start % 36, start % 36 + 4)
+        start += 4
+        batch = {'x': x[rows], 'y': y[rows],
+                 'weight': np.r_[np.ones(3), np.zeros(1)].astype(np.float32)}
+        acc = step.accumulate(p, acc, batch)
+      p, opt_state, metrics = step.apply(p, opt_state, acc, np.uint32(t))
+      assert float(metrics['num_examples']) == 3 * k
+    assert step.compile_count('accumulate') == 1
+    assert step.compile_count('apply') == 1
+    assert step.compile_count() == 2
+    assert all(np.isfinite(l).all() for l in jax.tree.leaves(p))
+
+
+def test_metrics_match_direct_computation():
+  params, (x, y) = _params(), _rows(10, seed=6)
+  step = _standard_step()
+  c, b, lr = step.clip_bound, step.expected_batch_size, 0.5
+  new, _, m = _run_step(step, params, _physical_batches(x, y, 4))
+  logits = MODEL.apply({'params': params}, x)
+  example_losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+  loss_fn = losses.make_loss_fn(MODEL)
+  grads = jax.vmap(jax.grad(lambda p, xi, yi: loss_fn(p, {'x': xi, 'y': yi})[0]),
+                   in_axes=(None, 0, 0))(params, x, y)
+  norms = np.sqrt(sum(np.sum(np.reshape(g, (10, -1))**2, axis=1)
+                      for g in jax.tree.leaves(grads)))
+  clipped = jax.tree.map(
+      lambda g: np.tensordot(np.minimum(1, c / norms), g, axes=1), grads)
+  np.testing.assert_allclose(m['loss'], np.mean(example_losses), rtol=1e-5)
+  np.testing.assert_allclose(m['accuracy'], np.mean(logits.argmax(1) == y))
+  assert int(m['num_clipped']) == int(np.sum(norms > c)) > 0
+  np.testing.assert_allclose(m['example_grad_norm'], norms.mean(), rtol=1e-5)
+  np.testing.assert_allclose(m['grad_norm'], optax.tree.norm(clipped) / b,
+                             rtol=1e-5)
+  # SGD: the update is −lr · ĝ, so ‖Δparams‖ / lr is the noisy gradient norm.
+  delta = jax.tree.map(lambda u, v: u - v, new, params)
+  np.testing.assert_allclose(m['noisy_grad_norm'], optax.tree.norm(delta) / lr,
+                             rtol=1e-4)
+  # E‖ĝ‖² = ‖Σclip/b‖² + (σC/b)²·d; at d = 420 coordinates χ²_d is within 30%.
+  d = sum(np.size(l) for l in jax.tree.leaves(params))
+  expected = m['grad_norm']**2 + (step.noise_multiplier * step.clip_norm / b)**2 * d
+  np.testing.assert_allclose(m['noisy_grad_norm']**2, expected, rtol=0.3)
+
+
+def test_nonfinite_example_does_not_poison_the_step():
+  params, (x, y) = _params(), _rows(6, seed=7)
+  bad_x = x.copy()
+  bad_x[2] = np.inf
+  step = _standard_step()
+  new, _, m = _run_step(step, params, _physical_batches(bad_x, y, 6))
+  keep = np.array([0, 1, 3, 4, 5])
+  batch = _physical_batches(x[keep], y[keep], 6)  # Same real rows minus one.
+  want, _, _ = _run_step(step, params, batch)
+  assert int(m['num_nonfinite']) == 1
+  assert np.isfinite(float(m['loss']))
+  _assert_trees_close(new, want, rtol=1e-6, atol=1e-7)
+
+
+def test_eval_step_sums_real_rows_only():
+  params, (x, y) = _params(), _rows(7, seed=8)
+  batch = _physical_batches(x, y, 10, garbage=True)[0]
+  out = losses.eval_step(MODEL, params, batch)
+  logits = MODEL.apply({'params': params}, x)
+  example_losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+  np.testing.assert_allclose(out['loss_sum'], np.sum(example_losses), rtol=1e-5)
+  assert float(out['correct']) == np.sum(logits.argmax(1) == y)
+  assert float(out['num_examples']) == 7
+  one_hot = dict(batch, y=np.eye(K, dtype=np.float32)[batch['y']])
+  out_oh = losses.eval_step(MODEL, params, one_hot, label_format='one_hot')
+  np.testing.assert_allclose(out_oh['loss_sum'], out['loss_sum'], rtol=1e-6)
+
+
+def test_one_hot_labels_give_the_same_step():
+  params, (x, y) = _params(), _rows(6, seed=9)
+  batch = _physical_batches(x, y, 8)[0]
+  one_hot = dict(batch, y=np.eye(K, dtype=np.float32)[batch['y']])
+  a, b = _standard_step(), _standard_step('one_hot')
+  pa, _, ma = _run_step(a, params, [batch])
+  pb, _, mb = _run_step(b, params, [one_hot])
+  _assert_trees_close(pa, pb, rtol=1e-6, atol=1e-7)
+  assert float(ma['accuracy']) == float(mb['accuracy'])
+
+
+def test_keys_and_init_are_pure_functions_of_seed():
+  data = jax.random.key_data
+  k = data(prng.noise_key(3, 7))
+  np.testing.assert_array_equal(k, data(prng.noise_key(3, 7)))
+  others = [data(prng.noise_key(3, 8)), data(prng.noise_key(4, 7)),
+            data(jax.random.fold_in(jax.random.PRNGKey(3), prng.INIT_STREAM))]
+  assert all(not np.array_equal(k, o) for o in others)
+  p1 = prng.init_params(MODEL, 3, (D,))
+  p2 = prng.init_params(MODEL, 3, (D,))
+  p3 = prng.init_params(MODEL, 4, (D,))
+  jax.tree.map(np.testing.assert_array_equal, p1, p2)
+  assert not np.array_equal(p1['Dense_0']['kernel'], p3['Dense_0']['kernel'])
+  assert jax.tree.map(np.shape, p1) == jax.tree.map(np.shape, _params())
+  for bad in (-1, 1.5, True):
+    with pytest.raises(ValueError, match='seed'):
+      prng.noise_key(bad, 0)
+  with pytest.raises(ValueError, match='step'):
+    prng.noise_key(0, -1)
+
+
+@pytest.mark.parametrize('kwargs,error,match', [
+    (dict(expected_batch_size=0), ValueError, 'expected_batch_size'),
+    (dict(expected_batch_size=math.inf), ValueError, 'expected_batch_size'),
+    (dict(noise_multiplier=-1.0), ValueError, 'noise_multiplier'),
+    (dict(noise_multiplier=None), ValueError, 'noise_multiplier'),
+    (dict(noise_multiplier=math.nan), ValueError, 'noise_multiplier'),
+    (dict(noise_multiplier=0.0), ValueError, 'noise_multiplier must be a finite number > 0'),
+    (dict(clip_norm=0.0), ValueError, 'clip_norm must be a finite number > 0'),
+    (dict(clip_norm=None), ValueError, 'clip_norm must be a finite number > 0'),
+    (dict(clip_norm=math.inf), ValueError, 'clip_norm must be a finite number > 0'),
+    (dict(label_format='onehot'), ValueError, 'label_format'),
+    (dict(clipping='opacus'), ValueError, 'clipping'),
+    (dict(clipping='opacus', private=False), ValueError, 'clipping'),
+])
+def test_bad_arguments_raise_before_compute(kwargs, error, match):
+  args = dict(clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8)
+  args.update(kwargs)
+  with pytest.raises(error, match=match):
+    dp_step.DPStep(MODEL, optax.sgd(0.1), **args)
+
+
+class _Scaled(nn.Module):
+  """A parameter no ghost-clipping rule covers."""
+
+  @nn.compact
+  def __call__(self, x):
+    return x * self.param('gain', nn.initializers.ones, (x.shape[-1],))
+
+
+def test_ghost_on_an_uncovered_model_raises_before_compute():
+  model = nn.Sequential([nn.Dense(4), _Scaled(), nn.Dense(K)])
+  params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
+                                             jnp.zeros((1, D))))['params']
+  params = jax.tree.map(lambda s: np.ones(s.shape, np.float32), params)
+  step = dp_step.DPStep(model, optax.sgd(0.1), clip_norm=1.0,
+                        noise_multiplier=1.0, expected_batch_size=8,
+                        clipping='ghost')
+  batch = _physical_batches(*_rows(4), 4)[0]
+  with pytest.raises(ValueError, match='layers_1/gain'):
+    step.accumulate(params, step.init_accumulator(params), batch)
+
+
+# --- The fused logical step: one program, one dispatch per logical step. ---
+
+
+def _buffer(batches, k_max):
+  """Stack physical batches into the [K_max, P, ...] buffer (zero-filled)."""
+  buf = {name: np.zeros((k_max,) + np.shape(value), np.asarray(value).dtype)
+         for name, value in batches[0].items()}
+  for i, batch in enumerate(batches):
+    for name, value in batch.items():
+      buf[name][i] = value
+  return buf
+
+
+def _copy(tree):
+  return jax.tree.map(np.array, tree)  # train_step donates its inputs.
+
+
+@pytest.mark.parametrize('clipping_method,private,mesh,loop', [
+    ('vmap', True, False, 'device'), ('ghost', True, False, 'device'),
+    ('ghost', True, True, 'device'), ('vmap', False, False, 'device'),
+    ('ghost', True, False, 'host'), ('ghost', True, True, 'host')])
+def test_train_step_equals_the_three_call_path(clipping_method, private, mesh, loop):
+  params, (x, y) = _params(), _rows(10, seed=11)
+  opt = optax.sgd(0.3, momentum=0.9)
+  step = dp_step.DPStep(
+      MODEL, opt, clip_norm=0.5, noise_multiplier=1.0, expected_batch_size=10,
+      private=private, clipping=clipping_method, seed=5,
+      mesh=sharding.make_mesh(1) if mesh else None, physical_loop=loop)
+  batches = _physical_batches(x, y, 4)  # K = 3 of K_max = 4.
+  opt_state = opt.init(params)
+  for k, t in ((3, 0), (0, 1), (2, 7)):
+    want = _run_step(step, params, batches[:k], t=t, optimizer_state=_copy(opt_state))
+    buf = _buffer(batches, 4)
+    buf['weight'][k:] = 0  # Batches K.. must not be read: make them real.
+    got = step.train_step(_copy(params), _copy(opt_state), buf, np.int32(k),
+                          np.uint32(t))
+    for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2])):
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    for name in want[2]:
+      np.testing.assert_allclose(got[2][name], want[2][name], rtol=1e-5,
+                                 err_msg=name)
+    assert float(got[2]['num_examples']) == min(10, 4 * k)
+  assert step.compile_count('train_step') == (1 if loop == 'device' else 2)
+
+
+def test_auto_loop_runs_convolutions_from_the_host_on_the_cpu():
+  """XLA:CPU is slow at conv weight gradients inside loops: 'auto' avoids them there."""
+  step = _standard_step()
+  assert step.physical_loop == 'auto'
+  cnn = {'Conv_0': {'kernel': np.zeros((3, 3, 1, 4), np.float32)}}
+  cpu = jax.default_backend() == 'cpu'
+  assert step.loop_mode(_params()) == 'device'
+  assert step.loop_mode(cnn) == ('host' if cpu else 'device')
+  with pytest.raises(ValueError, match="physical_loop='gpu'; valid"):
+    dp_step.DPStep(MODEL, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0,
+                   expected_batch_size=8, physical_loop='gpu')
+
+
+def test_train_step_draws_noise_key_seed_step_bit_for_bit():
+  """K = 0, SGD(lr=1): the update is exactly −σC/b · normal(noise_key(seed, t))."""
+  params = _params()
+  step = dp_step.DPStep(MODEL, optax.sgd(1.0), clip_norm=0.5,
+                        noise_multiplier=1.0, expected_batch_size=10, seed=9)
+  buf = _buffer(_physical_batches(*_rows(4), 4), 2)
+  opt_state = step.optimizer.init(params)
+  for t in (0, 3, 2**31 + 5):
+    fused, _, _ = step.train_step(_copy(params), _copy(opt_state), buf,
+                                  np.int32(0), np.uint32(t))
+    three, _, _ = step.apply(params, opt_state, step.init_accumulator(params),
+                             np.uint32(t))
+    jax.tree.map(np.testing.assert_array_equal, fused, three)
+  other, _, _ = step.train_step(_copy(params), _copy(opt_state), buf,
+                                np.int32(0), np.uint32(4))
+  assert not np.array_equal(other['Dense_0']['kernel'], fused['Dense_0']['kernel'])
+
+
+@pytest.mark.parametrize('sampler_name', samplers.SAMPLER_NAMES)
+def test_one_compilation_and_one_dispatch_per_logical_step(sampler_name):
+  """Two epochs of every sampler (K varies from step to step under Poisson): one program,
+  called once a step, never recompiled."""
+  from dpjax.configs import digits_mlp  # pylint: disable=g-import-not-at-top
+  config = digits_mlp.get_config()
+  config.sampler.name = sampler_name
+  train, _ = data.make_sources(config.data)
+  dataset = device_data.put_on_device(train)
+  sampler = plan_lib.make_sampler(config, len(train))
+  cap = batching.resolve_max_batch_size(sampler, 64, 0, num_steps=2 * sampler.steps_per_epoch,
+                                        delta=1e-5)
+  batcher = batching.Batcher(sampler, 64, cap)
+  model = models.make_model(config.model, train.num_classes, train.input_shape)
+  step = dp_step.DPStep(model, optax.sgd(0.5), clip_norm=1.0,
+                        noise_multiplier=1.0,
+                        expected_batch_size=sampler.expected_batch_size)
+  params = prng.init_params(model, 0, train.input_shape)
+  opt_state = step.optimizer.init(params)
+  compiles = []
+  jax.monitoring.register_event_duration_secs_listener(
+      lambda name, secs, **kw: compiles.append(name)
+      if name == '/jax/core/compile/backend_compile_duration' else None)
+  calls, ks = 0, set()
+  num_steps = 2 * sampler.steps_per_epoch
+  for t in range(num_steps):
+    buf, k = device_data.index_buffer(batcher.logical_batch(t),
+                                      batcher.max_physical_batches)
+    ks.add(int(k))
+    if t == 1:
+      compiles.clear()  # Step 0 compiled the program (and nothing after).
+    calls += 1  # The only JAX call of the step.
+    params, opt_state, metrics = step.train_step(params, opt_state, buf, k,
+                                                 np.uint32(t), dataset)
+  jax.block_until_ready(metrics)
+  if sampler_name == 'poisson':
+    assert len(ks) > 1  # K really varied.
+  assert calls == num_steps and step.compile_count() == 1
+  assert step.compile_count('train_step') == 1
+  assert compiles == []
+
+
+def test_choose_physical_batch_size_is_the_largest_that_fits():
+  step = dp_step.DPStep(MODEL, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0,
+                        expected_batch_size=64, clipping='vmap')
+  params = _params()
+  opt_state = step.optimizer.init(params)
+  example = {'x': np.zeros(D, np.float32), 'y': np.int32(0)}
+  used = {p: physical_batch.compiled_step_bytes(step, params, opt_state, example, p, 256)
+          for p in (4, 8, 16)}
+  assert used[4] < used[8] < used[16]  # vmap: P per-example gradients.
+  lines = []
+  limit = (used[8] + used[16]) / 2
+  chosen = physical_batch.choose_physical_batch_size(step, params, opt_state, example, 256,
+                                              num_devices=4, memory_bytes=limit, fraction=1.0,
+                                              log=lines.append)
+  assert chosen == 8 and lines[-1].endswith('chose P = 8.')
+  assert [l.split(':')[0] for l in lines[:-1]] == [f'physical batch size {p}' for p in (4, 8, 16)]
+  # Everything fits: stops at the first power-of-two multiple of D >= B (B = 100 -> 128).
+  lines = []
+  assert physical_batch.choose_physical_batch_size(step, params, opt_state, example, 100, num_devices=128,
+                                            memory_bytes=2**40, log=lines.append) == 128
+  assert len(lines) == 2
+  with pytest.raises(ValueError, match='physical_batch_size = 4 .* needs'):
+    physical_batch.choose_physical_batch_size(step, params, opt_state, example, 256, num_devices=4,
+                                       memory_bytes=1, log=lambda _: None)
+  with pytest.raises(ValueError, match='max_batch_size must be an int >= 1'):
+    physical_batch.choose_physical_batch_size(step, params, opt_state, example, 0)
+
+
+_FOUR_DEVICES = '''
+import json, sys
+import jax, numpy as np, optax
+from dpjax.configs import digits_mlp
+from dpjax.privacy import batching
+from dpjax.data import sources as data
+from dpjax.data import device as device_data
+from dpjax.privacy import dp_step
+from dpjax.models import factory as models
+from dpjax.trainer import plan as plan_lib
+from dpjax.privacy import sharding
+from dpjax.privacy import losses
+from dpjax.privacy import prng
+assert jax.device_count() == 4
+config = digits_mlp.get_config()
+train, _ = data.make_sources(config.data)
+sampler = plan_lib.make_sampler(config, len(train))
+batcher = batching.Batcher(sampler, 64, 512)
+model = models.make_model(config.model, train.num_classes, train.input_shape)
+out = {}
+for name, mesh in (('one', None), ('four', sharding.make_mesh(4))):
+  for loop in ('device', 'host') if mesh else ('device',):
+    step = dp_step.DPStep(model, optax.sgd(0.5), clip_norm=1.0, noise_multiplier=1.0,
+                          expected_batch_size=sampler.expected_batch_size, mesh=mesh,
+                          physical_loop=loop, seed=4)
+    dataset = device_data.put_on_device(train, mesh and sharding.replicated(mesh))
+    params = prng.init_params(model, 0, train.input_shape)
+    state = (params, step.optimizer.init(params))
+    for t in range(2):
+      buf, k = device_data.index_buffer(batcher.logical_batch(t), 8)
+      *state, metrics = step.train_step(*state, buf, k, np.uint32(t), dataset)
+    leaves = jax.tree.leaves(state[0])
+    out[name + '_' + loop] = [np.asarray(l).ravel().tolist() for l in leaves]
+    if mesh is not None:
+      assert all(l.sharding.is_fully_replicated for l in leaves)
+print(json.dumps(out))
+'''
+
+
+def test_train_step_on_four_devices_equals_one_device():
+  """The [K_max, P] buffer split over 4 devices (rows), dataset replicated: same params."""
+  import json  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=4')
+  proc = subprocess.run([sys.executable, '-c', _FOUR_DEVICES], cwd=repo, env=env,
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  ref = out['one_device']
+  assert set(out) == {'one_device', 'four_device', 'four_host'}
+  for name in ('four_device', 'four_host'):
+    for a, b in zip(out[name], ref):
+      np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)  # As tests/privacy/test_sharding.py.

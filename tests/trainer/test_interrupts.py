@@ -1,0 +1,121 @@
+"""GracefulStop with real signals sent to this process (os.kill) and to a child process."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from dpjax.trainer import interrupts
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def deliver(signum):
+  """Sends `signum` to this process; Python runs the handler at the next bytecode boundary."""
+  os.kill(os.getpid(), signum)
+  for _ in range(1000):  # A few no-op bytecodes give the main thread the chance to run it.
+    pass
+
+
+@pytest.mark.parametrize('signum,code', [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_first_signal_sets_the_flag_and_handlers_are_restored(signum, code):
+  previous = {s: signal.getsignal(s) for s in interrupts.SIGNALS}
+  messages = []
+  with interrupts.GracefulStop(log=messages.append) as stop:
+    assert not stop.requested and stop.exit_code == 0
+    steps = 0
+    while not stop.requested:  # The loop polls after each step.
+      steps += 1
+      if steps == 3:
+        deliver(signum)
+    assert steps == 3 and stop.exit_code == code
+    assert stop.signal_name == signal.Signals(signum).name
+    assert messages[0].startswith(f'{stop.signal_name} received: finishing this step')
+    if signum == signal.SIGTERM:
+      deliver(signal.SIGTERM)  # Another SIGTERM changes nothing.
+      assert stop.exit_code == 143 and 'already stopping' in messages[-1]
+  assert {s: signal.getsignal(s) for s in interrupts.SIGNALS} == previous
+
+
+def test_second_ctrl_c_aborts_at_once():
+  with pytest.raises(KeyboardInterrupt, match='second SIGINT'):
+    with interrupts.GracefulStop(log=lambda _: None) as stop:
+      deliver(signal.SIGINT)
+      assert stop.requested
+      deliver(signal.SIGINT)
+      raise AssertionError('not reached: the second Ctrl-C raises in the loop')
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Restored.
+
+
+def test_sigterm_then_sigint_aborts_and_reports_the_first():
+  with pytest.raises(KeyboardInterrupt):
+    with interrupts.GracefulStop(log=lambda _: None) as stop:
+      deliver(signal.SIGTERM)
+      deliver(signal.SIGINT)
+  assert stop.exit_code == 143
+
+
+def test_outside_the_main_thread_nothing_is_installed():
+  seen = {}
+  def body():
+    with interrupts.GracefulStop() as stop:
+      seen['handler'] = signal.getsignal(signal.SIGTERM)
+      seen['requested'] = stop.requested
+  thread = threading.Thread(target=body)
+  thread.start()
+  thread.join()
+  assert seen == {'handler': signal.getsignal(signal.SIGTERM), 'requested': False}
+
+
+CHILD = '''
+import signal, sys, time
+from dpjax.trainer import interrupts
+with interrupts.GracefulStop() as stop:
+  print('ready', flush=True)
+  while not stop.requested:
+    time.sleep(0.01)  # One training step.
+  print('checkpoint saved', flush=True)
+sys.exit(stop.exit_code)
+'''
+
+
+def test_a_child_process_saves_and_exits_with_128_plus_signal():
+  proc = subprocess.Popen([sys.executable, '-c', CHILD], cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  assert proc.stdout.readline() == 'ready\n'
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=60)
+  assert proc.returncode == 143 and out == 'checkpoint saved\n'
+  assert err.startswith('SIGTERM received: finishing this step')
+
+
+STUCK = """
+import time
+from dpjax.trainer import interrupts
+with interrupts.GracefulStop():
+  ready = False
+  while True:  # Stuck: ignores the flag and even swallows the second Ctrl-C.
+    try:  # Everything inside the try, wherever the handlers run.
+      if not ready:
+        ready = True
+        print('ready', flush=True)
+      while True:
+        time.sleep(0.01)
+    except KeyboardInterrupt:
+      print('aborting', flush=True)
+"""
+
+
+def test_a_third_ctrl_c_kills_a_stuck_process():
+  proc = subprocess.Popen([sys.executable, '-c', STUCK], cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  assert proc.stdout.readline() == 'ready\n'
+  proc.send_signal(signal.SIGINT)
+  assert proc.stderr.readline().startswith('SIGINT received: finishing this step')
+  proc.send_signal(signal.SIGINT)
+  assert proc.stdout.readline() == 'aborting\n'
+  proc.send_signal(signal.SIGINT)
+  assert proc.wait(timeout=60) == -signal.SIGINT  # The default action: killed by the signal.

@@ -1,0 +1,63 @@
+"""Settings that cannot change ε are a type (`Perf`) the privacy fingerprint never reads."""
+
+import dataclasses
+import inspect
+
+from dpjax.configs import digits_mlp
+from dpjax.trainer import fingerprint
+from dpjax.trainer import perf as perf_lib
+from dpjax.trainer import plan as plan_lib
+
+N = 1000
+# One other valid value of each Perf field (B stays a multiple of the new P).
+OTHER = {'physical_batch_size': 16, 'steps_per_call': 4, 'precision': 'bfloat16',
+         'num_devices': 1, 'compilation_cache_dir': 'none'}
+
+
+def _config(**overrides):
+  config = digits_mlp.get_config()
+  config.privacy.noise_multiplier, config.privacy.target_epsilon = 1.0, 0.0
+  config.num_steps, config.num_epochs = 50, 0
+  config.sampler.batch_size, config.sampler.physical_batch_size = 64, 32
+  for name, value in overrides.items():
+    *parents, leaf = perf_lib.CONFIG_PATHS[name].split('.')
+    node = config
+    for part in parents:
+      node = node[part]
+    node[leaf] = value
+  return config
+
+
+def test_every_perf_field_has_another_value_here_and_a_declared_config_path():
+  assert set(OTHER) == {f.name for f in dataclasses.fields(perf_lib.Perf)}
+  assert set(perf_lib.CONFIG_PATHS) == set(OTHER)
+
+
+def test_the_fingerprint_takes_no_perf():
+  params = inspect.signature(fingerprint.run_fingerprint).parameters
+  assert 'perf' not in params and all('Perf' not in str(p.annotation) for p in params.values())
+
+
+def test_changing_any_perf_field_keeps_the_fingerprint_and_resumes():
+  base = plan_lib.make_plan(_config(), N, seed=7)
+  assert base.perf == perf_lib.Perf.from_config(_config())
+  for name, value in OTHER.items():
+    other = plan_lib.make_plan(_config(**{name: value}), N, base.fingerprint, seed=7,
+                               resumed_step=10)
+    assert getattr(other.perf, name) == value != getattr(base.perf, name), name
+    assert other.fingerprint == base.fingerprint, name
+    assert other.noise_multiplier == base.noise_multiplier
+    assert other.accountant.epsilon(50) == base.accountant.epsilon(50)
+
+
+def test_a_privacy_field_is_not_a_perf_field_and_is_refused_on_resume():
+  base = plan_lib.make_plan(_config(), N, seed=7)
+  config = _config()
+  config.privacy.clip_norm = 2.0
+  try:
+    plan_lib.make_plan(config, N, base.fingerprint, seed=7, resumed_step=10)
+  except plan_lib.PlanError as e:
+    assert 'privacy.clip_norm: 1.0 → 2.0' in str(e)
+  else:
+    raise AssertionError('a changed C resumed')
+  assert not set(perf_lib.CONFIG_PATHS.values()) & set(base.fingerprint)

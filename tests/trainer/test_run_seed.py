@@ -1,0 +1,116 @@
+"""The run's secret seed (issue 24, item 1): drawn by default, stored privately, never released.
+
+On the main before this change the default config had seed = 0: rerunning dpjax on the
+released run's dataset reproduced its parameters bit for bit (the first test failed there).
+"""
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import stat
+
+import jax
+import numpy as np
+import pytest
+
+from dpjax.trainer import checkpoints
+from dpjax.trainer import plan as plan_lib
+from dpjax.privacy import privacy_plan
+from dpjax.trainer import run_seed
+from dpjax import train
+from tests.run_configs import small_config
+
+
+def _default(**overrides):
+  """small_config with the default seed (None: drawn from OS entropy), 3 steps."""
+  return small_config(**{'seed': None, 'num_steps': 3, 'checkpoint_every_steps': 3, **overrides})
+
+
+def _flat(params):
+  return np.concatenate([np.asarray(x).ravel() for x in jax.tree.leaves(params)])
+
+
+def _released(workdir):
+  step = checkpoints.read_metadata(str(workdir))[-1]['step']
+  return _flat(checkpoints.read_state(str(workdir), step)['params'])
+
+
+@pytest.fixture(scope='module')
+def default_runs(tmp_path_factory):
+  """Two runs of the default config (each draws its seed), and what the first printed. The
+  tests only read them (a resume works on a copy)."""
+  root = tmp_path_factory.mktemp('default_runs')
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    train.train_and_evaluate(_default(), str(root / 'victim'))
+  train.train_and_evaluate(_default(), str(root / 'attacker_d'))
+  return root, out.getvalue()
+
+
+def test_an_attacker_rerunning_the_public_config_cannot_reproduce_the_release(default_runs):
+  """The attack: the adversary knows the code, the config and every record but one, reruns
+  dpjax on D and on D minus the record, and compares with the released parameters. With a
+  public seed one rerun matched bit for bit; with a drawn seed neither does."""
+  root, _ = default_runs
+  victim, attacker = _released(root / 'victim'), _released(root / 'attacker_d')
+  assert not np.array_equal(victim, attacker)
+  seeds = {run_seed.stored_seed(str(root / name)).value for name in ('victim', 'attacker_d')}
+  assert len(seeds) == 2
+
+
+def test_the_seed_is_stored_privately_and_nowhere_else(default_runs):
+  root, out = default_runs
+  workdir = root / 'victim'
+  record = json.load(open(workdir / 'private' / 'seed.json'))
+  seed = record['seed']
+  assert record['source'] == 'drawn' and 2**20 < seed < 2**63  # 63 random bits.
+  assert stat.S_IMODE(os.stat(workdir / 'private' / 'seed.json').st_mode) == 0o600
+  assert stat.S_IMODE(os.stat(workdir / 'private').st_mode) == 0o700
+  assert 'Seed: drawn from OS entropy' in out and 'holds only if' not in out
+  assert json.load(open(workdir / 'config.json'))['seed'] is None
+  meta = checkpoints.read_metadata(str(workdir))[-1]
+  assert 'seed' not in meta and meta['seed_source'] == 'drawn'
+  assert meta['fingerprint']['seed_sha256'] == privacy_plan.seed_digest(seed)
+  for directory, _, files in os.walk(workdir):
+    if os.path.basename(directory) == 'private':
+      continue
+    for name in files:
+      with open(os.path.join(directory, name), 'rb') as f:
+        assert str(seed).encode() not in f.read(), os.path.join(directory, name)
+
+
+def test_a_resume_reuses_the_stored_seed_and_a_missing_or_other_seed_is_refused(default_runs,
+                                                                               tmp_path):
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(default_runs[0] / 'victim', workdir)  # A finished run of _default().
+  seed = run_seed.stored_seed(workdir).value
+  longer = train.train_and_evaluate(_default(num_steps=4), workdir)  # Resumes, same seed.
+  reference = train.train_and_evaluate(small_config(seed=seed, num_steps=4,
+                                                    checkpoint_every_steps=3),
+                                       str(tmp_path / 'given'))
+  np.testing.assert_array_equal(_flat(longer['params']), _flat(reference['params']))
+  with pytest.raises(plan_lib.PlanError, match='seed: another seed'):
+    train.train_and_evaluate(_default(num_steps=5, seed=seed + 1), workdir)
+  os.remove(run_seed.seed_path(workdir))
+  with pytest.raises(plan_lib.PlanError, match='private/seed.json is missing'):
+    train.train_and_evaluate(_default(num_steps=5), workdir)
+
+
+def test_a_given_seed_is_used_and_labelled_on_the_start_and_final_lines(tmp_path, capsys):
+  train.train_and_evaluate(_default(seed=7), str(tmp_path / 'run'))
+  out = capsys.readouterr().out
+  assert 'Seed: 7, given by the config: the privacy guarantee holds only if this seed is secret' in out
+  final = [line for line in out.splitlines() if line.startswith('Final:')][0]
+  assert 'ε holds only if that seed is secret' in final
+  assert run_seed.stored_seed(str(tmp_path / 'run')) == run_seed.RunSeed(7, 'config')
+
+
+def test_drawn_seeds_use_all_64_bits_of_the_prng_key():
+  """jax.random.PRNGKey keeps 32 bits without x64; the root key must keep all of them."""
+  from dpjax.privacy import prng  # pylint: disable=import-outside-toplevel
+  a, b = prng.noise_key(5, 0), prng.noise_key(5 + 2**40, 0)
+  assert not np.array_equal(jax.random.key_data(a), jax.random.key_data(b))
+  assert np.array_equal(jax.random.key_data(prng.root_key(5)),
+                        jax.random.key_data(jax.random.PRNGKey(5)))
