@@ -128,28 +128,26 @@ def _norm_reason(m, cls: type) -> str:
   return _plain(m, cls, 'promote_dtype')
 
 
-@register_nnx_layer(nnx.LayerNorm)
-def _layer_norm(m) -> nn.Module | str:
-  return _norm_reason(m, nnx.LayerNorm) or nn.LayerNorm(
-      epsilon=m.epsilon, dtype=m.dtype, use_bias=m.use_bias, use_scale=m.use_scale,
-      reduction_axes=m.reduction_axes, feature_axes=m.feature_axes,
-      use_fast_variance=m.use_fast_variance, parent=None)
+# Each NNX norm layer -> its linen twin and the hyper-parameters the two share.
+_NORM_TWINS = {
+    nnx.LayerNorm: (nn.LayerNorm, ('epsilon', 'dtype', 'use_bias', 'use_scale', 'reduction_axes',
+                                   'feature_axes', 'use_fast_variance')),
+    nnx.GroupNorm: (nn.GroupNorm, ('num_groups', 'epsilon', 'dtype', 'use_bias', 'use_scale',
+                                   'reduction_axes', 'use_fast_variance')),
+    nnx.RMSNorm: (nn.RMSNorm, ('epsilon', 'dtype', 'use_scale', 'reduction_axes', 'feature_axes',
+                               'use_fast_variance')),
+}
 
 
-@register_nnx_layer(nnx.GroupNorm)
-def _group_norm(m) -> nn.Module | str:
-  return _norm_reason(m, nnx.GroupNorm) or nn.GroupNorm(
-      num_groups=m.num_groups, epsilon=m.epsilon, dtype=m.dtype, use_bias=m.use_bias,
-      use_scale=m.use_scale, reduction_axes=m.reduction_axes,
-      use_fast_variance=m.use_fast_variance, parent=None)
+def _norm_translator(nnx_type: type, linen_type: type, names: tuple[str, ...]):
+  def translate(m) -> nn.Module | str:
+    return _norm_reason(m, nnx_type) or linen_type(**{n: getattr(m, n) for n in names},
+                                                   parent=None)
+  return translate
 
 
-@register_nnx_layer(nnx.RMSNorm)
-def _rms_norm(m) -> nn.Module | str:
-  return _norm_reason(m, nnx.RMSNorm) or nn.RMSNorm(
-      epsilon=m.epsilon, dtype=m.dtype, use_scale=m.use_scale,
-      reduction_axes=m.reduction_axes, feature_axes=m.feature_axes,
-      use_fast_variance=m.use_fast_variance, parent=None)
+for _nnx_type, (_linen_type, _names) in _NORM_TWINS.items():
+  register_nnx_layer(_nnx_type)(_norm_translator(_nnx_type, _linen_type, _names))
 
 
 def _patched(original: Callable) -> Callable:
