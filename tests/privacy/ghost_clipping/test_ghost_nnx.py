@@ -19,6 +19,7 @@ from dpjax.models import cnn
 from dpjax.models import functional as nnx_model
 from dpjax.models import mlp
 from dpjax.models import vit
+from tests.privacy.ghost_clipping import harness
 
 K = 3  # Classes.
 
@@ -56,14 +57,6 @@ def _build(make, seed: int) -> nnx.Module:
   assert all(isinstance(l, jax.Array) for l in jax.tree.leaves(nnx.state(model)))
   return model
 
-
-def _inputs(shape, n: int, seed: int, vocab: int = 0):
-  rng = np.random.default_rng(seed)
-  if vocab:
-    x = rng.integers(0, vocab, (n, *shape)).astype(np.int32)
-  else:
-    x = rng.normal(size=(n, *shape)).astype(np.float32)
-  return x, rng.integers(0, K, n).astype(np.int32)
 
 
 def _xent(model, example):
@@ -148,7 +141,7 @@ def _assert_matches_vmap(model, shape, seed, vocab=0, n=6, num_pad=3, exact_norm
   an out-of-range token there (nnx.Embed reads it as NaN)."""
   fm = nnx_model.Functional(model)
   loss_fn = fm.loss(_xent)
-  x, y = _inputs(shape, n, seed, vocab)
+  x, y = harness.inputs(shape, n, seed, vocab)
   coverage = ghost_clipping.analyse_coverage(loss_fn, fm.params, {'x': x[0], 'y': y[0]})
   assert coverage.complete, coverage.describe()
   x = np.concatenate([x, x[:num_pad]])
@@ -315,7 +308,7 @@ def test_nnx_network_is_its_linen_twin(name):
       lambda s: rng.normal(size=s.shape).astype(np.float32) / np.sqrt(s.shape[0]), shapes)
   mapped = _to_nnx(name[:3], linen_params)
   assert jax.tree.map(jnp.shape, mapped) == jax.tree.map(jnp.shape, fm.params), name
-  x, _ = _inputs(shape, 4, seed=22)
+  x, _ = harness.inputs(shape, 4, seed=22)
   got, want = _jit(lambda p, q, x: (fm.apply(p, x), linen_model.apply({'params': q}, x)),
                    mapped, linen_params, x)
   assert got.shape == (4, K)
@@ -422,7 +415,7 @@ def test_uncovered_parameters_are_named_auto_is_vmap_and_ghost_raises(name):
   model = _build(make, seed=40 + sorted(UNCOVERED).index(name))
   fm = nnx_model.Functional(model)
   loss_fn = fm.loss(loss)
-  x, y = _inputs(shape, 4, seed=41, vocab=vocab)
+  x, y = harness.inputs(shape, 4, seed=41, vocab=vocab)
   cov = ghost_clipping.analyse_coverage(loss_fn, fm.params, {'x': x[0], 'y': y[0]})
   got = dict(cov.uncovered)
   assert set(got) == set(want), cov.describe()
@@ -500,7 +493,7 @@ def test_training_only_lora_params():
   fm = nnx_model.Functional(model, wrt=nnx.LoRAParam)
   lora = {f'{layer}/lora/lora_{ab}' for layer in ('hidden', 'head') for ab in 'ab'}
   assert set(_flat(fm.params)) == lora
-  x, y = _inputs((5,), 6, seed=51)
+  x, y = harness.inputs((5,), 6, seed=51)
   examples, weights = {'x': x, 'y': y}, np.r_[np.ones(5), 0].astype(np.float32)
   grad_fn = clipping.clipped_grad(fm.loss(_xent), 0.5, has_aux=True, precision='highest')
   g, rows = _jit(grad_fn, fm.params, examples, weights)
@@ -528,7 +521,7 @@ def test_training_one_submodule_with_ghost_clipping():
   head = {'head/kernel', 'head/bias'}
   assert set(_flat(fm.params)) == head
   loss_fn = fm.loss(_xent)
-  x, y = _inputs((5,), 6, seed=61)
+  x, y = harness.inputs((5,), 6, seed=61)
   cov = ghost_clipping.analyse_coverage(loss_fn, fm.params, {'x': x[0], 'y': y[0]})
   assert cov.complete and [l.param_path for l in cov.layers] == [('head',)]
   examples, weights = {'x': x, 'y': y}, np.r_[np.ones(5), 0].astype(np.float32)
@@ -548,7 +541,7 @@ def test_training_base_weights_under_frozen_lora_adapters_with_ghost_clipping():
   fm = nnx_model.Functional(model, wrt=nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
   base = {f'{layer}/{name}' for layer in ('hidden', 'head') for name in ('kernel', 'bias')}
   assert set(_flat(fm.params)) == base
-  x, y = _inputs((5,), 6, seed=71)
+  x, y = harness.inputs((5,), 6, seed=71)
   examples, weights = {'x': x, 'y': y}, np.r_[np.ones(5), 0].astype(np.float32)
   ghost = clipping.clipped_grad(fm.loss(_xent), 2.0, has_aux=True, method='ghost',
                                 precision='highest')
