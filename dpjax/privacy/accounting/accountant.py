@@ -57,6 +57,7 @@ from dpjax.privacy.accounting import balls_and_bins
 from dpjax.privacy.accounting import monte_carlo
 from dpjax.privacy.accounting import sampler_events
 from dpjax.privacy.accounting.report import PrivacyReport
+from dpjax.privacy.accounting.step_pld import dense_step_pld
 from dpjax.privacy.accounting.step_pld import estimate_pld_grid_points
 from dpjax.privacy.accounting.step_pld import GridTooLargeError
 from dpjax.privacy.accounting.step_pld import MAX_GRID_POINTS
@@ -64,9 +65,7 @@ from dpjax.privacy.accounting.step_pld import mixture_components as _mixture_com
 from dpjax.privacy.accounting.step_pld import MOG_VALUE_DISCRETIZATION
 from dpjax.privacy.accounting.step_pld import pld_pmfs
 from dpjax.privacy.accounting.step_pld import progress_bar
-from dpjax.privacy.accounting.step_pld import step_pld as _step_pld
 from dpjax.privacy.accounting.step_pld import VALUE_DISCRETIZATION
-from dpjax.privacy.accounting.step_pld import with_dense_pmfs
 
 ACCOUNTANTS = ('auto', 'pld', 'rdp', 'monte_carlo')
 # A composed PLD beyond this many grid points (x 16 bytes in its FFT) is refused before it is
@@ -282,7 +281,7 @@ class Accountant:
     interval = self._interval(event)
     self._check_grid(event, interval)
     with progress_bar(2, f'PLD of one {self.sampler.name} step, then {count} steps') as bar:
-      self._step_plds[key] = with_dense_pmfs(_step_pld(event, interval))
+      self._step_plds[key] = dense_step_pld(event, interval)
       bar.update()
       self._check_composition(self._step_plds[key], count)
       composed = self._step_plds[key].self_compose(count)
@@ -294,8 +293,8 @@ class Accountant:
     MAX_COMPOSED_POINTS (dp_accounting's own truncation bounds of the composed support)."""
     for pmf in pld_pmfs(pld):
       probs = getattr(pmf, '_probs', None)
-      if probs is None or count <= 1:
-        continue
+      if probs is None or count <= 1 or (len(probs) - 1) * count + 1 <= MAX_COMPOSED_POINTS:
+        continue  # Without truncation the composed support has (len − 1)·count + 1 points.
       low, high = pld_common.compute_self_convolve_bounds(probs, count, 1e-15)
       if high - low + 1 > MAX_COMPOSED_POINTS:
         raise GridTooLargeError(

@@ -10,8 +10,10 @@ oversized grid is refused with `GridTooLargeError`.
 
 from __future__ import annotations
 
+import collections
 import math
 import sys
+import threading
 
 import tqdm
 from dp_accounting import dp_event
@@ -53,6 +55,33 @@ def step_pld(event: dp_event.DpEvent, interval: float) -> pld_lib.PrivacyLossDis
         truncated_batch_size=event.truncated_batch_size,
         noise_multiplier=event.noise_multiplier, value_discretization_interval=interval)
   raise TypeError(f'no per-step PLD for {event!r}')
+
+
+# Built step PLDs kept for this process, most recently used last: calibration, the planner and
+# ε at many steps ask for the same step again (dense PMFs of at most MAX_GRID_POINTS floats).
+_BUILT: collections.OrderedDict[tuple[str, float], pld_lib.PrivacyLossDistribution] = (
+    collections.OrderedDict())
+_BUILT_LOCK = threading.Lock()
+BUILT_STEP_PLDS_KEPT = 8
+
+
+def dense_step_pld(event: dp_event.DpEvent, interval: float) -> pld_lib.PrivacyLossDistribution:
+  """`step_pld` with dense PMFs, built once per process for each (event, interval).
+
+  The key is the event's repr, which names its class and every parameter; dp_accounting's
+  PLDs are not changed by composing or querying them, so one object serves every caller.
+  """
+  key = (repr(event), float(interval))
+  with _BUILT_LOCK:
+    if key in _BUILT:
+      _BUILT.move_to_end(key)
+      return _BUILT[key]
+  pld = with_dense_pmfs(step_pld(event, interval))
+  with _BUILT_LOCK:
+    _BUILT[key] = pld
+    while len(_BUILT) > BUILT_STEP_PLDS_KEPT:
+      _BUILT.popitem(last=False)
+  return pld
 
 
 def progress_bar(total: int | None, desc: str) -> tqdm.tqdm:

@@ -5,6 +5,7 @@ import math
 import subprocess
 
 import pytest
+from dp_accounting import dp_event
 
 from dpjax.configs import digits_mlp
 from dpjax.privacy import batching
@@ -71,6 +72,27 @@ def test_epsilon_at_is_memoised():
   assert not computed and again == first
   assert acct.epsilon_at(0).epsilon == 0.0
   assert acct.epsilon(50) < acct.epsilon(100)
+
+
+def test_a_step_pld_is_built_once_per_process_for_each_event_and_grid(monkeypatch):
+  """Accountants of one process share built step PLDs; another σ, rate or grid is another PLD,
+  and ε is the one a fresh build gives."""
+  from dp_accounting.pld import pld_privacy_accountant  # pylint: disable=import-outside-toplevel
+  from dpjax.privacy.accounting import step_pld  # pylint: disable=import-outside-toplevel
+  built = []
+  real = step_pld.step_pld
+  monkeypatch.setattr(step_pld, 'step_pld', lambda *args: built.append(args) or real(*args))
+  monkeypatch.setattr(step_pld, '_BUILT', type(step_pld._BUILT)())  # pylint: disable=protected-access
+  sampler = _sampler('poisson', 10_000, 100)
+  eps = lambda s, sigma, **kw: accountant_lib.Accountant(s, sigma, DELTA, **kw).epsilon(300)
+  first = eps(sampler, 1.3)
+  assert eps(sampler, 1.3) == first and len(built) == 1
+  others = [eps(sampler, 1.31), eps(_sampler('poisson', 10_000, 101), 1.3),
+            eps(sampler, 1.3, value_discretization_interval=1e-3)]
+  assert len(built) == 4 and all(other != first for other in others)
+  direct = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+  direct.compose(dp_event.PoissonSampledDpEvent(0.01, dp_event.GaussianDpEvent(1.3)), 300)
+  assert first == pytest.approx(direct.get_epsilon(DELTA), rel=1e-12)
 
 
 def test_target_epsilon_calibrates_sigma():

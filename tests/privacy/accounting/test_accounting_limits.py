@@ -11,6 +11,7 @@ from scipy import stats
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import calibration
 from dpjax.privacy.accounting import sampler_events
+from dpjax.privacy.accounting import step_pld
 from tests.privacy.accounting.test_accounting_events import _pld_epsilon as _direct_epsilon
 from tests.privacy.accounting.test_accounting_events import _sampler
 from tests.privacy.accounting.test_accounting_events import DELTA
@@ -109,8 +110,8 @@ def test_max_grid_points_is_configurable_and_checked_before_building():
     (sampler_events.poisson_step_event(0.01, 0.8), 1e-4, 1),  # Closed form: points once.
 ])
 def test_grid_estimate_matches_the_grid_dp_accounting_builds(event, interval, components):
-  estimate = accountant_lib.estimate_pld_grid_points(event, interval)
-  pld = accountant_lib._step_pld(event, interval)  # pylint: disable=protected-access
+  estimate = step_pld.estimate_pld_grid_points(event, interval)
+  pld = step_pld.step_pld(event, interval)
   # pylint: disable-next=protected-access
   built = max(pld._pmf_remove.size, pld._pmf_add.size)
   assert estimate == pytest.approx(built * components, rel=1e-2)
