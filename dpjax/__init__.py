@@ -45,7 +45,7 @@ The guarantee (docs/threat_model.md) is for add/remove neighbours and needs the 
 be secret; a seed you choose must be kept private like the data.
 """
 
-import importlib
+from dpjax.privacy.lazy_exports import lazy_exports
 
 # Name -> (module, attribute). Imported on first use (PEP 562), so that `import dpjax`, which
 # every `python -m dpjax.<command>` runs first, is instant and an early Ctrl-C is the
@@ -77,16 +77,4 @@ _EXPORTS = {
     'DPStep': ('dpjax.privacy.dp_step', 'DPStep'),
 }
 __all__ = tuple(_EXPORTS)
-
-
-def __getattr__(name: str):
-  if name not in _EXPORTS:
-    raise AttributeError(f'module dpjax has no attribute {name!r}')
-  module, attribute = _EXPORTS[name]
-  value = getattr(importlib.import_module(module), attribute)
-  globals()[name] = value
-  return value
-
-
-def __dir__():
-  return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

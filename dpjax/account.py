@@ -26,7 +26,8 @@ B as training resolves it); --config.<field>=value overrides a field as in
 `python -m dpjax.train`, and explicit flags override config fields too.
 Flags are absl flags: --name=value or --name value; --json / --nojson. --workers
 sets the processes drawing the Monte-Carlo samples (privacy.monte_carlo_workers
-of the config, else the available cores); the estimate does not depend on it.
+of the config, else the available cores, as many as the samples pay to start); the
+estimate does not depend on it.
 
 Balls-and-bins: the attached ε is the provable random-allocation PLD bound
 (built once per (σ, T, grid) within --random-allocation-timeout seconds, then
@@ -82,7 +83,8 @@ _FLAGS = (
     ('float', 'beta', 1e-3, 'Monte-Carlo failure probability (confidence 1 - beta)'),
     ('integer', 'workers', None,
      'processes drawing the Monte-Carlo samples (the estimate does not depend on it); '
-     'default: privacy.monte_carlo_workers of --config, else the available cores'),
+     'default: privacy.monte_carlo_workers of --config, else the available cores that the '
+     'samples pay to start'),
     ('float', 'random-allocation-timeout', None,
      'balls-and-bins: seconds allowed to build a new random-allocation PLD (default 300; then '
      'cached) before the deterministic fallback; 0 = no limit'),

@@ -112,7 +112,8 @@ FIELDS: tuple[Field, ...] = (
     Field('privacy.group_size', 'int', 1, 'k: the guarantee is for groups of k examples', 1,
           when=_private, accounting=True),
     Field('privacy.monte_carlo_workers', 'int', None, 'processes drawing the balls-and-bins '
-          'Monte-Carlo samples; None = the available cores (the estimate does not depend on it)',
+          'Monte-Carlo samples; None = the available cores, as many as the samples pay to start '
+          '(the estimate does not depend on it)',
           1, optional=True, when=_private),
     Field('privacy.random_allocation_timeout', 'float', 300.0, 'seconds for the provable '
           'balls-and-bins bound (cached on disk); past it the deterministic bound, labelled', 0,

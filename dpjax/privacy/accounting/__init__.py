@@ -11,10 +11,18 @@ events per sampler), `fixed_size_rdp` (Birrell et al. FS-RDP),
 (high-probability bound), `max_test` (lower bounds), `calibration`.
 """
 
-from dpjax.privacy.accounting.accountant import ACCOUNTANTS
-from dpjax.privacy.accounting.accountant import Accountant
-from dpjax.privacy.accounting.report import BOUNDS
-from dpjax.privacy.accounting.report import PrivacyReport
-from dpjax.privacy.accounting.accountant import resolve_accountant
-from dpjax.privacy.accounting.calibration import calibrate_noise_multiplier
-from dpjax.privacy.accounting.calibration import max_num_steps
+from dpjax.privacy.lazy_exports import lazy_exports
+
+# Imported on first use: a Monte Carlo worker process imports one submodule, not every accountant.
+_EXPORTS = {
+    'ACCOUNTANTS': ('dpjax.privacy.accounting.accountant', 'ACCOUNTANTS'),
+    'Accountant': ('dpjax.privacy.accounting.accountant', 'Accountant'),
+    'BOUNDS': ('dpjax.privacy.accounting.report', 'BOUNDS'),
+    'PrivacyReport': ('dpjax.privacy.accounting.report', 'PrivacyReport'),
+    'resolve_accountant': ('dpjax.privacy.accounting.accountant', 'resolve_accountant'),
+    'calibrate_noise_multiplier': ('dpjax.privacy.accounting.calibration',
+                                   'calibrate_noise_multiplier'),
+    'max_num_steps': ('dpjax.privacy.accounting.calibration', 'max_num_steps'),
+}
+__all__ = tuple(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -195,7 +195,8 @@ class Accountant:
       beta: the Monte-Carlo failure probability (confidence 1 − β).
       monte_carlo_seed: its seed (fixed, so reports are reproducible).
       monte_carlo_workers: processes drawing its samples (this one included); None = the
-        cores available to this process. The estimate does not depend on it.
+        cores available to this process, as many as a run's samples pay to start. The estimate
+        does not depend on it.
       monte_carlo_estimate: also compute the Monte-Carlo estimate beside the provable
         balls-and-bins ε when `estimates` are asked for (opt-in: its samples grow as 1/δ);
         accountant='monte_carlo' always computes it.
@@ -232,9 +233,10 @@ class Accountant:
       raise ValueError(f'beta must be in (0, 1), got {beta!r}.')
     self.beta = float(beta)
     self.monte_carlo_seed = monte_carlo_seed
-    self.monte_carlo_workers = (monte_carlo.available_cores() if monte_carlo_workers is None
-                                else sampler_events.check_positive_int('monte_carlo_workers',
-                                                                       monte_carlo_workers))
+    self._chosen_workers = (None if monte_carlo_workers is None else
+                            sampler_events.check_positive_int('monte_carlo_workers',
+                                                              monte_carlo_workers))
+    self.monte_carlo_workers = self._chosen_workers or monte_carlo.available_cores()
     self.monte_carlo_estimate = bool(monte_carlo_estimate)
     _check_pld_options(random_allocation_timeout, value_discretization_interval, pld_coarsening)
     self.random_allocation = random_allocation
@@ -385,6 +387,6 @@ class Accountant:
       self._monte_carlo[key] = monte_carlo.balls_and_bins_epsilon(
           self.noise_multiplier, self.steps_per_epoch, delta0, num_epochs=epochs,
           num_samples=self.monte_carlo_samples, beta=self.beta, seed=self.monte_carlo_seed,
-          workers=self.monte_carlo_workers)
+          workers=self._chosen_workers)
     return self._monte_carlo[key]
 

@@ -434,7 +434,9 @@ def test_importance_conditions_below_the_max_test_bound():
   assert result.seconds > 0
 
 
-def test_workers_default_to_the_available_cores(monkeypatch):
+def test_workers_default_to_the_cores_that_the_samples_keep_busy(monkeypatch):
+  """None: the available cores, but no more processes than the estimated work keeps busy for
+  WORKER_START_SECONDS each (a spawned worker first spends that long importing)."""
   seen = []
   real = parallel.run
 
@@ -443,5 +445,14 @@ def test_workers_default_to_the_available_cores(monkeypatch):
     return real(fn, tasks, 1)
 
   monkeypatch.setattr(parallel, 'run', spy)  # Callers reach it through the module.
+  monkeypatch.setattr(parallel, 'available_cores', lambda: 3)
+  start = parallel.WORKER_START_SECONDS
+  assert [parallel.default_workers(s) for s in (0.0, start - 1e-9, start, 2 * start, 3 * start,
+                                                1e9)] == [1, 1, 1, 2, 3, 3]
+  small = mc.estimated_seconds(2000, 10)
+  assert small < start  # Too little work to pay for a second process.
   mc.balls_and_bins_epsilon(1.0, 10, 1e-2, num_samples=2000, seed=0)
-  assert seen == [len(os.sched_getaffinity(0))]
+  mc.balls_and_bins_epsilon(1.0, 10, 1e-2, num_samples=2000, seed=0, workers=2)  # Chosen: kept.
+  assert seen == [1, 2]
+  big = math.ceil(2.5 * start / mc.estimated_seconds(1, 10))  # Samples for 2.5 start-ups.
+  assert parallel.default_workers(mc.estimated_seconds(big, 10)) == 2

@@ -70,25 +70,38 @@ range(M)])`; Dask, MPI or a job array alike); merge with `HockeyStickSums.merge`
 merged sums into bounds with `delta_from_sums`. Merge sums, never bounds.
 """
 
-from dpjax.privacy.accounting.monte_carlo.search import CONDITIONING_FRACTION
-from dpjax.privacy.accounting.monte_carlo.bounds import HockeyStickSums
-from dpjax.privacy.accounting.monte_carlo.validation import METHODS
-from dpjax.privacy.accounting.monte_carlo.search import MIN_SAMPLES
-from dpjax.privacy.accounting.monte_carlo.validation import Method
-from dpjax.privacy.accounting.monte_carlo.search import MonteCarloResult
-from dpjax.privacy.accounting.monte_carlo.sampling import SAMPLES_PER_CHUNK
-from dpjax.privacy.accounting.monte_carlo.search import SAMPLES_PER_FLOOR
-from dpjax.privacy.accounting.monte_carlo.search import SECONDS_PER_COORDINATE
-from dpjax.privacy.accounting.monte_carlo.validation import Seed
-from dpjax.privacy.accounting.monte_carlo.parallel import available_cores
-from dpjax.privacy.accounting.monte_carlo.sums import balls_and_bins_delta
-from dpjax.privacy.accounting.monte_carlo.search import balls_and_bins_epsilon
-from dpjax.privacy.accounting.monte_carlo.sums import balls_and_bins_sums
-from dpjax.privacy.accounting.monte_carlo.search import default_num_samples
-from dpjax.privacy.accounting.monte_carlo.bounds import delta_from_sums
-from dpjax.privacy.accounting.monte_carlo.search import estimated_seconds
-from dpjax.privacy.accounting.monte_carlo.bounds import kl_lower_confidence_bound
-from dpjax.privacy.accounting.monte_carlo.bounds import kl_upper_confidence_bound
-from dpjax.privacy.accounting.monte_carlo.sampling import order_statistic_ranks
-from dpjax.privacy.accounting.monte_carlo.sums import poisson_delta
-from dpjax.privacy.accounting.monte_carlo.sums import poisson_sums
+from dpjax.privacy.lazy_exports import lazy_exports
+
+# Imported on first use: a Monte Carlo worker process imports one submodule, not every accountant.
+_EXPORTS = {
+    'CONDITIONING_FRACTION': ('dpjax.privacy.accounting.monte_carlo.search',
+                              'CONDITIONING_FRACTION'),
+    'HockeyStickSums': ('dpjax.privacy.accounting.monte_carlo.bounds', 'HockeyStickSums'),
+    'METHODS': ('dpjax.privacy.accounting.monte_carlo.validation', 'METHODS'),
+    'MIN_SAMPLES': ('dpjax.privacy.accounting.monte_carlo.search', 'MIN_SAMPLES'),
+    'Method': ('dpjax.privacy.accounting.monte_carlo.validation', 'Method'),
+    'MonteCarloResult': ('dpjax.privacy.accounting.monte_carlo.search', 'MonteCarloResult'),
+    'SAMPLES_PER_CHUNK': ('dpjax.privacy.accounting.monte_carlo.sampling', 'SAMPLES_PER_CHUNK'),
+    'SAMPLES_PER_FLOOR': ('dpjax.privacy.accounting.monte_carlo.search', 'SAMPLES_PER_FLOOR'),
+    'SECONDS_PER_COORDINATE': ('dpjax.privacy.accounting.monte_carlo.search',
+                               'SECONDS_PER_COORDINATE'),
+    'Seed': ('dpjax.privacy.accounting.monte_carlo.validation', 'Seed'),
+    'available_cores': ('dpjax.privacy.accounting.monte_carlo.parallel', 'available_cores'),
+    'balls_and_bins_delta': ('dpjax.privacy.accounting.monte_carlo.sums', 'balls_and_bins_delta'),
+    'balls_and_bins_epsilon': ('dpjax.privacy.accounting.monte_carlo.search',
+                               'balls_and_bins_epsilon'),
+    'balls_and_bins_sums': ('dpjax.privacy.accounting.monte_carlo.sums', 'balls_and_bins_sums'),
+    'default_num_samples': ('dpjax.privacy.accounting.monte_carlo.search', 'default_num_samples'),
+    'delta_from_sums': ('dpjax.privacy.accounting.monte_carlo.bounds', 'delta_from_sums'),
+    'estimated_seconds': ('dpjax.privacy.accounting.monte_carlo.search', 'estimated_seconds'),
+    'kl_lower_confidence_bound': ('dpjax.privacy.accounting.monte_carlo.bounds',
+                                  'kl_lower_confidence_bound'),
+    'kl_upper_confidence_bound': ('dpjax.privacy.accounting.monte_carlo.bounds',
+                                  'kl_upper_confidence_bound'),
+    'order_statistic_ranks': ('dpjax.privacy.accounting.monte_carlo.sampling',
+                              'order_statistic_ranks'),
+    'poisson_delta': ('dpjax.privacy.accounting.monte_carlo.sums', 'poisson_delta'),
+    'poisson_sums': ('dpjax.privacy.accounting.monte_carlo.sums', 'poisson_sums'),
+}
+__all__ = tuple(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

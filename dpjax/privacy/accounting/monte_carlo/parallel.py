@@ -4,6 +4,7 @@ the sums do not depend on the number of workers (see the package docstring)."""
 from __future__ import annotations
 
 from concurrent import futures
+import math
 import multiprocessing
 import os
 
@@ -13,6 +14,9 @@ from dpjax.privacy.accounting.monte_carlo.sampling import LOG_SCALE_TRIVIAL
 from dpjax.privacy.accounting.monte_carlo.sampling import Plan
 from dpjax.privacy.accounting.monte_carlo.sampling import hockey_stick_sum
 from dpjax.privacy.accounting.monte_carlo.validation import Seed
+
+# CPU seconds a spawned worker spends importing numpy, scipy and dp_accounting before it draws.
+WORKER_START_SECONDS = 4.0
 
 
 def chunk_tasks(plan: Plan, seed: Seed, key: tuple[int, int], num_samples: int) -> list[tuple]:
@@ -118,3 +122,10 @@ def available_cores() -> int:
     return max(1, len(os.sched_getaffinity(0)))
   except AttributeError:  # no affinity on this platform
     return max(1, os.cpu_count() or 1)
+
+
+def default_workers(estimated_seconds: float) -> int:
+  """Processes for work of `estimated_seconds` when the caller did not choose: the available
+  cores, but only as many as the work keeps busy for at least WORKER_START_SECONDS each (a
+  worker that starts after the chunks are claimed costs its imports and helps nothing)."""
+  return max(1, min(available_cores(), math.floor(estimated_seconds / WORKER_START_SECONDS)))

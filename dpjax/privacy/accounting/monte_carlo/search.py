@@ -15,7 +15,7 @@ from dpjax.privacy.accounting import monotone
 from dpjax.privacy.accounting.monte_carlo import parallel
 from dpjax.privacy.accounting.monte_carlo.bounds import HockeyStickSums
 from dpjax.privacy.accounting.monte_carlo.bounds import kl_upper_confidence_bound
-from dpjax.privacy.accounting.monte_carlo.parallel import available_cores
+from dpjax.privacy.accounting.monte_carlo.parallel import default_workers
 from dpjax.privacy.accounting.monte_carlo.parallel import chunk_tasks
 from dpjax.privacy.accounting.monte_carlo.parallel import sample_chunk
 from dpjax.privacy.accounting.monte_carlo.sampling import ADD
@@ -168,7 +168,8 @@ def balls_and_bins_epsilon(sigma: float, num_steps: int, delta: float, *, num_ep
   One sample set per direction; ε is found by bisection on the monotone δ⁺(ε). Importance
   sampling conditions once at ε_c = CONDITIONING_FRACTION × the max-test lower bound on ε(δ)
   (`max_test`), below every ε the bisection returns, so one conditioned sample set serves them
-  all. `workers` processes (None: the available cores) draw the chunks, the bisection runs here
+  all. `workers` processes (None: the available cores, as many as the work pays to start,
+`parallel.default_workers`) draw the chunks, the bisection runs here
   on the stored losses; the result does not depend on `workers`. num_samples None:
   `default_num_samples(σ, T, δ, β)`.
 
@@ -184,7 +185,8 @@ def balls_and_bins_epsilon(sigma: float, num_steps: int, delta: float, *, num_ep
   check_method(method)
   check_ranks(num_exact_ranks, rank_growth)
   check_seed(seed)
-  workers = available_cores() if workers is None else workers
+  if workers is None:
+    workers = default_workers(estimated_seconds(num_samples, num_steps, num_epochs))
   check_workers(workers)
   started = time.monotonic()
   conditioning = _conditioning_level(sigma, num_steps, delta, num_epochs, method)
