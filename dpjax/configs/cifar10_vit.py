@@ -8,10 +8,7 @@ multiplicity (K = 16 crops + flips, averaged before the one clipping) and EMA
 start (Adam, b = 4096, σ = 3 for 2468 steps: ε = 6.53 by dpjax's PLD, under the
 target 8), not a tuned result: no accuracy is claimed for it. A GPU-sized run; on a CPU
 use :runlocal (synthetic 32x32x3 data, a 2-layer width-32 ViT, 2 steps).
-Needs CIFAR-10 prepared as TFDS ArrayRecord files:
-  tfds build cifar10 --data_dir ~/tfds --file_format=array_record
-
-Run:
+Needs CIFAR-10 prepared as in configs/cifar10_wrn.py. Run:
   python -m dpjax.train --config configs/cifar10_vit.py --workdir workdirs/cifar10_vit \\
       --config.data.data_dir=$HOME/tfds
 Smoke run (no data needed):

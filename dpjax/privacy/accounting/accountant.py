@@ -57,6 +57,7 @@ from dpjax.privacy.accounting import balls_and_bins
 from dpjax.privacy.accounting import monte_carlo
 from dpjax.privacy.accounting import sampler_events
 from dpjax.privacy.accounting.report import PrivacyReport
+from dpjax.privacy.accounting.step_pld import composed_step_pld
 from dpjax.privacy.accounting.step_pld import dense_step_pld
 from dpjax.privacy.accounting.step_pld import estimate_pld_grid_points
 from dpjax.privacy.accounting.step_pld import GridTooLargeError
@@ -276,17 +277,15 @@ class Accountant:
         group_size=self.group_size)
 
   def composed_pld(self, event: dp_event.DpEvent, count: int) -> pld_lib.PrivacyLossDistribution:
+    interval = self._interval(event)
     key = repr(event)
     if key in self._step_plds:
-      self._check_composition(self._step_plds[key], count)
-      return self._step_plds[key].self_compose(count)
-    interval = self._interval(event)
+      return composed_step_pld(event, interval, count, self._check_composition)
     self._check_grid(event, interval)
     with progress_bar(2, f'PLD of one {self.sampler.name} step, then {count} steps') as bar:
       self._step_plds[key] = dense_step_pld(event, interval)
       bar.update()
-      self._check_composition(self._step_plds[key], count)
-      composed = self._step_plds[key].self_compose(count)
+      composed = composed_step_pld(event, interval, count, self._check_composition)
       bar.update()
     return composed
 

@@ -14,6 +14,7 @@ import collections
 import math
 import sys
 import threading
+from typing import Callable
 
 import tqdm
 from dp_accounting import dp_event
@@ -57,31 +58,65 @@ def step_pld(event: dp_event.DpEvent, interval: float) -> pld_lib.PrivacyLossDis
   raise TypeError(f'no per-step PLD for {event!r}')
 
 
-# Built step PLDs kept for this process, most recently used last: calibration, the planner and
-# ε at many steps ask for the same step again (dense PMFs of at most MAX_GRID_POINTS floats).
-_BUILT: collections.OrderedDict[tuple[str, float], pld_lib.PrivacyLossDistribution] = (
-    collections.OrderedDict())
-_BUILT_LOCK = threading.Lock()
-BUILT_STEP_PLDS_KEPT = 8
+class KeptPLDs:
+  """PLDs kept for this process by key, the `size` most recently used (thread-safe).
+
+  Keys name everything a PLD depends on; dp_accounting's PLDs are not changed by composing or
+  querying them, so one object serves every caller.
+  """
+
+  def __init__(self, size: int):
+    self.size = size
+    self._plds: collections.OrderedDict[tuple, pld_lib.PrivacyLossDistribution] = (
+        collections.OrderedDict())
+    self._lock = threading.Lock()
+
+  def get(self, key: tuple) -> pld_lib.PrivacyLossDistribution | None:
+    with self._lock:
+      if key in self._plds:
+        self._plds.move_to_end(key)
+      return self._plds.get(key)
+
+  def put(self, key: tuple, pld: pld_lib.PrivacyLossDistribution) -> None:
+    with self._lock:
+      self._plds[key] = pld
+      while len(self._plds) > self.size:
+        self._plds.popitem(last=False)
+
+
+# Calibration, the planner and ε at many steps ask for the same step, and runs of one config for
+# the same compositions, again. Step PLDs hold at most MAX_GRID_POINTS floats; composed ones are
+# kept only up to MAX_KEPT_COMPOSED_POINTS (they reach MAX_COMPOSED_POINTS in the accountant).
+BUILT_STEPS = KeptPLDs(8)
+COMPOSED = KeptPLDs(8)
+MAX_KEPT_COMPOSED_POINTS = 5 * 10**5
 
 
 def dense_step_pld(event: dp_event.DpEvent, interval: float) -> pld_lib.PrivacyLossDistribution:
-  """`step_pld` with dense PMFs, built once per process for each (event, interval).
-
-  The key is the event's repr, which names its class and every parameter; dp_accounting's
-  PLDs are not changed by composing or querying them, so one object serves every caller.
-  """
+  """`step_pld` with dense PMFs, built once per process for each (event, interval): the key is
+  the event's repr, which names its class and every parameter."""
   key = (repr(event), float(interval))
-  with _BUILT_LOCK:
-    if key in _BUILT:
-      _BUILT.move_to_end(key)
-      return _BUILT[key]
-  pld = with_dense_pmfs(step_pld(event, interval))
-  with _BUILT_LOCK:
-    _BUILT[key] = pld
-    while len(_BUILT) > BUILT_STEP_PLDS_KEPT:
-      _BUILT.popitem(last=False)
+  pld = BUILT_STEPS.get(key)
+  if pld is None:
+    pld = with_dense_pmfs(step_pld(event, interval))
+    BUILT_STEPS.put(key, pld)
   return pld
+
+
+def composed_step_pld(event: dp_event.DpEvent, interval: float, count: int,
+                      check: Callable[[pld_lib.PrivacyLossDistribution, int], None]
+                      ) -> pld_lib.PrivacyLossDistribution:
+  """`count` steps of `dense_step_pld(event, interval)` (dp_accounting's self_compose), kept
+  per process when small; `check(step, count)` runs before a composition is computed."""
+  key = (repr(event), float(interval), int(count))
+  composed = COMPOSED.get(key)
+  if composed is None:
+    step = dense_step_pld(event, interval)
+    check(step, count)
+    composed = step.self_compose(count)
+    if sum(getattr(p, 'size', math.inf) for p in pld_pmfs(composed)) <= MAX_KEPT_COMPOSED_POINTS:
+      COMPOSED.put(key, composed)
+  return composed
 
 
 def progress_bar(total: int | None, desc: str) -> tqdm.tqdm:

@@ -74,22 +74,30 @@ def test_epsilon_at_is_memoised():
   assert acct.epsilon(50) < acct.epsilon(100)
 
 
-def test_a_step_pld_is_built_once_per_process_for_each_event_and_grid(monkeypatch):
-  """Accountants of one process share built step PLDs; another σ, rate or grid is another PLD,
-  and ε is the one a fresh build gives."""
+def test_step_plds_and_compositions_are_built_once_per_process_for_each_event_and_grid(
+    monkeypatch):
+  """Accountants of one process share built step PLDs and their compositions; another σ, rate,
+  grid or count is built anew, and ε is the one dp_accounting gives directly."""
   from dp_accounting.pld import pld_privacy_accountant  # pylint: disable=import-outside-toplevel
+  from dp_accounting.pld import privacy_loss_distribution  # pylint: disable=import-outside-toplevel
   from dpjax.privacy.accounting import step_pld  # pylint: disable=import-outside-toplevel
-  built = []
+  built, composed = [], []
   real = step_pld.step_pld
+  real_compose = privacy_loss_distribution.PrivacyLossDistribution.self_compose
   monkeypatch.setattr(step_pld, 'step_pld', lambda *args: built.append(args) or real(*args))
-  monkeypatch.setattr(step_pld, '_BUILT', type(step_pld._BUILT)())  # pylint: disable=protected-access
+  monkeypatch.setattr(privacy_loss_distribution.PrivacyLossDistribution, 'self_compose',
+                      lambda pld, count, *a: composed.append(count) or real_compose(pld, count, *a))
+  monkeypatch.setattr(step_pld, 'BUILT_STEPS', step_pld.KeptPLDs(8))
+  monkeypatch.setattr(step_pld, 'COMPOSED', step_pld.KeptPLDs(8))
   sampler = _sampler('poisson', 10_000, 100)
-  eps = lambda s, sigma, **kw: accountant_lib.Accountant(s, sigma, DELTA, **kw).epsilon(300)
+  eps = lambda s, sigma, steps=300, **kw: accountant_lib.Accountant(s, sigma, DELTA, **kw).epsilon(
+      steps)
   first = eps(sampler, 1.3)
-  assert eps(sampler, 1.3) == first and len(built) == 1
+  assert eps(sampler, 1.3) == first and len(built) == 1 and composed == [300]
+  assert eps(sampler, 1.3, 200) < first and len(built) == 1 and composed == [300, 200]
   others = [eps(sampler, 1.31), eps(_sampler('poisson', 10_000, 101), 1.3),
             eps(sampler, 1.3, value_discretization_interval=1e-3)]
-  assert len(built) == 4 and all(other != first for other in others)
+  assert len(built) == 4 and len(composed) == 5 and all(other != first for other in others)
   direct = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
   direct.compose(dp_event.PoissonSampledDpEvent(0.01, dp_event.GaussianDpEvent(1.3)), 300)
   assert first == pytest.approx(direct.get_epsilon(DELTA), rel=1e-12)
