@@ -29,13 +29,13 @@ def _sampler(n=1000, b=100, seed=3):
 def test_the_plan_binds_the_cap_the_batcher_and_the_accountant_use():
   """A small cap truncates often: the plan's accountant pays for it; one built apart did not."""
   sampler = _sampler()
-  plan = privacy_plan.PrivacyPlan.create(sampler, num_steps=200, clip_norm=1.0, delta=1e-5,
+  plan = privacy_plan.PrivacyPlan.create(sampler, num_steps=50, clip_norm=1.0, delta=1e-5,
                                          noise_multiplier=1.0, max_batch_size=104)
   batcher = plan.batcher(physical_batch_size=8)
   assert batcher.max_batch_size == plan.accountant.max_batch_size == plan.max_batch_size == 104
-  assert any(batcher.logical_batch(t).truncated for t in range(200))
+  assert any(batcher.logical_batch(t).truncated for t in range(50))
   apart = accountant_lib.Accountant(sampler, 1.0, 1e-5)  # The old low-level mistake.
-  assert plan.epsilon_at(200).epsilon > 2 * apart.epsilon(200)
+  assert plan.epsilon_at(50).epsilon > 2 * apart.epsilon(50)
 
 
 def test_the_step_made_from_the_plan_has_its_sigma_c_b_seed_and_cap():

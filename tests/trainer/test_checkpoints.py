@@ -190,21 +190,18 @@ def test_leftover_temporary_checkpoints_are_removed(tmp_path):
   assert sorted(os.listdir(directory)) == ['1']
 
 
-def run_cli(*args, **kwargs):
-  return subprocess.run([sys.executable, '-m', 'dpjax.checkpoints', *map(str, args)], cwd=REPO,
-                        capture_output=True, text=True, **kwargs)
-
-
-def test_cli_lists_a_non_private_run_and_refuses_bad_workdirs(tmp_path):
+def test_cli_lists_a_non_private_run_and_refuses_bad_workdirs(tmp_path, capsys):
+  """In-process (`main(argv)`); test_cli_is_quiet_when_the_reader_leaves runs the real process."""
   write_run(tmp_path / 'w', [2, 4], privacy=NON_PRIVATE)
-  listing = run_cli(tmp_path / 'w', '--verify')
-  assert listing.returncode == 0, listing.stderr
-  rows = listing.stdout.splitlines()[1:]
-  assert [row.split()[0] for row in rows] == ['2', '4']
+  assert checkpoints_cli.main([str(tmp_path / 'w'), '--verify']) == 0
+  listing = capsys.readouterr()
+  rows = listing.out.splitlines()[1:]
+  assert [row.split()[0] for row in rows] == ['2', '4'] and listing.err == ''
   assert all('non-private, ε = ∞' in row and row.rstrip().endswith('ok') for row in rows)
-  missing = run_cli(tmp_path / 'nope')
-  assert missing.returncode == 2 and missing.stdout == ''
-  assert missing.stderr.strip().splitlines() == [
+  assert checkpoints_cli.main([str(tmp_path / 'nope')]) == 2
+  missing = capsys.readouterr()
+  assert missing.out == ''
+  assert missing.err.strip().splitlines() == [
       f'python -m dpjax.checkpoints: error: workdir {tmp_path / "nope"} does not exist.']
 
 
