@@ -180,7 +180,8 @@ def _free_port() -> int:
 
 def _devices_env(count: int) -> dict:
   return dict(os.environ, JAX_PLATFORMS='cpu',
-              XLA_FLAGS=f'--xla_force_host_platform_device_count={count}')
+              XLA_FLAGS=f'{os.environ.get("XLA_FLAGS", "")} '
+                       f'--xla_force_host_platform_device_count={count}')
 
 
 def _run_both(outdir):
