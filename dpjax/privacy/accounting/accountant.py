@@ -279,13 +279,15 @@ class Accountant:
   def composed_pld(self, event: dp_event.DpEvent, count: int) -> pld_lib.PrivacyLossDistribution:
     interval = self._interval(event)
     key = repr(event)
-    if key in self._step_plds:
-      return composed_step_pld(event, interval, count, self._check_composition)
+    if key in self._step_plds:  # Kept here, whatever the process cache has evicted since.
+      return composed_step_pld(self._step_plds[key], event, interval, count,
+                               self._check_composition)
     self._check_grid(event, interval)
     with progress_bar(2, f'PLD of one {self.sampler.name} step, then {count} steps') as bar:
       self._step_plds[key] = dense_step_pld(event, interval)
       bar.update()
-      composed = composed_step_pld(event, interval, count, self._check_composition)
+      composed = composed_step_pld(self._step_plds[key], event, interval, count,
+                                   self._check_composition)
       bar.update()
     return composed
 

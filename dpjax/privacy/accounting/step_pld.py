@@ -103,15 +103,15 @@ def dense_step_pld(event: dp_event.DpEvent, interval: float) -> pld_lib.PrivacyL
   return pld
 
 
-def composed_step_pld(event: dp_event.DpEvent, interval: float, count: int,
+def composed_step_pld(step: pld_lib.PrivacyLossDistribution, event: dp_event.DpEvent,
+                      interval: float, count: int,
                       check: Callable[[pld_lib.PrivacyLossDistribution, int], None]
                       ) -> pld_lib.PrivacyLossDistribution:
-  """`count` steps of `dense_step_pld(event, interval)` (dp_accounting's self_compose), kept
-  per process when small; `check(step, count)` runs before a composition is computed."""
+  """`count` steps of `step` = `dense_step_pld(event, interval)` (dp_accounting's self_compose),
+  kept per process when small; `check(step, count)` runs before a composition is computed."""
   key = (repr(event), float(interval), int(count))
   composed = COMPOSED.get(key)
   if composed is None:
-    step = dense_step_pld(event, interval)
     check(step, count)
     composed = step.self_compose(count)
     if sum(getattr(p, 'size', math.inf) for p in pld_pmfs(composed)) <= MAX_KEPT_COMPOSED_POINTS:
