@@ -6,11 +6,16 @@ WORKDIR ?= workdirs/digits_mlp
 
 .PHONY: setup train test clean
 
+# uv installs the same pinned versions as pip, about 3x faster (parallel downloads and
+# installs; bytecode compiled, as pip does); pip does it where uv cannot be had.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "dpjax needs Python >= 3.11, found " + sys.version.split()[0]'
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(PY) -m pip install --quiet 'uv==0.13.9' \
+	  && $(VENV)/bin/uv pip install --quiet --python $(PY) --compile-bytecode \
+	     -c constraints.txt -e '.[test]' \
+	  || { $(PY) -m pip install --quiet --upgrade pip \
+	       && $(PY) -m pip install --quiet -c constraints.txt -e '.[test]'; }
 	touch $@
 
 setup: $(VENV)/.installed
