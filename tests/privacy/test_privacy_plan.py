@@ -29,12 +29,15 @@ def _sampler(n=1000, b=100, seed=3):
 def test_the_plan_binds_the_cap_the_batcher_and_the_accountant_use():
   """A small cap truncates often: the plan's accountant pays for it; one built apart did not."""
   sampler = _sampler()
+  # Both on a 10x coarser PLD grid than the default: the exact truncated event (N and N + 1)
+  # costs 13 s on the default one and 0.9 s here, with the same ε to 6 digits (16.2994 vs 5.1483).
+  grid = {'value_discretization_interval': 1e-3}
   plan = privacy_plan.PrivacyPlan.create(sampler, num_steps=50, clip_norm=1.0, delta=1e-5,
-                                         noise_multiplier=1.0, max_batch_size=104)
+                                         noise_multiplier=1.0, max_batch_size=104, **grid)
   batcher = plan.batcher(physical_batch_size=8)
   assert batcher.max_batch_size == plan.accountant.max_batch_size == plan.max_batch_size == 104
   assert any(batcher.logical_batch(t).truncated for t in range(50))
-  apart = accountant_lib.Accountant(sampler, 1.0, 1e-5)  # The old low-level mistake.
+  apart = accountant_lib.Accountant(sampler, 1.0, 1e-5, **grid)  # The old low-level mistake.
   assert plan.epsilon_at(50).epsilon > 2 * apart.epsilon(50)
 
 
