@@ -96,8 +96,8 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(reference_run,
 def test_resume_after_sigkill_is_bit_identical(tmp_path):
   """SIGKILL mid-run and rerun (the seed drawn in secret, kept in the workdir); separately train
   uninterrupted with that seed: same params and ε."""
-  args = ['--config.num_steps=60', '--config.num_epochs=0', '--config.checkpoint_every_steps=10',
-          '--config.log_every_steps=30', '--config.eval_every_steps=30',
+  args = ['--config.num_steps=30', '--config.num_epochs=0', '--config.checkpoint_every_steps=10',
+          '--config.log_every_steps=15', '--config.eval_every_steps=15',
           '--config.privacy.target_epsilon=0', '--config.privacy.noise_multiplier=1.0',
           '--config.sampler.batch_size=64', '--config.sampler.physical_batch_size=16']
   def command(workdir, *extra):
@@ -108,13 +108,13 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
   proc = subprocess.Popen(command(killed), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.DEVNULL)
   deadline = time.time() + 300
-  while not os.path.isdir(killed / 'checkpoints' / '20') and time.time() < deadline:
+  while not os.path.isdir(killed / 'checkpoints' / '10') and time.time() < deadline:
     time.sleep(0.02)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   assert proc.returncode == -signal.SIGKILL
   steps_at_kill = checkpoints.read_metadata(str(killed))[-1]['step']
-  assert 20 <= steps_at_kill < 60, 'the kill must land mid-run'
+  assert 10 <= steps_at_kill < 30, 'the kill must land mid-run'
   subprocess.run(command(killed), check=True, cwd=REPO, env=env, capture_output=True)
   seed = json.load(open(killed / 'private' / 'seed.json'))['seed']
   subprocess.run(command(tmp_path / 'full', f'--config.seed={seed}'), check=True, cwd=REPO,
@@ -122,18 +122,18 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
 
   full_meta = checkpoints.read_metadata(str(tmp_path / 'full'))[-1]
   resumed_meta = checkpoints.read_metadata(str(killed))[-1]
-  assert resumed_meta['step'] == full_meta['step'] == 60
+  assert resumed_meta['step'] == full_meta['step'] == 30
   assert resumed_meta['privacy'] == full_meta['privacy']  # Same ε, same bound.
   assert resumed_meta['num_truncated'] == full_meta['num_truncated']
   assert resumed_meta['fingerprint'] == full_meta['fingerprint']
   restore = lambda w: checkpoints.make_manager(str(w), 1, read_only=True).restore(
-      60, args=checkpoints.ocp.args.Composite(state=checkpoints.ocp.args.StandardRestore()))['state']
+      30, args=checkpoints.ocp.args.Composite(state=checkpoints.ocp.args.StandardRestore()))['state']
   full_state, resumed_state = restore(tmp_path / 'full'), restore(killed)
   np.testing.assert_array_equal(flat_params(resumed_state['params']), flat_params(full_state['params']))
   np.testing.assert_array_equal(flat_params(resumed_state['opt_state']), flat_params(full_state['opt_state']))
   # Every logged step appears exactly once after the resume.
   steps = [json.loads(line)['step'] for line in open(killed / 'metrics.jsonl')]
-  assert steps == sorted(set(steps)) and steps[-1] == 60
+  assert steps == sorted(set(steps)) and steps[-1] == 30
 
 
 def test_target_epsilon_is_met_and_never_exceeded(tmp_path):
