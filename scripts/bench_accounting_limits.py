@@ -61,7 +61,8 @@ CASES = {
 
 
 def run_case(case: dict) -> dict:
-  env = dict(os.environ, PYTHONPATH=REPO)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [REPO] + ([os.environ['PYTHONPATH']] if os.environ.get('PYTHONPATH') else [])))
   out = subprocess.run([sys.executable, '-c', _CHILD, json.dumps(case)], capture_output=True,
                        text=True, env=env, cwd=REPO, timeout=600, check=True)
   return json.loads(out.stdout.strip().splitlines()[-1])

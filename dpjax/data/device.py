@@ -8,8 +8,9 @@ and K, the number of non-empty physical batches, as data. Two ways to fill it:
   `put_on_device` copies the raw arrays once (uint8 stays uint8; 150 MB for
   CIFAR-10) and the host sends only `index_buffer`'s int32 row indices and
   weights, 8 bytes a row. The step gathers each physical batch and normalises
-  it, x = (raw / scale − mean) / std and int or one-hot labels, exactly as
-  `dpjax.data.preprocess.Preprocessor` does on the host.
+  it, x = (raw / scale − mean) / std and int or one-hot labels, as
+  `dpjax.data.preprocess.Preprocessor` does on the host: bit for bit on the CPU; on a GPU,
+  whose float32 division XLA does not round correctly, within a few ulp.
 * Otherwise `host_buffer` gathers the rows on the host and a `Prefetcher`
   thread builds step t + 1's buffer while the device runs step t (double
   buffering).
@@ -78,10 +79,11 @@ class DeviceDataset:
 
 
 def _divide(x: jax.Array, divisor: jax.Array) -> jax.Array:
-  """x / divisor, correctly rounded like numpy's float32 division.
+  """x / divisor, correctly rounded like numpy's float32 division on the CPU.
 
   XLA rewrites x / broadcast(d) as x * broadcast(1 / d), 1-2 ulp off; dividing
-  by a full-shape operand behind an optimization barrier keeps the division.
+  by a full-shape operand behind an optimization barrier keeps the division. On a GPU the
+  division itself is XLA's, a few ulp from numpy's (tests/data/test_device_data.py).
   """
   full = jax.lax.optimization_barrier(jnp.broadcast_to(divisor, x.shape))
   return x / full

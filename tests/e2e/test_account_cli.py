@@ -18,6 +18,7 @@ import pytest
 from dpjax.privacy import samplers
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import monte_carlo
+from tests.child_env import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 REQUIRED = ('epsilon', 'delta', 'noise_multiplier', 'steps', 'steps_per_epoch', 'sampler',
@@ -50,7 +51,7 @@ def _run(*args, check=True):
 
 def _process(*args):
   """`python -m dpjax.account ARGS` as a real process."""
-  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  env = child_env()
   return subprocess.run([sys.executable, '-m', 'dpjax.account', *args], capture_output=True,
                         text=True, cwd=ROOT, env=env, timeout=300)
 

@@ -29,6 +29,7 @@ from dp_accounting.pld import pld_privacy_accountant
 
 from dpjax.privacy import samplers
 from dpjax.trainer import batch_size_plan
+from tests.child_env import child_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLIS = ('account', 'planner', 'checkpoints', 'train', 'audit')
@@ -68,7 +69,7 @@ def test_every_cli_has_examples_and_its_help_shows_them(capsys):
   for cli in CLIS:
     assert any(p.values[0] == cli for p in EXAMPLES), f'dpjax.{cli} has no example'
   planner = subprocess.run([sys.executable, '-m', 'dpjax.planner', '--help'], capture_output=True,
-                           text=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO),
+                           text=True, cwd=REPO, env=child_env(),
                            timeout=120)
   assert planner.returncode == 0, planner.stderr
   capsys.readouterr()
@@ -242,8 +243,7 @@ def test_example_runs(cli, argv, tmp_path, monkeypatch, capsys, prepared_workdir
   else:
     # DPJAX_CACHE_DIR (set above for the accountants' caches) would also be the child's XLA
     # compilation cache, empty for every example: point it at the suite's (tests/conftest.py).
-    env = dict(os.environ, PYTHONPATH=REPO,
-               DPJAX_CACHE_DIR=os.environ['JAX_COMPILATION_CACHE_DIR'])
+    env = child_env(DPJAX_CACHE_DIR=os.environ['JAX_COMPILATION_CACHE_DIR'])
     out = subprocess.run([sys.executable, '-m', f'dpjax.{cli}', *argv], capture_output=True,
                          text=True, cwd=tmp_path, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -555,8 +555,8 @@ def test_train_step_on_four_devices_equals_one_device():
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env = dict(os.environ, XLA_FLAGS=os.environ.get('XLA_FLAGS', '') +
-             ' --xla_force_host_platform_device_count=4')
+  env = dict(os.environ, JAX_PLATFORMS='cpu',  # 4 host devices, also where the suite runs on a GPU.
+             XLA_FLAGS=os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=4')
   proc = subprocess.run([sys.executable, '-c', _FOUR_DEVICES], cwd=repo, env=env,
                         capture_output=True, text=True, timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr[-2000:]
