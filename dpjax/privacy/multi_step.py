@@ -21,6 +21,7 @@ The same loop over hosts' physical-batch dispatches serves the DP step's
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Any
 
@@ -67,17 +68,29 @@ def schedule(start: int, stop: int, size: int, periods, limit=None):
 class CallPacer:
   """How many steps the next call may run: few enough that a call lasts about `target_seconds`.
 
-  A signal is seen between calls, and up to two calls may be in flight (one running, one
-  queued), so a call of one slow step lets SIGTERM stop the run within about two steps.
-  Adaptive: `limit()` is 1 until a step's duration is known (`observe`), then
-  max(1, min(S, target / step time)); otherwise S. Which steps run, and their results, do
-  not depend on it.
+  A signal is seen between calls, and at most `max_in_flight` = 2 calls are in flight (one
+  running, one queued: `dispatched` waits for older ones), so a call of one slow step lets
+  SIGTERM stop the run within about two steps. Without that bound jax's asynchronous dispatch
+  ran ahead of the device: a run of 0.5 s steps had queued 35 more when SIGTERM came, and
+  saving waited for all of them. Adaptive: `limit()` is 1 until a step's duration is known
+  (`observe`), then max(1, min(S, target / step time)); otherwise S. Which steps run, and
+  their results, do not depend on it.
   """
 
-  def __init__(self, size: int, target_seconds: float = 0.5, adaptive: bool = True):
+  def __init__(self, size: int, target_seconds: float = 0.5, adaptive: bool = True,
+               max_in_flight: int = 2):
     self.size, self.target, self.adaptive = int(size), float(target_seconds), adaptive
     self._limit = 1 if adaptive else self.size
     self.observed = not adaptive
+    self.max_in_flight = int(max_in_flight)
+    self._in_flight = collections.deque()
+
+  def dispatched(self, outputs: Any) -> None:
+    """Notes a call just dispatched (`outputs`: arrays it returns and nothing donates);
+    waits until at most `max_in_flight` calls are unfinished."""
+    self._in_flight.append(outputs)
+    while len(self._in_flight) > self.max_in_flight:
+      jax.block_until_ready(self._in_flight.popleft())
 
   def limit(self) -> int:
     return self._limit

@@ -170,6 +170,7 @@ class Loop:
     params, opt_state, ema, metrics = self.runner(
         state.params, state.opt_state, state.ema if self.ema_decay else None, chunk, self.dataset)
     self.signals.progress = chunk.last_step + 1  # Read by the signal handler.
+    self.pacer.dispatched(metrics)  # At most two calls in flight: a signal waits for few steps.
     if self.serial:
       jax.block_until_ready(params)
     self._pending.append((metrics, chunk.count))

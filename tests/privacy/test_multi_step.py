@@ -1,6 +1,7 @@
 """dpjax.privacy.multi_step: S logical steps in one call equal S calls of DPStep.train_step."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -100,6 +101,23 @@ def test_count_zero_changes_nothing():
                                 device_data.put_on_device(train))
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(got), params)
   assert ema is None and all(np.all(np.asarray(v) == 0) for v in metrics.values())
+
+
+def test_at_most_two_dispatched_calls_are_unfinished():
+  """jax dispatches asynchronously: without `CallPacer.dispatched` the loop queued every call
+  (here all 8 were unfinished right after dispatch), and a signal waited for all of them."""
+  slow = jax.jit(lambda x: jax.lax.fori_loop(0, 40, lambda _, y: jnp.tanh(y @ y), x))
+  x = slow(jnp.eye(256) * 0.5).block_until_ready()
+  queued = [slow(x + i) for i in range(8)]
+  unbounded = sum(not y.is_ready() for y in queued)
+  pacer = multi_step.CallPacer(16, target_seconds=0.5)
+  outputs, worst = [], 0
+  for i in range(8):
+    outputs.append(slow(x + i))
+    pacer.dispatched(outputs[-1])
+    worst = max(worst, sum(not y.is_ready() for y in outputs))
+  jax.block_until_ready(queued)
+  assert unbounded > 2 and worst <= 2, (unbounded, worst)
 
 
 def test_schedule_ends_calls_at_boundaries_and_the_first_step():
