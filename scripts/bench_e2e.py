@@ -188,7 +188,9 @@ def kernel_and_loop_timers(run: Run, steps: range, log_every: int) -> tuple[dict
   size = multi_step.steps_per_call(run.config.steps_per_call, run.step.loop_mode(run.params),
                                    on_device)
   runner = multi_step.MultiStep(run.step, size, run.config.ema_decay)
-  calls = multi_step.schedule(steps.start, steps.stop, size, (log_every,))
+  # A list: `schedule` is a generator, and the loop timer walks the calls again (a generator
+  # spent by `chunks` left it nothing to run: 2e9 "examples/s").
+  calls = list(multi_step.schedule(steps.start, steps.stop, size, (log_every,)))
   make_chunk = lambda call: multi_step.stack(
       call[0], [(None, *make(t)) for t in range(call[0], call[0] + call[1])], size)
   batches = [jax.device_put((*make(t), np.uint32(t))) for t in steps]
@@ -217,12 +219,13 @@ def kernel_and_loop_timers(run: Run, steps: range, log_every: int) -> tuple[dict
 
   def loop():
     nonlocal params, opt_state, ema
-    pending = []
+    pending, pacer = [], multi_step.CallPacer(size, adaptive=False)
     with device_data.Prefetcher(make_chunk, calls) if not on_device else contextlib.nullcontext(
         (c, make_chunk(c)) for c in calls) as prefetched:
       for _, chunk in prefetched:
         params, opt_state, ema, metrics = runner(params, opt_state, ema, chunk, dataset)
         pending.append(metrics)
+        pacer.dispatched(metrics)  # As the trainer: at most two calls in flight.
         if (chunk.last_step + 1) % log_every == 0:
           jax.device_get(pending)  # The trainer's one host sync per logged step.
           pending = []

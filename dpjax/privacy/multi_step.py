@@ -71,8 +71,10 @@ class CallPacer:
   A signal is seen between calls, and at most `max_in_flight` = 2 calls are in flight (one
   running, one queued: `dispatched` waits for older ones), so a call of one slow step lets
   SIGTERM stop the run within about two steps. Without that bound jax's asynchronous dispatch
-  ran ahead of the device: a run of 0.5 s steps had queued 35 more when SIGTERM came, and
-  saving waited for all of them. Adaptive: `limit()` is 1 until a step's duration is known
+  ran ahead of the device: a run of ~0.3 s steps had queued ~35 more when SIGTERM came, and
+  saving waited for all of them. (Where the host loop stacks a call's metrics, the last
+  slot's EMA update may still run when they are ready: the bound is then one short update
+  looser.) Adaptive: `limit()` is 1 until a step's duration is known
   (`observe`), then max(1, min(S, target / step time)); otherwise S. Which steps run, and
   their results, do not depend on it.
   """

@@ -143,7 +143,8 @@ def test_sigterm_stops_a_slow_run_within_two_steps(tmp_path):
   exits within two steps of the signal (issue 25: 16-step calls made it wait up to 32 steps,
   546 s on a slow run). The automatic steps-per-call keeps a call near 0.5 s, and at most two
   calls are in flight: before that bound the run had dispatched ~35 steps ahead of the device
-  and exited 15-22 s after the signal alone, 78 s under the suite's load (2.6 s now)."""
+  and exited 15-22 s after the signal alone, 78 s under the suite's load (2.6 s alone now; the
+  whole test, start-up included, 32 s under the suite's load)."""
   work = tmp_path / 'w'
   command = [sys.executable, '-m', 'dpjax.train', f'--config={REPO}/configs/digits_mlp.py',
              f'--workdir={work}', '--config.num_epochs=0', '--config.num_steps=10000',
@@ -164,4 +165,4 @@ def test_sigterm_stops_a_slow_run_within_two_steps(tmp_path):
   after = int(re.search(r'\((\d+) steps after it arrived\)', err).group(1))
   step = checkpoints.read_metadata(str(work))[-1]['step']
   assert step >= 2 and after <= 2, (step, after, err)
-  assert time.time() - start < 30
+  assert time.time() - start < 45

@@ -108,12 +108,14 @@ def test_at_most_two_dispatched_calls_are_unfinished():
   (here all 8 were unfinished right after dispatch), and a signal waited for all of them."""
   slow = jax.jit(lambda x: jax.lax.fori_loop(0, 40, lambda _, y: jnp.tanh(y @ y), x))
   x = slow(jnp.eye(256) * 0.5).block_until_ready()
-  queued = [slow(x + i) for i in range(8)]
-  unbounded = sum(not y.is_ready() for y in queued)
+  queued = [x]
+  for _ in range(8):  # Chained, as training steps are: each call waits for the one before.
+    queued.append(slow(queued[-1]))
+  unbounded = sum(not y.is_ready() for y in queued[1:])
   pacer = multi_step.CallPacer(16, target_seconds=0.5)
-  outputs, worst = [], 0
-  for i in range(8):
-    outputs.append(slow(x + i))
+  outputs, worst = [x], 0
+  for _ in range(8):
+    outputs.append(slow(outputs[-1]))
     pacer.dispatched(outputs[-1])
     worst = max(worst, sum(not y.is_ready() for y in outputs))
   jax.block_until_ready(queued)
