@@ -53,6 +53,7 @@ from dpjax.privacy import augmult as augmult_lib
 from dpjax.trainer import checkpoints
 from dpjax.trainer import cli
 from dpjax.trainer import compilation_cache
+from dpjax.trainer import interrupts
 from dpjax.models import factory as models
 from dpjax.trainer import perf as perf_lib
 from dpjax.trainer import plan as plan_lib
@@ -222,7 +223,9 @@ def main(argv):
 
 
 if __name__ == '__main__':
-  signal.signal(signal.SIGINT, signal.default_int_handler)  # KeyboardInterrupt from here on.
+  # KeyboardInterrupt from here on, and again at the loop's start if Python dropped it.
+  signal.signal(signal.SIGINT, interrupts.interrupt_before_the_loop)
+  sys.unraisablehook = interrupts.drop_lost_interrupts
   try:
     app.run(main, flags_parser=parse_flags)
   except KeyboardInterrupt:  # During start-up (imports, flag parsing).

@@ -26,6 +26,29 @@ import threading
 from types import FrameType
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_BEFORE_THE_LOOP = {'interrupted': False}
+
+
+def interrupt_before_the_loop(signum: int, frame: FrameType | None) -> None:
+  """The SIGINT handler until the loop starts: KeyboardInterrupt, remembered.
+
+  Python drops an exception raised while it runs a gc callback or a `__del__` (it prints
+  "Exception ignored in ..."): a Ctrl-C that landed in XLA's gc callback during σ
+  calibration was lost, and the run trained to the end and exited 0. Remembered, it is
+  raised again where the loop takes the signals over (`GracefulStop.__enter__`), and
+  `drop_lost_interrupts` keeps the lost copy off stderr.
+  """
+  del signum, frame
+  _BEFORE_THE_LOOP['interrupted'] = True
+  raise KeyboardInterrupt
+
+
+def drop_lost_interrupts(unraisable) -> None:
+  """`sys.unraisablehook`: a KeyboardInterrupt that Python had to drop after
+  `interrupt_before_the_loop` is silent (it is raised again); anything else as by default."""
+  if _BEFORE_THE_LOOP['interrupted'] and issubclass(unraisable.exc_type, KeyboardInterrupt):
+    return
+  sys.__unraisablehook__(unraisable)
 
 
 class GracefulStop:
@@ -68,6 +91,8 @@ class GracefulStop:
 
   def __enter__(self) -> GracefulStop:
     if threading.current_thread() is threading.main_thread():
+      if _BEFORE_THE_LOOP['interrupted']:  # A Ctrl-C before the loop that Python dropped.
+        raise KeyboardInterrupt('Ctrl-C before the loop')
       for signum in SIGNALS:
         self._previous[signum] = signal.signal(signum, self._handle)
     return self
