@@ -24,6 +24,8 @@ import statistics
 import subprocess
 import sys
 
+from dpjax.privacy.child_env import child_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _CHILD = r'''
@@ -61,10 +63,8 @@ CASES = {
 
 
 def run_case(case: dict) -> dict:
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [REPO] + ([os.environ['PYTHONPATH']] if os.environ.get('PYTHONPATH') else [])))
   out = subprocess.run([sys.executable, '-c', _CHILD, json.dumps(case)], capture_output=True,
-                       text=True, env=env, cwd=REPO, timeout=600, check=True)
+                       text=True, env=child_env(), cwd=REPO, timeout=600, check=True)
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -16,9 +16,9 @@ import sys
 import pytest
 
 from dpjax.privacy import samplers
+from dpjax.privacy.child_env import child_env
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import monte_carlo
-from tests.child_env import child_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 REQUIRED = ('epsilon', 'delta', 'noise_multiplier', 'steps', 'steps_per_epoch', 'sampler',

@@ -28,8 +28,8 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 
 from dpjax.privacy import samplers
+from dpjax.privacy.child_env import child_env
 from dpjax.trainer import batch_size_plan
-from tests.child_env import child_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLIS = ('account', 'planner', 'checkpoints', 'train', 'audit')

@@ -53,6 +53,8 @@ import numpy as np
 from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
+from dpjax.privacy.child_env import child_env
+
 # Seconds allowed to one new build under the default policy (then cached, or remembered as
 # timed out with this budget). `Accountant(random_allocation_timeout=...)`, or
 # `python -m dpjax.account --random-allocation-timeout`, raises it.
@@ -261,12 +263,8 @@ def epoch_pld(noise_multiplier: float, num_steps: int, *, discretization: float,
   argv = [sys.executable, '-m', 'dpjax.privacy.accounting.random_allocation',
           repr(float(noise_multiplier)), str(int(num_steps)), repr(float(discretization)), repr(float(tail_truncation)), bound,
           str(path)]
-  # The child imports this very copy of dpjax, installed or not.
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      [str(pathlib.Path(__file__).resolve().parents[3])] +
-      ([os.environ['PYTHONPATH']] if os.environ.get('PYTHONPATH') else [])))
-  try:
-    subprocess.run(argv, capture_output=True, text=True, check=True, env=env,
+  try:  # The child imports this very copy of dpjax, installed or not.
+    subprocess.run(argv, capture_output=True, text=True, check=True, env=child_env(),
                    timeout=None if timeout is None else budget)
   except subprocess.TimeoutExpired:
     _remember_timeout(key, budget)
