@@ -254,13 +254,14 @@ def main():
       'models': {},
   }
   start = time.perf_counter()
+  os.makedirs(os.path.dirname(args.out), exist_ok=True)
   for name in args.models:
     result['models'][name] = bench_model(name, args.repeats, budget,
                                          args.verify_below_s, args.forms)
-  result['wall_seconds'] = time.perf_counter() - start
-  os.makedirs(os.path.dirname(args.out), exist_ok=True)
-  with open(args.out, 'w') as f:
-    json.dump(result, f, indent=1)
+    result['wall_seconds'] = time.perf_counter() - start
+    # Written after every model, so a run cut off by its time limit keeps the models it finished.
+    with open(args.out, 'w') as f:
+      json.dump(result, f, indent=1)
   print(f'wrote {args.out} ({result["wall_seconds"]:.0f} s)')
 
 

@@ -324,6 +324,10 @@ def main():
                      'fused_loop_ratio': statistics.median(r['fused_loop'] / r['kernel']
                                                            for r in rounds)}
     print(f'{name}: {json.dumps(summary[name])}', flush=True)
+    results['summary'] = summary  # Written after every config: a run cut off keeps what it did.
+    results['wall_seconds'] = time.perf_counter() - began
+    with open(out_path, 'w') as f:
+      json.dump(results, f, indent=1)
   results['summary'] = summary
   results['load_average_end'] = os.getloadavg()
   results['wall_seconds'] = time.perf_counter() - began

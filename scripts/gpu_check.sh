@@ -3,7 +3,10 @@
 # network: the pinned pure-Python dependencies travel as wheels in .whl/ (scripts/README.md,
 # "GPU checks"). Benchmarks first (each bounded), then the suite (or the tests listed in a file)
 # with JAX_PLATFORMS=cuda until its time runs out; JSON and the log go under $OUT (./gpu_out).
-#   [BENCH_MODELS="mlp cnn"] bash scripts/gpu_check.sh [suite_seconds] [test_list_file]
+#   [BENCH_MODELS="mlp cnn"] [CLIP_S=170] [E2E_S=0] bash scripts/gpu_check.sh [suite_seconds] [test_list_file]
+# CLIP_S bounds bench_clipping (WRN-16-4 and ViT compile six programs each: give them ~300 s);
+# E2E_S > 0 also runs bench_e2e (the trainer against its kernel) for that long; suite_seconds = 0
+# skips the suite.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 SUITE_S=${1:-240}
@@ -23,11 +26,15 @@ PY
 BENCH_MODELS=${BENCH_MODELS-mlp cnn wrn transformer vit}
 if [ -n "$BENCH_MODELS" ]; then
   # shellcheck disable=SC2086
-  timeout 170 python3 scripts/bench_clipping.py --models $BENCH_MODELS --repeats 7 \
+  timeout "${CLIP_S:-170}" python3 scripts/bench_clipping.py --models $BENCH_MODELS --repeats 7 \
     --verify-below-s 5 --out "$OUT/bench_clipping_gpu.json" 2>&1 | grep -v cuda_timer | tail -25
-  timeout 60 python3 scripts/bench_library.py --rounds 5 --out "$OUT/bench_library_gpu.json" \
+  [ "${LIBRARY_S:-60}" -gt 0 ] && timeout "${LIBRARY_S:-60}" python3 scripts/bench_library.py --rounds 5 --out "$OUT/bench_library_gpu.json" \
     2>&1 | tail -12
 fi
+if [ "${E2E_S:-0}" -gt 0 ]; then
+  timeout "$E2E_S" python3 scripts/bench_e2e.py --repeats 3 --out "$OUT/e2e_gpu.json" 2>&1 | tail -12
+fi
+[ "$SUITE_S" -gt 0 ] || exit 0
 # -v: each result is logged as it ends, so a run cut off by its time still reports them.
 timeout "$SUITE_S" python3 -m pytest -n 12 -v -p no:cacheprovider -rf --tb=short \
   --durations=15 --timeout=150 --junitxml="$OUT/junit_gpu.xml" "${TESTS[@]}" 2>&1 \
