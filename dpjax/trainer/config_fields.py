@@ -73,8 +73,10 @@ FIELDS: tuple[Field, ...] = (
     Field('data.label_key', 'text', 'label', 'the feature name of the labels (tfds)'),
     Field('data.num_examples', 'int', 0, 'N of the synthetic source', 0),
     Field('data.input_shape', 'ints', (8, 8, 1), 'per-example shape of the synthetic source', 1),
-    Field('data.num_classes', 'int', 0, 'K; 0 = derived from the training labels (max + 1, all '
-          'classes present); the synthetic source needs K >= 2', 0),
+    Field('data.num_classes', 'int', 0, 'K, the classes (labels in [0, K)) or the token '
+          "vocabulary: public, from the task's definition, never from the labels; 0 = the "
+          "source's public description (digits: 10, tfds: its metadata); npz and memmap labels "
+          'or tokens need it; the synthetic source needs K >= 2', 0),
     Field('data.scale', 'float', 0.0, 'raw values are divided by it; 0 = derived from the data: '
           "the source's range (digits: 16), 255 for uint8, the integer type's max, 1 for floats",
           0),
