@@ -106,8 +106,9 @@ def privacy_card(meta: dict) -> dict[str, Any]:
       'model': config['model'],
       'num_classes': meta.get('model_io', {}).get('num_classes'),
       'input_shape': meta.get('model_io', {}).get('input_shape'),
-      'preprocessing': {key: config['data'][key] for key in ('scale', 'mean', 'std',
-                                                             'label_format')},
+      # As it ran (the resolved scale); older checkpoints kept only the config's values.
+      'preprocessing': meta.get('model_io', {}).get('preprocessing') or {
+          key: config['data'][key] for key in ('scale', 'mean', 'std', 'label_format')},
   }
   if privacy.get('epsilon') is None:
     card['guarantee'] = 'none: a non-private run (ε = ∞).'

@@ -77,9 +77,9 @@ FIELDS: tuple[Field, ...] = (
           "vocabulary: public, from the task's definition, never from the labels; 0 = the "
           "source's public description (digits: 10, tfds: its metadata); npz and memmap labels "
           'or tokens need it; the synthetic source needs K >= 2', 0),
-    Field('data.scale', 'float', 0.0, 'raw values are divided by it; 0 = derived from the data: '
-          "the source's range (digits: 16), 255 for uint8, the integer type's max, 1 for floats",
-          0),
+    Field('data.scale', 'float', 0.0, "raw values are divided by it; 0 = from the data's public "
+          "format, never its values: the source's documented range (digits: 16), 255 for uint8, "
+          "the integer type's max, 1 for floats (the card records the value used)", 0),
     Field('data.mean', 'floats', (0.5,), 'public per-channel mean subtracted after scaling '
           '(never fitted on the private data); 0.5 and std 0.5 map [0, 1] to [-1, 1]'),
     Field('data.std', 'floats', (0.5,), 'public per-channel std: x = (raw / scale - mean) / std',

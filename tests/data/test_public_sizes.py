@@ -94,3 +94,31 @@ def test_undeclared_classes_are_refused_before_the_data_is_read(tmp_path, source
                                        rf"classes K \(labels in \[0, K\)\) of your task "
                                        rf"\(data.source = '{source}'\)"):
     data.make_sources(config.data)
+
+
+def test_the_derived_scale_comes_from_the_format_not_the_values(tmp_path):
+  """data.scale = 0 reads the dtype (uint8: 255, floats: 1) or the source's documented range
+  (digits: 16), never the pixels' maximum: D with one bright record and D without it get the
+  same scale, which `model_io` (what the card records) reports resolved. Fails on da06065
+  (checked) on the missing `model_io`: the card recorded 0.0."""
+  from dpjax.data import preprocess
+  x_train, y_train, x_test, y_test = digits.load_digits_arrays()
+  resolved = {}
+  for dtype in (np.float32, np.uint8):
+    for bright in (False, True):
+      x = x_train.copy()
+      x[0] = 200.0 if bright else x[0]  # One record far above every other pixel.
+      np.savez(tmp_path / 'd.npz', x_train=x.astype(dtype), y_train=y_train,
+               x_test=x_test.astype(dtype), y_test=y_test)
+      config = small_config(**{'data.source': 'npz', 'data.path': str(tmp_path / 'd.npz'),
+                               'data.num_classes': 10})
+      io = preprocess.model_io(data.make_sources(config.data)[0])
+      resolved[dtype, bright] = io['preprocessing']['scale'], io['preprocessing']['scale_source']
+  assert resolved[np.float32, False] == resolved[np.float32, True] == (
+      1.0, 'data.scale = 0: derived from the float32 data')
+  assert resolved[np.uint8, False] == resolved[np.uint8, True] == (
+      255.0, 'data.scale = 0: derived from the uint8 data')
+  digits_io = preprocess.model_io(data.make_sources(small_config().data)[0])
+  assert digits_io == {'num_classes': 10, 'input_shape': [8, 8, 1], 'preprocessing': {
+      'scale': 16.0, 'scale_source': "data.scale = 0: the digits data's range", 'mean': [0.5],
+      'std': [0.5], 'label_format': 'int', 'targets': 'labels'}}
