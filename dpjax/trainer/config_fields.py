@@ -72,6 +72,10 @@ FIELDS: tuple[Field, ...] = (
     Field('data.image_key', 'text', 'image', 'the feature name of the inputs (tfds)'),
     Field('data.label_key', 'text', 'label', 'the feature name of the labels (tfds)'),
     Field('data.num_examples', 'int', 0, 'N of the synthetic source', 0),
+    Field('data.public_num_examples', 'int', 0, 'a public upper bound on N, the training '
+          'examples (e.g. N rounded up): q = b/N, the epochs, B, the δ check, σ, ε and the card '
+          'use it and the exact N is never released (sampler poisson only; more rows are '
+          'refused); 0 = the exact N, treated as public', 0, accounting=True),
     Field('data.input_shape', 'ints', (8, 8, 1), 'per-example shape of the synthetic source', 1),
     Field('data.num_classes', 'int', 0, 'K, the classes (labels in [0, K)) or the token '
           "vocabulary: public, from the task's definition, never from the labels; 0 = the "

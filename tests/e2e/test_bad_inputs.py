@@ -37,6 +37,11 @@ CONFIG_CASES = [
     ({'data.source': 'synthetic', 'data.num_examples': 100, 'data.num_classes': 1},
      r"data.num_classes = 1: must be an integer >= 2 for data.source = 'synthetic'"),
     ({'data.num_classes': 9}, r'digits: y_train: label 9 in row \d+ is not in \[0, 9\)'),
+    ({'data.public_num_examples': -1}, r'data.public_num_examples = -1: must be an integer >= 0'),
+    ({'data.public_num_examples': 1000}, r'data.public_num_examples = 1000: the training set has '
+                                         r'more examples .*a public upper bound'),
+    ({'data.public_num_examples': 2000, 'sampler.name': 'shuffle'},
+     r"data.public_num_examples = 2000 needs sampler.name = 'poisson': the shuffle sampler's"),
     ({'data.input_shape': (0, 8)}, r'data.input_shape = \(0, 8\): must be a tuple of integers, '
                                    r'each >= 1'),
     ({'data.source': 'npz'}, r"data.num_classes = 0: set it to the number of classes K \(labels "
