@@ -8,13 +8,15 @@ not at all):
 * `params.npz`: every parameter of the model ('/'-joined keys, the format
   `init_from` reads; fine-tuned runs are merged: frozen weights and W + (α/r)·A·B);
 * `ema_params.npz`: the EMA of the parameters, when the run kept one;
-* `privacy_card.json`: ε, δ, the kind of bound, the accountant, the sampler, N,
-  b, B, σ, C, the steps, the neighbouring relation, whether the seed was drawn
-  in secret, the model and the public preprocessing needed to use the
-  parameters, and the dpjax version.
+* `privacy_card.json`: ε, δ, the kind of bound, the accountant, the sampler, N
+  (exact and treated as public, or the declared public bound
+  `data.public_num_examples`: `dpjax.trainer.training_set_size`), b, B, σ, C,
+  the steps, the neighbouring relation, whether the seed was drawn in secret,
+  the model and the public preprocessing needed to use the parameters (the
+  resolved scale), and the dpjax version.
 
 Nothing else: no seed, no config or data paths, no metrics, no statistics of
-the private data. Everything in the workdir stays private (the seed, the
+the private data beyond N when N is treated as public. Everything in the workdir stays private (the seed, the
 checkpoints' optimiser state, metrics.jsonl with its nonprivate_* values;
 docs/threat_model.md).
 
@@ -47,6 +49,7 @@ from dpjax.trainer import checkpoints
 from dpjax.trainer import cli
 from dpjax.trainer import finetune
 from dpjax.trainer import run_seed
+from dpjax.trainer import training_set_size
 
 PROG = 'python -m dpjax.export'
 CARD = 'privacy_card.json'
@@ -98,7 +101,8 @@ def privacy_card(meta: dict) -> dict[str, Any]:
       'guarantee': None,
       'sampler': {key: sampler.get(key) for key in ('name', 'batch_size', 'expected_batch_size',
                                                     'max_batch_size', 'steps_per_epoch')},
-      'num_examples': meta['num_examples'],
+      **training_set_size.card_fields(meta['num_examples'],
+                                      training_set_size.declared_bound(config)),
       'noise_multiplier': meta.get('noise_multiplier'),
       'clip_norm': meta.get('clip_norm'),
       'group_size': k if privacy.get('epsilon') is not None else None,
@@ -106,8 +110,9 @@ def privacy_card(meta: dict) -> dict[str, Any]:
       'model': config['model'],
       'num_classes': meta.get('model_io', {}).get('num_classes'),
       'input_shape': meta.get('model_io', {}).get('input_shape'),
-      'preprocessing': {key: config['data'][key] for key in ('scale', 'mean', 'std',
-                                                             'label_format')},
+      # As it ran (the resolved scale); older checkpoints kept only the config's values.
+      'preprocessing': meta.get('model_io', {}).get('preprocessing') or {
+          key: config['data'][key] for key in ('scale', 'mean', 'std', 'label_format')},
   }
   if privacy.get('epsilon') is None:
     card['guarantee'] = 'none: a non-private run (ε = ∞).'

@@ -83,7 +83,7 @@ def run_worker(spec: dict) -> dict:
   else:
     config = ml_collections.ConfigDict(dict(
         source='memmap', path=spec['path'], train_split='train', test_split='test', scale=255.0,
-        mean=(0.0,), std=(1.0,), label_format='int'))
+        mean=(0.0,), std=(1.0,), label_format='int', num_classes=10))
     source, _ = data.make_sources(config)
   open_seconds = time.perf_counter() - start
   n = len(source)

@@ -6,6 +6,7 @@ import numpy as np
 
 DIGITS_TEST_SIZE = 360  # 20% of 1797, stratified, fixed split (random_state=0).
 DIGITS_RANGE = 16.0  # Digits pixels are 0..16: data.scale = 0 divides by it.
+DIGITS_NUM_CLASSES = 10  # The digits 0-9: the dataset's public description, not its labels.
 
 
 def load_digits_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

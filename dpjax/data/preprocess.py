@@ -1,9 +1,13 @@
 """Preprocessing a split's raw rows with public constants: x = (raw / scale − mean) / std.
 
-The constants are declared in the config (`data.scale`, `data.mean`, `data.std`), never
-fitted on the private data (a fitted mean would leak it); `data.scale = 0` derives the scale
-from the data's type or range. Labels stay int or become one-hot; regression targets and
-token sequences pass through as float32 and int32.
+The constants are public, so the model and its card may carry them: `data.mean` and
+`data.std` are declared in the config, never fitted on the private data (a fitted mean
+would be a noise-free statistic of the records, released through the model and the card);
+`data.scale = 0` takes the scale from the data's public format, never from its values:
+the source's documented range (digits: 16), the integer dtype's maximum (uint8: 255), 1
+for floats. `model_io` is what the privacy card records: the resolved values that ran.
+Labels stay int or become one-hot; regression targets and token sequences pass through as
+float32 and int32.
 """
 
 from __future__ import annotations
@@ -37,6 +41,13 @@ class Preprocessor:
             else f'float targets of size {self.num_classes}')
     return (f'x = (raw / {self.scale:g} − ({fmt(self.mean)})) / ({fmt(self.std)}) '
             f'[scale: {self.scale_source}], {kind}')
+
+  def public_fields(self) -> dict:
+    """The preprocessing as it ran (the resolved scale and where it came from), JSON-ready."""
+    if self.targets == 'tokens':
+      return {'inputs': 'int32 tokens, used as they are', 'targets': self.targets}
+    return {'scale': self.scale, 'scale_source': self.scale_source, 'mean': list(self.mean),
+            'std': list(self.std), 'label_format': self.label_format, 'targets': self.targets}
 
   def __call__(self, raw_x: np.ndarray, raw_y: np.ndarray) -> dict[str, np.ndarray]:
     if self.targets == 'tokens':
@@ -76,3 +87,17 @@ def make_preprocessor(config: ml_collections.ConfigDict, num_classes: int, chann
   if not all(s > 0 for s in std):
     raise ValueError(f'data.std entries must be > 0, got {std}.')
   return Preprocessor(scale, mean, std, config.label_format, int(num_classes), source, targets)
+
+
+def model_io(source) -> dict:
+  """What a user of the parameters needs, read from the training source that ran: the output
+  size, the input shape and the resolved preprocessing (sources without one, e.g. synthetic
+  features, are used as they are). Audit canaries wrap a source as `base`."""
+  base = getattr(source, 'base', source)
+  preprocess = getattr(base, 'preprocess', None)
+  fields = preprocess.public_fields() if preprocess is not None else {
+      'scale': 1.0, 'scale_source': 'none: the features are used as they are', 'mean': [0.0],
+      'std': [1.0], 'label_format': 'one_hot' if getattr(base, 'one_hot', False) else 'int',
+      'targets': 'labels'}
+  return {'num_classes': int(source.num_classes),
+          'input_shape': [int(d) for d in source.input_shape], 'preprocessing': fields}

@@ -21,11 +21,14 @@ integer labels) with `np.load(mmap_mode='r')`: a gather of b rows touches
 O(b) pages, whatever N. `arrays.write_memmap_split` builds such a split from
 chunks, so 10^8 rows never sit in RAM.
 
-Every source is checked when it is opened (`dpjax.data.validation`): integer
-labels in [0, K), K declared (`data.num_classes`) or derived from the training
-labels, finite features, one label per example, the same row shape in every
-split; one line names the file, split, array and row. `data.scale = 0`
-derives the scale from the data (digits: 16; uint8: 255; floats: 1).
+Sizes that shape the model come from public information only (`public_num_classes`):
+K is `data.num_classes`, else the source's public description (digits: 10; TFDS: the
+label feature's `num_classes`); npz and memmap labels or tokens need it declared, since
+max(y) + 1 would reveal a record's label in the model's shape. Every source is checked
+when it is opened (`dpjax.data.validation`): integer labels in [0, K), finite features,
+one label per example, the same row shape in every split; one line names the file,
+split, array and row. `data.scale = 0` takes the scale from the data's public format,
+never its values (digits: 16; uint8: 255; floats: 1).
 """
 
 from __future__ import annotations
@@ -69,9 +72,9 @@ def make_sources(config: ml_collections.ConfigDict, seed: int = 0,
                      f"'npz' or 'memmap' (got {config.source!r}, whose labels are classes).")
   if config.source == 'synthetic':
     return _synthetic_sources(config, seed)
-  declared = int(config.get('num_classes', 0) or 0)
   if config.source == 'tfds':
     return _tfds_sources(config)
+  declared = public_num_classes(config, TARGETS[loss])
   if config.source == 'digits':
     return _array_sources(config, 'digits', declared, digits.load_digits_arrays(),
                           native_scale=digits.DIGITS_RANGE)
@@ -91,30 +94,52 @@ def make_sources(config: ml_collections.ConfigDict, seed: int = 0,
                         (x_train, y_train, x_test, y_test), mapped=True, targets=TARGETS[loss])
 
 
+def public_num_classes(config: ml_collections.ConfigDict, targets: str = 'labels') -> int:
+  """K of an array source (digits, npz, memmap) from public information, before the data is read.
+
+  `data.num_classes` when given; else digits' 10 (its public description); npz and memmap
+  labels or tokens are refused (one line naming the field): K derived from the labels as
+  max + 1 would make the model's shape a function of one record (a head of 11 outputs only
+  if some record is labelled 10). Regression targets ('values') take their width from the
+  arrays' shape, so K is not needed (0).
+  """
+  declared = int(config.get('num_classes', 0) or 0)
+  if declared or targets == 'values':
+    return declared
+  if config.source == 'digits':
+    return digits.DIGITS_NUM_CLASSES
+  what = 'the number of classes K (labels in [0, K))' if targets == 'labels' else (
+      'the vocabulary size V (tokens in [0, V))')
+  raise ValueError(f'data.num_classes = 0: set it to {what} of your task (data.source = '
+                   f'{config.source!r}). It must come from the task\'s definition, not from the '
+                   'private labels: a size derived from them (max + 1) would reveal in the '
+                   "model's shape whether a record with the largest label is in the data.")
+
+
 def _check_label_format(config: ml_collections.ConfigDict) -> None:
   if config.label_format not in LABEL_FORMATS:
     raise ValueError(f'data.label_format = {config.label_format!r}; valid: {", ".join(LABEL_FORMATS)}.')
 
 
-def _array_sources(config: ml_collections.ConfigDict, where: str, declared: int, splits,
+def _array_sources(config: ml_collections.ConfigDict, where: str, num_classes: int, splits,
                    mapped: bool = False, targets: str = 'labels',
                    native_scale: float | None = None) -> tuple[DataSource, DataSource]:
   """`ArraySource`s of (x_train, y_train, x_test, y_test), checked (`where` names them).
 
-  Memory-mapped labels are checked but kept as they are (no in-memory int64 copy).
+  num_classes: K from `public_num_classes`. Memory-mapped labels are checked but kept as
+  they are (no in-memory int64 copy).
   """
   x_train, y_train, x_test, y_test = splits
-  checked_train, checked_test, num_classes = data_validation.check_splits(
-      where, declared, x_train, y_train, x_test, y_test, mapped=mapped, targets=targets)
+  checked_train, checked_test, size = data_validation.check_splits(
+      where, num_classes, x_train, y_train, x_test, y_test, mapped=mapped, targets=targets)
   if not mapped:
     y_train, y_test = checked_train, checked_test
   _check_label_format(config)
   if native_scale is not None:  # The source's own range, one channel (digits).
-    preprocess_fn = preprocess.make_preprocessor(config, num_classes, 1,
-                                                 native_scale=native_scale)
+    preprocess_fn = preprocess.make_preprocessor(config, size, 1, native_scale=native_scale)
   else:
     preprocess_fn = preprocess.make_preprocessor(
-        config, num_classes, x_train.shape[-1] if x_train.ndim > 1 else 1, x_train.dtype,
+        config, size, x_train.shape[-1] if x_train.ndim > 1 else 1, x_train.dtype,
         targets=targets)
   return (arrays.ArraySource(x_train, y_train, preprocess_fn),
           arrays.ArraySource(x_test, y_test, preprocess_fn))

@@ -6,14 +6,19 @@ Malformed data used to train "successfully": fractional labels were truncated,
 these before any compute, with one line: the data's name (file, TFDS dataset),
 the split, the array and the offending value and row.
 
-Labels: integers, or floats that are exactly integral; in [0, K). K is
-`data.num_classes` when declared (> 0), else derived from the training labels
-as max + 1, which must then be the number of distinct labels (classes 0..K−1
-all present: a stray large id is refused, not turned into a huge head); test
-labels must be < K. Features: numeric, the same row shape in every split, and
-finite: every value for data in memory, a sample of rows (`FINITE_SAMPLE_ROWS`,
-plus the first and last chunk) for memory-mapped files larger than
-`FULL_SCAN_BYTES`. x and y have one row each per example.
+Sizes that shape the model are public: K (the classes, or the token vocabulary) is
+given (`data.num_classes`, or the source's public description), never derived from
+the labels. max(y) + 1 would put one record's label into the model's shape (a head
+of 11 outputs exists only if some record is labelled 10), so a label outside
+[0, K) is a data error, not a reason to grow the model. The target width of
+regression targets and the row shapes are the arrays' schema (every row has it,
+whichever records are present).
+
+Labels: integers, or floats that are exactly integral; in [0, K) in both splits.
+Features: numeric, the same row shape in every split, and finite: every value
+for data in memory, a sample of rows (`FINITE_SAMPLE_ROWS`, plus the first and
+last chunk) for memory-mapped files larger than `FULL_SCAN_BYTES`. x and y have
+one row each per example.
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ import numpy as np
 FULL_SCAN_BYTES = 1 << 30  # Memory-mapped x beyond this is checked on a sample of rows.
 FINITE_SAMPLE_ROWS = 1 << 16
 SCAN_ROWS = 1 << 16  # Rows per chunk of a full scan (bounds the memory of the check).
-MAX_DERIVED_CLASSES = 1 << 20  # A derived K beyond this is refused: declare data.num_classes.
 
 
 class DataError(ValueError):
@@ -75,40 +79,16 @@ def label_range(name: str, y: np.ndarray, chunk: int = SCAN_ROWS) -> tuple[int, 
   return low[0], low[1], high[0], high[1]
 
 
-def num_classes_of(name: str, y: np.ndarray, declared: int) -> int:
-  """K: `declared` (> 0) with every label in [0, K), else max + 1 with all K classes present."""
+def check_label_range(name: str, y: np.ndarray, num_classes: int) -> None:
+  """DataError unless every label is in [0, K), K = `num_classes` (given, public)."""
   low, low_row, high, high_row = label_range(name, y)
   if low < 0:
     raise DataError(f'{name}: label {low} in row {low_row} is negative; labels must be in '
-                    '[0, K).')
-  if declared:
-    if high >= declared:
-      raise DataError(f'{name}: label {high} in row {high_row} is not in [0, {declared}) '
-                      f'(data.num_classes = {declared}).')
-    return declared
-  if high >= MAX_DERIVED_CLASSES:
-    raise DataError(f'{name}: the largest label is {high} (row {high_row}); deriving K = '
-                    f'{high + 1} classes from it would build a head that large. Relabel to '
-                    '0..K-1 or declare data.num_classes.')
-  present = np.zeros(high + 1, bool)
-  for start in range(0, len(y), SCAN_ROWS):
-    present[np.asarray(y[start:start + SCAN_ROWS])] = True
-  if not present.all():
-    missing = int(np.flatnonzero(~present)[0])
-    raise DataError(f'{name}: the largest label is {high} (row {high_row}) but label {missing} '
-                    f'never occurs ({int(present.sum())} distinct labels), so deriving K = '
-                    f'{high + 1} classes would train outputs for absent classes. Relabel to '
-                    '0..K-1 or declare data.num_classes.')
-  return high + 1
-
-
-def check_test_labels(name: str, y: np.ndarray, num_classes: int) -> None:
-  low, low_row, high, high_row = label_range(name, y)
-  if low < 0 or high >= num_classes:
-    value, row = (low, low_row) if low < 0 else (high, high_row)
-    raise DataError(f'{name}: label {value} in row {row} is not in [0, {num_classes}) (the '
-                    'classes of the training labels); a class only in the test split has no '
-                    'output. Declare data.num_classes to include it.')
+                    f'[0, {num_classes}).')
+  if high >= num_classes:
+    raise DataError(f'{name}: label {high} in row {high_row} is not in [0, {num_classes}) '
+                    f'(data.num_classes = {num_classes}, the classes of the task; the model '
+                    'never grows to fit a label).')
 
 
 def check_features(name: str, x, *, mapped: bool = False) -> None:
@@ -140,7 +120,8 @@ def check_features(name: str, x, *, mapped: bool = False) -> None:
 
 def check_targets(name: str, y, *, num_examples: int) -> int:
   """Regression targets (loss 'mse'): numeric, finite, one row per example; returns their
-  size per example (the model's output size)."""
+  size per example (the model's output size): the shape of a row, the arrays' schema, the
+  same whichever records are present."""
   y = np.asarray(y) if not isinstance(y, np.ndarray) else y
   if y.ndim < 1 or len(y) != num_examples:
     raise DataError(f'{name}: {num_examples} examples but targets of shape {y.shape}; x and y '
@@ -151,9 +132,9 @@ def check_targets(name: str, y, *, num_examples: int) -> int:
   return int(np.prod(y.shape[1:], dtype=np.int64)) if y.ndim > 1 else 1
 
 
-def check_tokens(name: str, tokens, *, num_examples: int, low: int, length: int | None = None,
-                 ) -> int:
-  """Token sequences (loss 'sequence_cross_entropy'): integers >= low ([N, T]); returns max + 1."""
+def check_tokens(name: str, tokens, *, num_examples: int, low: int, vocab: int,
+                 length: int | None = None) -> None:
+  """Token sequences (loss 'sequence_cross_entropy'): integers in [low, vocab), shape [N, T]."""
   tokens = np.asarray(tokens) if not isinstance(tokens, np.ndarray) else tokens
   if tokens.ndim != 2 or len(tokens) != num_examples:
     raise DataError(f'{name}: shape {tokens.shape}; sequences need shape [N, T] with N = '
@@ -167,7 +148,10 @@ def check_tokens(name: str, tokens, *, num_examples: int, low: int, length: int 
   if smallest < low:
     raise DataError(f'{name}: token {smallest} in row {row}; tokens must be >= {low}'
                     + (' (-1 marks padding positions of y).' if low < 0 else '.'))
-  return int(tokens.max()) + 1
+  largest, row = int(tokens.max()), int(np.argmax(tokens.max(axis=1)))
+  if largest >= vocab:
+    raise DataError(f'{name}: token {largest} in row {row} is not below data.num_classes = '
+                    f'{vocab} (the vocabulary size; the model never grows to fit a token).')
 
 
 def check_same_rows(train_name: str, x_train_shape, test_name: str, x_test_shape) -> None:
@@ -185,23 +169,23 @@ def auto_scale(dtype) -> float:
   return 1.0
 
 
-def check_splits(where: str, declared_classes: int, x_train, y_train, x_test, y_test,
+def check_splits(where: str, num_classes: int, x_train, y_train, x_test, y_test,
                  mapped: bool = False, targets: str = 'labels'):
-  """(y_train, y_test, K) after the checks of both splits (one line each), named `where`.
+  """(y_train, y_test, size) after the checks of both splits (one line each), named `where`.
 
-  K: the number of classes (labels), the target size (values) or the vocabulary (tokens).
+  num_classes: K, public (`sources.public_num_classes`): the classes (labels) or the
+  vocabulary (tokens); every label or token must lie below it. Ignored for 'values'.
+  size: K, or the target width of 'values' (the shape of a row of y, its schema).
   """
+  if targets != 'values' and num_classes < 1:
+    raise DataError(f'{where}: data.num_classes = {num_classes}; the number of classes (or the '
+                    'vocabulary) must be given, never derived from the private labels.')
   if targets == 'tokens':
-    sizes = [check_tokens(f'{where}: {name}', a, num_examples=len(x), low=low,
-                          length=None if name.startswith('x') else x.shape[1])
-             for name, a, x, low in (('x_train', x_train, x_train, 0), ('y_train', y_train,
-                                     x_train, -1), ('x_test', x_test, x_test, 0),
-                                     ('y_test', y_test, x_test, -1))]
-    vocab = declared_classes or max(sizes)
-    if max(sizes) > vocab:
-      raise DataError(f'{where}: token {max(sizes) - 1} is not below data.num_classes = '
-                      f'{vocab} (the vocabulary size).')
-    return y_train, y_test, vocab
+    for name, a, x, low in (('x_train', x_train, x_train, 0), ('y_train', y_train, x_train, -1),
+                            ('x_test', x_test, x_test, 0), ('y_test', y_test, x_test, -1)):
+      check_tokens(f'{where}: {name}', a, num_examples=len(x), low=low, vocab=num_classes,
+                   length=None if name.startswith('x') else x.shape[1])
+    return y_train, y_test, num_classes
   check_features(f'{where}: x_train', x_train, mapped=mapped)
   check_features(f'{where}: x_test', x_test, mapped=mapped)
   check_same_rows(f'{where}: x_train', x_train.shape[1:], f'{where}: x_test', x_test.shape[1:])
@@ -212,6 +196,6 @@ def check_splits(where: str, declared_classes: int, x_train, y_train, x_test, y_
     return y_train, y_test, size
   y_train = check_labels(f'{where}: y_train', y_train, num_examples=len(x_train))
   y_test = check_labels(f'{where}: y_test', y_test, num_examples=len(x_test))
-  num_classes = num_classes_of(f'{where}: y_train', y_train, declared_classes)
-  check_test_labels(f'{where}: y_test', y_test, num_classes)
+  check_label_range(f'{where}: y_train', y_train, num_classes)
+  check_label_range(f'{where}: y_test', y_test, num_classes)
   return y_train, y_test, num_classes

@@ -86,8 +86,14 @@ class Sampler(abc.ABC):
   num_examples: int
   batch_size: int
   seed: int = 0
+  # The rows actually present when N = num_examples is only a public upper bound on them
+  # (`bounds_rows`); None: exactly N rows. Everything that enters ε reads N, never this.
+  num_rows: int | None = dataclasses.field(default=None, repr=False)  # Private: never logged.
 
   name: ClassVar[str]
+  # Whether N may be a public upper bound on the rows (num_rows <= N): true when each
+  # example's selection and the accounting do not depend on how many other rows exist.
+  bounds_rows: ClassVar[bool] = False
   # Privacy facts (docs/accounting.md); accounting asks the sampler, never its name.
   # Accountants that support the sampler; the first is what 'auto' means.
   accountants: ClassVar[tuple[str, ...]] = ('pld', 'rdp')
@@ -128,6 +134,16 @@ class Sampler(abc.ABC):
       raise ValueError(
           f'sampler.batch_size = {self.batch_size} must be in [1, N = '
           f'{self.num_examples}] (the number of training examples).')
+    if self.num_rows is not None:
+      if not self.bounds_rows:
+        raise ValueError(f'the {self.name} sampler needs the exact N (num_rows must be None): '
+                         'its batches depend on how many rows there are.')
+      _checks.check_int('num_rows', self.num_rows, 1, self.num_examples)
+
+  @property
+  def rows(self) -> int:
+    """The rows drawn from: indices are in [0, rows)."""
+    return self.num_examples if self.num_rows is None else self.num_rows
 
   @abc.abstractmethod
   def indices(self, step: int) -> np.ndarray:
@@ -167,9 +183,13 @@ class Sampler(abc.ABC):
 class PoissonSampler(Sampler):
   """Each example joins each batch independently with probability q = b/N.
 
-  Sampled in O(n_t): n_t ~ Binomial(N, q), then n_t distinct indices
+  Sampled in O(n_t): n_t ~ Binomial(rows, q), then n_t distinct indices
   uniformly at random. Conditionally on its size a Poisson batch is a uniform
   subset of that size, so this is exactly Poisson sampling.
+
+  N may be a public upper bound on the rows (`num_rows` <= N): each row still joins
+  with probability q = b/N, independently of the others, so the subsampled Gaussian's
+  privacy loss is the same whatever the rows, and E[n_t] for the divisor is q·N = b.
 
   Memory: no per-example state. numpy draws the subset with Floyd's algorithm
   (O(n_t)) while n_t <= N/50; above that (q > ~1/50) it shuffles the tail of
@@ -177,6 +197,7 @@ class PoissonSampler(Sampler):
   """
 
   name: ClassVar[str] = 'poisson'
+  bounds_rows: ClassVar[bool] = True
   binomial_batch_size: ClassVar[bool] = True
   analysis: ClassVar[str] = 'poisson_subsampling'
   coarse_pld_search: ClassVar[bool] = True
@@ -187,8 +208,8 @@ class PoissonSampler(Sampler):
 
   def indices(self, step: int) -> np.ndarray:
     rng = _generator(self.seed, self._check_step(step))
-    size = rng.binomial(self.num_examples, self.sampling_probability)
-    return np.sort(rng.choice(self.num_examples, size=size, replace=False)).astype(np.int64)
+    size = rng.binomial(self.rows, self.sampling_probability)
+    return np.sort(rng.choice(self.rows, size=size, replace=False)).astype(np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,13 +379,16 @@ _SAMPLERS = {
 SAMPLER_NAMES = tuple(_SAMPLERS)
 
 
-def make(name: str, num_examples: int, batch_size: int, seed: int = 0) -> Sampler:
+def make(name: str, num_examples: int, batch_size: int, seed: int = 0,
+         num_rows: int | None = None) -> Sampler:
   """The sampler called `name` over N = num_examples with batch size b, seeded by `seed`.
 
   The seed must be secret for the privacy guarantee (it decides which examples each step
-  uses, and `dpjax.privacy.prng` derives the noise from it).
+  uses, and `dpjax.privacy.prng` derives the noise from it). `num_rows`: the rows present
+  when N is a public upper bound on them (samplers with `bounds_rows` only).
   """
-  return sampler_class(name)(num_examples=num_examples, batch_size=batch_size, seed=seed)
+  return sampler_class(name)(num_examples=num_examples, batch_size=batch_size, seed=seed,
+                             num_rows=num_rows)
 
 
 def sampler_class(name: str) -> type[Sampler]:

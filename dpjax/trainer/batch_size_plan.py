@@ -163,6 +163,7 @@ def base_config(*, sampler: str = 'poisson', accountant: str = 'auto', clip_norm
       enabled=True, clip_norm=float(clip_norm), noise_multiplier=None, target_epsilon=1.0,
       delta=1e-5, accountant=accountant, group_size=group_size))
   c.num_epochs, c.num_steps = 1, 0
+  c.data = ml_collections.ConfigDict(dict(public_num_examples=0))  # The N given is exact.
   return c
 
 

@@ -72,12 +72,18 @@ FIELDS: tuple[Field, ...] = (
     Field('data.image_key', 'text', 'image', 'the feature name of the inputs (tfds)'),
     Field('data.label_key', 'text', 'label', 'the feature name of the labels (tfds)'),
     Field('data.num_examples', 'int', 0, 'N of the synthetic source', 0),
+    Field('data.public_num_examples', 'int', 0, 'a public upper bound on N, the training '
+          'examples (e.g. N rounded up): q = b/N, the epochs, B, the δ check, σ, ε and the card '
+          'use it and the exact N is never released (sampler poisson only; more rows are '
+          'refused); 0 = the exact N, treated as public', 0, accounting=True),
     Field('data.input_shape', 'ints', (8, 8, 1), 'per-example shape of the synthetic source', 1),
-    Field('data.num_classes', 'int', 0, 'K; 0 = derived from the training labels (max + 1, all '
-          'classes present); the synthetic source needs K >= 2', 0),
-    Field('data.scale', 'float', 0.0, 'raw values are divided by it; 0 = derived from the data: '
-          "the source's range (digits: 16), 255 for uint8, the integer type's max, 1 for floats",
-          0),
+    Field('data.num_classes', 'int', 0, 'K, the classes (labels in [0, K)) or the token '
+          "vocabulary: public, from the task's definition, never from the labels; 0 = the "
+          "source's public description (digits: 10, tfds: its metadata); npz and memmap labels "
+          'or tokens need it; the synthetic source needs K >= 2', 0),
+    Field('data.scale', 'float', 0.0, "raw values are divided by it; 0 = from the data's public "
+          "format, never its values: the source's documented range (digits: 16), 255 for uint8, "
+          "the integer type's max, 1 for floats (the card records the value used)", 0),
     Field('data.mean', 'floats', (0.5,), 'public per-channel mean subtracted after scaling '
           '(never fitted on the private data); 0.5 and std 0.5 map [0, 1] to [-1, 1]'),
     Field('data.std', 'floats', (0.5,), 'public per-channel std: x = (raw / scale - mean) / std',

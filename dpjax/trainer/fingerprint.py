@@ -1,10 +1,10 @@
 """The privacy fingerprint of a run: everything that enters ε, compared on resume.
 
-`run_fingerprint` lists the private flag, the sampler and its accounting parameters (N, b,
-the resolved cap B, the group size), σ as used, C, δ, the resolved accountant, the SHA-256
-of the seed, the audit canaries and the dataset's identity (`dataset_identity`: source,
-split, N and a digest of its content, `dpjax.data.identity`). Settings that cannot change
-ε (`dpjax.trainer.perf.Perf`) are not among its inputs.
+`run_fingerprint` lists the private flag, the sampler and its accounting parameters (N or
+its declared public bound, b, the resolved cap B, the group size), σ as used, C, δ, the
+resolved accountant, the SHA-256 of the seed, the audit canaries and the dataset's identity
+(`dataset_identity`: source, split, N and a digest of its content, `dpjax.data.identity`).
+Settings that cannot change ε (`dpjax.trainer.perf.Perf`) are not among its inputs.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import ml_collections
 from dpjax.data import identity as data_identity
 from dpjax.privacy import privacy_plan
 from dpjax.privacy.accounting import accountant as accountant_lib
+from dpjax.trainer import training_set_size
 
 FINGERPRINT_VERSION = 2  # 2: the seed as its SHA-256, the data by its content.
 # The dataset's part of the fingerprint: its content, not where it lives (a copy resumes).
@@ -46,6 +47,10 @@ def run_fingerprint(config, sampler, max_batch_size: int, privacy, dataset) -> d
       'audit.num_canaries': canaries,
       'audit.kind': audit.get('kind') if canaries else None,
       **{f'data.{key}': dataset.get(key) for key in DATASET_FIELDS},
+      # A declared public bound on N (sampler.num_examples then holds it); absent when the
+      # exact N is public, as in checkpoints written before the field existed.
+      **({'data.public_num_examples': bound} if (bound := training_set_size.declared_bound(
+          config)) else {}),
   }
 
 

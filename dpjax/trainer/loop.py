@@ -29,6 +29,7 @@ import numpy as np
 import tqdm
 
 from dpjax.data import device as device_data
+from dpjax.data import preprocess
 from dpjax.data import sources as data
 from dpjax.privacy import ema as ema_lib
 from dpjax.privacy import multi_step
@@ -314,9 +315,7 @@ class Loop:
     report = self._epsilon(done, wait=True, estimates=done == self.plan.num_steps)
     metadata = plan_lib.privacy_metadata(done, report, self.plan, self.step_fns, self.batcher,
                                          state.num_truncated)
-    metadata['model_io'] = {  # For export.
-        'num_classes': int(self.train_source.num_classes),
-        'input_shape': [int(d) for d in self.train_source.input_shape]}
+    metadata['model_io'] = preprocess.model_io(self.train_source)  # For export.
     if audit is not None:
       metadata['audit'] = audit
     checkpoints.save(self.manager, done, self._stored(state), metadata)

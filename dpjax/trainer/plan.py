@@ -41,6 +41,7 @@ import numpy as np
 from dpjax.trainer import config_fields
 from dpjax.trainer import fingerprint as fingerprint_lib
 from dpjax.trainer import perf as perf_lib
+from dpjax.trainer import training_set_size
 from dpjax.privacy import batching
 from dpjax.data import sources as data_lib
 from dpjax.privacy import privacy_plan
@@ -119,8 +120,8 @@ class RunPlan:
   def summary(self) -> str:
     """One line: sampler, b, B, P, σ (and whether calibrated), C, target ε, steps."""
     s = self.sampler
-    text = (f'{s.name} sampler, N = {s.num_examples}, b = {s.batch_size}, B = {self.max_batch_size}, '
-            f'P = {self.physical_batch_size}, {self.num_steps} steps')
+    text = (f'{s.name} sampler, {training_set_size.describe(s)}, b = {s.batch_size}, '
+            f'B = {self.max_batch_size}, P = {self.physical_batch_size}, {self.num_steps} steps')
     if not self.private:
       return text + ', non-private (no clipping, no noise, ε = ∞)'
     source = {'given': 'given', 'calibrated': 'calibrated',
@@ -149,14 +150,16 @@ def make_training_sources(config: ml_collections.ConfigDict):
 
 def make_sampler(config: ml_collections.ConfigDict, num_examples: int,
                  seed: int | None = None) -> samplers_lib.Sampler:
-  """The sampler named by `config.sampler.name` over N = num_examples.
+  """The sampler named by `config.sampler.name` over the `num_examples` training rows; its
+  N is `data.public_num_examples` when that public bound is set (`training_set_size`).
 
   seed: the run's resolved (secret) seed; None reads `config.seed` (None there gives 0,
   enough for accounting, which does not depend on the seed).
   """
   if seed is None:
     seed = config.get('seed') or 0
-  return samplers_lib.make(config.sampler.name, num_examples, config.sampler.batch_size, seed)
+  n, rows = training_set_size.sampler_sizes(config, num_examples)
+  return samplers_lib.make(config.sampler.name, n, config.sampler.batch_size, seed, num_rows=rows)
 
 
 def make_accountant(config: ml_collections.ConfigDict, num_examples: int,
@@ -225,7 +228,7 @@ def make_plan(config: ml_collections.ConfigDict, data: Any,
   num_steps = num_train_steps(config, sampler)
   _check_resumable(previous, resumed_step, num_steps)
   private = bool(config.privacy.enabled)
-  notes = _delta_warnings(config.privacy, num_examples) if private else []
+  notes = _delta_warnings(config.privacy, sampler.num_examples) if private else []
   perf = perf or perf_lib.Perf.from_config(config)
   max_batch_size = _resolve_max_batch_size(config, sampler, previous, num_steps,
                                            float(config.privacy.delta) if private else 1e-5,

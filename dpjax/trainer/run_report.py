@@ -20,6 +20,7 @@ from dpjax.trainer import build
 from dpjax.trainer import plan as plan_lib
 from dpjax.trainer import run_seed
 from dpjax.trainer import run_warnings
+from dpjax.trainer import training_set_size
 
 
 def announce(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
@@ -43,7 +44,8 @@ def announce(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource
       log(f'WARNING: {line}')
   preprocess = getattr(getattr(train_source, 'base', train_source), 'preprocess', None)
   if preprocess is not None:  # Where the scale came from: derived or data.scale.
-    log(f'Data: {config.data.source}, N = {len(train_source)}, {preprocess.describe()}.')
+    log(f'Data: {config.data.source}, {training_set_size.describe(plan.sampler)}, '
+        f'{preprocess.describe()}.')
   for line in plan.warnings:
     log(f'WARNING: {line}')
 

@@ -77,7 +77,8 @@ def test_npz_source(tmp_path):
                 x_test=rng.integers(0, 255, (10, 4, 4, 3)), y_test=np.arange(10) % 5)
   path = tmp_path / 'd.npz'
   np.savez(path, **arrays)
-  config = data_config(source='npz', path=str(path), scale=255.0, mean=(0.1, 0.2, 0.3), std=(1.0, 2.0, 4.0))
+  config = data_config(source='npz', path=str(path), scale=255.0, mean=(0.1, 0.2, 0.3), std=(1.0, 2.0, 4.0),
+                       num_classes=5)
   train, test = data.make_sources(config)
   assert (len(train), len(test), train.num_classes) == (30, 10, 5)
   batch = train.gather(np.array([2, 7]))
@@ -151,7 +152,7 @@ def test_memmap_writer_rejects_bad_chunks_and_leaves_no_files(tmp_path):
 
 def test_memmap_source_errors_name_the_field(tmp_path):
   def config(path):
-    return data_config(source='memmap', path=str(path))
+    return data_config(source='memmap', path=str(path), num_classes=3)
   with pytest.raises(ValueError, match='data.path'):
     data.make_sources(config(''))
   with pytest.raises(ValueError, match='data.path.*existing directory'):
@@ -170,7 +171,8 @@ def test_memmap_source_errors_name_the_field(tmp_path):
   with pytest.raises(ValueError, match='y_test: 20 examples but 19 labels'):
     data.make_sources(config(tmp_path))
   np.save(tmp_path / 'test' / 'y.npy', y - 1)
-  with pytest.raises(ValueError, match=r'y_test: label -1 in row \d+ is not in \[0, 3\)'):
+  with pytest.raises(ValueError,
+                     match=r'y_test: label -1 in row \d+ is negative; labels must be in \[0, 3\)'):
     data.make_sources(config(tmp_path))
   np.save(tmp_path / 'test' / 'y.npy', y.astype(np.float32))
   with pytest.raises(ValueError, match='y.npy.*memory-mapped labels must be integers'):
@@ -197,7 +199,8 @@ def test_memmap_gather_touches_o_of_b_memory(tmp_path):
   arrays_lib.write_memmap_split(str(tmp_path / 'test'), 2, [(np.zeros((2, 16), np.uint8), [0, 1])])
   tracemalloc.start()
   try:
-    train, _ = data.make_sources(data_config(source='memmap', path=str(tmp_path), scale=1.0))
+    train, _ = data.make_sources(data_config(source='memmap', path=str(tmp_path), scale=1.0,
+                                             num_classes=3))
     idx = np.sort(np.random.default_rng(0).choice(n, 256, replace=False))
     tracemalloc.reset_peak()
     batch = train.gather(idx)
@@ -215,8 +218,9 @@ def test_memmap_gather_touches_o_of_b_memory(tmp_path):
     (dict(source='tfds', name='mnist', data_dir=''), 'data.data_dir'),
     (dict(source='tfds', name='', data_dir='/tmp'), 'data.name'),
     (dict(source='tfds', name='mnist', data_dir='/nonexistent/dir'), 'data.data_dir'),
-    (dict(source='npz', path='/nonexistent.npz'), 'data.path'),
-    (dict(source='memmap', path='/nonexistent/dir'), 'data.path'),
+    (dict(source='npz', path='/nonexistent.npz', num_classes=10), 'data.path'),
+    (dict(source='memmap', path='/nonexistent/dir', num_classes=10), 'data.path'),
+    (dict(source='npz', path='/nonexistent.npz'), 'data.num_classes = 0'),
     (dict(source='synthetic', num_examples=0), 'data.num_examples'),
     (dict(label_format='onehot'), 'data.label_format'),
     (dict(scale=-1.0), 'data.scale'),

@@ -72,7 +72,8 @@ def test_npz_source_one_float_and_a_copy_elsewhere(tmp_path):
   np.savez(tmp_path / 'a' / 'd.npz', **arrays)
   shutil.copy(tmp_path / 'a' / 'd.npz', tmp_path / 'b' / 'd.npz')
   def npz_identity(path):
-    return identity(data.make_sources(data_config(source='npz', path=str(path)))[0])
+    return identity(data.make_sources(data_config(source='npz', path=str(path),
+                                                  num_classes=5))[0])
   base = npz_identity(tmp_path / 'a' / 'd.npz')
   assert base['kind'] == 'arrays' and base['method'] == 'full'
   assert npz_identity(tmp_path / 'b' / 'd.npz') == base
@@ -89,7 +90,7 @@ def write_split(root, x, y):
 
 def memmap_source(root):
   return data.make_sources(data_config(source='memmap', path=str(root), train_split='train',
-                                       test_split='test', scale=255.0))[0]
+                                       test_split='test', scale=255.0, num_classes=10))[0]
 
 
 def rewrite_row(path, row, new_row, *, keep_mtime):

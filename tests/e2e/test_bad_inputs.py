@@ -37,11 +37,19 @@ CONFIG_CASES = [
     ({'data.source': 'synthetic', 'data.num_examples': 100, 'data.num_classes': 1},
      r"data.num_classes = 1: must be an integer >= 2 for data.source = 'synthetic'"),
     ({'data.num_classes': 9}, r'digits: y_train: label 9 in row \d+ is not in \[0, 9\)'),
+    ({'data.public_num_examples': -1}, r'data.public_num_examples = -1: must be an integer >= 0'),
+    ({'data.public_num_examples': 1000}, r'data.public_num_examples = 1000: the training set has '
+                                         r'more examples .*a public upper bound'),
+    ({'data.public_num_examples': 2000, 'sampler.name': 'shuffle'},
+     r"data.public_num_examples = 2000 needs sampler.name = 'poisson': the shuffle sampler's"),
     ({'data.input_shape': (0, 8)}, r'data.input_shape = \(0, 8\): must be a tuple of integers, '
                                    r'each >= 1'),
-    ({'data.source': 'npz'}, r"data.path = '':? must name an existing .npz file"),
-    ({'data.source': 'memmap', 'data.path': '/nonexistent'}, r"data.path = '/nonexistent':? must "
-                                                             r'be an existing directory'),
+    ({'data.source': 'npz'}, r"data.num_classes = 0: set it to the number of classes K \(labels "
+                             r"in \[0, K\)\) of your task \(data.source = 'npz'\)"),
+    ({'data.source': 'npz', 'data.num_classes': 10}, r"data.path = '':? must name an existing "
+                                                     r'.npz file'),
+    ({'data.source': 'memmap', 'data.path': '/nonexistent', 'data.num_classes': 10},
+     r"data.path = '/nonexistent':? must be an existing directory"),
     ({'data.source': 'tfds'}, r'data.name must name a TFDS dataset'),
     ({'sampler.name': 'poison'}, r"sampler.name = 'poison': must be one of 'poisson'"),
     ({'sampler.batch_size': 0}, r'sampler.batch_size = 0: must be an integer >= 1'),
@@ -299,8 +307,7 @@ def document() -> str:
     tmp = pathlib.Path(tmp)
     for name, replace, _ in DATA_CASES:
       path = _digits_npz(tmp / f'{name}.npz', **replace)
-      text = _message(lambda: train.train_and_evaluate(
-          small_config(**{'data.source': 'npz', 'data.path': path}), str(tmp / 'w')))
+      text = _message(lambda: train.train_and_evaluate(_npz_config(path), str(tmp / 'w')))
       out.append(f'| {name.replace("_", " ")} | {text.replace(str(tmp) + "/", "")} |')
     out += ['', '## Your config file', '', '| the config file does | message |', '|---|---|']
     for body, _ in CONFIG_FILE_CASES:
@@ -339,6 +346,12 @@ def _digits_npz(path, **replace):
   return str(path)
 
 
+def _npz_config(path, **overrides):
+  """small_config on the .npz `path`, its 10 classes declared (npz labels are private)."""
+  return small_config(**{'data.source': 'npz', 'data.path': path, 'data.num_classes': 10,
+                         **overrides})
+
+
 def _at(row, value):
   import numpy as np  # pylint: disable=import-outside-toplevel
   return lambda y: np.where(np.arange(len(y)) == row, value, y)
@@ -354,7 +367,8 @@ DATA_CASES = [
     ('one_inf_pixel', dict(x_train=lambda x: __import__('numpy').where(
         __import__('numpy').arange(x.size).reshape(x.shape) == 64 * 9 + 3, float('inf'), x)),
      r'x_train: example 9 has a non-finite feature value \(inf\)'),
-    ('stray_label_id', dict(y_train=_at(7, 1_000_000)), r'largest label is 1000000 \(row 7\)'),
+    ('stray_label_id', dict(y_train=_at(7, 1_000_000)),
+     r'y_train: label 1000000 in row 7 is not in \[0, 10\) \(data.num_classes = 10'),
     ('class_only_in_test', dict(y_test=_at(2, 10)), r'y_test: label 10 in row 2 is not in \[0, 10\)'),
     ('other_test_shape', dict(x_test=lambda x: x.reshape(len(x), 64)),
      r'x_test: rows have shape \(64,\) but the training rows'),
@@ -367,7 +381,7 @@ def test_malformed_data_is_one_line_before_any_change(tmp_path, name, replace, m
   path = _digits_npz(tmp_path / f'{name}.npz', **replace)
   work = tmp_path / 'work'
   with pytest.raises(ValueError, match=message) as info:
-    train.train_and_evaluate(small_config(**{'data.source': 'npz', 'data.path': path}), str(work))
+    train.train_and_evaluate(_npz_config(path), str(work))
   assert path in str(info.value) and '\n' not in str(info.value)
   assert not work.exists()
 
@@ -376,12 +390,10 @@ def test_a_npy_file_as_npz_and_a_declared_class_count(tmp_path):
   import numpy as np  # pylint: disable=import-outside-toplevel
   np.save(tmp_path / 'x.npy', np.zeros((4, 3)))
   with pytest.raises(ValueError, match=r"a single .npy array, not an .npz archive"):
-    train.train_and_evaluate(small_config(**{'data.source': 'npz', 'data.path': str(
-        tmp_path / 'x.npy')}), str(tmp_path / 'w'))
-  path = _digits_npz(tmp_path / 'ok.npz')  # 10 classes in the data, 12 declared: allowed.
+    train.train_and_evaluate(_npz_config(str(tmp_path / 'x.npy')), str(tmp_path / 'w'))
+  path = _digits_npz(tmp_path / 'ok.npz')  # 10 classes in the data, 9 declared: refused.
   with pytest.raises(ValueError, match=r'label 9 in row \d+ is not in \[0, 9\)'):
-    train.train_and_evaluate(small_config(**{'data.source': 'npz', 'data.path': path,
-                                             'data.num_classes': 9}), str(tmp_path / 'w'))
+    train.train_and_evaluate(_npz_config(path, **{'data.num_classes': 9}), str(tmp_path / 'w'))
 
 
 def test_the_scale_is_derived_from_the_dtype_and_printed(tmp_path, capsys):
@@ -389,8 +401,7 @@ def test_the_scale_is_derived_from_the_dtype_and_printed(tmp_path, capsys):
   import numpy as np  # pylint: disable=import-outside-toplevel
   path = _digits_npz(tmp_path / 'u8.npz', x_train=lambda x: (x * 15).astype(np.uint8),
                      x_test=lambda x: (x * 15).astype(np.uint8))
-  train.train_and_evaluate(small_config(**{'data.source': 'npz', 'data.path': path,
-                                           'num_steps': 1}), str(tmp_path / 'w'))
+  train.train_and_evaluate(_npz_config(path, num_steps=1), str(tmp_path / 'w'))
   assert ('x = (raw / 255 − (0.5)) / (0.5) [scale: data.scale = 0: derived from the uint8 data]'
           in capsys.readouterr().out)
 

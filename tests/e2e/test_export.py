@@ -63,6 +63,25 @@ def test_export_writes_params_ema_and_card_and_nothing_private(drawn_run, tmp_pa
       finetune.flatten(state['params']))
 
 
+def test_the_card_says_n_is_public_and_records_the_scale_that_ran(drawn_run, tmp_path):
+  """Issue 34 item 4 and the scale bullet; fails on da06065 (checked): the card had no word on
+  N and recorded data.scale = 0.0 ('derive it') instead of digits' 16, the value used."""
+  card = export.export(str(drawn_run), str(tmp_path / 'model'))
+  assert card['num_examples'] == 1437 and card['exact_num_examples_is_public'] is True
+  assert 'treated as public' in card['num_examples_note']
+  assert 'data.public_num_examples' in card['num_examples_note']
+  assert card['preprocessing'] == {
+      'scale': 16.0, 'scale_source': "data.scale = 0: the digits data's range", 'mean': [0.5],
+      'std': [0.5], 'label_format': 'int', 'targets': 'labels'}
+  # The card's preprocessing maps raw digits exactly as training did.
+  from dpjax.data import digits  # pylint: disable=import-outside-toplevel
+  from dpjax.data import sources  # pylint: disable=import-outside-toplevel
+  raw = digits.load_digits_arrays()[0][:3]
+  p = card['preprocessing']
+  trained = sources.make_sources(small_config().data)[0].gather(np.arange(3))['x']
+  np.testing.assert_allclose((raw / p['scale'] - p['mean'][0]) / p['std'][0], trained, rtol=1e-6)
+
+
 def test_exports_of_two_runs_sharing_a_seed_into_one_tree_are_refused(tmp_path, capsys):
   for name in ('lr_a', 'lr_b'):
     train.train_and_evaluate(small_config(**{'seed': 11, 'num_steps': 2,

@@ -84,7 +84,8 @@ def _sequence_npz(path, n=1200, length=12, vocab=6, seed=0):
 def test_trainer_sequence_cross_entropy_learns_next_tokens(tmp_path, capsys):
   vocab = _sequence_npz(tmp_path / 'seq.npz')
   config = small_config(**{'loss': 'sequence_cross_entropy', 'data.source': 'npz',
-                           'data.path': str(tmp_path / 'seq.npz'), 'num_steps': 30,
+                           'data.path': str(tmp_path / 'seq.npz'), 'data.num_classes': vocab,
+                           'num_steps': 30,
                            'optimizer.name': 'adam', 'optimizer.learning_rate': 0.01,
                            'privacy.noise_multiplier': 0.5, **_QUIET})
   config.model = config.model.__class__({'name': 'transformer', 'vocab_size': vocab,
@@ -111,9 +112,10 @@ def test_targets_and_tokens_reach_the_step_unchanged_host_and_device(tmp_path):
   from dpjax.data import sources as data
   from dpjax.data import device as device_data  # pylint: disable=g-import-not-at-top
   _regression_npz(tmp_path / 'reg.npz', n=50)
-  _sequence_npz(tmp_path / 'seq.npz', n=50)
+  vocab = _sequence_npz(tmp_path / 'seq.npz', n=50)
   for loss, path in (('mse', 'reg.npz'), ('sequence_cross_entropy', 'seq.npz')):
-    config = small_config(**{'data.source': 'npz', 'data.path': str(tmp_path / path)})
+    config = small_config(**{'data.source': 'npz', 'data.path': str(tmp_path / path),
+                             'data.num_classes': vocab if path == 'seq.npz' else 0})
     train_source, _ = data.make_sources(config.data, loss=loss)
     raw = np.load(tmp_path / path)
     idx = np.array([3, 1, 4, 1, 5])

@@ -30,7 +30,8 @@ def _configs(root):
       'calibrated': small_config(**{'privacy.noise_multiplier': None,
                                     'privacy.target_epsilon': 2.0}),
       'non_private': small_config(**{'privacy.enabled': False}),
-      'npz': small_config(**{'data.source': 'npz', 'data.path': str(root / 'digits.npz')}),
+      'npz': small_config(**{'data.source': 'npz', 'data.path': str(root / 'digits.npz'),
+                             'data.num_classes': 10}),
   }
 
 

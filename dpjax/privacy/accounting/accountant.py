@@ -210,8 +210,8 @@ class Accountant:
       pld_coarsening: multiplies the discretisation (calibration searches with
         10: a looser but still valid upper bound, then checks at 1).
       exact_truncation: for Poisson with a cap B, also compute dp_accounting's exact
-        truncated event (costly) when the TV penalty is not negligible; False keeps the TV
-        penalty alone (valid, looser).
+        truncated event (costly) when the TV penalty is not negligible; False (forced when N
+        bounds `sampler.num_rows`) keeps the TV penalty alone (valid, looser).
       max_grid_points: refuse (GridTooLargeError, before allocating) a per-step
         PLD of more grid points × mixture components (`estimate_pld_grid_points`).
       allow_large_delta: accept δ >= 1/N (refused by default: such a δ allows releasing a
@@ -243,7 +243,7 @@ class Accountant:
     self.random_allocation = random_allocation
     self.value_discretization_interval = value_discretization_interval
     self.pld_coarsening = float(pld_coarsening)
-    self.exact_truncation = bool(exact_truncation)
+    self.exact_truncation = bool(exact_truncation) and sampler.num_rows is None
     self.random_allocation_timeout = random_allocation_timeout
     self.max_grid_points = sampler_events.check_positive_int('max_grid_points', max_grid_points)
     self._step_plds: dict[Any, pld_lib.PrivacyLossDistribution] = {}
