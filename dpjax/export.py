@@ -11,7 +11,9 @@ not at all):
 * `privacy_card.json`: ε, δ, the kind of bound, the accountant, the sampler, N,
   b, B, σ, C, the steps, the neighbouring relation, whether the seed was drawn
   in secret, the model and the public preprocessing needed to use the
-  parameters, and the dpjax version.
+  parameters, and the dpjax version; the accounting inputs and the runs it started
+  from (`init_from`: their ε, steps and inputs, without paths), so that a run starting
+  from this export composes their privacy loss with its own.
 
 Nothing else: no seed, no config or data paths, no metrics, no statistics of
 the private data. Everything in the workdir stays private (the seed, the
@@ -46,11 +48,12 @@ import numpy as np
 from dpjax.trainer import checkpoints
 from dpjax.trainer import cli
 from dpjax.trainer import finetune
+from dpjax.trainer import init_source
 from dpjax.trainer import run_seed
 
 PROG = 'python -m dpjax.export'
-CARD = 'privacy_card.json'
-PARAMS, EMA_PARAMS = 'params.npz', 'ema_params.npz'
+CARD = init_source.CARD_FILE
+PARAMS, EMA_PARAMS = init_source.PARAMS_FILE, 'ema_params.npz'
 REGISTRY = 'exports.jsonl'
 CARD_FORMAT = 'dpjax privacy card 1'
 
@@ -108,14 +111,19 @@ def privacy_card(meta: dict) -> dict[str, Any]:
       'input_shape': meta.get('model_io', {}).get('input_shape'),
       'preprocessing': {key: config['data'][key] for key in ('scale', 'mean', 'std',
                                                              'label_format')},
+      **init_source.card_fields(meta),
   }
+  composed = (card['init_from'] or {}).get('chain') if not (
+      card['init_from'] or {}).get('disjoint_data') else None
   if privacy.get('epsilon') is None:
     card['guarantee'] = 'none: a non-private run (ε = ∞).'
   else:
     card['guarantee'] = (
         f"({privacy['epsilon']:.6g}, {privacy['delta']:g})-DP ({privacy['bound']} bound, "
-        f"{privacy['accountant']}) of these parameters with respect to the training set, for "
-        f"{card['neighbouring_relation']}; it assumes the randomness of the run was secret "
+        f"{privacy['accountant']}) of these parameters with respect to the training set"
+        + (f' of this run and of the {len(composed)} run(s) it started from (init_from), their '
+           'privacy losses composed,' if composed else '')
+        + f" for {card['neighbouring_relation']}; it assumes the randomness of the run was secret "
         + ('(its seed was drawn from OS entropy)' if drawn else
            '(its seed was given in the config: the claim holds only if that seed was kept '
            'secret)') + '.')
@@ -136,9 +144,9 @@ def _full_params(trainable: dict, meta: dict, workdir: str) -> dict:
   model = models.make_model(ml_collections.ConfigDict(config['model']), io['num_classes'],
                             tuple(io['input_shape']))
   params = prng.init_params(model, seed.value, tuple(io['input_shape']))
-  if config.get('init_from'):
-    params = finetune.load_pretrained(config['init_from'], params,
-                                      config.get('init_from_rules', ()))
+  if config.get('init_from'):  # The weights the run started from (the step it accounted for).
+    weights = (meta.get('init_from') or {}).get('params_path') or config['init_from']
+    params = finetune.load_pretrained(weights, params, config.get('init_from_rules', ()))
   lora = config.get('lora', {})
   wrapped, _ = finetune.make_finetune(
       model, params, freeze=tuple(config.get('freeze', ())), lora_rank=lora.get('rank', 0),
