@@ -19,7 +19,8 @@ The **privacy fingerprint** (`RunPlan.fingerprint`) lists everything that
 enters ε: the private flag, the sampler and its accounting parameters (N, b,
 the resolved B, the group size), σ as used, C, δ, the resolved accountant, the
 runs `init_from` starts from (their ε composes with this run's unless
-`init_from_disjoint_data`, `dpjax.trainer.init_source`), the SHA-256 of the seed (it fixes which examples each step uses, which epoch-based
+`init_from_disjoint_data`, `dpjax.trainer.init_source`), the SHA-256 of the seed
+(it fixes which examples each step uses, which epoch-based
 accounting relies on; the seed itself is never stored in a checkpoint), the audit
 canaries, and the dataset's identity (source, name, split, N, and a digest of its
 content: features and labels in example order, `dpjax.data.identity`). Every

@@ -28,7 +28,8 @@ import time
 
 STATE_ENV = 'DPJAX_STATE_DIR'
 RECORD = 'seeds.jsonl'
-LEGACY_EXPORTS = 'exports.jsonl'  # The export registry before this record: {seed_sha256, workdir, out}.
+# The export registry before this record (rows {seed_sha256, workdir, out}), read as exports.
+LEGACY_EXPORTS = 'exports.jsonl'
 TRAIN, EXPORT = 'train', 'export'
 
 

@@ -30,7 +30,8 @@ COARSE = {'value_discretization_interval': 1e-3}  # Cheaper PLDs; the same on bo
 @pytest.fixture(scope='module')
 def runs(shared_setup):
   """The fingerprint tests' finished runs: 'given' is A; 'non_private' trained without noise."""
-  return pathlib.Path(shared_setup('fingerprint_runs', test_fingerprint._train_runs))  # pylint: disable=protected-access
+  build = test_fingerprint._train_runs  # pylint: disable=protected-access
+  return pathlib.Path(shared_setup('fingerprint_runs', build))
 
 
 @functools.lru_cache(maxsize=16)
@@ -85,9 +86,10 @@ def test_b_from_a_on_d_permuted_or_d_minus_one_reports_the_composition(runs, tmp
 def test_a_run_from_an_export_reports_the_composition_everywhere_and_a_chain_composes_all(
     runs, tmp_path, capsys):
   """An export's params.npz (its card beside it) was taken as public on da06065: B reported its
-  own ε (1.78 after 2 steps, where A ∘ B is 2.45). Now B (2 steps from A's export) reports A ∘ B on its start and Final lines ("composed
-  with" the source), in metrics.jsonl, in every checkpoint and in its own export's card, which
-  records A; C from B's export composes A ∘ B ∘ C. Failed on da06065 (checked)."""
+  own ε (1.78 after 2 steps, where A ∘ B is 2.45). Now B (2 steps from A's export) reports
+  A ∘ B on its start and Final lines ("composed with" the source), in metrics.jsonl, in every
+  checkpoint and in its own export's card, which records A; C from B's export composes
+  A ∘ B ∘ C. Failed on da06065 (checked)."""
   a_export = tmp_path / 'a_export'
   export.export(str(runs / 'given'), str(a_export))
   source = str(a_export / 'params.npz')
