@@ -13,7 +13,9 @@ not at all):
   `data.public_num_examples`: `dpjax.trainer.training_set_size`), b, B, σ, C,
   the steps, the neighbouring relation, whether the seed was drawn in secret,
   the model and the public preprocessing needed to use the parameters (the
-  resolved scale), and the dpjax version.
+  resolved scale), and the dpjax version; the accounting inputs and the runs it
+  started from (`init_from`: their ε, steps and inputs, without paths), so that a
+  run starting from this export composes their privacy loss with its own.
 
 Nothing else: no seed, no config or data paths, no metrics, no statistics of
 the private data beyond N when N is treated as public. Everything in the workdir stays private (the seed, the
@@ -22,11 +24,11 @@ docs/threat_model.md).
 
 Two runs that share a seed share their noise, so releasing both reveals the
 noise-free difference of their gradients. Each export is recorded (the seed's
-SHA-256, the workdir, the output) in a private registry on this machine
-(`$DPJAX_STATE_DIR/exports.jsonl`, default `~/.local/state/dpjax`), and an
-export into a directory tree that already holds another run's export with the
-same seed is refused (`--allow_shared_seed` overrides). Runs with drawn seeds
-(the default) never share one.
+SHA-256, the workdir, the output) in this user's seed record
+(`dpjax.trainer.seed_record`: `$DPJAX_STATE_DIR/seeds.jsonl`, default
+`~/.local/state/dpjax`), and the export of a run whose seed another run already
+exported, anywhere, is refused (`--allow_shared_seed` overrides). Runs with drawn
+seeds (the default) never share one.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from importlib import metadata as importlib_metadata
 from typing import Any
 
@@ -48,21 +49,15 @@ import numpy as np
 from dpjax.trainer import checkpoints
 from dpjax.trainer import cli
 from dpjax.trainer import finetune
+from dpjax.trainer import init_source
 from dpjax.trainer import run_seed
+from dpjax.trainer import seed_record
 from dpjax.trainer import training_set_size
 
 PROG = 'python -m dpjax.export'
-CARD = 'privacy_card.json'
-PARAMS, EMA_PARAMS = 'params.npz', 'ema_params.npz'
-REGISTRY = 'exports.jsonl'
+CARD = init_source.CARD_FILE
+PARAMS, EMA_PARAMS = init_source.PARAMS_FILE, 'ema_params.npz'
 CARD_FORMAT = 'dpjax privacy card 1'
-
-
-def state_dir() -> str:
-  """Where this machine's private dpjax state lives (the export registry)."""
-  return os.environ.get('DPJAX_STATE_DIR') or os.path.join(
-      os.environ.get('XDG_STATE_HOME') or os.path.join(os.path.expanduser('~'), '.local',
-                                                       'state'), 'dpjax')
 
 
 def dpjax_version() -> str:
@@ -113,14 +108,19 @@ def privacy_card(meta: dict) -> dict[str, Any]:
       # As it ran (the resolved scale); older checkpoints kept only the config's values.
       'preprocessing': meta.get('model_io', {}).get('preprocessing') or {
           key: config['data'][key] for key in ('scale', 'mean', 'std', 'label_format')},
+      **init_source.card_fields(meta),
   }
+  composed = (card['init_from'] or {}).get('chain') if not (
+      card['init_from'] or {}).get('disjoint_data') else None
   if privacy.get('epsilon') is None:
     card['guarantee'] = 'none: a non-private run (ε = ∞).'
   else:
     card['guarantee'] = (
         f"({privacy['epsilon']:.6g}, {privacy['delta']:g})-DP ({privacy['bound']} bound, "
-        f"{privacy['accountant']}) of these parameters with respect to the training set, for "
-        f"{card['neighbouring_relation']}; it assumes the randomness of the run was secret "
+        f"{privacy['accountant']}) of these parameters with respect to the training set"
+        + (f' of this run and of the {len(composed)} run(s) it started from (init_from), their '
+           'privacy losses composed,' if composed else '')
+        + f" for {card['neighbouring_relation']}; it assumes the randomness of the run was secret "
         + ('(its seed was drawn from OS entropy)' if drawn else
            '(its seed was given in the config: the claim holds only if that seed was kept '
            'secret)') + '.')
@@ -141,9 +141,9 @@ def _full_params(trainable: dict, meta: dict, workdir: str) -> dict:
   model = models.make_model(ml_collections.ConfigDict(config['model']), io['num_classes'],
                             tuple(io['input_shape']))
   params = prng.init_params(model, seed.value, tuple(io['input_shape']))
-  if config.get('init_from'):
-    params = finetune.load_pretrained(config['init_from'], params,
-                                      config.get('init_from_rules', ()))
+  if config.get('init_from'):  # The weights the run started from (the step it accounted for).
+    weights = (meta.get('init_from') or {}).get('params_path') or config['init_from']
+    params = finetune.load_pretrained(weights, params, config.get('init_from_rules', ()))
   lora = config.get('lora', {})
   wrapped, _ = finetune.make_finetune(
       model, params, freeze=tuple(config.get('freeze', ())), lora_rank=lora.get('rank', 0),
@@ -156,42 +156,14 @@ def _flat_numpy(params) -> dict[str, np.ndarray]:
   return {k: np.asarray(v) for k, v in finetune.flatten(params).items()}
 
 
-def _registry_conflict(digest: str, workdir: str, out: str) -> dict | None:
-  """An earlier export of another run with the same seed into the same directory tree."""
-  path = os.path.join(state_dir(), REGISTRY)
-  if not os.path.exists(path):
-    return None
-  tree = os.path.dirname(out)
-  with open(path) as f:
-    for line in f:
-      try:
-        row = json.loads(line)
-      except ValueError:
-        continue
-      other_tree = os.path.dirname(row.get('out', ''))
-      same_tree = os.path.commonpath([tree, other_tree]) in (tree, other_tree)
-      if (row.get('seed_sha256') == digest and row.get('workdir') != workdir and same_tree
-          and os.path.exists(row.get('out', ''))):
-        return row
-  return None
-
-
-def _record(digest: str, workdir: str, out: str) -> None:
-  directory = state_dir()
-  os.makedirs(directory, mode=0o700, exist_ok=True)
-  fd = os.open(os.path.join(directory, REGISTRY), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-  with os.fdopen(fd, 'a') as f:
-    f.write(json.dumps({'seed_sha256': digest, 'workdir': workdir, 'out': out,
-                        'time': time.time()}) + '\n')
-
-
 def export(workdir: str, out: str, *, step: int | None = None,
            allow_shared_seed: bool = False) -> dict[str, Any]:
   """Writes the release of `workdir` (newest checkpoint, or `step`) into the new directory `out`.
 
   Returns the privacy card. Raises ValueError (one line) before writing anything if the
-  workdir has no readable checkpoint, `out` exists and is not empty, or another run's export
-  with the same seed is in the same directory tree.
+  workdir has no readable checkpoint, `out` exists and is not empty, or another run with the
+  same seed was exported (`seed_record`; a record that cannot be read or written costs one
+  warning line on stderr).
   """
   workdir, out = os.path.realpath(workdir), os.path.realpath(out)
   if not os.path.isdir(workdir):
@@ -206,13 +178,17 @@ def export(workdir: str, out: str, *, step: int | None = None,
   if digest is None:
     raise ValueError(f'--workdir {workdir!r}: its checkpoints were written by an older dpjax '
                      '(no seed digest); retrain to export.')
-  conflict = None if allow_shared_seed else _registry_conflict(digest, workdir, out)
+  warnings, conflict = [], None
+  try:
+    conflict = None if allow_shared_seed else seed_record.exported_elsewhere(digest, workdir)
+  except OSError as e:
+    warnings.append(seed_record.unusable(e))
   if conflict is not None:
     raise ValueError(
         f'--workdir {workdir!r} used the same seed as {conflict["workdir"]!r}, already exported to '
-        f'{conflict["out"]!r} in the same directory tree: two releases that share their noise '
-        'reveal the noise-free difference of their gradients. Retrain one run with another seed '
-        '(leave seed unset to draw one), or pass --allow_shared_seed if you know why.')
+        f'{conflict.get("out")!r}: two releases that share their noise reveal the noise-free '
+        'difference of their gradients. Retrain one run with another seed (leave seed unset to '
+        'draw one), or pass --allow_shared_seed if you know why.')
   state = checkpoints.read_state(workdir, meta['step'])  # Verified against the manifest.
   card = privacy_card(meta)
   files = {PARAMS: _flat_numpy(_full_params(state['params'], meta, workdir))}
@@ -234,7 +210,12 @@ def export(workdir: str, out: str, *, step: int | None = None,
   except BaseException:
     shutil.rmtree(staging, ignore_errors=True)
     raise
-  _record(digest, workdir, out)
+  try:
+    seed_record.append(digest, seed_record.EXPORT, workdir, out)
+  except OSError as e:
+    warnings.append(seed_record.unusable(e))
+  for line in warnings[:1]:
+    print(f'{PROG}: warning: {line}', file=sys.stderr, flush=True)
   return card
 
 
@@ -246,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
   flags.DEFINE_integer('step', None, 'the checkpoint to export (default: the newest)',
                        flag_values=fv)
   flags.DEFINE_boolean('allow_shared_seed', False, 'export even if another run with the same '
-                       'seed was exported into the same directory tree', flag_values=fv)
+                       'seed was already exported', flag_values=fv)
   cli.parse_command(PROG, __doc__, fv, sys.argv[1:] if argv is None else argv)
   if not fv.workdir or not fv.out:
     cli.fail(PROG, '--workdir and --out are required. See --help.')

@@ -37,6 +37,7 @@ if __name__ == '__main__':  # Ctrl-C during the imports below: one line, exit 13
     os._exit(130)  # pylint: disable=protected-access
   signal.signal(signal.SIGINT, _interrupted_while_starting)
 
+import dataclasses  # pylint: disable=g-import-not-at-top,wrong-import-position
 import tempfile  # pylint: disable=g-import-not-at-top,wrong-import-position
 from typing import Any
 
@@ -58,6 +59,7 @@ from dpjax.models import factory as models
 from dpjax.trainer import perf as perf_lib
 from dpjax.trainer import plan as plan_lib
 from dpjax.trainer import run_seed
+from dpjax.trainer import seed_record
 from dpjax.privacy import sharding
 from dpjax.trainer import loop as training_loop
 from dpjax.trainer import workdir_lock
@@ -165,6 +167,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                                 seed_source=seed.source, resumed_step=resumed[0], perf=perf)
     if sharding.is_primary_process():  # Before any compute: the resume needs it.
       run_seed.store_seed(workdir, seed)
+      if seed.source == 'config' and not resumed[0]:  # A fresh run with a given seed.
+        reuse = seed_record.start_warnings(plan.fingerprint['seed_sha256'], workdir)
+        plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(reuse))
     return training_loop.run(plan, workdir, train_source, test_source, model, mesh)
   finally:
     lock.release()

@@ -6,6 +6,10 @@ same small programs; caching them on disk for the session keeps the suite
 within its time budget on two CPU cores. Results are unaffected: a cached
 executable is the same program.
 
+Each test gets its own seed record (`DPJAX_STATE_DIR`, `dpjax.trainer.seed_record`): the
+suite's many runs with seed 0 never touch the user's home and never trip each other; a test
+that reuses a seed within itself sees what a user would.
+
 The `shared_setup` fixture builds an expensive, read-only setup (finished runs, a workdir)
 once per test session even under pytest-xdist, where each worker would otherwise run a
 module-scoped fixture again for its share of the module's tests. `in_process_pld_builds`
@@ -15,6 +19,7 @@ builds balls-and-bins PLDs without starting an interpreter for each.
 import contextlib
 import fcntl
 import functools
+import hashlib
 import os
 import shutil
 import tempfile
@@ -37,6 +42,18 @@ if os.environ.get('JAX_PLATFORMS', 'cpu') == 'cpu':
 jax.config.update('jax_compilation_cache_dir', _CACHE)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
 jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
+
+
+# Until a test sets its own (below), and for anything run outside a test: never the real home.
+_SESSION_STATE = tempfile.mkdtemp(prefix='dpjax-test-state-')
+os.environ['DPJAX_STATE_DIR'] = os.path.join(_SESSION_STATE, 'session')
+
+
+@pytest.fixture(autouse=True)
+def private_seed_record(request, monkeypatch):
+  """This test's own seed record (created only if a run writes to it)."""
+  key = hashlib.sha256(request.node.nodeid.encode()).hexdigest()[:16]
+  monkeypatch.setenv('DPJAX_STATE_DIR', os.path.join(_SESSION_STATE, key))
 
 
 def shared_directory(tmp_path_factory, name: str, build) -> str:

@@ -44,6 +44,7 @@ from dpjax.privacy import noise
 from dpjax.privacy import samplers as samplers_lib
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import calibration
+from dpjax.privacy.accounting import composition
 
 
 class LargeDeltaWarning(UserWarning):
@@ -126,7 +127,8 @@ class PrivacyPlan:
       check_budget: refuse a given σ whose final ε exceeds `target_epsilon` (costs one
         accounting query; False defers it to `check_budget`).
       **accountant_options: other `accounting.Accountant` options (random_allocation_timeout,
-        monte_carlo_workers, ...).
+        monte_carlo_workers, prior_runs: the runs this one starts from, composed in ε and
+        calibrated for, ...).
 
     Raises:
       ValueError (one line, naming the argument) for any invalid input or a budget overrun.
@@ -215,7 +217,9 @@ class PrivacyPlan:
   def fingerprint(self) -> dict[str, Any]:
     """Everything here that enters ε, JSON-ready (the seed only as its SHA-256)."""
     s = self.sampler
+    prior = {composition.FINGERPRINT_FIELD: [r.fingerprint for r in self.accountant.prior_runs]}
     return {
+        **(prior if self.accountant.prior_runs else {}),
         'sampler.name': s.name,
         'sampler.num_examples': s.num_examples,
         'sampler.batch_size': s.batch_size,

@@ -39,14 +39,15 @@ from dpjax.trainer import plan as plan_lib
 def init_params(plan: plan_lib.RunPlan, model, input_shape) -> tuple[Any, Any]:
   """(model, trainable params): initialised from the plan's seed, or fine-tuned.
 
-  `init_from` loads public pretrained weights (they do not enter ε); `freeze`
-  and `lora.rank` make frozen parameters, which get no gradient, noise or
-  clipping, part of the returned model.
+  `init_from` loads pretrained weights: public ones, or a dpjax run's or export's, whose
+  privacy loss the plan's accountant composes (`plan.init_source`, read from the checkpoint
+  it accounted for); `freeze` and `lora.rank` make frozen parameters, which get no gradient,
+  noise or clipping, part of the returned model.
   """
   config = plan.config
   params = prng.init_params(model, plan.seed, input_shape)
   if config.init_from:
-    params = finetune.load_pretrained(config.init_from, params, config.init_from_rules)
+    params = finetune.load_pretrained(plan.init_source.weights, params, config.init_from_rules)
   if config.freeze or config.lora.rank:
     model, params = finetune.make_finetune(
         model, params, freeze=config.freeze, lora_rank=config.lora.rank,

@@ -1,8 +1,10 @@
 """Fine-tuning from pretrained parameters: loading, freezing and LoRA adapters.
 
 Loading (`config.init_from`, `config.init_from_rules`): a `.npz` of parameters
-keyed by their '/'-joined paths (`save_npz` writes one), a dpjax workdir (its
-newest checkpoint's `params`), or one orbax checkpoint step directory of it.
+keyed by their '/'-joined paths (`save_npz` writes one), a dpjax export directory
+(its `params.npz`), a dpjax workdir (its newest checkpoint's `params`), or one
+orbax checkpoint step directory of it. Whose privacy loss comes with them:
+`dpjax.trainer.init_source`.
 Rename rules (regex, replacement) are applied in order to the file's keys
 with `re.sub`; a key renamed to '' is dropped. The result must match the
 model's parameters key for key and shape for shape, else ONE ValueError line
@@ -25,10 +27,9 @@ pass that of the pretrained model.
 constants (and the LoRA products) in, so the DP step sees only the trainable
 parameters: per-example gradients, their norms, the clipping and the noise
 are over the trainable parameters alone. Frozen parameters get no gradient,
-no noise and no share of the clip norm, and they are public in the DP sense
-(they come from pretraining on public/other data, not from the private
-training set): the guarantee is unchanged, and it covers only the private
-fine-tuning data.
+no noise and no share of the clip norm: they are part of the starting weights,
+public when those are (an .npz without a privacy card), else covered by the
+composition of their runs' privacy loss with this run's (`init_source`).
 
 Clipping methods: with frozen parameters, ghost clipping covers the wrapped
 model as before (tested equal to vmap); LoRA adapters are not covered by
@@ -39,7 +40,6 @@ with a log line, and 'ghost' is refused with a clear error.
 from __future__ import annotations
 
 from collections.abc import Sequence
-import json
 import math
 import os
 import re
@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpjax.trainer import checkpoints
+from dpjax.trainer import init_source
 from dpjax.privacy import prng
 
 Params = Any
@@ -88,6 +89,9 @@ def read_params(init_from: str) -> dict[str, np.ndarray]:
                        "'/'-joined paths.")
     with np.load(init_from) as f:
       return {k: f[k] for k in f.files}
+  export = os.path.join(init_from, init_source.PARAMS_FILE)
+  if os.path.isfile(os.path.join(init_from, init_source.CARD_FILE)) and os.path.isfile(export):
+    return read_params(export)  # A dpjax export.
   if os.path.isdir(os.path.join(init_from, checkpoints.CHECKPOINT_DIR)):  # A dpjax workdir.
     directory = checkpoints.checkpoint_dir(init_from)
     steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit())
@@ -105,25 +109,6 @@ def read_params(init_from: str) -> dict[str, np.ndarray]:
     raise ValueError(f'init_from = {init_from!r}: the checkpoint holds no params '
                      f'(keys {sorted(state)}).')
   return {k: np.asarray(v) for k, v in flatten(state['params']).items()}
-
-
-def source_metadata(init_from: str) -> dict | None:
-  """The checkpoint metadata (fingerprint, dataset, ...) of the dpjax run `init_from` names (a
-  workdir or a checkpoint step directory), or None when it is not one (an .npz, or
-  checkpoints without metadata)."""
-  if not isinstance(init_from, str) or not init_from or os.path.isfile(init_from):
-    return None
-  if os.path.isdir(os.path.join(init_from, checkpoints.CHECKPOINT_DIR)):
-    rows = [r for r in checkpoints.read_metadata(init_from) if 'error' not in r]
-    return rows[-1] if rows else None
-  path = os.path.join(init_from, 'metadata', 'metadata')
-  if os.path.isfile(path):
-    try:
-      with open(path) as f:
-        return json.load(f)
-    except (OSError, ValueError):
-      return None
-  return None
 
 
 def apply_rules(flat: dict[str, Any], rules: Sequence[Sequence[str]]) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 `run_fingerprint` lists the private flag, the sampler and its accounting parameters (N or
 its declared public bound, b, the resolved cap B, the group size), σ as used, C, δ, the
-resolved accountant, the SHA-256 of the seed, the audit canaries and the dataset's identity
+resolved accountant, the runs `init_from` starts from and whether their data is declared
+disjoint, the SHA-256 of the seed, the audit canaries and the dataset's identity
 (`dataset_identity`: source, split, N and a digest of its content, `dpjax.data.identity`).
 Settings that cannot change ε (`dpjax.trainer.perf.Perf`) are not among its inputs.
 """
@@ -19,6 +20,7 @@ import ml_collections
 from dpjax.data import identity as data_identity
 from dpjax.privacy import privacy_plan
 from dpjax.privacy.accounting import accountant as accountant_lib
+from dpjax.privacy.accounting import composition
 from dpjax.trainer import training_set_size
 
 FINGERPRINT_VERSION = 2  # 2: the seed as its SHA-256, the data by its content.
@@ -39,10 +41,13 @@ def run_fingerprint(config, sampler, max_batch_size: int, privacy, dataset) -> d
               'privacy.group_size': None, 'privacy.noise_multiplier': None,
               'privacy.clip_norm': None, 'privacy.delta': None, 'privacy.accountant': None,
               'seed_sha256': privacy_plan.seed_digest(sampler.seed)}
+  init = {'init_from_disjoint_data': bool(config.get('init_from_disjoint_data'))}
   return {
       'fingerprint_version': FINGERPRINT_VERSION,
       'privacy.enabled': privacy is not None,
       **fields,
+      # Whether the starting weights' runs are composed (present when init_from is set).
+      **(init if config.get('init_from') else {}),
       # Audit canaries change the data (N + m rows) and what each canary contributes.
       'audit.num_canaries': canaries,
       'audit.kind': audit.get('kind') if canaries else None,
@@ -105,8 +110,10 @@ def _is_float(x) -> bool:
 class PendingFields:
   """The fingerprint fields of a privacy plan before σ is calibrated (for the resume check)."""
 
-  def __init__(self, sampler, max_batch_size, privacy, sigma):
+  def __init__(self, sampler, max_batch_size, privacy, sigma, prior_runs=()):
+    prior = {composition.FINGERPRINT_FIELD: [r.fingerprint for r in prior_runs]}
     self.fingerprint = {
+        **(prior if prior_runs else {}),
         'sampler.name': sampler.name, 'sampler.num_examples': sampler.num_examples,
         'sampler.batch_size': sampler.batch_size, 'sampler.max_batch_size': max_batch_size,
         'privacy.group_size': privacy.group_size,

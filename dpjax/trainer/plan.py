@@ -18,7 +18,9 @@ accountant, so what is reported is what ran. `make_accountant(config, N)` is
 The **privacy fingerprint** (`RunPlan.fingerprint`) lists everything that
 enters ε: the private flag, the sampler and its accounting parameters (N, b,
 the resolved B, the group size), σ as used, C, δ, the resolved accountant, the
-SHA-256 of the seed (it fixes which examples each step uses, which epoch-based
+runs `init_from` starts from (their ε composes with this run's unless
+`init_from_disjoint_data`, `dpjax.trainer.init_source`), the SHA-256 of the seed
+(it fixes which examples each step uses, which epoch-based
 accounting relies on; the seed itself is never stored in a checkpoint), the audit
 canaries, and the dataset's identity (source, name, split, N, and a digest of its
 content: features and labels in example order, `dpjax.data.identity`). Every
@@ -47,6 +49,7 @@ from dpjax.data import sources as data_lib
 from dpjax.privacy import privacy_plan
 from dpjax.privacy import samplers as samplers_lib
 from dpjax.privacy.accounting import accountant as accountant_lib
+from dpjax.privacy.accounting import composition
 from dpjax.privacy.auditing import audited_sgd
 from dpjax.privacy.auditing import canaries as canaries_lib
 
@@ -78,6 +81,8 @@ class RunPlan:
     seed_source: 'drawn' (OS entropy), 'workdir' (the seed a resumed run drew) or 'config'
       (given by the user: the guarantee then needs it to be secret).
     warnings: lines to print at start (e.g. δ above 1/(10·N)).
+    init_source: what `init_from` names (`dpjax.trainer.init_source`): the runs whose privacy
+      loss the accountant composes with this run's, or weights assumed public; None without.
   """
 
   config: ml_collections.ConfigDict
@@ -90,6 +95,7 @@ class RunPlan:
   dataset: dict[str, Any] | None
   seed_source: str = 'config'
   warnings: tuple[str, ...] = ()
+  init_source: Any = None
 
   @property
   def seed(self) -> int:
@@ -222,13 +228,17 @@ def make_plan(config: ml_collections.ConfigDict, data: Any,
   else:
     num_examples = len(data)
     dataset = fingerprint_lib.dataset_identity(config.data, data, fingerprint_lib.data_key(seed))
-  if dataset is not None and config.get('init_from'):
-    _check_init_from(config.init_from, dataset)
+  init = None
+  if config.get('init_from'):
+    from dpjax.trainer import init_source  # pylint: disable=import-outside-toplevel
+    init = init_source.read_source(config.init_from, bool(config.get('init_from_disjoint_data')))
   sampler = make_sampler(config, num_examples, seed=seed)
   num_steps = num_train_steps(config, sampler)
   _check_resumable(previous, resumed_step, num_steps)
   private = bool(config.privacy.enabled)
   notes = _delta_warnings(config.privacy, sampler.num_examples) if private else []
+  if init is not None and dataset is not None:
+    notes += init.data_notes(dataset['content_sha256'])
   perf = perf or perf_lib.Perf.from_config(config)
   max_batch_size = _resolve_max_batch_size(config, sampler, previous, num_steps,
                                            float(config.privacy.delta) if private else 1e-5,
@@ -239,7 +249,7 @@ def make_plan(config: ml_collections.ConfigDict, data: Any,
   plan = RunPlan(config=resolved, sampler=sampler, num_steps=num_steps,
                  perf=perf,
                  max_batch_size=max_batch_size, private=private, privacy=None, dataset=dataset,
-                 seed_source=seed_source, warnings=tuple(notes))
+                 seed_source=seed_source, warnings=tuple(notes), init_source=init)
   if not private:
     if previous is not None:
       _refuse_changes(previous, plan.fingerprint)
@@ -302,10 +312,17 @@ def _privacy_plan(config: ml_collections.ConfigDict, plan: RunPlan,
   if privacy.get('random_allocation_timeout'):  # Seconds; the Accountant's default otherwise.
     options['random_allocation_timeout'] = privacy.random_allocation_timeout
   options.update(accountant_options or {})
+  pld_options = {k: v for k, v in options.items() if k == 'value_discretization_interval'}
+  prior = (plan.init_source.prior_runs(privacy.group_size, **pld_options) if plan.init_source
+           else ())
+  options['prior_runs'] = prior
   if previous is not None:  # Refuse before any (costly) accounting.
     _refuse_changes(previous, fingerprint_lib.run_fingerprint(
         config, sampler, plan.max_batch_size,
-        fingerprint_lib.PendingFields(sampler, plan.max_batch_size, privacy, sigma), plan.dataset))
+        fingerprint_lib.PendingFields(sampler, plan.max_batch_size, privacy, sigma, prior),
+        plan.dataset))
+  if prior and privacy.target_epsilon:
+    _check_prior_budget(prior, privacy, plan.init_source.path)
   with warnings.catch_warnings():
     warnings.simplefilter('ignore', privacy_plan.LargeDeltaWarning)  # Noted by make_plan.
     private_plan = privacy_plan.PrivacyPlan.create(
@@ -322,6 +339,7 @@ def _privacy_plan(config: ml_collections.ConfigDict, plan: RunPlan,
   except privacy_plan.BudgetExceededError as e:
     what = (f'extending the run to {num_steps} steps' if previous is not None else
             f'privacy.noise_multiplier = {private_plan.noise_multiplier:g} over {num_steps} steps')
+    what += ', composed with the runs init_from starts from,' if prior else ''
     raise PlanError(f'{what} would reach ε = {e.final_epsilon:.4g} (δ = {private_plan.delta:g}), '
                     f'above privacy.target_epsilon = {private_plan.target_epsilon:g}. Raise '
                     'privacy.target_epsilon (the budget), raise σ, or shorten the run.' + (
@@ -330,24 +348,15 @@ def _privacy_plan(config: ml_collections.ConfigDict, plan: RunPlan,
   return private_plan
 
 
-def _check_init_from(init_from: str, dataset: dict[str, Any]) -> None:
-  """Refuses starting from a dpjax run that trained on this same dataset (its ε would add up)."""
-  from dpjax.trainer import finetune  # pylint: disable=import-outside-toplevel
-  previous = finetune.source_metadata(init_from)
-  if not previous:
-    return
-  fingerprint, earlier = previous.get('fingerprint', {}), previous.get('dataset') or {}
-  same_content = fingerprint.get('data.content_sha256') == dataset['content_sha256']
-  same_place = (earlier.get('location') == dataset['location'] and
-                earlier.get('split') == dataset['split'])
-  if same_content or same_place:
-    what = 'the same content' if same_content else (
-        f"the same dataset ({dataset['source']} {dataset['name']!r}, split {dataset['split']!r})")
-    raise PlanError(
-        f'init_from = {init_from!r}: a dpjax run trained on {what}, so the released model would '
-        "depend on this data through both runs, and dpjax does not compose two runs' ε. Extend "
-        'that run instead (raise num_steps or num_epochs and rerun it in its workdir: one ε '
-        'covers it all), or start from weights that never saw this data.')
+def _check_prior_budget(prior, privacy, init_from: str) -> None:
+  """PlanError when the runs init_from starts from already spend privacy.target_epsilon."""
+  eps = composition.prior_epsilon(prior, float(privacy.delta))
+  if eps >= privacy.target_epsilon:
+    raise PlanError(f'privacy.target_epsilon = {privacy.target_epsilon:g}: the run(s) init_from = '
+                    f'{init_from!r} starts from already reach ε = {eps:.4g} at δ = '
+                    f'{privacy.delta:g}, and this run can only add to it. Raise the target, or '
+                    'set init_from_disjoint_data = True if this data shares no individual with '
+                    'theirs.')
 
 
 def _refuse_changes(previous: dict[str, Any], current: dict[str, Any]) -> None:
@@ -385,5 +394,6 @@ def privacy_metadata(step: int, report, plan: RunPlan, step_fns,
       'num_truncated': num_truncated,  # Not covered by ε (a count of the private batch sizes).
       'seed_source': plan.seed_source,  # The seed itself is in private/seed.json only.
       'dataset': plan.dataset,
+      'init_from': plan.init_source.metadata() if plan.init_source else None,
       'config': plan.config.to_dict(),
   }

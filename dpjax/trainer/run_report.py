@@ -37,7 +37,10 @@ def announce(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
   final_epsilon = plan.accountant.epsilon(plan.num_steps) if plan.private else None
   log(f'Model {config.model.name} with {num_params:,} parameters; {plan.summary()}'
-      + (f'; final ε = {final_epsilon:.4f}' if plan.private else '') + '.')
+      + (f'; final ε = {final_epsilon:.4f}{composed_with(plan.accountant)}' if plan.private
+         else '') + '.')
+  if plan.init_source is not None:
+    log(plan.init_source.describe())
   log(run_seed.RunSeed(plan.seed, plan.seed_source).describe(workdir))
   if plan.private:
     for line in run_warnings.RunWarnings().epsilon(final_epsilon, plan.target_epsilon):
@@ -48,6 +51,12 @@ def announce(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource
         f'{preprocess.describe()}.')
   for line in plan.warnings:
     log(f'WARNING: {line}')
+
+
+def composed_with(accountant) -> str:
+  """', composed with <runs>' when ε composes the runs init_from starts from, else ''."""
+  runs = accountant.prior_runs if accountant is not None else ()
+  return f', composed with {", ".join(r.name for r in runs)}' if runs else ''
 
 
 def finish(plan: plan_lib.RunPlan, state, last: dict[str, Any], evaluate: Callable,
@@ -68,8 +77,8 @@ def finish(plan: plan_lib.RunPlan, state, last: dict[str, Any], evaluate: Callab
   if final_report is not None:
     result['privacy'] = final_report.to_dict()
   eps_text = (f'ε = {final_report.epsilon:.4f} ({final_report.bound} bound, '
-              f'{final_report.accountant}), δ = {final_report.delta:g}' if final_report
-              else 'non-private (ε = ∞)')
+              f'{final_report.accountant}{composed_with(accountant)}), δ = '
+              f'{final_report.delta:g}' if final_report else 'non-private (ε = ∞)')
   if auditor is not None:
     result['audit'] = auditor(state.params)
     eps_text += (f'; audit ε ≥ {result["audit"]["audit_epsilon_lower"]:.4f} (one-run lower '

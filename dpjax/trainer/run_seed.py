@@ -13,7 +13,8 @@ tells them apart. So, with `config.seed = None` (the default):
 A seed given in the config is used as is, but the guarantee then requires that
 seed to be secret (the trainer says so at start and on the `Final:` line), and
 runs of a sweep must use different seeds (two runs sharing a seed share their
-noise, so their difference is noise-free). The seed is never written to
+noise, so their difference is noise-free; `dpjax.trainer.seed_record` names a second
+run with one given seed at its start and refuses its export). The seed is never written to
 `config.json`, checkpoint metadata or an export; fingerprints hold its SHA-256.
 On several hosts process 0 draws it and broadcasts it.
 """

@@ -18,11 +18,6 @@ CARD_FIELDS = {'epsilon', 'delta', 'bound', 'accountant', 'sampler', 'num_exampl
                'dpjax_version', 'guarantee', 'seed_drawn_in_secret'}
 
 
-@pytest.fixture(autouse=True)
-def _private_registry(tmp_path, monkeypatch):
-  monkeypatch.setenv('DPJAX_STATE_DIR', str(tmp_path / 'state'))
-
-
 @pytest.fixture(scope='module')
 def drawn_run(tmp_path_factory):
   """A 3-step run with a drawn seed and an EMA."""
@@ -82,20 +77,50 @@ def test_the_card_says_n_is_public_and_records_the_scale_that_ran(drawn_run, tmp
   np.testing.assert_allclose((raw / p['scale'] - p['mean'][0]) / p['std'][0], trained, rtol=1e-6)
 
 
-def test_exports_of_two_runs_sharing_a_seed_into_one_tree_are_refused(tmp_path, capsys):
-  for name in ('lr_a', 'lr_b'):
+def test_a_second_run_with_a_given_seed_is_named_at_start_and_its_export_refused_anywhere(
+    tmp_path, capsys):
+  """Issue 34 item 8: two runs with one given seed (their noise identical) started and exported
+  to two directory trees without a word on da06065. Now the second run's start names the
+  first in one line, a resume of the first is not a reuse, and the second export is refused
+  wherever it goes (one line naming both runs) unless --allow_shared_seed. On da06065 there was
+  no warning and the export into another tree succeeded: this test failed there (checked)."""
+  workdirs = [str(tmp_path / name) for name in ('lr_a', 'lr_b')]
+  starts = []
+  for workdir in workdirs:
     train.train_and_evaluate(small_config(**{'seed': 11, 'num_steps': 2,
-                                             'checkpoint_every_steps': 2}),
-                             str(tmp_path / name))
-  export.export(str(tmp_path / 'lr_a'), str(tmp_path / 'sweep' / 'a'))
-  export.export(str(tmp_path / 'lr_a'), str(tmp_path / 'sweep' / 'a_again'))  # Same run: fine.
+                                             'checkpoint_every_steps': 2}), workdir)
+    starts.append(capsys.readouterr().out)
+  reuse = 'used this same given seed'
+  assert reuse not in starts[0]
+  (line,) = [l for l in starts[1].splitlines() if reuse in l]
+  assert line.startswith(f'WARNING: seed: the run in {os.path.realpath(workdirs[0])} used')
+  train.train_and_evaluate(small_config(**{'seed': 11, 'num_steps': 3}), workdirs[0])  # Resume.
+  assert reuse not in capsys.readouterr().out
+  export.export(workdirs[0], str(tmp_path / 'sweep' / 'a'))
+  export.export(workdirs[0], str(tmp_path / 'again'))  # The same run again: fine.
   with pytest.raises(SystemExit) as exit_info:
-    export.main(['--workdir', str(tmp_path / 'lr_b'), '--out', str(tmp_path / 'sweep' / 'b')])
+    export.main(['--workdir', workdirs[1], '--out', str(tmp_path / 'elsewhere' / 'b')])
   assert exit_info.value.code == 2
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and 'same seed' in err and 'noise-free difference' in err
-  assert not os.path.exists(tmp_path / 'sweep' / 'b')
-  export.export(str(tmp_path / 'lr_b'), str(tmp_path / 'sweep' / 'b'), allow_shared_seed=True)
+  assert os.path.realpath(workdirs[0]) in err and os.path.realpath(workdirs[1]) in err
+  assert not os.path.exists(tmp_path / 'elsewhere' / 'b')
+  export.export(workdirs[1], str(tmp_path / 'elsewhere' / 'b'), allow_shared_seed=True)
+
+
+def test_an_unusable_seed_record_costs_one_warning_line_never_the_export(drawn_run, tmp_path,
+                                                                         monkeypatch, capsys):
+  """A read-only or missing home: the seed record cannot be read or written (here its directory
+  is a file); the export still happens, with one warning line on stderr. On da06065 the export
+  crashed with a traceback (NotADirectoryError) after writing the release: failed there
+  (checked)."""
+  (tmp_path / 'file').write_text('')
+  monkeypatch.setenv('DPJAX_STATE_DIR', str(tmp_path / 'file' / 'dpjax'))
+  capsys.readouterr()
+  assert export.main(['--workdir', str(drawn_run), '--out', str(tmp_path / 'out')]) == 0
+  (line,) = capsys.readouterr().err.strip().splitlines()
+  assert 'dpjax.export: warning: the seed record' in line and 'cannot be read or written' in line
+  assert os.path.isfile(tmp_path / 'out' / 'params.npz')
 
 
 @pytest.mark.parametrize('where', ['inside_workdir', 'not_empty', 'no_checkpoint'])

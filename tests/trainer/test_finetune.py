@@ -181,25 +181,3 @@ def test_ghost_clipping_with_frozen_layers_equals_vmap_and_lora_falls_back():
                         expected_batch_size=8.0, clipping='ghost')
   with pytest.raises(ValueError, match='kernel_lora_a'):
     step.accumulate(adapters, step.init_accumulator(adapters), batch)
-
-
-def test_init_from_a_private_run_on_the_same_data_is_refused_other_data_is_allowed(tmp_path):
-  """Issue 24 item 5: starting from a dpjax workdir trained on the same data was accepted and
-  reported only the second run's ε (2.99) for a model that depends on the data through both
-  (composed: 4.41), side-stepping the fingerprint's refusal of a changed C."""
-  from dpjax.trainer import plan as plan_lib  # pylint: disable=import-outside-toplevel
-  from dpjax import train  # pylint: disable=import-outside-toplevel
-  from tests.run_configs import small_config  # pylint: disable=import-outside-toplevel
-  first = str(tmp_path / 'first')
-  train.train_and_evaluate(small_config(num_steps=2), first)
-  for init_from in (first, str(tmp_path / 'first' / 'checkpoints' / '2')):
-    with pytest.raises(plan_lib.PlanError, match='a dpjax run trained on the same content'):
-      train.train_and_evaluate(small_config(**{'init_from': init_from, 'num_steps': 2,
-                                               'privacy.clip_norm': 2.0}),
-                               str(tmp_path / 'second'))
-    assert not (tmp_path / 'second').exists()
-  synthetic = small_config(**{'init_from': first, 'num_steps': 2, 'data.source': 'synthetic',
-                              'data.num_examples': 1437, 'data.input_shape': (8, 8, 1),
-                              'data.num_classes': 10})
-  result = train.train_and_evaluate(synthetic, str(tmp_path / 'other_data'))
-  assert result['step'] == 2

@@ -114,3 +114,27 @@ def test_drawn_seeds_use_all_64_bits_of_the_prng_key():
   assert not np.array_equal(jax.random.key_data(a), jax.random.key_data(b))
   assert np.array_equal(jax.random.key_data(prng.root_key(5)),
                         jax.random.key_data(jax.random.PRNGKey(5)))
+
+
+def test_the_seed_record_names_another_workdir_never_the_same_and_survives_an_unusable_home(
+    tmp_path, monkeypatch):
+  """Issue 34 item 8, the function that decides (`seed_record.start_warnings`): a given seed's
+  digest used by another workdir gives one line naming it; the same workdir again (a resume) is
+  no reuse; the record holds digests, never the seed; a record that cannot be written (its
+  directory is a file: a read-only or missing home) gives one warning line, never an error.
+  New module: on da06065 this failed on its import (checked)."""
+  from dpjax.trainer import seed_record  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv('DPJAX_STATE_DIR', str(tmp_path / 'state'))
+  digest = privacy_plan.seed_digest(1234567)
+  first, second = str(tmp_path / 'first'), str(tmp_path / 'second')
+  assert seed_record.start_warnings(digest, first) == []
+  assert seed_record.start_warnings(digest, first) == []  # A resume of the same workdir.
+  (line,) = seed_record.start_warnings(digest, second)
+  assert line.startswith(f'seed: the run in {os.path.realpath(first)} used this same given seed')
+  assert seed_record.start_warnings(privacy_plan.seed_digest(7), second) == []  # Another seed.
+  text = (tmp_path / 'state' / 'seeds.jsonl').read_text()
+  assert len(text.splitlines()) == 3 and '1234567' not in text and digest in text
+  (tmp_path / 'file').write_text('')
+  monkeypatch.setenv('DPJAX_STATE_DIR', str(tmp_path / 'file' / 'state'))
+  (line,) = seed_record.start_warnings(digest, first)
+  assert 'cannot be read or written (NotADirectoryError' in line

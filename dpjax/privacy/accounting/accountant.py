@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 from dp_accounting import dp_event
@@ -54,6 +54,7 @@ from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dpjax.privacy import samplers as samplers_lib
 from dpjax.privacy.accounting import analyses
 from dpjax.privacy.accounting import balls_and_bins
+from dpjax.privacy.accounting import composition
 from dpjax.privacy.accounting import monte_carlo
 from dpjax.privacy.accounting import sampler_events
 from dpjax.privacy.accounting.report import PrivacyReport
@@ -180,7 +181,8 @@ class Accountant:
                pld_coarsening: float = 1.0,
                exact_truncation: bool = True,
                random_allocation_timeout: float | None = balls_and_bins.RANDOM_ALLOCATION_TIMEOUT,
-               max_grid_points: int = MAX_GRID_POINTS, allow_large_delta: bool = False):
+               max_grid_points: int = MAX_GRID_POINTS, allow_large_delta: bool = False,
+               prior_runs: Sequence[composition.PriorRun] = ()):
     """Validates everything before any computation.
 
     Args:
@@ -195,18 +197,16 @@ class Accountant:
         chosen from δ and β so that an estimate exists (`monte_carlo.default_num_samples`).
       beta: the Monte-Carlo failure probability (confidence 1 − β).
       monte_carlo_seed: its seed (fixed, so reports are reproducible).
-      monte_carlo_workers: processes drawing its samples (this one included); None = the
-        cores available to this process, as many as a run's samples pay to start. The estimate
-        does not depend on it.
-      monte_carlo_estimate: also compute the Monte-Carlo estimate beside the provable
-        balls-and-bins ε when `estimates` are asked for (opt-in: its samples grow as 1/δ);
-        accountant='monte_carlo' always computes it.
+      monte_carlo_workers: processes drawing its samples (this one included); None = the cores
+        available, as many as a run's samples pay to start (the estimate does not depend on it).
+      monte_carlo_estimate: also compute the Monte-Carlo estimate beside the provable balls-and-
+        bins ε when `estimates` are asked for (opt-in: its samples grow as 1/δ); always with
+        accountant='monte_carlo'.
       random_allocation: force (True, no time limit) / skip (False) random-allocation PLD
         for balls-and-bins; None = attempt it within `random_allocation_timeout` seconds
         per new one-epoch PLD (cached on disk), else the labelled deterministic fallback.
-      value_discretization_interval: PLD discretisation (pessimistic rounding);
-        None = VALUE_DISCRETIZATION, or MOG_VALUE_DISCRETIZATION for mixtures
-        of more than two Gaussians.
+      value_discretization_interval: PLD discretisation (pessimistic rounding); None =
+        VALUE_DISCRETIZATION, or MOG_VALUE_DISCRETIZATION for mixtures of > 2 Gaussians.
       pld_coarsening: multiplies the discretisation (calibration searches with
         10: a looser but still valid upper bound, then checks at 1).
       exact_truncation: for Poisson with a cap B, also compute dp_accounting's exact
@@ -216,6 +216,7 @@ class Accountant:
         PLD of more grid points × mixture components (`estimate_pld_grid_points`).
       allow_large_delta: accept δ >= 1/N (refused by default: such a δ allows releasing a
         random record in the clear).
+      prior_runs: the runs whose release this one starts from: ε of the composition.
     """
     if not isinstance(sampler, samplers_lib.Sampler):
       raise TypeError(f'sampler must be a dpjax.privacy.samplers.Sampler, got {type(sampler)}.')
@@ -246,6 +247,7 @@ class Accountant:
     self.exact_truncation = bool(exact_truncation) and sampler.num_rows is None
     self.random_allocation_timeout = random_allocation_timeout
     self.max_grid_points = sampler_events.check_positive_int('max_grid_points', max_grid_points)
+    self.prior_runs = composition.check_prior_runs(prior_runs)
     self._step_plds: dict[Any, pld_lib.PrivacyLossDistribution] = {}
     self._reports: dict[tuple[int, bool], PrivacyReport] = {}
     self._monte_carlo: dict[tuple[int, float], monte_carlo.MonteCarloResult] = {}
@@ -276,9 +278,10 @@ class Accountant:
         self.sampler.num_examples, self.sampling_probability, self.max_batch_size, num_steps,
         group_size=self.group_size)
 
-  def composed_pld(self, event: dp_event.DpEvent, count: int) -> pld_lib.PrivacyLossDistribution:
-    interval = self._interval(event)
-    key = repr(event)
+  def composed_pld(self, event: dp_event.DpEvent, count: int,
+                   interval: float | None = None) -> pld_lib.PrivacyLossDistribution:
+    interval = interval or self.pld_interval(event)
+    key = (repr(event), interval)
     if key in self._step_plds:  # Kept here, whatever the process cache has evicted since.
       return composed_step_pld(self._step_plds[key], event, interval, count,
                                self._check_composition)
@@ -323,7 +326,7 @@ class Accountant:
         f'above max_grid_points = {self.max_grid_points:.3g} (minutes and GBs of memory). '
         f'To fix: {"; ".join(hints)}; or raise max_grid_points.')
 
-  def _interval(self, event: dp_event.DpEvent) -> float:
+  def pld_interval(self, event: dp_event.DpEvent) -> float:
     interval = self.value_discretization_interval
     if interval is None:
       many = isinstance(event, dp_event.MixtureOfGaussiansDpEvent) and len(event.sensitivities) > 2
@@ -378,6 +381,8 @@ class Accountant:
         steps=unit, steps_per_epoch=self.steps_per_epoch, details=details, **kwargs)
 
   def _compute(self, unit: int, estimates: bool) -> PrivacyReport:
+    if self.prior_runs:
+      return composition.composed_report(self, unit, estimates)
     if unit == 0:
       return self.report(0, 0.0, {'method': 'nothing released yet'})
     return analyses.ANALYSES[self.sampler.analysis](self, unit, estimates)

@@ -54,10 +54,30 @@ def _group_conversion_epsilon(delta_one: callable, group_size: int, delta: float
   return k * balls_and_bins.smallest_epsilon(delta_group, delta)
 
 
+def _poisson_event(acct: Accountant):
+  return sampler_events.poisson_step_event(acct.sampling_probability, acct.noise_multiplier,
+                                           group_size=acct.group_size)
+
+
+def _fixed_size_event(acct: Accountant):
+  return sampler_events.fixed_size_step_event(acct.sampler.num_examples, acct.sampler.batch_size,
+                                              acct.noise_multiplier, group_size=acct.group_size)
+
+
+def _with_replacement_event(acct: Accountant):
+  return sampler_events.fixed_size_with_replacement_step_event(
+      acct.sampler.num_examples, acct.sampler.batch_size, acct.noise_multiplier,
+      group_size=acct.group_size)
+
+
+def _epoch_event(acct: Accountant):
+  return sampler_events.epoch_gaussian_event(acct.noise_multiplier, group_size=acct.group_size)
+
+
 def poisson_subsampling(acct: Accountant, steps: int, estimates: bool) -> PrivacyReport:
   q, sigma = acct.sampling_probability, acct.noise_multiplier
   k, delta = acct.group_size, acct.delta
-  event = sampler_events.poisson_step_event(q, sigma, group_size=k)
+  event = _poisson_event(acct)
   log_tau = acct.log_truncation_mass(steps)
   tau = math.exp(log_tau)
   details: dict[str, Any] = {'truncation_mass': tau}
@@ -118,7 +138,7 @@ def fixed_size_subsampling(acct: Accountant, steps: int, estimates: bool) -> Pri
   details: dict[str, Any] = {}
   pld_eps = fs_rdp_eps = None
   if acct.accountant == 'pld' or estimates:
-    event = sampler_events.fixed_size_step_event(n, b, sigma, group_size=k)
+    event = _fixed_size_event(acct)
     pld_eps = float(acct.composed_pld(event, steps).get_epsilon_for_delta(delta))
   if k == 1 and b < n and (acct.accountant == 'rdp' or estimates):
     fs_rdp_eps, order = fixed_size_rdp.fixed_size_rdp_epsilon(b / n, sigma, steps, delta)
@@ -150,7 +170,7 @@ def fixed_size_subsampling(acct: Accountant, steps: int, estimates: bool) -> Pri
 def subsampling_with_replacement(acct: Accountant, steps: int, estimates: bool) -> PrivacyReport:
   n, b, sigma, k, delta = (acct.sampler.num_examples, acct.sampler.batch_size,
                            acct.noise_multiplier, acct.group_size, acct.delta)
-  event = sampler_events.fixed_size_with_replacement_step_event(n, b, sigma, group_size=k)
+  event = _with_replacement_event(acct)
   eps = float(acct.composed_pld(event, steps).get_epsilon_for_delta(delta))
   details: dict[str, Any] = {
       'method': 'pld(mixture_of_gaussians[0,2,...,2b], binomial(b, k/N))'}
@@ -285,6 +305,18 @@ def _monte_carlo(acct: Accountant, epochs: int, estimates: bool,
         f'{acct.monte_carlo_workers} core(s)')
   return mc
 
+
+# The per-step (per-epoch) event of each analysis whose composition bounds the run: the one its
+# PLD composes; for the epoch-based samplers the deterministic-order Gaussian, their always-valid
+# bound. `composition` composes runs in sequence through these.
+PLD_EVENTS = {
+    'poisson_subsampling': _poisson_event,
+    'fixed_size_subsampling': _fixed_size_event,
+    'subsampling_with_replacement': _with_replacement_event,
+    'gaussian_per_epoch': _epoch_event,
+    'shuffled_epochs': _epoch_event,
+    'random_allocation': _epoch_event,
+}
 
 ANALYSES = {
     'poisson_subsampling': poisson_subsampling,

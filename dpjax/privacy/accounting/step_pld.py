@@ -55,6 +55,9 @@ def step_pld(event: dp_event.DpEvent, interval: float) -> pld_lib.PrivacyLossDis
         dataset_size=event.dataset_size, sampling_probability=event.sampling_probability,
         truncated_batch_size=event.truncated_batch_size,
         noise_multiplier=event.noise_multiplier, value_discretization_interval=interval)
+  if isinstance(event, dp_event.GaussianDpEvent):  # One epoch in a fixed order (sensitivity 1).
+    return pld_lib.from_gaussian_mechanism(
+        standard_deviation=event.noise_multiplier, value_discretization_interval=interval)
   raise TypeError(f'no per-step PLD for {event!r}')
 
 

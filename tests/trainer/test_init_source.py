@@ -1,0 +1,181 @@
+"""init_from a dpjax run or export composes its privacy loss with the new run's (issue 34 item 2).
+
+Run A is the fingerprint tests' finished 6-step run on digits D (σ = 1, b = 128, N = 1437),
+trained once per session. B starts from it; what B may claim is checked against
+dp_accounting's PLD accountant called here on the Poisson events of every run in the chain.
+"""
+
+import functools
+import json
+import os
+import pathlib
+
+import numpy as np
+import pytest
+from dp_accounting.pld import privacy_loss_distribution
+
+from dpjax import export
+from dpjax import train
+from dpjax.data import digits
+from dpjax.trainer import checkpoints
+from dpjax.trainer import finetune
+from dpjax.trainer import plan as plan_lib
+from tests.run_configs import small_config
+from tests.trainer import test_fingerprint
+
+DELTA, N, B, STEPS = 1e-5, 1437, 128, 6  # Run A: N, b and steps (σ = 1).
+COARSE = {'value_discretization_interval': 1e-3}  # Cheaper PLDs; the same on both sides.
+
+
+@pytest.fixture(scope='module')
+def runs(shared_setup):
+  """The fingerprint tests' finished runs: 'given' is A; 'non_private' trained without noise."""
+  build = test_fingerprint._train_runs  # pylint: disable=protected-access
+  return pathlib.Path(shared_setup('fingerprint_runs', build))
+
+
+@functools.lru_cache(maxsize=16)
+def _step(n, sigma, interval):
+  """dp_accounting's PLD of one Poisson step (rate b/N, σ), built once per test session."""
+  return privacy_loss_distribution.from_gaussian_mechanism(
+      sigma, sampling_prob=B / n, value_discretization_interval=interval)
+
+
+def _independent(*runs, interval=1e-4):
+  """ε at δ of Poisson runs (N, σ, steps), b = 128, in sequence: dp_accounting's PLDs."""
+  pld = None
+  for n, sigma, steps in runs:
+    run = _step(n, sigma, interval).self_compose(steps)
+    pld = run if pld is None else pld.compose(run)
+  return pld.get_epsilon_for_delta(DELTA)
+
+
+def _plan(init_from, data=None, previous=None, options=None, **overrides):
+  """B's plan: from `init_from`, on digits or on `data` (an .npz path), 6 steps, σ = 1."""
+  if data is not None:
+    overrides.update({'data.source': 'npz', 'data.path': str(data), 'data.num_classes': 10})
+  config = small_config(**{'init_from': str(init_from), **overrides})
+  source, _ = plan_lib.make_training_sources(config)
+  return plan_lib.make_plan(config, source, previous, seed=0, accountant_options=options)
+
+
+def _digits_npz(path, rows):
+  x, y, x_test, y_test = digits.load_digits_arrays()
+  np.savez(path, x_train=x[rows], y_train=y[rows], x_test=x_test, y_test=y_test)
+  return path
+
+
+def test_b_from_a_on_d_permuted_or_d_minus_one_reports_the_composition(runs, tmp_path):
+  """The attack: B starts from A's workdir on D with its rows permuted, or on D minus one row,
+  so B's release depends on every record of D through both runs. B's ε must be that of A's 6
+  steps then B's 6 (dp_accounting: 2.75 for both), not B's own (2.27, A's too). On da06065 both
+  were accepted (their content digests differ from A's) and reported B's own ε, 2.27: this
+  test failed there (checked)."""
+  order = np.random.default_rng(0).permutation(N)
+  for name, rows in (('permuted', order), ('minus_one', np.arange(1, N))):
+    plan = _plan(runs / 'given', _digits_npz(tmp_path / f'{name}.npz', rows), options=COARSE)
+    n = len(rows)
+    composed = _independent((N, 1.0, STEPS), (n, 1.0, STEPS), interval=1e-3)
+    alone = _independent((n, 1.0, STEPS), interval=1e-3)
+    report = plan.accountant.epsilon_at(STEPS, estimates=False)
+    assert composed <= report.epsilon <= composed + 1e-6, name
+    assert report.epsilon > alone + 0.4
+    assert report.details['composed_with'] == [str(runs / 'given')]
+
+
+def test_a_run_from_an_export_reports_the_composition_everywhere_and_a_chain_composes_all(
+    runs, tmp_path, capsys):
+  """An export's params.npz (its card beside it) was taken as public on da06065: B reported its
+  own ε (1.78 after 2 steps, where A ∘ B is 2.45). Now B (2 steps from A's export) reports
+  A ∘ B on its start and Final lines ("composed with" the source), in metrics.jsonl, in every
+  checkpoint and in its own export's card, which records A; C from B's export composes
+  A ∘ B ∘ C. Failed on da06065 (checked)."""
+  a_export = tmp_path / 'a_export'
+  export.export(str(runs / 'given'), str(a_export))
+  source = str(a_export / 'params.npz')
+  config = small_config(**{'init_from': source, 'num_steps': 2, 'seed': 1, 'log_every_steps': 1,
+                           'checkpoint_every_steps': 1, 'eval_every_steps': 2})
+  train.train_and_evaluate(config, str(tmp_path / 'b'))
+  out = capsys.readouterr().out
+  expected = {t: _independent((N, 1.0, STEPS), (N, 1.0, t)) for t in (1, 2)}
+  assert f'final ε = {expected[2]:.4f}, composed with {source}.' in out
+  assert f'ε = {expected[2]:.4f} (upper bound, pld, composed with {source})' in out
+  assert f'Init: {source}: a dpjax export (6 steps, ε = ' in out
+  logged = [json.loads(line) for line in open(tmp_path / 'b' / 'metrics.jsonl')]
+  assert {r['step']: r['epsilon'] for r in logged if 'epsilon' in r} == pytest.approx(
+      expected, abs=1e-6)
+  metas = checkpoints.read_metadata(str(tmp_path / 'b'))
+  assert {m['step']: m['privacy']['epsilon'] for m in metas} == pytest.approx(expected, abs=1e-6)
+  card = export.export(str(tmp_path / 'b'), str(tmp_path / 'b_export'))
+  assert card['epsilon'] == pytest.approx(expected[2], abs=1e-6)
+  assert 'the 1 run(s) it started from' in card['guarantee']
+  (a_record,) = card['init_from']['chain']
+  assert a_record['steps'] == STEPS and a_record['accounting']['privacy.noise_multiplier'] == 1.0
+  plan = _plan(tmp_path / 'b_export', num_steps=2, options=COARSE)
+  assert plan.accountant.epsilon(2) == pytest.approx(
+      _independent((N, 1.0, STEPS), (N, 1.0, 2), (N, 1.0, 2), interval=1e-3), abs=1e-6)
+
+
+def test_declared_disjoint_data_is_this_run_alone_and_a_resume_cannot_change_the_sources(
+    runs, tmp_path):
+  """init_from_disjoint_data = True (recorded in the fingerprint): ε is B's alone; a resume
+  that drops the declaration or starts from other weights is refused; the declaration is
+  refused when the source trained on content identical to B's. Fails on da06065 (the field did
+  not exist; checked)."""
+  minus_one = _digits_npz(tmp_path / 'minus_one.npz', np.arange(1, N))
+  plan = _plan(runs / 'given', minus_one, options=COARSE, init_from_disjoint_data=True)
+  assert plan.accountant.prior_runs == ()
+  assert plan.accountant.epsilon(STEPS) == pytest.approx(
+      _independent((N - 1, 1.0, STEPS), interval=1e-3), abs=1e-6)
+  assert plan.fingerprint['init_from_disjoint_data'] is True
+  with pytest.raises(plan_lib.PlanError, match='init_from_disjoint_data: True → False'):
+    _plan(runs / 'given', minus_one, previous=plan.fingerprint)
+  public = tmp_path / 'public.npz'
+  finetune.save_npz(str(public), checkpoints.read_state(str(runs / 'given'), STEPS)['params'])
+  composed = _plan(runs / 'given', minus_one, options=COARSE).fingerprint
+  with pytest.raises(plan_lib.PlanError, match='privacy.prior_runs'):
+    _plan(public, minus_one, previous=composed)
+  with pytest.raises(ValueError, match='trained on content identical to this run'):
+    _plan(runs / 'given', init_from_disjoint_data=True)
+
+
+def test_calibration_meets_the_composed_target_or_refuses_a_spent_budget(runs, tmp_path):
+  """σ of B (on D permuted) calibrated for a target ε = 3 after A is the smallest whose
+  composition with A meets it (dp_accounting at 1e-3, the discretisation asked for: ≤ 3 at σ,
+  > 3 at 0.99σ); on da06065 it was calibrated for B alone (σ = 0.878), and A ∘ B reached 3.29
+  (checked). A target that A alone already spends is refused in one line."""
+  permuted = _digits_npz(tmp_path / 'permuted.npz', np.random.default_rng(0).permutation(N))
+  plan = _plan(runs / 'given', permuted, options=COARSE, **{'privacy.noise_multiplier': None,
+                                                            'privacy.target_epsilon': 3.0})
+  sigma = plan.noise_multiplier
+  assert _independent((N, 1.0, STEPS), (N, sigma, STEPS), interval=1e-3) <= 3.0
+  assert _independent((N, 1.0, STEPS), (N, 0.99 * sigma, STEPS), interval=1e-3) > 3.0
+  spent = f'already reach ε = {_independent((N, 1.0, STEPS)):.4g} at δ = 1e-05'
+  with pytest.raises(plan_lib.PlanError, match=spent):
+    _plan(runs / 'given', permuted, options=COARSE, **{'privacy.noise_multiplier': None,
+                                                       'privacy.target_epsilon': 1.5})
+
+
+def test_weights_without_a_card_are_public_and_runs_that_cannot_be_composed_are_refused(
+    runs, tmp_path):
+  """An .npz with no card and no dpjax workdir is assumed public, and said so; a non-private
+  source, or a checkpoint without accounting inputs (an older dpjax), or one recording an input
+  this dpjax cannot rebuild, is refused in one line. Fails on da06065 (no InitSource; checked)."""
+  from dpjax.trainer import init_source  # pylint: disable=import-outside-toplevel
+  public = tmp_path / 'public.npz'
+  finetune.save_npz(str(public), checkpoints.read_state(str(runs / 'given'), STEPS)['params'])
+  plan = _plan(public, options=COARSE)
+  assert plan.init_source.kind == 'public' and plan.accountant.prior_runs == ()
+  assert 'assumed public' in plan.init_source.describe()
+  with pytest.raises(ValueError, match='a non-private run .* trained it') as e:
+    _plan(runs / 'non_private')
+  assert '\n' not in str(e.value)
+  source = init_source.read_source(str(runs / 'given'))
+  record = source.chain[0]
+  for accounting, match in ((None, 'records no accounting inputs'),
+                            ({**record['accounting'], 'privacy.new_input': 1.0},
+                             r"cannot rebuild \(\['privacy.new_input'\]\)")):
+    changed = init_source.InitSource(source.path, 'run', ({**record, 'accounting': accounting},))
+    with pytest.raises(ValueError, match=match):
+      changed.prior_runs(1)
+  assert os.path.isfile(source.weights + '/metadata/metadata')  # The step that was accounted.
