@@ -142,6 +142,12 @@ def _check_max_batch_size(sampler: samplers_lib.Sampler, max_batch_size) -> int 
   return max_batch_size
 
 
+def _check_beta(beta) -> float:
+  if not (isinstance(beta, (int, float)) and 0 < beta < 1):
+    raise ValueError(f'beta must be in (0, 1), got {beta!r}.')
+  return float(beta)
+
+
 def _check_pld_options(random_allocation_timeout, value_discretization_interval,
                        pld_coarsening) -> None:
   """Timeout None or > 0; discretisation None or a float in (0, 0.1]; coarsening in [1, 100]."""
@@ -231,9 +237,7 @@ class Accountant:
                       sampler_events.check_positive_int('num_steps', num_steps))
     self.monte_carlo_samples = (None if monte_carlo_samples is None else sampler_events
                                 .check_positive_int('monte_carlo_samples', monte_carlo_samples))
-    if not (isinstance(beta, (int, float)) and 0 < beta < 1):
-      raise ValueError(f'beta must be in (0, 1), got {beta!r}.')
-    self.beta = float(beta)
+    self.beta = _check_beta(beta)
     self.monte_carlo_seed = monte_carlo_seed
     self._chosen_workers = (None if monte_carlo_workers is None else
                             sampler_events.check_positive_int('monte_carlo_workers',
