@@ -32,9 +32,8 @@ def serial_dispatch(mesh: jax.sharding.Mesh) -> bool:
 
 
 def make_batcher(plan: plan_lib.RunPlan) -> batching.Batcher:
-  """The batcher of the plan's sampler, B and (resolved) P."""
-  if plan.private:
-    return plan.privacy.batcher(plan.physical_batch_size)
+  """The batcher of the plan's sampler, B and (resolved) P (the pure function of (seed, t):
+  the loop's step counter is its checkpointed step)."""
   return batching.Batcher(plan.sampler, plan.physical_batch_size, plan.max_batch_size)
 
 
