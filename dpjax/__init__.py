@@ -8,22 +8,28 @@ Tier 1, config-free primitives (typed arguments, no config):
                 (num_examples, batch_size, seed); `make_sampler(name, N, b, seed)`.
   Batcher       a logical batch as static-shape physical batches, padded with
                 weight-0 rows, truncated at a cap B (accounted for).
-  clipped_grad  shaped like `jax.grad`: Σ_i w_i · clip_C(∇loss(params, example_i))
-                for any per-example loss, by per-example gradients or ghost
+  clipped_grad  shaped like `jax.grad`: Σ_i w_i · clip_C(∇loss(params, example_i)), the
+                weights w (0 for padding) required, for any per-example loss, by
+                per-example gradients or ghost
                 clipping (linen and NNX layers); `PerExample` holds each row's loss,
                 aux and norm (monitoring only, not private).
   gaussian_privatizer  an optax transform: + N(0, σ²C²) once per logical step, ÷ b,
-                its noise keyed by (seed, step) (`GaussianNoiseState`).
+                its noise keyed by (seed, t); `update(sum, state, params, step=t)` noises
+                the t its state expects and no other (`GaussianNoiseState`: t, σ, C, b, B
+                and the plan's fingerprint).
   Accountant, PrivacyReport, calibrate_noise_multiplier, max_num_steps
-                ε after any step with its kind of bound; σ for a target ε.
+                ε after any step with its kind of bound; σ for a target ε. For Poisson
+                and balls-and-bins they need the batcher's cap B (None: never truncated).
   NNXFunctional an `nnx.Module` as `loss_fn(params, example)` (NNX ghost clipping).
 
 Tier 2, one object binds everything that enters ε:
   PrivacyPlan.create(sampler, num_steps=T, clip_norm=C, delta=δ,
                      noise_multiplier=σ | target_epsilon=ε) makes the batcher (with its
   cap), `clipped_grad`, the `privatizer` and the accountant, so they cannot disagree;
-  refuses σ ≤ 0, C ∉ (0, ∞), δ ≥ 1/N; `epsilon_at(step)`, `fingerprint`. `DPStep.from_plan`
-  is the compiled step the trainer runs (virtual batching, one program per logical step).
+  refuses σ ≤ 0, C ∉ (0, ∞), δ ≥ 1/N; `epsilon_at(step)`, `fingerprint`. Its batcher starts
+  at the privatizer state's step and draws each step once, in order; `create(...,
+  resume_from=opt_state)` keeps the σ and B that ran. `DPStep.from_plan` is the compiled
+  step the trainer runs (virtual batching, one program per logical step).
 
 Tier 3, the trainer:  python -m dpjax.train --config digits_mlp --workdir w
   (config fields: docs/config.md), with `dpjax.account`, `dpjax.planner`, `dpjax.audit`,
@@ -36,9 +42,10 @@ Your own loop (README, "Use dpjax in your own training loop"; examples/):
                                   target_epsilon=3.0, delta=1e-5)
   grad_fn = jax.jit(plan.clipped_grad(loss_fn))
   tx = optax.chain(plan.privatizer(), optax.adam(1e-3))
-  for t in range(T):
-    g = sum(grad_fn(params, data[idx], w)[0] for idx, w in plan.batcher(P).logical_batch(t)...)
-    updates, opt_state = tx.update(g, opt_state, params)
+  opt_state = tx.init(params)
+  for batch in plan.batcher(P, opt_state):       # t = 0, ..., T − 1, each once
+    g = sum(grad_fn(params, data[idx], w)[0] for idx, w in batch.physical_batches())
+    updates, opt_state = tx.update(g, opt_state, params, step=batch.step)
   print(plan.epsilon_at(T))
 
 The guarantee (docs/threat_model.md) is for add/remove neighbours and needs the seed to
@@ -65,7 +72,7 @@ _EXPORTS = {
     'clipped_grad': ('dpjax.privacy.clipping', 'clipped_grad'),
     'PerExample': ('dpjax.privacy.clipping', 'PerExample'),
     'gaussian_privatizer': ('dpjax.privacy.noise', 'gaussian_privatizer'),
-    'GaussianNoiseState': ('dpjax.privacy.noise', 'GaussianNoiseState'),
+    'GaussianNoiseState': ('dpjax.privacy.noise_state', 'GaussianNoiseState'),
     'Accountant': ('dpjax.privacy.accounting.accountant', 'Accountant'),
     'PrivacyReport': ('dpjax.privacy.accounting.report', 'PrivacyReport'),
     'calibrate_noise_multiplier': ('dpjax.privacy.accounting.calibration',

@@ -78,17 +78,17 @@ def main(quick: bool) -> None:
     return jax.tree.map(jnp.add, grad_sum, grad_fn(params, batch, weights)[0])
 
   @jax.jit
-  def update(grad_sum, opt_state, params):  # One logical step: noise, ÷ b, optimiser.
-    updates, opt_state = tx.update(grad_sum, opt_state, params)
+  def update(grad_sum, opt_state, params, t):  # Logical step t: its noise, ÷ b, optimiser.
+    updates, opt_state = tx.update(grad_sum, opt_state, params, step=t)
     return optax.apply_updates(params, updates), opt_state
 
-  params, batcher = fm.params, plan.batcher(physical_batch_size=128)
+  params = fm.params
   opt_state = tx.init(params)
-  for t in range(steps):
+  for batch in plan.batcher(128, opt_state):  # Steps t = 0..T-1, each once.
     grad_sum = jax.tree.map(jnp.zeros_like, params)
-    for idx, weights in batcher.logical_batch(t).physical_batches():
+    for idx, weights in batch.physical_batches():
       grad_sum = accumulate(grad_sum, params, {'x': x_train[idx], 'y': y_train[idx]}, weights)
-    params, opt_state = update(grad_sum, opt_state, params)
+    params, opt_state = update(grad_sum, opt_state, params, batch.step)
   fm.update(model, params)
   logits = jax.jit(fm.apply)(params, x_test)
   test_loss = float(optax.softmax_cross_entropy_with_integer_labels(logits, y_test).mean())

@@ -46,7 +46,8 @@ def main(quick: bool) -> None:
 
   grad_fn = plan.clipped_grad(loss, has_aux=True)  # 'auto': ghost for Dense.
   tx = optax.chain(plan.privatizer(), optax.adam(5e-3))
-  opt_state, batcher = tx.init(params), plan.batcher(physical_batch_size=128)
+  opt_state = tx.init(params)
+  batcher = plan.batcher(128, opt_state)  # Starts at the privatizer state's step.
 
   @jax.jit
   def accumulate(grad_sum, correct, params, batch, weights):
@@ -54,19 +55,19 @@ def main(quick: bool) -> None:
     return jax.tree.map(jnp.add, grad_sum, g), correct + jnp.sum(per_row.aux * weights)
 
   @jax.jit
-  def update(grad_sum, opt_state, params):
-    updates, opt_state = tx.update(grad_sum, opt_state, params)
+  def update(grad_sum, opt_state, params, t):
+    updates, opt_state = tx.update(grad_sum, opt_state, params, step=t)  # The noise of step t.
     return optax.apply_updates(params, updates), opt_state
 
-  for t in range(steps):
+  for batch in batcher:  # Steps t = 0..T-1 across the epochs, each once.
     grad_sum, correct, rows = jax.tree.map(jnp.zeros_like, params), 0.0, 0.0
-    for idx, weights in batcher.logical_batch(t).physical_batches():
+    for idx, weights in batch.physical_batches():
       grad_sum, correct = accumulate(grad_sum, correct, params,
                                      {'x': x_train[idx], 'y': y_train[idx]}, weights)
       rows += weights.sum()
-    params, opt_state = update(grad_sum, opt_state, params)
-    if t % max(steps // 4, 1) == 0:
-      print(f'step {t}: nonprivate_train_accuracy {correct / max(rows, 1):.3f}')
+    params, opt_state = update(grad_sum, opt_state, params, batch.step)
+    if batch.step % max(steps // 4, 1) == 0:
+      print(f'step {batch.step}: nonprivate_train_accuracy {correct / max(rows, 1):.3f}')
   accuracy = np.mean(np.argmax(jax.jit(model.apply)({'params': params}, x_test), -1) == y_test)
   report = plan.epsilon_at(steps)
   print(f'{steps} steps, σ = {plan.noise_multiplier:.3f}, test accuracy {accuracy:.3f}')

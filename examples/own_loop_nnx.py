@@ -55,17 +55,17 @@ def main(quick: bool) -> None:
     return jax.tree.map(jnp.add, grad_sum, grad_fn(params, batch, weights)[0])
 
   @jax.jit
-  def update(grad_sum, opt_state, params):  # One logical step: noise, ÷ b, optimiser.
-    updates, opt_state = tx.update(grad_sum, opt_state, params)
+  def update(grad_sum, opt_state, params, t):  # Logical step t: its noise, ÷ b, optimiser.
+    updates, opt_state = tx.update(grad_sum, opt_state, params, step=t)
     return optax.apply_updates(params, updates), opt_state
 
-  params, batcher = fm.params, plan.batcher(physical_batch_size=64)
+  params = fm.params
   opt_state = tx.init(params)
-  for t in range(steps):
+  for batch in plan.batcher(64, opt_state):  # Steps t = 0..T-1, each once: one counter.
     grad_sum = jax.tree.map(jnp.zeros_like, params)
-    for idx, weights in batcher.logical_batch(t).physical_batches():
+    for idx, weights in batch.physical_batches():  # P = 64 rows, padding weighted 0.
       grad_sum = accumulate(grad_sum, params, {'x': x_train[idx], 'y': y_train[idx]}, weights)
-    params, opt_state = update(grad_sum, opt_state, params)
+    params, opt_state = update(grad_sum, opt_state, params, batch.step)
   # --- end of dpjax. ---
 
   fm.update(model, params)

@@ -52,16 +52,16 @@ def main(quick: bool) -> None:
     return jax.tree.map(jnp.add, grad_sum, grad_fn(params, batch, weights)[0])
 
   @jax.jit
-  def update(grad_sum, opt_state, params):  # One logical step: noise, ÷ b, optimiser.
-    updates, opt_state = tx.update(grad_sum, opt_state, params)
+  def update(grad_sum, opt_state, params, t):  # Logical step t: its noise, ÷ b, optimiser.
+    updates, opt_state = tx.update(grad_sum, opt_state, params, step=t)
     return optax.apply_updates(params, updates), opt_state
 
-  opt_state, batcher = tx.init(params), plan.batcher(physical_batch_size=256)
-  for t in range(steps):
+  opt_state = tx.init(params)
+  for batch in plan.batcher(256, opt_state):  # Steps t = 0..T-1, each once.
     grad_sum = jax.tree.map(jnp.zeros_like, params)
-    for idx, weights in batcher.logical_batch(t).physical_batches():
+    for idx, weights in batch.physical_batches():
       grad_sum = accumulate(grad_sum, params, {'x': x_train[idx], 'y': y_train[idx]}, weights)
-    params, opt_state = update(grad_sum, opt_state, params)
+    params, opt_state = update(grad_sum, opt_state, params, batch.step)
   mse = float(np.mean((jax.jit(model.apply)({'params': params}, x_test)[:, 0] - y_test) ** 2))
   w, *_ = np.linalg.lstsq(np.c_[x_train, np.ones(len(x_train))], y_train, rcond=None)
   baseline = float(np.mean((np.c_[x_test, np.ones(len(x_test))] @ w - y_test) ** 2))

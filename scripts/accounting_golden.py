@@ -70,7 +70,7 @@ def compute() -> dict:
       for group in sorted({1, 2} if accountant in cls.group_accountants or accountant == 'auto'
                           else {1}):
         kwargs = dict(accountant=accountant, group_size=group, num_steps=STEPS,
-                      monte_carlo_samples=4000, random_allocation=False)
+                      monte_carlo_samples=4000, random_allocation=False, max_batch_size=None)
         try:
           acct = accounting.Accountant(sampler, SIGMA, DELTA, **kwargs)
           report = acct.epsilon_at(STEPS).to_dict()
@@ -90,7 +90,7 @@ def compute() -> dict:
   for key, (name, sampler_kw, sigma, delta, kwargs) in extra.items():
     sampler = samplers.sampler_class(name)(**(dict(num_examples=N, batch_size=BATCH, seed=0)
                                                | sampler_kw))
-    kwargs = dict(num_steps=STEPS, random_allocation=False) | kwargs
+    kwargs = dict(num_steps=STEPS, random_allocation=False, max_batch_size=None) | kwargs
     try:
       report = accounting.Accountant(sampler, sigma, delta, **kwargs).epsilon_at(STEPS).to_dict()
     except ValueError as e:
@@ -99,9 +99,9 @@ def compute() -> dict:
   for name in ('poisson', 'fixed_size', 'shuffle', 'balls_and_bins'):
     sampler = samplers.sampler_class(name)(num_examples=N, batch_size=BATCH, seed=0)
     out[f'sigma/{name}/eps=2'] = calibration.calibrate_noise_multiplier(
-        sampler, 2.0, DELTA, STEPS, random_allocation=False)
+        sampler, 2.0, DELTA, STEPS, random_allocation=False, max_batch_size=None)
     out[f'max_steps/{name}/sigma=1.2/eps=12'] = calibration.max_num_steps(
-        sampler, SIGMA, 12.0, DELTA, max_steps=2000, random_allocation=False)
+        sampler, SIGMA, 12.0, DELTA, max_steps=2000, random_allocation=False, max_batch_size=None)
   out['lower/bnb/delta'] = max_test.balls_and_bins_lower_bound_delta(1.0, 20, 1.0)
   out['lower/bnb/epsilon'] = max_test.balls_and_bins_lower_bound_epsilon(1.0, 20, 1e-5)
   out['lower/shuffle/delta'] = max_test.shuffle_lower_bound_delta(1.0, 20, 1.0, num_epochs=2)

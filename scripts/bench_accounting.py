@@ -49,14 +49,15 @@ def _log(*args):
 
 def bench_poisson(results):
   sampler = samplers.sampler_class('poisson')(num_examples=60_000, batch_size=256)
-  eps, seconds = _timed(lambda: accountant_lib.Accountant(sampler, 1.0, DELTA).epsilon(100_000))
+  eps, seconds = _timed(lambda: accountant_lib.Accountant(sampler, 1.0, DELTA,
+                                                          max_batch_size=None).epsilon(100_000))
   results['poisson_pld_1e5_steps'] = dict(
       num_examples=60_000, batch_size=256, noise_multiplier=1.0, steps=100_000, epsilon=eps,
       seconds=seconds, target_seconds=2.0)
   _log('poisson pld 1e5 steps', eps, seconds)
   sigma, seconds = _timed(lambda: calibration.calibrate_noise_multiplier(
-      sampler, 3.0, DELTA, 20_000))
-  eps = accountant_lib.Accountant(sampler, sigma, DELTA).epsilon(20_000)
+      sampler, 3.0, DELTA, 20_000, max_batch_size=None))
+  eps = accountant_lib.Accountant(sampler, sigma, DELTA, max_batch_size=None).epsilon(20_000)
   results['poisson_calibration'] = dict(
       num_examples=60_000, batch_size=256, steps=20_000, target_epsilon=3.0,
       noise_multiplier=sigma, epsilon=eps, seconds=seconds, target_seconds=10.0)

@@ -42,7 +42,8 @@ try:
                                            case['steps'], max_batch_size=case['max_batch_size'])
   else:
     out['epsilon'] = accountant.Accountant(sampler, case['sigma'], case['delta'],
-                                           group_size=case.get('k', 1)).epsilon(case['steps'])
+                                           group_size=case.get('k', 1),
+                                           max_batch_size=None).epsilon(case['steps'])
 except ValueError as e:
   out['error'] = str(e)
 out['seconds'] = time.perf_counter() - start

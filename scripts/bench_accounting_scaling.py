@@ -348,9 +348,10 @@ def _calibrate_cold(cache: str) -> dict:
           'from dpjax.privacy.accounting import accountant, calibration\n'
           's = samplers.sampler_class("balls_and_bins")(num_examples=10**6, batch_size=1000)\n'
           't = time.perf_counter()\n'
-          'sigma = calibration.calibrate_noise_multiplier(s, 1.0, 1e-5, 1000)\n'
+          'sigma = calibration.calibrate_noise_multiplier(s, 1.0, 1e-5, 1000,\n'
+          '                                               max_batch_size=None)\n'
           'seconds = time.perf_counter() - t\n'
-          'eps = accountant.Accountant(s, sigma, 1e-5).epsilon(1000)\n'
+          'eps = accountant.Accountant(s, sigma, 1e-5, max_batch_size=None).epsilon(1000)\n'
           'print(json.dumps(dict(noise_multiplier=sigma, epsilon=eps, seconds=seconds)))\n')
   env = dict(os.environ, DPJAX_CACHE_DIR=cache)
   start = time.perf_counter()

@@ -72,7 +72,8 @@ def make_steps(model_name: str, framework: str, method: str, noise_impl: str):
   @jax.jit
   def private(p, state, batch):
     g, _ = grad_fn(p, batch, batch['weight'])
-    updates, state = private_tx.update(g, state, p)
+    # Timing only: the step the state expects (a loop passes its batch's `step`).
+    updates, state = private_tx.update(g, state, p, step=state[0].step)
     return optax.apply_updates(p, updates), state
 
   @jax.jit

@@ -5,7 +5,8 @@ import importlib
 
 import pytest
 
-PUBLIC_TIER = ('dpjax.privacy.samplers', 'dpjax.privacy.batching', 'dpjax.privacy.privacy_plan')
+PUBLIC_TIER = ('dpjax.privacy.samplers', 'dpjax.privacy.batching', 'dpjax.privacy.privacy_plan',
+               'dpjax.privacy.step_batcher')
 
 
 @pytest.mark.parametrize('name', PUBLIC_TIER)

@@ -17,8 +17,12 @@ up to 50 (`DEFAULT_TRUNCATION_BUDGET`).
   >>> batcher = Batcher(FixedSizeSampler(num_examples=10, batch_size=4, seed=0),
   ...                   physical_batch_size=3, max_batch_size=6)
   >>> batch = batcher.logical_batch(0)   # 4 examples in K = 2 physical batches of P = 3
-  >>> batch.indices.shape, batch.weights.tolist(), batch.size
-  ((2, 3), [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]], 4)
+  >>> batch.indices.shape, batch.weights.tolist(), batch.size, batch.step
+  ((2, 3), [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]], 4, 0)
+
+A library loop draws its batches through `PrivacyPlan.batcher` (`step_batcher.StepBatcher`:
+each step once, in order, from the privatizer state's step); this `Batcher` is the pure
+function of (seed, t) beneath it, which the trainer drives with its own checkpointed step.
 """
 
 from __future__ import annotations
@@ -53,12 +57,14 @@ class LogicalBatch:
     weights: float32 [K, P], 1 for real examples and 0 for padding.
     size: n, the sampled logical batch size before truncation.
     truncated: whether n > B and a random B were kept.
+    step: t, the logical step this batch was drawn for (its noise is that of t).
   """
 
   indices: np.ndarray
   weights: np.ndarray
   size: int
   truncated: bool
+  step: int
 
   @property
   def num_physical_batches(self) -> int:
@@ -182,4 +188,4 @@ class Batcher:
     weights[:num_rows] = 1.0
     shape = (num_batches, self.physical_batch_size)
     return LogicalBatch(indices=padded.reshape(shape), weights=weights.reshape(shape),
-                        size=size, truncated=truncated)
+                        size=size, truncated=truncated, step=int(step))

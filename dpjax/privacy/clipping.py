@@ -61,6 +61,10 @@ LossFn = Callable[[Params, Example], Any]  # -> loss, or (loss, aux) with has_au
 ClippedSumFn = Callable[[Params, Batch], tuple[Params, 'ClipStats']]
 
 CLIPPING_METHODS = ('auto', 'vmap', 'ghost')
+MISSING_WEIGHTS = (
+    "clipped_grad's weights are required: grad_fn(params, examples, weights) with the "
+    "batcher's weights [P] (1 for a real row, 0 for padding, which holds a copy of example 0 "
+    'and must add nothing).')
 # Rows a logical step may sum when the caller does not say: the float32 sum's margin grows
 # with it (`precision.sum_margin`); pass the batcher's cap B.
 DEFAULT_MAX_ROWS = 2**16
@@ -307,11 +311,13 @@ def clipped_grad(loss_fn: LossFn, clip_norm: float, *, has_aux: bool = False,
                  precision: str = 'default'):
   """DP-SGD's clipped gradient sum, shaped like `jax.grad`.
 
-  Returns `grad_fn(params, examples, weights=None) -> (Σ_i w_i · clip_C(g_i), PerExample)`
+  Returns `grad_fn(params, examples, weights) -> (Σ_i w_i · clip_C(g_i), PerExample)`
   for any per-example loss `loss_fn(params, example) -> loss` (or `(loss, aux)` with
   has_aux; aux such as accuracy comes back per row in `PerExample.aux`). `examples` holds
-  the rows (every leaf with a leading axis P); `weights` [P] in {0, 1} marks padding rows
-  (default: all ones). Every row's contribution as summed has norm <= C: rows are clipped
+  the rows (every leaf with a leading axis P); `weights` [P] is required: 1 for a real row,
+  0 for padding (the batcher's `weights`; a padding row holds a copy of example 0 and must
+  add exactly zero). Weights are taken into [0, 1] (a NaN is 0): a weight above 1 would
+  multiply a row's sensitivity. Every row's contribution as summed has norm <= C: rows are clipped
   to C shrunk by the margin of `precision` and of a float32 sum of up to `max_batch_size`
   rows (`precision.summed_clip_norm`); pass the batcher's cap B (`PrivacyPlan.clipped_grad`
   does). Add noise with `noise.gaussian_privatizer`.
@@ -332,7 +338,9 @@ def clipped_grad(loss_fn: LossFn, clip_norm: float, *, has_aux: bool = False,
 
   def grad_fn(params: Params, examples: Example, weights: jax.Array | None = None):
     if weights is None:
-      weights = jnp.ones((jax.tree.leaves(examples)[0].shape[0],), jnp.float32)
+      raise TypeError(MISSING_WEIGHTS)
+    weights = jnp.asarray(weights, jnp.float32)
+    weights = jnp.where(weights > 0, jnp.minimum(weights, 1.0), 0.0)
     with precision_lib.matmul_precision(precision):
       return inner(params, examples, weights)
   grad_fn.choice = inner.choice

@@ -8,39 +8,34 @@ varies with the sampled batch size; K = 0 happens under Poisson sampling):
     acc = accumulate(params, acc, batch)    # += Σ_i w_i · clip_C(g_i)
   params, opt_state, metrics = apply(params, opt_state, acc, t)   # noise of (seed, t)
 
-The trainer runs the same computation as ONE compiled program per logical
-step, `train_step(params, opt_state, logical, K, t)`: a `lax.fori_loop` over
-the first K physical batches of a fixed-shape buffer [K_max = B/P, P, ...]
-(K is data, so every step reuses one executable), the noise key derived
-inside the program from (seed, t) with the same bits as `noise_key`, the
-division by b and the optax update; params and optimiser state are donated.
-Given a `device_data.DeviceDataset`, the buffer holds only int32 row indices
-and weights, and each physical batch is gathered and normalised on the
-device inside the loop.
+The trainer runs the same computation as ONE compiled program per logical step,
+`train_step(params, opt_state, logical, K, t)`: a `lax.fori_loop` over the first K physical
+batches of a fixed-shape buffer [K_max = B/P, P, ...] (K is data, so every step reuses one
+executable), the noise key derived inside the program from (seed, t) with the same bits as
+`noise_key`, the division by b and the optax update; params and optimiser state are donated.
+Given a `device_data.DeviceDataset`, the buffer holds only int32 row indices and weights, and
+each physical batch is gathered and normalised on the device inside the loop.
 
 `apply` releases  ĝ = (Σ_i w_i · clip_C(g_i) + N(0, σ²C² I)) / b  and takes an
 optax step on ĝ (`accumulator.release`): the noise is added ONCE per logical step,
 to the sum over all K physical batches, and b is the sampler's
 `expected_batch_size`, never the realised number of rows.
 
-With `private=False` the same pipeline runs without clipping or noise, so the
-update is SGD on Σ_i w_i · g_i / b (the mean gradient when b is the number of
-rows).
+With `private=False` the same pipeline runs without clipping or noise, so the update is SGD on
+Σ_i w_i · g_i / b (the mean gradient when b is the number of rows).
 
 Models must be per-example (no BatchNorm) and deterministic (no dropout), see
-`dpjax.models.factory`. Metrics are monitoring values computed from the raw batch:
-they are NOT differentially private and must not be released as if they were.
+`dpjax.models.factory`. Metrics are monitoring values computed from the raw batch: they are
+NOT differentially private and must not be released as if they were.
 
-Data parallelism: given a `mesh` (see `dpjax.privacy.sharding`), each physical
-batch is split over the mesh's 'data' axis and everything else is replicated;
-the sum over the batch inside `accumulate` becomes a cross-device reduction
-chosen by the compiler, and `apply` (noise included) runs on replicated
-inputs, so the noise is drawn once per logical step from the same key and the
-update is the same on every device.
+Data parallelism: given a `mesh` (`dpjax.privacy.sharding`), each physical batch is split
+over its 'data' axis and everything else is replicated; the sum inside `accumulate` becomes
+a cross-device reduction, and `apply` (noise included) runs on replicated inputs: the noise
+is drawn once per logical step from one key, the update is the same on every device.
 
-Randomness: the Gaussian noise comes from JAX's Threefry PRNG keyed by
-(seed, NOISE_STREAM, step). It is reproducible, not a cryptographically secure
-sampler (the usual caveat for floating-point DP implementations).
+Randomness: the noise comes from JAX's Threefry PRNG keyed by (seed, NOISE_STREAM, step):
+reproducible, not a cryptographically secure sampler. `apply` refuses a step that is not
+after the last one it noised (`noise_state.check_after`).
 """
 
 import functools
@@ -59,6 +54,7 @@ from dpjax.privacy import clipping as clipping_lib
 from dpjax.privacy import logical_buffer
 from dpjax.privacy import precision as precision_lib
 from dpjax.privacy import noise as noise_lib
+from dpjax.privacy import noise_state
 from dpjax.privacy import privacy_plan
 from dpjax.privacy import losses
 from dpjax.privacy import prng
@@ -127,6 +123,8 @@ class DPStep:
       sequence_cross_entropy).
     noise_impl: the JAX generator of the noise (`prng.NOISE_IMPLS`; threefry, the
       default, draws the bits `prng.noise_key` names).
+    allow_repeated_steps: let `apply` noise a step again (tests comparing two sums under one
+      noise; such releases have no guarantee). False: refused, one line.
   """
 
   def __init__(self, model: nn.Module,
@@ -138,7 +136,7 @@ class DPStep:
                precision: str = 'default', physical_loop: str = 'auto',
                sum_fn_wrapper=None, augmult: augmult_lib.Augmult | None = None,
                max_batch_size: int | None = None, loss: str = 'softmax_cross_entropy',
-               noise_impl: str = 'threefry'):
+               noise_impl: str = 'threefry', allow_repeated_steps: bool = False):
     """Validates everything before any compute (the arguments: see the class docstring)."""
     if physical_loop not in PHYSICAL_LOOPS:
       raise ValueError(f'physical_loop={physical_loop!r}; valid: {PHYSICAL_LOOPS}.')
@@ -155,6 +153,7 @@ class DPStep:
     self.model = model
     self.optimizer = optimizer
     self.private = bool(private)
+    self.allow_repeated_steps, self._last_applied = bool(allow_repeated_steps), None
     self.expected_batch_size = b
     self.label_format = label_format
     self.augmult = augmult if augmult is not None and augmult.num_views > 1 else None
@@ -298,7 +297,10 @@ class DPStep:
   def apply(self, params: Params, opt_state: optax.OptState, acc: accumulator_lib.Accumulator,
             step):
     """ĝ = (acc.grad_sum + N(0, σ²C²)) / b with the noise of (this step's seed, `step`); one
-    optax step on ĝ. Donates `acc`."""
+    optax step on ĝ. Donates `acc`. Refuses (ValueError, before any compute) a step not after
+    the last one applied (`noise_state.check_after`)."""
+    if self.private and not self.allow_repeated_steps:
+      self._last_applied = noise_state.check_after(step, self._last_applied)
     return self._apply_jit(params, opt_state, acc, step, self.keys)
 
   def _accumulate_at_fn(self, params, acc, logical, i, step, dataset, keys):

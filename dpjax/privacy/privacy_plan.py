@@ -2,17 +2,25 @@
 
   plan = PrivacyPlan.create(PoissonSampler(num_examples=N, batch_size=256, seed=seed),
                             num_steps=T, clip_norm=1.0, target_epsilon=3.0, delta=1e-5)
-  batcher = plan.batcher(physical_batch_size=64)   # truncates at the B the accountant pays for
   grad_fn = plan.clipped_grad(loss_fn)             # Σ_i w_i clip_C(g_i), like jax.grad
   tx = optax.chain(plan.privatizer(), optax.adam(1e-3))   # + N(0, σ²C²), ÷ b
-  report = plan.epsilon_at(t)                      # ε after t steps, with its kind of bound
+  opt_state = tx.init(params)
+  for batch in plan.batcher(64, opt_state):        # steps t = the state's, ..., T − 1, once each
+    ...                                            # Σ over batch.physical_batches()
+    updates, opt_state = tx.update(grad_sum, opt_state, params, step=batch.step)
+  report = plan.epsilon_at(T)                      # ε after T steps, with its kind of bound
 
 The batcher, the clipped gradient, the noise, the DP step (`dp_step.DPStep.from_plan`) and
-the accountant are all made from
-the plan, so they cannot disagree: an accountant built without the batcher's cap, σ or C
-that differ between step and report, or a sampler other than the one accounted for are
-not expressible through it (the low-level pieces stay available for callers who need
-them, without this guarantee).
+the accountant are all made from the plan, so they cannot disagree: an accountant built
+without the batcher's cap, σ or C that differ between step and report, or a sampler other
+than the one accounted for are not expressible through it (the low-level pieces stay
+available for callers who need them, without this guarantee). The batches and the noise
+share one step counter, the privatizer state (`noise_state`): the batcher starts at its
+step and draws each step once, in order (`step_batcher`); the privatizer noises a step only
+when told its t and only from a state this plan made. Resuming a loop:
+`PrivacyPlan.create(..., resume_from=opt_state)` takes σ and B from the state (never
+re-calibrated: the steps that ran had that σ) and refuses a state made with another C, b
+or fingerprint.
 
 Refused here, with one line naming the argument: σ ≤ 0 or not finite, C ∉ (0, ∞),
 δ ∉ (0, 1), and δ ≥ 1/N unless `allow_large_delta` (an (ε, δ) guarantee with δ ≥ 1/N
@@ -41,7 +49,9 @@ from dpjax.privacy import checks as _checks
 from dpjax.privacy import batching
 from dpjax.privacy import clipping
 from dpjax.privacy import noise
+from dpjax.privacy import noise_state
 from dpjax.privacy import samplers as samplers_lib
+from dpjax.privacy import step_batcher
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import calibration
 from dpjax.privacy.accounting import composition
@@ -107,7 +117,8 @@ class PrivacyPlan:
              target_epsilon: float = 0.0, max_batch_size: int = 0,
              physical_batch_size: int = 0, accountant: str = 'auto', group_size: int = 1,
              allow_large_delta: bool = False, noise_multiplier_source: str | None = None,
-             check_budget: bool = True, **accountant_options: Any) -> PrivacyPlan:
+             check_budget: bool = True, resume_from: Any = None,
+             **accountant_options: Any) -> PrivacyPlan:
     """Validates every argument, resolves B, calibrates σ if it is None, checks the budget.
 
     Args:
@@ -126,6 +137,10 @@ class PrivacyPlan:
       noise_multiplier_source: how σ was obtained ('given' by default, 'checkpoint' on resume).
       check_budget: refuse a given σ whose final ε exceeds `target_epsilon` (costs one
         accounting query; False defers it to `check_budget`).
+      resume_from: the optimiser state of a loop to continue (holding this plan's privatizer
+        state): σ and B are the state's (σ's source 'checkpoint'; another `noise_multiplier`
+        or `max_batch_size` is refused, and `target_epsilon` is then a budget the whole run
+        must meet), and a state made with another C, b or fingerprint is refused.
       **accountant_options: other `accounting.Accountant` options (random_allocation_timeout,
         monte_carlo_workers, prior_runs: the runs this one starts from, composed in ε and
         calibrated for, ...).
@@ -135,6 +150,10 @@ class PrivacyPlan:
     """
     if not isinstance(sampler, samplers_lib.Sampler):
       raise TypeError(f'sampler must be a dpjax sampler, got {type(sampler).__name__}.')
+    if resume_from is not None:
+      noise_multiplier, max_batch_size = resumed_settings(resume_from, noise_multiplier,
+                                                          max_batch_size)
+      noise_multiplier_source = 'checkpoint'
     num_steps = _checks.check_int('num_steps', num_steps, 1)
     clip_norm = noise.check_clip_norm(clip_norm)
     delta = check_delta(delta, sampler.num_examples, allow_large_delta=allow_large_delta)
@@ -159,6 +178,8 @@ class PrivacyPlan:
     plan = cls(sampler=sampler, num_steps=num_steps, clip_norm=clip_norm, noise_multiplier=sigma,
                noise_multiplier_source=source, delta=delta, max_batch_size=max_batch_size,
                group_size=group_size, target_epsilon=target, accountant=acct)
+    if resume_from is not None:
+      noise_state.check(resume_from, plan.initial_noise_state, 'the resumed plan')
     if check_budget and source != 'calibrated':
       plan.check_budget()
     return plan
@@ -177,9 +198,17 @@ class PrivacyPlan:
   def seed(self) -> int:
     return self.sampler.seed
 
-  def batcher(self, physical_batch_size: int) -> batching.Batcher:
-    """The static-shape batcher of this plan: P rows per physical batch, truncation at B."""
-    return batching.Batcher(self.sampler, physical_batch_size, self.max_batch_size)
+  def batcher(self, physical_batch_size: int, opt_state: Any) -> step_batcher.StepBatcher:
+    """The batches of this loop: P rows per physical batch, truncation at B, steps from the
+    privatizer state's in `opt_state` (read once) to T − 1, each once and in order.
+
+    Raises ValueError (one line) for a state this plan's privatizer did not make (another σ,
+    C, b, B or fingerprint) or one that refused a step (`noise_state.check`).
+    """
+    start = noise_state.check(opt_state, self.initial_noise_state)
+    return step_batcher.StepBatcher(
+        batching.Batcher(self.sampler, physical_batch_size, self.max_batch_size),
+        self.num_steps, start)
 
   def epsilon_at(self, step: int, *, estimates: bool = False) -> accountant_lib.PrivacyReport:
     """The PrivacyReport after `step` steps: ε, δ and the kind of bound (`report.bound`)."""
@@ -211,7 +240,15 @@ class PrivacyPlan:
     with this plan's σ, C, b and seed (`noise.gaussian_privatizer`)."""
     return noise.gaussian_privatizer(self.noise_multiplier, self.clip_norm,
                                      self.expected_batch_size, self.seed,
-                                     noise_impl=noise_impl)
+                                     max_batch_size=self.max_batch_size,
+                                     fingerprint=self.fingerprint, noise_impl=noise_impl)
+
+  @property
+  def initial_noise_state(self) -> noise_state.GaussianNoiseState:
+    """The state `privatizer().init` starts from (step 0): σ, C, b, B and the fingerprint."""
+    return noise_state.made_with(self.noise_multiplier, self.clip_norm,
+                                 self.expected_batch_size, self.max_batch_size,
+                                 self.fingerprint)
 
   @property
   def fingerprint(self) -> dict[str, Any]:
@@ -231,6 +268,20 @@ class PrivacyPlan:
         'privacy.accountant': self.accountant_name,
         'seed_sha256': seed_digest(s.seed),
     }
+
+
+def resumed_settings(opt_state: Any, noise_multiplier: float | None,
+                     max_batch_size: int) -> tuple[float, int]:
+  """(σ, B) of the privatizer state in `opt_state`, what ran; ValueError (one line) if the
+  caller gives another σ or B (0: none given). B is kept too: the automatic cap depends on
+  T, and the batches that ran were truncated at the state's."""
+  ran = noise_state.describe(noise_state.find(opt_state))
+  for name, given in (('noise_multiplier', noise_multiplier),
+                      ('max_batch_size', max_batch_size or None)):
+    if given is not None and given != ran[name]:
+      raise ValueError(f'{name} = {given!r} differs from the {ran[name]!r} of the state to '
+                       f'resume (what ran): a resumed loop keeps it; leave {name} unset.')
+  return ran['noise_multiplier'], ran['max_batch_size']
 
 
 class BudgetExceededError(ValueError):

@@ -236,7 +236,7 @@ def plan_batch_sizes(num_examples: int, target_epsilon: float, delta: float, num
   for b in sizes:
     sampler = plan_lib.make_sampler(run_config(base, b, eps, delta, epochs), n)
     accountant_lib.Accountant(sampler, 1.0, delta, accountant=base.privacy.accountant,
-                              group_size=base.privacy.group_size)
+                              group_size=base.privacy.group_size, max_batch_size=None)
   rows = []
   for b in sizes:
     start, cpu_start = time.perf_counter(), _cpu_seconds()

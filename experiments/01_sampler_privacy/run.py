@@ -96,7 +96,7 @@ def _accountant_at(name: str, sigma: float, workers: int = 1, num_examples: int 
       monte_carlo_estimate=True,
       random_allocation_timeout=(accountant_lib.balls_and_bins.RANDOM_ALLOCATION_TIMEOUT
                                  if num_examples == REALISTIC_NUM_EXAMPLES
-                                 else RANDOM_ALLOCATION_TIMEOUT))
+                                 else RANDOM_ALLOCATION_TIMEOUT), max_batch_size=None)
 
 
 def one_point(sigma: float, epochs: int, monte_carlo: bool, workers: int = 1,

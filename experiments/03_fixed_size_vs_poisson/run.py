@@ -94,11 +94,11 @@ def main():
       'fixed_size_fs_rdp_add_remove': accountant_lib.Accountant(
           fixed, NOISE_MULTIPLIER, DELTA, accountant='rdp'),
       'poisson_pld_add_remove': accountant_lib.Accountant(
-          poisson, NOISE_MULTIPLIER, DELTA, accountant='pld'),
+          poisson, NOISE_MULTIPLIER, DELTA, accountant='pld', max_batch_size=None),
       'poisson_rdp_add_remove': accountant_lib.Accountant(
-          poisson, NOISE_MULTIPLIER, DELTA, accountant='rdp'),
+          poisson, NOISE_MULTIPLIER, DELTA, accountant='rdp', max_batch_size=None),
       'poisson_pld_half_sigma_reference': accountant_lib.Accountant(
-          poisson, NOISE_MULTIPLIER / 2, DELTA, accountant='pld'),
+          poisson, NOISE_MULTIPLIER / 2, DELTA, accountant='pld', max_batch_size=None),
   }
   epochs = epoch_grid(args.full)
   curves = {name: [] for name in accountants}

@@ -114,9 +114,11 @@ def run(sparse_grid) -> dict[str, Any]:
 
   # --- Untruncated ε and the automatic cap -------------------------------------------------
   untruncated_poisson, seconds['poisson_untruncated'] = _timed(
-      lambda: accountant_lib.Accountant(poisson, NOISE_MULTIPLIER, DELTA).epsilon(steps))
+      lambda: accountant_lib.Accountant(poisson, NOISE_MULTIPLIER, DELTA,
+                                        max_batch_size=None).epsilon(steps))
   untruncated_bnb_report, seconds['balls_and_bins_untruncated'] = _timed(
-      lambda: accountant_lib.Accountant(bnb, NOISE_MULTIPLIER, DELTA).epsilon_at(
+      lambda: accountant_lib.Accountant(bnb, NOISE_MULTIPLIER, DELTA,
+                                        max_batch_size=None).epsilon_at(
           steps, estimates=False))
   untruncated_bnb = untruncated_bnb_report.epsilon
   auto = {}

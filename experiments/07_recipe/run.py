@@ -141,8 +141,8 @@ def train(config, train_source, variant: Variant, init=None):
   config = config.copy_and_resolve_references()
   config.optimizer.learning_rate = variant.learning_rate
   plan = plan_lib.make_plan(config, train_source)
-  batcher = (plan.privacy.batcher(plan.physical_batch_size) if plan.private else
-             batching.Batcher(plan.sampler, plan.physical_batch_size, plan.max_batch_size))
+  batcher = batching.Batcher(plan.sampler, plan.physical_batch_size,
+                             plan.privacy.max_batch_size if plan.private else plan.max_batch_size)
   model = models.make_model(config.model, train_source.num_classes, train_source.input_shape)
   params = prng.init_params(model, config.seed, train_source.input_shape)
   eval_model = model

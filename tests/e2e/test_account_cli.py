@@ -71,7 +71,7 @@ def test_poisson_json_matches_the_api():
   assert all(key in got for key in REQUIRED)
   sampler = samplers.sampler_class('poisson')(num_examples=60_000, batch_size=256)
   steps = 3 * sampler.steps_per_epoch
-  expected = accountant_lib.Accountant(sampler, 1.1, 1e-5).epsilon(steps)
+  expected = accountant_lib.Accountant(sampler, 1.1, 1e-5, max_batch_size=None).epsilon(steps)
   assert got['epsilon'] == pytest.approx(expected, rel=1e-12)
   assert (got['steps'], got['steps_per_epoch']) == (steps, 235)
   assert (got['sampler'], got['accountant'], got['bound']) == ('poisson', 'pld', 'upper')

@@ -225,7 +225,7 @@ def test_example_runs(cli, argv, tmp_path, monkeypatch, capsys, prepared_workdir
     sampler = samplers.sampler_class(config['sampler']['name'])(
         num_examples=n, batch_size=config['sampler']['batch_size'])
     acct = accounting.Accountant(sampler, config['privacy']['noise_multiplier'],
-                                 config['privacy']['delta'])
+                                 config['privacy']['delta'], max_batch_size=None)
     for line, step in zip(lines[1:], steps):
       assert float(line.split()[1]) == pytest.approx(acct.epsilon(step), abs=1e-4)
   elif cli == 'audit':

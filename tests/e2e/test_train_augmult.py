@@ -146,7 +146,7 @@ def test_host_buffer_carries_the_example_indices():
   source, _ = data.make_sources(config.data, seed=0)
   logical = batching.LogicalBatch(indices=np.array([[3, 9], [4, 0]]),
                                   weights=np.array([[1., 1.], [1., 0.]], np.float32), size=3,
-                                  truncated=False)
+                                  truncated=False, step=0)
   buffer, k = device_data.host_buffer(source, logical, 3)
   assert int(k) == 2
   np.testing.assert_array_equal(buffer['index'][:2], [[3, 9], [4, 0]])

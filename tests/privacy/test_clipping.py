@@ -259,3 +259,31 @@ def test_ghost_matches_the_float64_reference():
   assert int(stats.num_nonfinite) == 0
   np.testing.assert_allclose(stats.grad_norm_sum, want_stats['grad_norm_sum'],
                              rtol=1e-5)
+
+
+def test_clipped_grad_needs_the_weights_and_padding_copies_of_example_0_add_nothing():
+  """Fails on da06065: without `weights` every row counted, and a batcher pads with copies of
+  example 0, so example 0 entered the sum 1 + #padding times (up to 17·C at P = 32, b = 16).
+
+  The attack: D = 5 rows (example 0 an outlier) in P = 8 rows, padded as the batcher pads
+  (index 0); D' = D minus example 0, padded with its own example 0. The sums, with the
+  batcher's weights, differ by at most C; counting the padding (da06065 without weights) they
+  differed by 3.6·C.
+  """
+  c = 0.5
+  grad_fn = jax.jit(clipping.clipped_grad(loss_fn, c, has_aux=True, method='vmap',
+                                          max_batch_size=8))
+  params, rows = _params(), _batch(5, seed=6)
+  rows['x'][0] *= 1e3  # Example 0's gradient is far above C.
+  pad = lambda idx: {'x': rows['x'][idx], 'y': rows['y'][idx]}
+  d = pad([0, 1, 2, 3, 4, 0, 0, 0])
+  d_minus = pad([1, 2, 3, 4, 1, 1, 1, 1])
+  with pytest.raises(TypeError, match="^clipped_grad's weights are required"):
+    grad_fn(params, d)
+  with_0, _ = grad_fn(params, d, np.r_[np.ones(5), np.zeros(3)].astype(np.float32))
+  without, _ = grad_fn(params, d_minus, np.r_[np.ones(4), np.zeros(4)].astype(np.float32))
+  diff = float(optax.tree.norm(jax.tree.map(jnp.subtract, with_0, without)))
+  assert 0.99 * c < diff <= c
+  # A weight above 1 would multiply a row's sensitivity: weights are taken into [0, 1].
+  heavy, _ = grad_fn(params, d, np.r_[17.0, np.zeros(7)].astype(np.float32))
+  assert 0.99 * c < float(optax.tree.norm(heavy)) <= c

@@ -68,10 +68,13 @@ def _physical_batches(x, y, p, garbage=False):
 
 @functools.cache
 def _standard_step(label_format='int'):
-  """One DPStep shared by tests (each instance costs an XLA compile)."""
+  """One DPStep shared by tests (each instance costs an XLA compile), which compare updates
+  under one noise: it may apply a step again (`test_apply_refuses_a_repeated_step` says why
+  nothing else may)."""
   return dp_step.DPStep(MODEL, optax.sgd(0.5), clip_norm=0.5,
                         noise_multiplier=1.0, expected_batch_size=10,
-                        label_format=label_format, max_batch_size=16)
+                        label_format=label_format, max_batch_size=16,
+                        allow_repeated_steps=True)
 
 
 def _run_step(step, params, batches, t=0, optimizer_state=None):
@@ -178,7 +181,8 @@ def test_noise_std_is_sigma_c_over_b():
   params = _params(model, d=784)
   sigma, c, b = 1.3, 0.7, 50.0
   steps = [dp_step.DPStep(model, optax.sgd(1.0), clip_norm=c, noise_multiplier=sigma,
-                          expected_batch_size=b, seed=seed) for seed in (0, 1)]
+                          expected_batch_size=b, seed=seed, allow_repeated_steps=True)
+           for seed in (0, 1)]
   step = steps[0]
   opt_state = step.optimizer.init(params)
 
@@ -566,3 +570,33 @@ def test_train_step_on_four_devices_equals_one_device():
   for name in ('four_device', 'four_host'):
     for a, b in zip(out[name], ref):
       np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)  # As tests/privacy/test_sharding.py.
+
+
+def test_apply_refuses_a_repeated_step():
+  """Fails on da06065: `apply` noised step t twice. The attack it allowed: two sums released
+  under the noise of one (seed, t) differ by exactly lr·(S − S')/b, noise-free, so an observer
+  of both updates reads the difference of the clipped sums (here, whether a row was in)."""
+  params, (x, y) = _params(), _rows(6, seed=3)
+  step = dp_step.DPStep(MODEL, optax.sgd(1.0), clip_norm=0.5, noise_multiplier=1.0,
+                        expected_batch_size=4, max_batch_size=8)
+  opt_state, acc = step.optimizer.init(params), step.init_accumulator(params)
+  first, _, _ = step.apply(params, opt_state, step.init_accumulator(params), np.uint32(2))
+  for t in (2, 1):  # The same step, then an earlier one: refused before any compute.
+    with pytest.raises(ValueError, match=rf'^DPStep.apply: step {t} is not after step 2, the '
+                                         'last one noised'):
+      step.apply(params, opt_state, acc, np.uint32(t))
+  later, _, _ = step.apply(params, opt_state, acc, np.uint32(3))  # acc was not donated.
+  assert not np.allclose(first['Dense_0']['kernel'], later['Dense_0']['kernel'])
+  # What the refusal prevents, on the tests' step that is told to allow it (lr 0.5, b = 10).
+  replay = _standard_step()
+  with_row, without_row = _physical_batches(x, y, 8), _physical_batches(x[1:], y[1:], 8)
+  a, _, _ = _run_step(replay, params, with_row, t=2)
+  b, _, _ = _run_step(replay, params, without_row, t=2)
+  sums = []
+  for batches in (with_row, without_row):
+    acc = replay.init_accumulator(params)
+    for batch in batches:
+      acc = replay.accumulate(params, acc, batch)
+    sums.append(acc.grad_sum)
+  _assert_trees_close(jax.tree.map(lambda u, v: u - v, b, a),
+                      jax.tree.map(lambda s, r: 0.5 * (s - r) / 10, *sums), rtol=1e-4, atol=1e-6)

@@ -55,6 +55,7 @@ from dpjax.privacy import samplers as samplers_lib
 from dpjax.privacy.accounting import analyses
 from dpjax.privacy.accounting import balls_and_bins
 from dpjax.privacy.accounting import composition
+from dpjax.privacy.accounting import cap
 from dpjax.privacy.accounting import monte_carlo
 from dpjax.privacy.accounting import sampler_events
 from dpjax.privacy.accounting.report import PrivacyReport
@@ -130,18 +131,6 @@ def _check_group_size(group_size, num_examples: int) -> int:
   return k
 
 
-def _check_max_batch_size(sampler: samplers_lib.Sampler, max_batch_size) -> int | None:
-  """The cap B: None, or an integer >= 1 (>= b where batches never exceed b)."""
-  if max_batch_size is not None:
-    sampler_events.check_positive_int('sampler.max_batch_size', max_batch_size)
-    if not sampler.binomial_batch_size and max_batch_size < sampler.batch_size:
-      raise ValueError(
-          f'sampler.max_batch_size = {max_batch_size} must be >= sampler.batch_size = '
-          f'{sampler.batch_size} for the {sampler.name} sampler (its batches are never '
-          f'larger than b, and truncating every batch is not accounted).')
-  return max_batch_size
-
-
 def _check_beta(beta) -> float:
   if not (isinstance(beta, (int, float)) and 0 < beta < 1):
     raise ValueError(f'beta must be in (0, 1), got {beta!r}.')
@@ -177,7 +166,7 @@ class Accountant:
   """
 
   def __init__(self, sampler: samplers_lib.Sampler, noise_multiplier: float, delta: float, *,
-               accountant: str = 'auto', max_batch_size: int | None = None,
+               accountant: str = 'auto', max_batch_size: int | None = cap.CAP_NOT_GIVEN,
                group_size: int = 1, num_steps: int | None = None,
                monte_carlo_samples: int | None = None, beta: float = 1e-3,
                monte_carlo_seed: int = 0, monte_carlo_workers: int | None = None,
@@ -196,7 +185,7 @@ class Accountant:
       noise_multiplier: σ > 0.
       delta: δ in (0, 1).
       accountant: 'auto', 'pld', 'rdp' or 'monte_carlo' (the sampler class's `accountants`).
-      max_batch_size: B, the cap on the logical batch; None = never truncated.
+      max_batch_size: B, the batcher's cap (required where it truncates: `cap`); None = no cap.
       group_size: k >= 1 (add/remove up to k examples).
       num_steps: the planned run length (used by `final_report`), optional.
       monte_carlo_samples: samples per direction of the Monte-Carlo estimate; None =
@@ -232,7 +221,7 @@ class Accountant:
     self.allow_large_delta = bool(allow_large_delta)
     self.group_size = _check_group_size(group_size, sampler.num_examples)
     self.accountant = resolve_accountant(sampler.name, accountant, self.group_size)
-    self.max_batch_size = _check_max_batch_size(sampler, max_batch_size)
+    self.max_batch_size = cap.check_max_batch_size(sampler, max_batch_size)
     self.num_steps = (None if num_steps is None else
                       sampler_events.check_positive_int('num_steps', num_steps))
     self.monte_carlo_samples = (None if monte_carlo_samples is None else sampler_events

@@ -277,7 +277,8 @@ def _random_allocation_bracket(epsilon_of_sigma, sampler, target: float, delta: 
   lo, hi = bracket  # ε(lo) > target ≥ ε(hi) (provable)
   poisson = samplers_lib.PoissonSampler(num_examples=sampler.num_examples,
                                        batch_size=sampler.batch_size)
-  sigma = calibrate_noise_multiplier(poisson, target, delta, epochs * sampler.steps_per_epoch)
+  sigma = calibrate_noise_multiplier(poisson, target, delta, epochs * sampler.steps_per_epoch,
+                                     max_batch_size=None)
   sigma = min(max(sigma, lo * 1.001), hi)
   aim, slope, last = target * (1 - epsilon_rtol / 2), -1.0, None
   for _ in range(max_evaluations):

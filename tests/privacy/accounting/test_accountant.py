@@ -58,7 +58,7 @@ def test_sampler_and_cap_come_from_the_training_code_paths():
   assert report.sampler == 'poisson' and report.accountant == 'pld' and report.bound == 'upper'
   assert report.details['max_batch_size'] == acct.max_batch_size
   # The auto cap costs (almost) nothing against the untruncated accountant.
-  free = accountant_lib.Accountant(acct.sampler, 2.0, DELTA).epsilon(steps)
+  free = accountant_lib.Accountant(acct.sampler, 2.0, DELTA, max_batch_size=None).epsilon(steps)
   assert free <= report.epsilon <= free * 1.001
 
 
@@ -90,8 +90,8 @@ def test_step_plds_and_compositions_are_built_once_per_process_for_each_event_an
   monkeypatch.setattr(step_pld, 'BUILT_STEPS', step_pld.KeptPLDs(8))
   monkeypatch.setattr(step_pld, 'COMPOSED', step_pld.KeptPLDs(8))
   sampler = _sampler('poisson', 10_000, 100)
-  eps = lambda s, sigma, steps=300, **kw: accountant_lib.Accountant(s, sigma, DELTA, **kw).epsilon(
-      steps)
+  eps = lambda s, sigma, steps=300, **kw: accountant_lib.Accountant(
+      s, sigma, DELTA, max_batch_size=None, **kw).epsilon(steps)
   first = eps(sampler, 1.3)
   assert eps(sampler, 1.3) == first and len(built) == 1 and composed == [300]
   assert eps(sampler, 1.3, 200) < first and len(built) == 1 and composed == [300, 200]
@@ -142,7 +142,8 @@ def test_balls_and_bins_bounds_are_consistent():
   # One process draws the Monte-Carlo samples (the estimate does not depend on the count:
   # test_monte_carlo_workers_reach_the_estimate_and_do_not_change_it), here and below.
   acct = accountant_lib.Accountant(sampler, 1.0, DELTA, monte_carlo_samples=100_000,
-                                   monte_carlo_estimate=True, monte_carlo_workers=1)
+                                   monte_carlo_estimate=True, monte_carlo_workers=1,
+                                   max_batch_size=None)
   report = acct.epsilon_at(10)
   d = report.details
   det = balls_and_bins.deterministic_epsilon(1.0, 1, DELTA)
@@ -167,7 +168,7 @@ def test_balls_and_bins_bounds_are_consistent():
 
 def test_balls_and_bins_multi_epoch_composes_the_one_epoch_pld():
   sampler = _sampler('balls_and_bins', 1000, 100)  # T = 10
-  acct = accountant_lib.Accountant(sampler, 1.0, DELTA)
+  acct = accountant_lib.Accountant(sampler, 1.0, DELTA, max_batch_size=None)
   reports = [acct.epsilon_at(10 * e, estimates=False) for e in (2, 3)]
   for epochs, report in zip((2, 3), reports):
     assert 'composed' in report.details['provable_method']
@@ -183,7 +184,7 @@ def test_balls_and_bins_multi_epoch_composes_the_one_epoch_pld():
 def test_balls_and_bins_one_step_is_the_gaussian_mechanism():
   sampler = _sampler('balls_and_bins', 100, 100)  # T = 1
   report = accountant_lib.Accountant(sampler, 1.0, DELTA, monte_carlo_estimate=True,
-                                     monte_carlo_workers=1).epsilon_at(1)
+                                     monte_carlo_workers=1, max_batch_size=None).epsilon_at(1)
   gaussian = balls_and_bins.deterministic_epsilon(1.0, 1, DELTA)
   assert report.epsilon == gaussian
   assert balls_and_bins.gaussian_delta(1.0, gaussian) <= DELTA
@@ -194,7 +195,8 @@ def test_balls_and_bins_one_step_is_the_gaussian_mechanism():
 def test_monte_carlo_accountant_is_labelled_high_probability():
   sampler = _sampler('balls_and_bins', 500, 50)  # T = 10; δ = 1e-3 < 1/N.
   acct = accountant_lib.Accountant(sampler, 1.0, 1e-3, accountant='monte_carlo',
-                                   monte_carlo_samples=20_000, beta=1e-2, monte_carlo_workers=1)
+                                   monte_carlo_samples=20_000, beta=1e-2, monte_carlo_workers=1,
+                                   max_batch_size=None)
   report = acct.epsilon_at(20, estimates=False)
   assert report.bound == 'high_probability_upper' and report.accountant == 'monte_carlo'
   assert (report.confidence, report.num_samples) == (0.99, 20_000)
@@ -206,7 +208,7 @@ def test_monte_carlo_accountant_is_labelled_high_probability():
 def test_monte_carlo_workers_reach_the_estimate_and_do_not_change_it(monkeypatch):
   sampler = _sampler('balls_and_bins', 500, 50)  # T = 10; δ = 1e-3 < 1/N.
   options = dict(accountant='monte_carlo', monte_carlo_samples=20_000, beta=1e-2)
-  serial = accountant_lib.Accountant(sampler, 1.0, 1e-3, monte_carlo_workers=1,
+  serial = accountant_lib.Accountant(sampler, 1.0, 1e-3, monte_carlo_workers=1, max_batch_size=None,
                                      **options).epsilon_at(20, estimates=False)
   seen = []
   real = monte_carlo.balls_and_bins_epsilon
@@ -217,6 +219,7 @@ def test_monte_carlo_workers_reach_the_estimate_and_do_not_change_it(monkeypatch
 
   monkeypatch.setattr(monte_carlo, 'balls_and_bins_epsilon', spy)
   parallel = accountant_lib.Accountant(sampler, 1.0, 1e-3, monte_carlo_workers=2,
+                                       max_batch_size=None,
                                        **options).epsilon_at(20, estimates=False)
   assert seen == [2]
   assert parallel.epsilon == serial.epsilon
@@ -236,12 +239,13 @@ def test_monte_carlo_workers_from_the_config():
     plan_lib.make_accountant(config, NUM_DIGITS_TRAIN)
   with pytest.raises(ValueError, match='monte_carlo_workers'):
     accountant_lib.Accountant(_sampler('balls_and_bins', 1000, 100), 1.0, DELTA,
-                              monte_carlo_workers=1.5)
+                              monte_carlo_workers=1.5, max_batch_size=None)
 
 
 def test_balls_and_bins_truncation_penalty():
   sampler = _sampler('balls_and_bins', 10_000, 100)  # T = 100, n_t ~ Binomial(10^4, 0.01)
-  plain = accountant_lib.Accountant(sampler, 2.0, DELTA, random_allocation=False)
+  plain = accountant_lib.Accountant(sampler, 2.0, DELTA, random_allocation=False,
+                                    max_batch_size=None)
   capped = accountant_lib.Accountant(sampler, 2.0, DELTA, random_allocation=False,
                                      max_batch_size=170)
   report = capped.epsilon_at(200, estimates=False)
@@ -281,7 +285,8 @@ def test_random_allocation_pays_the_truncation_penalty_at_its_own_epsilon():
 
 def test_group_balls_and_bins_falls_back_to_deterministic():
   sampler = _sampler('balls_and_bins', 1000, 100)
-  report = accountant_lib.Accountant(sampler, 2.0, DELTA, group_size=2).epsilon_at(10)
+  report = accountant_lib.Accountant(sampler, 2.0, DELTA, group_size=2,
+                                     max_batch_size=None).epsilon_at(10)
   assert report.epsilon == balls_and_bins.deterministic_epsilon(2.0, 1, DELTA, group_size=2)
   assert report.epsilon_lower <= report.epsilon
   assert 'monte_carlo_epsilon_high_probability' not in report.details
@@ -305,8 +310,9 @@ def test_epsilon_ahead_returns_the_accountants_own_reports():
   """Reports computed ahead on the background thread equal direct calls, estimates included."""
   from dpjax.privacy.accounting import ahead  # pylint: disable=import-outside-toplevel
   sampler = samplers.PoissonSampler(num_examples=1000, batch_size=50, seed=0)
-  direct = accountant_lib.Accountant(sampler, 1.1, 1e-5)
-  with ahead.EpsilonAhead(accountant_lib.Accountant(sampler, 1.1, 1e-5), [5, 10, 15, 20]) as e:
+  direct = accountant_lib.Accountant(sampler, 1.1, 1e-5, max_batch_size=None)
+  with ahead.EpsilonAhead(accountant_lib.Accountant(sampler, 1.1, 1e-5,
+                                                    max_batch_size=None), [5, 10, 15, 20]) as e:
     assert e.epsilon_at(5) == direct.epsilon_at(5, estimates=False)
     assert e.epsilon_at(15) == direct.epsilon_at(15, estimates=False)  # 10 skipped: dropped.
     assert e.epsilon_at(20, estimates=True) == direct.epsilon_at(20, estimates=True)
@@ -318,7 +324,7 @@ def test_epsilon_if_ready_never_waits_and_drops_passed_steps():
   import threading  # pylint: disable=import-outside-toplevel
   from dpjax.privacy.accounting import ahead  # pylint: disable=import-outside-toplevel
   sampler = samplers.PoissonSampler(num_examples=1000, batch_size=50, seed=0)
-  real = accountant_lib.Accountant(sampler, 1.1, 1e-5)
+  real = accountant_lib.Accountant(sampler, 1.1, 1e-5, max_batch_size=None)
   release, asked = threading.Event(), []
 
   class Slow:  # The accountant's reports, each held until the test releases the worker.

@@ -46,8 +46,9 @@ def test_poisson_pld_and_rdp_match_dp_accounting():
   sampler = _sampler('poisson', 60_000, 256)
   q = 256 / 60_000
   event = dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(1.1))
-  pld = accountant_lib.Accountant(sampler, 1.1, DELTA).epsilon_at(3000)
-  rdp = accountant_lib.Accountant(sampler, 1.1, DELTA, accountant='rdp').epsilon_at(3000)
+  pld = accountant_lib.Accountant(sampler, 1.1, DELTA, max_batch_size=None).epsilon_at(3000)
+  rdp = accountant_lib.Accountant(sampler, 1.1, DELTA, accountant='rdp',
+                                  max_batch_size=None).epsilon_at(3000)
   assert pld.epsilon == pytest.approx(_pld_epsilon(event, 3000), rel=1e-9)
   assert rdp.epsilon == pytest.approx(_rdp_epsilon(event, 3000), rel=1e-9)
   assert (pld.accountant, rdp.accountant, pld.bound) == ('pld', 'rdp', 'upper')
@@ -59,7 +60,8 @@ def test_poisson_exact_truncated_event_reference():
   # docs/accounting.md §1: N = 1e4, q = 0.01, σ = 1, 5000 steps, δ = 1e-5: ≈4.20 untruncated,
   # ≈5.60 at B = 130 (the penalty is large, so the exact truncated event decides).
   sampler = _sampler('poisson', 10_000, 100)
-  plain = accountant_lib.Accountant(sampler, 1.0, DELTA, value_discretization_interval=COARSE)
+  plain = accountant_lib.Accountant(sampler, 1.0, DELTA, value_discretization_interval=COARSE,
+                                    max_batch_size=None)
   capped = accountant_lib.Accountant(sampler, 1.0, DELTA, max_batch_size=130,
                                      value_discretization_interval=COARSE)
   assert plain.epsilon(5000) == pytest.approx(4.20, rel=0.01)
@@ -75,7 +77,7 @@ def test_poisson_exact_truncated_event_reference():
 def test_poisson_tv_truncation_penalty():
   sampler = _sampler('poisson', 10_000, 100)
   steps = 2000
-  untruncated = accountant_lib.Accountant(sampler, 1.0, DELTA).epsilon(steps)
+  untruncated = accountant_lib.Accountant(sampler, 1.0, DELTA, max_batch_size=None).epsilon(steps)
   capped = accountant_lib.Accountant(sampler, 1.0, DELTA, max_batch_size=180)
   report = capped.epsilon_at(steps, estimates=False)
   tau = steps * stats.binom.sf(180, 10_001, 0.01)
@@ -173,12 +175,13 @@ def test_group_poisson_is_binomial_mog():
   sampler = _sampler('poisson', 10_000, 100)
   k, steps = 3, 500
   report = accountant_lib.Accountant(sampler, 1.5, DELTA, group_size=k,
-                                     value_discretization_interval=COARSE).epsilon_at(steps)
+                                     value_discretization_interval=COARSE,
+                                     max_batch_size=None).epsilon_at(steps)
   counts = np.arange(k + 1)
   mog = dp_event.MixtureOfGaussiansDpEvent(1.5, list(counts),
                                            list(stats.binom.pmf(counts, k, 0.01)))
   assert report.epsilon == pytest.approx(_pld_epsilon(mog, steps, COARSE), rel=1e-6)
-  one = accountant_lib.Accountant(sampler, 1.5, DELTA).epsilon(steps)
+  one = accountant_lib.Accountant(sampler, 1.5, DELTA, max_batch_size=None).epsilon(steps)
   assert one < report.epsilon < report.details['group_conversion_epsilon_comparison_only']
 
 
@@ -234,4 +237,5 @@ def test_event_level_validation():
   with pytest.raises(ValueError, match='batch_size'):
     sampler_events.fixed_size_step_event(10, 11, 1.0)
   with pytest.raises(ValueError, match='step'):
-    accountant_lib.Accountant(_sampler('poisson', 100, 10), 1.0, DELTA).epsilon_at(-1)
+    accountant_lib.Accountant(_sampler('poisson', 100, 10), 1.0, DELTA,
+                              max_batch_size=None).epsilon_at(-1)

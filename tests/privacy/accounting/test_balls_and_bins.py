@@ -155,7 +155,7 @@ def test_timeout_falls_back_to_the_labelled_deterministic_bound(tmp_path, monkey
   # The accountant carries the label into its report.
   sampler = samplers.sampler_class('balls_and_bins')(num_examples=1000, batch_size=50)
   report = accountant_lib.Accountant(sampler, 1.0, DELTA, random_allocation_timeout=6.0
-                                     ).epsilon_at(20, estimates=False)
+                                     , max_batch_size=None).epsilon_at(20, estimates=False)
   assert report.bound == 'upper' and report.details['method'].startswith('deterministic FALLBACK')
 
 
@@ -190,7 +190,7 @@ def test_default_grid_follows_poisson_epsilon():
 
 def test_accountant_reports_monte_carlo_as_opt_in(cache, in_process_pld_builds):
   sampler = samplers.sampler_class('balls_and_bins')(num_examples=1000, batch_size=100)  # T = 10
-  report = accountant_lib.Accountant(sampler, 1.0, DELTA).epsilon_at(10)
+  report = accountant_lib.Accountant(sampler, 1.0, DELTA, max_batch_size=None).epsilon_at(10)
   m = monte_carlo.default_num_samples(1.0, 10, DELTA)
   assert report.details['monte_carlo'].startswith('not computed (opt-in')
   assert f'{m} samples per direction' in report.details['monte_carlo']
@@ -202,7 +202,7 @@ def test_accountant_reports_monte_carlo_as_opt_in(cache, in_process_pld_builds):
 
 def test_monte_carlo_workers_default_to_the_available_cores():
   sampler = samplers.sampler_class('balls_and_bins')(num_examples=1000, batch_size=100)
-  acct = accountant_lib.Accountant(sampler, 1.0, DELTA)
+  acct = accountant_lib.Accountant(sampler, 1.0, DELTA, max_batch_size=None)
   assert acct.monte_carlo_workers == len(os.sched_getaffinity(0)) == monte_carlo.available_cores()
   assert acct.monte_carlo_samples is None  # chosen from δ and β when needed
 
@@ -210,7 +210,8 @@ def test_monte_carlo_workers_default_to_the_available_cores():
 def test_bad_budget_is_one_clear_error():
   sampler = samplers.sampler_class('balls_and_bins')(num_examples=1000, batch_size=100)
   with pytest.raises(ValueError, match='random_allocation_timeout must be'):
-    accountant_lib.Accountant(sampler, 1.0, DELTA, random_allocation_timeout=-1)
+    accountant_lib.Accountant(sampler, 1.0, DELTA, random_allocation_timeout=-1,
+                              max_batch_size=None)
   with pytest.raises(ValueError, match='bound must be one of'):
     random_allocation.epoch_pld(1.0, 10, discretization=0.02, bound='middle')
 
@@ -233,13 +234,14 @@ def test_calibration_meets_the_target_in_few_builds(cache, monkeypatch, in_proce
   monkeypatch.setattr(random_allocation.subprocess, 'run', count)
   sampler = samplers.sampler_class('balls_and_bins')(num_examples=1000, batch_size=100)  # T = 10
   target = 2.5
-  sigma = calibration.calibrate_noise_multiplier(sampler, target, DELTA, 10)
-  eps = lambda s: accountant_lib.Accountant(sampler, s, DELTA).epsilon(10)
+  sigma = calibration.calibrate_noise_multiplier(sampler, target, DELTA, 10, max_batch_size=None)
+  eps = lambda s: accountant_lib.Accountant(sampler, s, DELTA, max_batch_size=None).epsilon(10)
   assert target * (1 - calibration.DEFAULT_EPSILON_RTOL) <= eps(sigma) <= target
   assert eps(0.99 * sigma) > target
   assert builds.count('upper') <= 7 and 'lower' not in builds  # estimates are not needed
   # Inside the provable bracket: below the deterministic σ.
-  det = calibration.calibrate_noise_multiplier(sampler, target, DELTA, 10, random_allocation=False)
+  det = calibration.calibrate_noise_multiplier(sampler, target, DELTA, 10, random_allocation=False,
+                                               max_batch_size=None)
   assert sigma < det
 
 

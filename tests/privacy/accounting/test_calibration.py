@@ -21,6 +21,7 @@ def _sampler(name, n, b):
 
 
 def _round_trip(sampler, target, steps, delta=DELTA, **kwargs):
+  kwargs.setdefault('max_batch_size', None)  # Batches never truncated.
   sigma = calibration.calibrate_noise_multiplier(sampler, target, delta, steps, **kwargs)
   eps = accountant_lib.Accountant(sampler, sigma, delta, **kwargs).epsilon(steps)
   assert 0.99 * target <= eps <= target, (sigma, eps)
@@ -41,7 +42,7 @@ def test_round_trip_fixed_size_with_replacement():
 def test_round_trip_group_poisson():
   sigma_group = _round_trip(_sampler('poisson', 10_000, 100), 0.5, 500, group_size=2)
   sigma_one = calibration.calibrate_noise_multiplier(_sampler('poisson', 10_000, 100), 0.5, DELTA,
-                                                     500)
+                                                     500, max_batch_size=None)
   assert sigma_group > sigma_one
 
 
@@ -60,7 +61,8 @@ def test_round_trip_balls_and_bins_monte_carlo():
   options = dict(accountant='monte_carlo', monte_carlo_samples=20_000, beta=1e-2,
                  monte_carlo_seed=3, monte_carlo_workers=1)
   sigma = _round_trip(sampler, 1.5, 10, delta=1e-3, **options)
-  det = calibration.calibrate_noise_multiplier(sampler, 1.5, 1e-3, 10, random_allocation=False)
+  det = calibration.calibrate_noise_multiplier(sampler, 1.5, 1e-3, 10, random_allocation=False,
+                                               max_batch_size=None)
   assert sigma < det
 
 
@@ -74,8 +76,8 @@ def test_pld_calibration_is_fast():
 @pytest.mark.parametrize('name', ['poisson', 'shuffle'])
 def test_largest_number_of_steps(name):
   sampler = _sampler(name, 10_000, 100)
-  acct = accountant_lib.Accountant(sampler, 1.5, DELTA)
-  steps = calibration.max_num_steps(sampler, 1.5, 3.0, DELTA)
+  acct = accountant_lib.Accountant(sampler, 1.5, DELTA, max_batch_size=None)
+  steps = calibration.max_num_steps(sampler, 1.5, 3.0, DELTA, max_batch_size=None)
   unit = sampler.steps_per_epoch if name == 'shuffle' else 1
   assert steps % unit == 0
   assert acct.epsilon(steps) <= 3.0 < acct.epsilon(steps + unit)

@@ -69,7 +69,7 @@ def _dpjax_report(steps, sigma):
   if (steps, sigma) not in _REPORTS:
     sampler = samplers.sampler_class('balls_and_bins')(num_examples=NUM_EXAMPLES,
                                                        batch_size=NUM_EXAMPLES // steps)
-    acct = accountant_lib.Accountant(sampler, sigma, DELTA)
+    acct = accountant_lib.Accountant(sampler, sigma, DELTA, max_batch_size=None)
     assert acct.steps_per_epoch == steps
     _REPORTS[steps, sigma] = acct.epsilon_at(steps, estimates=False)
   return _REPORTS[steps, sigma]
