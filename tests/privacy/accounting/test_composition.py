@@ -18,6 +18,7 @@ COARSE = 1e-2  # Both sides discretise at this interval (cheap; any interval giv
 
 
 def _accountant(name, n, b, sigma, prior=(), **kwargs):
+  kwargs.setdefault('max_batch_size', None)  # Never truncated, unless a test gives the cap.
   return accountant_lib.Accountant(samplers.make(name, n, b), sigma, DELTA,
                                    value_discretization_interval=COARSE, prior_runs=prior, **kwargs)
 
@@ -43,7 +44,7 @@ def test_a_run_after_others_reports_the_pld_composition_of_their_mechanisms():
   the privacy plan's fingerprint. New API: on da06065 the module `composition` and
   `prior_runs` did not exist (this file failed there on its import, checked)."""
   ball = accountant_lib.Accountant(samplers.make('balls_and_bins', 1000, 100), 1.5, DELTA,
-                                   accountant='monte_carlo')
+                                   accountant='monte_carlo', max_batch_size=None)
   poisson = _accountant('poisson', 1000, 50, 1.2, accountant='rdp')
   prior = (composition.PriorRun(ball, 20, 'b&b'), composition.PriorRun(poisson, 8, 'poisson'))
   run = _accountant('fixed_size', 2000, 100, 1.0, prior)
