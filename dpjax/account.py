@@ -42,7 +42,11 @@ steps, steps_per_epoch, epsilon_lower, confidence, num_samples, details.
 
 from __future__ import annotations
 
-import logging
+if __name__ == '__main__':  # Ctrl-C or SIGTERM from here on, imports included: one line, exit.
+  from dpjax.trainer import interrupts  # pylint: disable=g-import-not-at-top
+  interrupts.exit_on_signals('python -m dpjax.account')
+
+import logging  # pylint: disable=g-import-not-at-top,wrong-import-position
 import math
 import os
 import sys

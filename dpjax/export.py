@@ -29,10 +29,14 @@ same seed is refused (`--allow_shared_seed` overrides). Runs with drawn seeds
 
 from __future__ import annotations
 
-import json
+if __name__ == '__main__':  # Ctrl-C or SIGTERM from here on, imports included: one line, exit.
+  from dpjax.trainer import interrupts  # pylint: disable=g-import-not-at-top
+  interrupts.exit_on_signals('python -m dpjax.export',
+                             ': --out holds the whole export or nothing, never a part')
+
+import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 import logging
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -46,6 +50,7 @@ import numpy as np
 from dpjax.trainer import checkpoints
 from dpjax.trainer import cli
 from dpjax.trainer import finetune
+from dpjax.trainer import interrupts
 from dpjax.trainer import run_seed
 
 PROG = 'python -m dpjax.export'
@@ -216,20 +221,17 @@ def export(workdir: str, out: str, *, step: int | None = None,
   card['files'] = sorted(files) + [CARD]
   parent = os.path.dirname(out)
   os.makedirs(parent, exist_ok=True)
-  staging = tempfile.mkdtemp(prefix='.dpjax-export-', dir=parent)
-  try:
+  # Removed if anything (an error, Ctrl-C, SIGTERM) stops the export before the rename.
+  with interrupts.partial_output(tempfile.mkdtemp(prefix='.dpjax-export-', dir=parent)) as staging:
     for name, arrays in files.items():
       np.savez(os.path.join(staging, name), **arrays)
     with open(os.path.join(staging, CARD), 'w') as f:
       json.dump(card, f, indent=2)
       f.write('\n')
+    _record(digest, workdir, out)  # Before the rename: no release is ever missing from it.
     if os.path.isdir(out):
       os.rmdir(out)  # Empty (checked above).
     os.rename(staging, out)
-  except BaseException:
-    shutil.rmtree(staging, ignore_errors=True)
-    raise
-  _record(digest, workdir, out)
   return card
 
 
