@@ -24,6 +24,7 @@ is never truncated (and none is accounted); with it, the truncation is
 accounted. With --config everything comes from the training config (the cap
 B as training resolves it); --config.<field>=value overrides a field as in
 `python -m dpjax.train`, and explicit flags override config fields too.
+--workdir reads the run's own numbers and takes no other flag but --json.
 Flags are absl flags: --name=value or --name value; --json / --nojson. --workers
 sets the processes drawing the Monte-Carlo samples (privacy.monte_carlo_workers
 of the config, else the available cores, as many as the samples pay to start); the
@@ -128,6 +129,11 @@ def parse_args(argv: list[str]) -> types.SimpleNamespace:
   for a, b in _EXCLUSIVE:
     if fv[a].present and fv[b].present:
       cli.fail(PROG, f'--{a} and --{b}: give one of them, not both.')
+  ignored = [f'--{name}' for name in fv if name not in ('workdir', 'json') and fv[name].present]
+  if fv['workdir'].present and ignored:  # The checkpoint's own numbers would silently win.
+    cli.fail(PROG, f'--workdir reports the ε that the run\'s checkpoints carry, so '
+             f'{", ".join(ignored)} would be ignored: give --workdir alone (with --json at most), '
+             'or leave it out to compute ε from the flags or the config.')
   args = types.SimpleNamespace(**{name.replace('-', '_'): fv[name].value
                                   for name in [f[1] for f in _FLAGS]})
   args.config = fv['config'].value if fv['config'].present else None
