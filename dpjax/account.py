@@ -56,6 +56,7 @@ import types
 from absl import flags
 from ml_collections import config_flags
 
+from dpjax.trainer import accounting_refusals
 from dpjax.trainer import cli
 from dpjax.privacy import samplers as samplers_lib
 from dpjax.privacy.accounting import accountant as accountant_lib
@@ -100,6 +101,9 @@ _FLAGS = (
      '(and, when it is not finished, the ε planned for its last step)'),
 )
 _EXCLUSIVE = (('steps', 'epochs'), ('noise-multiplier', 'target-epsilon'))
+# The accountant's arguments that fix an oversized privacy-loss grid, as flags.
+FLAG_NAMES = {'noise_multiplier': '--noise-multiplier', 'group_size': '--group-size',
+              'sampler': '--sampler'}
 PROG = 'python -m dpjax.account'
 
 
@@ -299,7 +303,10 @@ def main(argv=None) -> int:
     options = _monte_carlo_options(args)  # validated before any loading or computing
     acct, extra = (_from_config(args, options) if args.config is not None
                    else _from_flags(args, options))
-    report = acct.final_report()
+    try:
+      report = acct.final_report()
+    except accountant_lib.GridTooLargeError as e:  # Its fixes as this command's flags.
+      raise ValueError(accounting_refusals.grid_too_large(e, acct, FLAG_NAMES)) from None
   except ValueError as e:
     cli.fail(PROG, e)
   report.details.update(extra)

@@ -171,3 +171,15 @@ def test_workdir_with_any_flag_it_would_ignore_is_refused(tmp_path, extra, named
                         f'checkpoints carry, so {named} would be ignored: give --workdir alone '
                         '(with --json at most), or leave it out to compute ε from the flags or '
                         'the config.\n')
+
+
+def test_an_oversized_privacy_loss_grid_names_the_flags_that_fix_it():
+  """k = 1024 > b: the accountant refuses the grid before building it. Fails on da06065: the
+  fixes named max_grid_points and value_discretization_interval (no flag sets them) and the
+  config fields privacy.group_size and privacy.noise_multiplier instead of the flags."""
+  out = _run('--sampler', 'poisson', '--num-examples', '50000', '--batch-size', '256', '--steps',
+             '100', '--noise-multiplier', '1', '--delta', '1e-5', '--group-size', '1024',
+             check=False)
+  assert out.returncode == 2 and len(out.stderr.splitlines()) == 1
+  assert out.stderr.endswith('more than the 2e+06 allowed (minutes and GBs of memory). To fix: '
+                             'lower --group-size = 1024; or raise σ (--noise-multiplier = 1).\n')
