@@ -24,6 +24,7 @@ is never truncated (and none is accounted); with it, the truncation is
 accounted. With --config everything comes from the training config (the cap
 B as training resolves it); --config.<field>=value overrides a field as in
 `python -m dpjax.train`, and explicit flags override config fields too.
+--workdir reads the run's own numbers and takes no other flag but --json.
 Flags are absl flags: --name=value or --name value; --json / --nojson. --workers
 sets the processes drawing the Monte-Carlo samples (privacy.monte_carlo_workers
 of the config, else the available cores, as many as the samples pay to start); the
@@ -42,7 +43,11 @@ steps, steps_per_epoch, epsilon_lower, confidence, num_samples, details.
 
 from __future__ import annotations
 
-import logging
+if __name__ == '__main__':  # Ctrl-C or SIGTERM from here on, imports included: one line, exit.
+  from dpjax.trainer import interrupts  # pylint: disable=g-import-not-at-top
+  interrupts.exit_on_signals('python -m dpjax.account')
+
+import logging  # pylint: disable=g-import-not-at-top,wrong-import-position
 import math
 import os
 import sys
@@ -51,6 +56,7 @@ import types
 from absl import flags
 from ml_collections import config_flags
 
+from dpjax.trainer import accounting_refusals
 from dpjax.trainer import cli
 from dpjax.privacy import samplers as samplers_lib
 from dpjax.privacy.accounting import accountant as accountant_lib
@@ -95,6 +101,9 @@ _FLAGS = (
      '(and, when it is not finished, the ε planned for its last step)'),
 )
 _EXCLUSIVE = (('steps', 'epochs'), ('noise-multiplier', 'target-epsilon'))
+# The accountant's arguments that fix an oversized privacy-loss grid, as flags.
+FLAG_NAMES = {'noise_multiplier': '--noise-multiplier', 'group_size': '--group-size',
+              'sampler': '--sampler'}
 PROG = 'python -m dpjax.account'
 
 
@@ -124,6 +133,11 @@ def parse_args(argv: list[str]) -> types.SimpleNamespace:
   for a, b in _EXCLUSIVE:
     if fv[a].present and fv[b].present:
       cli.fail(PROG, f'--{a} and --{b}: give one of them, not both.')
+  ignored = [f'--{name}' for name in fv if name not in ('workdir', 'json') and fv[name].present]
+  if fv['workdir'].present and ignored:  # The checkpoint's own numbers would silently win.
+    cli.fail(PROG, f'--workdir reports the ε that the run\'s checkpoints carry, so '
+             f'{", ".join(ignored)} would be ignored: give --workdir alone (with --json at most), '
+             'or leave it out to compute ε from the flags or the config.')
   args = types.SimpleNamespace(**{name.replace('-', '_'): fv[name].value
                                   for name in [f[1] for f in _FLAGS]})
   args.config = fv['config'].value if fv['config'].present else None
@@ -289,7 +303,10 @@ def main(argv=None) -> int:
     options = _monte_carlo_options(args)  # validated before any loading or computing
     acct, extra = (_from_config(args, options) if args.config is not None
                    else _from_flags(args, options))
-    report = acct.final_report()
+    try:
+      report = acct.final_report()
+    except accountant_lib.GridTooLargeError as e:  # Its fixes as this command's flags.
+      raise ValueError(accounting_refusals.grid_too_large(e, acct, FLAG_NAMES)) from None
   except ValueError as e:
     cli.fail(PROG, e)
   report.details.update(extra)

@@ -24,7 +24,11 @@ than `max_audit_epsilon_lower`, and honest DP-SGD runs audit far below their ε.
 
 from __future__ import annotations
 
-import json
+if __name__ == '__main__':  # Ctrl-C or SIGTERM from here on, imports included: one line, exit.
+  from dpjax.trainer import interrupts  # pylint: disable=g-import-not-at-top
+  interrupts.exit_on_signals('python -m dpjax.audit')
+
+import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys
 
 from absl import flags

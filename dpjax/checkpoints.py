@@ -8,7 +8,11 @@ The checkpoints themselves (saving, exact resume, the manifest) are
 
 from __future__ import annotations
 
-import json
+if __name__ == '__main__':  # Ctrl-C or SIGTERM from here on, imports included: one line, exit.
+  from dpjax.trainer import interrupts  # pylint: disable=g-import-not-at-top
+  interrupts.exit_on_signals('python -m dpjax.checkpoints')
+
+import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 import os
 import sys
 import types

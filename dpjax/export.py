@@ -33,10 +33,14 @@ seeds (the default) never share one.
 
 from __future__ import annotations
 
-import json
+if __name__ == '__main__':  # Ctrl-C or SIGTERM from here on, imports included: one line, exit.
+  from dpjax.trainer import interrupts  # pylint: disable=g-import-not-at-top
+  interrupts.exit_on_signals('python -m dpjax.export',
+                             ': --out holds the whole export or nothing, never a part')
+
+import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 import logging
 import os
-import shutil
 import sys
 import tempfile
 from importlib import metadata as importlib_metadata
@@ -50,6 +54,7 @@ from dpjax.trainer import checkpoints
 from dpjax.trainer import cli
 from dpjax.trainer import finetune
 from dpjax.trainer import init_source
+from dpjax.trainer import interrupts
 from dpjax.trainer import run_seed
 from dpjax.trainer import seed_record
 from dpjax.trainer import training_set_size
@@ -197,23 +202,20 @@ def export(workdir: str, out: str, *, step: int | None = None,
   card['files'] = sorted(files) + [CARD]
   parent = os.path.dirname(out)
   os.makedirs(parent, exist_ok=True)
-  staging = tempfile.mkdtemp(prefix='.dpjax-export-', dir=parent)
-  try:
+  # Removed if anything (an error, Ctrl-C, SIGTERM) stops the export before the rename.
+  with interrupts.partial_output(tempfile.mkdtemp(prefix='.dpjax-export-', dir=parent)) as staging:
     for name, arrays in files.items():
       np.savez(os.path.join(staging, name), **arrays)
     with open(os.path.join(staging, CARD), 'w') as f:
       json.dump(card, f, indent=2)
       f.write('\n')
+    try:  # Before the rename: no release is ever missing from the record.
+      seed_record.append(digest, seed_record.EXPORT, workdir, out)
+    except OSError as e:
+      warnings.append(seed_record.unusable(e))
     if os.path.isdir(out):
       os.rmdir(out)  # Empty (checked above).
     os.rename(staging, out)
-  except BaseException:
-    shutil.rmtree(staging, ignore_errors=True)
-    raise
-  try:
-    seed_record.append(digest, seed_record.EXPORT, workdir, out)
-  except OSError as e:
-    warnings.append(seed_record.unusable(e))
   for line in warnings[:1]:
     print(f'{PROG}: warning: {line}', file=sys.stderr, flush=True)
   return card

@@ -38,7 +38,11 @@ regime and pay more noise per unit of signal; the table shows where.
 
 from __future__ import annotations
 
-import json
+if __name__ == '__main__':  # Ctrl-C or SIGTERM from here on, imports included: one line, exit.
+  from dpjax.trainer import interrupts  # pylint: disable=g-import-not-at-top
+  interrupts.exit_on_signals('python -m dpjax.planner')
+
+import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 import logging
 import os
 import sys
@@ -53,6 +57,7 @@ from dpjax.trainer import cli
 from dpjax.privacy import samplers as samplers_lib
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.trainer import batch_size_plan
+from dpjax.trainer.atomic_write import write_text_atomically
 
 
 # ---------------------------------------------------------------------------------------------
@@ -162,9 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   except ValueError as e:
     cli.fail(PROG, e)
   print(batch_size_plan.format_table(plan))
-  if args.json:
-    with open(args.json, 'w') as f:
-      json.dump(plan.to_dict(), f, indent=2)
+  if args.json:  # Whole or not at all, even if interrupted.
+    write_text_atomically(args.json, json.dumps(plan.to_dict(), indent=2))
   return 0
 
 

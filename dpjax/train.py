@@ -26,19 +26,15 @@ locks the workdir, all before any compute; `dpjax.trainer.loop` runs it.
 
 from __future__ import annotations
 
+if __name__ == '__main__':  # Ctrl-C or SIGTERM during the imports below: one line, exit.
+  from dpjax.trainer import interrupts  # pylint: disable=g-import-not-at-top
+  interrupts.exit_on_signals('dpjax.train', ' before training started')
+
+import dataclasses  # pylint: disable=g-import-not-at-top,wrong-import-position
 import os
 import signal
 import sys
-
-if __name__ == '__main__':  # Ctrl-C during the imports below: one line, exit 130.
-  def _interrupted_while_starting(signum, frame):  # pylint: disable=unused-argument
-    sys.stderr.write('dpjax.train: interrupted (Ctrl-C) before training started.\n')
-    sys.stderr.flush()
-    os._exit(130)  # pylint: disable=protected-access
-  signal.signal(signal.SIGINT, _interrupted_while_starting)
-
-import dataclasses  # pylint: disable=g-import-not-at-top,wrong-import-position
-import tempfile  # pylint: disable=g-import-not-at-top,wrong-import-position
+import tempfile
 from typing import Any
 
 from absl import app

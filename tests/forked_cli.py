@@ -2,7 +2,10 @@
 
   python -m tests.forked_cli MODULE CASES.json RESULTS.json
 
-CASES.json is a list of {"argv": [...], "cwd": "..."}. This process imports what MODULE
+CASES.json is a list of {"argv": [...], "cwd": "..."}, each optionally with "signal":
+{"name": "SIGINT", "after": "module.function", "in_finaliser": false}: the child sends itself
+that signal once `function` returns (inside an object's `__del__` if in_finaliser, where Python
+drops an exception raised by the handler), at a point of its own choosing. This process imports what MODULE
 imports at its top level (not MODULE itself), then for each case forks a child that runs
 MODULE as `python -m` does (`runpy`, as __main__, sys.argv = [its path, *argv], in cwd), with
 stdout and stderr going to files; an exception leaving MODULE prints its traceback and exits
@@ -18,6 +21,7 @@ import importlib.util
 import json
 import os
 import runpy
+import signal
 import sys
 import tempfile
 import traceback
@@ -42,13 +46,48 @@ def preimport(module: str) -> None:
         pass
 
 
-def _child(module: str, argv: list[str], cwd: str, out: str, err: str) -> None:
+class _SignalInFinaliser:
+  def __init__(self, signum: int):
+    self.signum = signum
+
+  def __del__(self):
+    _deliver(self.signum)
+
+
+def _deliver(signum: int) -> None:
+  """Sends `signum` to this process and runs bytecodes: Python calls the handler here."""
+  os.kill(os.getpid(), signum)
+  for _ in range(1000):
+    pass
+
+
+def _signal_after(spec: dict) -> None:
+  """Wraps spec['after'] (module.function) to deliver spec['name'] once it returns."""
+  module_name, name = spec['after'].rsplit('.', 1)
+  module = importlib.import_module(module_name)
+  function, signum = getattr(module, name), getattr(signal, spec['name'])
+
+  def wrapped(*args, **kwargs):
+    result = function(*args, **kwargs)
+    if spec.get('in_finaliser'):
+      _SignalInFinaliser(signum)  # Collected at once: __del__ runs now.
+    else:
+      _deliver(signum)
+    return result
+
+  setattr(module, name, wrapped)
+
+
+def _child(module: str, case: dict, out: str, err: str) -> None:
   """In the forked child: MODULE as __main__; never returns."""
   code = 1
+  argv, cwd = case['argv'], case['cwd']
   try:
     for path, fd in ((out, 1), (err, 2)):
       os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
     os.chdir(cwd)
+    if 'signal' in case:
+      _signal_after(case['signal'])
     sys.argv = [importlib.util.find_spec(module).origin, *argv]
     runpy.run_module(module, run_name='__main__', alter_sys=True)
     code = 0
@@ -78,7 +117,7 @@ def run(module: str, cases: list[dict]) -> list[dict]:
       sys.stderr.flush()
       pid = os.fork()
       if pid == 0:
-        _child(module, case['argv'], case['cwd'], out, err)
+        _child(module, case, out, err)
       _, status = os.waitpid(pid, 0)
       with open(out, encoding='utf-8', errors='replace') as f_out, \
           open(err, encoding='utf-8', errors='replace') as f_err:

@@ -19,9 +19,10 @@ the layers:
 
 `wrt` chooses what is trained (an NNX filter, e.g. `nnx.LoRAParam` to train only
 LoRA adapters); everything else (frozen parameters, constants) is merged in as
-it is. Models must be per-example and deterministic: no BatchNorm statistics,
-no dropout RNG state (their state would be mutated inside the per-example
-function).
+it is. Models must be per-example functions that write no state: no BatchNorm
+statistics, no dropout RNG stored in the model (pass each example's dropout key in
+the batch: README, "Dropout and BatchNorm in your own loop"); `clipped_grad` says
+so (`dpjax.privacy.stateful_layers`) where Flax's error would not.
 """
 
 from __future__ import annotations

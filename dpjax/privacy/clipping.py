@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from dpjax.privacy import ghost_clipping
 from dpjax.privacy import noise
 from dpjax.privacy import precision as precision_lib
+from dpjax.privacy import stateful_layers
 
 Params = Any
 Example = Any  # One row: a pytree of arrays, e.g. {'x': x_i, 'y': y_i}.
@@ -334,7 +335,8 @@ def clipped_grad(loss_fn: LossFn, clip_norm: float, *, has_aux: bool = False,
   """
   c = noise.check_clip_norm(clip_norm)  # Finite and > 0, as the noise transform checks it.
   bound = precision_lib.summed_clip_norm(c, precision, max_batch_size)
-  inner = clipped_sum_fn(with_aux(loss_fn, has_aux), bound, method)
+  # BatchNorm / Dropout state in the loss: Flax's error raised again with the fix.
+  inner = clipped_sum_fn(with_aux(stateful_layers.explained(loss_fn), has_aux), bound, method)
 
   def grad_fn(params: Params, examples: Example, weights: jax.Array | None = None):
     if weights is None:

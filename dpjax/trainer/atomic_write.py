@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from dpjax.trainer import interrupts
+
 
 def write_text_atomically(path: str, text: str, mode: int = 0o666) -> None:
   """Atomically sets the content of `path` to `text` (tmp + fsync + rename + fsync of the dir).
@@ -16,17 +18,13 @@ def write_text_atomically(path: str, text: str, mode: int = 0o666) -> None:
   `mode` (before the umask) applies from the file's creation: 0o600 keeps a secret unreadable
   to others at every moment.
   """
-  tmp = f'{path}.tmp-{os.getpid()}'
-  try:
+  # Removed on an error, or by a command's signal handler (`interrupts.exit_on_signals`).
+  with interrupts.partial_output(f'{path}.tmp-{os.getpid()}') as tmp:
     with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode), 'w') as f:
       f.write(text)
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
   fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
   try:
     os.fsync(fd)

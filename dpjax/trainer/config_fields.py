@@ -277,10 +277,25 @@ def check_known_fields(config: ml_collections.ConfigDict) -> None:
   known = set(declared)
   for path in field_paths(config):
     if path not in known:
+      _check_model_block(path, name)
       guess = closest_field(path, declared)
       hint = f' Did you mean {guess}?' if guess else ''
       raise ConfigError(f'{path}: not a field of a dpjax config.{hint} (Every field is listed in '
                         'docs/config.md.)')
+
+
+def _check_model_block(path: str, name: str) -> None:
+  """ConfigError for a field of another model's block (`--config.model.name` changed the model
+  and left the old one's fields): "did you mean" would name a field the command line cannot add."""
+  owners = [other for other in models.MODEL_NAMES if path.startswith('model.') and
+            path[len('model.'):] in field_paths(models.default_model_config(other))]
+  if owners and name not in owners:
+    fields = ', '.join(f'model.{p}' for p in field_paths(models.default_model_config(name)))
+    raise ConfigError(
+        f'{path}: a field of model {owners[0]!r}, not of model.name = {name!r}, whose fields are '
+        f'{fields}. Overriding model.name keeps the other model\'s fields and cannot add these: '
+        f'write a config file with `config.model = dpjax.models.factory.default_model_config('
+        f'{name!r})` (as the packaged configs do), then override its fields.')
 
 
 def validate(config: ml_collections.ConfigDict, *, accounting_only: bool = False) -> None:

@@ -16,17 +16,30 @@ repeat the notice (the stop is already under way).
 Handlers can only be installed from the main thread (a Python rule); from any
 other thread `GracefulStop` installs nothing and `requested` stays False.
 The previous handlers are restored on exit.
+
+A command that only computes and writes its output at the end (`dpjax.export`,
+`dpjax.account`, ...) has nothing to save: `exit_on_signals` makes SIGINT and SIGTERM end it at
+once, from its first line on (the imports included), with one line and exit 128 + signal, after
+removing the output it was writing (`partial_output`) and ending its child processes. The handler never raises: an exception
+raised where Python cannot pass it on (a gc callback, a `__del__`, a callback inside native code)
+was dropped (the command went on and exited 0), aborted the process (exit 134) or surfaced as
+another error with a traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 import signal
 import sys
 import threading
 from types import FrameType
+from typing import Iterator
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _BEFORE_THE_LOOP = {'interrupted': False}
+_PARTIAL: list[str] = []  # Output being written (`partial_output`): removed by `exit_on_signals`.
 
 
 def interrupt_before_the_loop(signum: int, frame: FrameType | None) -> None:
@@ -101,3 +114,65 @@ class GracefulStop:
     for signum, handler in self._previous.items():
       signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
     self._previous.clear()
+
+
+def exit_on_signals(prog: str, detail: str = '') -> None:
+  """SIGINT and SIGTERM end this process at once: the partial outputs removed, one line on stderr,
+  exit 128 + signal (130 for Ctrl-C, 143 for SIGTERM). The line is `<prog>: interrupted
+  (Ctrl-C)<detail>.` (or `stopped by SIGTERM`). Call it from the main thread, first thing in a
+  command's `if __name__ == '__main__'` block, before its heavy imports."""
+
+  def handle(signum: int, frame: FrameType | None) -> None:
+    del frame
+    for pid in _child_processes():  # Monte-Carlo workers, a PLD builder: they would outlive us.
+      with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGTERM)
+    for path in reversed(_PARTIAL):
+      _remove(path)
+    what = 'interrupted (Ctrl-C)' if signum == signal.SIGINT else (
+        f'stopped by {signal.Signals(signum).name}')
+    with contextlib.suppress(OSError):  # Not print: stderr may be in the middle of a write.
+      os.write(2, f'{prog}: {what}{detail}.\n'.encode())
+    os._exit(128 + signum)  # pylint: disable=protected-access
+
+  for signum in SIGNALS:
+    signal.signal(signum, handle)
+
+
+@contextlib.contextmanager
+def partial_output(path: str) -> Iterator[str]:
+  """Marks `path` (a file or a directory) as output being written: removed if the block raises,
+  or if `exit_on_signals`' handler ends the process while inside it. Rename it into place as the
+  block's last step to publish it whole or not at all."""
+  _PARTIAL.append(path)
+  try:
+    yield path
+  except BaseException:
+    _remove(path)
+    raise
+  finally:
+    _PARTIAL.remove(path)
+
+
+def _child_processes() -> set[int]:
+  """This process's children: from /proc (Linux), and multiprocessing's where it is in use."""
+  pids = set()
+  if 'multiprocessing' in sys.modules:
+    pids.update(p.pid for p in sys.modules['multiprocessing'].active_children() if p.pid)
+  with contextlib.suppress(OSError):
+    for name in os.listdir('/proc'):
+      try:
+        with open(f'/proc/{name}/stat', 'rb') as f:  # "pid (comm) state ppid ...".
+          if int(f.read().rsplit(b')', 1)[1].split()[1]) == os.getpid():
+            pids.add(int(name))
+      except (OSError, ValueError, IndexError):
+        continue
+  return pids
+
+
+def _remove(path: str) -> None:
+  if os.path.isdir(path) and not os.path.islink(path):
+    shutil.rmtree(path, ignore_errors=True)
+  else:
+    with contextlib.suppress(OSError):
+      os.remove(path)

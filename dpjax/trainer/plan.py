@@ -40,6 +40,7 @@ import warnings
 import ml_collections
 import numpy as np
 
+from dpjax.trainer import accounting_refusals
 from dpjax.trainer import config_fields
 from dpjax.trainer import fingerprint as fingerprint_lib
 from dpjax.trainer import perf as perf_lib
@@ -333,7 +334,11 @@ def _privacy_plan(config: ml_collections.ConfigDict, plan: RunPlan,
         group_size=privacy.group_size, allow_large_delta=True, **options)
   # The final ε now (memoised): a run whose privacy loss cannot be composed is refused here,
   # before anything is written.
-  private_plan.accountant.epsilon(num_steps)
+  try:
+    private_plan.accountant.epsilon(num_steps)
+  except accountant_lib.GridTooLargeError as e:  # Its fixes as config fields.
+    raise PlanError(accounting_refusals.grid_too_large(
+        e, private_plan.accountant, accounting_refusals.CONFIG_NAMES)) from None
   try:
     private_plan.check_budget()
   except privacy_plan.BudgetExceededError as e:

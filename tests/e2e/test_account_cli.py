@@ -154,3 +154,32 @@ def test_errors_name_the_field(args, message):
   out = _run(*[x for kv in base.items() for x in kv], check=False)
   assert out.returncode == 2
   assert message in out.stderr
+
+
+@pytest.mark.parametrize('extra, named', [
+    (('--config', 'digits_mlp', '--config.num_epochs=50'), '--config, --config.num_epochs'),
+    (('--epochs', '50', '--noise-multiplier', '2', '--json'), '--epochs, --noise-multiplier'),
+    (('--delta', '1e-8'), '--delta'),
+])
+def test_workdir_with_any_flag_it_would_ignore_is_refused(tmp_path, extra, named):
+  """`--workdir w --config ... --config.num_epochs=50` printed the checkpoint's ε as if it
+  answered for 50 epochs; now one line naming the ignored flags, before the workdir is read
+  (here it does not even exist). Fails on da06065: it answered (here: 'not a directory')."""
+  out = _run('--workdir', str(tmp_path / 'w'), *extra, check=False)
+  assert out.returncode == 2 and out.stdout == ''
+  assert out.stderr == (f'python -m dpjax.account: error: --workdir reports the ε that the run\'s '
+                        f'checkpoints carry, so {named} would be ignored: give --workdir alone '
+                        '(with --json at most), or leave it out to compute ε from the flags or '
+                        'the config.\n')
+
+
+def test_an_oversized_privacy_loss_grid_names_the_flags_that_fix_it():
+  """k = 1024 > b: the accountant refuses the grid before building it. Fails on da06065: the
+  fixes named max_grid_points and value_discretization_interval (no flag sets them) and the
+  config fields privacy.group_size and privacy.noise_multiplier instead of the flags."""
+  out = _run('--sampler', 'poisson', '--num-examples', '50000', '--batch-size', '256', '--steps',
+             '100', '--noise-multiplier', '1', '--delta', '1e-5', '--group-size', '1024',
+             check=False)
+  assert out.returncode == 2 and len(out.stderr.splitlines()) == 1
+  assert out.stderr.endswith('more than the 2e+06 allowed (minutes and GBs of memory). To fix: '
+                             'lower --group-size = 1024; or raise σ (--noise-multiplier = 1).\n')

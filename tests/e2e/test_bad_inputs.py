@@ -21,6 +21,7 @@ from dpjax.trainer import config_fields
 from dpjax import train
 from tests.run_configs import small_config
 from tests.run_configs import tree_digest
+from tests.settable_names import unsettable_names
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 INF, NAN = math.inf, math.nan
@@ -112,6 +113,15 @@ CONFIG_CASES = [
     ({'audit.kind': 'loss'}, r"audit.kind = 'loss': must be one of 'gradient'"),
     ({'model.name': 'resnet'}, r"model.name = 'resnet': must be one of 'mlp', 'cnn'"),
     ({'model.activation': 'swish'}, r"config.model.activation='swish'"),
+    # Fails on da06065: it named max_grid_points and value_discretization_interval, settings
+    # no config has.
+    ({'privacy.group_size': 1024}, r'needs ~4.19e\+09 grid points × components, more than the '
+                                   r'2e\+06 allowed .* To fix: lower privacy.group_size = 1024; '
+                                   r'or raise σ \(privacy.noise_multiplier = 1\)\.$'),
+    # Fails on da06065: "Did you mean model.hidden_size?", a field the command line cannot add.
+    ({'model.name': 'cnn'}, r"model.hidden_sizes: a field of model 'mlp', not of model.name = "
+                            r"'cnn', whose fields are model.activation, .*default_model_config"
+                            r"\('cnn'\)"),
 ]
 
 
@@ -129,6 +139,7 @@ def test_bad_config_field_is_one_clear_error_before_any_change(tmp_path, overrid
   with pytest.raises(ValueError, match=message) as info:
     train.train_and_evaluate(small_config(**overrides), str(work))
   assert '\n' not in str(info.value).strip() or 'TFDS' in str(info.value)
+  assert unsettable_names(str(info.value), given=str(overrides)) == []
   assert tree_digest(work) == before and sorted(os.listdir(work)) == ['notes.txt']
 
 
@@ -235,6 +246,7 @@ def test_command_line_error_is_one_line_with_exit_code_2(command_line_errors, ar
     assert len(lines) == 1 and lines[0].startswith('dpjax.train: error: '), proc['stderr']
     assert 'Traceback' not in proc['stderr']
     assert re.search(message, lines[0]), lines[0]
+    assert unsettable_names(lines[0], given=str(args)) == []
     if must_not_exist:
       assert not os.path.exists(workdir)
 
@@ -383,6 +395,7 @@ def test_malformed_data_is_one_line_before_any_change(tmp_path, name, replace, m
   with pytest.raises(ValueError, match=message) as info:
     train.train_and_evaluate(_npz_config(path), str(work))
   assert path in str(info.value) and '\n' not in str(info.value)
+  assert unsettable_names(str(info.value)) == []
   assert not work.exists()
 
 
@@ -434,7 +447,7 @@ def test_config_file_mistakes_are_one_line(tmp_path, body, message):
   from dpjax.trainer import config_fields  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError, match=message) as info:
     config_fields.validate(cli.load_config_file(_config_file(tmp_path, body)))
-  assert '\n' not in str(info.value)
+  assert '\n' not in str(info.value) and unsettable_names(str(info.value), given=body) == []
 
 
 def test_an_unknown_config_argument_is_refused(tmp_path):

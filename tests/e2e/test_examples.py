@@ -35,3 +35,16 @@ def test_readme_shows_the_nnx_example_code():
       '# --- end of dpjax. ---')[0]
   for line in loop.strip().splitlines():
     assert line.strip() in section, line
+
+
+def test_readme_shows_the_dropout_example_code():
+  """The README's dropout snippet is examples/own_loop_dropout.py's code (whose model, loss and
+  keys tests/privacy/test_stateful_layers.py runs). Fails on da06065: no such section."""
+  readme = (ROOT / 'README.md').read_text()
+  section = readme.split('### Dropout and BatchNorm in your own loop')[1].split('\n## ')[0]
+  snippet = section.split('```python\n')[1].split('```')[0]
+  code = (ROOT / 'examples' / 'own_loop_dropout.py').read_text()
+  lines = [line.strip() for line in snippet.splitlines() if line.strip() not in ('', '...')]
+  assert len(lines) > 15
+  for line in lines:
+    assert line in code, line

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -136,3 +137,36 @@ def test_bad_exports_are_refused_before_writing(drawn_run, tmp_path, where):
   with pytest.raises(ValueError):
     export.export(workdir, out)
   assert not os.path.exists(os.path.join(str(drawn_run), 'release'))
+
+
+def test_ctrl_c_or_sigterm_during_the_write_is_one_line_and_publishes_nothing(drawn_run, tmp_path):
+  """`python -m dpjax.export` interrupted while writing: one line, exit 128 + signal, neither the
+  output nor its staging directory left. Each case is a real process (forked after the imports,
+  tests/forked_cli.py) that sends itself the signal at a fixed point: after writing params.npz,
+  the same inside a finaliser (where Python drops an exception a handler raises), and SIGTERM
+  after the card. Fails on da06065: a KeyboardInterrupt traceback (exit 1 under forked_cli), the
+  finaliser's Ctrl-C dropped and the export completed with exit 0, SIGTERM's default death
+  leaving `.dpjax-export-*` beside the output."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  points = [('SIGINT', 'numpy.savez', False), ('SIGINT', 'numpy.savez', True),
+            ('SIGTERM', 'json.dump', False)]
+  cases = [{'argv': ['--workdir', str(drawn_run), '--out', str(tmp_path / str(i) / 'model')],
+            'cwd': repo, 'signal': {'name': name, 'after': after, 'in_finaliser': finaliser}}
+           for i, (name, after, finaliser) in enumerate(points)]
+  for i in range(len(cases)):
+    (tmp_path / str(i)).mkdir()
+  (tmp_path / 'cases.json').write_text(json.dumps(cases))
+  driver = subprocess.run([sys.executable, '-m', 'tests.forked_cli', 'dpjax.export',
+                           str(tmp_path / 'cases.json'), str(tmp_path / 'results.json')],
+                          cwd=repo, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert driver.returncode == 0, driver.stderr
+  results = json.loads((tmp_path / 'results.json').read_text())
+  for i, ((name, _, _), result) in enumerate(zip(points, results)):
+    what = 'interrupted (Ctrl-C)' if name == 'SIGINT' else 'stopped by SIGTERM'
+    assert result['returncode'] == 128 + getattr(signal, name), (i, result)
+    assert result['stderr'] == (f'python -m dpjax.export: {what}: --out holds the whole export '
+                                'or nothing, never a part.\n'), (i, result)
+    assert os.listdir(tmp_path / str(i)) == [], i  # No output, no staging directory.

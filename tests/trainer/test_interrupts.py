@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -142,3 +143,54 @@ def test_a_ctrl_c_that_python_drops_before_the_loop_is_raised_when_the_loop_star
   monkeypatch.setitem(interrupts._BEFORE_THE_LOOP, 'interrupted', False)  # pylint: disable=protected-access
   with interrupts.GracefulStop() as stop:  # Nothing pending: the loop starts.
     assert not stop.requested
+
+
+ONE_SHOT_COMMAND = '''
+import os, signal, subprocess, sys
+from dpjax.trainer import interrupts
+interrupts.exit_on_signals('cmd', ' (a detail)')
+child = subprocess.Popen(['sleep', '60'])
+print(child.pid, flush=True)
+with interrupts.partial_output(sys.argv[1]) as staging:
+  os.mkdir(staging)
+  open(os.path.join(staging, 'half'), 'w').write('x')
+  os.kill(os.getpid(), signal.SIGTERM)
+  for _ in range(1000):
+    pass
+  os.rename(staging, sys.argv[2])
+'''
+
+
+def test_exit_on_signals_removes_partial_output_ends_children_and_says_one_line(tmp_path):
+  """A one-shot command's SIGTERM: its output being written is removed, the process it started
+  is ended (it would outlive a process that exits at once), one line, exit 143. Fails on
+  da06065: exit_on_signals and partial_output did not exist (the CLIs died of the signal and
+  left `.dpjax-export-*` behind)."""
+  proc = subprocess.run([sys.executable, '-c', ONE_SHOT_COMMAND, str(tmp_path / 'staging'),
+                         str(tmp_path / 'out')], cwd=REPO, capture_output=True, text=True,
+                        timeout=60)
+  assert (proc.returncode, proc.stderr) == (143, 'cmd: stopped by SIGTERM (a detail).\n')
+  assert os.listdir(tmp_path) == []
+  child = int(proc.stdout)
+  for _ in range(100):  # SIGTERM'd; gone, or a zombie until PID 1 reaps it.
+    try:
+      with open(f'/proc/{child}/stat') as f:
+        if f.read().rsplit(')', 1)[1].split()[0] in ('Z', 'X'):
+          break
+    except FileNotFoundError:
+      break
+    time.sleep(0.05)
+  else:
+    pytest.fail(f'the child {child} outlived the command')
+
+
+def test_partial_output_is_removed_when_its_block_raises(tmp_path):
+  path = tmp_path / 'partial.json'
+  with pytest.raises(OSError):
+    with interrupts.partial_output(str(path)):
+      path.write_text('{"half": ')
+      raise OSError('disk full')
+  assert not path.exists()
+  with interrupts.partial_output(str(path)):  # A block that ends normally keeps it.
+    path.write_text('{}')
+  assert path.read_text() == '{}'

@@ -316,7 +316,7 @@ class Accountant:
         f'the privacy-loss distribution of one {self.sampler.name} step (σ = '
         f'{self.noise_multiplier:.4g}, {len(sensitivities)} mixture components, sensitivity up '
         f'to {max(sensitivities):g}) needs ~{points:.3g} grid points × components, '
-        f'above max_grid_points = {self.max_grid_points:.3g} (minutes and GBs of memory). '
+        f'more than the {self.max_grid_points:.3g} allowed (minutes and GBs of memory). '
         f'To fix: {"; ".join(hints)}; or raise max_grid_points.')
 
   def pld_interval(self, event: dp_event.DpEvent) -> float:
