@@ -66,20 +66,21 @@ def main(quick: bool) -> None:
     return jax.tree.map(jnp.add, grad_sum, grad_fn(params, batch, weights)[0])
 
   @jax.jit
-  def update(grad_sum, opt_state, params):
-    updates, opt_state = tx.update(grad_sum, opt_state, params)
+  def update(grad_sum, opt_state, params, t):  # Logical step t: its noise, ÷ b, optimiser.
+    updates, opt_state = tx.update(grad_sum, opt_state, params, step=t)
     return optax.apply_updates(params, updates), opt_state
 
   # --- dropout: each example's key in the batch. ---
   root = jax.random.PRNGKey(0)  # Dropout's randomness is public: ε does not depend on it.
-  params, batcher = fm.params, plan.batcher(physical_batch_size=64)
+  params = fm.params
   opt_state = tx.init(params)
-  for t in range(steps):
+  for logical in plan.batcher(64, opt_state):  # Steps t = 0..T-1, each once: one counter.
+    t = logical.step
     grad_sum = jax.tree.map(jnp.zeros_like, params)
-    for idx, weights in batcher.logical_batch(t).physical_batches():
+    for idx, weights in logical.physical_batches():
       batch = {'x': x_train[idx], 'y': y_train[idx], 'dropout_key': dropout_keys(root, t, idx)}
       grad_sum = accumulate(grad_sum, params, batch, weights)
-    params, opt_state = update(grad_sum, opt_state, params)
+    params, opt_state = update(grad_sum, opt_state, params, t)
   # --- end of dropout. ---
 
   logits = jax.jit(fm.apply)(params, x_test)  # No key: evaluation without dropout.
