@@ -23,8 +23,9 @@ chunks, so 10^8 rows never sit in RAM.
 
 Every source is checked when it is opened (`dpjax.data.validation`): integer
 labels in [0, K), K declared (`data.num_classes`) or derived from the training
-labels, finite features, one label per example, the same row shape in every
-split; one line names the file, split, array and row. `data.scale = 0`
+labels, finite features within the public bound `data.max_abs_feature` after
+the preprocessing, one label per example, the same row shape in every split;
+one line names the file, split, array and row. `data.scale = 0`
 derives the scale from the data (digits: 16; uint8: 255; floats: 1).
 """
 
@@ -116,6 +117,11 @@ def _array_sources(config: ml_collections.ConfigDict, where: str, declared: int,
     preprocess_fn = preprocess.make_preprocessor(
         config, num_classes, x_train.shape[-1] if x_train.ndim > 1 else 1, x_train.dtype,
         targets=targets)
+  if targets != 'tokens':  # The public domain of records (`data.max_abs_feature`).
+    bound = float(config.get('max_abs_feature', data_validation.MAX_ABS_FEATURE))
+    for name, x in (('x_train', x_train), ('x_test', x_test)):
+      data_validation.check_feature_bound(f'{where}: {name}', x, preprocess_fn.features, bound,
+                                          mapped=mapped)
   return (arrays.ArraySource(x_train, y_train, preprocess_fn),
           arrays.ArraySource(x_test, y_test, preprocess_fn))
 

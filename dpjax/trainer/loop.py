@@ -67,11 +67,7 @@ def is_time(step: int, every: int, last_step: int) -> bool:
 
 
 class TrainingDiverged(RuntimeError):
-  """Non-finite loss or parameters: the run stops, the last good checkpoint is kept."""
-
-
-class TooManyNonFinite(TrainingDiverged):
-  """More than max_nonfinite_fraction of the examples had a non-finite loss or gradient."""
+  """Non-finite (or overflowing) parameters: the run stops, the last good checkpoint is kept."""
 
 
 class RunInterrupted(Exception):
@@ -83,8 +79,12 @@ class RunInterrupted(Exception):
 
 
 @jax.jit
-def _all_finite(tree) -> jax.Array:
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+def parameters_diverged(params) -> jax.Array:
+  """Whether a parameter is not finite, or ‖θ‖² overflows float32 (‖θ‖ > 1.8e19, where any
+  product with the parameters overflows): a function of the released parameters alone."""
+  leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(params)]
+  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+  return ~(finite & jnp.isfinite(sum(jnp.sum(jnp.square(x)) for x in leaves)))
 
 
 class Loop:
@@ -107,7 +107,6 @@ class Loop:
     self.every = {'log': config.log_every_steps, 'eval': config.eval_every_steps,
                   'checkpoint': config.checkpoint_every_steps}
     self.ema_decay, self.steps_per_call = config.ema_decay, plan.perf.steps_per_call
-    self.max_nonfinite_fraction = config.max_nonfinite_fraction
     self.serial = chunks_lib.serial_dispatch(mesh)
     self.batcher = chunks_lib.make_batcher(plan)
     self.writer = metrics_lib.MetricWriter(workdir, restored_step, enabled=self.primary)
@@ -116,8 +115,6 @@ class Loop:
     self.last: dict[str, Any] = {}  # The latest log row (or the step-0 evaluation).
     self._pending = []  # Metrics of the calls since the latest log, on the device.
     self._window_start = 0  # The first step of the current log window.
-    self._seen = 0.0  # Examples since this (re)start (max_nonfinite_fraction) ...
-    self._nonfinite = 0  # ... and those with a non-finite loss or gradient.
 
   def _due(self, action: str, step: int) -> bool:
     """Whether `action` ('log', 'eval' or 'checkpoint') fires after `step`."""
@@ -231,16 +228,25 @@ class Loop:
 
   def _fetch(self, state: TrainState) -> tuple[list[dict], float]:
     """(per-step metrics since the latest log, their mean loss), in one host sync;
-    TrainingDiverged if that loss or the parameters are not finite."""
-    fetched, finite = jax.device_get((self._pending, _all_finite(state.params)))
+    TrainingDiverged if the parameters diverged (`parameters_diverged`).
+
+    The run stops on the parameters only, never on a statistic of the data. The parameters
+    after every step are released (DP-SGD's guarantee covers each iterate), so stopping on
+    them is post-processing. The count of examples with a non-finite loss or gradient, or the
+    training loss, are functions of the private data without noise: a stop on them made
+    whether anything is released depend on one record (docs/threat_model.md, "What may
+    change a run's course"). Such examples add exactly zero and are only logged, as
+    `nonprivate_*`.
+    """
+    fetched, diverged = jax.device_get((self._pending, parameters_diverged(state.params)))
     fetched = [row for m, count in fetched for row in multi_step.rows_of(m, count)]
     loss = float(np.mean([m['loss'] for m in fetched])) if fetched else 0.0
-    if not (math.isfinite(loss) and bool(finite)):
+    if bool(diverged):
       raise self._stop(TrainingDiverged(
-          f'non-finite training loss or parameters between steps {self._window_start} and '
-          f'{state.step}; the last checkpoint before step {self._window_start} is intact. Try '
-          'a smaller optimizer.learning_rate or privacy.clip_norm, or check the data for '
-          'NaN/inf.'))
+          f'non-finite parameters (or ‖θ‖ beyond float32\'s range) between steps '
+          f'{self._window_start} and {state.step}; the '
+          f'last checkpoint before step {self._window_start} is intact. Try a smaller '
+          'optimizer.learning_rate or privacy.clip_norm.'))
     return fetched, loss
 
   def _log(self, state: TrainState, fetched: list[dict], loss: float, wait: bool) -> dict:
@@ -267,15 +273,6 @@ class Loop:
     for line in self.warnings.check(row, self._window_start, done, self.plan.clip_norm):
       self.log(f'WARNING: {line}')
     self._pending, self._window_start = [], done + 1
-    self._seen += examples
-    self._nonfinite += row['nonprivate_num_nonfinite_examples']
-    if self._nonfinite > self.max_nonfinite_fraction * max(self._seen, 1.0):
-      raise self._stop(TooManyNonFinite(
-          f'{self._nonfinite} of {self._seen:.0f} examples since the start had a non-finite '
-          f'loss or gradient (step {done}), above max_nonfinite_fraction = '
-          f'{self.max_nonfinite_fraction:g}; each was dropped (zero contribution) and the last '
-          'checkpoint is intact. Lower optimizer.learning_rate, or raise '
-          'max_nonfinite_fraction if the data is known to hold such examples.'))
     report = self._epsilon(done, wait=wait or self.serial)
     if report is not None:
       row.update(epsilon=report.epsilon, epsilon_bound=report.bound)

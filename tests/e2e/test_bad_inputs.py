@@ -30,6 +30,7 @@ CONFIG_CASES = [
     ({'seed': -1}, r'seed = -1: must be an integer in \[0, \d+\] or None'),
     ({'data.source': 'imagenet'}, r"data.source = 'imagenet': must be one of 'digits'"),
     ({'data.label_format': 'onehot'}, r"data.label_format = 'onehot': must be one of 'int'"),
+    ({'data.max_abs_feature': 0.0}, r'data.max_abs_feature = 0.0: must be a finite number > 0'),
     ({'data.scale': -1.0}, r'data.scale = -1.0: must be a finite number >= 0'),
     ({'data.scale': NAN}, r'data.scale = nan: must be a finite number >= 0'),
     ({'data.std': (0.0,)}, r'data.std = \(0.0,\): must be a tuple of finite numbers, each > 0'),
@@ -273,10 +274,13 @@ memory (e.g. `num_steps = 10**12`) is refused before anything is written.
 ## Non-finite examples
 
 An example whose loss or gradient is not finite contributes exactly zero and
-is counted (`nonprivate_num_nonfinite_examples` in metrics.jsonl). The run
-stops, keeping its last checkpoint, once more than `max_nonfinite_fraction`
-(default 0.001, i.e. 0.1%) of the examples seen since it (re)started were
-dropped. Non-finite *features* are refused when the data is opened.
+is counted (`nonprivate_num_nonfinite_examples` in metrics.jsonl, never
+printed). The run goes on: it stops only on non-finite *parameters* (at the
+next logged or saved step, keeping its last checkpoint), never on a count of
+the private data (docs/threat_model.md, "What may change a run's course").
+Non-finite features, and features beyond the public bound
+`data.max_abs_feature` after the preprocessing, are refused when the data is
+opened.
 """
 
 
@@ -354,6 +358,9 @@ DATA_CASES = [
     ('one_inf_pixel', dict(x_train=lambda x: __import__('numpy').where(
         __import__('numpy').arange(x.size).reshape(x.shape) == 64 * 9 + 3, float('inf'), x)),
      r'x_train: example 9 has a non-finite feature value \(inf\)'),
+    ('absurd_feature', dict(x_train=lambda x: x * __import__('numpy').where(
+        __import__('numpy').arange(len(x)) == 4, 1e30, 1.0)[:, None, None, None]),
+     r'x_train: example 4 has the feature value .* beyond the public bound'),
     ('stray_label_id', dict(y_train=_at(7, 1_000_000)), r'largest label is 1000000 \(row 7\)'),
     ('class_only_in_test', dict(y_test=_at(2, 10)), r'y_test: label 10 in row 2 is not in \[0, 10\)'),
     ('other_test_shape', dict(x_test=lambda x: x.reshape(len(x), 64)),
@@ -410,6 +417,8 @@ CONFIG_FILE_CASES = [
     ('  c.sampler.batchsize = 64\n',
      r'sampler.batchsize: not a field.*Did you mean sampler.batch_size\?'),
     ('  c.num_steps = 10.0\n', r"Could not override field 'num_steps'"),
+    ('  c.max_nonfinite_fraction = 0.01\n', r'max_nonfinite_fraction: this field was removed: '
+                                           r'.*data.max_abs_feature'),
     ('  raise RuntimeError("my bug")\n', r"get_config\(None\) in .*my_config.py' raised "
                                           r'RuntimeError: my bug'),
     ('  c = {"seed": 1}\n', r'returned a dict, not an ml_collections.ConfigDict'),
