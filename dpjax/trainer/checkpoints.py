@@ -14,7 +14,8 @@ by one `orbax.checkpoint.CheckpointManager`:
 Orbax writes each step into a temporary directory and renames it when it is
 complete, so an interrupted save never looks like a checkpoint. A checkpoint
 that is complete but unreadable (corrupt files) is reported, moved aside to
-`<step>.unreadable-<time>`, and the previous one is used.
+`<step>.unreadable-<time>`, and the previous one is used; when no checkpoint
+is readable the resume is refused (one line), never restarted from step 0.
 
 Integrity: every checkpoint holds a SHA-256 manifest of its files, written
 before the checkpoint is committed and verified before it is restored
@@ -250,56 +251,87 @@ def _saved_tree(path: str):
   return ocp.PyTreeCheckpointer().metadata(os.path.join(path, 'state')).item_metadata.tree
 
 
+class CheckpointUnreadableError(ValueError):
+  """Every checkpoint of the workdir is unreadable: a resume would silently start at step 0.
+  One line saying what to do; nothing moved."""
+
+
+def _restore_step(manager: ocp.CheckpointManager, step: int, target: Any):
+  """(state, metadata) of checkpoint `step`, or the error that makes it corrupt.
+
+  CheckpointMismatchError (raised) for a readable checkpoint of another structure.
+  """
+  path = os.path.join(str(manager.directory), str(step))
+  verified = False  # Its files match the manifest (a later failure is not corruption).
+  try:
+    verified = manifest.verify_checkpoint(path)
+    if not verified:
+      message = (f'checkpoint {step} has no {manifest.MANIFEST} (written before dpjax kept '
+                 'checksums); restoring it unverified.')
+      logging.warning(message)
+      print(f'WARNING: {message}', file=sys.stderr)
+    mismatch = state_mismatch(_saved_tree(path), target)
+    if mismatch:
+      raise CheckpointMismatchError(
+          f'checkpoint {step} in {manager.directory} holds a state of another structure than '
+          f'this config builds: {mismatch}. The model or the optimizer changed since the run '
+          'started; restore them, or use a new --workdir to start fresh (the checkpoint is '
+          'untouched).')
+    restored = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target), metadata=ocp.args.JsonRestore()))
+  except CheckpointMismatchError:
+    raise
+  except Exception as e:  # Orbax raises many types for damaged files.
+    if verified:
+      raise CheckpointMismatchError(
+          f'checkpoint {step} passed its checksums but could not be restored onto this '
+          f'config\'s state ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}); '
+          'it is untouched. Restore the settings it was written with, or use a new '
+          '--workdir.') from None
+    return e
+  return restored['state'], restored['metadata']
+
+
 def restore_latest(manager: ocp.CheckpointManager, target: Any) -> tuple[int, Any, dict] | None:
-  """(step, state, metadata) of the newest readable checkpoint, or None.
+  """(step, state, metadata) of the newest readable checkpoint, or None when there is none.
 
   `target` is a state with the right structure and the shardings to restore onto (e.g.
   the freshly initialised, replicated one). Each checkpoint is first checked against its
   manifest: a checkpoint whose files fail it (or, without a manifest, cannot be read) is
-  corrupt: logged, moved aside by process 0, and the previous one is tried. A readable
-  checkpoint whose state has another structure than `target` (the model or the optimizer
-  changed) is not corrupt: `CheckpointMismatchError` (one line), nothing moved.
+  corrupt, and the previous one is tried; once one restores, the corrupt newer ones are
+  logged and moved aside by process 0 (`<step>.unreadable-<time>`). When none restores,
+  `CheckpointUnreadableError` (one line, nothing moved): falling back to step 0 would
+  silently train the run again from scratch. A readable checkpoint whose state has another
+  structure than `target` (the model or the optimizer changed) is not corrupt:
+  `CheckpointMismatchError` (one line), nothing moved.
   """
+  unreadable = []  # (step, error), newest first.
   for step in sorted(manager.all_steps(), reverse=True):
-    path = os.path.join(str(manager.directory), str(step))
-    verified = False  # Its files match the manifest (a later failure is not corruption).
-    try:
-      verified = manifest.verify_checkpoint(path)
-      if not verified:
-        message = (f'checkpoint {step} has no {manifest.MANIFEST} (written before dpjax kept '
-                   'checksums); '
-                   'restoring it unverified.')
-        logging.warning(message)
-        print(f'WARNING: {message}', file=sys.stderr)
-      mismatch = state_mismatch(_saved_tree(path), target)
-      if mismatch:
-        raise CheckpointMismatchError(
-            f'checkpoint {step} in {manager.directory} holds a state of another structure than '
-            f'this config builds: {mismatch}. The model or the optimizer changed since the run '
-            'started; restore them, or use a new --workdir to start fresh (the checkpoint is '
-            'untouched).')
-      restored = manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(target), metadata=ocp.args.JsonRestore()))
-    except CheckpointMismatchError:
-      raise
-    except Exception as e:  # Orbax raises many types for damaged files.
-      if verified:
-        raise CheckpointMismatchError(
-            f'checkpoint {step} passed its checksums but could not be restored onto this '
-            f'config\'s state ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}); '
-            'it is untouched. Restore the settings it was written with, or use a new '
-            '--workdir.') from None
-      # Keep the damaged files for inspection, out of the way of a new save at this step.
+    restored = _restore_step(manager, step, target)
+    if isinstance(restored, Exception):
+      unreadable.append((step, restored))
+      continue
+    for bad, error in unreadable:  # Kept for inspection, out of the way of a new save.
+      path = os.path.join(str(manager.directory), str(bad))
       aside = f'{path}.unreadable-{int(time.time())}'
       if jax.process_index() == 0:  # One host renames the shared directory.
         os.rename(path, aside)
-      message = (f'checkpoint {step} is unreadable ({type(e).__name__}: {e}); moved it to '
-                 f'{aside} and falling back to the previous one.')
+      message = (f'checkpoint {bad} is unreadable ({type(error).__name__}: {error}); moved it '
+                 f'to {aside} and resuming from checkpoint {step}, the newest readable one.')
       logging.warning(message)
       print(f'WARNING: {message}', file=sys.stderr)
+    if unreadable:
       manager.reload()
-      continue
-    return step, restored['state'], restored['metadata']
+    return step, restored[0], restored[1]
+  if unreadable:
+    newest, error = unreadable[0]
+    first_line = str(error).splitlines()[0] if str(error) else ''
+    raise CheckpointUnreadableError(
+        f'checkpoint {newest} in {manager.directory} is unreadable ({type(error).__name__}: '
+        f'{first_line}) and no earlier checkpoint is readable'
+        f'{f" (steps {sorted(s for s, _ in unreadable)})" if len(unreadable) > 1 else ""}, so '
+        'the run cannot resume. To train it again from step 0, move the checkpoints directory '
+        'away (or use a new --workdir) and rerun; nothing was changed.')
   return None
 
 

@@ -255,7 +255,9 @@ checkpoint whose state has another structure than the config builds (the model
 or the optimiser changed: e.g. sgd → adam, momentum 0 → 0.9, another width) is
 refused as well, naming what differs, and left untouched; only a checkpoint
 whose files fail their SHA-256 manifest (or cannot be read) is treated as
-corrupt and moved aside. Allowed on resume: the learning rate and its schedule,
+corrupt and moved aside once an earlier one restores. When none is readable
+the resume is refused, nothing moved, with what to do to start again from
+step 0. Allowed on resume: the learning rate and its schedule,
 logging, evaluation and checkpoint periods, `keep_checkpoints`, the clipping
 method, P when the checkpoint's B is a multiple of it, and a longer run (ε
 recomputed for the new total with the checkpoint's σ; `privacy.target_epsilon`
