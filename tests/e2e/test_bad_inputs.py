@@ -49,6 +49,9 @@ CONFIG_CASES = [
     ({'sampler.batch_size': 5000}, r'sampler.batch_size = 5000 must be in \[1, N = 1437\]'),
     ({'sampler.physical_batch_size': -1}, r'sampler.physical_batch_size = -1: must be an integer >= 0'),
     ({'sampler.max_batch_size': -1}, r'sampler.max_batch_size = -1: must be an integer >= 0'),
+    # Issue 34: accepted on da06065 (B became 2^20), it compiled a step over a million rows.
+    ({'sampler.physical_batch_size': 2**20}, r'sampler.physical_batch_size = 1048576: must be '
+                                             r'<= 512 \(the cap on a logical batch rounded up'),
     ({'sampler.max_batch_size': 100}, r'sampler.max_batch_size = 100: must be 0 \(auto\) or a '
                                       r'multiple of sampler.physical_batch_size = 32'),
     ({'privacy.clip_norm': 0.0}, r'privacy.clip_norm = 0.0: must be a finite number > 0 .*'
