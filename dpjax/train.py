@@ -210,6 +210,9 @@ def main(argv):
     cli.fail(prog, e)
   except training_loop.RunInterrupted as e:
     print(f'{prog}: {e}', file=sys.stderr, flush=True)
+    if e.abandoned:  # XLA still compiles on a thread: no interpreter teardown under it.
+      sys.stdout.flush()
+      os._exit(e.exit_code)  # pylint: disable=protected-access
     sys.exit(e.exit_code)
   except (training_loop.TrainingDiverged, checkpoints.CheckpointSaveError) as e:
     cli.fail(prog, e, code=1)

@@ -16,6 +16,14 @@ repeat the notice (the stop is already under way).
 Handlers can only be installed from the main thread (a Python rule); from any
 other thread `GracefulStop` installs nothing and `requested` stays False.
 The previous handlers are restored on exit.
+
+A Python handler runs only when the main thread is back in the interpreter, so
+a signal that arrives while XLA compiles (C++, for minutes for a large program)
+used to wait for the compilation. `GracefulStop.run(fn)` runs such a call on a
+daemon thread while the main thread waits in Python: the handler runs at once,
+and a call still unfinished `grace` seconds after the signal is left to its
+thread (XLA cannot be cancelled) with `StillRunning`, so the run can stop
+without waiting for it.
 """
 
 from __future__ import annotations
@@ -23,7 +31,9 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
 from types import FrameType
+from typing import Any, Callable
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _BEFORE_THE_LOOP = {'interrupted': False}
@@ -49,6 +59,11 @@ def drop_lost_interrupts(unraisable) -> None:
   if _BEFORE_THE_LOOP['interrupted'] and issubclass(unraisable.exc_type, KeyboardInterrupt):
     return
   sys.__unraisablehook__(unraisable)
+
+
+class StillRunning(Exception):
+  """A signal arrived while `GracefulStop.run` waited for a call that did not finish within
+  the grace period; the call goes on in a daemon thread (exit with os._exit)."""
 
 
 class GracefulStop:
@@ -88,6 +103,35 @@ class GracefulStop:
       raise KeyboardInterrupt(f'second {name}: aborting without a checkpoint')
     else:
       self._log(f'{name} received again: already stopping after this step.')
+
+  def run(self, fn: Callable[[], Any], grace: float = 1.0) -> Any:
+    """fn() on a daemon thread while the main thread waits in Python (signals handled at once).
+
+    Returns fn's result or raises its exception; `StillRunning` if a signal arrived and fn
+    had not returned `grace` seconds after it. Off the main thread (no handlers): fn().
+    """
+    if not self._previous:
+      return fn()
+    done, box = threading.Event(), {}
+
+    def work():
+      try:
+        box['result'] = fn()
+      except BaseException as e:  # pylint: disable=broad-except  # Re-raised by the waiter.
+        box['error'] = e
+      finally:
+        done.set()
+
+    threading.Thread(target=work, name='dpjax-call', daemon=True).start()
+    deadline = None
+    while not done.wait(0.05):  # Interrupted by a signal: the handler runs, then it waits on.
+      if self.requested:
+        deadline = deadline or time.monotonic() + grace
+        if time.monotonic() > deadline:
+          raise StillRunning(f'a call still running {grace:g} s after {self.signal_name}')
+    if 'error' in box:
+      raise box['error']
+    return box['result']
 
   def __enter__(self) -> GracefulStop:
     if threading.current_thread() is threading.main_thread():

@@ -16,7 +16,6 @@ privacy fingerprint (`plan.privacy_metadata`).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sys
 import time
@@ -24,7 +23,6 @@ from typing import Any, Callable
 
 import flax
 import jax
-import jax.numpy as jnp
 import numpy as np
 import tqdm
 
@@ -45,6 +43,9 @@ from dpjax.trainer import physical_batch
 from dpjax.trainer import plan as plan_lib
 from dpjax.trainer import run_report
 from dpjax.trainer import run_warnings
+from dpjax.trainer.stops import RunInterrupted
+from dpjax.trainer.stops import TrainingDiverged
+from dpjax.trainer.stops import parameters_diverged
 
 
 @flax.struct.dataclass
@@ -64,27 +65,6 @@ class TrainState:
 def is_time(step: int, every: int, last_step: int) -> bool:
   """Whether a periodic action fires after `step` (1-based count); always at the last."""
   return step == last_step or (every > 0 and step % every == 0)
-
-
-class TrainingDiverged(RuntimeError):
-  """Non-finite (or overflowing) parameters: the run stops, the last good checkpoint is kept."""
-
-
-class RunInterrupted(Exception):
-  """SIGTERM / SIGINT: the run saved a checkpoint and stops; `exit_code` = 128 + signal."""
-
-  def __init__(self, message: str, exit_code: int):
-    super().__init__(message)
-    self.exit_code = exit_code
-
-
-@jax.jit
-def parameters_diverged(params) -> jax.Array:
-  """Whether a parameter is not finite, or ‖θ‖² overflows float32 (‖θ‖ > 1.8e19, where any
-  product with the parameters overflows): a function of the released parameters alone."""
-  leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(params)]
-  finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
-  return ~(finite & jnp.isfinite(sum(jnp.sum(jnp.square(x)) for x in leaves)))
 
 
 class Loop:
@@ -115,6 +95,7 @@ class Loop:
     self.last: dict[str, Any] = {}  # The latest log row (or the step-0 evaluation).
     self._pending = []  # Metrics of the calls since the latest log, on the device.
     self._window_start = 0  # The first step of the current log window.
+    self._saved_step = 0  # The step of the latest checkpoint (or the restart).
 
   def _due(self, action: str, step: int) -> bool:
     """Whether `action` ('log', 'eval' or 'checkpoint') fires after `step`."""
@@ -122,10 +103,15 @@ class Loop:
 
   def run(self, state: TrainState) -> TrainState:
     """Trains from `state` to the plan's last step; returns the final state."""
+    self._saved_step = state.step
+    with interrupts.GracefulStop() as self.signals:
+      if state.step == 0:  # Compiles the evaluation: a signal is handled at once.
+        self.last = self._interruptible(lambda: self.evaluate(state), state)
+        self.writer.write(0, self.last)
+      return self._train(state)
+
+  def _train(self, state: TrainState) -> TrainState:
     start, last_step = state.step, self.plan.num_steps
-    if start == 0:
-      self.last = self.evaluate(state)
-      self.writer.write(0, self.last)
     self.progress = tqdm.tqdm(total=last_step, initial=start, desc='train', dynamic_ncols=True,
                               disable=not self.primary or (
                                   not sys.stderr.isatty()
@@ -147,8 +133,7 @@ class Loop:
         self.plan.accountant, () if self.serial else (
             s for s in range(start + 1, last_step + 1)
             if self._due('log', s) or self._due('checkpoint', s)))
-    with interrupts.GracefulStop() as self.signals, stream as prepared, (
-        contextlib.nullcontext() if self.ahead is None else self.ahead):
+    with stream as prepared, contextlib.nullcontext() if self.ahead is None else self.ahead:
       chunks = iter(prepared)
       upcoming = next(chunks, None)
       while upcoming is not None:
@@ -160,12 +145,30 @@ class Loop:
     self._close()
     return state
 
+  def _interruptible(self, fn: Callable[[], Any], state: TrainState) -> Any:
+    """fn() (it may compile for minutes) with signals handled at once: RunInterrupted
+    (`abandoned`) if a signal leaves it unfinished; `state` saved if it holds unsaved steps."""
+    try:
+      return self.signals.run(fn)
+    except interrupts.StillRunning:
+      saved = state.step > self._saved_step
+      if saved:
+        self._save(state, None)
+      kept = (f'checkpoint {state.step} saved' if saved else
+              f'nothing was trained since {f"checkpoint {state.step}" if state.step else "the start"}')
+      raise self._stop(RunInterrupted(
+          f'stopped by {self.signals.signal_name} at step {state.step} of {self.plan.num_steps} '
+          f'while XLA compiled (it cannot be interrupted); {kept}. Rerun the same command to '
+          'resume.', self.signals.exit_code, abandoned=True)) from None
+
   def _dispatch(self, state: TrainState, chunk: multi_step.Chunk) -> TrainState:
     """One compiled call: S logical steps (K physical batches each, noise keyed by
-    (seed, step), the update and the EMA)."""
+    (seed, step), the update and the EMA). The first call of a (re)start compiles."""
     self.chrono.dispatch()
-    params, opt_state, ema, metrics = self.runner(
-        state.params, state.opt_state, state.ema if self.ema_decay else None, chunk, self.dataset)
+    call = lambda: self.runner(state.params, state.opt_state,
+                               state.ema if self.ema_decay else None, chunk, self.dataset)
+    params, opt_state, ema, metrics = (self._interruptible(call, state)
+                                       if self.chrono.compile_seconds is None else call())
     self.signals.progress = chunk.last_step + 1  # Read by the signal handler.
     self.pacer.dispatched(metrics)  # At most two calls in flight: a signal waits for few steps.
     if self.serial:
@@ -228,16 +231,9 @@ class Loop:
 
   def _fetch(self, state: TrainState) -> tuple[list[dict], float]:
     """(per-step metrics since the latest log, their mean loss), in one host sync;
-    TrainingDiverged if the parameters diverged (`parameters_diverged`).
-
-    The run stops on the parameters only, never on a statistic of the data. The parameters
-    after every step are released (DP-SGD's guarantee covers each iterate), so stopping on
-    them is post-processing. The count of examples with a non-finite loss or gradient, or the
-    training loss, are functions of the private data without noise: a stop on them made
-    whether anything is released depend on one record (docs/threat_model.md, "What may
-    change a run's course"). Such examples add exactly zero and are only logged, as
-    `nonprivate_*`.
-    """
+    TrainingDiverged if the parameters diverged: post-processing of what DP-SGD releases.
+    Never on a statistic of the data (the loss, the count of non-finite examples): that
+    would make whether anything is released depend on one record (docs/threat_model.md)."""
     fetched, diverged = jax.device_get((self._pending, parameters_diverged(state.params)))
     fetched = [row for m, count in fetched for row in multi_step.rows_of(m, count)]
     loss = float(np.mean([m['loss'] for m in fetched])) if fetched else 0.0
@@ -290,7 +286,7 @@ class Loop:
     """The evaluation of `state` and its seconds (queued steps finish before the clock)."""
     jax.block_until_ready(state.params)
     clock = time.time()
-    evaluated = self.evaluate(state)
+    evaluated = self._interruptible(lambda: self.evaluate(state), state)  # May compile.
     evaluated['nonprivate_eval_seconds'] = self.chrono.pause(clock)
     return evaluated
 
@@ -317,6 +313,7 @@ class Loop:
     if audit is not None:
       metadata['audit'] = audit
     checkpoints.save(self.manager, done, self._stored(state), metadata)
+    self._saved_step = done
     self.writer.flush()
     self.chrono.checkpoint_seconds = self.chrono.pause(clock)
 
@@ -349,7 +346,8 @@ class Loop:
 
   def _close(self) -> None:
     """Leaves the workdir consistent: earlier saves complete, metrics and events flushed."""
-    self.progress.close()
+    if self.progress is not None:
+      self.progress.close()
     checkpoints.wait_until_finished(self.manager)
     self.writer.close()
 

@@ -107,10 +107,10 @@ def test_the_run_stops_on_the_parameters_alone():
   """The stop rule is a function of the released parameters: a NaN or inf, or ‖θ‖² beyond
   float32's largest value (3.4e38): 1e19 is inside, 2e19 (‖θ‖² = 4e38) outside. Fails on
   da06065: the rule read the training loss (and the count) and had no such function."""
-  from dpjax.trainer import loop  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer import stops  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   tree = lambda v: {'w': jnp.ones((3,), jnp.float32), 'b': jnp.float32([v])}
-  assert [bool(loop.parameters_diverged(tree(v))) for v in (1.0, 1e19, 2e19, np.nan, -np.inf)
+  assert [bool(stops.parameters_diverged(tree(v))) for v in (1.0, 1e19, 2e19, np.nan, -np.inf)
           ] == [False, False, True, True, True]
 
 
