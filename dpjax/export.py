@@ -47,6 +47,7 @@ from dpjax.trainer import checkpoints
 from dpjax.trainer import cli
 from dpjax.trainer import finetune
 from dpjax.trainer import run_seed
+from dpjax.trainer import write_errors
 
 PROG = 'python -m dpjax.export'
 CARD = 'privacy_card.json'
@@ -214,22 +215,28 @@ def export(workdir: str, out: str, *, step: int | None = None,
   if meta['config'].get('ema_decay'):
     files[EMA_PARAMS] = _flat_numpy(_full_params(state['ema']['params'], meta, workdir))
   card['files'] = sorted(files) + [CARD]
-  parent = os.path.dirname(out)
-  os.makedirs(parent, exist_ok=True)
-  staging = tempfile.mkdtemp(prefix='.dpjax-export-', dir=parent)
-  try:
-    for name, arrays in files.items():
-      np.savez(os.path.join(staging, name), **arrays)
-    with open(os.path.join(staging, CARD), 'w') as f:
-      json.dump(card, f, indent=2)
-      f.write('\n')
-    if os.path.isdir(out):
-      os.rmdir(out)  # Empty (checked above).
-    os.rename(staging, out)
+  parent, staging = os.path.dirname(out), None
+  try:  # Staged: a failure (a full disk) leaves nothing partial.
+    with write_errors.writing('the export', out, then='Nothing was exported; free space, then '
+                              'export again.'):
+      os.makedirs(parent, exist_ok=True)
+      staging = tempfile.mkdtemp(prefix='.dpjax-export-', dir=parent)
+      for name, arrays in files.items():
+        np.savez(os.path.join(staging, name), **arrays)
+      with open(os.path.join(staging, CARD), 'w') as f:
+        json.dump(card, f, indent=2)
+        f.write('\n')
+      if os.path.isdir(out):
+        os.rmdir(out)  # Empty (checked above).
+      os.rename(staging, out)
   except BaseException:
-    shutil.rmtree(staging, ignore_errors=True)
+    if staging is not None:
+      shutil.rmtree(staging, ignore_errors=True)
     raise
-  _record(digest, workdir, out)
+  with write_errors.writing('the record of exported seeds', state_dir(), then=f'{out} is '
+                            'complete but unrecorded (a later export of this seed would not be '
+                            'refused): free space, delete it and export again.'):
+    _record(digest, workdir, out)
   return card
 
 
@@ -249,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     card = export(fv.workdir, fv.out, step=fv.step, allow_shared_seed=fv.allow_shared_seed)
   except ValueError as e:
     cli.fail(PROG, e)
+  except write_errors.WriteError as e:
+    cli.fail(PROG, e, code=1)
   eps = ('non-private (ε = ∞)' if card['epsilon'] is None else
          f"ε = {card['epsilon']:.4f} ({card['bound']} bound, {card['accountant']}), "
          f"δ = {card['delta']:g}")

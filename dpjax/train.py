@@ -61,6 +61,7 @@ from dpjax.trainer import run_seed
 from dpjax.privacy import sharding
 from dpjax.trainer import loop as training_loop
 from dpjax.trainer import workdir_lock
+from dpjax.trainer import write_errors
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'the training config: a file (path[:arg]) or a packaged config\'s name '
@@ -124,7 +125,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   Raises ValueError (bad config, data, workdir, a workdir in use, a resume that would
   change the privacy fingerprint) before anything is written or compiled;
-  TrainingDiverged, RunInterrupted or checkpoints.CheckpointSaveError while training.
+  TrainingDiverged, RunInterrupted or write_errors.WriteError (a full disk; a failed
+  checkpoint is its CheckpointSaveError) while training.
   """
   # ---------------------------------------------------------------------------
   # Config, workdir, data, model, devices: all validated before anything is
@@ -214,7 +216,7 @@ def main(argv):
       sys.stdout.flush()
       os._exit(e.exit_code)  # pylint: disable=protected-access
     sys.exit(e.exit_code)
-  except (training_loop.TrainingDiverged, checkpoints.CheckpointSaveError) as e:
+  except (training_loop.TrainingDiverged, write_errors.WriteError) as e:  # Checkpoints too.
     cli.fail(prog, e, code=1)
   except BrokenPipeError:  # The reader of our output went away (`| head`).
     cli.quiet_broken_pipe()

@@ -41,7 +41,6 @@ The command line that lists a workdir's checkpoints is `dpjax.checkpoints`.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import logging
 import os
@@ -58,6 +57,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint._src.futures import future as orbax_future
 
 from dpjax.trainer import manifest
+from dpjax.trainer import write_errors
 
 CHECKPOINT_DIR = 'checkpoints'
 ITEMS = ('state', 'metadata')
@@ -66,7 +66,7 @@ TMP_MARKER = '.orbax-checkpoint-tmp'
 _ORBAX_WRITER = orbax_future._SignalingThread  # pylint: disable=protected-access
 
 
-class CheckpointSaveError(RuntimeError):
+class CheckpointSaveError(write_errors.WriteError):
   """A checkpoint could not be written; the message is one line (step, cause, what is intact)."""
 
 
@@ -104,6 +104,20 @@ class _QuietOrbaxErrors(logging.Filter):
 
 
 _QUIET_ORBAX_ERRORS = _QuietOrbaxErrors()
+
+
+class _QuietClosedLoop:
+  """`sys.unraisablehook` that drops 'Event loop is closed': when a save fails (a full disk),
+  orbax closes its event loop while tensorstore still completes the save's other writes, and
+  their callbacks print that traceback; the failure itself is one `CheckpointSaveError` line."""
+
+  def __init__(self, previous):
+    self.previous = previous
+
+  def __call__(self, unraisable) -> None:
+    if not (issubclass(unraisable.exc_type, RuntimeError)
+            and str(unraisable.exc_value) == 'Event loop is closed'):
+      self.previous(unraisable)
 
 
 class Manager(ocp.CheckpointManager):
@@ -152,14 +166,10 @@ def make_manager(workdir: str, keep: int, *, read_only: bool = False) -> ocp.Che
     remove_temporary_checkpoints(workdir)
   if _QUIET_ORBAX_ERRORS not in logging.getLogger('absl').filters:
     logging.getLogger('absl').addFilter(_QUIET_ORBAX_ERRORS)
-  return Manager(workdir, options)
-
-
-def _chain(error: BaseException):
-  """`error` and the exceptions it was raised from."""
-  while error is not None:
-    yield error
-    error = error.__cause__ or error.__context__
+  if not isinstance(sys.unraisablehook, _QuietClosedLoop):
+    sys.unraisablehook = _QuietClosedLoop(sys.unraisablehook)
+  with write_errors.writing('the checkpoints directory', checkpoint_dir(workdir)):
+    return Manager(workdir, options)
 
 
 def _save_error(manager: ocp.CheckpointManager, step: int | None,
@@ -170,11 +180,14 @@ def _save_error(manager: ocp.CheckpointManager, step: int | None,
   deadline = time.time() + 60
   for thread in threading.enumerate():
     if isinstance(thread, _ORBAX_WRITER) and thread is not threading.current_thread():
-      thread.join(max(0.0, deadline - time.time()))
+      try:
+        thread.join(max(0.0, deadline - time.time()))
+      except Exception:  # pylint: disable=broad-except  # Its own failure: the same full disk.
+        pass
   if jax.process_index() == 0:
     remove_temporary_checkpoints(os.path.dirname(str(manager.directory)))
   text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-  disk_full = any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in _chain(error)) or (
+  disk_full = write_errors.is_full(error) or (
       'No space left on device' in str(error) or "os_error_code='28'" in str(error))
   manager.reload()
   intact = sorted(other for other in manager.all_steps() if other != step)
@@ -282,6 +295,9 @@ def _restore_step(manager: ocp.CheckpointManager, step: int, target: Any):
   except CheckpointMismatchError:
     raise
   except Exception as e:  # Orbax raises many types for damaged files.
+    if write_errors.is_full(e):  # Not the checkpoint's fault.
+      raise write_errors.WriteError(f'cannot restore checkpoint {step} ({path}): no space left '
+                                    f'on device. {write_errors.RERUN}') from None
     if verified:
       raise CheckpointMismatchError(
           f'checkpoint {step} passed its checksums but could not be restored onto this '

@@ -43,6 +43,7 @@ from dpjax.trainer import physical_batch
 from dpjax.trainer import plan as plan_lib
 from dpjax.trainer import run_report
 from dpjax.trainer import run_warnings
+from dpjax.trainer import write_errors
 from dpjax.trainer.stops import RunInterrupted
 from dpjax.trainer.stops import TrainingDiverged
 from dpjax.trainer.stops import parameters_diverged
@@ -105,10 +106,14 @@ class Loop:
     """Trains from `state` to the plan's last step; returns the final state."""
     self._saved_step = state.step
     with interrupts.GracefulStop() as self.signals:
-      if state.step == 0:  # Compiles the evaluation: a signal is handled at once.
-        self.last = self._interruptible(lambda: self.evaluate(state), state)
-        self.writer.write(0, self.last)
-      return self._train(state)
+      try:
+        if state.step == 0:  # Compiles the evaluation: a signal is handled at once.
+          self.last = self._interruptible(lambda: self.evaluate(state), state)
+          self.writer.write(0, self.last)
+        return self._train(state)
+      except write_errors.WriteError:  # A full disk: the save in flight ends, one line.
+        self._close(after_failed_write=True)
+        raise
 
   def _train(self, state: TrainState) -> TrainState:
     start, last_step = state.step, self.plan.num_steps
@@ -344,12 +349,15 @@ class Loop:
     print(f'step {done}/{self.plan.num_steps}, {speed}, ETA {eta:.0f} s, '
           + ' '.join(f'{k}={v}' for k, v in shown.items()), flush=True)
 
-  def _close(self) -> None:
-    """Leaves the workdir consistent: earlier saves complete, metrics and events flushed."""
+  def _close(self, after_failed_write: bool = False) -> None:
+    """Leaves the workdir consistent: earlier saves complete, metrics and events flushed
+    (`after_failed_write`: a write failed already; later failures are not raised again)."""
     if self.progress is not None:
       self.progress.close()
-    checkpoints.wait_until_finished(self.manager)
-    self.writer.close()
+    for finish in (lambda: checkpoints.wait_until_finished(self.manager), self.writer.close):
+      with (contextlib.suppress(write_errors.WriteError) if after_failed_write
+            else contextlib.nullcontext()):
+        finish()
 
   def _stop(self, error: Exception) -> Exception:
     """Closes (`_close`) and returns `error`, to be raised."""
