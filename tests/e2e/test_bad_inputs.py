@@ -271,10 +271,24 @@ config in `w/config.json` (`--config.<field>=v` overrides still apply).
 
 SIGTERM or Ctrl-C during training saves a checkpoint within about two steps
 (the automatic steps per call keep a call near 0.5 s) and exits 128 + signal;
-Ctrl-C before the loop exits 130 with one line. An unwritable HOME or cache
-directory falls back to no cache (a warning; a `compilation_cache_dir` you
-named is refused in one line). A run whose privacy loss cannot be composed in
-memory (e.g. `num_steps = 10**12`) is refused before anything is written.
+while XLA compiles, the run stops within a second with one line (nothing was
+trained since the last checkpoint). Ctrl-C before the loop exits 130 with one
+line. An unwritable HOME or cache directory falls back to no cache (a warning;
+a `compilation_cache_dir` you named is refused in one line). A run whose
+privacy loss cannot be composed in memory (e.g. `num_steps = 10**12`) is
+refused before anything is written, and so is a physical batch P above the cap
+B rounded up to a power of two.
+
+## A full disk
+
+A write that fails (no space left on device) ends the run with one line and
+exit code 1, whichever file it was: a checkpoint, `metrics.jsonl`, the
+TensorBoard events, `config.json`, `private/seed.json`, `audit.json`, the lock
+file, or an export. Nothing partial is left: files are replaced atomically,
+the metrics and events are cut back to the last checkpoint's flush, a failed
+checkpoint's temporary directory is removed and the previous checkpoint stays
+valid, and an export is staged and removed. Free space and rerun the same
+command to resume.
 
 ## Non-finite examples
 
