@@ -94,13 +94,23 @@ def remove_temporary_checkpoints(workdir: str) -> list[str]:
   return removed
 
 
+def _disk_full(error: BaseException) -> bool:
+  """A full disk, as an OSError or as tensorstore's RESOURCE_EXHAUSTED message."""
+  return write_errors.is_full(error) or (
+      'No space left on device' in str(error) or "os_error_code='28'" in str(error))
+
+
 class _QuietOrbaxErrors(logging.Filter):
-  """Drops orbax's tracebacks of background save failures: `save`/`wait_until_finished` re-raise
-  them as one `CheckpointSaveError` line."""
+  """Drops orbax's tracebacks of background save failures, and asyncio's reports of a failed
+  save's writes ('Task exception was never retrieved': a full disk): `save` and
+  `wait_until_finished` raise them as one `CheckpointSaveError` line."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return not (record.levelno >= logging.ERROR and record.exc_info is not None
-                and f'{os.sep}orbax{os.sep}' in record.pathname)
+    if record.levelno < logging.ERROR or record.exc_info is None:
+      return True
+    if record.name == 'asyncio':
+      return not _disk_full(record.exc_info[1])
+    return f'{os.sep}orbax{os.sep}' not in record.pathname
 
 
 _QUIET_ORBAX_ERRORS = _QuietOrbaxErrors()
@@ -166,6 +176,7 @@ def make_manager(workdir: str, keep: int, *, read_only: bool = False) -> ocp.Che
     remove_temporary_checkpoints(workdir)
   if _QUIET_ORBAX_ERRORS not in logging.getLogger('absl').filters:
     logging.getLogger('absl').addFilter(_QUIET_ORBAX_ERRORS)
+    logging.getLogger('asyncio').addFilter(_QUIET_ORBAX_ERRORS)
   if not isinstance(sys.unraisablehook, _QuietClosedLoop):
     sys.unraisablehook = _QuietClosedLoop(sys.unraisablehook)
   with write_errors.writing('the checkpoints directory', checkpoint_dir(workdir)):
@@ -187,8 +198,7 @@ def _save_error(manager: ocp.CheckpointManager, step: int | None,
   if jax.process_index() == 0:
     remove_temporary_checkpoints(os.path.dirname(str(manager.directory)))
   text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-  disk_full = write_errors.is_full(error) or (
-      'No space left on device' in str(error) or "os_error_code='28'" in str(error))
+  disk_full = _disk_full(error)
   manager.reload()
   intact = sorted(other for other in manager.all_steps() if other != step)
   cause = (f'no space left on device under {manager.directory}' if disk_full

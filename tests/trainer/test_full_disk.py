@@ -141,7 +141,7 @@ def test_a_run_whose_disk_fills_up_ends_in_one_line_and_its_export_too(disk, tmp
   work = disk / 'w'
   proc = subprocess.run(
       [sys.executable, '-m', 'dpjax.train', '--config=digits_mlp', f'--workdir={work}',
-       '--config.seed=0', '--config.num_epochs=0', '--config.num_steps=6',
+       '--config.seed=0', '--config.num_epochs=0', '--config.num_steps=4',
        '--config.sampler.batch_size=128', '--config.sampler.physical_batch_size=32',
        '--config.privacy.target_epsilon=0', '--config.privacy.noise_multiplier=1',
        '--config.checkpoint_every_steps=2', '--config.eval_every_steps=100'],
