@@ -163,8 +163,8 @@ class Loop:
               f'nothing was trained since {f"checkpoint {state.step}" if state.step else "the start"}')
       raise self._stop(RunInterrupted(
           f'stopped by {self.signals.signal_name} at step {state.step} of {self.plan.num_steps} '
-          f'while XLA compiled (it cannot be interrupted); {kept}. Rerun the same command to '
-          'resume.', self.signals.exit_code, abandoned=True)) from None
+          f'while XLA compiled or ran a call (it cannot be interrupted); {kept}. Rerun the same '
+          'command to resume.', self.signals.exit_code, abandoned=True)) from None
 
   def _dispatch(self, state: TrainState, chunk: multi_step.Chunk) -> TrainState:
     """One compiled call: S logical steps (K physical batches each, noise keyed by
