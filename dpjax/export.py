@@ -58,6 +58,7 @@ from dpjax.trainer import interrupts
 from dpjax.trainer import run_seed
 from dpjax.trainer import seed_record
 from dpjax.trainer import training_set_size
+from dpjax.trainer import write_errors
 
 PROG = 'python -m dpjax.export'
 CARD = init_source.CARD_FILE
@@ -201,21 +202,25 @@ def export(workdir: str, out: str, *, step: int | None = None,
     files[EMA_PARAMS] = _flat_numpy(_full_params(state['ema']['params'], meta, workdir))
   card['files'] = sorted(files) + [CARD]
   parent = os.path.dirname(out)
-  os.makedirs(parent, exist_ok=True)
-  # Removed if anything (an error, Ctrl-C, SIGTERM) stops the export before the rename.
-  with interrupts.partial_output(tempfile.mkdtemp(prefix='.dpjax-export-', dir=parent)) as staging:
-    for name, arrays in files.items():
-      np.savez(os.path.join(staging, name), **arrays)
-    with open(os.path.join(staging, CARD), 'w') as f:
-      json.dump(card, f, indent=2)
-      f.write('\n')
-    try:  # Before the rename: no release is ever missing from the record.
-      seed_record.append(digest, seed_record.EXPORT, workdir, out)
-    except OSError as e:
-      warnings.append(seed_record.unusable(e))
-    if os.path.isdir(out):
-      os.rmdir(out)  # Empty (checked above).
-    os.rename(staging, out)
+  # Staged: removed if anything (an error, a full disk, Ctrl-C, SIGTERM) stops the export
+  # before the rename, so nothing partial is left.
+  with write_errors.writing('the export', out, then='Nothing was exported; free space, then '
+                            'export again.'):
+    os.makedirs(parent, exist_ok=True)
+    with interrupts.partial_output(tempfile.mkdtemp(prefix='.dpjax-export-',
+                                                    dir=parent)) as staging:
+      for name, arrays in files.items():
+        np.savez(os.path.join(staging, name), **arrays)
+      with open(os.path.join(staging, CARD), 'w') as f:
+        json.dump(card, f, indent=2)
+        f.write('\n')
+      try:  # Before the rename: no release is ever missing from the record.
+        seed_record.append(digest, seed_record.EXPORT, workdir, out)
+      except OSError as e:
+        warnings.append(seed_record.unusable(e))
+      if os.path.isdir(out):
+        os.rmdir(out)  # Empty (checked above).
+      os.rename(staging, out)
   for line in warnings[:1]:
     print(f'{PROG}: warning: {line}', file=sys.stderr, flush=True)
   return card
@@ -237,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     card = export(fv.workdir, fv.out, step=fv.step, allow_shared_seed=fv.allow_shared_seed)
   except ValueError as e:
     cli.fail(PROG, e)
+  except write_errors.WriteError as e:
+    cli.fail(PROG, e, code=1)
   eps = ('non-private (ε = ∞)' if card['epsilon'] is None else
          f"ε = {card['epsilon']:.4f} ({card['bound']} bound, {card['accountant']}), "
          f"δ = {card['delta']:g}")

@@ -59,6 +59,7 @@ from dpjax.trainer import seed_record
 from dpjax.privacy import sharding
 from dpjax.trainer import loop as training_loop
 from dpjax.trainer import workdir_lock
+from dpjax.trainer import write_errors
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'the training config: a file (path[:arg]) or a packaged config\'s name '
@@ -122,7 +123,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   Raises ValueError (bad config, data, workdir, a workdir in use, a resume that would
   change the privacy fingerprint) before anything is written or compiled;
-  TrainingDiverged, RunInterrupted or checkpoints.CheckpointSaveError while training.
+  TrainingDiverged, RunInterrupted or write_errors.WriteError (a full disk; a failed
+  checkpoint is its CheckpointSaveError) while training.
   """
   # ---------------------------------------------------------------------------
   # Config, workdir, data, model, devices: all validated before anything is
@@ -211,8 +213,11 @@ def main(argv):
     cli.fail(prog, e)
   except training_loop.RunInterrupted as e:
     print(f'{prog}: {e}', file=sys.stderr, flush=True)
+    if e.abandoned:  # XLA still compiles on a thread: no interpreter teardown under it.
+      sys.stdout.flush()
+      os._exit(e.exit_code)  # pylint: disable=protected-access
     sys.exit(e.exit_code)
-  except (training_loop.TrainingDiverged, checkpoints.CheckpointSaveError) as e:
+  except (training_loop.TrainingDiverged, write_errors.WriteError) as e:  # Checkpoints too.
     cli.fail(prog, e, code=1)
   except BrokenPipeError:  # The reader of our output went away (`| head`).
     cli.quiet_broken_pipe()

@@ -49,11 +49,15 @@ class Preprocessor:
     return {'scale': self.scale, 'scale_source': self.scale_source, 'mean': list(self.mean),
             'std': list(self.std), 'label_format': self.label_format, 'targets': self.targets}
 
+  def features(self, raw_x: np.ndarray) -> np.ndarray:
+    """x = (raw / scale − mean) / std in float32 (not for token sequences)."""
+    x = np.asarray(raw_x, dtype=np.float32) / np.float32(self.scale)
+    return (x - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+
   def __call__(self, raw_x: np.ndarray, raw_y: np.ndarray) -> dict[str, np.ndarray]:
     if self.targets == 'tokens':
       return {'x': np.asarray(raw_x).astype(np.int32), 'y': np.asarray(raw_y).astype(np.int32)}
-    x = np.asarray(raw_x, dtype=np.float32) / np.float32(self.scale)
-    x = (x - np.asarray(self.mean, np.float32)) / np.asarray(self.std, np.float32)
+    x = self.features(raw_x)
     if self.targets == 'values':
       return {'x': x, 'y': np.asarray(raw_y, np.float32).reshape(len(x), -1)}
     y = np.asarray(raw_y).astype(np.int32)

@@ -25,8 +25,9 @@ Sizes that shape the model come from public information only (`public_num_classe
 K is `data.num_classes`, else the source's public description (digits: 10; TFDS: the
 label feature's `num_classes`); npz and memmap labels or tokens need it declared, since
 max(y) + 1 would reveal a record's label in the model's shape. Every source is checked
-when it is opened (`dpjax.data.validation`): integer labels in [0, K), finite features,
-one label per example, the same row shape in every split; one line names the file,
+when it is opened (`dpjax.data.validation`): integer labels in [0, K), finite features
+within the public bound `data.max_abs_feature` after the preprocessing, one label per
+example, the same row shape in every split; one line names the file,
 split, array and row. `data.scale = 0` takes the scale from the data's public format,
 never its values (digits: 16; uint8: 255; floats: 1).
 """
@@ -141,6 +142,11 @@ def _array_sources(config: ml_collections.ConfigDict, where: str, num_classes: i
     preprocess_fn = preprocess.make_preprocessor(
         config, size, x_train.shape[-1] if x_train.ndim > 1 else 1, x_train.dtype,
         targets=targets)
+  if targets != 'tokens':  # The public domain of records (`data.max_abs_feature`).
+    bound = float(config.get('max_abs_feature', data_validation.MAX_ABS_FEATURE))
+    for name, x in (('x_train', x_train), ('x_test', x_test)):
+      data_validation.check_feature_bound(f'{where}: {name}', x, preprocess_fn.features, bound,
+                                          mapped=mapped)
   return (arrays.ArraySource(x_train, y_train, preprocess_fn),
           arrays.ArraySource(x_test, y_test, preprocess_fn))
 

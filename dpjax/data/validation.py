@@ -17,17 +17,20 @@ whichever records are present).
 Labels: integers, or floats that are exactly integral; in [0, K) in both splits.
 Features: numeric, the same row shape in every split, and finite: every value
 for data in memory, a sample of rows (`FINITE_SAMPLE_ROWS`, plus the first and
-last chunk) for memory-mapped files larger than `FULL_SCAN_BYTES`. x and y have
-one row each per example.
+last chunk) for memory-mapped files larger than `FULL_SCAN_BYTES`; after the declared preprocessing, within the public bound
+`data.max_abs_feature` (`check_feature_bound`). x and y have one row each per example.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 
 FULL_SCAN_BYTES = 1 << 30  # Memory-mapped x beyond this is checked on a sample of rows.
 FINITE_SAMPLE_ROWS = 1 << 16
 SCAN_ROWS = 1 << 16  # Rows per chunk of a full scan (bounds the memory of the check).
+MAX_ABS_FEATURE = 1e6  # The default public bound on |x| after the preprocessing.
 
 
 class DataError(ValueError):
@@ -91,6 +94,19 @@ def check_label_range(name: str, y: np.ndarray, num_classes: int) -> None:
                     'never grows to fit a label).')
 
 
+def _row_chunks(x, mapped: bool):
+  """(row numbers, rows) of x in chunks: every row, or a sample for a large memory-mapped x."""
+  n = len(x)
+  if mapped and x.nbytes > FULL_SCAN_BYTES:
+    rng = np.random.default_rng(0)
+    rows = np.unique(np.concatenate([np.arange(min(n, 1024)), np.arange(max(0, n - 1024), n),
+                                     rng.integers(0, n, FINITE_SAMPLE_ROWS)]))
+    return ((c, np.asarray(x[c])) for c in (rows[i:i + SCAN_ROWS]
+                                            for i in range(0, len(rows), SCAN_ROWS)))
+  return ((np.arange(s, min(n, s + SCAN_ROWS)), np.asarray(x[s:s + SCAN_ROWS]))
+          for s in range(0, n, SCAN_ROWS))
+
+
 def check_features(name: str, x, *, mapped: bool = False) -> None:
   """Numeric and finite (all rows in memory; a sample of rows of a large memory-mapped x)."""
   if x.dtype.kind not in 'biuf':
@@ -99,23 +115,39 @@ def check_features(name: str, x, *, mapped: bool = False) -> None:
     raise DataError(f'{name}: features have shape {x.shape}; they need at least one example.')
   if x.dtype.kind != 'f':
     return
-  n = len(x)
-  if mapped and x.nbytes > FULL_SCAN_BYTES:
-    rng = np.random.default_rng(0)
-    rows = np.unique(np.concatenate([np.arange(min(n, 1024)), np.arange(max(0, n - 1024), n),
-                                     rng.integers(0, n, FINITE_SAMPLE_ROWS)]))
-    chunks = [rows[i:i + SCAN_ROWS] for i in range(0, len(rows), SCAN_ROWS)]
-    parts = ((c, np.asarray(x[c])) for c in chunks)
-  else:
-    parts = ((np.arange(s, min(n, s + SCAN_ROWS)), np.asarray(x[s:s + SCAN_ROWS]))
-             for s in range(0, n, SCAN_ROWS))
-  for rows, part in parts:
+  for rows, part in _row_chunks(x, mapped):
     finite = np.isfinite(part.reshape(len(part), -1)).all(axis=1)
     if not finite.all():
       i = _first_row(~finite)
       bad = part[i].ravel()[~np.isfinite(part[i].ravel())][0]
       raise DataError(f'{name}: example {int(rows[i])} has a non-finite feature value ({bad}); '
                       'features must be finite (drop or repair the example).')
+
+
+def check_feature_bound(name: str, x, preprocess: Callable[[np.ndarray], np.ndarray],
+                        bound: float, *, mapped: bool = False) -> None:
+  """Every preprocessed feature finite with |preprocess(x)| <= bound (`data.max_abs_feature`).
+
+  The bound is public, so it defines the domain of records the guarantee is stated for: an
+  example outside it is refused here, before training (one line), never dropped or counted
+  while training, where what happens to it would be a function of that one record
+  (docs/threat_model.md). Memory-mapped x beyond FULL_SCAN_BYTES is checked on a sample of
+  rows, as by `check_features`; an unchecked row outside the bound still adds at most C (or
+  exactly zero when its gradient is not finite).
+  """
+  for rows, part in _row_chunks(x, mapped):
+    values = np.asarray(preprocess(part), np.float32).reshape(len(part), -1)
+    inside = (np.abs(values) <= bound).all(axis=1)  # NaN compares False: refused too.
+    if not inside.all():
+      i = _first_row(~inside)
+      j = int(np.flatnonzero(~(np.abs(values[i]) <= bound))[0])
+      raise DataError(
+          f'{name}: example {int(rows[i])} has the feature value {part[i].ravel()[j].item()!r}, '
+          f'{values[i, j]:g} after the preprocessing, beyond the public bound ±{bound:g} '
+          '(data.max_abs_feature): such an example is refused before training, so that no '
+          'single record can change how the run goes. Drop or repair it, set data.scale, '
+          'data.mean and data.std so that features are of order 1, or raise '
+          'data.max_abs_feature.')
 
 
 def check_targets(name: str, y, *, num_examples: int) -> int:

@@ -21,6 +21,7 @@ for other optimisers, since drift of the real training also moves the coordinate
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -28,6 +29,8 @@ import os
 import numpy as np
 
 from dpjax.trainer import checkpoints
+from dpjax.trainer import write_errors
+from dpjax.trainer.atomic_write import write_text_atomically
 from dpjax.privacy.auditing import audited_sgd
 from dpjax.privacy.auditing import canaries as canaries_lib
 from dpjax.privacy.auditing import gradient_canary
@@ -49,18 +52,25 @@ def write_record(workdir: str, canaries: canaries_lib.CanarySet, *, confidence: 
   """
   if (records is None) == (initial_params is None):
     raise ValueError('give exactly one of records (per-step) or initial_params (final-model score).')
-  os.makedirs(workdir, exist_ok=True)
   record = {'version': 1, 'canaries': canaries.to_dict(), 'confidence': confidence}
   if records is not None:
-    np.savez(os.path.join(workdir, STEPS_FILE), **records)
+    steps = os.path.join(workdir, STEPS_FILE)
+    with write_errors.writing('the audit record', steps):
+      os.makedirs(workdir, exist_ok=True)
+      try:
+        np.savez(steps, **records)
+      except OSError:
+        with contextlib.suppress(OSError):
+          os.remove(steps)  # Nothing partial.
+        raise
     record['score'] = 'white_box_steps'
   else:
     record['score'] = 'final_params'
     record['initial_projection'] = gradient_canary.project(initial_params, canaries).tolist()
   path = os.path.join(workdir, AUDIT_FILE)
-  with open(path + '.tmp', 'w') as f:
-    json.dump(record, f)
-  os.replace(path + '.tmp', path)
+  with write_errors.writing('the audit record', workdir):
+    os.makedirs(workdir, exist_ok=True)
+  write_text_atomically(path, json.dumps(record), what='the audit record')
   return path
 
 

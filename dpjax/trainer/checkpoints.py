@@ -14,7 +14,8 @@ by one `orbax.checkpoint.CheckpointManager`:
 Orbax writes each step into a temporary directory and renames it when it is
 complete, so an interrupted save never looks like a checkpoint. A checkpoint
 that is complete but unreadable (corrupt files) is reported, moved aside to
-`<step>.unreadable-<time>`, and the previous one is used.
+`<step>.unreadable-<time>`, and the previous one is used; when no checkpoint
+is readable the resume is refused (one line), never restarted from step 0.
 
 Integrity: every checkpoint holds a SHA-256 manifest of its files, written
 before the checkpoint is committed and verified before it is restored
@@ -40,7 +41,6 @@ The command line that lists a workdir's checkpoints is `dpjax.checkpoints`.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import logging
 import os
@@ -57,6 +57,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint._src.futures import future as orbax_future
 
 from dpjax.trainer import manifest
+from dpjax.trainer import write_errors
 
 CHECKPOINT_DIR = 'checkpoints'
 ITEMS = ('state', 'metadata')
@@ -65,7 +66,7 @@ TMP_MARKER = '.orbax-checkpoint-tmp'
 _ORBAX_WRITER = orbax_future._SignalingThread  # pylint: disable=protected-access
 
 
-class CheckpointSaveError(RuntimeError):
+class CheckpointSaveError(write_errors.WriteError):
   """A checkpoint could not be written; the message is one line (step, cause, what is intact)."""
 
 
@@ -93,16 +94,40 @@ def remove_temporary_checkpoints(workdir: str) -> list[str]:
   return removed
 
 
+def _disk_full(error: BaseException) -> bool:
+  """A full disk, as an OSError or as tensorstore's RESOURCE_EXHAUSTED message."""
+  return write_errors.is_full(error) or (
+      'No space left on device' in str(error) or "os_error_code='28'" in str(error))
+
+
 class _QuietOrbaxErrors(logging.Filter):
-  """Drops orbax's tracebacks of background save failures: `save`/`wait_until_finished` re-raise
-  them as one `CheckpointSaveError` line."""
+  """Drops orbax's tracebacks of background save failures, and asyncio's reports of a failed
+  save's writes ('Task exception was never retrieved': a full disk): `save` and
+  `wait_until_finished` raise them as one `CheckpointSaveError` line."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    return not (record.levelno >= logging.ERROR and record.exc_info is not None
-                and f'{os.sep}orbax{os.sep}' in record.pathname)
+    if record.levelno < logging.ERROR or record.exc_info is None:
+      return True
+    if record.name == 'asyncio':
+      return not _disk_full(record.exc_info[1])
+    return f'{os.sep}orbax{os.sep}' not in record.pathname
 
 
 _QUIET_ORBAX_ERRORS = _QuietOrbaxErrors()
+
+
+class _QuietClosedLoop:
+  """`sys.unraisablehook` that drops 'Event loop is closed': when a save fails (a full disk),
+  orbax closes its event loop while tensorstore still completes the save's other writes, and
+  their callbacks print that traceback; the failure itself is one `CheckpointSaveError` line."""
+
+  def __init__(self, previous):
+    self.previous = previous
+
+  def __call__(self, unraisable) -> None:
+    if not (issubclass(unraisable.exc_type, RuntimeError)
+            and str(unraisable.exc_value) == 'Event loop is closed'):
+      self.previous(unraisable)
 
 
 class Manager(ocp.CheckpointManager):
@@ -151,14 +176,11 @@ def make_manager(workdir: str, keep: int, *, read_only: bool = False) -> ocp.Che
     remove_temporary_checkpoints(workdir)
   if _QUIET_ORBAX_ERRORS not in logging.getLogger('absl').filters:
     logging.getLogger('absl').addFilter(_QUIET_ORBAX_ERRORS)
-  return Manager(workdir, options)
-
-
-def _chain(error: BaseException):
-  """`error` and the exceptions it was raised from."""
-  while error is not None:
-    yield error
-    error = error.__cause__ or error.__context__
+    logging.getLogger('asyncio').addFilter(_QUIET_ORBAX_ERRORS)
+  if not isinstance(sys.unraisablehook, _QuietClosedLoop):
+    sys.unraisablehook = _QuietClosedLoop(sys.unraisablehook)
+  with write_errors.writing('the checkpoints directory', checkpoint_dir(workdir)):
+    return Manager(workdir, options)
 
 
 def _save_error(manager: ocp.CheckpointManager, step: int | None,
@@ -169,12 +191,14 @@ def _save_error(manager: ocp.CheckpointManager, step: int | None,
   deadline = time.time() + 60
   for thread in threading.enumerate():
     if isinstance(thread, _ORBAX_WRITER) and thread is not threading.current_thread():
-      thread.join(max(0.0, deadline - time.time()))
+      try:
+        thread.join(max(0.0, deadline - time.time()))
+      except Exception:  # pylint: disable=broad-except  # Its own failure: the same full disk.
+        pass
   if jax.process_index() == 0:
     remove_temporary_checkpoints(os.path.dirname(str(manager.directory)))
   text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-  disk_full = any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in _chain(error)) or (
-      'No space left on device' in str(error) or "os_error_code='28'" in str(error))
+  disk_full = _disk_full(error)
   manager.reload()
   intact = sorted(other for other in manager.all_steps() if other != step)
   cause = (f'no space left on device under {manager.directory}' if disk_full
@@ -250,56 +274,90 @@ def _saved_tree(path: str):
   return ocp.PyTreeCheckpointer().metadata(os.path.join(path, 'state')).item_metadata.tree
 
 
+class CheckpointUnreadableError(ValueError):
+  """Every checkpoint of the workdir is unreadable: a resume would silently start at step 0.
+  One line saying what to do; nothing moved."""
+
+
+def _restore_step(manager: ocp.CheckpointManager, step: int, target: Any):
+  """(state, metadata) of checkpoint `step`, or the error that makes it corrupt.
+
+  CheckpointMismatchError (raised) for a readable checkpoint of another structure.
+  """
+  path = os.path.join(str(manager.directory), str(step))
+  verified = False  # Its files match the manifest (a later failure is not corruption).
+  try:
+    verified = manifest.verify_checkpoint(path)
+    if not verified:
+      message = (f'checkpoint {step} has no {manifest.MANIFEST} (written before dpjax kept '
+                 'checksums); restoring it unverified.')
+      logging.warning(message)
+      print(f'WARNING: {message}', file=sys.stderr)
+    mismatch = state_mismatch(_saved_tree(path), target)
+    if mismatch:
+      raise CheckpointMismatchError(
+          f'checkpoint {step} in {manager.directory} holds a state of another structure than '
+          f'this config builds: {mismatch}. The model or the optimizer changed since the run '
+          'started; restore them, or use a new --workdir to start fresh (the checkpoint is '
+          'untouched).')
+    restored = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target), metadata=ocp.args.JsonRestore()))
+  except CheckpointMismatchError:
+    raise
+  except Exception as e:  # Orbax raises many types for damaged files.
+    if write_errors.is_full(e):  # Not the checkpoint's fault.
+      raise write_errors.WriteError(f'cannot restore checkpoint {step} ({path}): no space left '
+                                    f'on device. {write_errors.RERUN}') from None
+    if verified:
+      raise CheckpointMismatchError(
+          f'checkpoint {step} passed its checksums but could not be restored onto this '
+          f'config\'s state ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}); '
+          'it is untouched. Restore the settings it was written with, or use a new '
+          '--workdir.') from None
+    return e
+  return restored['state'], restored['metadata']
+
+
 def restore_latest(manager: ocp.CheckpointManager, target: Any) -> tuple[int, Any, dict] | None:
-  """(step, state, metadata) of the newest readable checkpoint, or None.
+  """(step, state, metadata) of the newest readable checkpoint, or None when there is none.
 
   `target` is a state with the right structure and the shardings to restore onto (e.g.
   the freshly initialised, replicated one). Each checkpoint is first checked against its
   manifest: a checkpoint whose files fail it (or, without a manifest, cannot be read) is
-  corrupt: logged, moved aside by process 0, and the previous one is tried. A readable
-  checkpoint whose state has another structure than `target` (the model or the optimizer
-  changed) is not corrupt: `CheckpointMismatchError` (one line), nothing moved.
+  corrupt, and the previous one is tried; once one restores, the corrupt newer ones are
+  logged and moved aside by process 0 (`<step>.unreadable-<time>`). When none restores,
+  `CheckpointUnreadableError` (one line, nothing moved): falling back to step 0 would
+  silently train the run again from scratch. A readable checkpoint whose state has another
+  structure than `target` (the model or the optimizer changed) is not corrupt:
+  `CheckpointMismatchError` (one line), nothing moved.
   """
+  unreadable = []  # (step, error), newest first.
   for step in sorted(manager.all_steps(), reverse=True):
-    path = os.path.join(str(manager.directory), str(step))
-    verified = False  # Its files match the manifest (a later failure is not corruption).
-    try:
-      verified = manifest.verify_checkpoint(path)
-      if not verified:
-        message = (f'checkpoint {step} has no {manifest.MANIFEST} (written before dpjax kept '
-                   'checksums); '
-                   'restoring it unverified.')
-        logging.warning(message)
-        print(f'WARNING: {message}', file=sys.stderr)
-      mismatch = state_mismatch(_saved_tree(path), target)
-      if mismatch:
-        raise CheckpointMismatchError(
-            f'checkpoint {step} in {manager.directory} holds a state of another structure than '
-            f'this config builds: {mismatch}. The model or the optimizer changed since the run '
-            'started; restore them, or use a new --workdir to start fresh (the checkpoint is '
-            'untouched).')
-      restored = manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(target), metadata=ocp.args.JsonRestore()))
-    except CheckpointMismatchError:
-      raise
-    except Exception as e:  # Orbax raises many types for damaged files.
-      if verified:
-        raise CheckpointMismatchError(
-            f'checkpoint {step} passed its checksums but could not be restored onto this '
-            f'config\'s state ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}); '
-            'it is untouched. Restore the settings it was written with, or use a new '
-            '--workdir.') from None
-      # Keep the damaged files for inspection, out of the way of a new save at this step.
+    restored = _restore_step(manager, step, target)
+    if isinstance(restored, Exception):
+      unreadable.append((step, restored))
+      continue
+    for bad, error in unreadable:  # Kept for inspection, out of the way of a new save.
+      path = os.path.join(str(manager.directory), str(bad))
       aside = f'{path}.unreadable-{int(time.time())}'
       if jax.process_index() == 0:  # One host renames the shared directory.
         os.rename(path, aside)
-      message = (f'checkpoint {step} is unreadable ({type(e).__name__}: {e}); moved it to '
-                 f'{aside} and falling back to the previous one.')
+      message = (f'checkpoint {bad} is unreadable ({type(error).__name__}: {error}); moved it '
+                 f'to {aside} and resuming from checkpoint {step}, the newest readable one.')
       logging.warning(message)
       print(f'WARNING: {message}', file=sys.stderr)
+    if unreadable:
       manager.reload()
-      continue
-    return step, restored['state'], restored['metadata']
+    return step, restored[0], restored[1]
+  if unreadable:
+    newest, error = unreadable[0]
+    first_line = str(error).splitlines()[0] if str(error) else ''
+    raise CheckpointUnreadableError(
+        f'checkpoint {newest} in {manager.directory} is unreadable ({type(error).__name__}: '
+        f'{first_line}) and no earlier checkpoint is readable'
+        f'{f" (steps {sorted(s for s, _ in unreadable)})" if len(unreadable) > 1 else ""}, so '
+        'the run cannot resume. To train it again from step 0, move the checkpoints directory '
+        'away (or use a new --workdir) and rerun; nothing was changed.')
   return None
 
 

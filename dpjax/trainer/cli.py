@@ -111,6 +111,8 @@ def config_override_error(argv: Sequence[str], flag: str = 'config') -> str | No
   for arg in argv:
     if arg.startswith(f'--{flag}.'):
       path = arg[len(flag) + 3:].split('=', 1)[0]
+      if config_fields.removed_field_message(path):
+        return f'--{flag}.{path}: ' + config_fields.removed_field_message(path)
       if path not in known and path not in prefixes:
         guess = config_fields.closest_field(path, config_fields.field_paths(base))
         hint = f' Did you mean --{flag}.{guess}?' if guess else ''

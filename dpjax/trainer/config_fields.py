@@ -29,6 +29,7 @@ from ml_collections import config_dict
 
 from dpjax.privacy import clipping
 from dpjax.data import sources as data
+from dpjax.data import validation as data_validation
 from dpjax.privacy import losses
 from dpjax.models import factory as models
 from dpjax.privacy import prng
@@ -89,6 +90,9 @@ FIELDS: tuple[Field, ...] = (
     Field('data.std', 'floats', (0.5,), 'public per-channel std: x = (raw / scale - mean) / std',
           0, low_open=True),
     Field('data.label_format', 'str', 'int', 'int | one_hot', choices=data.LABEL_FORMATS),
+    Field('data.max_abs_feature', 'float', data_validation.MAX_ABS_FEATURE, 'a public bound: an '
+          'example with a feature beyond ±this after the preprocessing is refused when the data '
+          'is opened (npz, memmap, digits), before training', 0, low_open=True),
     # --- sampler and batching
     Field('sampler.name', 'str', 'poisson', 'the sampler; the accountant reads the same fields',
           choices=samplers.SAMPLER_NAMES, accounting=True),
@@ -185,9 +189,6 @@ FIELDS: tuple[Field, ...] = (
     Field('eval_every_steps', 'int', 100, 'steps between evaluations (and the first and last)', 1),
     Field('checkpoint_every_steps', 'int', 100, 'steps between checkpoints (and the last)', 1),
     Field('keep_checkpoints', 'int', 3, 'checkpoints kept (the last step always)', 1),
-    Field('max_nonfinite_fraction', 'float', 1e-3, 'the run stops when more than this fraction '
-          'of the examples seen had a non-finite loss or gradient (each is dropped, counted)', 0,
-          1),
     # --- empirical privacy audit
     Field('audit.num_canaries', 'int', 0, 'm gradient canaries, each in the data by a fair coin '
           '(N + m examples for sampler and accountant); 0 = off', 0),
@@ -199,6 +200,15 @@ FIELDS: tuple[Field, ...] = (
           'last step only)'),
 )
 FIELDS_BY_PATH = {f.path: f for f in FIELDS}
+# Fields that no longer exist, and what replaced them (a config still setting one is refused).
+REMOVED_FIELDS = {
+    'max_nonfinite_fraction': 'it stopped a run on the exact count of examples with a '
+    'non-finite loss or gradient, a statistic of the private data without noise, so whether '
+    'a model was released depended on one record. Such examples are dropped (they add exactly '
+    'zero), the run stops only on non-finite parameters, and features beyond '
+    'data.max_abs_feature are refused when the data is opened. Delete the field (from the '
+    "workdir's config.json too, when resuming)",
+}
 DEFAULT_MODEL = 'mlp'
 DEFAULT_HIDDEN_SIZES = (64,)  # Small: the noise norm grows with √(#params).
 
@@ -267,6 +277,13 @@ def closest_field(name: str, candidates: list[str]) -> str | None:
   return match[0] if match else None
 
 
+def removed_field_message(path: str) -> str | None:
+  """One line for a field that was removed (`REMOVED_FIELDS`), else None."""
+  if path not in REMOVED_FIELDS:
+    return None
+  return f'{path}: this field was removed: {REMOVED_FIELDS[path]}.'
+
+
 def check_known_fields(config: ml_collections.ConfigDict) -> None:
   """ConfigError for the first field that is not declared (a typo), with 'did you mean'."""
   name = get(config, 'model.name', DEFAULT_MODEL)
@@ -276,6 +293,8 @@ def check_known_fields(config: ml_collections.ConfigDict) -> None:
   declared = declared_paths(config)
   known = set(declared)
   for path in field_paths(config):
+    if path in REMOVED_FIELDS:
+      raise ConfigError(removed_field_message(path))
     if path not in known:
       _check_model_block(path, name)
       guess = closest_field(path, declared)

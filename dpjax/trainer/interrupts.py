@@ -17,13 +17,7 @@ Handlers can only be installed from the main thread (a Python rule); from any
 other thread `GracefulStop` installs nothing and `requested` stays False.
 The previous handlers are restored on exit.
 
-A command that only computes and writes its output at the end (`dpjax.export`,
-`dpjax.account`, ...) has nothing to save: `exit_on_signals` makes SIGINT and SIGTERM end it at
-once, from its first line on (the imports included), with one line and exit 128 + signal, after
-removing the output it was writing (`partial_output`) and ending its child processes. The handler never raises: an exception
-raised where Python cannot pass it on (a gc callback, a `__del__`, a callback inside native code)
-was dropped (the command went on and exited 0), aborted the process (exit 134) or surfaced as
-another error with a traceback.
+from typing import Any, Callable, Iterator
 """
 
 from __future__ import annotations
@@ -34,8 +28,9 @@ import shutil
 import signal
 import sys
 import threading
+import time
 from types import FrameType
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _BEFORE_THE_LOOP = {'interrupted': False}
@@ -62,6 +57,11 @@ def drop_lost_interrupts(unraisable) -> None:
   if _BEFORE_THE_LOOP['interrupted'] and issubclass(unraisable.exc_type, KeyboardInterrupt):
     return
   sys.__unraisablehook__(unraisable)
+
+
+class StillRunning(Exception):
+  """A signal arrived while `GracefulStop.run` waited for a call that did not finish within
+  the grace period; the call goes on in a daemon thread (exit with os._exit)."""
 
 
 class GracefulStop:
@@ -101,6 +101,35 @@ class GracefulStop:
       raise KeyboardInterrupt(f'second {name}: aborting without a checkpoint')
     else:
       self._log(f'{name} received again: already stopping after this step.')
+
+  def run(self, fn: Callable[[], Any], grace: float = 1.0) -> Any:
+    """fn() on a daemon thread while the main thread waits in Python (signals handled at once).
+
+    Returns fn's result or raises its exception; `StillRunning` if a signal arrived and fn
+    had not returned `grace` seconds after it. Off the main thread (no handlers): fn().
+    """
+    if not self._previous:
+      return fn()
+    done, box = threading.Event(), {}
+
+    def work():
+      try:
+        box['result'] = fn()
+      except BaseException as e:  # pylint: disable=broad-except  # Re-raised by the waiter.
+        box['error'] = e
+      finally:
+        done.set()
+
+    threading.Thread(target=work, name='dpjax-call', daemon=True).start()
+    deadline = None
+    while not done.wait(0.05):  # Interrupted by a signal: the handler runs, then it waits on.
+      if self.requested:
+        deadline = deadline or time.monotonic() + grace
+        if time.monotonic() > deadline:
+          raise StillRunning(f'a call still running {grace:g} s after {self.signal_name}')
+    if 'error' in box:
+      raise box['error']
+    return box['result']
 
   def __enter__(self) -> GracefulStop:
     if threading.current_thread() is threading.main_thread():

@@ -16,7 +16,6 @@ privacy fingerprint (`plan.privacy_metadata`).
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sys
 import time
@@ -24,7 +23,6 @@ from typing import Any, Callable
 
 import flax
 import jax
-import jax.numpy as jnp
 import numpy as np
 import tqdm
 
@@ -46,6 +44,10 @@ from dpjax.trainer import physical_batch
 from dpjax.trainer import plan as plan_lib
 from dpjax.trainer import run_report
 from dpjax.trainer import run_warnings
+from dpjax.trainer import write_errors
+from dpjax.trainer.stops import RunInterrupted
+from dpjax.trainer.stops import TrainingDiverged
+from dpjax.trainer.stops import parameters_diverged
 
 
 @flax.struct.dataclass
@@ -65,27 +67,6 @@ class TrainState:
 def is_time(step: int, every: int, last_step: int) -> bool:
   """Whether a periodic action fires after `step` (1-based count); always at the last."""
   return step == last_step or (every > 0 and step % every == 0)
-
-
-class TrainingDiverged(RuntimeError):
-  """Non-finite loss or parameters: the run stops, the last good checkpoint is kept."""
-
-
-class TooManyNonFinite(TrainingDiverged):
-  """More than max_nonfinite_fraction of the examples had a non-finite loss or gradient."""
-
-
-class RunInterrupted(Exception):
-  """SIGTERM / SIGINT: the run saved a checkpoint and stops; `exit_code` = 128 + signal."""
-
-  def __init__(self, message: str, exit_code: int):
-    super().__init__(message)
-    self.exit_code = exit_code
-
-
-@jax.jit
-def _all_finite(tree) -> jax.Array:
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
 class Loop:
@@ -108,7 +89,6 @@ class Loop:
     self.every = {'log': config.log_every_steps, 'eval': config.eval_every_steps,
                   'checkpoint': config.checkpoint_every_steps}
     self.ema_decay, self.steps_per_call = config.ema_decay, plan.perf.steps_per_call
-    self.max_nonfinite_fraction = config.max_nonfinite_fraction
     self.serial = chunks_lib.serial_dispatch(mesh)
     self.batcher = chunks_lib.make_batcher(plan)
     self.writer = metrics_lib.MetricWriter(workdir, restored_step, enabled=self.primary)
@@ -117,8 +97,7 @@ class Loop:
     self.last: dict[str, Any] = {}  # The latest log row (or the step-0 evaluation).
     self._pending = []  # Metrics of the calls since the latest log, on the device.
     self._window_start = 0  # The first step of the current log window.
-    self._seen = 0.0  # Examples since this (re)start (max_nonfinite_fraction) ...
-    self._nonfinite = 0  # ... and those with a non-finite loss or gradient.
+    self._saved_step = 0  # The step of the latest checkpoint (or the restart).
 
   def _due(self, action: str, step: int) -> bool:
     """Whether `action` ('log', 'eval' or 'checkpoint') fires after `step`."""
@@ -126,10 +105,19 @@ class Loop:
 
   def run(self, state: TrainState) -> TrainState:
     """Trains from `state` to the plan's last step; returns the final state."""
+    self._saved_step = state.step
+    with interrupts.GracefulStop() as self.signals:
+      try:
+        if state.step == 0:  # Compiles the evaluation: a signal is handled at once.
+          self.last = self._interruptible(lambda: self.evaluate(state), state)
+          self.writer.write(0, self.last)
+        return self._train(state)
+      except write_errors.WriteError:  # A full disk: the save in flight ends, one line.
+        self._close(after_failed_write=True)
+        raise
+
+  def _train(self, state: TrainState) -> TrainState:
     start, last_step = state.step, self.plan.num_steps
-    if start == 0:
-      self.last = self.evaluate(state)
-      self.writer.write(0, self.last)
     self.progress = tqdm.tqdm(total=last_step, initial=start, desc='train', dynamic_ncols=True,
                               disable=not self.primary or (
                                   not sys.stderr.isatty()
@@ -151,8 +139,7 @@ class Loop:
         self.plan.accountant, () if self.serial else (
             s for s in range(start + 1, last_step + 1)
             if self._due('log', s) or self._due('checkpoint', s)))
-    with interrupts.GracefulStop() as self.signals, stream as prepared, (
-        contextlib.nullcontext() if self.ahead is None else self.ahead):
+    with stream as prepared, contextlib.nullcontext() if self.ahead is None else self.ahead:
       chunks = iter(prepared)
       upcoming = next(chunks, None)
       while upcoming is not None:
@@ -164,12 +151,30 @@ class Loop:
     self._close()
     return state
 
+  def _interruptible(self, fn: Callable[[], Any], state: TrainState) -> Any:
+    """fn() (it may compile for minutes) with signals handled at once: RunInterrupted
+    (`abandoned`) if a signal leaves it unfinished; `state` saved if it holds unsaved steps."""
+    try:
+      return self.signals.run(fn)
+    except interrupts.StillRunning:
+      saved = state.step > self._saved_step
+      if saved:
+        self._save(state, None)
+      kept = (f'checkpoint {state.step} saved' if saved else
+              f'nothing was trained since {f"checkpoint {state.step}" if state.step else "the start"}')
+      raise self._stop(RunInterrupted(
+          f'stopped by {self.signals.signal_name} at step {state.step} of {self.plan.num_steps} '
+          f'while XLA compiled or ran a call (it cannot be interrupted); {kept}. Rerun the same '
+          'command to resume.', self.signals.exit_code, abandoned=True)) from None
+
   def _dispatch(self, state: TrainState, chunk: multi_step.Chunk) -> TrainState:
     """One compiled call: S logical steps (K physical batches each, noise keyed by
-    (seed, step), the update and the EMA)."""
+    (seed, step), the update and the EMA). The first call of a (re)start compiles."""
     self.chrono.dispatch()
-    params, opt_state, ema, metrics = self.runner(
-        state.params, state.opt_state, state.ema if self.ema_decay else None, chunk, self.dataset)
+    call = lambda: self.runner(state.params, state.opt_state,
+                               state.ema if self.ema_decay else None, chunk, self.dataset)
+    params, opt_state, ema, metrics = (self._interruptible(call, state)
+                                       if self.chrono.compile_seconds is None else call())
     self.signals.progress = chunk.last_step + 1  # Read by the signal handler.
     self.pacer.dispatched(metrics)  # At most two calls in flight: a signal waits for few steps.
     if self.serial:
@@ -232,16 +237,18 @@ class Loop:
 
   def _fetch(self, state: TrainState) -> tuple[list[dict], float]:
     """(per-step metrics since the latest log, their mean loss), in one host sync;
-    TrainingDiverged if that loss or the parameters are not finite."""
-    fetched, finite = jax.device_get((self._pending, _all_finite(state.params)))
+    TrainingDiverged if the parameters diverged: post-processing of what DP-SGD releases.
+    Never on a statistic of the data (the loss, the count of non-finite examples): that
+    would make whether anything is released depend on one record (docs/threat_model.md)."""
+    fetched, diverged = jax.device_get((self._pending, parameters_diverged(state.params)))
     fetched = [row for m, count in fetched for row in multi_step.rows_of(m, count)]
     loss = float(np.mean([m['loss'] for m in fetched])) if fetched else 0.0
-    if not (math.isfinite(loss) and bool(finite)):
+    if bool(diverged):
       raise self._stop(TrainingDiverged(
-          f'non-finite training loss or parameters between steps {self._window_start} and '
-          f'{state.step}; the last checkpoint before step {self._window_start} is intact. Try '
-          'a smaller optimizer.learning_rate or privacy.clip_norm, or check the data for '
-          'NaN/inf.'))
+          f'non-finite parameters (or ‖θ‖ beyond float32\'s range) between steps '
+          f'{self._window_start} and {state.step}; the '
+          f'last checkpoint before step {self._window_start} is intact. Try a smaller '
+          'optimizer.learning_rate or privacy.clip_norm.'))
     return fetched, loss
 
   def _log(self, state: TrainState, fetched: list[dict], loss: float, wait: bool) -> dict:
@@ -268,15 +275,6 @@ class Loop:
     for line in self.warnings.check(row, self._window_start, done, self.plan.clip_norm):
       self.log(f'WARNING: {line}')
     self._pending, self._window_start = [], done + 1
-    self._seen += examples
-    self._nonfinite += row['nonprivate_num_nonfinite_examples']
-    if self._nonfinite > self.max_nonfinite_fraction * max(self._seen, 1.0):
-      raise self._stop(TooManyNonFinite(
-          f'{self._nonfinite} of {self._seen:.0f} examples since the start had a non-finite '
-          f'loss or gradient (step {done}), above max_nonfinite_fraction = '
-          f'{self.max_nonfinite_fraction:g}; each was dropped (zero contribution) and the last '
-          'checkpoint is intact. Lower optimizer.learning_rate, or raise '
-          'max_nonfinite_fraction if the data is known to hold such examples.'))
     report = self._epsilon(done, wait=wait or self.serial)
     if report is not None:
       row.update(epsilon=report.epsilon, epsilon_bound=report.bound)
@@ -294,7 +292,7 @@ class Loop:
     """The evaluation of `state` and its seconds (queued steps finish before the clock)."""
     jax.block_until_ready(state.params)
     clock = time.time()
-    evaluated = self.evaluate(state)
+    evaluated = self._interruptible(lambda: self.evaluate(state), state)  # May compile.
     evaluated['nonprivate_eval_seconds'] = self.chrono.pause(clock)
     return evaluated
 
@@ -319,6 +317,7 @@ class Loop:
     if audit is not None:
       metadata['audit'] = audit
     checkpoints.save(self.manager, done, self._stored(state), metadata)
+    self._saved_step = done
     self.writer.flush()
     self.chrono.checkpoint_seconds = self.chrono.pause(clock)
 
@@ -349,11 +348,15 @@ class Loop:
     print(f'step {done}/{self.plan.num_steps}, {speed}, ETA {eta:.0f} s, '
           + ' '.join(f'{k}={v}' for k, v in shown.items()), flush=True)
 
-  def _close(self) -> None:
-    """Leaves the workdir consistent: earlier saves complete, metrics and events flushed."""
-    self.progress.close()
-    checkpoints.wait_until_finished(self.manager)
-    self.writer.close()
+  def _close(self, after_failed_write: bool = False) -> None:
+    """Leaves the workdir consistent: earlier saves complete, metrics and events flushed
+    (`after_failed_write`: a write failed already; later failures are not raised again)."""
+    if self.progress is not None:
+      self.progress.close()
+    for finish in (lambda: checkpoints.wait_until_finished(self.manager), self.writer.close):
+      with (contextlib.suppress(write_errors.WriteError) if after_failed_write
+            else contextlib.nullcontext()):
+        finish()
 
   def _stop(self, error: Exception) -> Exception:
     """Closes (`_close`) and returns `error`, to be raised."""

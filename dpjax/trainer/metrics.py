@@ -11,8 +11,8 @@ that each logged step appears exactly once:
 * a torn line (a partial JSON object cut by the kill) is dropped with a warning;
 * TensorBoard events are purged from step s + 1 on (`purge_step`), and
   `flush()`, which the loop calls at every checkpoint, makes the JSON lines
-  durable (fsync) and writes the buffered events, so what a checkpoint
-  covers is on disk with it.
+  and the events durable (fsync), so what a checkpoint covers is on disk
+  with it. Events are written in the caller's thread (`event_file`).
 
 `nonprivate_train_loss` is a mean over the steps since the previous logged
 train row. After a resume from step s the first one covers only steps s+1..t,
@@ -31,14 +31,14 @@ Only process 0 of a multi-host job writes (`enabled=False` elsewhere).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import sys
-import time
 
-import tensorboardX
-
+from dpjax.trainer import event_file
+from dpjax.trainer import write_errors
 from dpjax.trainer.atomic_write import write_text_atomically
 
 METRICS_FILE = 'metrics.jsonl'
@@ -95,6 +95,10 @@ def read_rows(path: str) -> list[dict]:
 class MetricWriter:
   """Scalars to TensorBoard event files and to `metrics.jsonl`, consistent across resumes.
 
+  A failed write (a full disk) raises `write_errors.WriteError` (one line) and cuts both
+  files back to what the latest `flush` made durable: nothing partial is left, and what is
+  cut is logged again by the resume from the latest checkpoint.
+
   Args:
     workdir: the run's directory.
     resume_step: the step of the checkpoint the run resumes from, or None
@@ -105,6 +109,7 @@ class MetricWriter:
   def __init__(self, workdir: str, resume_step: int | None, enabled: bool = True):
     self.enabled = enabled
     self.resume_step = resume_step
+    self._closed = not enabled
     if not enabled:
       return
     if resume_step is not None and (isinstance(resume_step, bool) or not isinstance(
@@ -115,13 +120,41 @@ class MetricWriter:
     kept = []
     if os.path.exists(self._path):
       kept = [row for row in read_rows(self._path) if row['step'] <= keep_until]
-      write_text_atomically(self._path, ''.join(json.dumps(row) + '\n' for row in kept))
+      write_text_atomically(self._path, ''.join(json.dumps(row) + '\n' for row in kept),
+                            what='the metrics')
     # The window of the next train_loss starts after the last logged one or the resume step.
     self._last_train_step = max([0, keep_until] + [row['step'] for row in kept
                                                    if TRAIN_LOSS in row])
-    self._jsonl = open(self._path, 'a')
-    self._tb_dir = os.path.join(workdir, TENSORBOARD_DIR)
-    self._tb = self._tb_writer(purge_step=keep_until + 1)
+    self._jsonl = self._tb = None
+    self._durable: dict[str, int] = {}  # Path -> its size at the latest flush.
+    tb_dir = os.path.join(workdir, TENSORBOARD_DIR)
+    with self._writing(tb_dir):
+      self._jsonl = open(self._path, 'a')
+      self._durable[self._path] = self._jsonl.tell()
+      self._tb = event_file.EventFile(tb_dir, purge_step=keep_until + 1)
+      self._durable[self._tb.path] = 0  # A new file: removed if even its header fails.
+      self._tb.flush()
+      self._durable[self._tb.path] = os.path.getsize(self._tb.path)
+
+  @contextlib.contextmanager
+  def _writing(self, path: str):
+    """A write of the metrics: on OSError, both files are cut back to their durable size and
+    closed, and `WriteError` is raised (one line)."""
+    try:
+      with write_errors.writing('the metrics', path):
+        yield
+    except write_errors.WriteError:
+      self._closed = True
+      for handle in (self._jsonl, self._tb):
+        with contextlib.suppress(OSError):  # Closing flushes what cannot be written.
+          if handle is not None:
+            handle.close()
+      for written, size in self._durable.items():
+        write_errors.truncate_quietly(written, size)
+        if not size:
+          with contextlib.suppress(OSError):
+            os.remove(written)
+      raise
 
   def train_window(self, step: int) -> dict[str, int]:
     """What a `train_loss` logged at `step` averages: steps `step - n + 1 .. step`, n returned."""
@@ -129,42 +162,35 @@ class MetricWriter:
 
   def write(self, step: int, scalars: dict[str, float]) -> None:
     """One row; rows with `nonprivate_train_loss` get `train_window_steps` unless set."""
-    if not self.enabled:
+    if self._closed:
       return
     scalars = dict(scalars)
     check_names(scalars)
     if TRAIN_LOSS in scalars:
       scalars.setdefault('train_window_steps', self.train_window(step)['train_window_steps'])
       self._last_train_step = step
-    for name, value in scalars.items():
-      if isinstance(value, (int, float)) and not isinstance(value, bool):  # Labels: jsonl only.
-        self._tb.add_scalar(tensorboard_tag(name), value, step)
-    self._jsonl.write(json.dumps({'step': step, **scalars}) + '\n')
-    self._jsonl.flush()
+    with self._writing(self._path):
+      for name, value in scalars.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):  # Labels: jsonl only.
+          self._tb.scalar(tensorboard_tag(name), value, step)
+      self._jsonl.write(json.dumps({'step': step, **scalars}) + '\n')
+      self._jsonl.flush()
 
   def flush(self) -> None:
     """Makes every row and event written so far durable (call at each checkpoint)."""
-    if not self.enabled:
+    if self._closed:
       return
-    self._sync_rows()
-    # tensorboardX's flush() only writes the events its worker thread has already dequeued;
-    # closing joins the worker after it has written every queued event. Later events go to a
-    # new file of the same run (TensorBoard reads them all).
-    self._tb.close()
-    self._tb = self._tb_writer()
-
-  def _sync_rows(self) -> None:
-    self._jsonl.flush()
-    os.fsync(self._jsonl.fileno())
-
-  def _tb_writer(self, purge_step: int | None = None) -> tensorboardX.SummaryWriter:
-    # A unique file per writer: event file names only have one-second resolution.
-    return tensorboardX.SummaryWriter(self._tb_dir, purge_step=purge_step,
-                                      filename_suffix=f'.{os.getpid()}.{time.time_ns()}')
+    with self._writing(self._path):
+      self._jsonl.flush()
+      os.fsync(self._jsonl.fileno())
+      self._tb.flush()
+    self._durable = {path: os.path.getsize(path) for path in self._durable}
 
   def close(self) -> None:
-    if not self.enabled:
+    """Flushes, then closes both files (a no-op once closed or after a failed write)."""
+    if self._closed:
       return
-    self._sync_rows()
+    self.flush()
+    self._closed = True
     self._jsonl.close()
-    self._tb.close()  # Writes every queued event (see flush).
+    self._tb.close()

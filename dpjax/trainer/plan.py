@@ -287,7 +287,13 @@ def _resolve_max_batch_size(config: ml_collections.ConfigDict, sampler: samplers
                             previous: dict[str, Any] | None, num_steps: int,
                             delta: float, physical: int) -> int:
   """The cap B (a multiple of P = `physical`): resolved from (N, b, steps, δ) on a fresh run,
-  the checkpoint's on resume."""
+  the checkpoint's on resume. PlanError for P above `batching.max_physical_batch_size`."""
+  largest = batching.max_physical_batch_size(sampler, config.sampler.max_batch_size,
+                                             num_steps=num_steps, delta=delta)
+  if physical > largest:
+    raise PlanError(f'sampler.physical_batch_size = {physical}: must be <= {largest} (the cap on '
+                    'a logical batch rounded up to a power of two), or 0 = automatic; a larger '
+                    'P only adds padding rows, which cost compile time and memory.')
   if previous is None or config.sampler.max_batch_size:
     return batching.resolve_max_batch_size(
         sampler, physical, config.sampler.max_batch_size, num_steps=num_steps, delta=delta)

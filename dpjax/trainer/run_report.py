@@ -21,6 +21,7 @@ from dpjax.trainer import plan as plan_lib
 from dpjax.trainer import run_seed
 from dpjax.trainer import run_warnings
 from dpjax.trainer import training_set_size
+from dpjax.trainer.atomic_write import write_text_atomically
 
 
 def announce(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
@@ -29,8 +30,8 @@ def announce(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource
   final ε), seed, a large-ε warning, the data's preprocessing and the plan's warnings."""
   config = plan.config
   if sharding.is_primary_process():
-    with open(os.path.join(workdir, 'config.json'), 'w') as f:
-      json.dump(config.to_dict(), f, indent=2)
+    write_text_atomically(os.path.join(workdir, 'config.json'),
+                          json.dumps(config.to_dict(), indent=2), what='the run config')
   rows = sharding.local_rows(mesh, plan.physical_batch_size)
   log(f'{mesh.devices.size} device(s) on {jax.process_count()} process(es), {len(rows)} rows of '
       f'each physical batch gathered here ({jax.devices()[0].device_kind}).')

@@ -26,6 +26,7 @@ import json
 import os
 
 from dpjax.privacy import prng
+from dpjax.trainer import write_errors
 from dpjax.trainer.atomic_write import write_text_atomically
 
 PRIVATE_DIR = 'private'
@@ -95,12 +96,13 @@ def store_seed(workdir: str, seed: RunSeed) -> None:
   if existing is not None and existing.value == seed.value:
     return
   directory = os.path.join(workdir, PRIVATE_DIR)
-  os.makedirs(directory, mode=0o700, exist_ok=True)
+  with write_errors.writing('the run seed', directory):
+    os.makedirs(directory, mode=0o700, exist_ok=True)
   source = 'config' if seed.source == 'config' else 'drawn'
   write_text_atomically(seed_path(workdir), json.dumps(
       {'seed': seed.value, 'source': source,
        'note': 'Secret: the privacy guarantee of this run needs it. Never publish it.'}) + '\n',
-      mode=0o600)
+      mode=0o600, what='the run seed')
 
 
 def broadcast_seed(seed: RunSeed) -> RunSeed:

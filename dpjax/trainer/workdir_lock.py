@@ -33,6 +33,8 @@ import sys
 import time
 from typing import Any
 
+from dpjax.trainer import write_errors
+
 LOCK_FILE = 'lock.json'
 
 
@@ -112,9 +114,17 @@ class WorkdirLock:
       logging.warning(message)
       print(f'WARNING: {message}', file=sys.stderr)
     body = json.dumps({'host': host, 'pid': os.getpid(), 'start_time': time.time()})
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, body.encode(), 0)
-    os.fsync(fd)
+    try:
+      with write_errors.writing('the lock file', self.path, then='Free space (or fix the file '
+                                'system), then rerun the same command.'):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, body.encode(), 0)
+        os.fsync(fd)
+    except write_errors.WriteError:
+      os.ftruncate(fd, 0)  # Empty, as a released lock: nothing partial (needs no space).
+      fcntl.flock(fd, fcntl.LOCK_UN)
+      os.close(fd)
+      raise
     self._fd = fd
 
   def release(self) -> None:

@@ -31,6 +31,7 @@ CONFIG_CASES = [
     ({'seed': -1}, r'seed = -1: must be an integer in \[0, \d+\] or None'),
     ({'data.source': 'imagenet'}, r"data.source = 'imagenet': must be one of 'digits'"),
     ({'data.label_format': 'onehot'}, r"data.label_format = 'onehot': must be one of 'int'"),
+    ({'data.max_abs_feature': 0.0}, r'data.max_abs_feature = 0.0: must be a finite number > 0'),
     ({'data.scale': -1.0}, r'data.scale = -1.0: must be a finite number >= 0'),
     ({'data.scale': NAN}, r'data.scale = nan: must be a finite number >= 0'),
     ({'data.std': (0.0,)}, r'data.std = \(0.0,\): must be a tuple of finite numbers, each > 0'),
@@ -57,6 +58,9 @@ CONFIG_CASES = [
     ({'sampler.batch_size': 5000}, r'sampler.batch_size = 5000 must be in \[1, N = 1437\]'),
     ({'sampler.physical_batch_size': -1}, r'sampler.physical_batch_size = -1: must be an integer >= 0'),
     ({'sampler.max_batch_size': -1}, r'sampler.max_batch_size = -1: must be an integer >= 0'),
+    # Issue 34: accepted on da06065 (B became 2^20), it compiled a step over a million rows.
+    ({'sampler.physical_batch_size': 2**20}, r'sampler.physical_batch_size = 1048576: must be '
+                                             r'<= 512 \(the cap on a logical batch rounded up'),
     ({'sampler.max_batch_size': 100}, r'sampler.max_batch_size = 100: must be 0 \(auto\) or a '
                                       r'multiple of sampler.physical_batch_size = 32'),
     ({'privacy.clip_norm': 0.0}, r'privacy.clip_norm = 0.0: must be a finite number > 0 .*'
@@ -274,7 +278,9 @@ checkpoint whose state has another structure than the config builds (the model
 or the optimiser changed: e.g. sgd → adam, momentum 0 → 0.9, another width) is
 refused as well, naming what differs, and left untouched; only a checkpoint
 whose files fail their SHA-256 manifest (or cannot be read) is treated as
-corrupt and moved aside. Allowed on resume: the learning rate and its schedule,
+corrupt and moved aside once an earlier one restores. When none is readable
+the resume is refused, nothing moved, with what to do to start again from
+step 0. Allowed on resume: the learning rate and its schedule,
 logging, evaluation and checkpoint periods, `keep_checkpoints`, the clipping
 method, P when the checkpoint's B is a multiple of it, and a longer run (ε
 recomputed for the new total with the checkpoint's σ; `privacy.target_epsilon`
@@ -285,18 +291,35 @@ config in `w/config.json` (`--config.<field>=v` overrides still apply).
 
 SIGTERM or Ctrl-C during training saves a checkpoint within about two steps
 (the automatic steps per call keep a call near 0.5 s) and exits 128 + signal;
-Ctrl-C before the loop exits 130 with one line. An unwritable HOME or cache
-directory falls back to no cache (a warning; a `compilation_cache_dir` you
-named is refused in one line). A run whose privacy loss cannot be composed in
-memory (e.g. `num_steps = 10**12`) is refused before anything is written.
+while XLA compiles, the run stops within a second with one line (nothing was
+trained since the last checkpoint). Ctrl-C before the loop exits 130 with one
+line. An unwritable HOME or cache directory falls back to no cache (a warning;
+a `compilation_cache_dir` you named is refused in one line). A run whose
+privacy loss cannot be composed in memory (e.g. `num_steps = 10**12`) is
+refused before anything is written, and so is a physical batch P above the cap
+B rounded up to a power of two.
+
+## A full disk
+
+A write that fails (no space left on device) ends the run with one line and
+exit code 1, whichever file it was: a checkpoint, `metrics.jsonl`, the
+TensorBoard events, `config.json`, `private/seed.json`, `audit.json`, the lock
+file, or an export. Nothing partial is left: files are replaced atomically,
+the metrics and events are cut back to the last checkpoint's flush, a failed
+checkpoint's temporary directory is removed and the previous checkpoint stays
+valid, and an export is staged and removed. Free space and rerun the same
+command to resume.
 
 ## Non-finite examples
 
 An example whose loss or gradient is not finite contributes exactly zero and
-is counted (`nonprivate_num_nonfinite_examples` in metrics.jsonl). The run
-stops, keeping its last checkpoint, once more than `max_nonfinite_fraction`
-(default 0.001, i.e. 0.1%) of the examples seen since it (re)started were
-dropped. Non-finite *features* are refused when the data is opened.
+is counted (`nonprivate_num_nonfinite_examples` in metrics.jsonl, never
+printed). The run goes on: it stops only on non-finite *parameters* (at the
+next logged or saved step, keeping its last checkpoint), never on a count of
+the private data (docs/threat_model.md, "What may change a run's course").
+Non-finite features, and features beyond the public bound
+`data.max_abs_feature` after the preprocessing, are refused when the data is
+opened.
 """
 
 
@@ -379,6 +402,9 @@ DATA_CASES = [
     ('one_inf_pixel', dict(x_train=lambda x: __import__('numpy').where(
         __import__('numpy').arange(x.size).reshape(x.shape) == 64 * 9 + 3, float('inf'), x)),
      r'x_train: example 9 has a non-finite feature value \(inf\)'),
+    ('absurd_feature', dict(x_train=lambda x: x * __import__('numpy').where(
+        __import__('numpy').arange(len(x)) == 4, 1e30, 1.0)[:, None, None, None]),
+     r'x_train: example 4 has the feature value .* beyond the public bound'),
     ('stray_label_id', dict(y_train=_at(7, 1_000_000)),
      r'y_train: label 1000000 in row 7 is not in \[0, 10\) \(data.num_classes = 10'),
     ('class_only_in_test', dict(y_test=_at(2, 10)), r'y_test: label 10 in row 2 is not in \[0, 10\)'),
@@ -434,6 +460,8 @@ CONFIG_FILE_CASES = [
     ('  c.sampler.batchsize = 64\n',
      r'sampler.batchsize: not a field.*Did you mean sampler.batch_size\?'),
     ('  c.num_steps = 10.0\n', r"Could not override field 'num_steps'"),
+    ('  c.max_nonfinite_fraction = 0.01\n', r'max_nonfinite_fraction: this field was removed: '
+                                           r'.*data.max_abs_feature'),
     ('  raise RuntimeError("my bug")\n', r"get_config\(None\) in .*my_config.py' raised "
                                           r'RuntimeError: my bug'),
     ('  c = {"seed": 1}\n', r'returned a dict, not an ml_collections.ConfigDict'),

@@ -127,6 +127,37 @@ def test_signal_saves_a_checkpoint_and_exits_128_plus_signal(tmp_path, signum):
   assert not [n for n in os.listdir(work / 'checkpoints') if not n.isdigit()]
 
 
+def test_sigterm_while_the_first_call_compiles_stops_at_once(tmp_path, monkeypatch):
+  """A SIGTERM while the first training call compiles (a stand-in that blocks for 10 s) ends
+  the run within a few seconds with one line: nothing was trained, nothing saved or lost.
+  Fails on da06065: the handler only set a flag, the loop waited for the call to return (a
+  real compilation of P = 2^20 rows ignored SIGTERM for 150 s), here 10 s, and then it
+  failed."""
+  from dpjax.privacy import multi_step  # pylint: disable=import-outside-toplevel
+  import threading  # pylint: disable=import-outside-toplevel
+  release, sent = threading.Event(), []
+
+  def terminate():
+    sent.append(time.monotonic())
+    os.kill(os.getpid(), signal.SIGTERM)
+
+  def compiling(self, *args, **kwargs):  # XLA compiling: blocks, cannot be interrupted.
+    threading.Timer(0.3, terminate).start()
+    release.wait(10)
+    raise RuntimeError('the stand-in compilation was released')
+  monkeypatch.setattr(multi_step.MultiStep, '__call__', compiling)
+  work = tmp_path / 'w'
+  try:
+    with pytest.raises(training_loop.RunInterrupted, match=r'stopped by SIGTERM at step 0 of 8 '
+                       r'while XLA compiled .*; nothing was trained since the start') as info:
+      train.train_and_evaluate(small_config(), str(work))
+    elapsed = time.monotonic() - sent[0]
+  finally:
+    release.set()
+  assert info.value.exit_code == 143 and info.value.abandoned and elapsed < 5, elapsed
+  assert checkpoints.read_metadata(str(work)) == [] and '\n' not in str(info.value)
+
+
 def test_a_second_run_on_a_workdir_in_use_is_refused_at_once(tmp_path):
   work = tmp_path / 'w'
   train.train_and_evaluate(small_config(num_steps=2), str(work))

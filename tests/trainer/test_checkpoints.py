@@ -105,6 +105,27 @@ def test_flipped_array_byte_falls_back_to_the_previous_checkpoint(tmp_path, caps
   assert '2' not in names and any(name.startswith('2.unreadable-') for name in names)
 
 
+def test_no_readable_checkpoint_is_refused_not_restarted_from_step_0(tmp_path, capsys):
+  """The only checkpoints are corrupt: one line naming what to do, nothing moved. Fails on
+  da06065: each was moved aside with "falling back to the previous one" when there was none,
+  and the resume returned no checkpoint, so the trainer silently trained from step 0."""
+  from tests.run_configs import tree_digest  # pylint: disable=import-outside-toplevel
+  manager = write_run(tmp_path, [1, 2])
+  for step in ('1', '2'):
+    step_dir = os.path.join(checkpoints.checkpoint_dir(str(tmp_path)), step)
+    flip_byte(os.path.join(step_dir, max(hashed_files(step_dir), key=lambda f: os.path.getsize(
+        os.path.join(step_dir, f)))))
+  before = tree_digest(tmp_path)
+  with pytest.raises(ValueError,
+                     match=r'checkpoint 2 in .* is unreadable \(CheckpointCorruptError: .*\) and no '
+                           r'earlier checkpoint is readable \(steps \[1, 2\]\), so the run cannot '
+                           r'resume. To train it again from step 0, move the checkpoints') as info:
+    checkpoints.restore_latest(manager, state_at(0))
+  assert '\n' not in str(info.value)
+  assert tree_digest(tmp_path) == before
+  assert 'falling back' not in capsys.readouterr().err
+
+
 def test_checkpoint_without_manifest_is_restored_unverified(tmp_path, capsys):
   manager = write_run(tmp_path, [1])
   os.remove(os.path.join(checkpoints.checkpoint_dir(str(tmp_path)), '1', checkpoint_manifest.MANIFEST))

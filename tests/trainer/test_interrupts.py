@@ -194,3 +194,25 @@ def test_partial_output_is_removed_when_its_block_raises(tmp_path):
   with interrupts.partial_output(str(path)):  # A block that ends normally keeps it.
     path.write_text('{}')
   assert path.read_text() == '{}'
+
+
+def test_a_signal_during_a_long_native_call_is_handled_at_once():
+  """`run` keeps the main thread in Python while the call (XLA compiling) runs on a thread: a
+  SIGTERM 0.2 s into a 30 s call ends the wait within the 0.5 s grace, with StillRunning; a
+  call that ends returns its value, one that raises re-raises. Fails on da06065: there was
+  no such call (the first training call compiled in the main thread, where a Python handler
+  waits for the compilation: 150 s with P = 2^20)."""
+  import time  # pylint: disable=import-outside-toplevel
+  release = threading.Event()
+  with interrupts.GracefulStop(log=lambda _: None) as stop:
+    assert stop.run(lambda: 7) == 7
+    with pytest.raises(ZeroDivisionError):
+      stop.run(lambda: 1 / 0)
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM))
+    start = time.monotonic()
+    timer.start()
+    with pytest.raises(interrupts.StillRunning):
+      stop.run(lambda: release.wait(30), grace=0.5)
+    elapsed = time.monotonic() - start
+    release.set()
+    assert stop.signal_name == 'SIGTERM' and 0.6 < elapsed < 3.0, elapsed
