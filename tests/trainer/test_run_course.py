@@ -85,7 +85,8 @@ def test_an_absurd_feature_is_refused_before_training(tmp_path):
                                        r'.*beyond the public bound ±1e\+06 '
                                        r'\(data.max_abs_feature\)') as info:
     train.train_and_evaluate(small_config(**{'data.source': 'npz', 'data.path': path,
-                                             'num_steps': 20}), str(work))
+                                             'data.num_classes': 10, 'num_steps': 20}),
+                             str(work))
   assert '\n' not in str(info.value) and not work.exists()
 
 
