@@ -8,10 +8,10 @@ not at all):
 * `params.npz`: every parameter of the model ('/'-joined keys, the format
   `init_from` reads; fine-tuned runs are merged: frozen weights and W + (α/r)·A·B);
 * `ema_params.npz`: the EMA of the parameters, when the run kept one;
-* `privacy_card.json`: ε, δ, the kind of bound, the accountant, the sampler, N,
-  b, B, σ, C, the steps, the neighbouring relation, whether the seed was drawn
-  in secret, the model and the public preprocessing needed to use the
-  parameters, and the dpjax version.
+* `privacy_card.json`: ε, δ, the kind of bound, the accountant, the sampler, N, b, B, σ,
+  C, η (the float rounding ε pays for) and its cost Δε, the steps, the neighbouring
+  relation, whether the seed was drawn in secret, the model and the public preprocessing
+  needed to use the parameters, and the dpjax version.
 
 Nothing else: no seed, no config or data paths, no metrics, no statistics of
 the private data. Everything in the workdir stays private (the seed, the
@@ -101,6 +101,7 @@ def privacy_card(meta: dict) -> dict[str, Any]:
       'num_examples': meta['num_examples'],
       'noise_multiplier': meta.get('noise_multiplier'),
       'clip_norm': meta.get('clip_norm'),
+      'float_rounding': meta.get('rounding'),
       'group_size': k if privacy.get('epsilon') is not None else None,
       'seed_drawn_in_secret': drawn,
       'model': config['model'],

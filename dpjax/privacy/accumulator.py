@@ -2,8 +2,9 @@
 
 `grad_sum` is Σ_i w_i · clip_C(g_i) over the K physical batches, added with Kahan's
 compensation (Higham 2002, "Accuracy and Stability of Numerical Algorithms", §4.3), so
-its float32 rounding error is O(u)·|sum| rather than O(K·u)·|sum| (`precision.sum_margin`
-relies on it).
+its float32 rounding error is (2u + O(K·u²))·Σ|batch sums| rather than O(K·u)·Σ|...|
+(`dpjax.privacy.rounding`: η relies on it). Library loops sum their physical batches with
+`kahan_add` too.
 
 `release` takes an optax step on ĝ = (Σ_i w_i · clip_C(g_i) + N(0, σ²C² I)) / b. The noise
 is added ONCE per logical step, to the sum over all K physical batches (Abadi et al. 2016,
@@ -33,7 +34,7 @@ class Accumulator(NamedTuple):
 
   `grad_sum` is a compensated (Kahan) sum over the physical batches: `compensation`
   holds the low-order bits each float32 addition lost, so the sum's rounding error does
-  not grow with the number of batches (`precision.sum_margin`).
+  not grow with the number of batches (`dpjax.privacy.rounding`).
   """
   grad_sum: Params  # Σ_i w_i · clip_C(g_i) (private) or Σ_i w_i · g_i.
   stats: clipping_lib.ClipStats
@@ -41,7 +42,8 @@ class Accumulator(NamedTuple):
 
 
 def kahan_add(total: Params, compensation: Params, g: Params) -> tuple[Params, Params]:
-  """total + g with Kahan's compensation (Higham 2002, §4.3): error O(u)·|total|, not O(K·u)."""
+  """(total + g, its compensation) by Kahan's algorithm (Higham 2002, §4.3): over K additions
+  the error is (2u + O(K·u²))·Σ|terms|, not O(K·u). Start from zeros (`zeros(params)`)."""
   def add(s, c, x):
     y = x - c
     t = s + y
@@ -49,6 +51,27 @@ def kahan_add(total: Params, compensation: Params, g: Params) -> tuple[Params, P
   pairs = jax.tree.map(add, total, compensation, g)
   outer = jax.tree.structure(total)
   return jax.tree.transpose(outer, jax.tree.structure((0, 0)), pairs)
+
+
+class GradSum(NamedTuple):
+  """One logical step's clipped sums of its physical batches, added with `kahan_add` (for
+  loops of one's own: the η that ε pays for assumes a compensated sum across batches).
+
+    grad_sum = GradSum.zeros(params)
+    for idx, weights in batcher.logical_batch(t).physical_batches():
+      grad_sum = grad_sum.add(grad_fn(params, batch(idx), weights)[0])
+    updates, opt_state = tx.update(grad_sum.total, opt_state, params)
+  """
+  total: Params
+  compensation: Params
+
+  @classmethod
+  def zeros(cls, params: Params) -> 'GradSum':
+    zero_tree = lambda: jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    return cls(zero_tree(), zero_tree())
+
+  def add(self, g: Params) -> 'GradSum':
+    return GradSum(*kahan_add(self.total, self.compensation, g))
 
 
 def zeros(params: Params) -> Accumulator:

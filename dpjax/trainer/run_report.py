@@ -37,6 +37,8 @@ def announce(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource
   final_epsilon = plan.accountant.epsilon(plan.num_steps) if plan.private else None
   log(f'Model {config.model.name} with {num_params:,} parameters; {plan.summary()}'
       + (f'; final ε = {final_epsilon:.4f}' if plan.private else '') + '.')
+  if plan.private:
+    log(f'Float rounding: {plan.privacy.rounding_record()["statement"]}.')
   log(run_seed.RunSeed(plan.seed, plan.seed_source).describe(workdir))
   if plan.private:
     for line in run_warnings.RunWarnings().epsilon(final_epsilon, plan.target_epsilon):

@@ -14,6 +14,7 @@ import collections
 import jax
 import jax.numpy as jnp
 
+from dpjax.privacy.rounding import weighted_row_sum
 from dpjax.privacy.ghost_clipping.coverage import leaf_paths
 from dpjax.privacy.ghost_clipping.coverage import Interceptor
 from dpjax.privacy.ghost_clipping.coverage import run_intercepted
@@ -36,13 +37,6 @@ def layer_norms(layer: Layer, theta: dict, a: jax.Array, d: jax.Array):
   sum is the matmul a2ᵀ(f·d2); else None (use the layer's own vjp).
   """
   return layer.rule.sq_norms(layer, theta, a, d.astype(jnp.float32))
-
-
-def _masked_row_sum(factor: jax.Array, g: jax.Array,
-                    keep: jax.Array) -> jax.Array:
-  """Σ_i factor_i · g_i, rows where keep is False exactly zero (no 0·NaN)."""
-  mask = keep.reshape((-1,) + (1,) * (g.ndim - 1))
-  return jnp.tensordot(factor, jnp.where(mask, g, 0.0), axes=1)
 
 
 # ----------------------------------------------------------------------------
@@ -147,7 +141,7 @@ def _book_keeping(params: Params, flat: dict, coverage: Coverage, thetas, inputs
     for l, theta, a, d, (_, grads, operands) in zip(coverage.layers, thetas, inputs, deltas,
                                                     parts):
       if grads is not None:  # Materialised: Σ_i f_i g_i.
-        grads = jax.tree.map(lambda g: _masked_row_sum(factor, g, keep),
+        grads = jax.tree.map(lambda g: weighted_row_sum(factor, g, keep),
                              grads)
       elif operands is not None:  # Linear layer: a2ᵀ (f · d2).
         a2, d2 = operands
@@ -171,7 +165,7 @@ def _book_keeping(params: Params, flat: dict, coverage: Coverage, thetas, inputs
         out[l.param_path + (name,)] = grads[name].astype(
             theta[name].dtype).reshape(theta[name].shape)
     for path, g in zip(coverage.materialised, copy_grads):
-      out[path] = _masked_row_sum(factor, g, keep)
+      out[path] = weighted_row_sum(factor, g, keep)
     return jax.tree_util.tree_unflatten(jax.tree.structure(params),
                                         [out[p] for p in flat])
 

@@ -7,7 +7,7 @@ embed, norm) a small model puts the layer under test behind a norm layer whose b
 channel-constant) and whose gain is 10–100, with inputs at tiny, unit and huge scales and
 nearly channel-constant; each form of the mixed rule is forced (`mixed.forced_form`).
 Example i's contribution as summed is the DP step's clipped sum
-(`make_clipped_sum_fn('ghost', ...)` at `precision.effective_clip_norm`) with weight 1 on
+(`make_clipped_sum_fn('ghost', ...)` at C) with weight 1 on
 row i and 0 elsewhere (no noise), its norm taken in float64; vmap's at the same parameters
 is checked alike.
 """
@@ -32,6 +32,8 @@ from dpjax.privacy import losses
 K = 3  # Classes.
 N = 3  # Rows of the physical batch.
 C = 1e-4  # Below every example's gradient norm here: each is clipped.
+# Each is clipped at C itself; the per-example margin (float32) is part of η, paid in ε.
+MARGIN = precision.clip_margin('highest')
 
 
 @pytest.fixture(autouse=True)
@@ -173,14 +175,12 @@ def _cases(name, seed=0):
 @functools.lru_cache(maxsize=None)
 def _vmap_sum(name):
   loss_fn = losses.make_loss_fn(MODELS[name]())
-  return jax.jit(clipping.make_clipped_sum_fn('vmap', loss_fn,
-                                              precision.effective_clip_norm(C, 'highest')))
+  return jax.jit(clipping.make_clipped_sum_fn('vmap', loss_fn, C))
 
 
 def _ghost_sum(name, ghost):
   loss_fn = losses.make_loss_fn(MODELS[name]())
-  fn = jax.jit(clipping.make_clipped_sum_fn('ghost', loss_fn,
-                                            precision.effective_clip_norm(C, 'highest')))
+  fn = jax.jit(clipping.make_clipped_sum_fn('ghost', loss_fn, C))
 
   def traced_in_form(params, batch):
     with mixed.forced_form(ghost):  # Read when first traced.
@@ -224,8 +224,8 @@ def test_each_contribution_as_summed_has_norm_at_most_c(name, ghost):
   ‖∂w_o‖² = κ_o(‖g_o‖² − (1·g_o)²/m − (z_o·g_o)²) cancels when the input is nearly
   channel-constant): contributions above C in both forms, while vmap's stayed ≤ C."""
   worst = _worst(name, ghost)
-  assert worst['vmap'][0] <= 1, worst
-  assert worst['ghost'][0] <= 1, worst
+  assert worst['vmap'][0] <= 1 + MARGIN, worst
+  assert worst['ghost'][0] <= 1 + MARGIN, worst
 
 
 @pytest.mark.parametrize('ghost', [True, False], ids=['ghost', 'materialised'])
@@ -234,5 +234,5 @@ def test_dense_with_zero_sum_output_gradients_at_large_norm_bias(ghost):
   Gram form and the book-kept matmul, whose errors scale with Σ_s‖a_s‖‖δ_s‖, not ‖g‖: before
   `mixed.with_allowance` ghost dense reached 1.053·C and materialised 1.0000094·C."""
   worst = _worst('centred_dense', ghost=ghost)
-  assert worst['vmap'][0] <= 1, worst
-  assert worst['ghost'][0] <= 1, worst
+  assert worst['vmap'][0] <= 1 + MARGIN, worst
+  assert worst['ghost'][0] <= 1 + MARGIN, worst
