@@ -11,7 +11,8 @@ Tier 1, config-free primitives (typed arguments, no config):
   clipped_grad  shaped like `jax.grad`: Σ_i w_i · clip_C(∇loss(params, example_i))
                 for any per-example loss, by per-example gradients or ghost
                 clipping (linen and NNX layers); `PerExample` holds each row's loss,
-                aux and norm (monitoring only, not private).
+                aux and norm (monitoring only, not private). `GradSum` adds the
+                physical batches of a logical step with Kahan's compensation.
   gaussian_privatizer  an optax transform: + N(0, σ²C²) once per logical step, ÷ b,
                 its noise keyed by (seed, step) (`GaussianNoiseState`).
   Accountant, PrivacyReport, calibrate_noise_multiplier, max_num_steps
@@ -37,8 +38,10 @@ Your own loop (README, "Use dpjax in your own training loop"; examples/):
   grad_fn = jax.jit(plan.clipped_grad(loss_fn))
   tx = optax.chain(plan.privatizer(), optax.adam(1e-3))
   for t in range(T):
-    g = sum(grad_fn(params, data[idx], w)[0] for idx, w in plan.batcher(P).logical_batch(t)...)
-    updates, opt_state = tx.update(g, opt_state, params)
+    g = dpjax.GradSum.zeros(params)
+    for idx, w in plan.batcher(P).logical_batch(t).physical_batches():
+      g = g.add(grad_fn(params, data[idx], w)[0])
+    updates, opt_state = tx.update(g.total, opt_state, params)
   print(plan.epsilon_at(T))
 
 The guarantee (docs/threat_model.md) is for add/remove neighbours and needs the seed to
@@ -64,6 +67,7 @@ _EXPORTS = {
     'Batcher': ('dpjax.privacy.batching', 'Batcher'),
     'clipped_grad': ('dpjax.privacy.clipping', 'clipped_grad'),
     'PerExample': ('dpjax.privacy.clipping', 'PerExample'),
+    'GradSum': ('dpjax.privacy.accumulator', 'GradSum'),
     'gaussian_privatizer': ('dpjax.privacy.noise', 'gaussian_privatizer'),
     'GaussianNoiseState': ('dpjax.privacy.noise', 'GaussianNoiseState'),
     'Accountant': ('dpjax.privacy.accounting.accountant', 'Accountant'),
