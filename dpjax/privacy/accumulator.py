@@ -4,7 +4,7 @@
 compensation (Higham 2002, "Accuracy and Stability of Numerical Algorithms", §4.3), so
 its float32 rounding error is (2u + O(K·u²))·Σ|batch sums| rather than O(K·u)·Σ|...|
 (`dpjax.privacy.rounding`: η relies on it). Library loops sum their physical batches with
-`kahan_add` too.
+`GradSum`, the same sum.
 
 `release` takes an optax step on ĝ = (Σ_i w_i · clip_C(g_i) + N(0, σ²C² I)) / b. The noise
 is added ONCE per logical step, to the sum over all K physical batches (Abadi et al. 2016,
@@ -25,6 +25,7 @@ import optax
 
 from dpjax.privacy import clipping as clipping_lib
 from dpjax.privacy import noise as noise_lib
+from dpjax.privacy import rounding
 
 Params = Any
 
@@ -41,20 +42,8 @@ class Accumulator(NamedTuple):
   compensation: Params  # −(the rounding error of grad_sum so far), per coordinate.
 
 
-def kahan_add(total: Params, compensation: Params, g: Params) -> tuple[Params, Params]:
-  """(total + g, its compensation) by Kahan's algorithm (Higham 2002, §4.3): over K additions
-  the error is (2u + O(K·u²))·Σ|terms|, not O(K·u). Start from zeros (`zeros(params)`)."""
-  def add(s, c, x):
-    y = x - c
-    t = s + y
-    return t, (t - s) - y
-  pairs = jax.tree.map(add, total, compensation, g)
-  outer = jax.tree.structure(total)
-  return jax.tree.transpose(outer, jax.tree.structure((0, 0)), pairs)
-
-
 class GradSum(NamedTuple):
-  """One logical step's clipped sums of its physical batches, added with `kahan_add` (for
+  """One logical step's clipped sums of its physical batches, added by `rounding.kahan_add` (for
   loops of one's own: the η that ε pays for assumes a compensated sum across batches).
 
     grad_sum = GradSum.zeros(params)
@@ -71,7 +60,7 @@ class GradSum(NamedTuple):
     return cls(zero_tree(), zero_tree())
 
   def add(self, g: Params) -> 'GradSum':
-    return GradSum(*kahan_add(self.total, self.compensation, g))
+    return GradSum(*rounding.kahan_add(self.total, self.compensation, g))
 
 
 def zeros(params: Params) -> Accumulator:
@@ -82,7 +71,7 @@ def zeros(params: Params) -> Accumulator:
 
 def add(acc: Accumulator, g: Params, stats: clipping_lib.ClipStats) -> Accumulator:
   """acc + one physical batch's clipped sum `g` and statistics."""
-  total, compensation = kahan_add(acc.grad_sum, acc.compensation, g)
+  total, compensation = rounding.kahan_add(acc.grad_sum, acc.compensation, g)
   return Accumulator(total, jax.tree.map(jnp.add, acc.stats, stats), compensation)
 
 

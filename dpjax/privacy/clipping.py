@@ -307,7 +307,7 @@ def clipped_grad(loss_fn: LossFn, clip_norm: float, *, has_aux: bool = False,
   (default: all ones). Every row is clipped at C exactly; the float rounding of the norms
   and of the sum is paid for in ε, with the η of the `PrivacyPlan` (`plan.clipped_grad`
   binds C and the precision to the plan's accountant). Sum the physical batches of one
-  logical step with `accumulator.kahan_add` (η assumes a compensated sum) and add noise with
+  logical step with `accumulator.GradSum` (η assumes a compensated sum) and add noise with
   `noise.gaussian_privatizer`.
 
   Args:

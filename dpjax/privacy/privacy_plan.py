@@ -4,7 +4,7 @@
                             num_steps=T, clip_norm=1.0, target_epsilon=3.0, delta=1e-5)
   batcher = plan.batcher(physical_batch_size=64)   # truncates at the B the accountant pays for
   grad_fn = plan.clipped_grad(loss_fn)             # Σ_i w_i clip_C(g_i), like jax.grad
-  acc = accumulator.kahan_add(*acc, grad_fn(...)[0])  # the physical batches, compensated
+  grad_sum = grad_sum.add(grad_fn(...)[0])         # physical batches: `GradSum`, compensated
   tx = optax.chain(plan.privatizer(), optax.adam(1e-3))   # + N(0, σ²C²), ÷ b
   report = plan.epsilon_at(t)                      # ε after t steps, with its kind of bound
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -119,6 +120,18 @@ class Rounding:
     text = (f'η = {self.eta:.2g} (float rounding of the sum, B = {self.max_batch_size}, '
             f'{self.matmul_format} matmuls)')
     return text if epsilon_cost is None else f'{text} costs Δε = {epsilon_cost:.3g}'
+
+
+def kahan_add(total: Any, compensation: Any, g: Any) -> tuple[Any, Any]:
+  """(total + g, its compensation) by Kahan's algorithm (Higham 2002, §4.3): over K additions
+  the error is (2u + O(K·u²))·Σ|terms|, not O(K·u). Start from zeros."""
+  def add(s, c, x):
+    y = x - c
+    t = s + y
+    return t, (t - s) - y
+  pairs = jax.tree.map(add, total, compensation, g)
+  outer = jax.tree.structure(total)
+  return jax.tree.transpose(outer, jax.tree.structure((0, 0)), pairs)
 
 
 def tree_row_sum(x: jax.Array) -> jax.Array:

@@ -16,7 +16,6 @@ import optax
 import pytest
 
 import dpjax
-from dpjax.privacy import accumulator
 from dpjax.privacy import dp_step
 from dpjax.privacy import precision
 from dpjax.privacy import rounding
@@ -100,7 +99,7 @@ def test_neighbouring_sums_over_512_physical_batches_differ_by_at_most_c_one_plu
   """The attack on the sum across physical batches: 1,024 rows in 512 batches of 2, chosen
   so that a plain float32 sum of the batches rounds up for D and down for D minus one row.
   Plain, the neighbours' sums differ by 1.0036·C, above C(1 + η) = 1.0016·C (η of B = 1,024):
-  the test fails with Kahan's compensation off (`accumulator.kahan_add` as a plain add: checked
+  the test fails with Kahan's compensation off (`rounding.kahan_add` as a plain add: checked
   by hand, and below from the same batch sums). Compensated, by exactly C. Fails on da06065:
   0.9275·C (clipped 7.2% below C)."""
   x = _adversarial_rows()
@@ -126,7 +125,7 @@ def test_neighbouring_sums_over_512_physical_batches_differ_by_at_most_c_one_plu
 
 def test_ten_thousand_rows_summed_as_a_step_sums_them_are_within_the_bound_eta_assumes():
   """10⁴ float32 rows, 100 physical batches of 100 (each `clipped_grad`'s sum, then
-  `accumulator.kahan_add`) against float64: |Ŝ − S| ≤ α·Σ|x| per coordinate, α = γ_8 + 2u +
+  `rounding.kahan_add`) against float64: |Ŝ − S| ≤ α·Σ|x| per coordinate, α = γ_8 + 2u +
   8Ku² (`rounding.sum_error_per_row` of B = 10⁴ is larger). The rows a sequential sum loses: 1,
   then 0.75u's (a gradient equal to the row: loss w·x, C above every norm). Fails on da06065:
   XLA:CPU's dot sums a batch's rows in sequence, which drops the 99 rows after the 1 (74u)."""
@@ -139,7 +138,7 @@ def test_ten_thousand_rows_summed_as_a_step_sums_them_are_within_the_bound_eta_a
   total = compensation = np.zeros(3, np.float32)
   for j in range(k):
     g, _ = grad_fn(np.zeros(3, np.float32), {'x': rows[j * p:(j + 1) * p]})
-    total, compensation = accumulator.kahan_add(total, compensation, g)
+    total, compensation = rounding.kahan_add(total, compensation, g)
   exact = np.sum(rows.astype(np.float64), axis=0)
   gamma = 8 * u / (1 - 8 * u)  # ⌈log₂ 100⌉ = 7 levels and the product f_i·g_i.
   alpha = gamma + (2 * u + 8 * k * u**2) * (1 + gamma)
