@@ -33,7 +33,8 @@ def layer_norms(layer: Layer, theta: dict, a: jax.Array, d: jax.Array):
   a: the layer's inputs [n, *in]; d: gradients of Σ loss w.r.t. its outputs
   [n, *out]; theta: its parameters. `grads` are per-example gradients
   {name: [n, *shape]} of small layers (norms, a small vocabulary), else None;
-  `operands` are (a2 [n, S, m], d2 [n, S, c]) of a dense layer, whose clipped
+  `operands` are a rule's own `weighted_sum(factor, keep) -> {param: sum}` (WSConv), or
+  (a2 [n, S, m], d2 [n, S, c]) of a dense layer, whose clipped
   sum is the matmul a2ᵀ(f·d2); else None (use the layer's own vjp).
   """
   return layer.rule.sq_norms(layer, theta, a, d.astype(jnp.float32))
@@ -143,6 +144,8 @@ def _book_keeping(params: Params, flat: dict, coverage: Coverage, thetas, inputs
       if grads is not None:  # Materialised: Σ_i f_i g_i.
         grads = jax.tree.map(lambda g: weighted_row_sum(factor, g, keep),
                              grads)
+      elif callable(operands):  # The rule's own weighted sum (e.g. WSConv's).
+        grads = operands(factor, keep)
       elif operands is not None:  # Linear layer: a2ᵀ (f · d2).
         a2, d2 = operands
         a2 = jnp.where(rows(a2), a2, 0.0)
