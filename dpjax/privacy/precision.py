@@ -34,8 +34,8 @@ accumulation. This is a rounding model, not a worst-case proof (XLA:CPU reduces 
 in 32 interleaved sequential chains, whose worst case for d terms is γ_{d/32}): massive
 cancellation inside one per-example gradient (‖Σ_s a_sᵀδ_s‖ ≪ Σ_s‖a_s‖‖δ_s‖) would exceed
 it, so the ghost rules add an allowance proportional to Σ_s‖a_s‖‖δ_s‖ for it, per example
-(`ghost_clipping.mixed.with_allowance`, `conv.ws_allowance`), and compute the examples where
-that allowance would be loose exactly (`mixed.ExactRows`);
+(`ghost_clipping.mixed.with_allowance`, `conv.ws_allowance`; a weight-standardised conv
+computes the examples where its allowance would be loose exactly, `mixed.exact_rows`);
 tests/privacy/ghost_clipping/test_ghost_adversarial.py checks every rule at adversarial
 parameter states and tests/privacy/test_precision.py measures the worst ratio on real models
 in bfloat16 against the margin.
