@@ -221,13 +221,17 @@ def test_example_runs(cli, argv, tmp_path, monkeypatch, capsys, prepared_workdir
     steps = sorted(int(d) for d in os.listdir(os.path.join(prepared_workdir, 'checkpoints'))
                    if d.isdigit())
     assert steps and [int(line.split()[0]) for line in lines[1:]] == steps
-    # The ε of each row, recomputed from the run's sampler and σ (not from the metadata).
+    # The ε of each row, recomputed from the run's sampler, σ and η (of its cap B and matmul
+    # format; not from the metadata).
+    from dpjax.privacy import precision, rounding  # pylint: disable=g-import-not-at-top
     config = json.load(open(os.path.join(prepared_workdir, 'config.json')))
     n = next(r for r in checkpoints.read_metadata(prepared_workdir))['num_examples']
     sampler = samplers.sampler_class(config['sampler']['name'])(
         num_examples=n, batch_size=config['sampler']['batch_size'])
+    eta = rounding.eta(config['sampler']['max_batch_size'],
+                       precision.matmul_format(config['precision']))
     acct = accounting.Accountant(sampler, config['privacy']['noise_multiplier'],
-                                 config['privacy']['delta'])
+                                 config['privacy']['delta'], sensitivity=1 + eta)
     for line, step in zip(lines[1:], steps):
       assert float(line.split()[1]) == pytest.approx(acct.epsilon(step), abs=1e-4)
   elif cli == 'audit':
