@@ -25,7 +25,7 @@ position in the batch, neighbours D and D' = D ∖ {i} (at most B and B − 1 ro
   ‖Ŝ(D) − Ŝ(D')‖ ≤ ‖x_i‖ + α(2B − 1)·C(1 + m) ≤ C(1 + η),  1 + η = (1 + m)(1 + α(2B − 1)).
 
 Other neighbouring relations scale alike: every sensitivity k·C of an accounted event
-becomes at most k·C(1 + η). η: 7.3e-3 at B = 4,096 in float32 (2.4e-4 at B = 128).
+becomes at most k·C(1 + η). η: 7.3e-3 at B = 4,096 in float32 (1.5e-4 at B = 128).
 
 What is a proof and what is a model:
   * A proof in the standard model of IEEE arithmetic (round to nearest, no overflow; the
