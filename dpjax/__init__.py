@@ -12,7 +12,8 @@ Tier 1, config-free primitives (typed arguments, no config):
                 weights w (0 for padding) required, for any per-example loss, by
                 per-example gradients or ghost
                 clipping (linen and NNX layers); `PerExample` holds each row's loss,
-                aux and norm (monitoring only, not private).
+                aux and norm (monitoring only, not private). `GradSum` adds the
+                physical batches of a logical step with Kahan's compensation.
   gaussian_privatizer  an optax transform: + N(0, σ²C²) once per logical step, ÷ b,
                 its noise keyed by (seed, t); `update(sum, state, params, step=t)` noises
                 the t its state expects and no other (`GaussianNoiseState`: t, σ, C, b, B
@@ -44,8 +45,10 @@ Your own loop (README, "Use dpjax in your own training loop"; examples/):
   tx = optax.chain(plan.privatizer(), optax.adam(1e-3))
   opt_state = tx.init(params)
   for batch in plan.batcher(P, opt_state):       # t = 0, ..., T − 1, each once
-    g = sum(grad_fn(params, data[idx], w)[0] for idx, w in batch.physical_batches())
-    updates, opt_state = tx.update(g, opt_state, params, step=batch.step)
+    g = dpjax.GradSum.zeros(params)              # Kahan's sum over the physical batches
+    for idx, w in batch.physical_batches():
+      g = g.add(grad_fn(params, data[idx], w)[0])
+    updates, opt_state = tx.update(g.total, opt_state, params, step=batch.step)
   print(plan.epsilon_at(T))
 
 The guarantee (docs/threat_model.md) is for add/remove neighbours and needs the seed to
@@ -71,6 +74,7 @@ _EXPORTS = {
     'Batcher': ('dpjax.privacy.batching', 'Batcher'),
     'clipped_grad': ('dpjax.privacy.clipping', 'clipped_grad'),
     'PerExample': ('dpjax.privacy.clipping', 'PerExample'),
+    'GradSum': ('dpjax.privacy.accumulator', 'GradSum'),
     'gaussian_privatizer': ('dpjax.privacy.noise', 'gaussian_privatizer'),
     'GaussianNoiseState': ('dpjax.privacy.noise_state', 'GaussianNoiseState'),
     'Accountant': ('dpjax.privacy.accounting.accountant', 'Accountant'),

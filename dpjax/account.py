@@ -22,9 +22,12 @@ defaults to the tightest provable one for the sampler; for fixed_size, rdp
 means the FS-RDP bound of Birrell et al. Without --max-batch-size the batch
 is never truncated (and none is accounted); with it, the truncation is
 accounted. With --config everything comes from the training config (the cap
-B as training resolves it); --config.<field>=value overrides a field as in
-`python -m dpjax.train`, and explicit flags override config fields too.
---workdir reads the run's own numbers and takes no other flag but --json.
+B as training resolves it, and the float rounding η of the noised sum that
+training pays for on this machine's backend, dpjax/privacy/rounding.py);
+--config.<field>=value overrides a field as in `python -m dpjax.train`, and
+explicit flags override config fields too. Without --config the mechanism is
+the idealised one (sensitivity C). --workdir reads the run's own numbers and
+takes no other flag but --json.
 Flags are absl flags: --name=value or --name value; --json / --nojson. --workers
 sets the processes drawing the Monte-Carlo samples (privacy.monte_carlo_workers
 of the config, else the available cores, as many as the samples pay to start); the

@@ -11,7 +11,8 @@ not at all):
 * `privacy_card.json`: ε, δ, the kind of bound, the accountant, the sampler, N
   (exact and treated as public, or the declared public bound
   `data.public_num_examples`: `dpjax.trainer.training_set_size`), b, B, σ, C,
-  the steps, the neighbouring relation, whether the seed was drawn in secret,
+  η (the float rounding ε pays for) and its cost Δε, the steps, the neighbouring
+  relation, whether the seed was drawn in secret,
   the model and the public preprocessing needed to use the parameters (the
   resolved scale), and the dpjax version; the accounting inputs and the runs it
   started from (`init_from`: their ε, steps and inputs, without paths), so that a
@@ -106,6 +107,7 @@ def privacy_card(meta: dict) -> dict[str, Any]:
                                       training_set_size.declared_bound(config)),
       'noise_multiplier': meta.get('noise_multiplier'),
       'clip_norm': meta.get('clip_norm'),
+      'float_rounding': meta.get('rounding'),
       'group_size': k if privacy.get('epsilon') is not None else None,
       'seed_drawn_in_secret': drawn,
       'model': config['model'],

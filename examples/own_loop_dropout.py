@@ -63,11 +63,11 @@ def main(quick: bool) -> None:
 
   @jax.jit
   def accumulate(grad_sum, params, batch, weights):
-    return jax.tree.map(jnp.add, grad_sum, grad_fn(params, batch, weights)[0])
+    return grad_sum.add(grad_fn(params, batch, weights)[0])  # Compensated (Kahan).
 
   @jax.jit
   def update(grad_sum, opt_state, params, t):  # Logical step t: its noise, ÷ b, optimiser.
-    updates, opt_state = tx.update(grad_sum, opt_state, params, step=t)
+    updates, opt_state = tx.update(grad_sum.total, opt_state, params, step=t)
     return optax.apply_updates(params, updates), opt_state
 
   # --- dropout: each example's key in the batch. ---
@@ -76,7 +76,7 @@ def main(quick: bool) -> None:
   opt_state = tx.init(params)
   for logical in plan.batcher(64, opt_state):  # Steps t = 0..T-1, each once: one counter.
     t = logical.step
-    grad_sum = jax.tree.map(jnp.zeros_like, params)
+    grad_sum = dpjax.GradSum.zeros(params)
     for idx, weights in logical.physical_batches():
       batch = {'x': x_train[idx], 'y': y_train[idx], 'dropout_key': dropout_keys(root, t, idx)}
       grad_sum = accumulate(grad_sum, params, batch, weights)

@@ -52,15 +52,15 @@ def main(quick: bool) -> None:
   @jax.jit
   def accumulate(grad_sum, correct, params, batch, weights):
     g, per_row = grad_fn(params, batch, weights)  # per_row: loss, aux, norm (not private).
-    return jax.tree.map(jnp.add, grad_sum, g), correct + jnp.sum(per_row.aux * weights)
+    return grad_sum.add(g), correct + jnp.sum(per_row.aux * weights)  # Compensated (Kahan).
 
   @jax.jit
   def update(grad_sum, opt_state, params, t):
-    updates, opt_state = tx.update(grad_sum, opt_state, params, step=t)  # The noise of step t.
+    updates, opt_state = tx.update(grad_sum.total, opt_state, params, step=t)  # The noise of step t.
     return optax.apply_updates(params, updates), opt_state
 
   for batch in batcher:  # Steps t = 0..T-1 across the epochs, each once.
-    grad_sum, correct, rows = jax.tree.map(jnp.zeros_like, params), 0.0, 0.0
+    grad_sum, correct, rows = dpjax.GradSum.zeros(params), 0.0, 0.0
     for idx, weights in batch.physical_batches():
       grad_sum, correct = accumulate(grad_sum, correct, params,
                                      {'x': x_train[idx], 'y': y_train[idx]}, weights)

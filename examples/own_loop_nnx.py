@@ -8,7 +8,6 @@ import argparse
 import secrets
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -52,17 +51,17 @@ def main(quick: bool) -> None:
 
   @jax.jit
   def accumulate(grad_sum, params, batch, weights):  # += Σ_i w_i·clip_C(g_i) of P rows.
-    return jax.tree.map(jnp.add, grad_sum, grad_fn(params, batch, weights)[0])
+    return grad_sum.add(grad_fn(params, batch, weights)[0])  # Compensated (Kahan).
 
   @jax.jit
   def update(grad_sum, opt_state, params, t):  # Logical step t: its noise, ÷ b, optimiser.
-    updates, opt_state = tx.update(grad_sum, opt_state, params, step=t)
+    updates, opt_state = tx.update(grad_sum.total, opt_state, params, step=t)
     return optax.apply_updates(params, updates), opt_state
 
   params = fm.params
   opt_state = tx.init(params)
   for batch in plan.batcher(64, opt_state):  # Steps t = 0..T-1, each once: one counter.
-    grad_sum = jax.tree.map(jnp.zeros_like, params)
+    grad_sum = dpjax.GradSum.zeros(params)
     for idx, weights in batch.physical_batches():  # P = 64 rows, padding weighted 0.
       grad_sum = accumulate(grad_sum, params, {'x': x_train[idx], 'y': y_train[idx]}, weights)
     params, opt_state = update(grad_sum, opt_state, params, batch.step)

@@ -64,7 +64,7 @@ def make_steps(model_name: str, framework: str, method: str, noise_impl: str):
     logits = forward(p, example['x'][None])[0]
     return optax.softmax_cross_entropy_with_integer_labels(logits, example['y'])
 
-  grad_fn = dpjax.clipped_grad(example_loss, 1.0, method=method, max_batch_size=BATCH)
+  grad_fn = dpjax.clipped_grad(example_loss, 1.0, method=method)
   private_tx = optax.chain(dpjax.gaussian_privatizer(1.0, 1.0, BATCH, seed=1234,
                                                      noise_impl=noise_impl), optax.adam(1e-3))
   plain_tx = optax.adam(1e-3)

@@ -2,8 +2,9 @@
 
 `grad_sum` is Σ_i w_i · clip_C(g_i) over the K physical batches, added with Kahan's
 compensation (Higham 2002, "Accuracy and Stability of Numerical Algorithms", §4.3), so
-its float32 rounding error is O(u)·|sum| rather than O(K·u)·|sum| (`precision.sum_margin`
-relies on it).
+its float32 rounding error is (2u + O(K·u²))·Σ|batch sums| rather than O(K·u)·Σ|...|
+(`dpjax.privacy.rounding`: η relies on it). Library loops sum their physical batches with
+`GradSum`, the same sum.
 
 `release` takes an optax step on ĝ = (Σ_i w_i · clip_C(g_i) + N(0, σ²C² I)) / b. The noise
 is added ONCE per logical step, to the sum over all K physical batches (Abadi et al. 2016,
@@ -24,6 +25,7 @@ import optax
 
 from dpjax.privacy import clipping as clipping_lib
 from dpjax.privacy import noise as noise_lib
+from dpjax.privacy import rounding
 
 Params = Any
 
@@ -33,22 +35,32 @@ class Accumulator(NamedTuple):
 
   `grad_sum` is a compensated (Kahan) sum over the physical batches: `compensation`
   holds the low-order bits each float32 addition lost, so the sum's rounding error does
-  not grow with the number of batches (`precision.sum_margin`).
+  not grow with the number of batches (`dpjax.privacy.rounding`).
   """
   grad_sum: Params  # Σ_i w_i · clip_C(g_i) (private) or Σ_i w_i · g_i.
   stats: clipping_lib.ClipStats
   compensation: Params  # −(the rounding error of grad_sum so far), per coordinate.
 
 
-def kahan_add(total: Params, compensation: Params, g: Params) -> tuple[Params, Params]:
-  """total + g with Kahan's compensation (Higham 2002, §4.3): error O(u)·|total|, not O(K·u)."""
-  def add(s, c, x):
-    y = x - c
-    t = s + y
-    return t, (t - s) - y
-  pairs = jax.tree.map(add, total, compensation, g)
-  outer = jax.tree.structure(total)
-  return jax.tree.transpose(outer, jax.tree.structure((0, 0)), pairs)
+class GradSum(NamedTuple):
+  """One logical step's clipped sums of its physical batches, added by `rounding.kahan_add` (for
+  loops of one's own: the η that ε pays for assumes a compensated sum across batches).
+
+    grad_sum = GradSum.zeros(params)
+    for idx, weights in batcher.logical_batch(t).physical_batches():
+      grad_sum = grad_sum.add(grad_fn(params, batch(idx), weights)[0])
+    updates, opt_state = tx.update(grad_sum.total, opt_state, params)
+  """
+  total: Params
+  compensation: Params
+
+  @classmethod
+  def zeros(cls, params: Params) -> 'GradSum':
+    zero_tree = lambda: jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+    return cls(zero_tree(), zero_tree())
+
+  def add(self, g: Params) -> 'GradSum':
+    return GradSum(*rounding.kahan_add(self.total, self.compensation, g))
 
 
 def zeros(params: Params) -> Accumulator:
@@ -59,7 +71,7 @@ def zeros(params: Params) -> Accumulator:
 
 def add(acc: Accumulator, g: Params, stats: clipping_lib.ClipStats) -> Accumulator:
   """acc + one physical batch's clipped sum `g` and statistics."""
-  total, compensation = kahan_add(acc.grad_sum, acc.compensation, g)
+  total, compensation = rounding.kahan_add(acc.grad_sum, acc.compensation, g)
   return Accumulator(total, jax.tree.map(jnp.add, acc.stats, stats), compensation)
 
 

@@ -9,7 +9,11 @@ where ‖·‖₂ is the global L2 norm over *all* parameters (Abadi et al. 2016
 weight (0 for padding rows of a static-shape physical batch, the masked DP-SGD
 of Beltran et al., seed 002, Alg. 2). So ‖w_i · clip_C(g_i)‖ ≤ C whatever the
 example, which is what the accountant assumes (docs/accounting.md: each
-clipped gradient is a query of norm ≤ 1 after dividing by C).
+clipped gradient is a query of norm ≤ 1 after dividing by C). Examples are
+clipped at C exactly; what float rounding adds beyond C (the computed norm, the
+sum) is paid for in ε (`dpjax.privacy.rounding`: sensitivity C(1 + η)). The rows
+of per-example gradients are summed as a binary tree (`rounding.tree_row_sum`),
+whose rounding η bounds.
 
 A per-example gradient with any NaN/inf entry, or whose squared norm
 overflows, or whose loss is not finite, is replaced by zero (still a function
@@ -53,6 +57,7 @@ import jax.numpy as jnp
 from dpjax.privacy import ghost_clipping
 from dpjax.privacy import noise
 from dpjax.privacy import precision as precision_lib
+from dpjax.privacy import rounding
 from dpjax.privacy import stateful_layers
 
 Params = Any
@@ -66,9 +71,6 @@ MISSING_WEIGHTS = (
     "clipped_grad's weights are required: grad_fn(params, examples, weights) with the "
     "batcher's weights [P] (1 for a real row, 0 for padding, which holds a copy of example 0 "
     'and must add nothing).')
-# Rows a logical step may sum when the caller does not say: the float32 sum's margin grows
-# with it (`precision.sum_margin`); pass the batcher's cap B.
-DEFAULT_MAX_ROWS = 2**16
 
 
 class PerExample(NamedTuple):
@@ -131,15 +133,6 @@ def _row_sq_norms(grads: Params) -> jax.Array:
              for g in leaves)
 
 
-def _weighted_row_sum(factor: jax.Array, grads: Params,
-                      keep: jax.Array) -> Params:
-  """Σ_i factor_i · g_i, with rows where keep is False set to exact zeros."""
-  def one(g):
-    mask = keep.reshape((-1,) + (1,) * (g.ndim - 1))
-    return jnp.tensordot(factor, jnp.where(mask, g, 0.0), axes=1)
-  return jax.tree.map(one, grads)
-
-
 def _clip_and_sum(losses: jax.Array, aux, sq_norms: jax.Array,
                   weighted_sum: Callable[[jax.Array, jax.Array], Params],
                   weights: jax.Array, clip_norm: float) -> tuple[Params, PerExample]:
@@ -169,7 +162,8 @@ def vmap_clipped_sum(loss_fn: LossFn, params: Params, examples: Example,
   grad_fn = jax.vmap(jax.value_and_grad(loss_fn, has_aux=True), in_axes=(None, 0))
   (losses, aux), grads = grad_fn(params, examples)
   return _clip_and_sum(losses, aux, _row_sq_norms(grads),
-                       lambda factor, keep: _weighted_row_sum(factor, grads, keep),
+                       lambda factor, keep: jax.tree.map(
+                           lambda g: rounding.weighted_row_sum(factor, g, keep), grads),
                        weights, clip_norm)
 
 
@@ -308,8 +302,7 @@ def per_example_clipped_sum(loss_fn: LossFn, params: Params, batch: Batch,
 
 
 def clipped_grad(loss_fn: LossFn, clip_norm: float, *, has_aux: bool = False,
-                 method: str = 'auto', max_batch_size: int = DEFAULT_MAX_ROWS,
-                 precision: str = 'default'):
+                 method: str = 'auto', precision: str = 'default'):
   """DP-SGD's clipped gradient sum, shaped like `jax.grad`.
 
   Returns `grad_fn(params, examples, weights) -> (Σ_i w_i · clip_C(g_i), PerExample)`
@@ -318,10 +311,11 @@ def clipped_grad(loss_fn: LossFn, clip_norm: float, *, has_aux: bool = False,
   the rows (every leaf with a leading axis P); `weights` [P] is required: 1 for a real row,
   0 for padding (the batcher's `weights`; a padding row holds a copy of example 0 and must
   add exactly zero). Weights are taken into [0, 1] (a NaN is 0): a weight above 1 would
-  multiply a row's sensitivity. Every row's contribution as summed has norm <= C: rows are clipped
-  to C shrunk by the margin of `precision` and of a float32 sum of up to `max_batch_size`
-  rows (`precision.summed_clip_norm`); pass the batcher's cap B (`PrivacyPlan.clipped_grad`
-  does). Add noise with `noise.gaussian_privatizer`.
+  multiply a row's sensitivity. Every row is clipped at C exactly; the float rounding of the
+  norms and of the sum is paid for in ε, with the η of the `PrivacyPlan` (`plan.clipped_grad`
+  binds C and the precision to the plan's accountant). Sum the physical batches of one
+  logical step with `accumulator.GradSum` (η assumes a compensated sum) and add noise with
+  `noise.gaussian_privatizer`.
 
   Args:
     loss_fn: a single example's loss; JAX-traceable, pure.
@@ -329,14 +323,13 @@ def clipped_grad(loss_fn: LossFn, clip_norm: float, *, has_aux: bool = False,
     has_aux: whether loss_fn returns (loss, aux).
     method: 'auto' (ghost clipping where it covers every parameter, else vmap),
       'vmap' or 'ghost' (`dpjax.privacy.ghost_clipping`; linen and NNX layers).
-    max_batch_size: B, the most rows one logical step sums.
     precision: 'default', 'highest' or 'bfloat16' (`dpjax.privacy.precision`): the matmul precision
       the gradients are computed in (bfloat16: the loss must cast itself, see `losses`).
   """
   c = noise.check_clip_norm(clip_norm)  # Finite and > 0, as the noise transform checks it.
-  bound = precision_lib.summed_clip_norm(c, precision, max_batch_size)
+  precision_lib.check_precision(precision)
   # BatchNorm / Dropout state in the loss: Flax's error raised again with the fix.
-  inner = clipped_sum_fn(with_aux(stateful_layers.explained(loss_fn), has_aux), bound, method)
+  inner = clipped_sum_fn(with_aux(stateful_layers.explained(loss_fn), has_aux), c, method)
 
   def grad_fn(params: Params, examples: Example, weights: jax.Array | None = None):
     if weights is None:
@@ -346,5 +339,5 @@ def clipped_grad(loss_fn: LossFn, clip_norm: float, *, has_aux: bool = False,
     with precision_lib.matmul_precision(precision):
       return inner(params, examples, weights)
   grad_fn.choice = inner.choice
-  grad_fn.clip_bound = bound
+  grad_fn.clip_bound = c  # Each example is clipped at C itself.
   return grad_fn

@@ -97,10 +97,9 @@ class DPStep:
     seed: the run's secret seed; step t's noise is drawn from
       noise_key(seed, t) (`dpjax.privacy.prng`), inside the program.
     precision: `config.precision` ('default', 'highest', 'bfloat16'; see
-      `dpjax.privacy.precision`): examples are clipped to `clip_bound` = C / ((1 +
-      margin of the mode)(1 + sum_margin(B))) so that each contribution as
-      summed has norm ≤ C, and so has the difference of the float32 sums
-      over neighbouring datasets; the noise std stays σ·C.
+      `dpjax.privacy.precision`): examples are clipped at C exactly, and the
+      float rounding of the norms and of the sum is paid for in ε (the plan's
+      η, `dpjax.privacy.rounding`); the noise std is σ·C.
     physical_loop: how `train_step` loops over the K physical batches:
       'device' (one program, a while loop inside: one dispatch per logical
       step), 'host' (K dispatches of a program that slices batch i of the
@@ -116,9 +115,6 @@ class DPStep:
       'index'); each example's gradient is the mean over its views, clipped
       once. The low-level `accumulate` then takes batch['x'] as views
       [P, K, ...] (`augmult.make_views`).
-    max_batch_size: B, the most rows one logical step sums (the batcher's cap;
-      `from_plan` passes the plan's). None assumes DEFAULT_MAX_ROWS = 65,536,
-      which clips 7.8% below C: pass B.
     loss: the per-example loss (`losses.LOSSES`: softmax_cross_entropy, mse,
       sequence_cross_entropy).
     noise_impl: the JAX generator of the noise (`prng.NOISE_IMPLS`; threefry, the
@@ -135,7 +131,7 @@ class DPStep:
                mesh: jax.sharding.Mesh | None = None, seed: int = 0,
                precision: str = 'default', physical_loop: str = 'auto',
                sum_fn_wrapper=None, augmult: augmult_lib.Augmult | None = None,
-               max_batch_size: int | None = None, loss: str = 'softmax_cross_entropy',
+               loss: str = 'softmax_cross_entropy',
                noise_impl: str = 'threefry', allow_repeated_steps: bool = False):
     """Validates everything before any compute (the arguments: see the class docstring)."""
     if physical_loop not in PHYSICAL_LOOPS:
@@ -159,8 +155,7 @@ class DPStep:
     self.augmult = augmult if augmult is not None and augmult.num_views > 1 else None
     loss_fn = losses.make_loss_fn(model, label_format, precision, views=self.augmult is not None,
                            loss=loss)
-    self._sum_fn = self._clipped_sum_fn(loss_fn, clipping, clip_norm, noise_multiplier,
-                                        max_batch_size, precision)
+    self._sum_fn = self._clipped_sum_fn(loss_fn, clipping, clip_norm, noise_multiplier)
     if sum_fn_wrapper is not None:  # e.g. audit canaries: (params, batch) -> (sum, stats).
       self._sum_fn = sum_fn_wrapper(self._sum_fn)
     self.seed = seed
@@ -175,27 +170,23 @@ class DPStep:
     self.mesh = mesh
     self._jit_programs(mesh)
 
-  def _clipped_sum_fn(self, loss_fn, clipping: str, clip_norm, noise_multiplier,
-                      max_batch_size, precision: str):
+  def _clipped_sum_fn(self, loss_fn, clipping: str, clip_norm, noise_multiplier):
     """(params, batch) -> (Σ_i w_i · clip_C(g_i), stats), or the unclipped sum if not private.
 
-    Sets C, σ, B and `clip_bound` (checked when private: σ > 0 and C finite, anything else
+    Sets C, σ and `clip_bound` = C (checked when private: σ > 0 and C finite, anything else
     releases without a guarantee).
     """
     if self.private:
       self.clip_norm = noise_lib.check_clip_norm(clip_norm)
       self.noise_multiplier = noise_lib.check_noise_multiplier(noise_multiplier)
-      self.max_batch_size = (clipping_lib.DEFAULT_MAX_ROWS if max_batch_size is None
-                             else max_batch_size)
-      self.clip_bound = precision_lib.summed_clip_norm(self.clip_norm, precision,
-                                                       self.max_batch_size)
+      self.clip_bound = self.clip_norm  # Each example is clipped at C itself.
       sum_fn = clipping_lib.make_clipped_sum_fn(clipping, loss_fn, self.clip_bound)
       self._choice = sum_fn.choice  # Filled when first traced ('auto', 'ghost').
       return sum_fn
     if clipping not in clipping_lib.CLIPPING_METHODS:
       raise ValueError(f'config.privacy.clipping={clipping!r}; valid: '
                        f'{clipping_lib.CLIPPING_METHODS}.')
-    self.clip_norm = self.clip_bound = self.max_batch_size = None
+    self.clip_norm = self.clip_bound = None
     self.noise_multiplier = 0.0
     self._choice = []
     return functools.partial(clipping_lib.grad_sum, loss_fn)
@@ -234,20 +225,20 @@ class DPStep:
   @classmethod
   def from_plan(cls, model, optimizer: optax.GradientTransformation,
                 plan: privacy_plan.PrivacyPlan, **kwargs) -> 'DPStep':
-    """The DP step of a `PrivacyPlan`: σ, C, the divisor b and the seed are the plan's.
+    """The DP step of a `PrivacyPlan`: σ, C, the divisor b, the seed and the precision (whose
+    float rounding η the plan's accountant pays for) are the plan's.
 
-    They (and the cap B, which sets the float32 sum's margin) cannot be passed here, so the
-    step that runs and the accountant that reports cannot disagree; `kwargs` are the other
-    `DPStep` arguments (clipping, mesh, ...).
+    They cannot be passed here, so the step that runs and the accountant that reports cannot
+    disagree; `kwargs` are the other `DPStep` arguments (clipping, mesh, ...).
     """
     taken = sorted(set(kwargs) & {'clip_norm', 'noise_multiplier', 'expected_batch_size',
-                                  'seed', 'private', 'max_batch_size'})
+                                  'seed', 'private', 'precision'})
     if taken:
       raise TypeError(f'DPStep.from_plan: {", ".join(taken)} come from the plan.')
     return cls(model, optimizer, clip_norm=plan.clip_norm,
                noise_multiplier=plan.noise_multiplier,
                expected_batch_size=plan.expected_batch_size, seed=plan.seed, private=True,
-               max_batch_size=plan.max_batch_size, **kwargs)
+               precision=plan.precision, **kwargs)
 
   def loop_mode(self, params: Params) -> str:
     """'device' or 'host': how `train_step` runs for these params (see physical_loop)."""

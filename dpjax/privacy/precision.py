@@ -1,4 +1,4 @@
-"""Numeric precision of the DP step (`config.precision`) and the clip margin it needs.
+"""Numeric precision of the DP step (`config.precision`) and its per-example margin.
 
 Modes:
   'default': the backend's default matmul precision for float32 (float32 on
@@ -8,47 +8,43 @@ Modes:
     the forward and backward passes compute in bfloat16 (parameters and inputs
     cast on entry to the loss, logits back to float32 for the loss).
 
-The guarantee, in every mode: each example's contribution to the sum that
-is noised, *as actually summed*, has L2 norm ≤ C. Clipping divides by a
-norm computed by one computation (the ghost norms, or the norm of the
-materialised per-example gradient) and scales a gradient formed by another
-(the weighted backward pass: the book-kept weight gradient aᵀ(f·δ), or the
-tensordot Σ_i f_i g_i), each rounded in the mode's precision. With ĝ_i the
-contribution as the weighted pass forms it and ñ_i the computed norm, the
-summed contribution is f_i·ĝ_i with f_i = min(1, C'/ñ_i), so
+The per-example margin, in every mode: each example is clipped at C exactly, f_i = min(1,
+C/ñ_i), and its contribution as summed may exceed C by the margin m of the mode, which the
+accountant pays for in ε (`dpjax.privacy.rounding`: 1 + η = (1 + m)(1 + the sum's rounding)).
+Clipping divides by a norm computed by one computation (the ghost norms, or the norm of the
+materialised per-example gradient) and scales a gradient formed by another (the weighted
+backward pass: the book-kept weight gradient aᵀ(f·δ), or the rows Σ_i f_i g_i), each rounded
+in the mode's precision. With ĝ_i the contribution as the weighted pass forms it and ñ_i
+the computed norm, the summed contribution is f_i·ĝ_i, so
 
-  ‖f_i·ĝ_i‖ ≤ C' · ‖ĝ_i‖ / ñ_i.
+  ‖f_i·ĝ_i‖ ≤ C · ‖ĝ_i‖ / ñ_i.
 
-Rounding model (Higham 2002, "Accuracy and Stability of Numerical
-Algorithms", §3.1: a computed result carries relative error ≤ γ_k = ku/(1−ku)
-per chain of k roundings with unit roundoff u): both computations start from
-the same captured activations a and output gradients δ of each layer (or the
-same materialised g_i), and differ by the roundings of one matmul /
-reduction each, so ‖ĝ_i‖ ≤ (1 + κu)‖g_i‖ and ñ_i ≥ (1 − κu)‖g_i‖ with g_i
-the exact function of those captured operands. Hence ‖f_i·ĝ_i‖ ≤ C'(1 + κu)
-/ (1 − κu), and clipping to
+Rounding model (Higham 2002, "Accuracy and Stability of Numerical Algorithms", §3.1: a
+computed result carries relative error ≤ γ_k = ku/(1−ku) per chain of k roundings with unit
+roundoff u): both computations start from the same captured activations a and output
+gradients δ of each layer (or the same materialised g_i), and differ by the roundings of one
+matmul / reduction each, so ‖ĝ_i‖ ≤ (1 + κu)‖g_i‖ and ñ_i ≥ (1 − κu)‖g_i‖ with g_i the exact
+function of those captured operands. Hence ‖f_i·ĝ_i‖ ≤ C(1 + m),
 
-  C' = C / (1 + margin),   margin = (1 + κu) / (1 − κu) − 1 = 2κu / (1 − κu)
+  m = (1 + κu) / (1 − κu) − 1 = 2κu / (1 − κu).
 
-keeps every contribution ≤ C. u is the unit roundoff of the mode's matmul
-inputs (float32 2^-24, TF32 2^-11, bfloat16 2^-8); κ = KAPPA = 8 allows for
-the roundings of the inputs, the products and a blocked (tree) float32
-accumulation, whose error grows with log2 of the length, not the length
-(XLA's reductions and GEMMs accumulate in float32 in blocks). This is a
-rounding model, not a worst-case proof: massive cancellation inside one
-per-example gradient (‖Σ_s a_sᵀδ_s‖ ≪ Σ_s‖a_s‖‖δ_s‖) would exceed it, so the
-ghost rules add an allowance proportional to Σ_s‖a_s‖‖δ_s‖ for it
-(`ghost_clipping.mixed.with_allowance`, `conv.ws_allowance`);
-tests/privacy/ghost_clipping/test_ghost_adversarial.py checks every rule at adversarial parameter
-states and tests/privacy/test_precision.py measures the worst ratio on real models in
-bfloat16 against the margin. The noise keeps its std σ·C (C, not C').
+u is the unit roundoff of the mode's matmul inputs (float32 2^-24, TF32 2^-11, bfloat16
+2^-8); κ = KAPPA = 8 allows for the roundings of the inputs, the products and the
+accumulation. This is a rounding model, not a worst-case proof (XLA:CPU reduces a long axis
+in 32 interleaved sequential chains, whose worst case for d terms is γ_{d/32}): massive
+cancellation inside one per-example gradient (‖Σ_s a_sᵀδ_s‖ ≪ Σ_s‖a_s‖‖δ_s‖) would exceed
+it, so the ghost rules add an allowance proportional to Σ_s‖a_s‖‖δ_s‖ for it, per example
+(`ghost_clipping.mixed.with_allowance`, `conv.ws_allowance`; a weight-standardised conv
+computes the examples where its allowance would be loose exactly, `mixed.exact_rows`);
+tests/privacy/ghost_clipping/test_ghost_adversarial.py checks every rule at adversarial
+parameter states and tests/privacy/test_precision.py measures the worst ratio on real models
+in bfloat16 against the margin.
 
-Margins: float32 9.5e-7, TF32 7.8e-3, bfloat16 6.5e-2. Measured on the CPU in
-bfloat16 (MLP and CNN, ghost and vmap, 32 clipped examples each): the worst
-‖f_i·ĝ_i‖ / C' − 1 is 1.3e-7, because both computations read the same
-bfloat16 activations and output gradients and reduce them in float32; the
-margin is there for backends whose weighted pass rounds its matmul inputs
-(TF32 / bfloat16 passes on GPUs and TPUs).
+Margins: float32 9.5e-7, TF32 7.8e-3, bfloat16 6.5e-2. Measured on the CPU in bfloat16 (MLP
+and CNN, ghost and vmap, 32 clipped examples each): the worst ‖f_i·ĝ_i‖ / C − 1 is 1.3e-7,
+because both computations read the same bfloat16 activations and output gradients and
+reduce them in float32; the margin is there for backends whose weighted pass rounds its
+matmul inputs (TF32 / bfloat16 passes on GPUs and TPUs).
 """
 
 from __future__ import annotations
@@ -58,7 +54,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 PRECISIONS = ('default', 'highest', 'bfloat16')
 KAPPA = 8
@@ -108,15 +103,15 @@ def traced_matmul_format(dtype: Any = jnp.float32, platform: str | None = None) 
   return 'bfloat16'
 
 
-def clip_margin(precision: str, platform: str | None = None) -> float:
-  """margin = 2κu / (1 − κu) for the mode's unit roundoff u (module docstring)."""
-  ku = KAPPA * UNIT_ROUNDOFF[matmul_format(precision, platform)]
+def format_margin(matmul_format: str) -> float:
+  """m = 2κu / (1 − κu) for a matmul format's unit roundoff u (module docstring)."""
+  ku = KAPPA * UNIT_ROUNDOFF[matmul_format]
   return 2 * ku / (1 - ku)
 
 
-def effective_clip_norm(clip_norm: float, precision: str, platform: str | None = None) -> float:
-  """C' = C / (1 + margin): the norm examples are clipped to so that they sum with norm ≤ C."""
-  return clip_norm / (1 + clip_margin(precision, platform))
+def clip_margin(precision: str, platform: str | None = None) -> float:
+  """The per-example margin m of a precision mode on a platform (None: this one)."""
+  return format_margin(matmul_format(precision, platform))
 
 
 def matmul_precision(precision: str):
@@ -136,34 +131,3 @@ def cast_floats(tree: Any, dtype: Any) -> Any:
   """Floating-point leaves of `tree` cast to dtype; integer leaves (tokens, labels) unchanged."""
   return jax.tree.map(
       lambda v: v.astype(dtype) if jnp.issubdtype(jnp.result_type(v), jnp.floating) else v, tree)
-
-
-# The sensitivity of the accumulated sum. Each contribution alone has norm <= C (above), but
-# S(D) and S(D') are different float32 computations: adding or removing one row changes the
-# rounding of every coordinate of the partial sums it meets. Under the same rounding model, a
-# float32 sum of n terms (a blocked reduction inside each physical batch, then a compensated
-# (Kahan) sum over the batches, `dp_step`) is off its exact value by at most
-# (KAPPA + SUM_KAPPA)·u·Σ_j |x_j| per coordinate, hence by (KAPPA + SUM_KAPPA)·u·n·C in L2, and
-#   ‖S(D) − S(D')‖ ≤ C' + 2·(KAPPA + SUM_KAPPA)·u·B·C'
-# for B the most rows a logical step sums (the cap). Clipping to C / (1 + margin)(1 + sum_margin)
-# keeps it <= C. Accumulation is float32 in every mode (matmul inputs may be rounded to TF32 or
-# bfloat16 first, but that rounding is per row: the per-example margin covers it).
-SUM_KAPPA = 2
-ACCUMULATION_ROUNDOFF = 2.0**-24
-
-
-def sum_margin(max_rows: int) -> float:
-  """2·(KAPPA + SUM_KAPPA)·u·B': the float32 sum's excess sensitivity over one row, relative to C.
-
-  B' is B rounded up to a power of two (never smaller than B), so that runs whose caps differ
-  a little (an automatic and an explicit P) clip to the same bound.
-  """
-  if isinstance(max_rows, bool) or not isinstance(max_rows, (int, np.integer)) or max_rows < 1:
-    raise ValueError(f'max_batch_size must be an integer >= 1, got {max_rows!r}.')
-  return 2 * (KAPPA + SUM_KAPPA) * ACCUMULATION_ROUNDOFF * (1 << (int(max_rows) - 1).bit_length())
-
-
-def summed_clip_norm(clip_norm: float, precision: str, max_rows: int,
-                     platform: str | None = None) -> float:
-  """C'' = C / ((1 + margin)(1 + sum_margin(B))): per example, and for the sum of B rows."""
-  return effective_clip_norm(clip_norm, precision, platform) / (1 + sum_margin(max_rows))

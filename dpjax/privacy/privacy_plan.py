@@ -1,8 +1,9 @@
-"""One object binds everything that enters ε: sampler, cap B, σ, C, δ and the accountant.
+"""One object binds everything that enters ε: sampler, cap B, σ, C, δ, η and the accountant.
 
   plan = PrivacyPlan.create(PoissonSampler(num_examples=N, batch_size=256, seed=seed),
                             num_steps=T, clip_norm=1.0, target_epsilon=3.0, delta=1e-5)
   grad_fn = plan.clipped_grad(loss_fn)             # Σ_i w_i clip_C(g_i), like jax.grad
+  grad_sum = grad_sum.add(grad_fn(...)[0])         # physical batches: `GradSum`, compensated
   tx = optax.chain(plan.privatizer(), optax.adam(1e-3))   # + N(0, σ²C²), ÷ b
   opt_state = tx.init(params)
   for batch in plan.batcher(64, opt_state):        # steps t = the state's, ..., T − 1, once each
@@ -22,6 +23,10 @@ when told its t and only from a state this plan made. Resuming a loop:
 re-calibrated: the steps that ran had that σ) and refuses a state made with another C, b
 or fingerprint.
 
+η is the float rounding of the noised sum (`rounding.Rounding`: a function of B, the
+precision mode and the platform): examples are clipped at C exactly and the accountant
+(and σ's calibration) uses the sensitivity C(1 + η).
+
 Refused here, with one line naming the argument: σ ≤ 0 or not finite, C ∉ (0, ∞),
 δ ∉ (0, 1), and δ ≥ 1/N unless `allow_large_delta` (an (ε, δ) guarantee with δ ≥ 1/N
 permits releasing a random record in the clear: "name-and-shame", Dwork & Roth 2014,
@@ -35,12 +40,15 @@ the noise); N, b, T, σ, C and δ are public.
   ...                           num_steps=1000, clip_norm=1.0, noise_multiplier=1.1, delta=1e-6)
   >>> report = plan.epsilon_at(1000)
   >>> plan.max_batch_size, round(report.epsilon, 3), report.bound, report.accountant
-  (474, 0.706, 'upper', 'pld')
+  (474, 0.707, 'upper', 'pld')
+  >>> round(plan.rounding.eta, 6), plan.rounding.matmul_format  # On the CPU.
+  (0.000678, 'float32')
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import warnings
 from typing import Any
@@ -50,6 +58,8 @@ from dpjax.privacy import batching
 from dpjax.privacy import clipping
 from dpjax.privacy import noise
 from dpjax.privacy import noise_state
+from dpjax.privacy import precision as precision_lib
+from dpjax.privacy import rounding as rounding_lib
 from dpjax.privacy import samplers as samplers_lib
 from dpjax.privacy import step_batcher
 from dpjax.privacy.accounting import accountant as accountant_lib
@@ -97,7 +107,9 @@ class PrivacyPlan:
     max_batch_size: B, the cap on a logical batch (truncation is accounted).
     group_size: k (the guarantee is for groups of k examples).
     target_epsilon: the ε budget at the last step (0 = none).
-    accountant: the `accounting.Accountant` of this sampler, σ, δ, B and k.
+    precision: the matmul precision of the clipped gradients (`dpjax.privacy.precision`).
+    rounding: η (`rounding.Rounding` of B, the precision and the platform).
+    accountant: the `accounting.Accountant` of this sampler, σ, δ, B, k and 1 + η.
   """
 
   sampler: samplers_lib.Sampler
@@ -109,7 +121,10 @@ class PrivacyPlan:
   max_batch_size: int
   group_size: int
   target_epsilon: float
+  precision: str
+  rounding: rounding_lib.Rounding
   accountant: accountant_lib.Accountant = dataclasses.field(compare=False, repr=False)
+  accountant_options: dict = dataclasses.field(compare=False, repr=False, default_factory=dict)
 
   @classmethod
   def create(cls, sampler: samplers_lib.Sampler, *, num_steps: int, clip_norm: float,
@@ -118,6 +133,7 @@ class PrivacyPlan:
              physical_batch_size: int = 0, accountant: str = 'auto', group_size: int = 1,
              allow_large_delta: bool = False, noise_multiplier_source: str | None = None,
              check_budget: bool = True, resume_from: Any = None,
+             precision: str = 'default', platform: str | None = None,
              **accountant_options: Any) -> PrivacyPlan:
     """Validates every argument, resolves B, calibrates σ if it is None, checks the budget.
 
@@ -141,6 +157,9 @@ class PrivacyPlan:
         state): σ and B are the state's (σ's source 'checkpoint'; another `noise_multiplier`
         or `max_batch_size` is refused, and `target_epsilon` is then a budget the whole run
         must meet), and a state made with another C, b or fingerprint is refused.
+      precision: 'default', 'highest' or 'bfloat16', the mode the gradients are computed in
+        (`clipped_grad` and `DPStep.from_plan` use it): with B, it sets η.
+      platform: the backend that computes them ('cpu', 'gpu', 'tpu'); None = this one.
       **accountant_options: other `accounting.Accountant` options (random_allocation_timeout,
         monte_carlo_workers, prior_runs: the runs this one starts from, composed in ε and
         calibrated for, ...).
@@ -165,19 +184,22 @@ class PrivacyPlan:
     group_size = _checks.check_int('group_size', group_size, 1)
     max_batch_size = batching.resolve_max_batch_size(
         sampler, physical_batch_size, max_batch_size, num_steps=num_steps, delta=delta)
+    rounding = rounding_lib.Rounding.of(max_batch_size, precision_lib.check_precision(precision),
+                                        platform)
     options = dict(accountant_options, max_batch_size=max_batch_size, group_size=group_size,
-                   allow_large_delta=allow_large_delta)
+                   allow_large_delta=allow_large_delta, sensitivity=rounding.sensitivity)
     if noise_multiplier is None:
       sigma = calibration.calibrate_noise_multiplier(sampler, target, delta, num_steps,
                                                      accountant=accountant, **options)
       source = 'calibrated'
     else:
       sigma, source = noise.check_noise_multiplier(noise_multiplier), noise_multiplier_source or 'given'
-    acct = accountant_lib.Accountant(sampler, sigma, delta, accountant=accountant,
-                                     num_steps=num_steps, **options)
+    options.update(accountant=accountant, num_steps=num_steps)
+    acct = accountant_lib.Accountant(sampler, sigma, delta, **options)
     plan = cls(sampler=sampler, num_steps=num_steps, clip_norm=clip_norm, noise_multiplier=sigma,
                noise_multiplier_source=source, delta=delta, max_batch_size=max_batch_size,
-               group_size=group_size, target_epsilon=target, accountant=acct)
+               group_size=group_size, target_epsilon=target, precision=precision,
+               rounding=rounding, accountant=acct, accountant_options=options)
     if resume_from is not None:
       noise_state.check(resume_from, plan.initial_noise_state, 'the resumed plan')
     if check_budget and source != 'calibrated':
@@ -229,11 +251,31 @@ class PrivacyPlan:
           f'{self.target_epsilon:g}: raise the budget, raise σ, or shorten the run.',
           final_epsilon=final)
 
-  def clipped_grad(self, loss_fn, *, has_aux: bool = False, method: str = 'auto',
-                   precision: str = 'default'):
-    """`clipping.clipped_grad` with this plan's C and cap B (the float32 sum's margin)."""
+  def clipped_grad(self, loss_fn, *, has_aux: bool = False, method: str = 'auto'):
+    """`clipping.clipped_grad` with this plan's C and precision (the η its accountant pays)."""
     return clipping.clipped_grad(loss_fn, self.clip_norm, has_aux=has_aux, method=method,
-                                 max_batch_size=self.max_batch_size, precision=precision)
+                                 precision=self.precision)
+
+  @functools.cached_property
+  def _ideal_accountant(self) -> accountant_lib.Accountant:
+    return accountant_lib.Accountant(self.sampler, self.noise_multiplier, self.delta,
+                                     **dict(self.accountant_options, sensitivity=1.0))
+
+  def rounding_cost(self, step: int | None = None) -> float | None:
+    """Δε = ε(t) − ε₀(t) after `step` steps (None: the last): what η costs, ε₀ from the same
+    accountant at η = 0. None for balls-and-bins, whose ε₀ would need a second
+    random-allocation PLD (minutes)."""
+    if self.sampler.random_allocation_bracket:
+      return None
+    step = self.num_steps if step is None else step
+    return self.accountant.epsilon(step) - self._ideal_accountant.epsilon(step)
+
+  def rounding_record(self, step: int | None = None) -> dict[str, Any]:
+    """η, what it is of, and its cost Δε after `step` steps (for checkpoints and the card)."""
+    r, cost = self.rounding, self.rounding_cost(step)
+    return {'eta': r.eta, 'max_batch_size': r.max_batch_size, 'matmul_format': r.matmul_format,
+            'precision': self.precision, 'epsilon_cost': cost,
+            'statement': r.describe(cost) + ' (included in ε; examples are clipped at C exactly)'}
 
   def privatizer(self, *, noise_impl: str = 'threefry'):
     """The optax transform adding N(0, σ²C²) to each step's clipped sum and dividing by b,
@@ -266,6 +308,8 @@ class PrivacyPlan:
         'privacy.clip_norm': self.clip_norm,
         'privacy.delta': self.delta,
         'privacy.accountant': self.accountant_name,
+        'privacy.matmul_format': self.rounding.matmul_format,
+        'privacy.rounding_eta': self.rounding.eta,
         'seed_sha256': seed_digest(s.seed),
     }
 

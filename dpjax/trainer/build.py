@@ -98,16 +98,16 @@ def build_step(plan: plan_lib.RunPlan, model, optimizer: optax.GradientTransform
   config = plan.config
   options = dict(clipping=config.privacy.clipping, label_format=config.data.label_format,
                  loss=config.loss, noise_impl=config.privacy.noise_prng, mesh=mesh,
-                 precision=plan.perf.precision,
                  sum_fn_wrapper=None if auditor is None else auditor.wrap,
                  augmult=augmult_lib.Augmult.from_config(config.augmult))
   if not plan.private:
     return dp_step.DPStep(model, optimizer, clip_norm=None, noise_multiplier=None,
                           expected_batch_size=plan.sampler.expected_batch_size,
-                          private=False, seed=plan.seed, **options)
+                          private=False, seed=plan.seed, precision=plan_lib.precision_of(config), **options)
   step = dp_step.DPStep.from_plan(model, optimizer, plan.privacy, **options)
-  # What is reported is what runs.
+  # What is reported is what runs (and its precision is the one whose η ε pays for).
   assert step.noise_multiplier == plan.accountant.noise_multiplier == plan.noise_multiplier
+  assert step.precision == plan.privacy.precision == plan_lib.precision_of(config)
   return step
 
 

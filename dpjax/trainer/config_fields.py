@@ -169,12 +169,13 @@ FIELDS: tuple[Field, ...] = (
     Field('lora.alpha', 'float', 1.0, 'alpha > 0', 0, low_open=True),
     Field('lora.targets', 'texts', (), 'regexes on kernel paths (Dense, Conv, attention); their '
           'W is frozen'),
-    # --- devices and speed (none enters ε)
+    # --- devices and speed (none enters ε, but precision does through η)
     Field('num_devices', 'int', 0, 'data-parallel devices: 0 = all; n > 0 = the first n (single '
           'process); P must be a multiple of it', 0),
     Field('precision', 'str', 'default', 'default (the backend\'s matmul precision) | highest '
-          '(float32) | bfloat16 (float32 master weights, bf16 compute); the clip bound C holds in '
-          'every mode', choices=('default', 'highest', 'bfloat16')),
+          '(float32) | bfloat16 (float32 master weights, bf16 compute); enters ε through η, the '
+          'float rounding the accountant pays for (dpjax/privacy/rounding.py)',
+          choices=('default', 'highest', 'bfloat16')),
     Field('steps_per_call', 'int', 0, 'logical steps per compiled call; 0 = automatic (16 on the '
           'device, fewer for slow steps so that a signal stops the run within about a step)',
           0, 4096),

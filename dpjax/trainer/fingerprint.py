@@ -2,7 +2,7 @@
 
 `run_fingerprint` lists the private flag, the sampler and its accounting parameters (N or
 its declared public bound, b, the resolved cap B, the group size), σ as used, C, δ, the
-resolved accountant, the runs `init_from` starts from and whether their data is declared
+resolved accountant, η (the float rounding ε pays for) with its matmul format, the runs `init_from` starts from and whether their data is declared
 disjoint, the SHA-256 of the seed, the audit canaries and the dataset's identity
 (`dataset_identity`: source, split, N and a digest of its content, `dpjax.data.identity`).
 Settings that cannot change ε (`dpjax.trainer.perf.Perf`) are not among its inputs.
@@ -19,11 +19,12 @@ import ml_collections
 
 from dpjax.data import identity as data_identity
 from dpjax.privacy import privacy_plan
+from dpjax.privacy import rounding as rounding_lib
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import composition
 from dpjax.trainer import training_set_size
 
-FINGERPRINT_VERSION = 2  # 2: the seed as its SHA-256, the data by its content.
+FINGERPRINT_VERSION = 3  # 2: the seed as its SHA-256, the data by its content; 3: η.
 # The dataset's part of the fingerprint: its content, not where it lives (a copy resumes).
 DATASET_FIELDS = ('source', 'split', 'num_examples', 'content_sha256')
 
@@ -40,6 +41,7 @@ def run_fingerprint(config, sampler, max_batch_size: int, privacy, dataset) -> d
               'sampler.batch_size': sampler.batch_size, 'sampler.max_batch_size': max_batch_size,
               'privacy.group_size': None, 'privacy.noise_multiplier': None,
               'privacy.clip_norm': None, 'privacy.delta': None, 'privacy.accountant': None,
+              'privacy.matmul_format': None, 'privacy.rounding_eta': None,
               'seed_sha256': privacy_plan.seed_digest(sampler.seed)}
   init = {'init_from_disjoint_data': bool(config.get('init_from_disjoint_data'))}
   return {
@@ -110,8 +112,9 @@ def _is_float(x) -> bool:
 class PendingFields:
   """The fingerprint fields of a privacy plan before σ is calibrated (for the resume check)."""
 
-  def __init__(self, sampler, max_batch_size, privacy, sigma, prior_runs=()):
+  def __init__(self, sampler, max_batch_size, privacy, sigma, precision: str, prior_runs=()):
     prior = {composition.FINGERPRINT_FIELD: [r.fingerprint for r in prior_runs]}
+    rounding = rounding_lib.Rounding.of(max_batch_size, precision)
     self.fingerprint = {
         **(prior if prior_runs else {}),
         'sampler.name': sampler.name, 'sampler.num_examples': sampler.num_examples,
@@ -121,4 +124,5 @@ class PendingFields:
         'privacy.clip_norm': float(privacy.clip_norm), 'privacy.delta': float(privacy.delta),
         'privacy.accountant': accountant_lib.resolve_accountant(
             sampler.name, privacy.accountant, privacy.group_size),
+        'privacy.matmul_format': rounding.matmul_format, 'privacy.rounding_eta': rounding.eta,
         'seed_sha256': privacy_plan.seed_digest(sampler.seed)}

@@ -40,7 +40,8 @@ PARAMS_FILE = 'params.npz'
 ACCOUNTING_FIELDS = ('privacy.enabled', 'sampler.name', 'sampler.num_examples',
                      'sampler.batch_size', 'sampler.max_batch_size', 'privacy.group_size',
                      'privacy.noise_multiplier', 'privacy.clip_norm', 'privacy.delta',
-                     'privacy.accountant')
+                     'privacy.accountant', 'privacy.matmul_format', 'privacy.rounding_eta',
+                     'data.public_num_examples')
 DISJOINT_HINT = ('Set init_from_disjoint_data = True only if this run\'s data shares no '
                  'individual with it, or start from other weights.')
 
@@ -165,7 +166,8 @@ def _checkpoint_metadata(path: str) -> tuple[dict[str, Any], str]:
 def record_of_checkpoint(meta: dict[str, Any], name: str) -> dict[str, Any]:
   """A chain record of a checkpoint's metadata: its ε and its accounting inputs."""
   fingerprint = meta.get('fingerprint') or {}
-  accounting = {k: v for k, v in fingerprint.items() if k.startswith(('sampler.', 'privacy.'))
+  accounting = {k: v for k, v in fingerprint.items() if (
+      k.startswith(('sampler.', 'privacy.')) or k == 'data.public_num_examples')
                 and k != composition.FINGERPRINT_FIELD} or None
   privacy = meta.get('privacy') or {}
   return {'name': name, 'steps': meta.get('step'), 'epsilon': privacy.get('epsilon'),
@@ -219,7 +221,11 @@ def _prior_run(path: str, record: dict[str, Any], group_size: int,
   acct = accountant_lib.Accountant(
       sampler, inputs['privacy.noise_multiplier'], inputs['privacy.delta'],
       accountant=inputs['privacy.accountant'], max_batch_size=inputs['sampler.max_batch_size'],
-      group_size=group_size, allow_large_delta=True, **pld_options)
+      group_size=group_size, allow_large_delta=True,
+      # Float rounding (η) as that run paid for it; with a public bound N̄ on its rows, the TV
+      # penalty (dp_accounting's exact truncated event is for exactly N rows).
+      sensitivity=1.0 + float(inputs.get('privacy.rounding_eta', 0.0)),
+      exact_truncation=not inputs.get('data.public_num_examples'), **pld_options)
   return composition.PriorRun(acct, int(record['steps']), name)
 
 

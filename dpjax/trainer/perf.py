@@ -1,12 +1,12 @@
 """Settings that change how fast a run goes and how much memory it takes, never what it releases.
 
 `Perf` holds them as a type: the physical batch size P, the logical steps per compiled
-call, the numeric precision, the data-parallel device count and the compilation cache.
-The privacy fingerprint (`dpjax.trainer.fingerprint.run_fingerprint`) takes no `Perf`, so
-none of these can enter ε or block a resume: that is by construction, not a list of
-exceptions. P matters to privacy only through the cap B (a multiple of P), which the plan
-resolves and fingerprints itself; the clip bound holds in every precision
-(`dpjax.privacy.precision`).
+call, the data-parallel device count and the compilation cache. The privacy fingerprint
+(`dpjax.trainer.fingerprint.run_fingerprint`) takes no `Perf`, so none of these can enter ε
+or block a resume: that is by construction, not a list of exceptions. P matters to privacy
+only through the cap B (a multiple of P), which the plan resolves and fingerprints itself.
+`config.precision` is not among them: its matmul format sets η, the float rounding that ε
+pays for (`dpjax.privacy.rounding`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from dpjax.trainer import config_fields
 CONFIG_PATHS = {
     'physical_batch_size': 'sampler.physical_batch_size',
     'steps_per_call': 'steps_per_call',
-    'precision': 'precision',
     'num_devices': 'num_devices',
     'compilation_cache_dir': 'compilation_cache_dir',
 }
@@ -35,14 +34,12 @@ class Perf:
     physical_batch_size: P, rows per physical batch (0 = the largest that fits the device,
       resolved by `dpjax.trainer.physical_batch.resolve_physical_batch_size`).
     steps_per_call: logical steps per compiled call (0 = adaptive).
-    precision: the DP step's numeric precision (`dpjax.privacy.precision`).
     num_devices: data-parallel devices (0 = all).
     compilation_cache_dir: jax's persistent compilation cache ('' = default, 'none' = off).
   """
 
   physical_batch_size: int
   steps_per_call: int
-  precision: str
   num_devices: int
   compilation_cache_dir: str
 

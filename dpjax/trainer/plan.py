@@ -10,25 +10,26 @@ secret seed, `dpjax.trainer.run_seed`) → the run length in steps → δ (refus
 1/N) → the cap B (`batching.resolve_max_batch_size`; on resume, the checkpoint's B)
 → σ (given; on resume, the checkpoint's σ, never re-calibrated; else calibrated to
 `privacy.target_epsilon`) → the `privacy_plan.PrivacyPlan` that binds sampler, B,
-σ, C, δ and the accountant → the budget check (final ε ≤ target). `dpjax.train`
+σ, C, δ, η (the float rounding of the noised sum, from B and `config.precision` on this
+platform) and the accountant → the budget check (final ε ≤ target). `dpjax.train`
 builds the batcher and the DP step from that plan and reports ε from its
 accountant, so what is reported is what ran. `make_accountant(config, N)` is
 `make_plan(config, N).accountant`.
 
 The **privacy fingerprint** (`RunPlan.fingerprint`) lists everything that
 enters ε: the private flag, the sampler and its accounting parameters (N, b,
-the resolved B, the group size), σ as used, C, δ, the resolved accountant, the
-runs `init_from` starts from (their ε composes with this run's unless
+the resolved B, the group size), σ as used, C, δ, the resolved accountant, η and
+the matmul format it comes from, the runs `init_from` starts from (their ε composes with this run's unless
 `init_from_disjoint_data`, `dpjax.trainer.init_source`), the SHA-256 of the seed
 (it fixes which examples each step uses, which epoch-based
 accounting relies on; the seed itself is never stored in a checkpoint), the audit
 canaries, and the dataset's identity (source, name, split, N, and a digest of its
 content: features and labels in example order, `dpjax.data.identity`). Every
-checkpoint stores it; `make_plan(..., previous)` refuses any difference, listing
-each field `old → new`. Allowed on resume: fields that do not touch privacy
-(learning rate, logging, evaluation, checkpointing, P when B is still a multiple
-of it) and a longer run, whose ε is recomputed for the new total and checked
-against `privacy.target_epsilon` as a budget.
+checkpoint stores it; `make_plan(..., previous)` refuses any difference, listing each
+field `old → new`. Allowed on resume: fields that do not touch privacy (learning rate,
+logging, evaluation, checkpointing, P when B is still a multiple of it, a precision mode
+with the same matmul format) and a longer run, whose ε is recomputed for the new total
+and checked against `privacy.target_epsilon` as a budget.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class RunPlan:
     sampler: the sampler that selects every logical batch, seeded by the resolved seed.
     num_steps: the run length in steps.
     perf: the settings that cannot change ε (`dpjax.trainer.perf.Perf`: P, steps per call,
-      precision, devices, compilation cache); the fingerprint never reads them.
+      devices, compilation cache); the fingerprint never reads them.
     max_batch_size: B, the cap on the logical batch (the accountant pays for truncation to it).
     private: False for the non-private baseline (no σ, C, δ, accountant, ε).
     privacy: the `PrivacyPlan` (sampler, B, σ, C, δ, k, accountant) of a private run, else None.
@@ -140,6 +141,11 @@ class RunPlan:
 
 def _of(privacy, name):
   return None if privacy is None else getattr(privacy, name)
+
+
+def precision_of(config: ml_collections.ConfigDict) -> str:
+  """`config.precision` (its declared default in an accounting-only config that lacks it)."""
+  return config_fields.get(config, 'precision', config_fields.FIELDS_BY_PATH['precision'].default)
 
 
 def make_training_sources(config: ml_collections.ConfigDict):
@@ -326,8 +332,8 @@ def _privacy_plan(config: ml_collections.ConfigDict, plan: RunPlan,
   if previous is not None:  # Refuse before any (costly) accounting.
     _refuse_changes(previous, fingerprint_lib.run_fingerprint(
         config, sampler, plan.max_batch_size,
-        fingerprint_lib.PendingFields(sampler, plan.max_batch_size, privacy, sigma, prior),
-        plan.dataset))
+        fingerprint_lib.PendingFields(sampler, plan.max_batch_size, privacy, sigma,
+                                      precision_of(config), prior), plan.dataset))
   if prior and privacy.target_epsilon:
     _check_prior_budget(prior, privacy, plan.init_source.path)
   with warnings.catch_warnings():
@@ -337,7 +343,8 @@ def _privacy_plan(config: ml_collections.ConfigDict, plan: RunPlan,
         num_steps=num_steps, clip_norm=privacy.clip_norm, delta=privacy.delta,
         target_epsilon=privacy.target_epsilon, max_batch_size=plan.max_batch_size,
         physical_batch_size=plan.physical_batch_size, accountant=privacy.accountant,
-        group_size=privacy.group_size, allow_large_delta=True, **options)
+        group_size=privacy.group_size, allow_large_delta=True, precision=precision_of(config),
+        **options)
   # The final ε now (memoised): a run whose privacy loss cannot be composed is refused here,
   # before anything is written.
   try:
@@ -394,6 +401,8 @@ def privacy_metadata(step: int, report, plan: RunPlan, step_fns,
       'noise_multiplier': step_fns.noise_multiplier if plan.private else None,
       'noise_multiplier_source': plan.noise_multiplier_source,
       'clip_norm': step_fns.clip_norm if plan.private else None,
+      # η, the float rounding ε pays for, and its cost Δε at this step.
+      'rounding': plan.privacy.rounding_record(step) if plan.private else None,
       'num_examples': sampler.num_examples,
       'sampler': {'name': sampler.name, 'batch_size': sampler.batch_size,
                   'expected_batch_size': sampler.expected_batch_size,

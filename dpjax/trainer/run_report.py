@@ -42,6 +42,8 @@ def announce(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource
          else '') + '.')
   if plan.init_source is not None:
     log(plan.init_source.describe())
+  if plan.private:
+    log(f'Float rounding: {plan.privacy.rounding_record()["statement"]}.')
   log(run_seed.RunSeed(plan.seed, plan.seed_source).describe(workdir))
   if plan.private:
     for line in run_warnings.RunWarnings().epsilon(final_epsilon, plan.target_epsilon):

@@ -148,8 +148,10 @@ def _check_account(report, argv):
   if target is not None:
     assert target * 0.99 <= eps <= target
   if report['sampler'] in ('poisson', 'fixed_size'):
-    direct = _direct_epsilon(report['sampler'], d['num_examples'], d['batch_size'],
-                             report['noise_multiplier'], report['steps'], report['delta'])
+    # A run's config accounts the float rounding η of its sum: σ/(1 + η) (dpjax.privacy.rounding).
+    sigma = report['noise_multiplier'] / d.get('sensitivity', 1.0)
+    direct = _direct_epsilon(report['sampler'], d['num_examples'], d['batch_size'], sigma,
+                             report['steps'], report['delta'])
     # Truncation (a cap B from a config) may only add its TV penalty; here it is ~1e-32.
     assert eps == pytest.approx(direct, rel=2e-3)
   if report['sampler'] == 'balls_and_bins':
@@ -219,13 +221,18 @@ def test_example_runs(cli, argv, tmp_path, monkeypatch, capsys, prepared_workdir
     steps = sorted(int(d) for d in os.listdir(os.path.join(prepared_workdir, 'checkpoints'))
                    if d.isdigit())
     assert steps and [int(line.split()[0]) for line in lines[1:]] == steps
-    # The ε of each row, recomputed from the run's sampler and σ (not from the metadata).
+    # The ε of each row, recomputed from the run's sampler, σ and η (of its cap B and matmul
+    # format; not from the metadata).
+    from dpjax.privacy import precision, rounding  # pylint: disable=g-import-not-at-top
     config = json.load(open(os.path.join(prepared_workdir, 'config.json')))
     n = next(r for r in checkpoints.read_metadata(prepared_workdir))['num_examples']
     sampler = samplers.sampler_class(config['sampler']['name'])(
         num_examples=n, batch_size=config['sampler']['batch_size'])
+    eta = rounding.eta(config['sampler']['max_batch_size'],
+                       precision.matmul_format(config['precision']))
     acct = accounting.Accountant(sampler, config['privacy']['noise_multiplier'],
-                                 config['privacy']['delta'], max_batch_size=None)
+                                 config['privacy']['delta'], max_batch_size=None,
+                                 sensitivity=1 + eta)
     for line, step in zip(lines[1:], steps):
       assert float(line.split()[1]) == pytest.approx(acct.epsilon(step), abs=1e-4)
   elif cli == 'audit':

@@ -9,6 +9,7 @@ import pytest
 
 from dpjax.trainer import checkpoints
 from dpjax import export
+from dpjax.privacy import rounding
 from dpjax.trainer import finetune
 from dpjax.trainer import run_seed
 from dpjax import train
@@ -76,6 +77,30 @@ def test_the_card_says_n_is_public_and_records_the_scale_that_ran(drawn_run, tmp
   p = card['preprocessing']
   trained = sources.make_sources(small_config().data)[0].gather(np.arange(3))['x']
   np.testing.assert_allclose((raw / p['scale'] - p['mean'][0]) / p['std'][0], trained, rtol=1e-6)
+
+
+def test_the_card_states_eta_and_what_it_cost_in_epsilon(drawn_run, tmp_path):
+  """η of the run's cap B and matmul format, and Δε = ε − ε₀ with ε₀ of the same accountant at
+  sensitivity C: recomputed here from dp_accounting at σ and σ/(1 + η). Fails on da06065: the
+  card had no η (clipping was below C and ε was that of σ)."""
+  from dp_accounting import dp_event  # pylint: disable=import-outside-toplevel
+  from dp_accounting.pld import pld_privacy_accountant  # pylint: disable=import-outside-toplevel
+  card = export.export(str(drawn_run), str(tmp_path / 'model'))
+  meta = checkpoints.read_metadata(str(drawn_run))[-1]
+  cap, fmt = card['sampler']['max_batch_size'], meta['fingerprint']['privacy.matmul_format']
+  rounded = card['float_rounding']
+  assert rounded['eta'] == meta['fingerprint']['privacy.rounding_eta'] == rounding.eta(cap, fmt)
+  assert rounded['max_batch_size'] == cap and rounded['matmul_format'] == fmt
+  assert rounded['statement'].startswith(f"η = {rounded['eta']:.2g} (float rounding of the sum, "
+                                         f'B = {cap}')
+  sigma, q = card['noise_multiplier'], card['sampler']['expected_batch_size'] / card['num_examples']
+  def epsilon(noise):  # The run's cap truncates with negligible probability here.
+    direct = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    direct.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(noise)), 3)
+    return direct.get_epsilon(card['delta'])
+  assert card['epsilon'] == pytest.approx(epsilon(sigma / (1 + rounded['eta'])), rel=1e-6)
+  assert rounded['epsilon_cost'] == pytest.approx(card['epsilon'] - epsilon(sigma), rel=1e-3)
+  assert 0 < rounded['epsilon_cost']
 
 
 def test_a_second_run_with_a_given_seed_is_named_at_start_and_its_export_refused_anywhere(

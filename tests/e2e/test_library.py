@@ -15,6 +15,7 @@ import dpjax
 from dpjax.privacy import noise
 from dpjax.privacy import precision
 from dpjax.privacy import prng
+from dpjax.privacy import rounding
 
 
 def _params():
@@ -84,13 +85,14 @@ def _loss(params, example):
 
 @pytest.mark.parametrize('method', ['vmap', 'auto'])
 def test_neighbouring_sums_differ_by_at_most_c(method):
-  """The attack on the clipped sum: D and D minus one outlier; ‖S(D) − S(D')‖ ≤ C."""
+  """The attack on the clipped sum: D and D minus one outlier; ‖S(D) − S(D')‖ ≤ C(1 + η),
+  the sensitivity the plan's accountant pays for (`rounding.eta` of 16 rows)."""
   rng = np.random.default_rng(0)
   x = rng.normal(size=(16, 3)).astype(np.float32)
   y = rng.normal(size=(16, 4)).astype(np.float32)
   x[5] *= 1e4  # The outlier's gradient is huge.
   c = 0.3
-  grad_fn = jax.jit(dpjax.clipped_grad(_loss, c, method=method, max_batch_size=16))
+  grad_fn = jax.jit(dpjax.clipped_grad(_loss, c, method=method))
   params = {'w': jnp.asarray(rng.normal(size=(3, 4)), jnp.float32), 'b': jnp.zeros(4)}
   with_outlier, rows = grad_fn(params, {'x': x, 'y': y}, np.ones(16, np.float32))
   without = np.ones(16, np.float32)
@@ -98,7 +100,7 @@ def test_neighbouring_sums_differ_by_at_most_c(method):
   absent, _ = grad_fn(params, {'x': x, 'y': y}, without)
   diff = math.sqrt(sum(float(jnp.sum((a - b) ** 2)) for a, b in
                        zip(jax.tree.leaves(with_outlier), jax.tree.leaves(absent))))
-  assert diff <= c
+  assert diff <= c * (1 + rounding.eta(16, precision.matmul_format('default')))
   assert diff > 0.99 * c  # The outlier was clipped to the bound, not dropped.
   assert float(rows.norm[5]) > 1e3 * c
 
@@ -125,8 +127,9 @@ def test_plan_pieces_share_its_sigma_c_cap_and_seed():
   plan = dpjax.PrivacyPlan.create(sampler, num_steps=40, clip_norm=0.8, noise_multiplier=1.1,
                                   delta=1e-5)
   grad_fn = plan.clipped_grad(_loss)
-  assert grad_fn.clip_bound == precision.summed_clip_norm(0.8, 'default', plan.max_batch_size)
-  assert grad_fn.clip_bound < 0.8
+  assert grad_fn.clip_bound == 0.8  # C itself; its float rounding η is in ε:
+  assert plan.accountant.sensitivity == 1 + plan.rounding.eta == 1 + rounding.eta(
+      plan.max_batch_size, precision.matmul_format('default'))
   tx = plan.privatizer()
   out, _ = tx.update({'v': jnp.zeros(5)}, tx.init({'v': jnp.zeros(5)}), step=0)
   z = optax.tree.random_like(prng.noise_key(123, 0), {'v': jnp.zeros(5)}, jax.random.normal)

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from dpjax.trainer import checkpoints
+from dpjax.privacy import rounding
 from dpjax import train
 from dpjax.trainer import workdir_lock
 from tests import run_configs
@@ -48,10 +49,17 @@ def test_start_states_plan_and_clipping_per_layer_and_progress_rate_eta_and_epsi
   assert lines[0].startswith('1 device(s) on 1 process(es)')
   assert lines[1].startswith('Model mlp with 4,810 parameters; poisson sampler, N = 1437, b = 256')
   assert 'σ = ' in lines[1] and '(calibrated)' in lines[1] and 'target ε = 3' in lines[1]
-  assert lines[2].startswith('Seed: drawn from OS entropy, kept in ')
-  assert lines[3].startswith('Data: digits, N = 1437, x = (raw / 16 − (0.5)) / (0.5)')
+  # η, the float rounding ε pays for (its B is the plan's cap), and what it costs.
+  cap = int(re.search(r'B = (\d+)', lines[1]).group(1))
+  eta = re.match(r'Float rounding: η = ([\d.e-]+) \(float rounding of the sum, B = (\d+), '
+                 r'float32 matmuls\) costs Δε = ([\d.e-]+) \(included in ε; examples are '
+                 r'clipped at C exactly\)\.$', lines[2])
+  assert eta and int(eta.group(2)) == cap and 0 < float(eta.group(3)) < 0.01
+  assert float(eta.group(1)) == pytest.approx(rounding.eta(cap, 'float32'), rel=0.05)
+  assert lines[3].startswith('Seed: drawn from OS entropy, kept in ')
+  assert lines[4].startswith('Data: digits, N = 1437, x = (raw / 16 − (0.5)) / (0.5)')
   # What the compiled step runs, per layer (an MLP: rank-1 ghost norms, Goodfellow 2015).
-  assert lines[4:7] == [
+  assert lines[5:8] == [
       'Clipping: ghost clipping, per layer (mixed rule of Bu et al. 2022: ghost where '
       'S²(m + c) < S·m·c):', '  Dense_0: dense rank-1 (S=1, m=64, c=64)',
       '  Dense_1: dense rank-1 (S=1, m=64, c=10)']
@@ -59,7 +67,7 @@ def test_start_states_plan_and_clipping_per_layer_and_progress_rate_eta_and_epsi
   assert [p.split(',')[0] for p in progress] == ['step 2/5', 'step 4/5', 'step 5/5']
   assert all(' ex/s, ETA ' in p and re.search(r'epsilon=[\d.]+ \(upper\)', p) for p in progress)
   assert lines[-1].startswith('Final: step 5, test accuracy ')
-  assert len(lines) == 7 + len(progress) + 1  # No config dump (it is in config.json).
+  assert len(lines) == 8 + len(progress) + 1  # No config dump (it is in config.json).
   rows = [json.loads(line) for line in open(tmp_path / 'w' / 'metrics.jsonl')]
   trained = [row for row in rows if 'nonprivate_train_loss' in row]
   assert all(row['epsilon_bound'] == 'upper' for row in trained)  # ε says what it bounds.

@@ -9,6 +9,9 @@ import optax
 import pytest
 
 from dpjax.privacy import clipping
+from dpjax.privacy import dp_step
+from dpjax.privacy import privacy_plan
+from dpjax.privacy import samplers
 from dpjax.models import factory as models
 from dpjax.models import mlp
 
@@ -271,8 +274,7 @@ def test_clipped_grad_needs_the_weights_and_padding_copies_of_example_0_add_noth
   differed by 3.6·C.
   """
   c = 0.5
-  grad_fn = jax.jit(clipping.clipped_grad(loss_fn, c, has_aux=True, method='vmap',
-                                          max_batch_size=8))
+  grad_fn = jax.jit(clipping.clipped_grad(loss_fn, c, has_aux=True, method='vmap'))
   params, rows = _params(), _batch(5, seed=6)
   rows['x'][0] *= 1e3  # Example 0's gradient is far above C.
   pad = lambda idx: {'x': rows['x'][idx], 'y': rows['y'][idx]}
@@ -287,3 +289,42 @@ def test_clipped_grad_needs_the_weights_and_padding_copies_of_example_0_add_noth
   # A weight above 1 would multiply a row's sensitivity: weights are taken into [0, 1].
   heavy, _ = grad_fn(params, d, np.r_[17.0, np.zeros(7)].astype(np.float32))
   assert 0.99 * c < float(optax.tree.norm(heavy)) <= c
+
+
+def _clip_entry_points():
+  """(name, grad_fn(params, rows) -> the rows' clipped sum) for each road to a clipped sum."""
+  c = 4.0  # Between the norms of the rows below (0.6 to 7.5).
+  sampler = samplers.PoissonSampler(num_examples=100_000, batch_size=1000, seed=0)
+  plans = {b: privacy_plan.PrivacyPlan.create(sampler, num_steps=10, clip_norm=c, delta=1e-6,
+                                              noise_multiplier=1.0, max_batch_size=b)
+           for b in (0, 4096)}  # 0: the automatic cap (B not given).
+  step = dp_step.DPStep(MODEL, optax.sgd(0.1), clip_norm=c, noise_multiplier=1.0,
+                        expected_batch_size=10)
+  entries = {'clipped_grad': clipping.clipped_grad(loss_fn, c, has_aux=True, method='vmap')}
+  entries.update({f'plan_B={b or "auto"}': plan.clipped_grad(loss_fn, has_aux=True)
+                  for b, plan in plans.items()})  # 'auto': ghost clipping.
+  entries = {name: jax.jit(lambda p, rows, f=f: f(p, rows, jnp.ones(len(rows['y'])))[0])
+             for name, f in entries.items()}
+  entries['dp_step'] = lambda p, rows: step.accumulate(
+      p, step.init_accumulator(p), dict(rows, weight=np.ones(1, np.float32))).grad_sum
+  return c, entries
+
+
+def test_each_example_is_clipped_at_c_exactly_on_every_road():
+  """min(1, C/‖g‖)·g within 1e-5 relative of the float64 clip, whatever B: the library's
+  `clipped_grad` (vmap), a plan's (ghost) with B not given and B = 4,096, and the trainer's
+  DPStep (ghost). Fails on da06065: they clipped at C/((1 + margin)(1 + sum_margin(B))), 7.2% below C
+  when B was not given, 4.9e-3 below at B = 4,096."""
+  c, entries = _clip_entry_points()
+  params, batch = _params(seed=4), _batch(6, seed=5)
+  _, _, norms = _reference(params, batch, math.inf)
+  assert np.sum(norms > c) >= 3 and np.sum(norms < c) >= 1  # Both kinds of rows.
+  flat = lambda tree: np.concatenate([np.ravel(np.asarray(l, np.float64))
+                                      for l in jax.tree.leaves(tree)])
+  for i in range(6):
+    row = jax.tree.map(lambda l: l[i:i + 1], batch)
+    exact, _, _ = _reference(params, row, c)  # min(1, C/‖g‖)·g in float64.
+    for name, fn in entries.items():
+      got = fn(params, {'x': row['x'], 'y': row['y']})
+      err = np.linalg.norm(flat(got) - flat(exact)) / np.linalg.norm(flat(exact))
+      assert err <= 1e-5, (name, i, err)

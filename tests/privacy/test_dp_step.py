@@ -73,8 +73,7 @@ def _standard_step(label_format='int'):
   nothing else may)."""
   return dp_step.DPStep(MODEL, optax.sgd(0.5), clip_norm=0.5,
                         noise_multiplier=1.0, expected_batch_size=10,
-                        label_format=label_format, max_batch_size=16,
-                        allow_repeated_steps=True)
+                        label_format=label_format, allow_repeated_steps=True)
 
 
 def _run_step(step, params, batches, t=0, optimizer_state=None):
@@ -108,7 +107,7 @@ def test_unclipped_sums_are_the_gradient_sum_and_the_divisor_is_b():
   g = _mean_loss_grad(params, x, y)  # Σ_i g_i / 10.
   batches = _physical_batches(x, y, 4)  # K = 3, two padding rows.
   private = dp_step.DPStep(MODEL, optax.sgd(lr), clip_norm=1e6, noise_multiplier=1.0,
-                           expected_batch_size=10, max_batch_size=16)
+                           expected_batch_size=10)
   acc = private.init_accumulator(params)
   for batch in batches:
     acc = private.accumulate(params, acc, batch)

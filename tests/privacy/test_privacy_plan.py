@@ -63,15 +63,17 @@ def test_an_accountant_needs_the_cap_of_a_sampler_whose_batcher_truncates(name):
                                    1e-5).max_batch_size is None
 
 
-def test_the_step_made_from_the_plan_has_its_sigma_c_b_seed_and_cap():
+def test_the_step_made_from_the_plan_has_its_sigma_c_b_seed_and_precision():
   plan = privacy_plan.PrivacyPlan.create(_sampler(), num_steps=10, clip_norm=0.5, delta=1e-5,
-                                         noise_multiplier=1.3)
+                                         noise_multiplier=1.3, precision='highest')
   model = nn.Dense(3)
   step = dp_step.DPStep.from_plan(model, optax.sgd(0.1), plan)
   assert (step.noise_multiplier, step.clip_norm, step.expected_batch_size, step.seed,
-          step.max_batch_size) == (1.3, 0.5, 100.0, 3, plan.max_batch_size)
+          step.precision) == (1.3, 0.5, 100.0, 3, 'highest')
   with pytest.raises(TypeError, match='noise_multiplier come from the plan'):
     dp_step.DPStep.from_plan(model, optax.sgd(0.1), plan, noise_multiplier=0.1)
+  with pytest.raises(TypeError, match='precision come from the plan'):  # Its η is accounted.
+    dp_step.DPStep.from_plan(model, optax.sgd(0.1), plan, precision='bfloat16')
 
 
 @pytest.mark.parametrize('kwargs,match', [

@@ -177,7 +177,10 @@ def test_extension_recomputes_epsilon_and_respects_the_budget(finished_runs, tmp
   sampler = plan_lib.make_sampler(small_config(), 1437)
   cap = old['fingerprint']['sampler.max_batch_size']  # B is the checkpoint's, not re-derived.
   assert rows[-1]['fingerprint']['sampler.max_batch_size'] == cap
-  expected = accounting.Accountant(sampler, sigma, 1e-5, max_batch_size=cap).epsilon(10)
+  eta = old['fingerprint']['privacy.rounding_eta']  # The float rounding ε pays for, kept.
+  assert rows[-1]['fingerprint']['privacy.rounding_eta'] == eta > 0
+  expected = accounting.Accountant(sampler, sigma, 1e-5, max_batch_size=cap,
+                                   sensitivity=1 + eta).epsilon(10)
   assert result['privacy']['epsilon'] == pytest.approx(expected, rel=1e-9)
   assert 2.0 < result['privacy']['epsilon'] <= 3.0
 

@@ -3,15 +3,19 @@
 import dataclasses
 import inspect
 
+import pytest
+
 from dpjax.configs import digits_mlp
+from dpjax.privacy import precision as precision_lib
+from dpjax.privacy import rounding
 from dpjax.trainer import fingerprint
 from dpjax.trainer import perf as perf_lib
 from dpjax.trainer import plan as plan_lib
 
 N = 1000
 # One other valid value of each Perf field (B stays a multiple of the new P).
-OTHER = {'physical_batch_size': 16, 'steps_per_call': 4, 'precision': 'bfloat16',
-         'num_devices': 1, 'compilation_cache_dir': 'none'}
+OTHER = {'physical_batch_size': 16, 'steps_per_call': 4, 'num_devices': 1,
+         'compilation_cache_dir': 'none'}
 
 
 def _config(**overrides):
@@ -61,3 +65,22 @@ def test_a_privacy_field_is_not_a_perf_field_and_is_refused_on_resume():
   else:
     raise AssertionError('a changed C resumed')
   assert not set(perf_lib.CONFIG_PATHS.values()) & set(base.fingerprint)
+
+
+def test_the_precision_enters_epsilon_through_eta_and_a_new_matmul_format_is_refused():
+  """η (the float rounding the accountant pays for) comes from B and the precision's matmul
+  format, so precision is no Perf field: a resume in another format is refused, one in another
+  mode with the same format (on the CPU: 'default' and 'highest', both float32) resumes.
+  Fails on da06065: precision was a Perf field and η did not exist."""
+  base = plan_lib.make_plan(_config(), N, seed=7)
+  eta = rounding.eta(base.max_batch_size, precision_lib.matmul_format('default'))
+  assert base.fingerprint['privacy.rounding_eta'] == eta == base.privacy.rounding.eta
+  assert base.accountant.sensitivity == 1 + eta
+  config = _config()
+  config.precision = 'bfloat16'
+  with pytest.raises(plan_lib.PlanError, match="privacy.matmul_format: '[a-z0-9]+' → 'bfloat16'"):
+    plan_lib.make_plan(config, N, base.fingerprint, seed=7, resumed_step=10)
+  config.precision = 'highest'
+  if precision_lib.matmul_format('highest') == precision_lib.matmul_format('default'):
+    other = plan_lib.make_plan(config, N, base.fingerprint, seed=7, resumed_step=10)
+    assert other.fingerprint == base.fingerprint and other.privacy.precision == 'highest'

@@ -13,6 +13,8 @@ import pytest
 
 from dpjax.trainer import plan as plan_lib
 from dpjax import planner
+from dpjax.privacy import precision
+from dpjax.privacy import rounding
 from dpjax.privacy import samplers
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import calibration
@@ -29,18 +31,21 @@ def plan():
 
 
 def test_sigma_is_the_calibration_training_uses(plan):
-  """Each σ is calibrate_noise_multiplier called directly on the same sampler, steps and B,
-  and make_accountant's ε at that σ is below the target and within the calibration tolerance."""
+  """Each σ is calibrate_noise_multiplier called directly on the same sampler, steps and B (and
+  the sensitivity 1 + η training pays for at that B), and make_accountant's ε at that σ is below
+  the target and within the calibration tolerance."""
   assert [r.batch_size for r in plan.rows] == list(SIZES)
   for row in plan.rows[:2]:
     sampler = samplers.sampler_class('poisson')(num_examples=N, batch_size=row.batch_size)
     steps = EPOCHS * math.ceil(N / row.batch_size)
     assert row.num_steps == steps and row.steps_per_epoch == math.ceil(N / row.batch_size)
-    direct = calibration.calibrate_noise_multiplier(sampler, EPS, DELTA, steps,
+    s = 1 + rounding.eta(row.max_batch_size, precision.matmul_format('default'))
+    direct = calibration.calibrate_noise_multiplier(sampler, EPS, DELTA, steps, sensitivity=s,
                                                     max_batch_size=row.max_batch_size)
     assert row.noise_multiplier == direct
     eps = accountant_lib.Accountant(sampler, direct, DELTA, max_batch_size=row.max_batch_size,
-                                    num_steps=steps).final_report(estimates=False).epsilon
+                                    num_steps=steps, sensitivity=s).final_report(
+                                        estimates=False).epsilon
     assert row.epsilon == eps
   for row in plan.rows:
     assert row.bound == 'upper' and row.accountant == 'pld'
@@ -49,11 +54,13 @@ def test_sigma_is_the_calibration_training_uses(plan):
 
 def test_full_batch_is_the_gaussian_mechanism(plan):
   """b = N with Poisson: q = 1, every step is the Gaussian mechanism, E of them; E Gaussians
-  with σ compose to one with σ/√E, whose exact ε (Balle & Wang 2018) is at most the target."""
+  with σ/(1 + η) compose to one with σ/((1 + η)√E), whose exact ε (Balle & Wang 2018) is at most
+  the target."""
   from dpjax.privacy.accounting import balls_and_bins
   row = plan.rows[-1]
   assert row.num_steps == EPOCHS
-  exact = balls_and_bins.deterministic_epsilon(row.noise_multiplier, EPOCHS, DELTA)
+  eta = rounding.eta(row.max_batch_size, precision.matmul_format('default'))
+  exact = balls_and_bins.deterministic_epsilon(row.noise_multiplier / (1 + eta), EPOCHS, DELTA)
   assert exact <= EPS and exact == pytest.approx(row.epsilon, abs=2e-3)
 
 
@@ -143,8 +150,8 @@ def test_cli_end_to_end(tmp_path, capsys):
 
 
 def test_cli_config_and_usage_errors(tmp_path, capsys):
-  # N from the flag, sampler/ε/δ/epochs/C from the config; deterministic order: σ is the same
-  # for every b (no amplification), so σ·C/b is exactly proportional to 1/b.
+  # N from the flag, sampler/ε/δ/epochs/C from the config; deterministic order: σ/(1 + η) is the
+  # same for every b (no amplification; η of B = b), so σ·C/b is about proportional to 1/b.
   out_json = tmp_path / 'det.json'
   assert planner.main(['--config', 'configs/digits_mlp.py', '--num_examples', '1000',
                        '--sampler', 'deterministic', '--batch_sizes', '100,500',
@@ -153,8 +160,11 @@ def test_cli_config_and_usage_errors(tmp_path, capsys):
   assert 'ε = 3' in text and '20 epochs' in text and 'sampler deterministic' in text
   assert 'without amplification' in text
   rows = json.loads(out_json.read_text())['rows']
-  assert rows[0]['noise_multiplier'] == rows[1]['noise_multiplier']
-  assert rows[0]['effective_noise'] == pytest.approx(5 * rows[1]['effective_noise'])
+  accounted = [r['noise_multiplier'] / (1 + rounding.eta(r['max_batch_size'],
+                                                         precision.matmul_format('default')))
+               for r in rows]
+  assert accounted[0] == pytest.approx(accounted[1], rel=1e-6)
+  assert rows[0]['effective_noise'] == pytest.approx(5 * rows[1]['effective_noise'], rel=1e-2)
   for argv, match in [
       (['--epsilon', '1', '--delta', '1e-5', '--epochs', '1'], 'missing --num_examples'),
       (['--num_examples', '100', '--epsilon', '1', '--delta', '1e-5', '--epochs', '1',

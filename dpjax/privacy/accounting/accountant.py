@@ -31,11 +31,9 @@ deterministic the unit is the epoch: a checkpoint inside epoch e releases a
 prefix of that epoch (post-processing of the whole epoch), so the ε attached
 is that of the e epochs started so far.
 
-Cost: per-step PLDs are built once per accountant and self-composed per
-query; reports are memoised per step (per epoch for epoch-based samplers);
-random-allocation PLD results are cached on disk. The Monte-Carlo samples
-are drawn by `monte_carlo_workers` processes (`privacy.monte_carlo_workers`;
-the estimate does not depend on it).
+Cost: per-step PLDs are built once per accountant and self-composed per query; reports
+are memoised per step (per epoch for epoch-based samplers); random-allocation PLDs are
+cached on disk. `monte_carlo_workers` processes draw the Monte-Carlo samples.
 `estimates=False` skips the numbers reported beside the attached one
 (Monte-Carlo, lower bounds, comparisons) for cheap per-checkpoint calls.
 """
@@ -177,7 +175,7 @@ class Accountant:
                exact_truncation: bool = True,
                random_allocation_timeout: float | None = balls_and_bins.RANDOM_ALLOCATION_TIMEOUT,
                max_grid_points: int = MAX_GRID_POINTS, allow_large_delta: bool = False,
-               prior_runs: Sequence[composition.PriorRun] = ()):
+               prior_runs: Sequence[composition.PriorRun] = (), sensitivity: float = 1.0):
     """Validates everything before any computation.
 
     Args:
@@ -192,31 +190,33 @@ class Accountant:
         chosen from δ and β so that an estimate exists (`monte_carlo.default_num_samples`).
       beta: the Monte-Carlo failure probability (confidence 1 − β).
       monte_carlo_seed: its seed (fixed, so reports are reproducible).
-      monte_carlo_workers: processes drawing its samples (this one included); None = the cores
-        available, as many as a run's samples pay to start (the estimate does not depend on it).
-      monte_carlo_estimate: also compute the Monte-Carlo estimate beside the provable balls-and-
-        bins ε when `estimates` are asked for (opt-in: its samples grow as 1/δ); always with
-        accountant='monte_carlo'.
+      monte_carlo_workers: processes drawing its samples (this one included; the estimate does
+        not depend on it); None = the available cores, as many as the samples pay to start.
+      monte_carlo_estimate: also compute the Monte-Carlo estimate beside the provable balls-
+        and-bins ε with `estimates` (opt-in: its samples grow as 1/δ; always for 'monte_carlo').
       random_allocation: force (True, no time limit) / skip (False) random-allocation PLD
         for balls-and-bins; None = attempt it within `random_allocation_timeout` seconds
         per new one-epoch PLD (cached on disk), else the labelled deterministic fallback.
       value_discretization_interval: PLD discretisation (pessimistic rounding); None =
         VALUE_DISCRETIZATION, or MOG_VALUE_DISCRETIZATION for mixtures of > 2 Gaussians.
-      pld_coarsening: multiplies the discretisation (calibration searches with
-        10: a looser but still valid upper bound, then checks at 1).
-      exact_truncation: for Poisson with a cap B, also compute dp_accounting's exact
-        truncated event (costly) when the TV penalty is not negligible; False (forced when N
-        bounds `sampler.num_rows`) keeps the TV penalty alone (valid, looser).
+      pld_coarsening: multiplies the discretisation (calibration searches with 10, valid and
+        looser, then checks at 1).
+      exact_truncation: for Poisson with a cap B, also compute dp_accounting's exact truncated
+        event (costly) when the TV penalty is not negligible; False (forced when N bounds
+        `sampler.num_rows`): the TV penalty (looser).
       max_grid_points: refuse (GridTooLargeError, before allocating) a per-step
         PLD of more grid points × mixture components (`estimate_pld_grid_points`).
-      allow_large_delta: accept δ >= 1/N (refused by default: such a δ allows releasing a
-        random record in the clear).
+      allow_large_delta: accept δ >= 1/N (refused by default: it allows releasing a record).
+      sensitivity: 1 + η, the noised sum's sensitivity / C (`dpjax.privacy.rounding`): the
+        analyses use σ/(1 + η) (`accounted_noise_multiplier`); reports keep σ.
       prior_runs: the runs whose release this one starts from: ε of the composition.
     """
     if not isinstance(sampler, samplers_lib.Sampler):
       raise TypeError(f'sampler must be a dpjax.privacy.samplers.Sampler, got {type(sampler)}.')
     self.sampler = sampler
     self.noise_multiplier = sampler_events.check_noise_multiplier(noise_multiplier)
+    self.sensitivity = sampler_events.check_sensitivity(sensitivity)
+    self.accounted_noise_multiplier = self.noise_multiplier / self.sensitivity
     self.delta = _check_delta(delta, sampler.num_examples, allow_large_delta)
     self.allow_large_delta = bool(allow_large_delta)
     self.group_size = _check_group_size(group_size, sampler.num_examples)
@@ -360,11 +360,14 @@ class Accountant:
 
   def report(self, unit: int, epsilon: float, details: dict, **kwargs) -> PrivacyReport:
     details = dict(details)
-    details.setdefault('group_size', self.group_size)
-    details.setdefault('num_examples', self.sampler.num_examples)
-    details.setdefault('batch_size', self.sampler.batch_size)
-    details.setdefault('sampling_probability', self.sampling_probability)
+    for key, value in (('group_size', self.group_size), ('num_examples', self.sampler.num_examples),
+                       ('batch_size', self.sampler.batch_size),
+                       ('sampling_probability', self.sampling_probability)):
+      details.setdefault(key, value)
     details['max_batch_size'] = self.max_batch_size
+    if self.sensitivity != 1:  # 1 + η, and the σ/(1 + η) every number here is of.
+      details.update(sensitivity=self.sensitivity,
+                     accounted_noise_multiplier=self.accounted_noise_multiplier)
     if self.is_epoch_based:
       details['epochs_accounted'] = unit
     kwargs.setdefault('bound', 'upper')
@@ -384,7 +387,7 @@ class Accountant:
     key = (epochs, delta0)
     if key not in self._monte_carlo:
       self._monte_carlo[key] = monte_carlo.balls_and_bins_epsilon(
-          self.noise_multiplier, self.steps_per_epoch, delta0, num_epochs=epochs,
+          self.accounted_noise_multiplier, self.steps_per_epoch, delta0, num_epochs=epochs,
           num_samples=self.monte_carlo_samples, beta=self.beta, seed=self.monte_carlo_seed,
           workers=self._chosen_workers)
     return self._monte_carlo[key]

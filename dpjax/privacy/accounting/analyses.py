@@ -15,6 +15,10 @@ size k, the cap B and the per-step PLD cache (docs/accounting.md):
 * random_allocation: balls-and-bins; provable random-allocation PLD within a
   time budget, else the labelled deterministic fallback; Monte Carlo opt-in.
 
+Every number here (bounds, estimates, comparisons) is of the Gaussian mechanism with the
+accounted noise multiplier σ/(1 + η), η the float rounding of the noised sum
+(`acct.accounted_noise_multiplier`, `dpjax.privacy.rounding`).
+
 A new sampler that fits one of these names it; a new analysis is one
 function here and one entry in `ANALYSES` (docs/design.md, "Adding a sampler").
 """
@@ -55,27 +59,30 @@ def _group_conversion_epsilon(delta_one: callable, group_size: int, delta: float
 
 
 def _poisson_event(acct: Accountant):
-  return sampler_events.poisson_step_event(acct.sampling_probability, acct.noise_multiplier,
+  return sampler_events.poisson_step_event(acct.sampling_probability,
+                                           acct.accounted_noise_multiplier,
                                            group_size=acct.group_size)
 
 
 def _fixed_size_event(acct: Accountant):
   return sampler_events.fixed_size_step_event(acct.sampler.num_examples, acct.sampler.batch_size,
-                                              acct.noise_multiplier, group_size=acct.group_size)
+                                              acct.accounted_noise_multiplier,
+                                              group_size=acct.group_size)
 
 
 def _with_replacement_event(acct: Accountant):
   return sampler_events.fixed_size_with_replacement_step_event(
-      acct.sampler.num_examples, acct.sampler.batch_size, acct.noise_multiplier,
+      acct.sampler.num_examples, acct.sampler.batch_size, acct.accounted_noise_multiplier,
       group_size=acct.group_size)
 
 
 def _epoch_event(acct: Accountant):
-  return sampler_events.epoch_gaussian_event(acct.noise_multiplier, group_size=acct.group_size)
+  return sampler_events.epoch_gaussian_event(acct.accounted_noise_multiplier,
+                                             group_size=acct.group_size)
 
 
 def poisson_subsampling(acct: Accountant, steps: int, estimates: bool) -> PrivacyReport:
-  q, sigma = acct.sampling_probability, acct.noise_multiplier
+  q, sigma = acct.sampling_probability, acct.accounted_noise_multiplier
   k, delta = acct.group_size, acct.delta
   event = _poisson_event(acct)
   log_tau = acct.log_truncation_mass(steps)
@@ -124,7 +131,7 @@ def _poisson_pld(acct: Accountant, event, steps: int, tau: float) -> tuple[float
   # and N + 1 (add); the worse of the two covers both directions.
   exact = max(
       float(acct.composed_pld(sampler_events.truncated_poisson_step_event(
-          n, acct.sampling_probability, acct.max_batch_size, acct.noise_multiplier),
+          n, acct.sampling_probability, acct.max_batch_size, acct.accounted_noise_multiplier),
                       steps).get_epsilon_for_delta(delta))
       for n in (acct.sampler.num_examples, acct.sampler.num_examples + 1))
   extra['truncated_event_epsilon'] = exact
@@ -134,7 +141,7 @@ def _poisson_pld(acct: Accountant, event, steps: int, tau: float) -> tuple[float
 
 def fixed_size_subsampling(acct: Accountant, steps: int, estimates: bool) -> PrivacyReport:
   n, b, sigma, k, delta = (acct.sampler.num_examples, acct.sampler.batch_size,
-                           acct.noise_multiplier, acct.group_size, acct.delta)
+                           acct.accounted_noise_multiplier, acct.group_size, acct.delta)
   details: dict[str, Any] = {}
   pld_eps = fs_rdp_eps = None
   if acct.accountant == 'pld' or estimates:
@@ -169,7 +176,7 @@ def fixed_size_subsampling(acct: Accountant, steps: int, estimates: bool) -> Pri
 
 def subsampling_with_replacement(acct: Accountant, steps: int, estimates: bool) -> PrivacyReport:
   n, b, sigma, k, delta = (acct.sampler.num_examples, acct.sampler.batch_size,
-                           acct.noise_multiplier, acct.group_size, acct.delta)
+                           acct.accounted_noise_multiplier, acct.group_size, acct.delta)
   event = _with_replacement_event(acct)
   eps = float(acct.composed_pld(event, steps).get_epsilon_for_delta(delta))
   details: dict[str, Any] = {
@@ -184,10 +191,10 @@ def _epoch_gaussian_epsilon(acct: Accountant, epochs: int) -> tuple[float, str]:
   """Deterministic-order ε of `epochs` epochs (exact with 'pld', RDP with 'rdp')."""
   if acct.accountant == 'rdp':
     rdp = rdp_privacy_accountant.RdpAccountant()
-    rdp.compose(sampler_events.epoch_gaussian_event(acct.noise_multiplier,
+    rdp.compose(sampler_events.epoch_gaussian_event(acct.accounted_noise_multiplier,
                                                     group_size=acct.group_size), epochs)
     return float(rdp.get_epsilon(acct.delta)), 'rdp(gaussian per epoch)'
-  return (balls_and_bins.deterministic_epsilon(acct.noise_multiplier, epochs, acct.delta,
+  return (balls_and_bins.deterministic_epsilon(acct.accounted_noise_multiplier, epochs, acct.delta,
                                                group_size=acct.group_size),
           'gaussian per epoch (exact)')
 
@@ -204,17 +211,17 @@ def shuffled_epochs(acct: Accountant, epochs: int, estimates: bool) -> PrivacyRe
   lower = None
   if estimates:
     lower = max_test.shuffle_lower_bound_epsilon(
-        acct.noise_multiplier, acct.steps_per_epoch, acct.delta, num_epochs=epochs)
+        acct.accounted_noise_multiplier, acct.steps_per_epoch, acct.delta, num_epochs=epochs)
     details['lower_bound_method'] = 'max test on the Chua et al. 2024a shuffle pair'
     poisson = acct.composed_pld(sampler_events.poisson_step_event(
-        acct.sampler.batch_size / acct.sampler.num_examples, acct.noise_multiplier,
+        acct.sampler.batch_size / acct.sampler.num_examples, acct.accounted_noise_multiplier,
         group_size=acct.group_size), epochs * acct.steps_per_epoch)
     details['as_if_poisson_not_a_guarantee'] = float(poisson.get_epsilon_for_delta(acct.delta))
   return acct.report(epochs, eps, details, epsilon_lower=lower)
 
 def random_allocation(acct: Accountant, epochs: int, estimates: bool) -> PrivacyReport:
-  sigma, steps_per_epoch, delta, k = (acct.noise_multiplier, acct.steps_per_epoch, acct.delta,
-                                      acct.group_size)
+  sigma, steps_per_epoch, delta, k = (acct.accounted_noise_multiplier, acct.steps_per_epoch,
+                                      acct.delta, acct.group_size)
   log_tau = acct.log_truncation_mass(epochs * steps_per_epoch)
   tau = math.exp(log_tau)
   # The Monte-Carlo accountant's ε needs only the deterministic bound (for δ₀); the costly
@@ -264,8 +271,8 @@ def _monte_carlo(acct: Accountant, epochs: int, estimates: bool,
                  provable: balls_and_bins.ProvableBound, tau: float, details: dict) -> monte_carlo.MonteCarloResult | None:
   """The Monte-Carlo ε of balls-and-bins at δ₀ (`provable.delta0`), if asked for and possible;
   `details` gets it, or why it was not computed (and its cost when it is opt-in)."""
-  sigma, steps_per_epoch, delta, k = (acct.noise_multiplier, acct.steps_per_epoch, acct.delta,
-                                      acct.group_size)
+  sigma, steps_per_epoch, delta, k = (acct.accounted_noise_multiplier, acct.steps_per_epoch,
+                                      acct.delta, acct.group_size)
   want_mc = acct.accountant == 'monte_carlo' or (
       estimates and acct.monte_carlo_estimate and k == 1)
   mc = None

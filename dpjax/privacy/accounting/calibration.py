@@ -125,12 +125,29 @@ def _coarse_search_is_safe(sampler: samplers_lib.Sampler, accountant: str,
 
 
 def calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: float,
-                               delta: float, num_steps: int, **kwargs) -> float:
-  """`_calibrate_noise_multiplier` with a progress bar (stderr, a terminal, after 10 s)."""
+                               delta: float, num_steps: int, *, sensitivity: float = 1.0,
+                               **kwargs) -> float:
+  """`_calibrate_noise_multiplier` with a progress bar (stderr, a terminal, after 10 s).
+
+  sensitivity: 1 + η (`Accountant(sensitivity=...)`). Every analysis sees σ/(1 + η) only, so
+  the search runs at sensitivity 1 and returns (1 + η)·σ₀, checked by the accountant at 1 + η
+  (and raised in 0.05% steps if σ/(1 + η), a float, lands on the other side of a PLD grid
+  point than σ₀).
+  """
   with accountant_lib.progress_bar(
       None, f'calibrating σ for ε = {target_epsilon} ({sampler.name})') as bar:
-    return _calibrate_noise_multiplier(sampler, target_epsilon, delta, num_steps, bar=bar,
-                                       **kwargs)
+    sigma = _calibrate_noise_multiplier(sampler, target_epsilon, delta, num_steps, bar=bar,
+                                        **kwargs)
+  if sensitivity == 1:
+    return sigma
+  options = {k: v for k, v in kwargs.items() if k not in ('num_steps', 'pld_coarsening')}
+  sigma *= sensitivity
+  for _ in range(100):
+    if accountant_lib.Accountant(sampler, sigma, delta, sensitivity=sensitivity,
+                                 **options).epsilon(num_steps) <= target_epsilon:
+      return sigma
+    sigma *= 1.0005
+  raise RuntimeError(f'calibration at sensitivity {sensitivity} did not meet the target.')
 
 
 def _calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: float,

@@ -54,6 +54,14 @@ def check_noise_multiplier(value) -> float:
   return float(value)
 
 
+def check_sensitivity(value) -> float:
+  """1 + η: a finite number >= 1 (the noised sum's L2 sensitivity in units of C)."""
+  number = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
+  if not (number and math.isfinite(value) and value >= 1):
+    raise ValueError(f'sensitivity must be a finite number >= 1 (1 + η), got {value!r}.')
+  return float(value)
+
+
 def check_sampling_probability(value) -> float:
   number = isinstance(value, (int, float, np.floating)) and not isinstance(value, bool)
   if not (number and 0 < value <= 1):

@@ -14,6 +14,7 @@ import collections
 import jax
 import jax.numpy as jnp
 
+from dpjax.privacy.rounding import weighted_row_sum
 from dpjax.privacy.ghost_clipping.coverage import leaf_paths
 from dpjax.privacy.ghost_clipping.coverage import Interceptor
 from dpjax.privacy.ghost_clipping.coverage import run_intercepted
@@ -32,17 +33,11 @@ def layer_norms(layer: Layer, theta: dict, a: jax.Array, d: jax.Array):
   a: the layer's inputs [n, *in]; d: gradients of Σ loss w.r.t. its outputs
   [n, *out]; theta: its parameters. `grads` are per-example gradients
   {name: [n, *shape]} of small layers (norms, a small vocabulary), else None;
-  `operands` are (a2 [n, S, m], d2 [n, S, c]) of a dense layer, whose clipped
+  `operands` are a rule's own `weighted_sum(factor, keep) -> {param: sum}` (WSConv), or
+  (a2 [n, S, m], d2 [n, S, c]) of a dense layer, whose clipped
   sum is the matmul a2ᵀ(f·d2); else None (use the layer's own vjp).
   """
   return layer.rule.sq_norms(layer, theta, a, d.astype(jnp.float32))
-
-
-def _masked_row_sum(factor: jax.Array, g: jax.Array,
-                    keep: jax.Array) -> jax.Array:
-  """Σ_i factor_i · g_i, rows where keep is False exactly zero (no 0·NaN)."""
-  mask = keep.reshape((-1,) + (1,) * (g.ndim - 1))
-  return jnp.tensordot(factor, jnp.where(mask, g, 0.0), axes=1)
 
 
 # ----------------------------------------------------------------------------
@@ -147,8 +142,10 @@ def _book_keeping(params: Params, flat: dict, coverage: Coverage, thetas, inputs
     for l, theta, a, d, (_, grads, operands) in zip(coverage.layers, thetas, inputs, deltas,
                                                     parts):
       if grads is not None:  # Materialised: Σ_i f_i g_i.
-        grads = jax.tree.map(lambda g: _masked_row_sum(factor, g, keep),
+        grads = jax.tree.map(lambda g: weighted_row_sum(factor, g, keep),
                              grads)
+      elif callable(operands):  # The rule's own weighted sum (e.g. WSConv's).
+        grads = operands(factor, keep)
       elif operands is not None:  # Linear layer: a2ᵀ (f · d2).
         a2, d2 = operands
         a2 = jnp.where(rows(a2), a2, 0.0)
@@ -171,7 +168,7 @@ def _book_keeping(params: Params, flat: dict, coverage: Coverage, thetas, inputs
         out[l.param_path + (name,)] = grads[name].astype(
             theta[name].dtype).reshape(theta[name].shape)
     for path, g in zip(coverage.materialised, copy_grads):
-      out[path] = _masked_row_sum(factor, g, keep)
+      out[path] = weighted_row_sum(factor, g, keep)
     return jax.tree_util.tree_unflatten(jax.tree.structure(params),
                                         [out[p] for p in flat])
 

@@ -5,7 +5,8 @@ row per output position), never formed: the input is visited one kernel
 offset at a time (`Blocks`). A weight-standardised conv (W' = T(kernel,
 gain), Qiao et al. 2019, De et al. 2022) applies T's vjp to the materialised
 per-example gradients, or in the ghost form uses a closed form per output
-channel with a cancellation allowance (`_ws_sq_norms`); the model that defines
+channel with a cancellation allowance where it is tight and exact per-example
+gradients where it is not (`ws_conv_sq_norms`); the model that defines
 such a layer registers it with `ws_conv_sq_norms` (dpjax.models.layers.WSConv
 does), so this module imports no model.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 import itertools
 import math
+from typing import NamedTuple
 
 import flax.linen as nn
 from flax.linen import linear as nn_linear
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpjax.privacy import precision
+from dpjax.privacy import rounding
 from dpjax.privacy.ghost_clipping import mixed
 from dpjax.privacy.ghost_clipping.mixed import Blocks
 from dpjax.privacy.ghost_clipping.mixed import HIGHEST
@@ -64,13 +67,18 @@ def ws_standardise(kernel: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
   return (kernel - mean) * jax.lax.rsqrt(jnp.maximum(var * fan_in, eps)) * gain
 
 
-def ws_allowance() -> float:
-  """η of `_ws_sq_norms`: 2ε + ε² + ε', ε = KAPPA(u + 2u₃₂), ε' = 4·KAPPA·u₃₂.
+# A WS-conv row whose bound Σ_o κ_o‖g_o‖² exceeds this multiple of its norm² (the allowance
+# would be loose: g_o nearly in span{1, z_o}) is computed exactly, per example.
+LOOSE_RATIO = 2.0
 
-  ε bounds the error of the book-kept sum's T-vjp relative to the exact one's
-  scale √(κ_o + 1)·‖g_o‖ (its conv weight gradient rounds in the traced format
-  u of float32 operands, `precision.traced_matmul_format`; the centring and
-  projection in float32), ε' that of the norm's terms (float32, HIGHEST).
+
+def ws_allowance() -> float:
+  """η of `_ws_norms`: 2ε + ε² + ε', ε = KAPPA(u + 2u₃₂), ε' = 4·KAPPA·u₃₂.
+
+  ε bounds the error of the book-kept sum's kernel part relative to its scale √κ_o‖g_o‖ (its
+  conv weight gradient rounds in the traced format u of float32 operands,
+  `precision.traced_matmul_format`; the centring and projection in float32), ε' that of the
+  closed form's terms (float32, HIGHEST).
   """
   u = precision.UNIT_ROUNDOFF[precision.traced_matmul_format(jnp.float32)]
   u32 = precision.UNIT_ROUNDOFF['float32']
@@ -78,9 +86,17 @@ def ws_allowance() -> float:
   return 2 * eps_sum + eps_sum**2 + 4 * precision.KAPPA * u32
 
 
-def _ws_sq_norms(module: nn.Module, theta: dict, blocks: Blocks, d: jax.Array,
-                 keep_grads: bool) -> tuple[jax.Array, dict | None]:
-  """(‖∂kernel‖² + ‖∂gain‖² [n], {kernel, gain} per example or None) of a `dpjax.models.layers.WSConv` call.
+class _WSNorms(NamedTuple):
+  kernel_sq: jax.Array  # [n] Σ_o ‖∂w_o‖²: exact if materialised, else the clipped closed form.
+  exact: bool  # kernel_sq is the norm of per-example gradients.
+  gain: jax.Array  # [n, c] ∂gain_o = z_o·g_o per example (what the clipped sum adds).
+  bound: jax.Array | None  # [n] Σ_o κ_o‖g_o‖² ≥ Σ_o ‖∂w_o‖²; None when grads are kept.
+  grads: dict | None  # Per-example {kernel, gain} when kept for the sum.
+
+
+def _ws_norms(module: nn.Module, theta: dict, blocks: Blocks, d: jax.Array,
+              keep_grads: bool) -> _WSNorms:
+  """The per-example norms of a `dpjax.models.layers.WSConv` call's kernel and gain.
 
   dpjax.models.layers.WSConv uses W'_o = gain_o · (w_o − μ_o) · r_o per output channel o,
   r_o = rsqrt(max(ρ_o², eps)), ρ_o² = ‖w_o − μ_o‖² (= fan_in · var). With
@@ -89,25 +105,22 @@ def _ws_sq_norms(module: nn.Module, theta: dict, blocks: Blocks, d: jax.Array,
   κ_o = gain_o² r_o²:
     ∂gain_o = z_o·g_o,   ∂w_o = gain_o r_o (P g_o − [ρ_o² > eps] z_o (z_o·g_o)),
     ‖∂w_o‖² = κ_o (‖g_o‖² − (1·g_o)²/m − [ρ_o² > eps] (z_o·g_o)²),
-  P the centring projection. The closed form is a difference of squares: when
-  g_o lies nearly in span{1, z_o} (an input nearly constant across channels,
-  e.g. after a norm layer with a large bias) ‖∂w_o‖ ≪ ‖g_o‖ and both its
-  rounding and the book-kept sum's (the layer's vjp at Σ_i f_i g_i, exact to
-  ~u·√κ_o‖g_o‖, not ~u·‖∂w_o‖) can exceed ‖∂w_o‖ itself. So:
+  P the centring projection. ∂gain_o is computed per example (from the same tensors the
+  clipped sum adds: exact). The kernel's closed form is a difference of squares: when g_o
+  lies nearly in span{1, z_o} (an input nearly constant across channels, e.g. after a norm
+  layer with a large bias) ‖∂w_o‖ ≪ ‖g_o‖, and both its rounding and the book-kept sum's
+  (the kernel vjp at Σ_i f_i g_i, exact to ~u·√κ_o‖g_o‖, not ~u·‖∂w_o‖) can exceed ‖∂w_o‖.
 
-  Materialised (mixed rule, Bu et al. 2022): ∂w_i = J_Tᵀ g_i by a vmapped vjp
-  of `ws_standardise`, its norm taken directly; with keep_grads the clipped
-  sum adds these very tensors (norm and sum agree, as with vmap).
-  Otherwise (ghost, or gradients too large to keep) the sum is the layer's
-  vjp and the estimate is rigorous up to a cancellation allowance: per
-  channel, with B_o = (κ_o + 1)‖g_o‖² ≥ ‖∂w_o‖² + (∂gain_o)² (the projection
-  shrinks norms, ‖z_o‖ ≤ 1),
-    n̂_o² = clip(closed form or direct norm², 0, B_o) + η B_o,
-  and with the sum's error ≤ ε√B_o and the norm's ≤ ε'B_o (`ws_allowance`),
-  n̂_o ≥ ‖∂w_o, ∂gain_o‖ + ε√B_o ≥ the norm of what the sum adds (the
-  rounding model of dpjax.privacy.precision, Higham 2002 §3.1, for g_o itself).
-  It over-clips by at most η B_o, a relative ~η unless g_o lies nearly in
-  span{1, z_o} (B_o = (1 + 1/κ_o)‖∂w_o‖² when g_o ⟂ 1, z_o).
+  Materialised (mixed rule, Bu et al. 2022): ∂w_i = J_Tᵀ g_i by a vmapped vjp of
+  `ws_standardise`, its norm taken directly; with keep_grads the clipped sum adds these very
+  tensors (norm and sum agree, as with vmap). Otherwise (ghost, or gradients too large to
+  keep) the sum is book-kept (`_ws_weighted_sum`) and the kernel's estimate is rigorous up to
+  an allowance: per channel, with B_o = κ_o‖g_o‖² ≥ ‖∂w_o‖² (the projection shrinks norms,
+  ‖z_o‖ ≤ 1), n̂_o² = clip(closed form or direct norm², 0, B_o) + η B_o, and with the sum's
+  error ≤ ε√B_o and the norm's ≤ ε'B_o (`ws_allowance`), n̂_o ≥ ‖∂w_o‖ + ε√B_o ≥ the norm of
+  what the sum adds (the rounding model of dpjax.privacy.precision, Higham 2002 §3.1, for
+  g_o itself). `ws_conv_sq_norms` adds it where it is tight, and computes the other rows
+  exactly.
   """
   w = theta['kernel']
   n, s, c = d.shape
@@ -120,11 +133,11 @@ def _ws_sq_norms(module: nn.Module, theta: dict, blocks: Blocks, d: jax.Array,
     g = per_example_grads(blocks, d)  # [n, m, c].
     _, t_vjp = jax.vjp(lambda k, gn: ws_standardise(k, gn, module.eps), w, theta['gain'])
     dw, dgain = jax.vmap(t_vjp)(g.reshape(n, *w.shape))
-    sq = tree_sq_norms([dw, dgain])
+    kernel_sq, dgain = tree_sq_norms([dw]), dgain.reshape(n, c)
     if keep_grads:
-      return sq, {'kernel': dw, 'gain': dgain}
-    bound = (kappa + 1) * jnp.sum(jnp.square(g), axis=1)  # B_o [n, c].
-    return sq + ws_allowance() * jnp.sum(bound, axis=1), None
+      return _WSNorms(kernel_sq, True, dgain, None, {'kernel': dw, 'gain': dgain})
+    bound = jnp.sum(kappa * jnp.sum(jnp.square(g), axis=1), axis=1)
+    return _WSNorms(kernel_sq, True, dgain, bound, None)
   z = (centred * r).reshape(blocks.count, blocks.width, c)  # Rows per block (HWIO).
 
   def body(carry, b, k):
@@ -138,10 +151,59 @@ def _ws_sq_norms(module: nn.Module, theta: dict, blocks: Blocks, d: jax.Array,
   ones = jnp.einsum('ns,nsc->nc', total, d, precision=HIGHEST)  # 1·g_o.
   gain = jnp.sum(proj * d, axis=1)  # z_o·g_o.
   ws = kappa * (g_sq - jnp.square(ones) / m - (rho2 > module.eps) * jnp.square(gain))
-  bound = (kappa + 1) * g_sq
   # jnp.minimum / maximum keep NaN (the row is then dropped as non-finite).
-  ws = jnp.minimum(jnp.maximum(ws + jnp.square(gain), 0.0), bound)
-  return jnp.sum(ws + ws_allowance() * bound, axis=1), None
+  ws = jnp.minimum(jnp.maximum(ws, 0.0), kappa * g_sq)
+  return _WSNorms(jnp.sum(ws, axis=1), False, gain, jnp.sum(kappa * g_sq, axis=1), None)
+
+
+def _ws_kernel_grad(module: nn.Module, theta: dict):
+  """`(x, ct) -> Σ_rows J_Tᵀ(the conv's weight gradient)`, the kernel part of the WS layer's
+  vjp: x [rows, *spatial, C_in] the inputs, ct [rows, *out, c] the cotangents (SAME)."""
+  w = theta['kernel']
+  rank = w.ndim - 2
+  spatial = 'HWD'[:rank]
+  numbers = ('N' + spatial + 'C', spatial + 'IO', 'N' + spatial + 'C')
+  strides = tuple(_broadcast(module.strides, rank))
+  _, t_vjp = jax.vjp(lambda k, gn: ws_standardise(k, gn, module.eps), w, theta['gain'])
+
+  def kernel_grad(x, ct):
+    conv = lambda k: jax.lax.conv_general_dilated(x, k, strides, 'SAME',
+                                                   dimension_numbers=numbers)
+    return t_vjp(jax.vjp(conv, jnp.zeros_like(w))[1](ct)[0])[0]
+  return kernel_grad
+
+
+def _rows(v: jax.Array, rank: int) -> jax.Array:
+  """[n, *lead, *spatial, C] -> [n·lead, *spatial, C] (leading axes join the batch)."""
+  return v.reshape(-1, *v.shape[v.ndim - rank - 1:])
+
+
+def _ws_weighted_sum(kernel_grad, theta: dict, a: jax.Array, d: jax.Array, gain: jax.Array,
+                     bias: jax.Array, loose: jax.Array, loose_kernel_sq: jax.Array):
+  """`weighted_sum(factor, keep)` of a WS conv: the kernel by its vjp at the book-kept rows'
+  cotangents plus the loose rows' per-example gradients (`mixed.exact_rows`), each scaled to
+  at most the norm that clipped it (`loose_kernel_sq`: the recomputation may round otherwise);
+  gain and bias from their per-example gradients (`rounding.weighted_row_sum`)."""
+  rank = theta['kernel'].ndim - 2
+  per_row = lambda v, on: on.reshape((-1,) + (1,) * (v.ndim - 1))
+
+  def example(i):
+    g = kernel_grad(_rows(jax.lax.dynamic_index_in_dim(a, i), rank),
+                    _rows(jax.lax.dynamic_index_in_dim(d, i), rank))
+    norm = jnp.sqrt(jnp.sum(jnp.square(g)))
+    return g * jnp.where(norm > 0, jnp.minimum(1.0, jnp.sqrt(loose_kernel_sq[i]) / norm), 1.0)
+
+  def weighted_sum(factor: jax.Array, keep: jax.Array) -> dict:
+    f = jnp.where(keep, factor, 0.0)
+    book = keep & ~loose
+    ct = jnp.where(per_row(d, book), f.reshape(per_row(d, book).shape) * d, 0.0)
+    kernel = kernel_grad(_rows(jnp.where(per_row(a, book), a, 0.0), rank), _rows(ct, rank))
+    kernel = kernel + mixed.exact_rows(loose & keep, example, kernel.shape, sum_factor=f)
+    out = {'kernel': kernel, 'gain': rounding.weighted_row_sum(factor, gain, keep)}
+    if 'bias' in theta:
+      out['bias'] = rounding.weighted_row_sum(factor, bias, keep)
+    return out
+  return weighted_sum
 
 
 def _conv_blocks(layer, a: jax.Array) -> Blocks:
@@ -240,8 +302,12 @@ def conv_sq_norms(layer, theta: dict, a, d):
 
 
 def ws_conv_sq_norms(layer, theta: dict, a, d):
-  """The norm rule of a weight-standardised conv with SAME padding (`_ws_sq_norms`).
+  """The norm rule of a weight-standardised conv with SAME padding (`_ws_norms`).
 
+  Rows whose kernel allowance is tight (Σ_o κ_o‖g_o‖² ≤ LOOSE_RATIO · their norm²: it
+  over-clips by at most LOOSE_RATIO·`ws_allowance()` / 2 ≈ 4.8e-6 in float32) are book-kept;
+  the others are computed exactly, one example at a time (`mixed.exact_rows`), whatever the
+  parameters: each example's clipped contribution is within that factor of its exact clip.
   Register it for such a layer: `register_norm_rule(WSConv, name='wsconv',
   params=WS_CONV_PARAMS, form=ws_conv_form)(ws_conv_sq_norms)`; the layer must have the attributes
   `kernel_size`, `strides`, `eps` and parameters kernel, gain, bias, and standardise as
@@ -253,9 +319,22 @@ def ws_conv_sq_norms(layer, theta: dict, a, d):
   # Per-example gradients kept for the clipped sum when no larger than the input and
   # output gradient they replace (as for nn.Conv).
   keep = theta['kernel'].size <= a[0].size + d[0].size
-  sq, grads = _ws_sq_norms(layer.module, theta, blocks, d2, keep_grads=keep)
+  norms = _ws_norms(layer.module, theta, blocks, d2, keep_grads=keep)
+  other = jnp.sum(jnp.square(norms.gain), axis=1)  # ∂gain and ∂bias: exact per example.
   if 'bias' in theta:
-    sq = sq + jnp.sum(jnp.square(bias), axis=1)
-    if grads is not None:
+    other = other + jnp.sum(jnp.square(bias), axis=1)
+  sq = norms.kernel_sq + other
+  if norms.grads is not None:
+    grads = dict(norms.grads)
+    if 'bias' in theta:
       grads['bias'] = bias.reshape(bias.shape[0], *theta['bias'].shape)
-  return sq, grads, None
+    return sq, grads, None
+  loose = norms.bound > LOOSE_RATIO * sq  # False for NaN: the row is dropped anyway.
+  kernel_grad, rank = _ws_kernel_grad(layer.module, theta), theta['kernel'].ndim - 2
+  kernel_sq = norms.kernel_sq if norms.exact else mixed.exact_rows(
+      loose, lambda i: kernel_grad(_rows(jax.lax.dynamic_index_in_dim(a, i), rank),
+                                   _rows(jax.lax.dynamic_index_in_dim(d, i), rank)),
+      theta['kernel'].shape)
+  weighted_sum = _ws_weighted_sum(kernel_grad, theta, a, d, norms.gain, bias, loose, kernel_sq)
+  sq = jnp.where(loose, other + kernel_sq, sq + ws_allowance() * norms.bound)
+  return sq, None, weighted_sum

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from dpjax.privacy import precision
+from dpjax.privacy import rounding
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -143,6 +144,30 @@ def with_allowance(sq: jax.Array, scale: jax.Array) -> jax.Array:
   projection's). Over-clips by a relative ~ε·M/‖g‖ otherwise. NaN stays NaN."""
   eps, eta = cancellation_allowance()
   return jnp.square(jnp.sqrt(jnp.maximum(sq, 0.0) + eta * jnp.square(scale)) + eps * scale)
+
+
+def exact_rows(mask: jax.Array, row_value, shape, sum_factor: jax.Array | None = None):
+  """Per-example values of the rows in `mask`, computed one example at a time.
+
+  For the rows whose ghost bound is loose (its allowance a large share of the norm): a scan
+  over the rows calls `row_value(i)` (an array of `shape`) for those only, and is skipped
+  entirely when no row is in `mask`. Each row's path depends on that row alone, so a
+  neighbouring dataset changes no other row's contribution. Returns ‖row_value(i)‖² [n]
+  (0 outside `mask`), or with `sum_factor` [n] (0 where a row must not count) the
+  compensated sum Σ_{i ∈ mask} factor_i·row_value(i) (`rounding.kahan_add`).
+  """
+  n, zero = mask.shape[0], jnp.zeros(shape, jnp.float32)
+  if sum_factor is None:
+    step = lambda carry, i: (carry, jax.lax.cond(
+        mask[i], lambda: jnp.sum(jnp.square(row_value(i))), lambda: jnp.zeros(())))
+    run = lambda: jax.lax.scan(step, 0, jnp.arange(n))[1]
+    return jax.lax.cond(jnp.any(mask), run, lambda: jnp.zeros((n,)))
+  take = mask & (sum_factor != 0)
+  step = lambda carry, i: (jax.lax.cond(
+      take[i], lambda: rounding.kahan_add(*carry, sum_factor[i] * row_value(i)),
+      lambda: carry), None)
+  run = lambda: jax.lax.scan(step, (zero, zero), jnp.arange(n))[0][0]
+  return jax.lax.cond(jnp.any(take), run, lambda: zero)
 
 
 def _position_norms(blocks: Blocks, n: int, s: int) -> jax.Array:

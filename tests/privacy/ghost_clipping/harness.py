@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpjax.privacy import clipping
+from dpjax.privacy import rounding
 from dpjax.privacy import ghost_clipping
 from dpjax.privacy.ghost_clipping.coverage import leaf_paths
 from dpjax.models import layers
@@ -102,7 +103,8 @@ def compare(loss_fn, params, batch):
   clip = jnp.sqrt((finite[m - 1] + finite[m]) / 2)
   ref, ref_rows = clipping._clip_and_sum(
       losses, aux, total,
-      lambda f, keep: clipping._weighted_row_sum(f, grads, keep), w, clip)
+      lambda f, keep: jax.tree.map(lambda g: rounding.weighted_row_sum(f, g, keep), grads),
+      w, clip)
   got, rows = clipping._clip_and_sum(ghost.losses, ghost.aux, ghost.sq_norms,
                                      ghost.weighted_sum, w, clip)
   return (want, ghost.sq_norms_by_path, (got, clipping.ClipStats.of(rows, w, clip)),

@@ -7,13 +7,14 @@ embed, norm) a small model puts the layer under test behind a norm layer whose b
 channel-constant) and whose gain is 10–100, with inputs at tiny, unit and huge scales and
 nearly channel-constant; each form of the mixed rule is forced (`mixed.forced_form`).
 Example i's contribution as summed is the DP step's clipped sum
-(`make_clipped_sum_fn('ghost', ...)` at `precision.effective_clip_norm`) with weight 1 on
+(`make_clipped_sum_fn('ghost', ...)` at C) with weight 1 on
 row i and 0 elsewhere (no noise), its norm taken in float64; vmap's at the same parameters
 is checked alike.
 """
 
 import functools
 import itertools
+import math
 
 import flax.linen as nn
 import jax
@@ -32,6 +33,8 @@ from dpjax.privacy import losses
 K = 3  # Classes.
 N = 3  # Rows of the physical batch.
 C = 1e-4  # Below every example's gradient norm here: each is clipped.
+# Each is clipped at C itself; the per-example margin (float32) is part of η, paid in ε.
+MARGIN = precision.clip_margin('highest')
 
 
 @pytest.fixture(autouse=True)
@@ -173,14 +176,12 @@ def _cases(name, seed=0):
 @functools.lru_cache(maxsize=None)
 def _vmap_sum(name):
   loss_fn = losses.make_loss_fn(MODELS[name]())
-  return jax.jit(clipping.make_clipped_sum_fn('vmap', loss_fn,
-                                              precision.effective_clip_norm(C, 'highest')))
+  return jax.jit(clipping.make_clipped_sum_fn('vmap', loss_fn, C))
 
 
 def _ghost_sum(name, ghost):
   loss_fn = losses.make_loss_fn(MODELS[name]())
-  fn = jax.jit(clipping.make_clipped_sum_fn('ghost', loss_fn,
-                                            precision.effective_clip_norm(C, 'highest')))
+  fn = jax.jit(clipping.make_clipped_sum_fn('ghost', loss_fn, C))
 
   def traced_in_form(params, batch):
     with mixed.forced_form(ghost):  # Read when first traced.
@@ -201,17 +202,22 @@ def _contributions(fn, params, x):
 
 
 def _worst(name, ghost):
-  """The worst ratio of ghost and of vmap over every state and input, and where."""
+  """The worst ratio of ghost and of vmap over every state and input, and where; 'over_clip':
+  the smallest ghost / vmap contribution (vmap's is C: norm and sum from one tensor)."""
   ghost_fn, vmap_fn = _ghost_sum(name, ghost), _vmap_sum(name)
-  worst = {'ghost': (0.0, None), 'vmap': (0.0, None)}
+  worst = {'ghost': (0.0, None), 'vmap': (0.0, None), 'over_clip': (math.inf, None)}
   clipped = total = 0
   for where, params, x in _cases(name):
+    got = {}
     for method, fn in (('ghost', ghost_fn), ('vmap', vmap_fn)):
-      ratios, c = _contributions(fn, params, x)
+      ratios, c = got[method] = _contributions(fn, params, x)
       if method == 'ghost':
         clipped, total = clipped + c, total + N
       if ratios.max() > worst[method][0]:
         worst[method] = (ratios.max(), where)
+    ratio = (got['ghost'][0] / got['vmap'][0]).min()
+    if ratio < worst['over_clip'][0]:
+      worst['over_clip'] = (ratio, where)
   assert clipped == total  # C is below every norm: the bound is tested where it binds.
   return worst
 
@@ -220,12 +226,19 @@ def _worst(name, ghost):
 @pytest.mark.parametrize('name', ['dense', 'dense_general', 'conv', 'wsconv', 'embed', 'norm'])
 def test_each_contribution_as_summed_has_norm_at_most_c(name, ghost):
   """Every rule in each forced form (norm layers have one form: both runs check their
-  neighbours' forms). The wsconv cases failed before its cancellation fix (the closed form
-  ‖∂w_o‖² = κ_o(‖g_o‖² − (1·g_o)²/m − (z_o·g_o)²) cancels when the input is nearly
-  channel-constant): contributions above C in both forms, while vmap's stayed ≤ C."""
+  neighbours' forms): each contribution as summed is ≤ C(1 + m), m the per-example margin of
+  η, and ≥ (1 − 1e-4)·C where vmap gives C. The wsconv cases failed before its cancellation fix
+  (the closed form ‖∂w_o‖² = κ_o(‖g_o‖² − (1·g_o)²/m − (z_o·g_o)²) cancels when the input is
+  nearly channel-constant): contributions above C in both forms, while vmap's stayed ≤ C.
+  Then its allowance, scaled by (κ_o + 1)‖g_o‖², over-clipped: 0.27·C at the state (β = 1e4,
+  γ = 10, exact) where vmap gives C; the lower bound fails on da06065 there. Now the rows
+  whose allowance would be loose are computed exactly (`conv.ws_conv_sq_norms`): measured
+  ≥ 0.99998·C over every rule and state (the least from a plain Conv's allowance), the
+  WS layers' own share ≤ 4.4e-6."""
   worst = _worst(name, ghost)
-  assert worst['vmap'][0] <= 1, worst
-  assert worst['ghost'][0] <= 1, worst
+  assert worst['vmap'][0] <= 1 + MARGIN, worst
+  assert worst['ghost'][0] <= 1 + MARGIN, worst
+  assert worst['over_clip'][0] >= 1 - 1e-4, worst
 
 
 @pytest.mark.parametrize('ghost', [True, False], ids=['ghost', 'materialised'])
@@ -234,5 +247,5 @@ def test_dense_with_zero_sum_output_gradients_at_large_norm_bias(ghost):
   Gram form and the book-kept matmul, whose errors scale with Σ_s‖a_s‖‖δ_s‖, not ‖g‖: before
   `mixed.with_allowance` ghost dense reached 1.053·C and materialised 1.0000094·C."""
   worst = _worst('centred_dense', ghost=ghost)
-  assert worst['vmap'][0] <= 1, worst
-  assert worst['ghost'][0] <= 1, worst
+  assert worst['vmap'][0] <= 1 + MARGIN, worst
+  assert worst['ghost'][0] <= 1 + MARGIN, worst

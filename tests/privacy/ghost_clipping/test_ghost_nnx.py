@@ -13,6 +13,7 @@ import optax
 import pytest
 
 from dpjax.privacy import clipping
+from dpjax.privacy import rounding
 from dpjax.privacy import ghost_clipping
 from dpjax.privacy.ghost_clipping.coverage import leaf_paths
 from dpjax.models import cnn
@@ -122,7 +123,9 @@ def _compare(loss_fn, materialised, exact_norms, params, batch):
   m = jnp.sum(jnp.isfinite(total)) // 2
   clip = jnp.sqrt((finite[m - 1] + finite[m]) / 2)
   ref, ref_rows = clipping._clip_and_sum(
-      losses, aux, total, lambda f, keep: clipping._weighted_row_sum(f, grads, keep), w, clip)
+      losses, aux, total,
+      lambda f, keep: jax.tree.map(lambda g: rounding.weighted_row_sum(f, g, keep), grads),
+      w, clip)
   got, rows = clipping._clip_and_sum(ghost.losses, ghost.aux, ghost.sq_norms,
                                      ghost.weighted_sum, w, clip)
   # The same ghost sum with every finite real row's weight set to 0: only padding rows and
