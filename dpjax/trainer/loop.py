@@ -10,7 +10,7 @@ plan resolved (`dpjax.trainer.plan`) and the workdir locked:
 logical batches (`chunks`) and after each call fires the periodic actions that
 are due by `is_time`: log, eval, audit and checkpoint (all at the last step; a
 signal saves at once). Every checkpoint stores the ε of its step and the plan's
-privacy fingerprint (`plan.privacy_metadata`).
+privacy fingerprint (`privacy_metadata`).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from dpjax.trainer import metrics as metrics_lib
 from dpjax.trainer import optimizers
 from dpjax.trainer import physical_batch
 from dpjax.trainer import plan as plan_lib
+from dpjax.trainer import privacy_metadata
 from dpjax.trainer import run_report
 from dpjax.trainer import run_warnings
 from dpjax.trainer import write_errors
@@ -311,7 +312,7 @@ class Loop:
     clock = time.time()
     done = state.step
     report = self._epsilon(done, wait=True, estimates=done == self.plan.num_steps)
-    metadata = plan_lib.privacy_metadata(done, report, self.plan, self.step_fns, self.batcher,
+    metadata = privacy_metadata.privacy_metadata(done, report, self.plan, self.step_fns, self.batcher,
                                          state.num_truncated)
     metadata['model_io'] = preprocess.model_io(self.train_source)  # For export.
     if audit is not None:

@@ -21,6 +21,7 @@ from dpjax.privacy import sharding
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.trainer import chunks
 from dpjax.trainer import plan as plan_lib
+from dpjax.trainer import privacy_metadata
 from dpjax.trainer import run_report
 from tests.run_configs import small_config
 
@@ -41,7 +42,7 @@ def _release(tmp_path, rows: int, bound: int):
   step_fns = types.SimpleNamespace(noise_multiplier=plan.noise_multiplier,
                                    clip_norm=plan.clip_norm)
   report = plan.accountant.epsilon_at(plan.num_steps, estimates=False)
-  meta = plan_lib.privacy_metadata(plan.num_steps, report, plan, step_fns,
+  meta = privacy_metadata.privacy_metadata(plan.num_steps, report, plan, step_fns,
                                    chunks.make_batcher(plan), 0)
   return export.privacy_card(meta), [line.replace(str(path), '<data>') for line in lines]
 

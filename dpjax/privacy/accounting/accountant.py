@@ -129,6 +129,10 @@ def _check_group_size(group_size, num_examples: int) -> int:
   return k
 
 
+def _optional_positive_int(name: str, value) -> int | None:
+  return None if value is None else sampler_events.check_positive_int(name, value)
+
+
 def _check_beta(beta) -> float:
   if not (isinstance(beta, (int, float)) and 0 < beta < 1):
     raise ValueError(f'beta must be in (0, 1), got {beta!r}.')
@@ -222,15 +226,11 @@ class Accountant:
     self.group_size = _check_group_size(group_size, sampler.num_examples)
     self.accountant = resolve_accountant(sampler.name, accountant, self.group_size)
     self.max_batch_size = cap.check_max_batch_size(sampler, max_batch_size)
-    self.num_steps = (None if num_steps is None else
-                      sampler_events.check_positive_int('num_steps', num_steps))
-    self.monte_carlo_samples = (None if monte_carlo_samples is None else sampler_events
-                                .check_positive_int('monte_carlo_samples', monte_carlo_samples))
+    self.num_steps = _optional_positive_int('num_steps', num_steps)
+    self.monte_carlo_samples = _optional_positive_int('monte_carlo_samples', monte_carlo_samples)
     self.beta = _check_beta(beta)
     self.monte_carlo_seed = monte_carlo_seed
-    self._chosen_workers = (None if monte_carlo_workers is None else
-                            sampler_events.check_positive_int('monte_carlo_workers',
-                                                              monte_carlo_workers))
+    self._chosen_workers = _optional_positive_int('monte_carlo_workers', monte_carlo_workers)
     self.monte_carlo_workers = self._chosen_workers or monte_carlo.available_cores()
     self.monte_carlo_estimate = bool(monte_carlo_estimate)
     _check_pld_options(random_allocation_timeout, value_discretization_interval, pld_coarsening)
