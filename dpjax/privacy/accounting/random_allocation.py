@@ -53,6 +53,9 @@ import numpy as np
 from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
+from dpjax.privacy.accounting import sampler_events
+from dpjax.privacy.accounting import step_compositions
+from dpjax.privacy.accounting import step_pld
 from dpjax.privacy.child_env import child_env
 
 # Seconds allowed to one new build under the default policy (then cached, or remembered as
@@ -62,12 +65,13 @@ RANDOM_ALLOCATION_TIMEOUT = 300.0
 # The grid is ε_Poisson(one epoch, δ) / GRID_FRACTION, clipped to [MIN_GRID, MAX_GRID] and
 # rounded down to two significant digits (so nearby σ share nothing, but a rerun hits the cache).
 GRID_FRACTION = 12.0
-MIN_GRID, MAX_GRID = 1e-3, 0.02
+MIN_GRID, MAX_GRID = 1e-4, 0.02
 BOUNDS = ('upper', 'lower')
 
 _CACHE_ENV = 'DPJAX_CACHE_DIR'
 _INDEX_FILE = 'random_allocation_v2.json'
 _memo: dict[str, object] = {}
+_seconds: dict[str, float] = {}
 
 
 def library_version() -> str:
@@ -77,18 +81,25 @@ def library_version() -> str:
     return 'unknown'
 
 
+def poisson_epsilon(noise_multiplier: float, num_steps: int, delta: float) -> float:
+  """ε of T Poisson-subsampled Gaussian steps at q = 1/T, on a grid that follows ε
+  (`step_compositions`, at search precision: within a few 0.1 % of the limit)."""
+  event = sampler_events.poisson_step_event(1.0 / num_steps, noise_multiplier)
+  compositions = step_compositions.StepCompositions(
+      noise_multiplier, delta, step_pld.MAX_GRID_POINTS, None, 10.0,
+      describe=lambda *_: 'no grid for the Poisson estimate of the random-allocation grid')
+  return float(compositions.composed(event, num_steps, 'poisson').get_epsilon_for_delta(delta))
+
+
 def default_discretization(noise_multiplier: float, num_steps: int, delta: float) -> float:
   """Loss grid for one epoch: ε of the Poisson-subsampled Gaussian (q = 1/T, T steps)/12.
 
   Balls-and-bins' ε is within a few percent of Poisson's at moderate σ (Chua et al. 2025,
   Fig. 2), so this grid makes the rounding a small fraction of the answer at any scale. The
-  Poisson ε is a cheap pessimistic one (grid 1e-3), which overstates small ε, so there the
-  grid is coarser than ε/12.
+  Poisson ε is computed on a grid that follows ε (a fixed grid 1e-3 overstated it 4× at
+  small ε, so the grid did not follow ε there; issue 34).
   """
-  poisson = pld_lib.from_gaussian_mechanism(
-      standard_deviation=noise_multiplier, sampling_prob=1.0 / num_steps,
-      value_discretization_interval=1e-3).self_compose(num_steps)
-  grid = float(poisson.get_epsilon_for_delta(delta)) / GRID_FRACTION
+  grid = poisson_epsilon(noise_multiplier, num_steps, delta) / GRID_FRACTION
   grid = min(MAX_GRID, max(MIN_GRID, grid))
   digits = 10.0 ** (math.floor(math.log10(grid)) - 1)
   return math.floor(grid / digits) * digits
@@ -198,18 +209,35 @@ def _read_index() -> dict:
     return {}
 
 
-def _remember_timeout(key: str, budget: float) -> None:
-  _memo[key] = {'timeout': budget}
+def _remember(key: str, entry: dict) -> None:
+  """{'timeout': budget} (the build did not finish) or {'seconds': s} (it took s), on disk."""
+  if 'timeout' in entry:
+    _memo[key] = entry
+  else:
+    _seconds[key] = entry['seconds']
   path = cache_dir() / _INDEX_FILE
   try:
     path.parent.mkdir(parents=True, exist_ok=True)
     index = _read_index()
-    index[key] = {'timeout': budget}
+    index[key] = entry
     with tempfile.NamedTemporaryFile('w', dir=path.parent, delete=False, suffix='.tmp') as f:
       json.dump(index, f, indent=1, sort_keys=True)
     os.replace(f.name, path)
   except OSError:
     pass  # A cache that cannot be written only costs time.
+
+
+def build_seconds(noise_multiplier: float, num_steps: int, discretization: float,
+                  tail_truncation: float, bound: str = 'upper') -> float | None:
+  """How long this PLD took to build (recorded beside the cache), None if unknown."""
+  key = cache_key(float(noise_multiplier), int(num_steps), float(discretization),
+                  float(tail_truncation), bound)
+  if key not in _seconds:
+    entry = _read_index().get(key)
+    if not (isinstance(entry, dict) and 'seconds' in entry):
+      return None
+    _seconds[key] = float(entry['seconds'])
+  return _seconds[key]
 
 
 def _npz_path(key: str) -> pathlib.Path:
@@ -267,14 +295,15 @@ def epoch_pld(noise_multiplier: float, num_steps: int, *, discretization: float,
     subprocess.run(argv, capture_output=True, text=True, check=True, env=child_env(),
                    timeout=None if timeout is None else budget)
   except subprocess.TimeoutExpired:
-    _remember_timeout(key, budget)
+    _remember(key, {'timeout': budget})
     if progress:
       print(f'dpjax: the {what} did not finish in {budget:g} s.', file=sys.stderr, flush=True)
     return None
   except subprocess.CalledProcessError as e:
     raise RuntimeError(f'random-allocation PLD failed: {(e.stderr or "")[-2000:]}') from e
+  _remember(key, {'seconds': time.monotonic() - start})
   if progress:
-    print(f'dpjax: built in {time.monotonic() - start:.1f} s.', file=sys.stderr, flush=True)
+    print(f'dpjax: built in {_seconds[key]:.1f} s.', file=sys.stderr, flush=True)
   _memo[key] = load_pld(path)
   return _memo[key]
 
