@@ -20,6 +20,7 @@ CHECKED = {
                            ('σ', 'BnB / Poisson', 'BnB s')),
     '03_fixed_size_vs_poisson': (('results.json',), ('epochs', 'steps', 'how it is computed')),
     '04_group_privacy': (('results.json',), ('k', 'conversion / MoG')),
+    '05_batch_size_planner': (('results.json',), ('b', 'steps S')),
     '06_truncation': (('results.json',), ('B', '(B − b)/std')),
 }
 _NUMBER = re.compile(r'(?<![\w.])-?\d+(?:\.\d+)?(?:e[+-]?\d+)?(?![\w.])')
