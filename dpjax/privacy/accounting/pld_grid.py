@@ -13,17 +13,19 @@ One fixed grid is loose at small ε: at Poisson N = 12.8M, b = 1024, T = 12,500,
 σ = 2, δ = 1e-8 the grid 1e-4 gives 0.0286 where finer grids give 0.0206
 (the per-step losses, ~q/σ, fall far below the grid), and needlessly fine at large ε
 (ε = 15.6 moves by 5e-5 relative between 1e-3 and 1e-4, at 10× the cost).
-`refine` makes the grid follow ε: start coarse and cheap (`START_GRID`), move to
-the ladder point below `SCALE`·ε, then halve until the bound moves by less than
-`REL_TOL` (0.1 %) between two grids, or the budget refuses the next grid (the
-caller's `evaluate` returns None). The error of connect-the-dots shrinks about
+`refine` makes the grid follow ε: start coarse and cheap (`START_GRID`), jump to
+the ladder point below `SCALE`·ε (the caller's `next_grid` may jump finer: the
+accountant also resolves one step's loss scale, `step_compositions`), then halve
+until the bound moves by less than `REL_TOL` (0.1 %) between two grids, or the
+budget refuses the next grid (the caller's `evaluate` returns None). The error of connect-the-dots shrinks about
 as the grid squared, so the reported bound is then within ~REL_TOL/3 of the
 limit (tests/privacy/accounting/test_pld_grid.py checks 1 % against a fine grid).
 
 Grids lie on the ladder 1e-4·2^k so that one query's step PLDs, kept per
 (event, grid) (`step_pld.KeptPLDs`), serve the next; the search is deterministic
-(its budget counts grid points, not seconds), so one configuration always
-reports the same ε.
+(the accountant's budget counts grid points, not seconds), so one configuration
+always reports the same ε. The random-allocation grid (`balls_and_bins`) is
+refined by halving only, within a time budget that is opt-in.
 """
 
 from __future__ import annotations
