@@ -3,8 +3,11 @@
   python experiments/03_fixed_size_vs_poisson/run.py          # ~1 min on 2 CPU cores
   python experiments/03_fixed_size_vs_poisson/run.py --full   # a denser epoch grid
 
-Setting of Birrell et al. 2024 (seed 001): σ = 6, b = 120, N = 50000, δ = 1e-5,
-416 steps per epoch (their count; dpjax's samplers would run ceil(N/b) = 417).
+Setting of Birrell et al. 2024 (seed 001; the slides give σ = 6, b = 120, N = 50000 and no ε,
+δ or step count): δ = 1e-5 and 416 = floor(N/b) steps per epoch are the reference setting of
+docs/accounting.md §7 (dpjax's samplers would run ceil(N/b) = 417), whose FS-RDP values
+0.454 / 0.659 / 1.083 at 50 / 100 / 250 epochs are a computation of the same closed form made
+for that note, not numbers from the slides.
 Curves (all upper bounds on ε; the neighbouring relation is part of each name):
 
 * fixed size, MoG PLD, add/remove: dpjax's accountant, `fixed_size_step_event`
@@ -22,7 +25,8 @@ Curves (all upper bounds on ε; the neighbouring relation is part of each name):
   example displaces another: sensitivity 2).
 
 The MoG PLD is also recomputed with dp_accounting's PLDAccountant on
-`MixtureOfGaussiansDpEvent` directly at the table's epochs (a cross-check).
+`MixtureOfGaussiansDpEvent` directly at the table's epochs, at the grid dpjax's report names
+(a cross-check).
 Writes results.json and epsilon_vs_epochs.png next to this file.
 """
 
@@ -49,9 +53,10 @@ NOISE_MULTIPLIER = 6.0
 BATCH_SIZE = 120
 NUM_EXAMPLES = 50_000
 DELTA = 1e-5
-STEPS_PER_EPOCH = 416  # Birrell et al.'s count (floor(N/b)).
+STEPS_PER_EPOCH = 416  # docs/accounting.md §7's count (floor(N/b)); the slides give none.
 TABLE_EPOCHS = (50, 100, 250)
-PAPER_FS_RDP = {50: 0.454, 100: 0.659, 250: 1.083}
+# docs/accounting.md §7's reference values (computed for that note; not in the slides).
+REFERENCE_FS_RDP = {50: 0.454, 100: 0.659, 250: 1.083}
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -72,10 +77,11 @@ def wang_et_al_epsilon(steps: int) -> float:
   return float(rdp.get_epsilon(DELTA))
 
 
-def mog_pld_direct(steps: int) -> float:
-  """MoG [0, 2] PLD from dp_accounting's own accountant (cross-check of dpjax's fast path)."""
+def mog_pld_direct(steps: int, grid: float) -> float:
+  """MoG [0, 2] PLD from dp_accounting's own accountant at `grid` (cross-check of dpjax's fast
+  path at the grid its report names)."""
   q = BATCH_SIZE / NUM_EXAMPLES
-  pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+  pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=grid)
   pld.compose(dp_event.MixtureOfGaussiansDpEvent(NOISE_MULTIPLIER, [0.0, 2.0], [1 - q, q]),
               steps)
   return float(pld.get_epsilon(DELTA))
@@ -118,8 +124,9 @@ def main():
     report = accountants['fixed_size_mog_pld_add_remove'].epsilon_at(steps)
     row = {name: curve[i] for name, curve in curves.items()}
     row.update(
-        epochs=e, steps=steps, fs_rdp_paper=PAPER_FS_RDP[e],
-        mog_pld_dp_accounting_direct=mog_pld_direct(steps),
+        epochs=e, steps=steps, fs_rdp_reference_docs_accounting=REFERENCE_FS_RDP[e],
+        mog_pld_grid=report.details['pld_grid'],
+        mog_pld_dp_accounting_direct=mog_pld_direct(steps, report.details['pld_grid']),
         wang_et_al_from_dpjax_report=report.details['wang_et_al_rdp_replace_one_epsilon'],
         fs_rdp_order=accountants['fixed_size_fs_rdp_add_remove'].epsilon_at(
             steps, estimates=False).details.get('fs_rdp_order'))
@@ -168,8 +175,8 @@ def plot(epochs, curves):
           ms=5, markevery=2, label='Poisson PLD at σ/2 = 3 (same pair as the MoG [0, 2])')
   for e in TABLE_EPOCHS:
     ax.axvline(e, color='0.85', lw=0.8, zorder=0)
-  ax.plot(list(PAPER_FS_RDP), list(PAPER_FS_RDP.values()), 'x', color='k', ms=8,
-          label='FS-RDP values from Birrell et al.')
+  ax.plot(list(REFERENCE_FS_RDP), list(REFERENCE_FS_RDP.values()), 'x', color='k', ms=8,
+          label='FS-RDP reference values (docs/accounting.md §7)')
   ax.set_xscale('log')
   ax.set_yscale('log')
   ax.set_xlabel('epochs (416 steps each)')

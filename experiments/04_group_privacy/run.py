@@ -4,15 +4,16 @@
   python experiments/04_group_privacy/run.py --full   # every k in 1…32
 
 DP-SGD with Poisson sampling, q = 0.01 (N = 10000, b = 100), T = 2000 steps
-(CIFAR-10-like: 20 epochs of 100 steps), δ = 1e-5, adjacency "add or remove
-up to k examples". Ganesh's noise multipliers are lost in the text we have,
-so σ = 1 (main) and σ = 2 are used. Per (σ, k):
+(Ganesh's CIFAR-10 setting: 20 epochs of 100 steps, hence q = 1/100), adjacency
+"add or remove up to k examples". Ganesh's target δ and noise multipliers are
+lost in the text we have, so δ = 1e-5, σ = 1 (main) and σ = 2 are our choices:
+no number here is one of the note's. Per (σ, k):
 
 * MoG PLD (dpjax): `make_accountant` on configs/digits_mlp.py with
   privacy.group_size = k, i.e. the per-step MoG with sensitivities [0, …, k]
   and probabilities Binomial(k, q) (Ganesh, Thm 3.1), composed in
-  dp_accounting's PLD. The cap B is set above N + 1 (no truncation, as in the
-  paper); see README for what the automatic cap does at large ε.
+  dp_accounting's PLD. The cap B is set above N + 1 (no truncation: the note
+  analyses plain Poisson sampling); see README for what the automatic cap does.
 * Generic conversion (Vadhan 2017, "The Complexity of Differential Privacy",
   Lemma 2.2; Ganesh's Lemma 1.1): (ε₁, δ₁)-DP for single examples implies
   (k·ε₁, k·e^{(k−1)ε₁}·δ₁)-DP for groups of k. We report
@@ -23,7 +24,7 @@ so σ = 1 (main) and σ = 2 are used. Per (σ, k):
   what keeps the conversion finite at the tiny δ₁ it needs; the PLD alone has a floor (its pessimistically
   truncated tail mass), which is why the accountant's built-in comparison
   (PLD only, recorded as `conversion_pld_only_dpjax`) returns ∞ for larger k.
-* Linear reference k·ε₁(δ) (the paper's "lower bound" line): a reference for
+* Linear reference k·ε₁(δ) (the note's "lower bound" line): a reference for
   linear growth, not a proven bound.
 
 Writes results.json and epsilon_vs_group_size.png next to this file.

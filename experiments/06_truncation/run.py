@@ -44,7 +44,6 @@ import sys
 import time
 from typing import Any
 
-from dp_accounting.pld import privacy_loss_distribution as pld_lib
 import matplotlib
 
 matplotlib.use('Agg')
@@ -55,6 +54,8 @@ from dpjax.trainer import provenance
 from dpjax.privacy import samplers
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import balls_and_bins
+from dpjax.privacy.accounting import random_allocation
+from dpjax.privacy.accounting import sampler_events
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -145,12 +146,15 @@ def run(sparse_grid) -> dict[str, Any]:
 
   # --- Dense TV-penalty curves ---------------------------------------------------------------
   start = time.perf_counter()
-  # Built as Accountant._step_pld builds it (VALUE_DISCRETIZATION, pessimistic).
-  poisson_pld = pld_lib.from_gaussian_mechanism(
-      standard_deviation=NOISE_MULTIPLIER, sampling_prob=q,
-      value_discretization_interval=accountant_lib.VALUE_DISCRETIZATION).self_compose(steps)
-  epoch_pld = balls_and_bins.random_allocation_epoch_pld(NOISE_MULTIPLIER, steps_per_epoch,
-                                                         timeout=None)
+  # The accountant's own composed PLD, at the grid it chose for this query (pessimistic).
+  poisson_pld = accountant_lib.Accountant(poisson, NOISE_MULTIPLIER, DELTA).composed_pld(
+      sampler_events.poisson_step_event(q, NOISE_MULTIPLIER), steps)
+  # The one-epoch PLD the accountant composes for E epochs (its grid and tail mass).
+  epoch_pld = balls_and_bins.random_allocation_epoch_pld(
+      NOISE_MULTIPLIER, steps_per_epoch, timeout=None,
+      discretization=random_allocation.epochs_discretization(NOISE_MULTIPLIER, steps_per_epoch,
+                                                             DELTA, EPOCHS),
+      tail_truncation=random_allocation.default_tail_truncation(DELTA))
   bnb_pld = epoch_pld.self_compose(EPOCHS)
   dense = []
   for cap in DENSE_GRID:

@@ -31,9 +31,12 @@ deterministic the unit is the epoch: a checkpoint inside epoch e releases a
 prefix of that epoch (post-processing of the whole epoch), so the ε attached
 is that of the e epochs started so far.
 
-Cost: per-step PLDs are built once per accountant and self-composed per query; reports
-are memoised per step (per epoch for epoch-based samplers); random-allocation PLDs are
-cached on disk. `monte_carlo_workers` processes draw the Monte-Carlo samples.
+Cost: per-step PLDs are built once per accountant and grid, and self-composed
+per query at the grid that follows ε (`pld_grid`: refined until ε moves by
+< 0.1 %, the smallest bound kept, the grid in `details['pld_grid']`); reports are memoised per step (per epoch for epoch-based samplers);
+random-allocation PLD results are cached on disk. The Monte-Carlo samples
+are drawn by `monte_carlo_workers` processes (`privacy.monte_carlo_workers`;
+the estimate does not depend on it).
 `estimates=False` skips the numbers reported beside the attached one
 (Monte-Carlo, lower bounds, comparisons) for cheap per-checkpoint calls.
 """
@@ -41,12 +44,12 @@ cached on disk. `monte_carlo_workers` processes draw the Monte-Carlo samples.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 from dp_accounting import dp_event
-from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
 from dpjax.privacy import samplers as samplers_lib
@@ -57,21 +60,12 @@ from dpjax.privacy.accounting import cap
 from dpjax.privacy.accounting import monte_carlo
 from dpjax.privacy.accounting import sampler_events
 from dpjax.privacy.accounting.report import PrivacyReport
-from dpjax.privacy.accounting.step_pld import composed_step_pld
-from dpjax.privacy.accounting.step_pld import dense_step_pld
-from dpjax.privacy.accounting.step_pld import estimate_pld_grid_points
-from dpjax.privacy.accounting.step_pld import GridTooLargeError
+from dpjax.privacy.accounting.step_compositions import StepCompositions
+from dpjax.privacy.accounting.step_pld import GridTooLargeError  # Raised by its queries.
 from dpjax.privacy.accounting.step_pld import MAX_GRID_POINTS
-from dpjax.privacy.accounting.step_pld import mixture_components as _mixture_components
-from dpjax.privacy.accounting.step_pld import MOG_VALUE_DISCRETIZATION
-from dpjax.privacy.accounting.step_pld import pld_pmfs
-from dpjax.privacy.accounting.step_pld import progress_bar
-from dpjax.privacy.accounting.step_pld import VALUE_DISCRETIZATION
+from dpjax.privacy.accounting.step_pld import mixture_components
 
 ACCOUNTANTS = ('auto', 'pld', 'rdp', 'monte_carlo')
-# A composed PLD beyond this many grid points (x 16 bytes in its FFT) is refused before it is
-# allocated.
-MAX_COMPOSED_POINTS = 5 * 10**7
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,10 +195,10 @@ class Accountant:
       random_allocation: force (True, no time limit) / skip (False) random-allocation PLD
         for balls-and-bins; None = attempt it within `random_allocation_timeout` seconds
         per new one-epoch PLD (cached on disk), else the labelled deterministic fallback.
-      value_discretization_interval: PLD discretisation (pessimistic rounding); None =
-        VALUE_DISCRETIZATION, or MOG_VALUE_DISCRETIZATION for mixtures of > 2 Gaussians.
-      pld_coarsening: multiplies the discretisation (calibration searches with 10, valid and
-        looser, then checks at 1).
+      value_discretization_interval: a fixed PLD grid; None = the grid follows ε (`pld_grid`,
+        refined until ε moves by < 0.1 %; the grid is in the report's details).
+      pld_coarsening: > 1 stops the grid's refinement at its first jump, unconfirmed
+        (calibration searches with 10: a looser valid bound), or multiplies a fixed grid.
       exact_truncation: for Poisson with a cap B, also compute dp_accounting's exact truncated
         event (costly) when the TV penalty is not negligible; False (forced when N bounds
         `sampler.num_rows`): the TV penalty (looser).
@@ -241,11 +235,17 @@ class Accountant:
     self.random_allocation_timeout = random_allocation_timeout
     self.max_grid_points = sampler_events.check_positive_int('max_grid_points', max_grid_points)
     self.prior_runs = composition.check_prior_runs(prior_runs)
-    self._step_plds: dict[Any, pld_lib.PrivacyLossDistribution] = {}
     self._reports: dict[tuple[int, bool], PrivacyReport] = {}
     self._monte_carlo: dict[tuple[int, float], monte_carlo.MonteCarloResult] = {}
 
   # --- derived quantities ---------------------------------------------------------------------
+
+  @functools.cached_property
+  def compositions(self) -> StepCompositions:
+    """This accountant's composed step PLDs, at the grid that follows ε."""
+    return StepCompositions(self.noise_multiplier, self.delta, self.max_grid_points,
+                            self.value_discretization_interval, self.pld_coarsening,
+                            describe=self._grid_too_large)
 
   @property
   def steps_per_epoch(self) -> int:
@@ -273,58 +273,30 @@ class Accountant:
 
   def composed_pld(self, event: dp_event.DpEvent, count: int,
                    interval: float | None = None) -> pld_lib.PrivacyLossDistribution:
-    interval = interval or self.pld_interval(event)
-    key = (repr(event), interval)
-    if key in self._step_plds:  # Kept here, whatever the process cache has evicted since.
-      return composed_step_pld(self._step_plds[key], event, interval, count,
-                               self._check_composition)
-    self._check_grid(event, interval)
-    with progress_bar(2, f'PLD of one {self.sampler.name} step, then {count} steps') as bar:
-      self._step_plds[key] = dense_step_pld(event, interval)
-      bar.update()
-      composed = composed_step_pld(self._step_plds[key], event, interval, count,
-                                   self._check_composition)
-      bar.update()
-    return composed
+    """`count` steps of `event` at the grid that gives the smallest ε(δ) (`pld_grid.refine`,
+    chosen once per (event, count)), or at `value_discretization_interval` when one is set,
+    or at `interval` when given (composing with other runs on a common grid)."""
+    if interval is not None:
+      return self.compositions.at_grid(event, interval, count)
+    return self.compositions.composed(event, count, self.sampler.name)
 
-  def _check_composition(self, pld: pld_lib.PrivacyLossDistribution, count: int) -> None:
-    """GridTooLargeError before composing `count` steps would allocate more than
-    MAX_COMPOSED_POINTS (dp_accounting's own truncation bounds of the composed support)."""
-    for pmf in pld_pmfs(pld):
-      probs = getattr(pmf, '_probs', None)
-      if probs is None or count <= 1 or (len(probs) - 1) * count + 1 <= MAX_COMPOSED_POINTS:
-        continue  # Without truncation the composed support has (len − 1)·count + 1 points.
-      low, high = pld_common.compute_self_convolve_bounds(probs, count, 1e-15)
-      if high - low + 1 > MAX_COMPOSED_POINTS:
-        raise GridTooLargeError(
-            f'num_steps = {count}: composing the privacy loss of {count:.3g} steps needs '
-            f'~{high - low + 1:.3g} grid points, beyond the {MAX_COMPOSED_POINTS:.0e} that fit '
-            f'in memory (σ = {self.noise_multiplier:.4g}). Shorten the run, or raise σ.')
+  def pld_grid(self, event: dp_event.DpEvent, count: int) -> dict:
+    """The grid `composed_pld(event, count)` used (for a report's details)."""
+    return self.compositions.grid_details(event, count, self.sampler.name)
 
-  def _check_grid(self, event: dp_event.DpEvent, interval: float) -> None:
-    points = estimate_pld_grid_points(event, interval)
-    if points is None or points <= self.max_grid_points:
-      return
-    sensitivities = _mixture_components(event)[1]
+  def _grid_too_large(self, event: dp_event.DpEvent, points: int, interval: float) -> str:
+    sensitivities = mixture_components(event)[1]
     hints = ['raise σ (privacy.noise_multiplier)']
     if self.group_size > 1:
       hints.insert(0, f'lower privacy.group_size = {self.group_size}')
     if self.sampler.grid_too_large_hint:
       hints.append(self.sampler.grid_too_large_hint)
     hints.append(f'coarsen value_discretization_interval (now {interval:g})')
-    raise GridTooLargeError(
-        f'the privacy-loss distribution of one {self.sampler.name} step (σ = '
-        f'{self.noise_multiplier:.4g}, {len(sensitivities)} mixture components, sensitivity up '
-        f'to {max(sensitivities):g}) needs ~{points:.3g} grid points × components, '
-        f'more than the {self.max_grid_points:.3g} allowed (minutes and GBs of memory). '
-        f'To fix: {"; ".join(hints)}; or raise max_grid_points.')
-
-  def pld_interval(self, event: dp_event.DpEvent) -> float:
-    interval = self.value_discretization_interval
-    if interval is None:
-      many = isinstance(event, dp_event.MixtureOfGaussiansDpEvent) and len(event.sensitivities) > 2
-      interval = MOG_VALUE_DISCRETIZATION if many else VALUE_DISCRETIZATION
-    return min(0.1, interval * self.pld_coarsening)
+    return (f'the privacy-loss distribution of one {self.sampler.name} step (σ = '
+            f'{self.noise_multiplier:.4g}, {len(sensitivities)} mixture components, sensitivity '
+            f'up to {max(sensitivities):g}) needs ~{points:.3g} grid points × components, more '
+            f'than the {self.max_grid_points:.3g} allowed (minutes and GBs of memory). To fix: '
+            f'{"; ".join(hints)}; or raise max_grid_points.')
 
   # --- public API -----------------------------------------------------------------------------
 

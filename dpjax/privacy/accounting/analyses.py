@@ -119,11 +119,12 @@ def poisson_subsampling(acct: Accountant, steps: int, estimates: bool) -> Privac
 def _poisson_pld(acct: Accountant, event, steps: int, tau: float) -> tuple[float, str, dict]:
   delta = acct.delta
   composed = acct.composed_pld(event, steps)
+  extra = acct.pld_grid(event, steps)
   if tau == 0:
-    return float(composed.get_epsilon_for_delta(delta)), 'pld', {}
+    return float(composed.get_epsilon_for_delta(delta)), 'pld', extra
   eps_tv = balls_and_bins.smallest_epsilon(composed.get_delta_for_epsilon, delta,
                                            penalty_mass=tau)
-  extra = {'tv_truncation_epsilon': eps_tv}
+  extra['tv_truncation_epsilon'] = eps_tv
   penalty = (1 + math.exp(eps_tv)) * tau if math.isfinite(eps_tv) else math.inf
   if acct.group_size > 1 or not acct.exact_truncation or penalty <= _NEGLIGIBLE_PENALTY * delta:
     return eps_tv, 'pld + tv_truncation_penalty', extra
@@ -147,6 +148,7 @@ def fixed_size_subsampling(acct: Accountant, steps: int, estimates: bool) -> Pri
   if acct.accountant == 'pld' or estimates:
     event = _fixed_size_event(acct)
     pld_eps = float(acct.composed_pld(event, steps).get_epsilon_for_delta(delta))
+    details.update(acct.pld_grid(event, steps))
   if k == 1 and b < n and (acct.accountant == 'rdp' or estimates):
     fs_rdp_eps, order = fixed_size_rdp.fixed_size_rdp_epsilon(b / n, sigma, steps, delta)
     details['fs_rdp_order'] = order
@@ -180,7 +182,8 @@ def subsampling_with_replacement(acct: Accountant, steps: int, estimates: bool) 
   event = _with_replacement_event(acct)
   eps = float(acct.composed_pld(event, steps).get_epsilon_for_delta(delta))
   details: dict[str, Any] = {
-      'method': 'pld(mixture_of_gaussians[0,2,...,2b], binomial(b, k/N))'}
+      'method': 'pld(mixture_of_gaussians[0,2,...,2b], binomial(b, k/N))',
+      **acct.pld_grid(event, steps)}
   if estimates and k > 1:
     one = acct.composed_pld(sampler_events.fixed_size_with_replacement_step_event(n, b, sigma), steps)
     details['group_conversion_epsilon_comparison_only'] = _group_conversion_epsilon(

@@ -45,11 +45,19 @@ from dp_accounting.pld import privacy_loss_mechanism
 from scipy import stats
 
 from dpjax.privacy.accounting import monotone
+from dpjax.privacy.accounting import pld_grid
 from dpjax.privacy.accounting import random_allocation as random_allocation_lib
 from dpjax.privacy.accounting import sampler_events
 
 # Default policy for random-allocation PLD (see the module docstring).
 RANDOM_ALLOCATION_TIMEOUT = random_allocation_lib.RANDOM_ALLOCATION_TIMEOUT
+# Refining the random-allocation grid (`pld_grid`, by halving) is opt-in: its rounding falls
+# only linearly with the grid (≈ 0.3·E·grid) while each halving costs 3-6× the build
+# (scripts/README.md), so moving ε by < 0.1 % takes ~5 halvings, 100-1000× the first build.
+# `provable_epsilon(refine_seconds=...)` allows a budget; a halving is tried only when
+# REFINE_COST_FACTOR × the last build's recorded seconds fits in what is left of it.
+RANDOM_ALLOCATION_REFINE_SECONDS = 0.0
+REFINE_COST_FACTOR = 6.0
 # `random_allocation_epoch_pld`'s default grid and tail mass (experiments/06_truncation).
 EPOCH_PLD_DISCRETIZATION = 0.02
 EPOCH_PLD_TAIL_TRUNCATION = 1e-8
@@ -221,7 +229,8 @@ def provable_epsilon(noise_multiplier: float, num_steps: int, delta: float, *,
                      num_epochs: int = 1, group_size: int = 1, log_penalty_mass: float = -math.inf,
                      random_allocation: bool | None = None,
                      timeout: float | None = RANDOM_ALLOCATION_TIMEOUT,
-                     lower: bool = False) -> ProvableBound:
+                     lower: bool = False,
+                     refine_seconds: float = RANDOM_ALLOCATION_REFINE_SECONDS) -> ProvableBound:
   """Provable ε(δ) of E epochs of balls-and-bins with T steps each.
 
   The dominating one-epoch random-allocation PLD (grid from σ, T, δ, E:
@@ -243,6 +252,8 @@ def provable_epsilon(noise_multiplier: float, num_steps: int, delta: float, *,
     timeout: seconds allowed to each new one-epoch PLD build under the default policy.
     lower: also the random-allocation lower bound (a dominated PLD at twice the one-epoch
       grid; without truncation only).
+    refine_seconds: seconds allowed to refining the grid by halving (`_refined_upper`);
+      0 (the default): the grid above, unrefined.
   """
   tau = math.exp(log_penalty_mass)
   det = deterministic_epsilon(noise_multiplier, num_epochs, delta, group_size=group_size,
@@ -271,15 +282,15 @@ def provable_epsilon(noise_multiplier: float, num_steps: int, delta: float, *,
         f'Accountant(random_allocation_timeout=...) or python -m dpjax.account '
         f'--random-allocation-timeout SECONDS)', det, None, None,
         delta0, grid)
-  composed = _compose(pld, num_epochs)
+  refined = _refined_upper(noise_multiplier, num_steps, num_epochs, delta, tau, tail, grid, pld,
+                           refine_seconds, budget)
+  upper, grid = refined.epsilon, refined.grid
   method = 'random_allocation_pld (one-epoch dominating PLD' + (
       ', composed E times' if num_epochs > 1 else '') + note + ')'
+  spent = delta
   if tau > 0:
-    upper = smallest_epsilon(composed.get_delta_for_epsilon, delta, penalty_mass=tau)
     method += ' + tv_truncation_penalty at its own ε'
     spent = delta - (1.0 + math.exp(upper)) * tau if math.isfinite(upper) else 0.0
-  else:
-    upper, spent = float(composed.get_epsilon_for_delta(delta)), delta
   low = None
   if lower and tau == 0:  # a side number: on the cheap one-epoch grid, doubled
     dominated = random_allocation_epoch_pld(noise_multiplier, num_steps, discretization=2 * coarse,
@@ -290,6 +301,38 @@ def provable_epsilon(noise_multiplier: float, num_steps: int, delta: float, *,
     return ProvableBound(upper, method, det, upper, low, spent, grid)
   return ProvableBound(det, 'deterministic (below the random-allocation bound here)', det, upper,
                        low, delta0, grid)
+
+
+def _upper(composed, delta: float, tau: float) -> float:
+  """ε(δ) of a composed dominating PLD, with the truncation penalty at its own ε if τ > 0."""
+  if tau > 0:
+    return smallest_epsilon(composed.get_delta_for_epsilon, delta, penalty_mass=tau)
+  return float(composed.get_epsilon_for_delta(delta))
+
+
+def _refined_upper(sigma: float, steps: int, epochs: int, delta: float, tau: float, tail: float,
+                   grid: float, pld, refine_seconds: float, timeout: float | None):
+  """The upper bound on `pld` (built at `grid`), refined by halving the grid (`pld_grid`:
+  the smallest bound kept, each a dominating PLD's) while ε moves by >= 0.1 % and the next
+  build, predicted at REFINE_COST_FACTOR × the last one's recorded seconds, fits in what is
+  left of `refine_seconds` (it is also killed there)."""
+  left = [float(refine_seconds)]
+
+  def evaluate(g):
+    built = pld
+    if g != grid:
+      last = random_allocation_lib.build_seconds(sigma, steps, 2 * g, tail)
+      if last is None or REFINE_COST_FACTOR * last > left[0]:
+        return None
+      limit = left[0] if timeout is None else min(timeout, left[0])
+      built = random_allocation_epoch_pld(sigma, steps, discretization=g, tail_truncation=tail,
+                                          timeout=limit)
+      left[0] -= random_allocation_lib.build_seconds(sigma, steps, g, tail) or limit
+      if built is None:
+        return None
+    return _upper(_compose(built, epochs), delta, tau), built
+
+  return pld_grid.refine(evaluate, grid, next_grid=pld_grid.halve)
 
 
 def _check_delta(delta) -> None:

@@ -11,10 +11,10 @@ geometric bisection because it stops as soon as ε(σ) lands within epsilon_rtol
 below the target: each ε(σ) costs a PLD build, no library search stops on the
 function's value, and the calibrated σ of every recorded run stays as it was.
 
-Gaussian-type PLD accountants search with a 10× coarser discretisation first
-(a coarser pessimistic PLD is still an upper bound, just looser), then refine
-at the reporting discretisation in a narrow bracket; the final σ is always
-checked at the reporting discretisation.
+PLD accountants search with a cheaper grid first (`pld_grid`'s first jump,
+unconfirmed; a coarser pessimistic PLD is still an upper bound, just looser),
+then search again with the reporting rule in a narrow bracket; the final σ is always checked with the rule that reports it, so
+it meets the target at the grid the report names.
 
 Monte-Carlo (balls-and-bins, accountant='monte_carlo'): inside the search the
 sampler seed is fixed (a seed derived from, but different from, the report's)
@@ -35,6 +35,7 @@ from dpjax.privacy.accounting import balls_and_bins
 from dpjax.privacy.accounting import max_test
 from dpjax.privacy.accounting import monotone
 from dpjax.privacy.accounting import sampler_events
+from dpjax.privacy.accounting import step_pld
 
 # ε(σ) within this relative distance below the target ends the σ search.
 DEFAULT_EPSILON_RTOL = 5e-3
@@ -118,10 +119,11 @@ def largest_count(epsilon_of_count: Callable[[int], float], target_epsilon: floa
 
 def _coarse_search_is_safe(sampler: samplers_lib.Sampler, accountant: str,
                            group_size: int) -> bool:
-  """Gaussian-type PLDs lose little ε at 10× coarser discretisation; mixtures of more than two
-  Gaussians (group privacy, with replacement) lose far more, so they search at 1×."""
-  return (accountant_lib.resolve_accountant(sampler.name, accountant) == 'pld' and
-          sampler.coarse_pld_search and group_size == 1)
+  """PLD accountants refine their grid until ε moves by < 0.1 % (`pld_grid`); with coarsening
+  10 they stop at the first jump, unconfirmed: every search value is a valid bound within a
+  few 0.1 % of the reported one, whatever the mixture."""
+  del group_size
+  return accountant_lib.resolve_accountant(sampler.name, accountant) == 'pld'
 
 
 def calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: float,
@@ -134,7 +136,7 @@ def calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: fl
   (and raised in 0.05% steps if σ/(1 + η), a float, lands on the other side of a PLD grid
   point than σ₀).
   """
-  with accountant_lib.progress_bar(
+  with step_pld.progress_bar(
       None, f'calibrating σ for ε = {target_epsilon} ({sampler.name})') as bar:
     sigma = _calibrate_noise_multiplier(sampler, target_epsilon, delta, num_steps, bar=bar,
                                         **kwargs)
@@ -216,7 +218,7 @@ def _epsilon_of_sigma(sampler, delta: float, steps: int, bar,
     acct = accountant_lib.Accountant(sampler, sigma, delta, **accountant_kwargs)
     try:
       eps = acct.epsilon(steps)
-    except accountant_lib.GridTooLargeError:
+    except step_pld.GridTooLargeError:
       # Grids widen as σ falls: this σ is too small to account, so search above it. The
       # returned σ is always one whose ε was computed and meets the target.
       eps = math.inf

@@ -91,10 +91,12 @@ def privacy_loss(acct: Accountant, step: int, interval: float | None = None) -> 
   epoch-based samplers), at discretisation `interval` (default: the accountant's)."""
   event = analyses.PLD_EVENTS[acct.sampler.analysis](acct)
   unit = acct.epochs_started(step) if acct.is_epoch_based else step
-  interval = interval or acct.pld_interval(event)
+  if interval is None:  # The grid this run's own ε uses (`pld_grid`).
+    pld, interval = acct.composed_pld(event, unit), acct.pld_grid(event, unit)['pld_grid']
+  else:
+    pld = acct.composed_pld(event, unit, interval=interval)
   steps_run = unit * acct.steps_per_epoch if acct.is_epoch_based else unit
-  return PrivacyLoss(acct.composed_pld(event, unit, interval=interval),
-                     math.exp(acct.log_truncation_mass(steps_run)), interval)
+  return PrivacyLoss(pld, math.exp(acct.log_truncation_mass(steps_run)), interval)
 
 
 def composed_epsilon(losses: list[tuple[Accountant, int]], delta: float) -> float:

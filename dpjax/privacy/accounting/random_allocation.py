@@ -68,6 +68,7 @@ BOUNDS = ('upper', 'lower')
 _CACHE_ENV = 'DPJAX_CACHE_DIR'
 _INDEX_FILE = 'random_allocation_v2.json'
 _memo: dict[str, object] = {}
+_seconds: dict[str, float] = {}
 
 
 def library_version() -> str:
@@ -83,7 +84,11 @@ def default_discretization(noise_multiplier: float, num_steps: int, delta: float
   Balls-and-bins' ε is within a few percent of Poisson's at moderate σ (Chua et al. 2025,
   Fig. 2), so this grid makes the rounding a small fraction of the answer at any scale. The
   Poisson ε is a cheap pessimistic one (grid 1e-3), which overstates small ε, so there the
-  grid is coarser than ε/12.
+  grid is coarser than ε/12. Deliberately: at T = 10⁴ the tight Poisson ε would ask for a grid
+  2-4× finer (0.0051 instead of 0.0085 at σ = 0.8, 0.0011 instead of 0.0048 at σ = 2:
+  scripts/results/accounting_grid.json), each halving costing 3-6× a build that takes ~70 s
+  already, past the time budget and into the deterministic fallback. A finer grid is what
+  `balls_and_bins.provable_epsilon(refine_seconds=...)` buys, by halving, within a budget.
   """
   poisson = pld_lib.from_gaussian_mechanism(
       standard_deviation=noise_multiplier, sampling_prob=1.0 / num_steps,
@@ -198,18 +203,35 @@ def _read_index() -> dict:
     return {}
 
 
-def _remember_timeout(key: str, budget: float) -> None:
-  _memo[key] = {'timeout': budget}
+def _remember(key: str, entry: dict) -> None:
+  """{'timeout': budget} (the build did not finish) or {'seconds': s} (it took s), on disk."""
+  if 'timeout' in entry:
+    _memo[key] = entry
+  else:
+    _seconds[key] = entry['seconds']
   path = cache_dir() / _INDEX_FILE
   try:
     path.parent.mkdir(parents=True, exist_ok=True)
     index = _read_index()
-    index[key] = {'timeout': budget}
+    index[key] = entry
     with tempfile.NamedTemporaryFile('w', dir=path.parent, delete=False, suffix='.tmp') as f:
       json.dump(index, f, indent=1, sort_keys=True)
     os.replace(f.name, path)
   except OSError:
     pass  # A cache that cannot be written only costs time.
+
+
+def build_seconds(noise_multiplier: float, num_steps: int, discretization: float,
+                  tail_truncation: float, bound: str = 'upper') -> float | None:
+  """How long this PLD took to build (recorded beside the cache), None if unknown."""
+  key = cache_key(float(noise_multiplier), int(num_steps), float(discretization),
+                  float(tail_truncation), bound)
+  if key not in _seconds:
+    entry = _read_index().get(key)
+    if not (isinstance(entry, dict) and 'seconds' in entry):
+      return None
+    _seconds[key] = float(entry['seconds'])
+  return _seconds[key]
 
 
 def _npz_path(key: str) -> pathlib.Path:
@@ -267,14 +289,15 @@ def epoch_pld(noise_multiplier: float, num_steps: int, *, discretization: float,
     subprocess.run(argv, capture_output=True, text=True, check=True, env=child_env(),
                    timeout=None if timeout is None else budget)
   except subprocess.TimeoutExpired:
-    _remember_timeout(key, budget)
+    _remember(key, {'timeout': budget})
     if progress:
       print(f'dpjax: the {what} did not finish in {budget:g} s.', file=sys.stderr, flush=True)
     return None
   except subprocess.CalledProcessError as e:
     raise RuntimeError(f'random-allocation PLD failed: {(e.stderr or "")[-2000:]}') from e
+  _remember(key, {'seconds': time.monotonic() - start})
   if progress:
-    print(f'dpjax: built in {time.monotonic() - start:.1f} s.', file=sys.stderr, flush=True)
+    print(f'dpjax: built in {_seconds[key]:.1f} s.', file=sys.stderr, flush=True)
   _memo[key] = load_pld(path)
   return _memo[key]
 

@@ -1,11 +1,12 @@
 """The PLD of one DP-SGD step, built as dp_accounting builds it, with its cost known first.
 
 dp_accounting's `PLDAccountant` discretises each event's privacy-loss
-distribution with pessimistic rounding (any grid gives an upper bound); the
-grid of a mixture of Gaussians (group privacy, sampling with replacement)
-grows as σ falls and its construction costs points × components, so its size
-is estimated before anything is allocated (`estimate_pld_grid_points`) and an
-oversized grid is refused with `GridTooLargeError`.
+distribution with pessimistic rounding (any grid gives an upper bound; which
+grid, `pld_grid` and `step_compositions` decide); the grid of a mixture of
+Gaussians (group privacy, sampling with replacement) grows as σ falls and its
+construction costs points × components, so its size is estimated before
+anything is allocated (`estimate_pld_grid_points`) and an oversized grid is
+refused with `GridTooLargeError`.
 """
 
 from __future__ import annotations
@@ -22,11 +23,6 @@ from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.pld import privacy_loss_mechanism
 
-# PLD discretisation (pessimistic rounding, so any value gives an upper bound): 1e-4 for
-# Gaussian-type events; 1e-3 for mixtures of > 2 Gaussians (group privacy, sampling with
-# replacement), whose dp_accounting construction costs far more per decade of resolution.
-VALUE_DISCRETIZATION = 1e-4
-MOG_VALUE_DISCRETIZATION = 1e-3
 # Refuse to build a per-step PLD whose grid (privacy-loss points × mixture components, what
 # dp_accounting evaluates and holds as float64 arrays) exceeds this (the cost of large grids:
 # scripts/README.md, bench_accounting_limits.py).
@@ -88,10 +84,11 @@ class KeptPLDs:
 
 
 # Calibration, the planner and ε at many steps ask for the same step, and runs of one config for
-# the same compositions, again. Step PLDs hold at most MAX_GRID_POINTS floats; composed ones are
-# kept only up to MAX_KEPT_COMPOSED_POINTS (they reach MAX_COMPOSED_POINTS in the accountant).
-BUILT_STEPS = KeptPLDs(8)
-COMPOSED = KeptPLDs(8)
+# the same compositions, again; one query refines through up to ~10 grids (`pld_grid`). Step
+# PLDs hold at most MAX_GRID_POINTS floats; composed ones are kept only up to
+# MAX_KEPT_COMPOSED_POINTS (they reach step_compositions.MAX_COMPOSED_POINTS).
+BUILT_STEPS = KeptPLDs(16)
+COMPOSED = KeptPLDs(16)
 MAX_KEPT_COMPOSED_POINTS = 5 * 10**5
 
 
@@ -141,6 +138,25 @@ def mixture_components(event: dp_event.DpEvent) -> tuple[float, list, list] | No
   if isinstance(event, dp_event.MixtureOfGaussiansDpEvent):
     return event.standard_deviation, list(event.sensitivities), list(event.sampling_probs)
   return None
+
+
+def loss_scale(event: dp_event.DpEvent) -> float:
+  """√χ²(P‖Q) of a Gaussian-type step (the spread of its privacy loss where it is small);
+  inf for other events.
+
+  For P = Σ_i p_i N(s_i, σ²), Q = N(0, σ²): χ² = Σ_ij p_i p_j e^{s_i s_j / σ²} − 1 (the
+  Gaussian moment generating function); Poisson rate q: q·√(e^{1/σ²} − 1). A grid must
+  resolve this scale, whatever ε is: at q = 8e-5, σ = 2 it is 4e-5.
+  """
+  parts = mixture_components(event)
+  if parts is None:
+    return math.inf
+  sigma, sensitivities, probs = parts
+  logs = [math.log(p) + math.log(r) + s * t / sigma**2 for s, p in zip(sensitivities, probs)
+          for t, r in zip(sensitivities, probs) if p > 0 and r > 0]
+  top = max(logs)
+  log_one_plus = top + math.log(sum(math.exp(v - top) for v in logs))
+  return math.sqrt(max(0.0, math.expm1(log_one_plus))) if log_one_plus < 700 else math.inf
 
 
 def estimate_pld_grid_points(event: dp_event.DpEvent, interval: float) -> int | None:

@@ -49,7 +49,9 @@ def test_poisson_pld_and_rdp_match_dp_accounting():
   pld = accountant_lib.Accountant(sampler, 1.1, DELTA, max_batch_size=None).epsilon_at(3000)
   rdp = accountant_lib.Accountant(sampler, 1.1, DELTA, accountant='rdp',
                                   max_batch_size=None).epsilon_at(3000)
-  assert pld.epsilon == pytest.approx(_pld_epsilon(event, 3000), rel=1e-9)
+  # dp_accounting at the grid the report names (the grid follows ε: test_pld_grid.py).
+  assert pld.epsilon == pytest.approx(_pld_epsilon(event, 3000, pld.details['pld_grid']),
+                                      rel=1e-9)
   assert rdp.epsilon == pytest.approx(_rdp_epsilon(event, 3000), rel=1e-9)
   assert (pld.accountant, rdp.accountant, pld.bound) == ('pld', 'rdp', 'upper')
   assert pld.epsilon < rdp.epsilon
@@ -119,13 +121,15 @@ def test_deterministic_is_the_gaussian_composed_per_epoch():
 
 def test_shuffle_upper_is_deterministic_never_poisson():
   sampler = _sampler('shuffle', 10_000, 100)
-  report = accountant_lib.Accountant(sampler, 1.0, DELTA).epsilon_at(100)
+  acct = accountant_lib.Accountant(sampler, 1.0, DELTA)
+  report = acct.epsilon_at(100)
   det = balls_and_bins.deterministic_epsilon(1.0, 1, DELTA)
   assert report.epsilon == det and report.bound == 'upper'
   assert report.epsilon_lower <= report.epsilon
   poisson = report.details['as_if_poisson_not_a_guarantee']
-  assert poisson == pytest.approx(_pld_epsilon(dp_event.PoissonSampledDpEvent(
-      0.01, dp_event.GaussianDpEvent(1.0)), 100), rel=1e-9)
+  event = dp_event.PoissonSampledDpEvent(0.01, dp_event.GaussianDpEvent(1.0))
+  grid = acct.pld_grid(sampler_events.poisson_step_event(0.01, 1.0), 100)['pld_grid']
+  assert poisson == pytest.approx(_pld_epsilon(event, 100, grid), rel=1e-9)
   # The docs' point: the shuffle lower bound exceeds the Poisson number one might report.
   assert report.epsilon_lower > poisson
   assert report.epsilon != poisson
@@ -140,7 +144,8 @@ def test_fixed_size_mog_matches_dp_accounting():
   acct = accountant_lib.Accountant(sampler, 6.0, DELTA)
   mog = dp_event.MixtureOfGaussiansDpEvent(6.0, [0, 2], [1 - 120 / 50_000, 120 / 50_000])
   report = acct.epsilon_at(steps)
-  assert report.epsilon == pytest.approx(_pld_epsilon(mog, steps), rel=1e-6)
+  assert report.epsilon == pytest.approx(_pld_epsilon(mog, steps, report.details['pld_grid']),
+                                         rel=1e-6)
   # PLD (tight) <= FS-RDP (add/remove) < Wang et al. (replace-one, a different adjacency).
   assert report.epsilon < report.details['fs_rdp_epsilon']
   assert report.details['fs_rdp_epsilon'] < report.details['wang_et_al_rdp_replace_one_epsilon']

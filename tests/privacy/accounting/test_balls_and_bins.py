@@ -276,3 +276,25 @@ def test_config_field_sets_the_budget(cache, in_process_pld_builds):
   config.sampler.batch_size, config.num_epochs = 100, 1
   config.privacy.random_allocation_timeout = 7.5
   assert plan_lib.make_accountant(config, 1000).random_allocation_timeout == 7.5
+
+
+def test_grid_refinement_within_a_budget_keeps_a_dominating_bound(cache, in_process_pld_builds,
+                                                                  monkeypatch):
+  """Issue 34, item 9: with a refinement budget the random-allocation grid is halved while the
+  next build (6× the last one's recorded seconds) fits: ε falls, and is the library's own
+  dominating PLD at the grid reported (an upper bound), never below its dominated one. No
+  budget (the default): the grid is not refined. Fails on da06065 (no `refine_seconds`),
+  checked."""
+  monkeypatch.setattr(random_allocation, 'build_seconds', lambda *args: 1.0)  # Every build: 1 s.
+  sigma, steps = 2.0, 4
+  plain = balls_and_bins.provable_epsilon(sigma, steps, DELTA)
+  refined = balls_and_bins.provable_epsilon(sigma, steps, DELTA, refine_seconds=6.5)
+  assert refined.discretization == plain.discretization / 2  # 6 s fit once in 6.5 s.
+  assert refined.epsilon < plain.epsilon
+  tail = random_allocation.default_tail_truncation(DELTA)
+  upper = _library_pld(sigma, steps, refined.discretization, tail,
+                       PLD_accounting.BoundType.DOMINATES).get_epsilon_for_delta(DELTA)
+  lower = _library_pld(sigma, steps, refined.discretization, tail,
+                       PLD_accounting.BoundType.IS_DOMINATED).get_epsilon_for_delta(DELTA)
+  assert refined.epsilon == pytest.approx(upper, rel=1e-9) and lower <= refined.epsilon
+  assert balls_and_bins.provable_epsilon(sigma, steps, DELTA) == plain  # Budget 0: unrefined.
