@@ -64,6 +64,7 @@ from dpjax.trainer import cli
 from dpjax.privacy import samplers as samplers_lib
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import calibration
+from dpjax.privacy.accounting import step_pld
 
 
 # Flag names keep the dashes users type (absl accepts them); the value is read as
@@ -308,7 +309,7 @@ def main(argv=None) -> int:
                    else _from_flags(args, options))
     try:
       report = acct.final_report()
-    except accountant_lib.GridTooLargeError as e:  # Its fixes as this command's flags.
+    except step_pld.GridTooLargeError as e:  # Its fixes as this command's flags.
       raise ValueError(accounting_refusals.grid_too_large(e, acct, FLAG_NAMES)) from None
   except ValueError as e:
     cli.fail(PROG, e)

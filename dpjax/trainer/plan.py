@@ -52,6 +52,7 @@ from dpjax.privacy import privacy_plan
 from dpjax.privacy import samplers as samplers_lib
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import composition
+from dpjax.privacy.accounting import step_pld
 from dpjax.privacy.auditing import audited_sgd
 from dpjax.privacy.auditing import canaries as canaries_lib
 
@@ -349,7 +350,7 @@ def _privacy_plan(config: ml_collections.ConfigDict, plan: RunPlan,
   # before anything is written.
   try:
     private_plan.accountant.epsilon(num_steps)
-  except accountant_lib.GridTooLargeError as e:  # Its fixes as config fields.
+  except step_pld.GridTooLargeError as e:  # Its fixes as config fields.
     raise PlanError(accounting_refusals.grid_too_large(
         e, private_plan.accountant, accounting_refusals.CONFIG_NAMES)) from None
   try:

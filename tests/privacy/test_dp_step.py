@@ -577,7 +577,7 @@ def test_apply_refuses_a_repeated_step():
   of both updates reads the difference of the clipped sums (here, whether a row was in)."""
   params, (x, y) = _params(), _rows(6, seed=3)
   step = dp_step.DPStep(MODEL, optax.sgd(1.0), clip_norm=0.5, noise_multiplier=1.0,
-                        expected_batch_size=4, max_batch_size=8)
+                        expected_batch_size=4)
   opt_state, acc = step.optimizer.init(params), step.init_accumulator(params)
   first, _, _ = step.apply(params, opt_state, step.init_accumulator(params), np.uint32(2))
   for t in (2, 1):  # The same step, then an earlier one: refused before any compute.

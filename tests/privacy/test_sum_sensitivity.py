@@ -137,7 +137,8 @@ def test_ten_thousand_rows_summed_as_a_step_sums_them_are_within_the_bound_eta_a
   grad_fn = jax.jit(dpjax.clipped_grad(lambda w, row: jnp.dot(w, row['x']), 2.0, method='vmap'))
   total = compensation = np.zeros(3, np.float32)
   for j in range(k):
-    g, _ = grad_fn(np.zeros(3, np.float32), {'x': rows[j * p:(j + 1) * p]})
+    g, _ = grad_fn(np.zeros(3, np.float32), {'x': rows[j * p:(j + 1) * p]},
+                   np.ones(p, np.float32))
     total, compensation = rounding.kahan_add(total, compensation, g)
   exact = np.sum(rows.astype(np.float64), axis=0)
   gamma = 8 * u / (1 - 8 * u)  # ⌈log₂ 100⌉ = 7 levels and the product f_i·g_i.

@@ -50,6 +50,16 @@ def _independent(*runs, interval=1e-4):
   return pld.get_epsilon_for_delta(DELTA)
 
 
+def _sigma(sigma, fingerprint):
+  """σ/(1 + η): the noise multiplier a run's ε is of (η, the float rounding it paid for)."""
+  return sigma / (1 + fingerprint['privacy.rounding_eta'])
+
+
+def _a_sigma(runs):
+  """Run A's σ = 1 as accounted."""
+  return _sigma(1.0, checkpoints.read_metadata(str(runs / 'given'))[-1]['fingerprint'])
+
+
 def _plan(init_from, data=None, previous=None, options=None, **overrides):
   """B's plan: from `init_from`, on digits or on `data` (an .npz path), 6 steps, σ = 1."""
   if data is not None:
@@ -74,9 +84,9 @@ def test_b_from_a_on_d_permuted_or_d_minus_one_reports_the_composition(runs, tmp
   order = np.random.default_rng(0).permutation(N)
   for name, rows in (('permuted', order), ('minus_one', np.arange(1, N))):
     plan = _plan(runs / 'given', _digits_npz(tmp_path / f'{name}.npz', rows), options=COARSE)
-    n = len(rows)
-    composed = _independent((N, 1.0, STEPS), (n, 1.0, STEPS), interval=1e-3)
-    alone = _independent((n, 1.0, STEPS), interval=1e-3)
+    n, a, b = len(rows), _a_sigma(runs), _sigma(1.0, plan.fingerprint)
+    composed = _independent((N, a, STEPS), (n, b, STEPS), interval=1e-3)
+    alone = _independent((n, b, STEPS), interval=1e-3)
     report = plan.accountant.epsilon_at(STEPS, estimates=False)
     assert composed <= report.epsilon <= composed + 1e-6, name
     assert report.epsilon > alone + 0.4
@@ -97,14 +107,16 @@ def test_a_run_from_an_export_reports_the_composition_everywhere_and_a_chain_com
                            'checkpoint_every_steps': 1, 'eval_every_steps': 2})
   train.train_and_evaluate(config, str(tmp_path / 'b'))
   out = capsys.readouterr().out
-  expected = {t: _independent((N, 1.0, STEPS), (N, 1.0, t)) for t in (1, 2)}
+  metas = checkpoints.read_metadata(str(tmp_path / 'b'))
+  a, b = _a_sigma(runs), _sigma(1.0, metas[-1]['fingerprint'])
+  grids = {m['step']: m['privacy']['details']['pld_grid'] for m in metas}  # Common grids.
+  expected = {t: _independent((N, a, STEPS), (N, b, t), interval=grids[t]) for t in (1, 2)}
   assert f'final ε = {expected[2]:.4f}, composed with {source}.' in out
   assert f'ε = {expected[2]:.4f} (upper bound, pld, composed with {source})' in out
   assert f'Init: {source}: a dpjax export (6 steps, ε = ' in out
   logged = [json.loads(line) for line in open(tmp_path / 'b' / 'metrics.jsonl')]
   assert {r['step']: r['epsilon'] for r in logged if 'epsilon' in r} == pytest.approx(
       expected, abs=1e-6)
-  metas = checkpoints.read_metadata(str(tmp_path / 'b'))
   assert {m['step']: m['privacy']['epsilon'] for m in metas} == pytest.approx(expected, abs=1e-6)
   card = export.export(str(tmp_path / 'b'), str(tmp_path / 'b_export'))
   assert card['epsilon'] == pytest.approx(expected[2], abs=1e-6)
@@ -112,8 +124,9 @@ def test_a_run_from_an_export_reports_the_composition_everywhere_and_a_chain_com
   (a_record,) = card['init_from']['chain']
   assert a_record['steps'] == STEPS and a_record['accounting']['privacy.noise_multiplier'] == 1.0
   plan = _plan(tmp_path / 'b_export', num_steps=2, options=COARSE)
+  c = _sigma(1.0, plan.fingerprint)
   assert plan.accountant.epsilon(2) == pytest.approx(
-      _independent((N, 1.0, STEPS), (N, 1.0, 2), (N, 1.0, 2), interval=1e-3), abs=1e-6)
+      _independent((N, a, STEPS), (N, b, 2), (N, c, 2), interval=1e-3), abs=1e-6)
 
 
 def test_declared_disjoint_data_is_this_run_alone_and_a_resume_cannot_change_the_sources(
@@ -126,7 +139,7 @@ def test_declared_disjoint_data_is_this_run_alone_and_a_resume_cannot_change_the
   plan = _plan(runs / 'given', minus_one, options=COARSE, init_from_disjoint_data=True)
   assert plan.accountant.prior_runs == ()
   assert plan.accountant.epsilon(STEPS) == pytest.approx(
-      _independent((N - 1, 1.0, STEPS), interval=1e-3), abs=1e-6)
+      _independent((N - 1, _sigma(1.0, plan.fingerprint), STEPS), interval=1e-3), abs=1e-6)
   assert plan.fingerprint['init_from_disjoint_data'] is True
   with pytest.raises(plan_lib.PlanError, match='init_from_disjoint_data: True → False'):
     _plan(runs / 'given', minus_one, previous=plan.fingerprint)
@@ -147,10 +160,12 @@ def test_calibration_meets_the_composed_target_or_refuses_a_spent_budget(runs, t
   permuted = _digits_npz(tmp_path / 'permuted.npz', np.random.default_rng(0).permutation(N))
   plan = _plan(runs / 'given', permuted, options=COARSE, **{'privacy.noise_multiplier': None,
                                                             'privacy.target_epsilon': 3.0})
-  sigma = plan.noise_multiplier
-  assert _independent((N, 1.0, STEPS), (N, sigma, STEPS), interval=1e-3) <= 3.0
-  assert _independent((N, 1.0, STEPS), (N, 0.99 * sigma, STEPS), interval=1e-3) > 3.0
-  spent = f'already reach ε = {_independent((N, 1.0, STEPS)):.4g} at δ = 1e-05'
+  a, sigma = _a_sigma(runs), _sigma(plan.noise_multiplier, plan.fingerprint)
+  assert _independent((N, a, STEPS), (N, sigma, STEPS), interval=1e-3) <= 3.0
+  assert _independent((N, a, STEPS), (N, 0.99 * sigma, STEPS), interval=1e-3) > 3.0
+  a_alone = plan.accountant.prior_runs[0].accountant.epsilon_at(STEPS, estimates=False)
+  spent = (f'already reach ε = '
+           f'{_independent((N, a, STEPS), interval=a_alone.details["pld_grid"]):.4g} at δ = 1e-05')
   with pytest.raises(plan_lib.PlanError, match=spent):
     _plan(runs / 'given', permuted, options=COARSE, **{'privacy.noise_multiplier': None,
                                                        'privacy.target_epsilon': 1.5})

@@ -61,7 +61,6 @@ from dpjax.privacy.accounting import monte_carlo
 from dpjax.privacy.accounting import sampler_events
 from dpjax.privacy.accounting.report import PrivacyReport
 from dpjax.privacy.accounting.step_compositions import StepCompositions
-from dpjax.privacy.accounting.step_pld import GridTooLargeError  # Raised by its queries.
 from dpjax.privacy.accounting.step_pld import MAX_GRID_POINTS
 from dpjax.privacy.accounting.step_pld import mixture_components
 

@@ -102,6 +102,13 @@ def privacy_loss(acct: Accountant, step: int, interval: float | None = None) -> 
 def composed_epsilon(losses: list[tuple[Accountant, int]], delta: float) -> float:
   """ε at δ of the runs (accountant, steps) in sequence: their PLDs composed on a common grid,
   the truncation masses paid in δ."""
+  return composed_epsilon_and_grid(losses, delta)[0]
+
+
+def composed_epsilon_and_grid(losses: list[tuple[Accountant, int]],
+                              delta: float) -> tuple[float, float]:
+  """`composed_epsilon` and the common grid: the coarsest of the runs' own grids (every run's
+  pessimistic PLD on any grid is an upper bound, so the composition is one too)."""
   parts = [privacy_loss(acct, steps) for acct, steps in losses]
   interval = max(p.interval for p in parts)
   parts = [p if p.interval == interval else privacy_loss(acct, steps, interval)
@@ -111,8 +118,9 @@ def composed_epsilon(losses: list[tuple[Accountant, int]], delta: float) -> floa
     pld = pld.compose(part.pld)
   tau = sum(p.truncation_mass for p in parts)
   if tau == 0:
-    return float(pld.get_epsilon_for_delta(delta))
-  return balls_and_bins.smallest_epsilon(pld.get_delta_for_epsilon, delta, penalty_mass=tau)
+    return float(pld.get_epsilon_for_delta(delta)), interval
+  return (balls_and_bins.smallest_epsilon(pld.get_delta_for_epsilon, delta, penalty_mass=tau),
+          interval)
 
 
 def prior_epsilon(prior_runs: tuple[PriorRun, ...], delta: float) -> float:
@@ -130,9 +138,10 @@ def composed_report(acct: Accountant, unit: int, estimates: bool) -> PrivacyRepo
   losses = [(r.accountant, r.num_steps) for r in runs]
   if unit:
     losses.append((acct, unit * acct.steps_per_epoch if acct.is_epoch_based else unit))
-  eps = composed_epsilon(losses, acct.delta)
+  eps, grid = composed_epsilon_and_grid(losses, acct.delta)
   details: dict[str, Any] = {
       'method': 'pld composition with the runs this one starts from (init_from)',
+      'pld_grid': grid,
       'composed_with': [r.name for r in runs],
       'prior_runs': [r.fingerprint for r in runs]}
   if estimates:

@@ -63,7 +63,8 @@ def test_a_run_after_others_reports_the_pld_composition_of_their_mechanisms():
       samplers.make('fixed_size', 2000, 100), num_steps=5, clip_norm=1.0, noise_multiplier=1.0,
       delta=DELTA, prior_runs=prior, value_discretization_interval=COARSE)
   assert plan.fingerprint[composition.FINGERPRINT_FIELD] == [r.fingerprint for r in prior]
-  assert plan.epsilon_at(5).epsilon == report.epsilon
+  same = _accountant('fixed_size', 2000, 100, 1.0, prior, sensitivity=plan.rounding.sensitivity)
+  assert plan.epsilon_at(5).epsilon == same.epsilon_at(5).epsilon  # The plan's η accounted.
 
 
 def test_truncation_masses_add_and_calibration_meets_the_composed_target():

@@ -42,12 +42,13 @@ def test_a_plans_epsilon_is_dp_accounting_at_sigma_over_one_plus_eta(accountant)
   eta = rounding.eta(4096, precision.matmul_format('default'))
   assert plan.rounding.eta == eta and plan.accountant.sensitivity == 1 + eta
   event = dp_event.PoissonSampledDpEvent(100 / N, dp_event.GaussianDpEvent(SIGMA / (1 + eta)))
-  if accountant == 'pld':
-    direct = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+  report = plan.epsilon_at(STEPS)
+  if accountant == 'pld':  # At the grid the report names (the grid follows ε).
+    direct = pld_privacy_accountant.PLDAccountant(
+        value_discretization_interval=report.details['pld_grid'])
   else:
     direct = rdp_privacy_accountant.RdpAccountant()
   direct.compose(event, STEPS)
-  report = plan.epsilon_at(STEPS)
   assert report.epsilon == pytest.approx(direct.get_epsilon(DELTA), rel=1e-9)
   assert report.noise_multiplier == SIGMA
   assert report.details['sensitivity'] == 1 + eta
@@ -70,7 +71,8 @@ def test_every_sampler_analysis_is_of_the_accounted_noise_multiplier(monkeypatch
   assert gaussian.get_delta_for_epsilon(got) <= DELTA < gaussian.get_delta_for_epsilon(
       got * (1 - 1e-6))
   bb = accountant_lib.Accountant(samplers.BallsAndBinsSampler(num_examples=N, batch_size=100),
-                                 SIGMA, DELTA, sensitivity=s, random_allocation=False)
+                                 SIGMA, DELTA, sensitivity=s, random_allocation=False,
+                                 max_batch_size=None)
   assert bb.epsilon(3 * bb.steps_per_epoch) == got
   seen = []
   monkeypatch.setattr(analyses.sampler_events, 'fixed_size_step_event',
@@ -89,7 +91,7 @@ def test_monte_carlo_draws_at_the_accounted_noise_multiplier(monkeypatch):
                           ValueError('stop')))
   acct = accountant_lib.Accountant(samplers.BallsAndBinsSampler(num_examples=N, batch_size=100),
                                    SIGMA, DELTA, sensitivity=1.25, random_allocation=False,
-                                   monte_carlo_estimate=True)
+                                   monte_carlo_estimate=True, max_batch_size=None)
   acct.epsilon_at(acct.steps_per_epoch, estimates=True)
   assert seen == [SIGMA / 1.25]
 
