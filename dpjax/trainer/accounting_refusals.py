@@ -32,4 +32,5 @@ def grid_too_large(error: step_pld.GridTooLargeError,
     fixes.insert(0, f'lower {names["group_size"]} = {accountant.group_size}')
   if accountant.sampler.grid_too_large_hint:
     fixes.append(f'{names["sampler"]}: {accountant.sampler.grid_too_large_hint}')
-  return f'{diagnosis} To fix: {"; ".join(fixes[:-1])}; or {fixes[-1]}.'
+  listed = f'{"; ".join(fixes[:-1])}; or {fixes[-1]}' if len(fixes) > 1 else fixes[0]
+  return f'{diagnosis} To fix: {listed}.'

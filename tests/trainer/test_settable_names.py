@@ -9,6 +9,12 @@ messages are for library callers and name its arguments).
 import ast
 import pathlib
 
+import pytest
+
+from dpjax.privacy import samplers
+from dpjax.privacy.accounting import accountant as accountant_lib
+from dpjax.privacy.accounting import step_pld
+from dpjax.trainer import accounting_refusals
 from tests.settable_names import unsettable_names
 
 DPJAX = pathlib.Path(__file__).resolve().parents[2] / 'dpjax'
@@ -49,3 +55,15 @@ def test_unsettable_names_finds_library_settings_and_fields_that_do_not_exist():
       'raise privacy.noise_multiplier (--config.privacy.delta, config.model.hidden_size, '
       'model.hidden_sizes); see audit.json, dpjax.privacy.accounting; Changed: '
       'sampler.num_examples, data.content_sha256; the privacy group') == []
+
+
+def test_grid_refusal_with_one_fix_reads_as_a_sentence():
+  """With k = 1 and a sampler without a hint, raising σ is the only fix: the message said
+  'To fix: ; or raise σ (...)' after the merges (an empty list joined before '; or')."""
+  acct = accountant_lib.Accountant(samplers.PoissonSampler(num_examples=10_000, batch_size=100),
+                                   0.3, 1e-6, max_batch_size=None, max_grid_points=1000)
+  with pytest.raises(step_pld.GridTooLargeError) as e:
+    acct.epsilon(10)
+  text = accounting_refusals.grid_too_large(e.value, acct, accounting_refusals.CONFIG_NAMES)
+  assert text.endswith('To fix: raise σ (privacy.noise_multiplier = 0.3).'), text
+  assert unsettable_names(text) == []
