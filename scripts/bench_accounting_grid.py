@@ -72,9 +72,10 @@ def bench_case(label, name, n, b, sigma, steps, delta, k, fine) -> dict:
   many = name == 'fixed_size_with_replacement' or k > 1
   old_grid = 1e-3 if many else 1e-4
   old, old_seconds = _cpu(lambda: accountant_lib.Accountant(
-      sampler, sigma, delta, group_size=k, value_discretization_interval=old_grid).epsilon(steps))
+      sampler, sigma, delta, group_size=k, value_discretization_interval=old_grid,
+      max_batch_size=None).epsilon(steps))
   new, new_seconds = _cpu(lambda: accountant_lib.Accountant(
-      sampler, sigma, delta, group_size=k).epsilon_at(steps, estimates=False))
+      sampler, sigma, delta, group_size=k, max_batch_size=None).epsilon_at(steps, estimates=False))
   row = dict(case=label, sampler=name, num_examples=n, batch_size=b, noise_multiplier=sigma,
              steps=steps, delta=delta, group_size=k, old_grid=old_grid, old_epsilon=old,
              old_cpu_seconds=old_seconds, new_epsilon=new.epsilon,
@@ -99,9 +100,10 @@ def bench_calibration() -> list[dict]:
     sampler = samplers.sampler_class(name)(num_examples=n, batch_size=b)
     old_grid = 1e-3 if k > 1 else 1e-4
     old, old_seconds = _cpu(lambda: calibration.calibrate_noise_multiplier(
-        sampler, target, delta, steps, group_size=k, value_discretization_interval=old_grid))
+        sampler, target, delta, steps, group_size=k, value_discretization_interval=old_grid,
+        max_batch_size=None))
     new, new_seconds = _cpu(lambda: calibration.calibrate_noise_multiplier(
-        sampler, target, delta, steps, group_size=k))
+        sampler, target, delta, steps, group_size=k, max_batch_size=None))
     rows.append(dict(sampler=name, num_examples=n, batch_size=b, target_epsilon=target,
                      steps=steps, delta=delta, group_size=k, old_sigma=old,
                      old_cpu_seconds=old_seconds, new_sigma=new, new_cpu_seconds=new_seconds))
@@ -121,7 +123,8 @@ def bench_random_allocation_grid() -> list[dict]:
   rows = []
   for sigma, steps in [(1.0, 100), (1.0, 1000), (0.8, 10_000), (2.0, 10_000)]:
     sampler = samplers.PoissonSampler(num_examples=100 * steps, batch_size=100)
-    tight = accountant_lib.Accountant(sampler, sigma, 1e-5, allow_large_delta=True).epsilon(steps)
+    tight = accountant_lib.Accountant(sampler, sigma, 1e-5, allow_large_delta=True,
+                                     max_batch_size=None).epsilon(steps)
     rows.append(dict(noise_multiplier=sigma, steps=steps, delta=1e-5,
                      tight_poisson_epsilon=tight,
                      grid=random_allocation.default_discretization(sigma, steps, 1e-5),

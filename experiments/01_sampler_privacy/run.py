@@ -184,7 +184,8 @@ def cross_check(sigma: float, epochs: int, steps: int, num_examples: int,
   q = batch_size / num_examples
   event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma))
   sampler = samplers.PoissonSampler(num_examples=num_examples, batch_size=batch_size)
-  grid = accountant_lib.Accountant(sampler, sigma, DELTA, allow_large_delta=True).pld_grid(
+  grid = accountant_lib.Accountant(sampler, sigma, DELTA, allow_large_delta=True,
+                                max_batch_size=None).pld_grid(
       sampler_events.poisson_step_event(q, sigma), steps)['pld_grid']
   poisson = dp_accounting.pld.PLDAccountant(value_discretization_interval=grid)
   poisson.compose(event, steps)
