@@ -47,9 +47,9 @@ class GradSum(NamedTuple):
   loops of one's own: the η that ε pays for assumes a compensated sum across batches).
 
     grad_sum = GradSum.zeros(params)
-    for idx, weights in batcher.logical_batch(t).physical_batches():
+    for idx, weights in logical.physical_batches():   # logical: an item of plan.batcher(P, ...)
       grad_sum = grad_sum.add(grad_fn(params, batch(idx), weights)[0])
-    updates, opt_state = tx.update(grad_sum.total, opt_state, params)
+    updates, opt_state = tx.update(grad_sum.total, opt_state, params, step=logical.step)
   """
   total: Params
   compensation: Params

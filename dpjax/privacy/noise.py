@@ -40,8 +40,8 @@ from dpjax.privacy import prng
 
 MISSING_STEP = (
     "the Gaussian privatizer's update needs step=t, the logical step whose clipped sum this "
-    "is (the batch's `LogicalBatch.step`): tx.update(grad_sum, opt_state, params, step=t). "
-    'The batch and the noise of a step share one counter.')
+    "is (the batch's `LogicalBatch.step`): tx.update(grad_sum.total, opt_state, params, "
+    'step=t). The batch and the noise of a step share one counter.')
 
 
 def check_noise_multiplier(noise_multiplier, name: str = 'noise_multiplier') -> float:

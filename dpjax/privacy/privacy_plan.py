@@ -8,7 +8,7 @@
   opt_state = tx.init(params)
   for batch in plan.batcher(64, opt_state):        # steps t = the state's, ..., T − 1, once each
     ...                                            # Σ over batch.physical_batches()
-    updates, opt_state = tx.update(grad_sum, opt_state, params, step=batch.step)
+    updates, opt_state = tx.update(grad_sum.total, opt_state, params, step=batch.step)
   report = plan.epsilon_at(T)                      # ε after T steps, with its kind of bound
 
 The batcher, the clipped gradient, the noise, the DP step (`dp_step.DPStep.from_plan`) and
