@@ -123,7 +123,6 @@ class Run:
         clip_norm=config.privacy.clip_norm,
         noise_multiplier=config.privacy.noise_multiplier,
         expected_batch_size=self.sampler.expected_batch_size, private=config.privacy.enabled,
-        max_batch_size=self.max_batch_size,
         clipping=config.privacy.clipping, label_format=config.data.label_format, seed=config.seed,
         precision=config.precision, augmult=augmult.Augmult.from_config(config.augmult))
     self.params = prng.init_params(model, config.seed, self.train_source.input_shape)

@@ -172,7 +172,8 @@ class JaxMethod:
     self.step = dp_step.DPStep(
         model, optimizer, clip_norm=clip_norm, noise_multiplier=sigma,
         expected_batch_size=wl.sampler.expected_batch_size,
-        private=name != 'jax_nonprivate', clipping=clipping)
+        private=name != 'jax_nonprivate', clipping=clipping,
+        allow_repeated_steps=True)  # Timed repeats rerun steps 0..S-1; nothing is released.
     self.num_params = int(sum(p.size for p in jax.tree.leaves(self.params)))
 
   def _physical_batches(self, step: int):
