@@ -113,7 +113,8 @@ def check(opt_state: Any, made: GaussianNoiseState, who: str = 'the plan') -> in
   differ = [f'{name}: the state\'s {state[name]!r} (what ran) vs {who}\'s {want[name]!r}'
             for name in (*FLOAT_FIELDS, 'max_batch_size') if state[name] != want[name]]
   if state['fingerprint'] != want['fingerprint'] and not differ:
-    differ.append('the fingerprint (sampler, N, b, δ, accountant, group size or seed)')
+    differ.append('the fingerprint (sampler, N, b, δ, accountant, group size, the matmul '
+                  'format and η of the precision and platform, the prior runs, or seed)')
   if differ:
     raise ValueError(f'the privatizer state was not made by {who}: {"; ".join(differ)}. A '
                      'resumed loop keeps what it ran with: PrivacyPlan.create(..., '

@@ -215,3 +215,9 @@ def test_resuming_with_another_num_steps_keeps_sigma_or_is_refused():
                                        r"resumed plan's 0.5"):
     privacy_plan.PrivacyPlan.create(sampler, num_steps=40, clip_norm=0.5, delta=1e-5,
                                     resume_from=state)
+  # On another platform (GPU: TF32 matmuls) η differs, and so does the fingerprint: the
+  # refusal names what a user can change (the message named only sampler, N, b, δ, ...).
+  with pytest.raises(ValueError, match=r'the fingerprint \(.*matmul format and η of the '
+                                       r'precision and platform'):
+    privacy_plan.PrivacyPlan.create(sampler, num_steps=40, clip_norm=1.0, delta=1e-5,
+                                    resume_from=state, platform='gpu', **COARSE)
