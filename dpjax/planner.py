@@ -57,6 +57,7 @@ from dpjax.trainer import cli
 from dpjax.privacy import samplers as samplers_lib
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.trainer import batch_size_plan
+from dpjax.trainer import write_errors
 from dpjax.trainer.atomic_write import write_text_atomically
 
 
@@ -167,8 +168,13 @@ def main(argv: Sequence[str] | None = None) -> int:
   except ValueError as e:
     cli.fail(PROG, e)
   print(batch_size_plan.format_table(plan))
-  if args.json:  # Whole or not at all, even if interrupted.
-    write_text_atomically(args.json, json.dumps(plan.to_dict(), indent=2))
+  if args.json:  # Whole or not at all, even if interrupted; a failed write in one line.
+    try:
+      write_text_atomically(args.json, json.dumps(plan.to_dict(), indent=2), what='--json',
+                            then='The table above is complete; free space, or choose '
+                            'another --json path, and rerun to save it.')
+    except write_errors.WriteError as e:
+      cli.fail(PROG, e, code=1)
   return 0
 
 

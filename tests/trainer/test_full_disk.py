@@ -162,3 +162,21 @@ def test_a_run_whose_disk_fills_up_ends_in_one_line_and_its_export_too(disk, tmp
     export.export(str(work), str(disk / 'out'))
   one_line_write_error(info.value, 'cannot write the export')
   assert sorted(os.listdir(disk)) == before
+
+
+def test_the_planners_json_on_a_full_disk_is_one_line(disk, capsys):
+  """`python -m dpjax.planner --json` on a full disk: exit 1 with one line naming --json, the
+  table printed and no file left. Failed after the merges: d-userrors made the write atomic
+  (a WriteError), which the planner did not catch (a traceback)."""
+  from dpjax import planner  # pylint: disable=import-outside-toplevel
+  fill(disk)
+  with pytest.raises(SystemExit) as info:
+    planner.main(['--num_examples', '1000', '--epsilon', '2', '--delta', '1e-5', '--epochs', '1',
+                  '--batch_sizes', '1000', '--json', str(disk / 'plan.json')])
+  assert info.value.code == 1
+  out, err = capsys.readouterr()
+  assert 'σ·C/b' in out
+  lines = err.strip().splitlines()
+  assert lines[-1].startswith('python -m dpjax.planner: error: cannot write --json'), err
+  assert 'no space left on device' in lines[-1]
+  assert sorted(p.name for p in disk.iterdir()) == ['filler']
