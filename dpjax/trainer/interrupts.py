@@ -16,8 +16,6 @@ repeat the notice (the stop is already under way).
 Handlers can only be installed from the main thread (a Python rule); from any
 other thread `GracefulStop` installs nothing and `requested` stays False.
 The previous handlers are restored on exit.
-
-from typing import Any, Callable, Iterator
 """
 
 from __future__ import annotations
