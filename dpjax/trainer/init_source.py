@@ -218,9 +218,14 @@ def _prior_run(path: str, record: dict[str, Any], group_size: int,
                      'so its privacy loss cannot be composed. Use the dpjax that wrote it.')
   sampler = samplers_lib.make(inputs['sampler.name'], inputs['sampler.num_examples'],
                               inputs['sampler.batch_size'])
+  # Composition uses the PLD of each run's mechanism whatever it reported (RDP, Monte Carlo):
+  # at this run's group size k > 1, where those do not apply, its accountant is the PLD.
+  accountant = inputs['privacy.accountant']
+  if group_size > 1 and accountant not in type(sampler).group_accountants:
+    accountant = 'pld'
   acct = accountant_lib.Accountant(
       sampler, inputs['privacy.noise_multiplier'], inputs['privacy.delta'],
-      accountant=inputs['privacy.accountant'], max_batch_size=inputs['sampler.max_batch_size'],
+      accountant=accountant, max_batch_size=inputs['sampler.max_batch_size'],
       group_size=group_size, allow_large_delta=True,
       # Float rounding (η) as that run paid for it; with a public bound N̄ on its rows, the TV
       # penalty (dp_accounting's exact truncated event is for exactly N rows).

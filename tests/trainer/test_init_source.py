@@ -19,6 +19,7 @@ from dpjax import train
 from dpjax.data import digits
 from dpjax.trainer import checkpoints
 from dpjax.trainer import finetune
+from dpjax.trainer import init_source
 from dpjax.trainer import plan as plan_lib
 from tests.run_configs import small_config
 from tests.trainer import test_fingerprint
@@ -176,7 +177,6 @@ def test_weights_without_a_card_are_public_and_runs_that_cannot_be_composed_are_
   """An .npz with no card and no dpjax workdir is assumed public, and said so; a non-private
   source, or a checkpoint without accounting inputs (an older dpjax), or one recording an input
   this dpjax cannot rebuild, is refused in one line. Fails on da06065 (no InitSource; checked)."""
-  from dpjax.trainer import init_source  # pylint: disable=import-outside-toplevel
   public = tmp_path / 'public.npz'
   finetune.save_npz(str(public), checkpoints.read_state(str(runs / 'given'), STEPS)['params'])
   plan = _plan(public, options=COARSE)
@@ -194,3 +194,21 @@ def test_weights_without_a_card_are_public_and_runs_that_cannot_be_composed_are_
     with pytest.raises(ValueError, match=match):
       changed.prior_runs(1)
   assert os.path.isfile(source.weights + '/metadata/metadata')  # The step that was accounted.
+
+
+def test_a_group_privacy_run_composes_a_source_accounted_with_rdp_through_its_pld():
+  """A run of group size k = 2 from a source whose own ε was RDP's: composition needs only the
+  source's PLD, but after the merges the rebuilt source accountant kept 'rdp' and was refused
+  ("accountant rdp supports group_size = 1 only. Use accountant pld."), a fix naming this run's
+  privacy.accountant for what was the source's. It is rebuilt with the PLD."""
+  inputs = {'privacy.enabled': True, 'sampler.name': 'poisson', 'sampler.num_examples': 1000,
+            'sampler.batch_size': 100, 'sampler.max_batch_size': 200, 'privacy.group_size': 1,
+            'privacy.noise_multiplier': 2.0, 'privacy.clip_norm': 1.0, 'privacy.delta': 1e-5,
+            'privacy.accountant': 'rdp', 'privacy.matmul_format': 'float32',
+            'privacy.rounding_eta': 1e-4}
+  source = init_source.InitSource('/w/a', 'run', ({'name': '/w/a', 'steps': 10,
+                                                   'accounting': inputs},))
+  (one,) = source.prior_runs(1)
+  (two,) = source.prior_runs(2)
+  assert (one.accountant.accountant, two.accountant.accountant) == ('rdp', 'pld')
+  assert two.accountant.group_size == 2 and two.accountant.sensitivity == 1 + 1e-4
