@@ -257,18 +257,26 @@ class PrivacyPlan:
                                  precision=self.precision)
 
   @functools.cached_property
-  def _ideal_accountant(self) -> accountant_lib.Accountant:
-    return accountant_lib.Accountant(self.sampler, self.noise_multiplier, self.delta,
-                                     **dict(self.accountant_options, sensitivity=1.0))
+  def _ideal_accountants(self) -> dict[Any, accountant_lib.Accountant]:
+    return {}
 
   def rounding_cost(self, step: int | None = None) -> float | None:
     """Δε = ε(t) − ε₀(t) after `step` steps (None: the last): what η costs, ε₀ from the same
-    accountant at η = 0. None for balls-and-bins, whose ε₀ would need a second
-    random-allocation PLD (minutes)."""
+    accountant at η = 0 and at the PLD grid ε(t) was reported at (one grid, no refinement:
+    Δε is η's cost alone, never the two grids' difference). None for balls-and-bins, whose
+    ε₀ would need a second random-allocation PLD (minutes)."""
     if self.sampler.random_allocation_bracket:
       return None
     step = self.num_steps if step is None else step
-    return self.accountant.epsilon(step) - self._ideal_accountant.epsilon(step)
+    report = self.accountant.epsilon_at(step, estimates=False)
+    grid = report.details.get('pld_grid')
+    if grid not in self._ideal_accountants:
+      options = dict(self.accountant_options, sensitivity=1.0)
+      if grid is not None:
+        options['value_discretization_interval'] = grid
+      self._ideal_accountants[grid] = accountant_lib.Accountant(
+          self.sampler, self.noise_multiplier, self.delta, **options)
+    return report.epsilon - self._ideal_accountants[grid].epsilon(step)
 
   def rounding_record(self, step: int | None = None) -> dict[str, Any]:
     """η, what it is of, and its cost Δε after `step` steps (for checkpoints and the card)."""

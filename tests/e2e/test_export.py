@@ -94,8 +94,10 @@ def test_the_card_states_eta_and_what_it_cost_in_epsilon(drawn_run, tmp_path):
   assert rounded['statement'].startswith(f"η = {rounded['eta']:.2g} (float rounding of the sum, "
                                          f'B = {cap}')
   sigma, q = card['noise_multiplier'], card['sampler']['expected_batch_size'] / card['num_examples']
+  grid = meta['privacy']['details']['pld_grid']  # The grid ε was reported at (it follows ε).
+
   def epsilon(noise):  # The run's cap truncates with negligible probability here.
-    direct = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
+    direct = pld_privacy_accountant.PLDAccountant(value_discretization_interval=grid)
     direct.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(noise)), 3)
     return direct.get_epsilon(card['delta'])
   assert card['epsilon'] == pytest.approx(epsilon(sigma / (1 + rounded['eta'])), rel=1e-6)

@@ -54,7 +54,8 @@ def test_reported_epsilon_is_an_upper_bound_within_one_percent_of_a_fine_grid(
   1 % check (1.28×, 1.55×, 1.07×, 1.012× the fine value), checked; the three large ones also
   fail there, only because da06065's fixed grid 1e-4 is finer than these references."""
   sampler = samplers.sampler_class(name)(num_examples=n, batch_size=b)
-  report = accountant_lib.Accountant(sampler, sigma, delta).epsilon_at(steps, estimates=False)
+  report = accountant_lib.Accountant(sampler, sigma, delta, max_batch_size=None).epsilon_at(
+      steps, estimates=False)
   sensitivity = 2.0 if name == 'fixed_size' else 1.0
   upper = _reference(b / n, sigma, steps, delta, fine, sensitivity=sensitivity)
   lower = _reference(b / n, sigma, steps, delta, fine, sensitivity=sensitivity,
@@ -70,7 +71,8 @@ def test_large_n_small_epsilon_of_the_issue():
   0.0286 on da06065 (grid 1e-4; RDP 0.215); dp_accounting at grid 1e-6 gives 0.02060.
   Fails on da06065 (0.0286 > 1.01 × 0.0206), checked."""
   sampler = samplers.PoissonSampler(num_examples=12_800_000, batch_size=1024)
-  report = accountant_lib.Accountant(sampler, 2.0, 1e-8).epsilon_at(12_500, estimates=False)
+  report = accountant_lib.Accountant(sampler, 2.0, 1e-8, max_batch_size=None).epsilon_at(
+      12_500, estimates=False)
   upper = _reference(1024 / 12_800_000, 2.0, 12_500, 1e-8, 1e-6)
   assert upper * (1 - 1e-9) <= report.epsilon <= 1.01 * upper
   assert report.details['pld_grid'] < 1e-5  # Refined far below the old grid.
@@ -81,7 +83,7 @@ def test_each_grid_tried_is_dp_accountings_own_bound_and_the_smallest_is_reporte
   least as large (the minimum over valid upper bounds is one). Fails on da06065: the report
   has no grid, checked."""
   sampler = samplers.PoissonSampler(num_examples=10_000, batch_size=100)
-  acct = accountant_lib.Accountant(sampler, 3.0, 1e-5)
+  acct = accountant_lib.Accountant(sampler, 3.0, 1e-5, max_batch_size=None)
   report = acct.epsilon_at(50, estimates=False)
   refined = next(iter(acct.compositions.grids.values()))
   assert len(refined.tried) >= 3 and refined.tried[0][0] == pld_grid.START_GRID
@@ -119,8 +121,10 @@ def test_calibrated_sigma_meets_the_target_at_the_reported_grid():
   names (dp_accounting there, directly). Fails on da06065: no grid in the report, checked."""
   sampler = samplers.PoissonSampler(num_examples=1000, batch_size=50)
   target, delta, steps = 3.0, 1e-5, 40
-  sigma = calibration.calibrate_noise_multiplier(sampler, target, delta, steps)
-  report = accountant_lib.Accountant(sampler, sigma, delta).epsilon_at(steps, estimates=False)
+  sigma = calibration.calibrate_noise_multiplier(sampler, target, delta, steps,
+                                                 max_batch_size=None)
+  report = accountant_lib.Accountant(sampler, sigma, delta, max_batch_size=None).epsilon_at(
+      steps, estimates=False)
   at_grid = _reference(0.05, sigma, steps, delta, report.details['pld_grid'])
   assert report.epsilon == pytest.approx(at_grid, rel=1e-9)
   assert target * (1 - calibration.DEFAULT_EPSILON_RTOL) <= report.epsilon <= target
