@@ -284,10 +284,15 @@ def _from_workdir(workdir: str) -> tuple[accountant_lib.PrivacyReport, dict]:
   if planned and planned > meta['step']:
     from dpjax.trainer import plan as plan_lib  # pylint: disable=g-import-not-at-top
     from dpjax.configs import from_workdir  # pylint: disable=g-import-not-at-top
+    from dpjax.privacy import precision  # pylint: disable=g-import-not-at-top
     config = from_workdir.get_config(workdir)
+    if meta.get('noise_multiplier') is not None:  # The σ that ran, never calibrated again.
+      config.privacy.noise_multiplier = meta['noise_multiplier']
+    fmt = meta['fingerprint'].get('privacy.matmul_format')  # η as the run pays it, whatever
+    options = {'platform': precision.platform_of_format(fmt)} if fmt else None  # runs this.
     extra['planned_steps'] = planned
     extra['planned_final_epsilon'] = plan_lib.make_plan(
-        config, meta['num_examples']).accountant.epsilon(planned)
+        config, meta['num_examples'], accountant_options=options).accountant.epsilon(planned)
   return report, extra
 
 

@@ -78,6 +78,15 @@ def matmul_format(precision: str, platform: str | None = None) -> str:
       platform, 'bfloat16')  # TPU: one bfloat16 pass by default.
 
 
+def platform_of_format(matmul_format_name: str) -> str:
+  """A platform whose 'default' mode uses this matmul format ('float32': cpu, 'tf32': gpu,
+  'bfloat16': tpu): each mode then gives the format a run recorded (`matmul_format`)."""
+  platforms = {'float32': 'cpu', 'tf32': 'gpu', 'bfloat16': 'tpu'}
+  if matmul_format_name not in platforms:
+    raise ValueError(f'matmul format {matmul_format_name!r}; valid: {", ".join(platforms)}.')
+  return platforms[matmul_format_name]
+
+
 def traced_matmul_format(dtype: Any = jnp.float32, platform: str | None = None) -> str:
   """The format a matmul of `dtype` operands traced here uses: 'float32', 'tf32' or 'bfloat16'.
 

@@ -183,3 +183,42 @@ def test_an_oversized_privacy_loss_grid_names_the_flags_that_fix_it():
   assert out.returncode == 2 and len(out.stderr.splitlines()) == 1
   assert out.stderr.endswith('more than the 2e+06 allowed (minutes and GBs of memory). To fix: '
                              'lower --group-size = 1024; or raise σ (--noise-multiplier = 1).\n')
+
+
+def test_a_workdirs_planned_epsilon_is_of_the_sigma_and_eta_that_ran(tmp_path, monkeypatch):
+  """`--workdir` of an unfinished run: its planned final ε is accounted with the σ the run
+  used (read from the checkpoint, never calibrated again) and the η of the matmul format it
+  recorded (TF32 here, as on a GPU), whatever machine asks. Before (the merge of items 6 and
+  9), this machine's float32 η was used: ~0.7 % lower here, for a run that paid TF32's."""
+  from dp_accounting import dp_event  # pylint: disable=import-outside-toplevel
+  from dp_accounting.pld import pld_privacy_accountant  # pylint: disable=import-outside-toplevel
+  from dpjax import train  # pylint: disable=import-outside-toplevel
+  from dpjax.privacy import rounding  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer import checkpoints  # pylint: disable=import-outside-toplevel
+  from tests.run_configs import small_config  # pylint: disable=import-outside-toplevel
+  workdir = tmp_path / 'w'
+  train.train_and_evaluate(small_config(**{'num_steps': 2, 'seed': 3}), str(workdir))
+  meta = checkpoints.read_metadata(str(workdir))[-1]
+  read = checkpoints.read_metadata
+  def unfinished(path):  # As if it planned 40 steps, had σ calibrated and ran on a GPU.
+    rows = read(path)
+    for row in rows:
+      row['config']['num_steps'] = 40
+      row['config']['privacy'].update(noise_multiplier=None, target_epsilon=50.0)
+      row['fingerprint']['privacy.matmul_format'] = 'tf32'
+    return rows
+  monkeypatch.setattr(checkpoints, 'read_metadata', unfinished)
+  out = json.loads(_run('--workdir', str(workdir), '--json').stdout)['details']
+  cap = meta['sampler']['max_batch_size']
+  eta = rounding.eta(cap, 'tf32')
+  q = meta['sampler']['sampling_probability']
+
+  def reference(noise):  # dp_accounting at a fine grid: the bound is at or above, within 0.3 %.
+    direct = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-5)
+    direct.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(noise)), 40)
+    return direct.get_epsilon(meta['privacy']['delta'])
+  tf32 = reference(meta['noise_multiplier'] / (1 + eta))
+  assert out['planned_steps'] == 40
+  assert tf32 <= out['planned_final_epsilon'] <= tf32 * 1.003
+  assert out['planned_final_epsilon'] > reference(
+      meta['noise_multiplier'] / (1 + rounding.eta(cap, 'float32'))) * 1.003
