@@ -124,7 +124,8 @@ class Run:
         noise_multiplier=config.privacy.noise_multiplier,
         expected_batch_size=self.sampler.expected_batch_size, private=config.privacy.enabled,
         clipping=config.privacy.clipping, label_format=config.data.label_format, seed=config.seed,
-        precision=config.precision, augmult=augmult.Augmult.from_config(config.augmult))
+        precision=config.precision, augmult=augmult.Augmult.from_config(config.augmult),
+        allow_repeated_steps=True)  # The timers replay steps; nothing is released.
     self.params = prng.init_params(model, config.seed, self.train_source.input_shape)
     self.opt_state = self.step.optimizer.init(self.params)
 

@@ -272,8 +272,10 @@ class DPStep:
         the device, or None when `logical` carries the rows themselves.
 
     Returns:
-      (params, opt_state, metrics) as `apply`.
+      (params, opt_state, metrics) as `apply`. Refuses a step not after the last one noised,
+      as `apply` does.
     """
+    self._check_step(step)
     if self.loop_mode(params) == 'device':
       return self._train_step(params, opt_state, logical, num_batches, step,
                               dataset, self.keys)
@@ -290,9 +292,15 @@ class DPStep:
     """ĝ = (acc.grad_sum + N(0, σ²C²)) / b with the noise of (this step's seed, `step`); one
     optax step on ĝ. Donates `acc`. Refuses (ValueError, before any compute) a step not after
     the last one applied (`noise_state.check_after`)."""
-    if self.private and not self.allow_repeated_steps:
-      self._last_applied = noise_state.check_after(step, self._last_applied)
+    self._check_step(step)
     return self._apply_jit(params, opt_state, acc, step, self.keys)
+
+  def _check_step(self, step) -> None:
+    """This object noises each step once, in order (`noise_state.check_after`); a loop
+    resumed in another process continues from its saved step (the noise is (seed, t)'s)."""
+    if self.private and not self.allow_repeated_steps:
+      self._last_applied = noise_state.check_after(step, self._last_applied,
+                                                   who='DPStep')
 
   def _accumulate_at_fn(self, params, acc, logical, i, step, dataset, keys):
     self._traces['train_step'] += 1

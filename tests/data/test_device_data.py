@@ -110,7 +110,8 @@ def test_device_data_step_equals_host_buffer_step():
   model = models.make_model(config.model, source.num_classes, source.input_shape)
   step = dp_step.DPStep(model, optax.adam(1e-2), clip_norm=1.0, noise_multiplier=1.0,
                         expected_batch_size=sampler.expected_batch_size,
-                        label_format='one_hot', seed=2)
+                        label_format='one_hot', seed=2,
+                        allow_repeated_steps=True)  # Two paths of one step compared.
   dataset = device_data.put_on_device(source)
   params = prng.init_params(model, 2, source.input_shape)
   states = [jax.tree.map(np.array, (params, step.optimizer.init(params))) for _ in range(2)]

@@ -94,7 +94,8 @@ def test_train_step_clips_the_view_mean_once(name, clipping):
   spec = augmult.Augmult(3, crop_padding=1, flip=True)
   step = dp_step.DPStep(model, optax.sgd(0.1), clip_norm=C, noise_multiplier=SIGMA,
                         expected_batch_size=B, clipping=clipping, seed=SEED, augmult=spec,
-                        precision='highest', physical_loop='device')
+                        precision='highest', physical_loop='device',
+                        allow_repeated_steps=True)  # Steps compared under one noise.
   params = prng.init_params(model, 0, (6, 6, 2))
   buffer = _buffer()
   expected = _reference_update(model, params, buffer, 2, spec, step.clip_bound)
@@ -108,7 +109,8 @@ def test_train_step_clips_the_view_mean_once(name, clipping):
 def test_views_differ_from_identity_and_padded_rows_contribute_nothing():
   model = _model('mlp')
   kw = dict(clip_norm=C, noise_multiplier=SIGMA, expected_batch_size=B, seed=SEED,
-            precision='highest', physical_loop='device')
+            precision='highest', physical_loop='device',
+                        allow_repeated_steps=True)  # Steps compared under one noise.
   params = prng.init_params(model, 0, (6, 6, 2))
   opt = optax.sgd(0.1)
   buffer = _buffer()

@@ -393,7 +393,8 @@ def test_train_step_equals_the_three_call_path(clipping_method, private, mesh, l
   step = dp_step.DPStep(
       MODEL, opt, clip_norm=0.5, noise_multiplier=1.0, expected_batch_size=10,
       private=private, clipping=clipping_method, seed=5,
-      mesh=sharding.make_mesh(1) if mesh else None, physical_loop=loop)
+      mesh=sharding.make_mesh(1) if mesh else None, physical_loop=loop,
+      allow_repeated_steps=True)  # The two paths of one step, under one noise.
   batches = _physical_batches(x, y, 4)  # K = 3 of K_max = 4.
   opt_state = opt.init(params)
   for k, t in ((3, 0), (0, 1), (2, 7)):
@@ -428,7 +429,8 @@ def test_train_step_draws_noise_key_seed_step_bit_for_bit():
   """K = 0, SGD(lr=1): the update is exactly −σC/b · normal(noise_key(seed, t))."""
   params = _params()
   step = dp_step.DPStep(MODEL, optax.sgd(1.0), clip_norm=0.5,
-                        noise_multiplier=1.0, expected_batch_size=10, seed=9)
+                        noise_multiplier=1.0, expected_batch_size=10, seed=9,
+                        allow_repeated_steps=True)  # Steps out of order: only the keys.
   buf = _buffer(_physical_batches(*_rows(4), 4), 2)
   opt_state = step.optimizer.init(params)
   for t in (0, 3, 2**31 + 5):
@@ -581,7 +583,7 @@ def test_apply_refuses_a_repeated_step():
   opt_state, acc = step.optimizer.init(params), step.init_accumulator(params)
   first, _, _ = step.apply(params, opt_state, step.init_accumulator(params), np.uint32(2))
   for t in (2, 1):  # The same step, then an earlier one: refused before any compute.
-    with pytest.raises(ValueError, match=rf'^DPStep.apply: step {t} is not after step 2, the '
+    with pytest.raises(ValueError, match=rf'^DPStep: step {t} is not after step 2, the '
                                          'last one noised'):
       step.apply(params, opt_state, acc, np.uint32(t))
   later, _, _ = step.apply(params, opt_state, acc, np.uint32(3))  # acc was not donated.
@@ -599,3 +601,21 @@ def test_apply_refuses_a_repeated_step():
     sums.append(acc.grad_sum)
   _assert_trees_close(jax.tree.map(lambda u, v: u - v, b, a),
                       jax.tree.map(lambda s, r: 0.5 * (s - r) / 10, *sums), rtol=1e-4, atol=1e-6)
+
+
+def test_train_step_refuses_a_step_it_already_noised():
+  """The attacker's road after the merge: `train_step` (one compiled logical step) had no
+  check, so two logical steps told t = 0 drew one noise and the neighbours' released updates
+  differed by lr·clip(g_r)/b within 4.5e-8 (attacks/a3 on the branch `attack`). Now it keeps
+  the same order as `apply`: each step once, forward only, in one DPStep."""
+  params = _params()
+  step = dp_step.DPStep(MODEL, optax.sgd(1.0), clip_norm=0.5, noise_multiplier=1.0,
+                        expected_batch_size=10, seed=9)
+  buf = _buffer(_physical_batches(*_rows(4), 4), 2)
+  opt_state = step.optimizer.init(params)
+  step.train_step(params, opt_state, buf, np.int32(1), np.uint32(0))
+  with pytest.raises(ValueError, match=r'^DPStep: step 0 is not after step 0'):
+    step.train_step(params, opt_state, buf, np.int32(1), np.uint32(0))
+  with pytest.raises(ValueError, match=r'^DPStep: step 0 is not after step 0'):
+    step.apply(params, opt_state, step.init_accumulator(params), np.uint32(0))
+  step.train_step(params, opt_state, buf, np.int32(1), np.uint32(1))  # The next one runs.

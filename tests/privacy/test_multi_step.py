@@ -54,7 +54,8 @@ def test_a_call_of_s_steps_equals_s_train_steps(loop, ema_decay, mesh):
   mesh = sharding.make_mesh(1) if mesh else None
   step = dp_step.DPStep(model, optax.sgd(0.5, momentum=0.9), clip_norm=1.0,
                         noise_multiplier=1.0, expected_batch_size=sampler.expected_batch_size,
-                        seed=3, physical_loop=loop, mesh=mesh)
+                        seed=3, physical_loop=loop, mesh=mesh,
+                        allow_repeated_steps=True)  # Both paths run the same steps.
   runner = multi_step.MultiStep(step, 4, ema_decay=ema_decay, mesh=mesh)
   opt_state = step.optimizer.init(params)
   ema0 = ema_lib.init(params) if ema_decay else None
