@@ -301,6 +301,13 @@ def per_example_clipped_sum(loss_fn: LossFn, params: Params, batch: Batch,
   return total, ClipStats.of(rows, batch['weight'], clip_norm)
 
 
+def clamp_weights(weights) -> jax.Array:
+  """Row weights taken into [0, 1] (NaN: 0): a weight above 1 would multiply a row's
+  sensitivity, a negative one would subtract a row."""
+  weights = jnp.asarray(weights, jnp.float32)
+  return jnp.where(weights > 0, jnp.minimum(weights, 1.0), 0.0)
+
+
 def clipped_grad(loss_fn: LossFn, clip_norm: float, *, has_aux: bool = False,
                  method: str = 'auto', precision: str = 'default'):
   """DP-SGD's clipped gradient sum, shaped like `jax.grad`.
@@ -334,8 +341,7 @@ def clipped_grad(loss_fn: LossFn, clip_norm: float, *, has_aux: bool = False,
   def grad_fn(params: Params, examples: Example, weights: jax.Array | None = None):
     if weights is None:
       raise TypeError(MISSING_WEIGHTS)
-    weights = jnp.asarray(weights, jnp.float32)
-    weights = jnp.where(weights > 0, jnp.minimum(weights, 1.0), 0.0)
+    weights = clamp_weights(weights)
     with precision_lib.matmul_precision(precision):
       return inner(params, examples, weights)
   grad_fn.choice = inner.choice

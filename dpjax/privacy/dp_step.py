@@ -360,6 +360,7 @@ class DPStep:
 
   def _add_batch(self, params: Params, acc: accumulator_lib.Accumulator,
                  batch: Batch) -> accumulator_lib.Accumulator:
+    batch = dict(batch, weight=clipping_lib.clamp_weights(batch['weight']))  # As clipped_grad.
     g, stats = self._sum_fn(params, batch)
     return accumulator_lib.add(acc, g, stats)
 

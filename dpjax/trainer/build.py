@@ -105,9 +105,11 @@ def build_step(plan: plan_lib.RunPlan, model, optimizer: optax.GradientTransform
                           expected_batch_size=plan.sampler.expected_batch_size,
                           private=False, seed=plan.seed, precision=plan_lib.precision_of(config), **options)
   step = dp_step.DPStep.from_plan(model, optimizer, plan.privacy, **options)
-  # What is reported is what runs (and its precision is the one whose η ε pays for).
-  assert step.noise_multiplier == plan.accountant.noise_multiplier == plan.noise_multiplier
-  assert step.precision == plan.privacy.precision == plan_lib.precision_of(config)
+  # What is reported is what runs (and its precision is the one whose η ε pays for); not an
+  # assert, which `python -O` removes.
+  if not (step.noise_multiplier == plan.accountant.noise_multiplier == plan.noise_multiplier
+          and step.precision == plan.privacy.precision == plan_lib.precision_of(config)):
+    raise RuntimeError('the DP step and the privacy plan disagree on σ or the precision.')
   return step
 
 

@@ -619,3 +619,17 @@ def test_train_step_refuses_a_step_it_already_noised():
   with pytest.raises(ValueError, match=r'^DPStep: step 0 is not after step 0'):
     step.apply(params, opt_state, step.init_accumulator(params), np.uint32(0))
   step.train_step(params, opt_state, buf, np.int32(1), np.uint32(1))  # The next one runs.
+
+
+def test_accumulate_takes_weights_into_zero_one_as_clipped_grad_does():
+  """A caller's own weights (DPStep outside the trainer): a weight of 17 multiplied a row's
+  contribution to 17·C and a negative one subtracted a row; now each row adds at most C,
+  as in `clipping.clipped_grad` (review of the merge: only the library's function clamped)."""
+  params, (x, y) = _params(), _rows(3, seed=7)
+  x = x * 1e3  # Every row's gradient is far above C.
+  step = _standard_step()
+  for weight, bound in ((17.0, 0.5), (-5.0, 0.0), (np.nan, 0.0)):
+    batch = {'x': x[:1], 'y': y[:1], 'weight': np.array([weight], np.float32)}
+    acc = step.accumulate(params, step.init_accumulator(params), batch)
+    norm = float(optax.tree.norm(acc.grad_sum))
+    assert norm <= bound * (1 + 1e-6) and (bound == 0 or norm > 0.99 * bound), (weight, norm)
