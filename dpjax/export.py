@@ -8,6 +8,9 @@ not at all):
 * `params.npz`: every parameter of the model ('/'-joined keys, the format
   `init_from` reads; fine-tuned runs are merged: frozen weights and W + (α/r)·A·B);
 * `ema_params.npz`: the EMA of the parameters, when the run kept one;
+  both also carry the privacy card, as the reserved entry `__dpjax_privacy_card__`
+  (`dpjax.trainer.stored_params`, whose readers skip it), so a copy of either file
+  still composes its privacy loss when a run starts from it;
 * `privacy_card.json`: ε, δ, the kind of bound, the accountant, the sampler, N
   (exact and treated as public, or the declared public bound
   `data.public_num_examples`: `dpjax.trainer.training_set_size`), b, B, σ, C,
@@ -58,12 +61,13 @@ from dpjax.trainer import init_source
 from dpjax.trainer import interrupts
 from dpjax.trainer import run_seed
 from dpjax.trainer import seed_record
+from dpjax.trainer import stored_params
 from dpjax.trainer import training_set_size
 from dpjax.trainer import write_errors
 
 PROG = 'python -m dpjax.export'
-CARD = init_source.CARD_FILE
-PARAMS, EMA_PARAMS = init_source.PARAMS_FILE, 'ema_params.npz'
+CARD = stored_params.CARD_FILE
+PARAMS, EMA_PARAMS = stored_params.PARAMS_FILE, 'ema_params.npz'
 CARD_FORMAT = 'dpjax privacy card 1'
 
 
@@ -212,7 +216,7 @@ def export(workdir: str, out: str, *, step: int | None = None,
     with interrupts.partial_output(tempfile.mkdtemp(prefix='.dpjax-export-',
                                                     dir=parent)) as staging:
       for name, arrays in files.items():
-        np.savez(os.path.join(staging, name), **arrays)
+        stored_params.save(os.path.join(staging, name), arrays, card)
       with open(os.path.join(staging, CARD), 'w') as f:
         json.dump(card, f, indent=2)
         f.write('\n')
