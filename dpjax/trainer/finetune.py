@@ -3,8 +3,9 @@
 Loading (`config.init_from`, `config.init_from_rules`): a `.npz` of parameters
 keyed by their '/'-joined paths (`save_npz` writes one), a dpjax export directory
 (its `params.npz`), a dpjax workdir (its newest checkpoint's `params`), or one
-orbax checkpoint step directory of it (`dpjax.trainer.stored_params`). Whose
-privacy loss comes with them: `dpjax.trainer.init_source`.
+orbax checkpoint step directory of it (`dpjax.trainer.stored_params`, which also
+checks them against the digest of the weights a run started from). Whose privacy
+loss comes with them: `dpjax.trainer.init_source`.
 Rename rules (regex, replacement) are applied in order to the file's keys
 with `re.sub`; a key renamed to '' is dropped. The result must match the
 model's parameters key for key and shape for shape, else ONE ValueError line
@@ -98,14 +99,19 @@ def apply_rules(flat: dict[str, Any], rules: Sequence[Sequence[str]]) -> dict[st
   return out
 
 
-def load_pretrained(init_from: str, template: Params,
-                    rules: Sequence[Sequence[str]] = ()) -> Params:
+def load_pretrained(init_from: str, template: Params, rules: Sequence[Sequence[str]] = (),
+                    sha256: str | None = None) -> Params:
   """Pretrained parameters with the structure, shapes and dtypes of `template`.
 
+  sha256: the digest of the weights the run started from (`stored_params.sha256`), if
+  recorded: weights read here that differ from them are refused.
+
   Raises ValueError (one line) listing missing keys, unexpected keys and shape
-  mismatches after the rename `rules`.
+  mismatches after the rename `rules`, or naming weights that changed.
   """
-  flat = apply_rules(stored_params.read_params(init_from), rules)
+  stored = stored_params.read_params(init_from)
+  stored_params.refuse_changed(init_from, sha256, stored_params.sha256(stored))
+  flat = apply_rules(stored, rules)
   want = flatten(template)
   missing = sorted(set(want) - set(flat))
   unexpected = sorted(set(flat) - set(want))

@@ -14,6 +14,9 @@
   assumed public (trained on data that shares no individual with this run's) and do not enter
   ε: stripping an export's card from its weights is the user's declaration that they are.
 
+The digest of the weights as read (`stored_params.sha256`) is recorded with the source: a
+resume, the model's build and an export that merges frozen weights refuse weights that differ.
+
 A dpjax source's release depends on its private training data. By default this run's ε is
 the composition of every run of the chain (the source, the runs it started from, and so on)
 with this run (`dpjax.privacy.accounting.composition`): each run's accountant is rebuilt from
@@ -64,6 +67,7 @@ class InitSource:
     params_path: where the weights are read (for a workdir, the checkpoint step whose metadata
       was read, so a run still writing there cannot change them after accounting; for a file,
       its real path).
+    weights_sha256: the digest of the weights as read (`stored_params.sha256`).
   """
   path: str
   kind: str
@@ -71,6 +75,7 @@ class InitSource:
   disjoint: bool = False
   content_sha256: str | None = None
   params_path: str = ''
+  weights_sha256: str | None = None
 
   @property
   def weights(self) -> str:
@@ -108,7 +113,8 @@ class InitSource:
   def metadata(self) -> dict[str, Any]:
     """What a checkpoint records of it (the chain, for runs that start from this one)."""
     return {'path': self.path, 'kind': self.kind, 'disjoint_data': self.disjoint,
-            'params_path': self.weights, 'chain': list(self.chain)}
+            'params_path': self.weights, 'weights_sha256': self.weights_sha256,
+            'chain': list(self.chain)}
 
   def data_notes(self, content_sha256: str) -> list[str]:
     """Lines about a source that trained on this very content; refused if declared disjoint."""
@@ -126,18 +132,22 @@ def _number(value) -> str:
 
 
 def read_source(init_from: str, disjoint: bool = False) -> InitSource:
-  """The InitSource `init_from` names; ValueError (one line) if it names nothing readable."""
+  """The InitSource `init_from` names, with the digest of its weights; ValueError (one line) if
+  it names nothing readable."""
   path = init_from
   weights = _weights_file(path)
   if weights is not None:
     card, real = _card(path, weights), os.path.realpath(weights)
-    return (InitSource(path, 'public', disjoint=disjoint, params_path=real) if card is None
-            else _from_card(path, card, disjoint, real))
-  meta, step_dir = _checkpoint_metadata(path)
-  record = record_of_checkpoint(meta, os.path.abspath(path))
-  chain = (record, *(meta.get('init_from') or {}).get('chain', ()))
-  return InitSource(path, 'run', tuple(chain), disjoint,
-                    (meta.get('fingerprint') or {}).get('data.content_sha256'), step_dir)
+    source = (InitSource(path, 'public', disjoint=disjoint, params_path=real) if card is None
+              else _from_card(path, card, disjoint, real))
+  else:
+    meta, step_dir = _checkpoint_metadata(path)
+    record = record_of_checkpoint(meta, os.path.abspath(path))
+    chain = (record, *(meta.get('init_from') or {}).get('chain', ()))
+    source = InitSource(path, 'run', tuple(chain), disjoint,
+                        (meta.get('fingerprint') or {}).get('data.content_sha256'), step_dir)
+  digest = stored_params.sha256(stored_params.read_params(source.weights))
+  return dataclasses.replace(source, weights_sha256=digest)
 
 
 def _weights_file(path: str) -> str | None:

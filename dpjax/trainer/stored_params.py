@@ -11,10 +11,16 @@ it) is the user's declaration that the weights are public.
 `read_params` loads the weights `init_from` names: an .npz, a dpjax export directory (its
 `params.npz`), a dpjax workdir (its newest checkpoint's params) or one checkpoint step
 directory; links are resolved (`os.path.realpath`) wherever a source is located.
+
+`sha256` is the digest of the weights as read (each array's key, dtype, shape and bytes, in key
+order): recorded when a run is planned, it is checked wherever the weights are read again
+(building the model, a resume, an export merging frozen weights), so a run never releases or
+continues from other weights than those it started from.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any
@@ -89,3 +95,22 @@ def read_params(init_from: str) -> dict[str, np.ndarray]:
   flat = traverse_util.flatten_dict(state['params'], sep='/')
   return {k: np.asarray(v) for k, v in flat.items()}
 
+
+def sha256(flat: dict[str, Any]) -> str:
+  """SHA-256 of flat parameters: each array's key, dtype, shape and bytes, in key order."""
+  digest = hashlib.sha256()
+  for key in sorted(flat):
+    array = np.ascontiguousarray(flat[key])
+    digest.update(json.dumps([key, array.dtype.str, list(array.shape)]).encode('utf-8'))
+    digest.update(array.tobytes())
+  return digest.hexdigest()
+
+
+def refuse_changed(init_from: str, recorded: str | None, current: str) -> None:
+  """ValueError (one line) when the weights at `init_from` are not those a run started from."""
+  if recorded is not None and recorded != current:
+    raise ValueError(
+        f'init_from = {init_from!r}: its weights changed since this run started (SHA-256 '
+        f'{recorded[:12]}… then, {current[:12]}… now), so they are not those the run trained '
+        'with and its ε accounted for. Restore the weights it started from, or train from these '
+        'in a new --workdir.')

@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import shutil
 
 import numpy as np
@@ -23,6 +24,7 @@ from dpjax.trainer import finetune
 from dpjax.trainer import init_source
 from dpjax.trainer import plan as plan_lib
 from tests.run_configs import small_config
+from tests.run_configs import tree_digest
 from tests.trainer import test_fingerprint
 
 DELTA, N, B, STEPS = 1e-5, 1437, 128, 6  # Run A: N, b and steps (σ = 1).
@@ -277,3 +279,35 @@ def test_the_card_inside_the_weights_changes_no_parameter_and_only_its_removal_m
       init_source.read_source(str(source))
     assert '\n' not in str(e.value)
 
+
+def test_a_fine_tuned_run_exports_and_resumes_only_with_the_weights_it_started_from(
+    runs, tmp_path):
+  """The attack on the frozen weights: B starts from A's export X with Dense_0 frozen; X's
+  weights are then replaced (the pretraining re-run and exported to the same path). On the
+  branch's start commit B's export re-read X and released the new Dense_0 beside a Dense_1
+  trained against the old one, a function of three runs while the card composes two, and a
+  resume trained on against the new Dense_0. Now both are refused in one line naming the
+  change, nothing written; before the change B's export holds the Dense_0 B trained with.
+  Failed on the branch's start commit (the export succeeded; checked)."""
+  x = tmp_path / 'x'
+  _export_a(runs, x)
+  config = small_config(**{'init_from': str(x), 'freeze': ('Dense_0',), 'num_steps': 1,
+                           'seed': 2, 'checkpoint_every_steps': 1, 'eval_every_steps': 1})
+  train.train_and_evaluate(config, str(tmp_path / 'b'))
+  export.export(str(tmp_path / 'b'), str(tmp_path / 'b_export'))
+  with np.load(x / 'params.npz') as f:
+    entries = {k: f[k] for k in f.files}
+  with np.load(tmp_path / 'b_export' / 'params.npz') as f:
+    np.testing.assert_array_equal(f['Dense_0/kernel'], entries['Dense_0/kernel'])
+  entries['Dense_0/kernel'] = entries['Dense_0/kernel'] + np.float32(1e-3)  # "A2", same card.
+  np.savez(x / 'params.npz', **entries)
+  with pytest.raises(ValueError, match=r'weights changed since this run started') as e:
+    export.export(str(tmp_path / 'b'), str(tmp_path / 'b_export2'), allow_shared_seed=True)
+  assert '\n' not in str(e.value) and not os.path.exists(tmp_path / 'b_export2')
+  before = tree_digest(tmp_path / 'b')
+  config.num_steps = 2
+  with pytest.raises(ValueError, match=re.escape(f"init_from = '{x}': its weights changed")):
+    train.train_and_evaluate(config, str(tmp_path / 'b'))
+  assert tree_digest(tmp_path / 'b') == before
+  meta = checkpoints.read_metadata(str(tmp_path / 'b'))[-1]  # Recorded at the start.
+  assert meta['fingerprint']['init_from.weights_sha256'] == meta['init_from']['weights_sha256']
