@@ -110,7 +110,7 @@ def refuse_changed(init_from: str, recorded: str | None, current: str) -> None:
   """ValueError (one line) when the weights at `init_from` are not those a run started from."""
   if recorded is not None and recorded != current:
     raise ValueError(
-        f'init_from = {init_from!r}: its weights changed since this run started (SHA-256 '
-        f'{recorded[:12]}… then, {current[:12]}… now), so they are not those the run trained '
-        'with and its ε accounted for. Restore the weights it started from, or train from these '
-        'in a new --workdir.')
+        f'init_from = {init_from!r}: these weights are not those this run started from (SHA-256 '
+        f'{recorded[:12]}… recorded, {current[:12]}… now: changed or replaced since), nor those '
+        'it trained with and its ε accounted for. Restore the weights it started from, or train '
+        'from these in a new --workdir.')
