@@ -6,8 +6,13 @@ Writes, into a new directory `<model_dir>` (atomically: it appears complete or
 not at all):
 
 * `params.npz`: every parameter of the model ('/'-joined keys, the format
-  `init_from` reads; fine-tuned runs are merged: frozen weights and W + (α/r)·A·B);
+  `init_from` reads; fine-tuned runs are merged: frozen weights and W + (α/r)·A·B,
+  the frozen ones re-read from `init_from` and refused unless they are those the run
+  started from, by their recorded digest);
 * `ema_params.npz`: the EMA of the parameters, when the run kept one;
+  both also carry the privacy card, as the reserved entry `__dpjax_privacy_card__`
+  (`dpjax.trainer.stored_params`, whose readers skip it), so a copy of either file
+  still composes its privacy loss when a run starts from it;
 * `privacy_card.json`: ε, δ, the kind of bound, the accountant, the sampler, N
   (exact and treated as public, or the declared public bound
   `data.public_num_examples`: `dpjax.trainer.training_set_size`), b, B, σ, C,
@@ -58,12 +63,13 @@ from dpjax.trainer import init_source
 from dpjax.trainer import interrupts
 from dpjax.trainer import run_seed
 from dpjax.trainer import seed_record
+from dpjax.trainer import stored_params
 from dpjax.trainer import training_set_size
 from dpjax.trainer import write_errors
 
 PROG = 'python -m dpjax.export'
-CARD = init_source.CARD_FILE
-PARAMS, EMA_PARAMS = init_source.PARAMS_FILE, 'ema_params.npz'
+CARD = stored_params.CARD_FILE
+PARAMS, EMA_PARAMS = stored_params.PARAMS_FILE, 'ema_params.npz'
 CARD_FORMAT = 'dpjax privacy card 1'
 
 
@@ -150,8 +156,14 @@ def _full_params(trainable: dict, meta: dict, workdir: str) -> dict:
                             tuple(io['input_shape']))
   params = prng.init_params(model, seed.value, tuple(io['input_shape']))
   if config.get('init_from'):  # The weights the run started from (the step it accounted for).
-    weights = (meta.get('init_from') or {}).get('params_path') or config['init_from']
-    params = finetune.load_pretrained(weights, params, config.get('init_from_rules', ()))
+    init = meta.get('init_from') or {}
+    if not init.get('weights_sha256'):
+      raise ValueError(f'--workdir {workdir!r}: its checkpoint records no digest of the weights '
+                       f'it started from (init_from = {config["init_from"]!r}; an older dpjax), '
+                       'so the frozen weights re-read from there cannot be checked against those '
+                       'it trained with. Retrain to export.')
+    params = finetune.load_pretrained(init.get('params_path') or config['init_from'], params,
+                                      config.get('init_from_rules', ()), init['weights_sha256'])
   lora = config.get('lora', {})
   wrapped, _ = finetune.make_finetune(
       model, params, freeze=tuple(config.get('freeze', ())), lora_rank=lora.get('rank', 0),
@@ -212,7 +224,7 @@ def export(workdir: str, out: str, *, step: int | None = None,
     with interrupts.partial_output(tempfile.mkdtemp(prefix='.dpjax-export-',
                                                     dir=parent)) as staging:
       for name, arrays in files.items():
-        np.savez(os.path.join(staging, name), **arrays)
+        stored_params.save(os.path.join(staging, name), arrays, card)
       with open(os.path.join(staging, CARD), 'w') as f:
         json.dump(card, f, indent=2)
         f.write('\n')

@@ -47,7 +47,8 @@ def init_params(plan: plan_lib.RunPlan, model, input_shape) -> tuple[Any, Any]:
   config = plan.config
   params = prng.init_params(model, plan.seed, input_shape)
   if config.init_from:
-    params = finetune.load_pretrained(plan.init_source.weights, params, config.init_from_rules)
+    params = finetune.load_pretrained(plan.init_source.weights, params, config.init_from_rules,
+                                      plan.init_source.weights_sha256)
   if config.freeze or config.lora.rank:
     model, params = finetune.make_finetune(
         model, params, freeze=config.freeze, lora_rank=config.lora.rank,

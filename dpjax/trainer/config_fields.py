@@ -155,9 +155,9 @@ FIELDS: tuple[Field, ...] = (
     Field('ema_decay', 'float', 0.0, 'EMA of the parameters, decay min(d, (1+t)/(10+t)); 0 = off',
           0, 1, high_open=True),
     Field('init_from', 'text', '', "pretrained params: an .npz ('/'-joined keys; assumed public "
-          'unless a dpjax privacy card is beside it), a dpjax export, a dpjax workdir or a '
-          "checkpoint step directory, whose runs' privacy loss is composed into this run's ε; "
-          '"" = the initialisation'),
+          'unless a dpjax privacy card is inside or beside it), a dpjax export, a dpjax workdir '
+          "or a checkpoint step directory, whose runs' privacy loss is composed into this run's "
+          'ε; "" = the initialisation'),
     Field('init_from_rules', 'pairs', (), "(regex, replacement) pairs renaming the file's keys; "
           "'' drops one"),
     Field('init_from_disjoint_data', 'bool', False, "True declares that this run's data shares no "

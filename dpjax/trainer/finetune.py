@@ -3,8 +3,9 @@
 Loading (`config.init_from`, `config.init_from_rules`): a `.npz` of parameters
 keyed by their '/'-joined paths (`save_npz` writes one), a dpjax export directory
 (its `params.npz`), a dpjax workdir (its newest checkpoint's `params`), or one
-orbax checkpoint step directory of it. Whose privacy loss comes with them:
-`dpjax.trainer.init_source`.
+orbax checkpoint step directory of it (`dpjax.trainer.stored_params`, which also
+checks them against the digest of the weights a run started from). Whose privacy
+loss comes with them: `dpjax.trainer.init_source`.
 Rename rules (regex, replacement) are applied in order to the file's keys
 with `re.sub`; a key renamed to '' is dropped. The result must match the
 model's parameters key for key and shape for shape, else ONE ValueError line
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 import math
-import os
 import re
 from typing import Any
 
@@ -50,8 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dpjax.trainer import checkpoints
-from dpjax.trainer import init_source
+from dpjax.trainer import stored_params
 from dpjax.privacy import prng
 
 Params = Any
@@ -70,45 +69,12 @@ def unflatten(flat: dict[str, Any]) -> Params:
 
 def save_npz(path: str, params: Params) -> None:
   """Writes params as an .npz keyed by '/'-joined paths (what `init_from` reads)."""
-  np.savez(path, **{k: np.asarray(v) for k, v in flatten(params).items()})
+  stored_params.save(path, {k: np.asarray(v) for k, v in flatten(params).items()})
 
 
 def _listing(items: Sequence[str], limit: int = 8) -> str:
   shown = ', '.join(items[:limit])
   return shown + (f' and {len(items) - limit} more' if len(items) > limit else '')
-
-
-def read_params(init_from: str) -> dict[str, np.ndarray]:
-  """The flat parameters stored at `init_from` (.npz, dpjax workdir or checkpoint step dir)."""
-  if not isinstance(init_from, str) or not init_from:
-    raise ValueError(f'init_from = {init_from!r}: must name an .npz file, a dpjax workdir or an '
-                     'orbax checkpoint directory.')
-  if os.path.isfile(init_from):
-    if not init_from.endswith('.npz'):
-      raise ValueError(f'init_from = {init_from!r}: a file must be an .npz of parameters keyed by '
-                       "'/'-joined paths.")
-    with np.load(init_from) as f:
-      return {k: f[k] for k in f.files}
-  export = os.path.join(init_from, init_source.PARAMS_FILE)
-  if os.path.isfile(os.path.join(init_from, init_source.CARD_FILE)) and os.path.isfile(export):
-    return read_params(export)  # A dpjax export.
-  if os.path.isdir(os.path.join(init_from, checkpoints.CHECKPOINT_DIR)):  # A dpjax workdir.
-    directory = checkpoints.checkpoint_dir(init_from)
-    steps = sorted(int(n) for n in os.listdir(directory) if n.isdigit())
-    if not steps:
-      raise ValueError(f'init_from = {init_from!r}: the workdir has no checkpoint.')
-    state = checkpoints.read_state(init_from, steps[-1])
-  elif os.path.isdir(os.path.join(init_from, 'state')):  # One checkpoint step directory.
-    step_dir = os.path.abspath(init_from)
-    workdir = os.path.dirname(os.path.dirname(step_dir))
-    state = checkpoints.read_state(workdir, int(os.path.basename(step_dir)))
-  else:
-    raise ValueError(f'init_from = {init_from!r}: not found, or not an .npz, a dpjax workdir or '
-                     'a checkpoint step directory.')
-  if 'params' not in state:
-    raise ValueError(f'init_from = {init_from!r}: the checkpoint holds no params '
-                     f'(keys {sorted(state)}).')
-  return {k: np.asarray(v) for k, v in flatten(state['params']).items()}
 
 
 def apply_rules(flat: dict[str, Any], rules: Sequence[Sequence[str]]) -> dict[str, Any]:
@@ -133,14 +99,19 @@ def apply_rules(flat: dict[str, Any], rules: Sequence[Sequence[str]]) -> dict[st
   return out
 
 
-def load_pretrained(init_from: str, template: Params,
-                    rules: Sequence[Sequence[str]] = ()) -> Params:
+def load_pretrained(init_from: str, template: Params, rules: Sequence[Sequence[str]] = (),
+                    sha256: str | None = None) -> Params:
   """Pretrained parameters with the structure, shapes and dtypes of `template`.
 
+  sha256: the digest of the weights the run started from (`stored_params.sha256`), if
+  recorded: weights read here that differ from them are refused.
+
   Raises ValueError (one line) listing missing keys, unexpected keys and shape
-  mismatches after the rename `rules`.
+  mismatches after the rename `rules`, or naming weights that changed.
   """
-  flat = apply_rules(read_params(init_from), rules)
+  stored = stored_params.read_params(init_from)
+  stored_params.refuse_changed(init_from, sha256, stored_params.sha256(stored))
+  flat = apply_rules(stored, rules)
   want = flatten(template)
   missing = sorted(set(want) - set(flat))
   unexpected = sorted(set(flat) - set(want))

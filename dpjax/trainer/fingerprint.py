@@ -3,7 +3,8 @@
 `run_fingerprint` lists the private flag, the sampler and its accounting parameters (N or
 its declared public bound, b, the resolved cap B, the group size), σ as used, C, δ, the
 resolved accountant, η (the float rounding ε pays for) with its matmul format, the runs `init_from` starts from and whether their data is declared
-disjoint, the SHA-256 of the seed, the audit canaries and the dataset's identity
+disjoint, the digest of the weights `init_from` names (a resume from other weights is
+refused), the SHA-256 of the seed, the audit canaries and the dataset's identity
 (`dataset_identity`: source, split, N and a digest of its content, `dpjax.data.identity`).
 Settings that cannot change ε (`dpjax.trainer.perf.Perf`) are not among its inputs.
 """
@@ -24,13 +25,17 @@ from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import composition
 from dpjax.trainer import training_set_size
 
+# The digest of the weights `init_from` names (`stored_params.sha256`), when it is set.
+INIT_WEIGHTS_FIELD = 'init_from.weights_sha256'
 FINGERPRINT_VERSION = 3  # 2: the seed as its SHA-256, the data by its content; 3: η.
 # The dataset's part of the fingerprint: its content, not where it lives (a copy resumes).
 DATASET_FIELDS = ('source', 'split', 'num_examples', 'content_sha256')
 
 
-def run_fingerprint(config, sampler, max_batch_size: int, privacy, dataset) -> dict[str, Any]:
-  """The privacy fingerprint: the privacy plan's fields, the private flag, audit and data."""
+def run_fingerprint(config, sampler, max_batch_size: int, privacy, dataset,
+                    init_weights_sha256: str | None = None) -> dict[str, Any]:
+  """The privacy fingerprint: the privacy plan's fields, the private flag, the starting
+  weights' digest, audit and data."""
   dataset = dataset or {}
   audit = config.get('audit', {})
   canaries = audit.get('num_canaries', 0)
@@ -43,7 +48,8 @@ def run_fingerprint(config, sampler, max_batch_size: int, privacy, dataset) -> d
               'privacy.clip_norm': None, 'privacy.delta': None, 'privacy.accountant': None,
               'privacy.matmul_format': None, 'privacy.rounding_eta': None,
               'seed_sha256': privacy_plan.seed_digest(sampler.seed)}
-  init = {'init_from_disjoint_data': bool(config.get('init_from_disjoint_data'))}
+  init = {'init_from_disjoint_data': bool(config.get('init_from_disjoint_data')),
+          INIT_WEIGHTS_FIELD: init_weights_sha256}
   return {
       'fingerprint_version': FINGERPRINT_VERSION,
       'privacy.enabled': privacy is not None,

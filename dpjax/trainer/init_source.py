@@ -5,10 +5,17 @@
 * a dpjax run: a workdir (its newest checkpoint) or one checkpoint step directory, whose
   metadata records the run's accounting inputs (the privacy part of its fingerprint) and
   those of the runs it started from;
-* a dpjax export: a directory, or an .npz, with `privacy_card.json` beside it, which records
-  the same;
-* other weights: an .npz with no card beside it and no dpjax checkpoint. They are assumed
-  public (trained on data that shares no individual with this run's) and do not enter ε.
+* a dpjax export: a directory, or an .npz, whose privacy card records the same. The card is
+  read from inside the .npz (`stored_params.EMBEDDED_CARD`, written by `dpjax.export`), so a
+  copy of the file or a link to it anywhere still composes, else from `privacy_card.json`
+  beside the file (links resolved: beside the file they point to); a card beside it that
+  differs from the one inside is refused;
+* other weights: an .npz with no card inside or beside it and no dpjax checkpoint. They are
+  assumed public (trained on data that shares no individual with this run's) and do not enter
+  ε: stripping an export's card from its weights is the user's declaration that they are.
+
+The digest of the weights as read (`stored_params.sha256`) is recorded with the source: a
+resume, the model's build and an export that merges frozen weights refuse weights that differ.
 
 A dpjax source's release depends on its private training data. By default this run's ε is
 the composition of every run of the chain (the source, the runs it started from, and so on)
@@ -32,9 +39,8 @@ from dpjax.privacy import samplers as samplers_lib
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import composition
 from dpjax.trainer import checkpoints
+from dpjax.trainer import stored_params
 
-CARD_FILE = 'privacy_card.json'
-PARAMS_FILE = 'params.npz'
 # The accounting inputs a record may hold (the privacy plan's fingerprint without the seed);
 # one this dpjax cannot rebuild is refused, never ignored.
 ACCOUNTING_FIELDS = ('privacy.enabled', 'sampler.name', 'sampler.num_examples',
@@ -59,7 +65,9 @@ class InitSource:
     disjoint: `config.init_from_disjoint_data`.
     content_sha256: the digest of the source's training data, when its checkpoint records it.
     params_path: where the weights are read (for a workdir, the checkpoint step whose metadata
-      was read, so a run still writing there cannot change them after accounting).
+      was read, so a run still writing there cannot change them after accounting; for a file,
+      its real path).
+    weights_sha256: the digest of the weights as read (`stored_params.sha256`).
   """
   path: str
   kind: str
@@ -67,10 +75,11 @@ class InitSource:
   disjoint: bool = False
   content_sha256: str | None = None
   params_path: str = ''
+  weights_sha256: str | None = None
 
   @property
   def weights(self) -> str:
-    """The path `finetune.read_params` loads."""
+    """The path `stored_params.read_params` loads."""
     return self.params_path or self.path
 
   @property
@@ -87,8 +96,8 @@ class InitSource:
   def describe(self) -> str:
     """One line for the start of the run."""
     if self.kind == 'public':
-      return (f'Init: {self.path}: weights with no privacy card beside them and no dpjax '
-              "checkpoint, assumed public (trained on data sharing no individual with this "
+      return (f'Init: {self.path}: weights with no privacy card inside or beside them and no '
+              "dpjax checkpoint, assumed public (trained on data sharing no individual with this "
               "run's); they do not enter ε.")
     own = self.chain[0]
     what = (f"a dpjax {'run' if self.kind == 'run' else 'export'} ({own['steps']} steps, "
@@ -104,7 +113,8 @@ class InitSource:
   def metadata(self) -> dict[str, Any]:
     """What a checkpoint records of it (the chain, for runs that start from this one)."""
     return {'path': self.path, 'kind': self.kind, 'disjoint_data': self.disjoint,
-            'params_path': self.weights, 'chain': list(self.chain)}
+            'params_path': self.weights, 'weights_sha256': self.weights_sha256,
+            'chain': list(self.chain)}
 
   def data_notes(self, content_sha256: str) -> list[str]:
     """Lines about a source that trained on this very content; refused if declared disjoint."""
@@ -122,21 +132,56 @@ def _number(value) -> str:
 
 
 def read_source(init_from: str, disjoint: bool = False) -> InitSource:
-  """The InitSource `init_from` names; ValueError (one line) if it names nothing readable."""
+  """The InitSource `init_from` names, with the digest of its weights; ValueError (one line) if
+  it names nothing readable."""
   path = init_from
+  weights = _weights_file(path)
+  if weights is not None:
+    card, real = _card(path, weights), os.path.realpath(weights)
+    source = (InitSource(path, 'public', disjoint=disjoint, params_path=real) if card is None
+              else _from_card(path, card, disjoint, real))
+  else:
+    meta, step_dir = _checkpoint_metadata(path)
+    record = record_of_checkpoint(meta, os.path.abspath(path))
+    chain = (record, *(meta.get('init_from') or {}).get('chain', ()))
+    source = InitSource(path, 'run', tuple(chain), disjoint,
+                        (meta.get('fingerprint') or {}).get('data.content_sha256'), step_dir)
+  digest = stored_params.sha256(stored_params.read_params(source.weights))
+  return dataclasses.replace(source, weights_sha256=digest)
+
+
+def _weights_file(path: str) -> str | None:
+  """The .npz `path` names (itself, or an export directory's params.npz), or None for a dpjax
+  workdir or checkpoint."""
   if os.path.isfile(path):
-    card = os.path.join(os.path.dirname(os.path.abspath(path)), CARD_FILE)
-    if os.path.isfile(card):
-      return _from_card(path, card, disjoint)
-    return InitSource(path, 'public', disjoint=disjoint)
-  if os.path.isfile(os.path.join(path, CARD_FILE)):
-    return _from_card(path, os.path.join(path, CARD_FILE), disjoint)
-  meta, step_dir = _checkpoint_metadata(path)
-  name = os.path.abspath(path)
-  record = record_of_checkpoint(meta, name)
-  chain = (record, *(meta.get('init_from') or {}).get('chain', ()))
-  return InitSource(path, 'run', tuple(chain), disjoint,
-                    (meta.get('fingerprint') or {}).get('data.content_sha256'), step_dir)
+    return os.path.abspath(path)
+  if os.path.isfile(os.path.join(path, stored_params.CARD_FILE)):
+    return os.path.abspath(os.path.join(path, stored_params.PARAMS_FILE))
+  return None
+
+
+def _card(path: str, weights: str) -> dict[str, Any] | None:
+  """The privacy card of the weights: the one inside the .npz (links resolved), or beside it
+  or beside a link to it; ValueError when two of them differ."""
+  real = os.path.realpath(weights)
+  cards = {}
+  if os.path.isfile(real) and (inside := stored_params.embedded_card(real)) is not None:
+    cards[f'inside {real}'] = inside
+  for beside in dict.fromkeys(os.path.join(os.path.dirname(p), stored_params.CARD_FILE)
+                              for p in (real, weights)):
+    if os.path.isfile(beside):
+      try:
+        with open(beside) as f:
+          cards[beside] = json.load(f)
+      except (OSError, ValueError) as e:
+        raise ValueError(f'init_from = {path!r}: {beside} is unreadable ({type(e).__name__}: '
+                         f'{e}), so its privacy loss cannot be composed.') from None
+  if any(card != next(iter(cards.values())) for card in cards.values()):
+    raise ValueError(f'init_from = {path!r}: the privacy cards of these weights differ '
+                     f'({", ".join(cards)}), so which run trained them is unclear. Start from an '
+                     'export as dpjax.export wrote it, or remove the card that does not belong '
+                     'to these weights.')
+  return next(iter(cards.values()), None)
 
 
 def _checkpoint_metadata(path: str) -> tuple[dict[str, Any], str]:
@@ -174,19 +219,17 @@ def record_of_checkpoint(meta: dict[str, Any], name: str) -> dict[str, Any]:
           'delta': privacy.get('delta'), 'bound': privacy.get('bound'), 'accounting': accounting}
 
 
-def _from_card(path: str, card_path: str, disjoint: bool) -> InitSource:
+def _from_card(path: str, card: dict[str, Any], disjoint: bool, weights: str) -> InitSource:
   try:
-    with open(card_path) as f:
-      card = json.load(f)
     own = {'name': os.path.abspath(path), 'steps': card['steps'],
            'epsilon': card.get('epsilon'), 'delta': card.get('delta'),
            'bound': card.get('bound'), 'accounting': card.get('accounting') or _card_inputs(card)}
-  except (OSError, ValueError, KeyError, TypeError) as e:
-    raise ValueError(f'init_from = {path!r}: its {CARD_FILE} is unreadable ({type(e).__name__}: '
+  except (ValueError, KeyError, TypeError) as e:
+    raise ValueError(f'init_from = {path!r}: its privacy card is unreadable ({type(e).__name__}: '
                      f'{e}), so its privacy loss cannot be composed.') from None
   ancestors = [dict(r, name=f'{r.get("name")} (before {own["name"]})')
                for r in (card.get('init_from') or {}).get('chain', ())]
-  return InitSource(path, 'export', (own, *ancestors), disjoint)
+  return InitSource(path, 'export', (own, *ancestors), disjoint, params_path=weights)
 
 
 def _card_inputs(card: dict[str, Any]) -> dict[str, Any]:

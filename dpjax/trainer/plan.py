@@ -20,7 +20,7 @@ The **privacy fingerprint** (`RunPlan.fingerprint`) lists everything that
 enters ε: the private flag, the sampler and its accounting parameters (N, b,
 the resolved B, the group size), σ as used, C, δ, the resolved accountant, η and
 the matmul format it comes from, the runs `init_from` starts from (their ε composes with this run's unless
-`init_from_disjoint_data`, `dpjax.trainer.init_source`), the SHA-256 of the seed
+`init_from_disjoint_data`, `dpjax.trainer.init_source`) and the digest of its weights, the SHA-256 of the seed
 (it fixes which examples each step uses, which epoch-based
 accounting relies on; the seed itself is never stored in a checkpoint), the audit
 canaries, and the dataset's identity (source, name, split, N, and a digest of its
@@ -124,7 +124,8 @@ class RunPlan:
   def fingerprint(self) -> dict[str, Any]:
     """The flat dict of everything that enters ε (JSON-ready; compared on resume)."""
     return fingerprint_lib.run_fingerprint(self.config, self.sampler, self.max_batch_size,
-                                           self.privacy, self.dataset)
+                                           self.privacy, self.dataset,
+                                           getattr(self.init_source, 'weights_sha256', None))
 
   def summary(self) -> str:
     """One line: sampler, b, B, P, σ (and whether calibrated), C, target ε, steps."""
@@ -239,7 +240,11 @@ def make_plan(config: ml_collections.ConfigDict, data: Any,
   init = None
   if config.get('init_from'):
     from dpjax.trainer import init_source  # pylint: disable=import-outside-toplevel
+    from dpjax.trainer import stored_params  # pylint: disable=import-outside-toplevel
     init = init_source.read_source(config.init_from, bool(config.get('init_from_disjoint_data')))
+    if previous is not None:  # A resume continues from the weights it started from only.
+      stored_params.refuse_changed(config.init_from, previous.get(
+          fingerprint_lib.INIT_WEIGHTS_FIELD), init.weights_sha256)
   sampler = make_sampler(config, num_examples, seed=seed)
   num_steps = num_train_steps(config, sampler)
   _check_resumable(previous, resumed_step, num_steps)
@@ -334,7 +339,8 @@ def _privacy_plan(config: ml_collections.ConfigDict, plan: RunPlan,
     _refuse_changes(previous, fingerprint_lib.run_fingerprint(
         config, sampler, plan.max_batch_size,
         fingerprint_lib.PendingFields(sampler, plan.max_batch_size, privacy, sigma,
-                                      precision_of(config), prior), plan.dataset))
+                                      precision_of(config), prior), plan.dataset,
+        getattr(plan.init_source, 'weights_sha256', None)))
   if prior and privacy.target_epsilon:
     _check_prior_budget(prior, privacy, plan.init_source.path)
   with warnings.catch_warnings():

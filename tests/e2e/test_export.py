@@ -12,6 +12,7 @@ from dpjax import export
 from dpjax.privacy import rounding
 from dpjax.trainer import finetune
 from dpjax.trainer import run_seed
+from dpjax.trainer import stored_params
 from dpjax import train
 from tests.run_configs import small_config
 
@@ -46,8 +47,9 @@ def test_export_writes_params_ema_and_card_and_nothing_private(drawn_run, tmp_pa
   with np.load(out / 'params.npz') as f:
     for key, value in finetune.flatten(state['params']).items():
       np.testing.assert_array_equal(f[key], value)
-  with np.load(out / 'ema_params.npz') as f:
-    assert set(f.files) == set(finetune.flatten(state['params']))
+  with np.load(out / 'ema_params.npz') as f:  # Its card inside (init_from composes a copy).
+    assert set(f.files) == set(finetune.flatten(state['params'])) | {stored_params.EMBEDDED_CARD}
+    assert stored_params.embedded_card(str(out / 'ema_params.npz')) == card
   # Nothing private: not the seed, its digest, a path, or a non-private statistic.
   seed = run_seed.stored_seed(str(drawn_run)).value
   secrets = [str(seed).encode(), meta['fingerprint']['seed_sha256'].encode(),
@@ -56,7 +58,7 @@ def test_export_writes_params_ema_and_card_and_nothing_private(drawn_run, tmp_pa
     blob = open(out / name, 'rb').read()
     assert not [s for s in secrets if s in blob], name
   # What init_from reads.
-  assert set(finetune.read_params(str(out / 'params.npz'))) == set(
+  assert set(stored_params.read_params(str(out / 'params.npz'))) == set(
       finetune.flatten(state['params']))
 
 

@@ -9,6 +9,8 @@ import functools
 import json
 import os
 import pathlib
+import re
+import shutil
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ from dpjax.trainer import finetune
 from dpjax.trainer import init_source
 from dpjax.trainer import plan as plan_lib
 from tests.run_configs import small_config
+from tests.run_configs import tree_digest
 from tests.trainer import test_fingerprint
 
 DELTA, N, B, STEPS = 1e-5, 1437, 128, 6  # Run A: N, b and steps (σ = 1).
@@ -212,3 +215,99 @@ def test_a_group_privacy_run_composes_a_source_accounted_with_rdp_through_its_pl
   (two,) = source.prior_runs(2)
   assert (one.accountant.accountant, two.accountant.accountant) == ('rdp', 'pld')
   assert two.accountant.group_size == 2 and two.accountant.sensitivity == 1 + 1e-4
+
+
+def _export_a(runs, out):
+  """A's export (params.npz, privacy_card.json) at `out`; its card."""
+  return export.export(str(runs / 'given'), str(out))
+
+
+def test_a_link_or_a_copy_of_an_exports_weights_composes_as_the_export_does(runs, tmp_path):
+  """The attack on provenance: B's init_from is a symlink to A's exported params.npz placed in
+  another directory, or a plain copy of the file there. B's release depends on A's training
+  set through the weights either way, so B's ε must be A ∘ B (dp_accounting, 2 steps of B),
+  exactly as from A's export directory. On the branch's start commit both were "assumed
+  public" (the card was looked up beside the link, and a copy carries none) and B claimed its
+  own ε; this test failed there (checked)."""
+  a_export = tmp_path / 'a_export'
+  _export_a(runs, a_export)
+  elsewhere = tmp_path / 'elsewhere'
+  elsewhere.mkdir()
+  (elsewhere / 'pretrained.npz').symlink_to(a_export / 'params.npz')
+  shutil.copyfile(a_export / 'params.npz', elsewhere / 'copy.npz')
+  epsilons = {}
+  for name in ('a_export', 'elsewhere/pretrained.npz', 'elsewhere/copy.npz'):
+    plan = _plan(tmp_path / name, num_steps=2, options=COARSE)
+    assert plan.init_source.kind == 'export', name
+    epsilons[name] = plan.accountant.epsilon(2)
+  b = _sigma(1.0, plan.fingerprint)
+  composed = _independent((N, _a_sigma(runs), STEPS), (N, b, 2), interval=1e-3)
+  assert epsilons == pytest.approx(dict.fromkeys(epsilons, composed), abs=1e-6)
+  assert composed > _independent((N, b, 2), interval=1e-3) + 0.5  # B alone claims much less.
+
+
+def test_the_card_inside_the_weights_changes_no_parameter_and_only_its_removal_makes_them_public(
+    runs, tmp_path):
+  """A's export carries its card inside params.npz (the reserved entry), equal to the
+  privacy_card.json beside it; the parameters read from the file are exactly A's (the entry is
+  skipped). Re-saving the arrays without the entry (the user's declaration) makes the weights
+  "assumed public"; a card beside the weights that differs from the one inside is refused in
+  one line. Fails on the branch's start commit (no card inside the .npz; checked)."""
+  a_export = tmp_path / 'a_export'
+  card = _export_a(runs, a_export)
+  with np.load(a_export / 'params.npz') as f:
+    entries = {k: f[k] for k in f.files}
+  inside = json.loads(entries.pop('__dpjax_privacy_card__').tobytes().decode('utf-8'))
+  assert inside == card == json.load(open(a_export / 'privacy_card.json'))
+  params = checkpoints.read_state(str(runs / 'given'), STEPS)['params']
+  loaded = finetune.flatten(finetune.load_pretrained(str(a_export / 'params.npz'), params))
+  for key, value in finetune.flatten(params).items():
+    np.testing.assert_array_equal(entries[key], value)
+    np.testing.assert_array_equal(loaded[key], value)
+  assert set(entries) == set(loaded)
+  np.savez(tmp_path / 'stripped.npz', **entries)
+  plan = _plan(tmp_path / 'stripped.npz', num_steps=2, options=COARSE)
+  assert plan.init_source.kind == 'public' and plan.accountant.prior_runs == ()
+  assert 'assumed public' in plan.init_source.describe()
+  other = tmp_path / 'other'
+  other.mkdir()
+  shutil.copyfile(a_export / 'params.npz', other / 'params.npz')
+  (other / 'privacy_card.json').write_text(json.dumps({**card, 'steps': 1}))
+  (tmp_path / 'link.npz').symlink_to(other / 'params.npz')
+  for source in (other, other / 'params.npz', tmp_path / 'link.npz'):
+    with pytest.raises(ValueError, match='the privacy cards of these weights differ') as e:
+      init_source.read_source(str(source))
+    assert '\n' not in str(e.value)
+
+
+def test_a_fine_tuned_run_exports_and_resumes_only_with_the_weights_it_started_from(
+    runs, tmp_path):
+  """The attack on the frozen weights: B starts from A's export X with Dense_0 frozen; X's
+  weights are then replaced (the pretraining re-run and exported to the same path). On the
+  branch's start commit B's export re-read X and released the new Dense_0 beside a Dense_1
+  trained against the old one, a function of three runs while the card composes two, and a
+  resume trained on against the new Dense_0. Now both are refused in one line naming the
+  change, nothing written; before the change B's export holds the Dense_0 B trained with.
+  Failed on the branch's start commit (the export succeeded; checked)."""
+  x = tmp_path / 'x'
+  _export_a(runs, x)
+  config = small_config(**{'init_from': str(x), 'freeze': ('Dense_0',), 'num_steps': 1,
+                           'seed': 2, 'checkpoint_every_steps': 1, 'eval_every_steps': 1})
+  train.train_and_evaluate(config, str(tmp_path / 'b'))
+  export.export(str(tmp_path / 'b'), str(tmp_path / 'b_export'))
+  with np.load(x / 'params.npz') as f:
+    entries = {k: f[k] for k in f.files}
+  with np.load(tmp_path / 'b_export' / 'params.npz') as f:
+    np.testing.assert_array_equal(f['Dense_0/kernel'], entries['Dense_0/kernel'])
+  entries['Dense_0/kernel'] = entries['Dense_0/kernel'] + np.float32(1e-3)  # "A2", same card.
+  np.savez(x / 'params.npz', **entries)
+  with pytest.raises(ValueError, match='these weights are not those this run started from') as e:
+    export.export(str(tmp_path / 'b'), str(tmp_path / 'b_export2'), allow_shared_seed=True)
+  assert '\n' not in str(e.value) and not os.path.exists(tmp_path / 'b_export2')
+  before = tree_digest(tmp_path / 'b')
+  config.num_steps = 2
+  with pytest.raises(ValueError, match=re.escape(f"init_from = '{x}': these weights are not those")):
+    train.train_and_evaluate(config, str(tmp_path / 'b'))
+  assert tree_digest(tmp_path / 'b') == before
+  meta = checkpoints.read_metadata(str(tmp_path / 'b'))[-1]  # Recorded at the start.
+  assert meta['fingerprint']['init_from.weights_sha256'] == meta['init_from']['weights_sha256']
