@@ -30,10 +30,12 @@ docs/threat_model.md).
 
 Two runs that share a seed share their noise, so releasing both reveals the
 noise-free difference of their gradients. Each export is recorded (the seed's
-SHA-256, the workdir, the output) in this user's seed record
+SHA-256, the run id, the workdir, the output) in this user's seed record
 (`dpjax.trainer.seed_record`: `$DPJAX_STATE_DIR/seeds.jsonl`, default
 `~/.local/state/dpjax`), and the export of a run whose seed another run already
-exported, anywhere, is refused (`--allow_shared_seed` overrides). Runs with drawn
+exported, anywhere, is refused (`--allow_shared_seed` overrides). Runs are told
+apart by their run id (`dpjax.trainer.run_identity`), not their path: a workdir
+deleted and trained again in the same path is another run. Runs with drawn
 seeds (the default) never share one.
 """
 
@@ -61,6 +63,7 @@ from dpjax.trainer import cli
 from dpjax.trainer import finetune
 from dpjax.trainer import init_source
 from dpjax.trainer import interrupts
+from dpjax.trainer import run_identity
 from dpjax.trainer import run_seed
 from dpjax.trainer import seed_record
 from dpjax.trainer import stored_params
@@ -198,17 +201,18 @@ def export(workdir: str, out: str, *, step: int | None = None,
   if digest is None:
     raise ValueError(f'--workdir {workdir!r}: its checkpoints were written by an older dpjax '
                      '(no seed digest); retrain to export.')
-  warnings, conflict = [], None
+  warnings, conflict, run = [], None, run_identity.stored(workdir)  # None: older than run ids.
   try:
-    conflict = None if allow_shared_seed else seed_record.exported_elsewhere(digest, workdir)
+    conflict = None if allow_shared_seed else seed_record.exported_by_another_run(
+        digest, run and run.run_id)
   except OSError as e:
     warnings.append(seed_record.unusable(e))
   if conflict is not None:
     raise ValueError(
-        f'--workdir {workdir!r} used the same seed as {conflict["workdir"]!r}, already exported to '
-        f'{conflict.get("out")!r}: two releases that share their noise reveal the noise-free '
-        'difference of their gradients. Retrain one run with another seed (leave seed unset to '
-        'draw one), or pass --allow_shared_seed if you know why.')
+        f'--workdir {workdir!r} used the same seed as {seed_record.run_named(conflict, workdir)}, '
+        f'already exported to {conflict.get("out")!r}: two releases that share their noise '
+        'reveal the noise-free difference of their gradients. Retrain one run with another seed '
+        '(leave seed unset to draw one), or pass --allow_shared_seed if you know why.')
   state = checkpoints.read_state(workdir, meta['step'])  # Verified against the manifest.
   card = privacy_card(meta)
   files = {PARAMS: _flat_numpy(_full_params(state['params'], meta, workdir))}
@@ -228,8 +232,14 @@ def export(workdir: str, out: str, *, step: int | None = None,
       with open(os.path.join(staging, CARD), 'w') as f:
         json.dump(card, f, indent=2)
         f.write('\n')
+      try:  # A workdir older than run ids gets one; recorded without it if that fails.
+        run = run or run_identity.kept(workdir)
+      except write_errors.WriteError as e:
+        warnings.append(f'the run id cannot be kept in {run_identity.run_path(workdir)} '
+                        f'({write_errors.reason(e.__cause__)}): this export is recorded without '
+                        'it, so exporting this run again will need --allow_shared_seed.')
       try:  # Before the rename: no release is ever missing from the record.
-        seed_record.append(digest, seed_record.EXPORT, workdir, out)
+        seed_record.append(digest, seed_record.EXPORT, workdir, run and run.run_id, out)
       except OSError as e:
         warnings.append(seed_record.unusable(e))
       if os.path.isdir(out):

@@ -54,6 +54,7 @@ from dpjax.trainer import interrupts
 from dpjax.models import factory as models
 from dpjax.trainer import perf as perf_lib
 from dpjax.trainer import plan as plan_lib
+from dpjax.trainer import run_identity
 from dpjax.trainer import run_seed
 from dpjax.trainer import seed_record
 from dpjax.privacy import sharding
@@ -165,9 +166,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                                 seed_source=seed.source, resumed_step=resumed[0], perf=perf)
     if sharding.is_primary_process():  # Before any compute: the resume needs it.
       run_seed.store_seed(workdir, seed)
-      if seed.source == 'config' and not resumed[0]:  # A fresh run with a given seed.
-        reuse = seed_record.start_warnings(plan.fingerprint['seed_sha256'], workdir)
-        plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(reuse))
+      # The seed record tells runs apart by their run id: a start from scratch is a new run
+      # whatever its path (a workdir deleted and trained again); a resume is the same run.
+      if resumed[0]:
+        run_identity.kept(workdir)  # A workdir from before run ids gets one.
+      else:
+        run = run_identity.fresh(workdir)
+        if seed.source == 'config':
+          reuse = seed_record.start_warnings(plan.fingerprint['seed_sha256'], workdir,
+                                             run.run_id, run.earlier)
+          plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(reuse))
     return training_loop.run(plan, workdir, train_source, test_source, model, mesh)
   finally:
     lock.release()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import Any, Callable, TypeVar
 
 from dpjax.privacy import prng
 from dpjax.trainer import write_errors
@@ -32,6 +33,7 @@ from dpjax.trainer.atomic_write import write_text_atomically
 PRIVATE_DIR = 'private'
 SEED_FILE = 'seed.json'
 SOURCES = ('drawn', 'workdir', 'config')
+T = TypeVar('T')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,21 +61,32 @@ def seed_path(workdir: str) -> str:
   return os.path.join(workdir, PRIVATE_DIR, SEED_FILE)
 
 
-def stored_seed(workdir: str) -> RunSeed | None:
-  """The seed a run in `workdir` stored, or None. ValueError if the file is damaged."""
-  path = seed_path(workdir)
+def read_private_record(path: str, parse: Callable[[Any], T], what: str, then: str) -> T | None:
+  """`parse` of the JSON in `path` (a file under private/), or None if there is none.
+
+  ValueError ('<path>: unreadable <what> (<error>); <then>') if it cannot be read or parsed
+  (`parse` raises ValueError, KeyError or TypeError on a damaged record).
+  """
   if not os.path.exists(path):
     return None
   try:
     with open(path) as f:
-      record = json.load(f)
-    value, source = int(record['seed']), record['source']
-    if source not in SOURCES or not 0 <= value < 2**63:
-      raise ValueError(record)
+      return parse(json.load(f))
   except (OSError, ValueError, KeyError, TypeError) as e:
-    raise ValueError(f'{path}: unreadable seed record ({type(e).__name__}); it is needed to '
-                     'resume this run exactly. Restore it, or use a new --workdir.') from None
+    raise ValueError(f'{path}: unreadable {what} ({type(e).__name__}); {then}') from None
+
+
+def _parse_seed(record: dict) -> RunSeed:
+  value, source = int(record['seed']), record['source']
+  if source not in SOURCES or not 0 <= value < 2**63:
+    raise ValueError(record)
   return RunSeed(value, 'workdir' if source != 'config' else 'config')
+
+
+def stored_seed(workdir: str) -> RunSeed | None:
+  """The seed a run in `workdir` stored, or None. ValueError if the file is damaged."""
+  return read_private_record(seed_path(workdir), _parse_seed, 'seed record', 'it is needed to '
+                             'resume this run exactly. Restore it, or use a new --workdir.')
 
 
 def resolve_seed(config_seed: int | None, workdir: str) -> RunSeed:

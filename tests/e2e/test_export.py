@@ -2,7 +2,9 @@
 
 import json
 import os
+import shutil
 import signal
+import stat
 
 import numpy as np
 import pytest
@@ -138,6 +140,57 @@ def test_a_second_run_with_a_given_seed_is_named_at_start_and_its_export_refused
   export.export(workdirs[1], str(tmp_path / 'elsewhere' / 'b'), allow_shared_seed=True)
 
 
+def test_a_workdir_deleted_and_trained_again_in_the_same_path_is_another_run(tmp_path, capsys):
+  """The attack (a sweep that deletes its workdir and trains again in the same path with one
+  given seed): run 1 on D, exported; the workdir deleted; run 2 on D' = D minus its last record,
+  same seed, same path. Every row is in every batch (b = N̄ = 256, q = 1) and the noise is
+  keyed by (seed, step), so after one SGD step the two parameter vectors differ by lr/b times
+  one clipped gradient, ‖·‖ ≤ lr·C(1 + η)/b: noise-free, while the noise alone has norm
+  ≈ lr·σC·√d/b. Run 2 now starts with one warning line naming the earlier run in this path,
+  and its export is refused in one line naming the path and the first export. Fails on 467e31c
+  (checked): the record exempted every row with the same path, so no warning and both exports
+  succeeded (the issue's script measured RMS 2.0e-5 against a noise std of 1e-3)."""
+  from dpjax.data import digits  # pylint: disable=import-outside-toplevel
+  x, y = digits.load_digits_arrays()[:2]
+  data = {'D': (x[:256], y[:256]), 'D_minus_one': (x[:255], y[:255])}
+  workdir, lr, b = str(tmp_path / 'sweep' / 'run'), 0.5, 256
+  starts, params = [], []
+  for name, (x_train, y_train) in data.items():
+    np.savez(tmp_path / f'{name}.npz', x_train=x_train, y_train=y_train, x_test=x[-64:],
+             y_test=digits.load_digits_arrays()[1][-64:])
+    shutil.rmtree(workdir, ignore_errors=True)  # The sweep's delete-and-retrain.
+    train.train_and_evaluate(small_config(**{
+        'seed': 11, 'num_steps': 1, 'checkpoint_every_steps': 1, 'eval_every_steps': 1000,
+        'data.source': 'npz', 'data.path': str(tmp_path / f'{name}.npz'),
+        'data.num_classes': 10, 'data.scale': 16.0, 'data.public_num_examples': 256,
+        'sampler.batch_size': b, 'optimizer.name': 'sgd',
+        'optimizer.learning_rate': lr, 'optimizer.warmup_steps': 0,
+        'optimizer.schedule': 'constant'}), workdir)
+    starts.append(capsys.readouterr().out)
+    params.append(finetune.flatten(checkpoints.read_state(workdir, 1)['params']))
+    if name == 'D':
+      export.export(workdir, str(tmp_path / 'out1'))
+  reuse = 'used this same given seed'
+  assert reuse not in starts[0]
+  (line,) = [l for l in starts[1].splitlines() if reuse in l]
+  assert line.startswith(f'WARNING: seed: an earlier run in this same workdir '
+                         f'{os.path.realpath(workdir)} (deleted, or started again from scratch)')
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as exit_info:
+    export.main(['--workdir', workdir, '--out', str(tmp_path / 'out2')])
+  assert exit_info.value.code == 2
+  (err,) = capsys.readouterr().err.strip().splitlines()
+  assert 'same seed as an earlier run in this same workdir' in err
+  assert os.path.realpath(workdir) in err and str(tmp_path / 'out1') in err
+  assert not os.path.exists(tmp_path / 'out2')
+  # What the refused release would have told: one clipped gradient, without noise.
+  diff = np.concatenate([(params[0][k].astype(np.float64) - params[1][k]).ravel()
+                         for k in params[0]])
+  eta = checkpoints.read_metadata(workdir)[-1]['fingerprint']['privacy.rounding_eta']
+  assert 0 < np.linalg.norm(diff) <= lr * 1.0 * (1 + eta) / b * (1 + 1e-4)
+  assert np.linalg.norm(diff) < 0.05 * lr * 1.0 * np.sqrt(diff.size) / b  # σ = C = 1.
+
+
 def test_an_unusable_seed_record_costs_one_warning_line_never_the_export(drawn_run, tmp_path,
                                                                          monkeypatch, capsys):
   """A read-only or missing home: the seed record cannot be read or written (here its directory
@@ -151,6 +204,37 @@ def test_an_unusable_seed_record_costs_one_warning_line_never_the_export(drawn_r
   (line,) = capsys.readouterr().err.strip().splitlines()
   assert 'dpjax.export: warning: the seed record' in line and 'cannot be read or written' in line
   assert os.path.isfile(tmp_path / 'out' / 'params.npz')
+
+
+def test_a_workdir_from_before_run_ids_gets_one_and_a_row_without_one_is_another_run(
+    drawn_run, tmp_path, capsys):
+  """What a user upgrading sees. A workdir without private/run.json (trained by an older dpjax)
+  is exported, gets a run id (0600), and exports again as the same run. A record row without a
+  run id (written by an older dpjax) at this very path may be this run or a deleted one: it
+  counts as another run, and the export is refused in one line that says so (not passed in
+  silence). Fails on 467e31c (checked): that row was exempt by its path and the export passed."""
+  from dpjax.trainer import run_identity  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer import seed_record  # pylint: disable=import-outside-toplevel
+  workdir = str(tmp_path / 'old')
+  shutil.copytree(drawn_run, workdir)
+  os.remove(run_identity.run_path(workdir))
+  export.export(workdir, str(tmp_path / 'a'))
+  identity = run_identity.stored(workdir)
+  assert stat.S_IMODE(os.stat(run_identity.run_path(workdir)).st_mode) == 0o600
+  export.export(workdir, str(tmp_path / 'b'))  # The same run: not refused.
+  digest = checkpoints.read_metadata(workdir)[-1]['fingerprint']['seed_sha256']
+  rows = seed_record.uses(digest)
+  assert [r['run_id'] for r in rows] == [identity.run_id] * 2 and identity.earlier == ()
+  with open(seed_record.record_path(), 'a') as f:  # An older dpjax's row, at the same path.
+    f.write(json.dumps({'seed_sha256': digest, 'event': 'export', 'out': '/old/release',
+                        'workdir': os.path.realpath(workdir)}) + '\n')
+  capsys.readouterr()
+  with pytest.raises(SystemExit):
+    export.main(['--workdir', workdir, '--out', str(tmp_path / 'c')])
+  (err,) = capsys.readouterr().err.strip().splitlines()
+  assert (f'same seed as the run in {os.path.realpath(workdir)} (recorded by an older dpjax, '
+          "without a run id), already exported to '/old/release'") in err
+  assert '--allow_shared_seed' in err and not os.path.exists(tmp_path / 'c')
 
 
 @pytest.mark.parametrize('where', ['inside_workdir', 'not_empty', 'no_checkpoint'])

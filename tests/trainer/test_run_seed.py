@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import stat
 
@@ -43,9 +44,11 @@ def default_runs(tmp_path_factory):
   tests only read them (a resume works on a copy)."""
   root = tmp_path_factory.mktemp('default_runs')
   out = io.StringIO()
-  with contextlib.redirect_stdout(out):
-    train.train_and_evaluate(_default(), str(root / 'victim'))
-  train.train_and_evaluate(_default(), str(root / 'attacker_d'))
+  with pytest.MonkeyPatch.context() as patch:  # Their own seed record (root/state).
+    patch.setenv('DPJAX_STATE_DIR', str(root / 'state'))
+    with contextlib.redirect_stdout(out):
+      train.train_and_evaluate(_default(), str(root / 'victim'))
+    train.train_and_evaluate(_default(), str(root / 'attacker_d'))
   return root, out.getvalue()
 
 
@@ -116,25 +119,80 @@ def test_drawn_seeds_use_all_64_bits_of_the_prng_key():
                         jax.random.key_data(jax.random.PRNGKey(5)))
 
 
-def test_the_seed_record_names_another_workdir_never_the_same_and_survives_an_unusable_home(
-    tmp_path, monkeypatch):
-  """Issue 34 item 8, the function that decides (`seed_record.start_warnings`): a given seed's
-  digest used by another workdir gives one line naming it; the same workdir again (a resume) is
-  no reuse; the record holds digests, never the seed; a record that cannot be written (its
-  directory is a file: a read-only or missing home) gives one warning line, never an error.
-  New module: on da06065 this failed on its import (checked)."""
+def test_each_run_gets_its_own_run_id_and_drawn_seeds_are_not_recorded(default_runs):
+  """Two default runs (drawn seeds): each keeps its own run id in private/run.json (0600), and
+  the seed record stays empty (drawn seeds are 63 secret bits: no other run has them). Fails on
+  467e31c (checked): there was no run id."""
+  from dpjax.trainer import run_identity  # pylint: disable=import-outside-toplevel
+  root, _ = default_runs
+  ids = [run_identity.stored(str(root / name)) for name in ('victim', 'attacker_d')]
+  assert all(re.fullmatch('[0-9a-f]{32}', i.run_id) and i.earlier == () for i in ids)
+  assert ids[0].run_id != ids[1].run_id
+  assert stat.S_IMODE(os.stat(run_identity.run_path(str(root / 'victim'))).st_mode) == 0o600
+  assert not os.path.exists(root / 'state' / 'seeds.jsonl')
+
+
+def test_a_run_id_is_drawn_at_each_start_from_scratch_and_read_back_otherwise(tmp_path):
+  """`run_identity`: a fresh start draws a new id and remembers the one it replaces; a resume
+  or an export reads it back; a workdir from before run ids gets one, kept; a damaged file is
+  one line. New module: on 467e31c this failed on its import (checked)."""
+  from dpjax.trainer import run_identity  # pylint: disable=import-outside-toplevel
+  workdir = str(tmp_path / 'run')
+  assert run_identity.stored(workdir) is None
+  first = run_identity.fresh(workdir)
+  assert re.fullmatch('[0-9a-f]{32}', first.run_id) and first.earlier == ()
+  assert run_identity.kept(workdir) == run_identity.stored(workdir) == first
+  again = run_identity.fresh(workdir)  # Started again from scratch (no checkpoint here).
+  assert again.run_id != first.run_id and again.earlier == (first.run_id,)
+  assert run_identity.fresh(workdir).earlier == (again.run_id, first.run_id)
+  older = str(tmp_path / 'older')
+  os.makedirs(older)
+  assert run_identity.kept(older) == run_identity.kept(older) != first
+  with open(run_identity.run_path(workdir), 'w') as f:
+    f.write('{"run_id": "../etc"}')
+  with pytest.raises(ValueError, match=r'private/run.json: unreadable run id \(ValueError\); '
+                     'remove it'):
+    run_identity.stored(workdir)
+  assert run_identity.fresh(workdir).earlier == ()  # A fresh start replaces it.
+
+
+def test_the_seed_record_tells_runs_apart_by_their_run_id_never_by_their_path(tmp_path,
+                                                                             monkeypatch):
+  """Issue 34 item 8, the functions that decide (`seed_record.start_warnings`,
+  `exported_by_another_run`): a given seed's digest used by another run gives one line naming
+  its workdir, whatever the path: a workdir deleted and trained again in the same path is
+  another run. A start from scratch again of a run this workdir held that never exported is no
+  reuse; a row without a run id (an older dpjax) is another run; the record holds digests,
+  never the seed; a record that cannot be written gives one warning line, never an error.
+  Fails on 467e31c (checked): the same path was exempt, whatever the run."""
   from dpjax.trainer import seed_record  # pylint: disable=import-outside-toplevel
   monkeypatch.setenv('DPJAX_STATE_DIR', str(tmp_path / 'state'))
+  a, b, c, d = (letter * 32 for letter in 'abcd')
   digest = privacy_plan.seed_digest(1234567)
-  first, second = str(tmp_path / 'first'), str(tmp_path / 'second')
-  assert seed_record.start_warnings(digest, first) == []
-  assert seed_record.start_warnings(digest, first) == []  # A resume of the same workdir.
-  (line,) = seed_record.start_warnings(digest, second)
-  assert line.startswith(f'seed: the run in {os.path.realpath(first)} used this same given seed')
-  assert seed_record.start_warnings(privacy_plan.seed_digest(7), second) == []  # Another seed.
+  first, second = os.path.realpath(tmp_path / 'first'), os.path.realpath(tmp_path / 'second')
+  reuse = ' used this same given seed: two runs that share a seed share their sampling and noise'
+  assert seed_record.start_warnings(digest, first, a) == []
+  (line,) = seed_record.start_warnings(digest, second, b)
+  assert line.startswith(f'seed: the run in {first}{reuse}')
+  assert seed_record.start_warnings(privacy_plan.seed_digest(7), second, b) == []  # Other seed.
+  seed_record.append(digest, seed_record.EXPORT, first, a, '/release/a')
+  (line,) = seed_record.start_warnings(digest, first, c)  # `first` deleted, trained again.
+  assert line.startswith(f'seed: an earlier run in this same workdir {first} (deleted, or '
+                         f'started again from scratch) (and 1 more){reuse}')
+  assert seed_record.exported_by_another_run(digest, a) is None  # Its own export.
+  for other in (c, None):  # Another run in the same path; a workdir older than run ids.
+    assert seed_record.exported_by_another_run(digest, other)['out'] == '/release/a'
+  alone = privacy_plan.seed_digest(99)
+  assert seed_record.start_warnings(alone, first, c) == []
+  assert seed_record.start_warnings(alone, first, d, (c,)) == []  # c never exported: no reuse.
+  with open(tmp_path / 'state' / 'seeds.jsonl', 'a') as f:  # An older dpjax's row, same path.
+    f.write(json.dumps({'seed_sha256': alone, 'event': 'train', 'workdir': first}) + '\n')
+  (line,) = seed_record.start_warnings(alone, first, 'e' * 32, (d, c))
+  assert line.startswith(f'seed: the run in {first} (recorded by an older dpjax, without a run '
+                         f'id){reuse}')
   text = (tmp_path / 'state' / 'seeds.jsonl').read_text()
-  assert len(text.splitlines()) == 3 and '1234567' not in text and digest in text
+  assert '1234567' not in text and digest in text
   (tmp_path / 'file').write_text('')
   monkeypatch.setenv('DPJAX_STATE_DIR', str(tmp_path / 'file' / 'state'))
-  (line,) = seed_record.start_warnings(digest, first)
+  (line,) = seed_record.start_warnings(digest, first, a)
   assert 'cannot be read or written (NotADirectoryError' in line
