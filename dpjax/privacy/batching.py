@@ -35,9 +35,9 @@ import numpy as np
 from scipy import stats
 
 from dpjax.privacy import checks as _checks
+from dpjax.privacy import random_streams
 from dpjax.privacy import samplers as samplers_lib
 
-TRUNCATION_STREAM = 0x7A7C
 # The automatic cap keeps τ = T·Pr[n_t > B] <= DEFAULT_TRUNCATION_BUDGET · δ, with
 # budget 1e-3·e^{-50}: the TV penalty (1 + e^ε)·τ then stays below δ/1000 for every ε <= 50,
 # including the deterministic bound attached to long balls-and-bins runs (ε ≈ 10-50), where a
@@ -188,8 +188,8 @@ class Batcher:
     size = len(indices)
     truncated = size > self.max_batch_size
     if truncated:
-      rng = np.random.Generator(np.random.PCG64(
-          np.random.SeedSequence([self.sampler.seed, TRUNCATION_STREAM, int(step)])))
+      rng = random_streams.host_generator(self.sampler.seed, random_streams.Stream.TRUNCATION,
+                                          step)
       keep = rng.choice(size, size=self.max_batch_size, replace=False)
       indices = np.sort(indices[keep])
     num_rows = len(indices)
