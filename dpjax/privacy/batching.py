@@ -70,6 +70,23 @@ class LogicalBatch:
   def num_physical_batches(self) -> int:
     return self.indices.shape[0]
 
+  def check_rows(self, num_rows: int) -> None:
+    """ValueError (one line) unless every index, padding included, is in [0, num_rows).
+
+    Called before a gather from a source of `num_rows` rows: there an index out of range
+    is no error (on the device jnp.take fills it with the dtype's extreme; numpy wraps a
+    negative index), so a sampler whose N disagrees with the source would train on rows
+    that are no example, without a word. O(B): a min and a max.
+    """
+    if self.indices.size == 0:
+      return
+    low, high = int(self.indices.min()), int(self.indices.max())
+    if low < 0 or high >= num_rows:
+      raise ValueError(
+          f'step {self.step}: sampled example index {low if low < 0 else high} is outside '
+          f'[0, {num_rows}), the rows of the data source it is gathered from: the sampler\'s '
+          'N and the source disagree (rows counted twice?); nothing was gathered.')
+
   def physical_batches(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     yield from zip(self.indices, self.weights)
 
