@@ -21,6 +21,7 @@ from dpjax.data import preprocess
 from dpjax.privacy import batching
 from dpjax.privacy import samplers
 from dpjax.privacy import sharding
+from dpjax.privacy.auditing import canaries
 from dpjax.trainer import chunks
 
 ROWS = 6  # The source's rows.
@@ -78,6 +79,20 @@ def test_counted_twice_sampler_is_refused_on_the_device_path():
   with pytest.raises(ValueError, match=rf'index \d+ is outside \[0, {ROWS}\)') as e:
     _batches(batching.Batcher(sampler, 2, ROWS), dataset, source)
   assert '\n' not in str(e.value) and 'step 0' in str(e.value)
+
+
+def test_canaries_counted_twice_are_refused_on_the_host_path():
+  """The issue's case: m canaries added to N twice (N + 2m) over a source of N + m rows.
+
+  Fails on da06065: the canary source maps an index past its rows to a canary id ≥ m and
+  gathers it without a word."""
+  m = 2
+  source = _GatherSpy(canaries.CanarySource(_source(), m))
+  sampler = samplers.make('fixed_size', ROWS + 2 * m, ROWS + m, seed=0)
+  assert sampler.indices(0).max() >= ROWS + m
+  with pytest.raises(ValueError, match=rf'outside \[0, {ROWS + m}\)'):
+    _batches(batching.Batcher(sampler, 2, ROWS + m), None, source, serial=True)
+  assert not source.gathered
 
 
 @pytest.mark.parametrize('serial', [False, True])  # Prefetched on a thread, or inline.
