@@ -11,6 +11,10 @@ Host (numpy) and device (JAX) streams are different generators, so a collision c
 happen within a family; across the families the ids are distinct too (`Stream` is unique).
 The steps drawn include every stream id: a consumer that drops its id draws, at the step
 equal to another's id, exactly that other stream (SeedSequence([s, t]) = ([s, 0xA0D1])).
+On da06065 the streams were distinct (the bugs were planted), so there these tests fail
+only on what is new: the registry (`random_streams`) and the privatizer's step=t. Each id
+dropped in turn (sampler, truncation, truncation drawn from the sampler's stream, audit,
+noise, init, views, LoRA) fails at least one test here.
 """
 
 import jax
