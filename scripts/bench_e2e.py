@@ -182,7 +182,8 @@ def kernel_and_loop_timers(run: Run, steps: range, log_every: int) -> tuple[dict
   on_device = device_data.fits_on_device(run.train_source)
   dataset = device_data.put_on_device(run.train_source) if on_device else None
   if on_device:
-    make = lambda t: device_data.index_buffer(run.batcher.logical_batch(t), k_max)
+    make = lambda t: device_data.index_buffer(run.batcher.logical_batch(t), k_max,
+                                              num_rows=len(dataset))
   else:
     make = lambda t: device_data.host_buffer(run.train_source, run.batcher.logical_batch(t), k_max)
   size = multi_step.steps_per_call(run.config.steps_per_call, run.step.loop_mode(run.params),

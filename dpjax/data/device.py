@@ -157,8 +157,14 @@ def put_on_device(source: data.DataSource,
 
 
 def index_buffer(logical: batching.LogicalBatch, max_physical_batches: int,
-                 rows: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], np.int32]:
-  """({'index': int32 [K_max, rows], 'weight': float32 [K_max, rows]}, K) for a DeviceDataset."""
+                 rows: np.ndarray | None = None, *,
+                 num_rows: int) -> tuple[dict[str, np.ndarray], np.int32]:
+  """({'index': int32 [K_max, rows], 'weight': float32 [K_max, rows]}, K) for a DeviceDataset.
+
+  `num_rows`: the rows of the source the indices will be gathered from; an index outside
+  [0, num_rows) is refused here (`LogicalBatch.check_rows`), before any gather.
+  """
+  logical.check_rows(num_rows)
   k, p = logical.indices.shape
   if k > max_physical_batches:
     raise ValueError(f'logical batch has {k} physical batches > K_max = {max_physical_batches}.')
@@ -177,7 +183,7 @@ def host_buffer(source: data.DataSource, logical: batching.LogicalBatch,
 
   One `gather` of the K·rows real and padding rows; batches K.. stay zero.
   """
-  index, k = index_buffer(logical, max_physical_batches, rows)
+  index, k = index_buffer(logical, max_physical_batches, rows, num_rows=len(source))
   shape = index['index'].shape
   gathered = source.gather(index['index'][:k].reshape(-1).astype(np.int64))
   out = {}

@@ -46,10 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dpjax.privacy import prng
-
-# fold_in id of the view stream derived from config.seed; dpjax.privacy.dp_step uses
-# 1 (noise) and 2 (init), so no key is shared.
-AUGMULT_STREAM = 3
+from dpjax.privacy.random_streams import Stream
 
 LossFn = Callable[[Any, Any], tuple[jax.Array, Any]]  # (params, example) -> (loss, aux).
 
@@ -100,15 +97,15 @@ class Augmult:
 
 def stream_data(seed: int):
   """The view stream's key data (`prng.key_data`), an argument of compiled programs."""
-  return prng.key_data(prng.stream_key(seed, AUGMULT_STREAM))
+  return prng.key_data(prng.stream_key(seed, Stream.VIEWS))
 
 
 def view_keys(seed, step, indices: jax.Array, num_views: int) -> jax.Array:
-  """Keys [P, K]: key(seed) → fold_in AUGMULT_STREAM → fold_in step → fold_in index → split K.
+  """Keys [P, K]: key(seed) → fold_in Stream.VIEWS → fold_in step → fold_in index → split K.
 
   `seed` is an int, or the stream's key data (`stream_data`, possibly traced).
   """
-  stream = (prng.stream_key(seed, AUGMULT_STREAM) if isinstance(seed, (int, np.integer))
+  stream = (prng.stream_key(seed, Stream.VIEWS) if isinstance(seed, (int, np.integer))
             else prng.from_data(seed))
   root = jax.random.fold_in(stream, step)
   per_example = jax.vmap(lambda i: jax.random.fold_in(root, i))(jnp.asarray(indices, jnp.uint32))

@@ -35,9 +35,9 @@ import numpy as np
 from scipy import stats
 
 from dpjax.privacy import checks as _checks
+from dpjax.privacy import random_streams
 from dpjax.privacy import samplers as samplers_lib
 
-TRUNCATION_STREAM = 0x7A7C
 # The automatic cap keeps τ = T·Pr[n_t > B] <= DEFAULT_TRUNCATION_BUDGET · δ, with
 # budget 1e-3·e^{-50}: the TV penalty (1 + e^ε)·τ then stays below δ/1000 for every ε <= 50,
 # including the deterministic bound attached to long balls-and-bins runs (ε ≈ 10-50), where a
@@ -69,6 +69,23 @@ class LogicalBatch:
   @property
   def num_physical_batches(self) -> int:
     return self.indices.shape[0]
+
+  def check_rows(self, num_rows: int) -> None:
+    """ValueError (one line) unless every index, padding included, is in [0, num_rows).
+
+    Called before a gather from a source of `num_rows` rows: there an index out of range
+    is no error (on the device jnp.take fills it with the dtype's extreme; numpy wraps a
+    negative index), so a sampler whose N disagrees with the source would train on rows
+    that are no example, without a word. O(B): a min and a max.
+    """
+    if self.indices.size == 0:
+      return
+    low, high = int(self.indices.min()), int(self.indices.max())
+    if low < 0 or high >= num_rows:
+      raise ValueError(
+          f'step {self.step}: sampled example index {low if low < 0 else high} is outside '
+          f'[0, {num_rows}), the rows of the data source it is gathered from: the sampler\'s '
+          'N and the source disagree (rows counted twice?); nothing was gathered.')
 
   def physical_batches(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     yield from zip(self.indices, self.weights)
@@ -188,8 +205,8 @@ class Batcher:
     size = len(indices)
     truncated = size > self.max_batch_size
     if truncated:
-      rng = np.random.Generator(np.random.PCG64(
-          np.random.SeedSequence([self.sampler.seed, TRUNCATION_STREAM, int(step)])))
+      rng = random_streams.host_generator(self.sampler.seed, random_streams.Stream.TRUNCATION,
+                                          step)
       keep = rng.choice(size, size=self.max_batch_size, replace=False)
       indices = np.sort(indices[keep])
     num_rows = len(indices)

@@ -3,10 +3,11 @@
 The root key holds all 64 bits of the seed (`root_key`; `jax.random.PRNGKey`
 keeps only the low 32 bits when 64-bit types are off, which would leave a
 drawn 63-bit seed 2^32 guesses from an adversary). Each stream is
-fold_in(root, stream id); the noise of step t is fold_in(noise stream, t), a
-pure function of (seed, t), so a resumed run redraws exactly the noise of an
-uninterrupted one. The sampler and batcher use their own numpy streams
-(SeedSequence over the full seed); these never share a key.
+fold_in(root, stream id), the ids named once in `dpjax.privacy.random_streams.Stream`;
+the noise of step t is fold_in(noise stream, t), a pure function of (seed, t), so a
+resumed run redraws exactly the noise of an uninterrupted one. The sampler, truncation
+and audit use numpy streams of the same registry (SeedSequence over the full seed);
+no two consumers share a key.
 
 Privacy: the guarantee needs the seed to be secret (the trainer draws it from OS
 entropy by default, `dpjax.trainer.run_seed`). Threefry is reproducible, not a
@@ -22,10 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# fold_in ids of the JAX PRNG streams derived from the seed. The sampler
-# and batcher use their own (numpy) streams; these never share a key.
-NOISE_STREAM = 1
-INIT_STREAM = 2
+from dpjax.privacy.random_streams import Stream
+
+# fold_in ids of the JAX PRNG streams derived from the seed (`random_streams.Stream`).
+NOISE_STREAM = Stream.NOISE
+INIT_STREAM = Stream.INIT
 MAX_SEED = 2**64 - 1
 # JAX generators the noise may be drawn with (`noise_stream_data`). None is a cryptographic
 # sampler; threefry is the default and the reference (counter-based, the same bits on
@@ -54,9 +56,9 @@ def root_key(seed: int) -> jax.Array:
       np.asarray([seed >> 32, seed & 0xFFFFFFFF], np.uint32), impl='threefry2x32')
 
 
-def stream_key(seed: int, stream: int) -> jax.Array:
+def stream_key(seed: int, stream: Stream) -> jax.Array:
   """fold_in(root_key(seed), stream): one independent stream per consumer."""
-  return jax.random.fold_in(root_key(seed), stream)
+  return jax.random.fold_in(root_key(seed), int(Stream(stream)))
 
 
 def key_data(key: jax.Array) -> np.ndarray:

@@ -21,8 +21,8 @@ batch of an epoch holds the remainder N - (T-1)·b (smaller than b when b does
 not divide N); every example is used exactly once per epoch.
 
 Randomness: step t of a per-step sampler uses a generator seeded by
-(seed, stream, t); epoch e of a per-epoch sampler by (seed, stream, e). The
-streams are disjoint from truncation, noise and initialisation.
+(seed, SAMPLER, t); epoch e of a per-epoch sampler by (seed, SAMPLER, tag, e)
+(`dpjax.privacy.random_streams`, distinct from truncation, audit, noise and init).
 
 Memory: `poisson`, `fixed_size`, `fixed_size_with_replacement` and
 `deterministic` keep no per-example state (O(b) per step). `shuffle` and
@@ -51,15 +51,12 @@ from typing import ClassVar
 import numpy as np
 
 from dpjax.privacy import checks as _checks
-
-# Stream identifiers keep the sampler's randomness independent of other
-# consumers of the root seed (truncation in `batching`, noise in `dp_step`).
-SAMPLER_STREAM = 0x5A4D
+from dpjax.privacy import random_streams
 
 
 def _generator(seed: int, *key: int) -> np.random.Generator:
-  """A numpy generator that is a pure function of (seed, *key)."""
-  return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, SAMPLER_STREAM, *key])))
+  """The sampler's stream: a numpy generator that is a pure function of (seed, *key)."""
+  return random_streams.host_generator(seed, random_streams.Stream.SAMPLER, *key)
 
 
 def _index_dtype(num_examples: int) -> np.dtype:

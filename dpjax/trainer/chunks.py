@@ -55,7 +55,8 @@ def make_chunks(calls: Iterable[tuple[int, int]], batcher: batching.Batcher,
     prepared = []
     for t in range(first, first + count):
       logical = batcher.logical_batch(t)
-      buffer, k = (device_data.index_buffer(logical, batcher.max_physical_batches, rows)
+      buffer, k = (device_data.index_buffer(logical, batcher.max_physical_batches, rows,
+                                             num_rows=len(dataset))
                    if dataset is not None else
                    device_data.host_buffer(train_source, logical, batcher.max_physical_batches,
                                            rows))

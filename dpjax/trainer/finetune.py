@@ -52,9 +52,9 @@ import numpy as np
 
 from dpjax.trainer import stored_params
 from dpjax.privacy import prng
+from dpjax.privacy.random_streams import Stream
 
 Params = Any
-LORA_STREAM = 4  # fold_in id of the LoRA init stream (dp_step: 1 noise, 2 init; augmult: 3).
 LORA_A, LORA_B = '_lora_a', '_lora_b'  # Suffixes of the adapters beside their kernel's name.
 
 
@@ -199,7 +199,7 @@ def make_finetune(model, params: Params, *, freeze: Sequence[str] = (), lora_ran
     lora_rank: `lora.rank` r (0 = no LoRA); lora_alpha: α > 0.
     lora_targets: `lora.targets`, regexes on kernel paths (ndim ≥ 2, name
       'kernel'); their base kernels are frozen and get adapters A, B.
-    seed: the run's seed; A is drawn from `prng.stream_key(seed, LORA_STREAM)`.
+    seed: the run's seed; A is drawn from `prng.stream_key(seed, Stream.LORA)`.
   """
   flat = flatten(params)
   paths = sorted(flat)
@@ -216,7 +216,7 @@ def make_finetune(model, params: Params, *, freeze: Sequence[str] = (), lora_ran
     targets = sorted(_matching('lora.targets', lora_targets, kernels))
     frozen_paths |= set(targets)
   trainable = {p: flat[p] for p in paths if p not in frozen_paths}
-  key = prng.stream_key(seed, LORA_STREAM)
+  key = prng.stream_key(seed, Stream.LORA)
   for i, path in enumerate(targets):
     shape = np.shape(flat[path])
     split = matrix_split(path, shape)

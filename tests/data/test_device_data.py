@@ -85,7 +85,7 @@ def test_buffers_hold_the_logical_batch_and_zero_padding():
   batcher = batching.Batcher(sampler, 64, 512)
   logical = batcher.logical_batch(3)
   k = logical.num_physical_batches
-  index, k_index = device_data.index_buffer(logical, 8)
+  index, k_index = device_data.index_buffer(logical, 8, num_rows=len(source))
   host, k_host = device_data.host_buffer(source, logical, 8)
   assert k_index == k_host == k and index['index'].dtype == np.int32
   assert index['index'].shape == (8, 64) and host['x'].shape == (8, 64, 8, 8, 1)
@@ -97,10 +97,10 @@ def test_buffers_hold_the_logical_batch_and_zero_padding():
     np.testing.assert_array_equal(host['x'][i], want['x'])
     np.testing.assert_array_equal(host['y'][i], want['y'])
   rows = np.arange(0, 64, 2)  # One process's rows of a multi-host run.
-  half, _ = device_data.index_buffer(logical, 8, rows)
+  half, _ = device_data.index_buffer(logical, 8, rows, num_rows=len(source))
   np.testing.assert_array_equal(half['index'][:k], logical.indices[:, rows])
   with pytest.raises(ValueError, match='K_max'):
-    device_data.index_buffer(logical, k - 1)
+    device_data.index_buffer(logical, k - 1, num_rows=len(source))
 
 
 def test_device_data_step_equals_host_buffer_step():
@@ -118,7 +118,8 @@ def test_device_data_step_equals_host_buffer_step():
   with device_data.Prefetcher(
       lambda t: device_data.host_buffer(source, batcher.logical_batch(t), 8), range(3)) as host:
     for t, (buf, k) in host:
-      index, k_index = device_data.index_buffer(batcher.logical_batch(t), 8)
+      index, k_index = device_data.index_buffer(batcher.logical_batch(t), 8,
+                                                num_rows=len(source))
       a = step.train_step(*states[0], buf, k, np.uint32(t))
       b = step.train_step(*states[1], index, k_index, np.uint32(t), dataset)
       states = [a[:2], b[:2]]

@@ -471,7 +471,7 @@ def test_one_compilation_and_one_dispatch_per_logical_step(sampler_name):
   num_steps = 2 * sampler.steps_per_epoch
   for t in range(num_steps):
     buf, k = device_data.index_buffer(batcher.logical_batch(t),
-                                      batcher.max_physical_batches)
+                                      batcher.max_physical_batches, num_rows=len(dataset))
     ks.add(int(k))
     if t == 1:
       compiles.clear()  # Step 0 compiled the program (and nothing after).
@@ -543,7 +543,8 @@ for name, mesh in (('one', None), ('four', sharding.make_mesh(4))):
     params = prng.init_params(model, 0, train.input_shape)
     state = (params, step.optimizer.init(params))
     for t in range(2):
-      buf, k = device_data.index_buffer(batcher.logical_batch(t), 8)
+      buf, k = device_data.index_buffer(batcher.logical_batch(t), 8,
+                                        num_rows=len(dataset))
       *state, metrics = step.train_step(*state, buf, k, np.uint32(t), dataset)
     leaves = jax.tree.leaves(state[0])
     out[name + '_' + loop] = [np.asarray(l).ravel().tolist() for l in leaves]

@@ -41,7 +41,8 @@ def _prepared(batcher, first, count):
   out = []
   for t in range(first, first + count):
     logical = batcher.logical_batch(t)
-    buffer, k = device_data.index_buffer(logical, batcher.max_physical_batches)
+    buffer, k = device_data.index_buffer(logical, batcher.max_physical_batches,
+                                         num_rows=batcher.sampler.rows)
     out.append((logical, buffer, k))
   return out
 

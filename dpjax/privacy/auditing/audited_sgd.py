@@ -140,6 +140,7 @@ def train(settings: AuditSettings, model, base_source, *, num_canaries: int,
   counts = np.zeros((num_steps, m), np.int64)
   for step in range(num_steps):
     logical = batcher.logical_batch(step)
+    logical.check_rows(len(source))
     grad_sum, ref_sum = jnp.zeros_like(flat), jnp.zeros_like(flat)
     for indices, weights in logical.physical_batches():
       batch = source.gather(indices)

@@ -16,8 +16,8 @@ accountant see N + m examples whatever the coins: under add/remove
 The run's ε claim covers the canaries as ordinary examples of that N + m.
 
 Randomness: coins, coordinates and signs are a pure function of
-(the run's seed, AUDIT_STREAM), disjoint from the sampler, truncation, noise and
-init streams.
+(the run's seed, Stream.AUDIT) (`dpjax.privacy.random_streams`), disjoint from the
+sampler, truncation, noise and init streams.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import dataclasses
 
 import numpy as np
 
-AUDIT_STREAM = 0xA0D1
+from dpjax.privacy import random_streams
+
 CANARY_KINDS = ('gradient',)
 # λ/C: a canary's raw gradient norm. Anything above 1 is clipped to exactly C by correct code;
 # code that skips clipping releases λ = 10·C instead (what the planted-bug tests detect).
@@ -75,7 +76,7 @@ class CanarySet:
 
 def make_canaries(seed: int, num_canaries: int, num_params: int, *,
                   gradient_scale: float = DEFAULT_GRADIENT_SCALE) -> CanarySet:
-  """Draws the coins, the distinct coordinates and the signs from (seed, AUDIT_STREAM)."""
+  """Draws the coins, the distinct coordinates and the signs from (seed, Stream.AUDIT)."""
   if isinstance(num_canaries, bool) or not isinstance(num_canaries, (int, np.integer)) or not (
       1 <= num_canaries <= num_params):
     raise ValueError(f'audit.num_canaries must be an integer in [1, #parameters = {num_params}] '
@@ -83,7 +84,7 @@ def make_canaries(seed: int, num_canaries: int, num_params: int, *,
   if not gradient_scale >= 1:
     raise ValueError(f'gradient_scale must be >= 1 (the raw canary gradient is λ = scale·C), '
                      f'got {gradient_scale}.')
-  rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, AUDIT_STREAM])))
+  rng = random_streams.host_generator(seed, random_streams.Stream.AUDIT)
   membership = rng.random(num_canaries) < 0.5
   coordinates = np.sort(rng.choice(num_params, size=num_canaries, replace=False)).astype(np.int64)
   signs = np.where(rng.random(num_canaries) < 0.5, -1.0, 1.0).astype(np.float32)
