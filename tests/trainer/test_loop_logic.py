@@ -25,6 +25,7 @@ from dpjax.privacy.accounting.report import PrivacyReport
 from dpjax.trainer import loop as loop_lib
 from dpjax.trainer import loop_parts
 from dpjax.trainer import metrics as metrics_lib
+from dpjax.trainer import write_errors
 
 Logical = collections.namedtuple('Logical', 'size truncated')
 BATCH = 4  # Examples in every fake logical batch.
@@ -124,7 +125,7 @@ class Run:
 
   def __init__(self, workdir, *, num_steps, log=0, eval=0, checkpoint=0, size=1,
                steps_per_call=None, restored_step=None, private=True, serial=False,
-               checkpoints=None, **step_options):
+               checkpoints=None, auditor=None, writer=metrics_lib.MetricWriter, **step_options):
     self.clock = Clock()
     self.steps = FakeSteps(size, self.clock, **step_options)
     self.checkpoints = checkpoints or MemoryCheckpoints(self.clock)
@@ -140,8 +141,8 @@ class Run:
         serial=serial)
     self.loop = loop_lib.Loop(
         settings, self.steps, fake_chunks(size), self.evaluate,
-        metrics_lib.MetricWriter(self.workdir, restored_step), self.checkpoints,
-        self.accountant, clock=self.clock, log=lambda *args: None)
+        writer(self.workdir, restored_step), self.checkpoints, self.accountant, auditor,
+        clock=self.clock, log=lambda *args: None)
 
   def evaluate(self, state) -> dict:
     self.evaluated.append(state.step)
@@ -200,16 +201,18 @@ def test_automatic_s_paces_calls_to_half_a_second_of_the_clock(tmp_path):
 
 
 def test_rates_come_from_the_clock_with_compilation_evals_and_saves_apart(tmp_path):
-  run = Run(tmp_path, num_steps=9, log=4, eval=4, checkpoint=4)
+  """Logs every 4, evals every 2 and saves every 3 of 9 steps: the windows (steps 2..4, 5..8
+  and 9) hold evals and saves, whose seconds are left out of the rates."""
+  run = Run(tmp_path, num_steps=9, log=4, eval=2, checkpoint=3)
   run.train()
   trained = [r for r in run.rows() if 'nonprivate_train_loss' in r]
-  # The first call: COMPILE_SECONDS + one step; the windows count steps 2..4, 5..8 and 9.
+  # The first call: COMPILE_SECONDS + one step, timed apart.
   assert trained[0]['nonprivate_compile_seconds'] == COMPILE_SECONDS + STEP_SECONDS
   assert [r['nonprivate_steps_per_second'] for r in trained] == [1 / STEP_SECONDS] * 3
   assert [r['nonprivate_examples_per_second'] for r in trained] == [BATCH / STEP_SECONDS] * 3
-  assert [r['nonprivate_eval_seconds'] for r in run.rows() if 'eval_loss' in r and r['step']] == [
-      EVAL_SECONDS] * 3
-  assert trained[1]['nonprivate_checkpoint_seconds'] == SAVE_SECONDS
+  assert [(r['step'], r['nonprivate_eval_seconds']) for r in run.rows()
+          if 'eval_loss' in r and r['step']] == [(s, EVAL_SECONDS) for s in (2, 4, 6, 8, 9)]
+  assert [r['nonprivate_checkpoint_seconds'] for r in trained] == [SAVE_SECONDS] * 3
 
 
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
@@ -311,3 +314,43 @@ def test_resume_continues_at_the_saved_step_and_ends_where_the_whole_run_ends(tm
   assert second.checkpoints.saved[10][1].epsilon == whole.checkpoints.saved[10][1].epsilon
   # The first window after the resume covers steps 6..8 only, and says so.
   assert [r['train_window_steps'] for r in second.rows() if r['step'] == 8] == [3]
+
+
+class FakeAuditor:
+  """The one-run audit's interface: a bound read from θ, at every checkpoint or at the last."""
+
+  def __init__(self, every_checkpoint: bool):
+    self.every_checkpoint, self.at = every_checkpoint, []
+
+  def __call__(self, params) -> dict:
+    self.at.append(float(params['w'][0]))
+    return {'audit_epsilon_lower': self.at[-1] / 100, 'audit_confidence': 0.95, 'canaries': 7}
+
+
+@pytest.mark.parametrize('every_checkpoint,audited', [(False, [6.0]), (True, [3.0, 6.0])])
+def test_the_audit_runs_at_the_checkpoints_it_is_asked_for(tmp_path, every_checkpoint, audited):
+  auditor = FakeAuditor(every_checkpoint)
+  run = Run(tmp_path, num_steps=6, log=2, checkpoint=3, auditor=auditor)
+  run.train()
+  assert auditor.at == audited
+  assert {step: saved[2] is not None for step, saved in run.checkpoints.saved.items()} == {
+      3: every_checkpoint, 6: True}
+  # Beside ε: the bound and its confidence, in the step's row (its own row at step 3).
+  assert [(r['step'], r['audit_epsilon_lower']) for r in run.rows()
+          if 'audit_epsilon_lower' in r] == [(s, s / 100) for s in audited]
+
+
+class DiskFullAt6(metrics_lib.MetricWriter):
+  def write(self, step, scalars):
+    if step == 6:
+      raise write_errors.WriteError('cannot write the metrics (metrics.jsonl): No space left.')
+    super().write(step, scalars)
+
+
+def test_a_failed_write_ends_the_run_after_the_save_in_flight(tmp_path):
+  run = Run(tmp_path, num_steps=12, log=2, checkpoint=4, writer=DiskFullAt6)
+  with pytest.raises(write_errors.WriteError, match='No space left'):
+    run.train()
+  assert run.steps.calls[-1] == (5, 1) and sorted(run.checkpoints.saved) == [4]
+  assert run.checkpoints.waited >= 1  # The checkpoint in flight completed before the exit.
+  assert [r['step'] for r in run.rows()] == [0, 2, 4]
