@@ -123,7 +123,7 @@ class FakeAccountant:
 class Run:
   """One loop over the fakes, in `workdir`; `.train(state)` runs it."""
 
-  def __init__(self, workdir, *, num_steps, log=0, eval=0, checkpoint=0, size=1,
+  def __init__(self, workdir, *, num_steps, log=0, evaluation=0, checkpoint=0, size=1,
                steps_per_call=None, restored_step=None, private=True, serial=False,
                checkpoints=None, auditor=None, writer=metrics_lib.MetricWriter, **step_options):
     self.clock = Clock()
@@ -135,7 +135,7 @@ class Run:
     self.workdir = str(workdir)
     os.makedirs(self.workdir, exist_ok=True)
     settings = loop_parts.LoopSettings(
-        num_steps=num_steps, log_every=log, eval_every=eval, checkpoint_every=checkpoint,
+        num_steps=num_steps, log_every=log, eval_every=evaluation, checkpoint_every=checkpoint,
         steps_per_call=size if steps_per_call is None else steps_per_call,
         max_batch_size=BATCH, clip_norm=1.0 if private else None, private=private,
         serial=serial)
@@ -159,7 +159,7 @@ class Run:
 
 
 def test_eval_checkpoint_and_log_fire_every_k_steps_and_at_the_last(tmp_path):
-  run = Run(tmp_path, num_steps=10, log=3, eval=4, checkpoint=5)
+  run = Run(tmp_path, num_steps=10, log=3, evaluation=4, checkpoint=5)
   state = run.train()
   assert state.step == 10 and state.params['w'].tolist() == [10.0, 10.0]
   assert run.steps.calls == [(t, 1) for t in range(10)]  # Each step dispatched once.
@@ -203,7 +203,7 @@ def test_automatic_s_paces_calls_to_half_a_second_of_the_clock(tmp_path):
 def test_rates_come_from_the_clock_with_compilation_evals_and_saves_apart(tmp_path):
   """Logs every 4, evals every 2 and saves every 3 of 9 steps: the windows (steps 2..4, 5..8
   and 9) hold evals and saves, whose seconds are left out of the rates."""
-  run = Run(tmp_path, num_steps=9, log=4, eval=2, checkpoint=3)
+  run = Run(tmp_path, num_steps=9, log=4, evaluation=2, checkpoint=3)
   run.train()
   trained = [r for r in run.rows() if 'nonprivate_train_loss' in r]
   # The first call: COMPILE_SECONDS + one step, timed apart.
@@ -293,15 +293,15 @@ def test_a_non_finite_loss_alone_does_not_change_what_is_released(tmp_path):
 
 
 def test_resume_continues_at_the_saved_step_and_ends_where_the_whole_run_ends(tmp_path):
-  whole = Run(tmp_path / 'whole', num_steps=10, log=4, eval=4, checkpoint=3)
+  whole = Run(tmp_path / 'whole', num_steps=10, log=4, evaluation=4, checkpoint=3)
   final = whole.train()
-  first = Run(tmp_path / 'resumed', num_steps=10, log=4, eval=4, checkpoint=3,
+  first = Run(tmp_path / 'resumed', num_steps=10, log=4, evaluation=4, checkpoint=3,
               on_step=lambda t: os.kill(os.getpid(), signal.SIGTERM) if t == 4 else None)
   with pytest.raises(loop_lib.RunInterrupted):
     first.train()
   assert sorted(first.checkpoints.saved) == [3, 5]
   saved = first.checkpoints.saved[5][0]
-  second = Run(tmp_path / 'resumed', num_steps=10, log=4, eval=4, checkpoint=3,
+  second = Run(tmp_path / 'resumed', num_steps=10, log=4, evaluation=4, checkpoint=3,
                restored_step=5, checkpoints=first.checkpoints)
   resumed = second.train(saved)
   assert second.steps.calls[0] == (5, 1) and second.evaluated == [8, 10]  # No step-0 eval.
