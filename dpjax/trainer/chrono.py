@@ -9,13 +9,16 @@ checkpoints. Every value here is a timing, reported under `nonprivate_*`.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 
 class Chrono:
-  """Compilation time, the current window's step and example rates, and pauses."""
+  """Compilation time, the current window's step and example rates, and pauses, read from
+  `now` (seconds; a test's clock in place of time.time)."""
 
-  def __init__(self):
-    self.start = time.time()
+  def __init__(self, now: Callable[[], float] = time.time):
+    self.now = now
+    self.start = now()
     self.compile_seconds: float | None = None  # The first call, compilation included.
     self.checkpoint_seconds: float | None = None  # The latest save.
     self.window_steps = 0
@@ -26,15 +29,15 @@ class Chrono:
 
   def dispatch(self) -> None:
     """Marks the dispatch of a call."""
-    self._dispatched = time.time()
+    self._dispatched = self.now()
 
   def since_dispatch(self) -> float:
     """Seconds since the latest call was dispatched."""
-    return time.time() - self._dispatched
+    return self.now() - self._dispatched
 
   def compiled(self) -> None:
     """Ends the first call: its seconds are the compile time; the first window starts."""
-    self._window_start = time.time()
+    self._window_start = self.now()
     self.compile_seconds = self._window_start - self.start
 
   def count(self, steps: int, examples: int) -> None:
@@ -44,20 +47,20 @@ class Chrono:
 
   def pause(self, start: float) -> float:
     """The seconds since `start` (an eval, a save), left out of the window's rates."""
-    seconds = time.time() - start
+    seconds = self.now() - start
     self._paused += seconds
     return seconds
 
   def window_rate(self) -> tuple[float | None, float]:
     """(steps per second, seconds) of the window so far; the rate is None without a step."""
-    elapsed = time.time() - self._window_start - self._paused
+    elapsed = self.now() - self._window_start - self._paused
     return (self.window_steps / elapsed if self.window_steps and elapsed > 0 else None), elapsed
 
   def wall_seconds(self) -> float:
     """Seconds since the start."""
-    return time.time() - self.start
+    return self.now() - self.start
 
   def next_window(self) -> None:
     """Starts a new window (after a log)."""
-    self._window_start, self._paused = time.time(), 0.0
+    self._window_start, self._paused = self.now(), 0.0
     self.window_steps = self.window_examples = 0

@@ -10,7 +10,9 @@ plan resolved (`dpjax.trainer.plan`) and the workdir locked:
 logical batches (`chunks`) and after each call fires the periodic actions that
 are due by `is_time`: log, eval, audit and checkpoint (all at the last step; a
 signal saves at once). Every checkpoint stores the ε of its step and the plan's
-privacy fingerprint (`privacy_metadata`).
+privacy fingerprint (`privacy_metadata`). The loop receives what computes and writes
+(the step, the chunks, the evaluation, the writer, the checkpointer, the accountant and
+the clock: `loop_parts`), so its logic runs with fakes in tests/trainer/test_loop_logic.py.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import numpy as np
 import tqdm
 
 from dpjax.data import device as device_data
-from dpjax.data import preprocess
 from dpjax.data import sources as data
 from dpjax.privacy import ema as ema_lib
 from dpjax.privacy import multi_step
@@ -36,19 +37,16 @@ from dpjax.privacy.accounting import ahead as ahead_lib
 from dpjax.trainer import build
 from dpjax.trainer import checkpoints
 from dpjax.trainer import chrono as chrono_lib
-from dpjax.trainer import chunks as chunks_lib
 from dpjax.trainer import interrupts
-from dpjax.trainer import metrics as metrics_lib
+from dpjax.trainer import loop_parts
 from dpjax.trainer import optimizers
 from dpjax.trainer import physical_batch
 from dpjax.trainer import plan as plan_lib
-from dpjax.trainer import privacy_metadata
 from dpjax.trainer import run_report
 from dpjax.trainer import run_warnings
 from dpjax.trainer import write_errors
 from dpjax.trainer.stops import RunInterrupted
 from dpjax.trainer.stops import TrainingDiverged
-from dpjax.trainer.stops import parameters_diverged
 
 
 @flax.struct.dataclass
@@ -56,7 +54,7 @@ class TrainState:
   """Everything a resume needs: sampler and noise are pure functions of (seed, step).
 
   In the loop `step` and `num_truncated` are host ints; a checkpoint holds them
-  as replicated int32 arrays (`Loop._stored`).
+  as replicated int32 arrays (`loop_parts.PlanCheckpointer.stored`).
   """
   step: Any
   params: Any  # The trainable parameters (all of them unless fine-tuning freezes some).
@@ -73,28 +71,28 @@ def is_time(step: int, every: int, last_step: int) -> bool:
 class Loop:
   """The loop of one run: compiled calls, then the periodic actions that are due.
 
-  Owns the metric writer, the progress bar, the `Chrono`, the signal handler
-  and ε computed ahead on a thread. Each action is one method: `_log` (training
-  statistics of the window and ε), `_eval`, `_audit` and `_save`; `_due` says when
-  it fires. A logged step writes one row with all of them; an eval or audit
-  without a log writes its own row.
+  Given its collaborators (`loop_parts`: the step, the chunks, the evaluation, the writer,
+  the checkpointer, the accountant and the clock), it owns the progress bar, the `Chrono`,
+  the signal handler and ε computed ahead on a thread. Each action is one method: `_log`
+  (training statistics of the window and ε), `_eval`, `_audit` and `_save`; `_due` says
+  when it fires. A logged step writes one row with all of them; an eval or audit without a
+  log writes its own row.
   """
 
-  def __init__(self, plan: plan_lib.RunPlan, workdir: str, step_fns, evaluate: Callable,
-               auditor: build.Auditor | None, train_source: data.DataSource, dataset,
-               mesh: jax.sharding.Mesh, manager, restored_step: int | None, log=print):
-    config = plan.config
-    self.plan, self.step_fns, self.evaluate, self.auditor = plan, step_fns, evaluate, auditor
-    self.train_source, self.dataset, self.mesh, self.manager = train_source, dataset, mesh, manager
-    self.log, self.primary = log, sharding.is_primary_process()
-    self.every = {'log': config.log_every_steps, 'eval': config.eval_every_steps,
-                  'checkpoint': config.checkpoint_every_steps}
-    self.ema_decay, self.steps_per_call = config.ema_decay, plan.perf.steps_per_call
-    self.serial = chunks_lib.serial_dispatch(mesh)
-    self.batcher = chunks_lib.make_batcher(plan)
-    self.writer = metrics_lib.MetricWriter(workdir, restored_step, enabled=self.primary)
+  def __init__(self, settings: loop_parts.LoopSettings, steps: loop_parts.StepRunner,
+               chunks: loop_parts.ChunkStream, evaluate: loop_parts.Evaluate,
+               writer: loop_parts.Writer, checkpointer: loop_parts.Checkpointer,
+               accountant: loop_parts.Epsilons | None, auditor: build.Auditor | None = None, *,
+               clock: Callable[[], float] = time.time, log=print):
+    self.settings, self.steps, self.chunks, self.evaluate = settings, steps, chunks, evaluate
+    self.writer, self.checkpointer, self.accountant = writer, checkpointer, accountant
+    self.auditor, self.clock, self.log = auditor, clock, log
+    self.primary, self.serial = settings.primary, settings.serial
+    self.ema_decay = settings.ema_decay
+    self.every = {'log': settings.log_every, 'eval': settings.eval_every,
+                  'checkpoint': settings.checkpoint_every}
     self.warnings = run_warnings.RunWarnings()
-    self.runner = self.progress = self.chrono = self.pacer = self.signals = self.ahead = None
+    self.progress = self.chrono = self.pacer = self.signals = self.ahead = None
     self.last: dict[str, Any] = {}  # The latest log row (or the step-0 evaluation).
     self._pending = []  # Metrics of the calls since the latest log, on the device.
     self._window_start = 0  # The first step of the current log window.
@@ -102,7 +100,7 @@ class Loop:
 
   def _due(self, action: str, step: int) -> bool:
     """Whether `action` ('log', 'eval' or 'checkpoint') fires after `step`."""
-    return is_time(step, self.every[action], self.plan.num_steps)
+    return is_time(step, self.every[action], self.settings.num_steps)
 
   def run(self, state: TrainState) -> TrainState:
     """Trains from `state` to the plan's last step; returns the final state."""
@@ -118,26 +116,23 @@ class Loop:
         raise
 
   def _train(self, state: TrainState) -> TrainState:
-    start, last_step = state.step, self.plan.num_steps
+    start, last_step = state.step, self.settings.num_steps
     self.progress = tqdm.tqdm(total=last_step, initial=start, desc='train', dynamic_ncols=True,
                               disable=not self.primary or (
                                   not sys.stderr.isatty()
                                   and os.environ.get('DPJAX_PROGRESS') != '1'))
-    self.chrono = chrono_lib.Chrono()
+    self.chrono = chrono_lib.Chrono(self.clock)
     self._window_start = start + 1
-    # S logical steps per compiled call; calls end where the host needs the parameters.
-    size = multi_step.steps_per_call(self.steps_per_call, self.step_fns.loop_mode(state.params),
-                                     self.dataset is not None)
-    self.runner = multi_step.MultiStep(self.step_fns, size, self.ema_decay, self.mesh)
+    size = self.steps.size  # S logical steps a call; calls end where the host needs θ.
     # Automatic S: a call lasts ~0.5 s at most, so a signal stops a slow run within ~2 steps.
-    self.pacer = multi_step.CallPacer(size, adaptive=self.steps_per_call == 0 and size > 1)
+    self.pacer = multi_step.CallPacer(size, adaptive=self.settings.steps_per_call == 0
+                                      and size > 1)
     calls = multi_step.schedule(start, last_step, size, tuple(self.every.values()),
                                 limit=self.pacer.limit)
-    stream = chunks_lib.make_chunks(calls, self.batcher, self.train_source, self.dataset,
-                                    self.mesh, size, self.serial)
+    stream = self.chunks(calls)
     # ε of the logged and saved steps, computed ahead while the device trains.
-    self.ahead = None if self.plan.accountant is None else ahead_lib.EpsilonAhead(
-        self.plan.accountant, () if self.serial else (
+    self.ahead = None if self.accountant is None else ahead_lib.EpsilonAhead(
+        self.accountant, () if self.serial else (
             s for s in range(start + 1, last_step + 1)
             if self._due('log', s) or self._due('checkpoint', s)))
     with stream as prepared, contextlib.nullcontext() if self.ahead is None else self.ahead:
@@ -164,16 +159,17 @@ class Loop:
       kept = (f'checkpoint {state.step} saved' if saved else
               f'nothing was trained since {f"checkpoint {state.step}" if state.step else "the start"}')
       raise self._stop(RunInterrupted(
-          f'stopped by {self.signals.signal_name} at step {state.step} of {self.plan.num_steps} '
-          f'while XLA compiled or ran a call (it cannot be interrupted); {kept}. Rerun the same '
-          'command to resume.', self.signals.exit_code, abandoned=True)) from None
+          f'stopped by {self.signals.signal_name} at step {state.step} of '
+          f'{self.settings.num_steps} while XLA compiled or ran a call (it cannot be '
+          f'interrupted); {kept}. Rerun the same command to resume.', self.signals.exit_code,
+          abandoned=True)) from None
 
   def _dispatch(self, state: TrainState, chunk: multi_step.Chunk) -> TrainState:
     """One compiled call: S logical steps (K physical batches each, noise keyed by
     (seed, step), the update and the EMA). The first call of a (re)start compiles."""
     self.chrono.dispatch()
-    call = lambda: self.runner(state.params, state.opt_state,
-                               state.ema if self.ema_decay else None, chunk, self.dataset)
+    call = lambda: self.steps(state.params, state.opt_state,
+                              state.ema if self.ema_decay else None, chunk)
     params, opt_state, ema, metrics = (self._interruptible(call, state)
                                        if self.chrono.compile_seconds is None else call())
     self.signals.progress = chunk.last_step + 1  # Read by the signal handler.
@@ -192,18 +188,18 @@ class Loop:
     if self.chrono.compile_seconds is None:  # One sync: the first call, compilation included.
       jax.block_until_ready(state.params)
       self.chrono.compiled()
-      if self.step_fns.clipping_choice:  # Known once the step is traced: one line per layer.
-        self.log('Clipping: ' + '\n  '.join(self.step_fns.clipping_choice))
+      if self.steps.clipping_choice:  # Known once the step is traced: one line per layer.
+        self.log('Clipping: ' + '\n  '.join(self.steps.clipping_choice))
       return
     if not self.pacer.observed:  # One more sync: how long a step takes, after compilation.
       jax.block_until_ready(state.params)
       self.pacer.observe(int(chunk.count), self.chrono.since_dispatch())
-    self.chrono.count(int(chunk.count), sum(min(b.size, self.plan.max_batch_size)
+    self.chrono.count(int(chunk.count), sum(min(b.size, self.settings.max_batch_size)
                                             for b in chunk.logicals))
 
   def _periodic(self, state: TrainState) -> None:
     """The actions due after the call that ended at `state.step`, in order."""
-    done, last_step = state.step, self.plan.num_steps
+    done, last_step = state.step, self.settings.num_steps
     stopping = self.signals.requested  # A signal: save this step, then exit 128 + signal.
     logging_now = self._due('log', done)
     saving_now = stopping or self._due('checkpoint', done)
@@ -241,7 +237,7 @@ class Loop:
     TrainingDiverged if the parameters diverged: post-processing of what DP-SGD releases.
     Never on a statistic of the data (the loss, the count of non-finite examples): that
     would make whether anything is released depend on one record (docs/threat_model.md)."""
-    fetched, diverged = jax.device_get((self._pending, parameters_diverged(state.params)))
+    fetched, diverged = jax.device_get((self._pending, self.steps.diverged(state.params)))
     fetched = [row for m, count in fetched for row in multi_step.rows_of(m, count)]
     loss = float(np.mean([m['loss'] for m in fetched])) if fetched else 0.0
     if bool(diverged):
@@ -272,8 +268,8 @@ class Loop:
                                              else None,
            'nonprivate_clip_fraction': total('num_clipped') / max(1.0, examples),
            'nonprivate_mean_grad_norm': float(np.mean([m['example_grad_norm'] for m in fetched]))
-                                        if self.plan.private else None}
-    for line in self.warnings.check(row, self._window_start, done, self.plan.clip_norm):
+                                        if self.settings.private else None}
+    for line in self.warnings.check(row, self._window_start, done, self.settings.clip_norm):
       self.log(f'WARNING: {line}')
     self._pending, self._window_start = [], done + 1
     report = self._epsilon(done, wait=wait or self.serial)
@@ -292,7 +288,7 @@ class Loop:
   def _eval(self, state: TrainState) -> dict:
     """The evaluation of `state` and its seconds (queued steps finish before the clock)."""
     jax.block_until_ready(state.params)
-    clock = time.time()
+    clock = self.clock()
     evaluated = self._interruptible(lambda: self.evaluate(state), state)  # May compile.
     evaluated['nonprivate_eval_seconds'] = self.chrono.pause(clock)
     return evaluated
@@ -301,7 +297,7 @@ class Loop:
     """The audit at a saved `state` when due: at every checkpoint with
     `audit.every_checkpoint`, else at the last step; None without canaries."""
     if self.auditor is None or not (self.auditor.every_checkpoint
-                                    or state.step == self.plan.num_steps):
+                                    or state.step == self.settings.num_steps):
       return None
     return self.auditor(state.params)
 
@@ -309,26 +305,13 @@ class Loop:
     """A checkpoint of `state` with the ε of its step (side estimates at the last step
     only) and the audit; metrics and events made durable with it."""
     jax.block_until_ready(state.params)
-    clock = time.time()
+    clock = self.clock()
     done = state.step
-    report = self._epsilon(done, wait=True, estimates=done == self.plan.num_steps)
-    metadata = privacy_metadata.privacy_metadata(done, report, self.plan, self.step_fns, self.batcher,
-                                         state.num_truncated)
-    metadata['model_io'] = preprocess.model_io(self.train_source)  # For export.
-    if audit is not None:
-      metadata['audit'] = audit
-    checkpoints.save(self.manager, done, self._stored(state), metadata)
+    report = self._epsilon(done, wait=True, estimates=done == self.settings.num_steps)
+    self.checkpointer.save(state, report, audit)
     self._saved_step = done
     self.writer.flush()
     self.chrono.checkpoint_seconds = self.chrono.pause(clock)
-
-  def _stored(self, state: TrainState) -> TrainState:
-    """`state` as a checkpoint holds it: replicated int32 counters; with ema_decay = 0 the
-    EMA is what the update would have made, (θ, t)."""
-    count = lambda n: sharding.replicate(self.mesh, np.int32(n))
-    return state.replace(
-        step=count(state.step), num_truncated=count(state.num_truncated),
-        ema=state.ema if self.ema_decay else ema_lib.EmaState(state.params, count(state.step)))
 
   def _show(self, done: int, row: dict) -> None:
     """The progress bar's postfix; without a terminal, one plain progress line."""
@@ -341,12 +324,12 @@ class Loop:
     if not (self.progress.disable and self.primary):
       return
     # The steps left, and the ε each coming checkpoint (and the last step) waits for.
-    rate, left = row['nonprivate_steps_per_second'], self.plan.num_steps - done
+    rate, left = row['nonprivate_steps_per_second'], self.settings.num_steps - done
     saves_left = left // self.every['checkpoint'] + 1
     query_seconds = 0.0 if self.ahead is None else self.ahead.mean_query_seconds
     eta = left / rate + saves_left * query_seconds if rate else float('nan')
     speed = f'{row["nonprivate_examples_per_second"]:.0f} ex/s' if rate else 'compiling'
-    print(f'step {done}/{self.plan.num_steps}, {speed}, ETA {eta:.0f} s, '
+    print(f'step {done}/{self.settings.num_steps}, {speed}, ETA {eta:.0f} s, '
           + ' '.join(f'{k}={v}' for k, v in shown.items()), flush=True)
 
   def _close(self, after_failed_write: bool = False) -> None:
@@ -354,7 +337,7 @@ class Loop:
     (`after_failed_write`: a write failed already; later failures are not raised again)."""
     if self.progress is not None:
       self.progress.close()
-    for finish in (lambda: checkpoints.wait_until_finished(self.manager), self.writer.close):
+    for finish in (self.checkpointer.wait_until_finished, self.writer.close):
       with (contextlib.suppress(write_errors.WriteError) if after_failed_write
             else contextlib.nullcontext()):
         finish()
@@ -366,9 +349,7 @@ class Loop:
 
   def compilations(self) -> dict[str, int]:
     """The programs the loop compiled, by name (those compiled at least once)."""
-    counts = (('train_steps', self.runner.compile_count()),
-              ('train_step', self.step_fns.compile_count('train_step')))
-    return {name: count for name, count in counts if count}
+    return self.steps.compilations()
 
 
 def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
@@ -393,7 +374,9 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
   manager = checkpoints.make_manager(workdir, config.keep_checkpoints)
   restored_step, state = build.restore_or_init(manager, state, plan, workdir, log)
   run_report.announce(plan, workdir, train_source, mesh, params, log)
-  loop = Loop(plan, workdir, step_fns, evaluate, auditor, train_source, dataset, mesh, manager,
-              restored_step, log)
+  parts = loop_parts.from_plan(plan, workdir, step_fns, state.params, train_source, dataset,
+                               mesh, manager, restored_step)
+  loop = Loop(parts.settings, parts.steps, parts.chunks, evaluate, parts.writer,
+              parts.checkpointer, plan.accountant, auditor, log=log)
   state = loop.run(state)
   return run_report.finish(plan, state, loop.last, evaluate, auditor, loop.compilations(), log)
