@@ -152,8 +152,7 @@ def resolve_max_batch_size(sampler: samplers_lib.Sampler, physical_batch_size: i
     return min(requested, no_truncation)
   if not _is_binomial(sampler):
     return no_truncation
-  if not 0 < delta < 1:
-    raise ValueError(f'privacy.delta must be in (0, 1), got {delta}.')
+  _checks.check_delta(delta)
   # Smallest multiple of P with log(T) + log Pr[n > B] <= log(budget · δ).
   log_budget = math.log(DEFAULT_TRUNCATION_BUDGET * delta) - math.log(max(num_steps, 1))
   mean = sampler.expected_batch_size

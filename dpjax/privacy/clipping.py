@@ -54,8 +54,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from dpjax.privacy import checks
 from dpjax.privacy import ghost_clipping
-from dpjax.privacy import noise
 from dpjax.privacy import precision as precision_lib
 from dpjax.privacy import rounding
 from dpjax.privacy import stateful_layers
@@ -222,17 +222,6 @@ def grad_sum(loss_fn: LossFn, params: Params,
   return g, stats._replace(grad_norm_sum=jnp.zeros((), jnp.float32))
 
 
-def validate_clip_norm(clip_norm: float) -> float:
-  """C must be a number > 0 (math.inf allowed); ValueError otherwise."""
-  try:
-    c = float(clip_norm)
-  except (TypeError, ValueError):
-    c = math.nan
-  if not c > 0:  # Also rejects NaN.
-    raise ValueError(f'clip_norm must be > 0 (inf disables clipping), got {clip_norm!r}.')
-  return c
-
-
 def clipped_sum_fn(loss_fn: LossFn, clip_norm: float, method: str = 'auto'):
   """`(params, examples, weights) -> (Σ_i w_i · clip_C(g_i), PerExample)` by `method`.
 
@@ -248,7 +237,7 @@ def clipped_sum_fn(loss_fn: LossFn, clip_norm: float, method: str = 'auto'):
   """
   if method not in CLIPPING_METHODS:
     raise ValueError(f'clipping method {method!r}; valid: {CLIPPING_METHODS}.')
-  clip_norm = validate_clip_norm(clip_norm)
+  clip_norm = checks.check_clip_norm(clip_norm, allow_inf=True)
   vmap_choice = ['per-example gradients (vmap), memory P x #params']
 
   def fn(params: Params, examples: Example, weights: jax.Array):
@@ -290,7 +279,7 @@ def make_clipped_sum_fn(method: str, loss_fn: LossFn, clip_norm: float) -> Clipp
 
   `loss_fn` returns (loss, aux); `choice` as in `clipped_sum_fn`.
   """
-  return with_stats(clipped_sum_fn(loss_fn, clip_norm, method), validate_clip_norm(clip_norm))
+  return with_stats(clipped_sum_fn(loss_fn, clip_norm, method), checks.check_clip_norm(clip_norm, allow_inf=True))
 
 
 def per_example_clipped_sum(loss_fn: LossFn, params: Params, batch: Batch,
@@ -333,7 +322,7 @@ def clipped_grad(loss_fn: LossFn, clip_norm: float, *, has_aux: bool = False,
     precision: 'default', 'highest' or 'bfloat16' (`dpjax.privacy.precision`): the matmul precision
       the gradients are computed in (bfloat16: the loss must cast itself, see `losses`).
   """
-  c = noise.check_clip_norm(clip_norm)  # Finite and > 0, as the noise transform checks it.
+  c = checks.check_clip_norm(clip_norm)  # Finite and > 0, as the noise transform checks it.
   precision_lib.check_precision(precision)
   # BatchNorm / Dropout state in the loss: Flax's error raised again with the fix.
   inner = clipped_sum_fn(with_aux(stateful_layers.explained(loss_fn), has_aux), c, method)

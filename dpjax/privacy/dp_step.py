@@ -39,7 +39,6 @@ after the last one it noised (`noise_state.check_after`).
 """
 
 import functools
-import math
 from typing import Any
 
 import flax.linen as nn
@@ -50,10 +49,10 @@ import optax
 
 from dpjax.privacy import accumulator as accumulator_lib
 from dpjax.privacy import augmult as augmult_lib
+from dpjax.privacy import checks
 from dpjax.privacy import clipping as clipping_lib
 from dpjax.privacy import logical_buffer
 from dpjax.privacy import precision as precision_lib
-from dpjax.privacy import noise as noise_lib
 from dpjax.privacy import noise_state
 from dpjax.privacy import privacy_plan
 from dpjax.privacy import losses
@@ -141,11 +140,7 @@ class DPStep:
     self.precision = precision_lib.check_precision(precision)
     if not (hasattr(optimizer, 'init') and hasattr(optimizer, 'update')):
       raise ValueError('optimizer must be an optax.GradientTransformation.')
-    b = float(expected_batch_size)
-    if not (b > 0 and math.isfinite(b)):
-      raise ValueError('expected_batch_size must be finite and > 0 (the '
-                       "sampler's expected_batch_size), got "
-                       f'{expected_batch_size!r}.')
+    b = checks.check_expected_batch_size(expected_batch_size)
     self.model = model
     self.optimizer = optimizer
     self.private = bool(private)
@@ -177,8 +172,8 @@ class DPStep:
     releases without a guarantee).
     """
     if self.private:
-      self.clip_norm = noise_lib.check_clip_norm(clip_norm)
-      self.noise_multiplier = noise_lib.check_noise_multiplier(noise_multiplier)
+      self.clip_norm = checks.check_clip_norm(clip_norm)
+      self.noise_multiplier = checks.check_noise_multiplier(noise_multiplier)
       self.clip_bound = self.clip_norm  # Each example is clipped at C itself.
       sum_fn = clipping_lib.make_clipped_sum_fn(clipping, loss_fn, self.clip_bound)
       self._choice = sum_fn.choice  # Filled when first traced ('auto', 'ghost').

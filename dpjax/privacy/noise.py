@@ -44,21 +44,6 @@ MISSING_STEP = (
     'step=t). The batch and the noise of a step share one counter.')
 
 
-def check_noise_multiplier(noise_multiplier, name: str = 'noise_multiplier') -> float:
-  """σ: a finite number > 0 (σ = 0 releases the clipped sum without noise: no guarantee)."""
-  return _checks.check_number(name, noise_multiplier, low=0.0)
-
-
-def check_clip_norm(clip_norm, name: str = 'clip_norm') -> float:
-  """C: a finite number > 0 (C = ∞ makes the noise σ·C infinite or the sensitivity unbounded)."""
-  return _checks.check_number(name, clip_norm, low=0.0)
-
-
-def check_expected_batch_size(expected_batch_size, name: str = 'expected_batch_size') -> float:
-  """b: a finite number > 0 (the sampler's expected_batch_size)."""
-  return _checks.check_number(name, expected_batch_size, low=0.0)
-
-
 def add_noise(grad_sum: Any, key: jax.Array, std: float) -> Any:
   """grad_sum + N(0, std² I), one standard normal per coordinate from `key`."""
   noise = optax.tree.random_like(key, grad_sum, jax.random.normal)
@@ -85,10 +70,10 @@ def gaussian_privatizer(noise_multiplier: float, clip_norm: float,
     `init(params)` and `update(updates, state, params=None, *, step)`; `update` raises
     TypeError (when traced) without `step`.
   """
-  sigma = check_noise_multiplier(noise_multiplier)
-  c = check_clip_norm(clip_norm)
+  sigma = _checks.check_noise_multiplier(noise_multiplier)
+  c = _checks.check_clip_norm(clip_norm)
   std = sigma * c
-  b = check_expected_batch_size(expected_batch_size)
+  b = _checks.check_expected_batch_size(expected_batch_size)
   cap = _checks.check_int('max_batch_size', max_batch_size, 0)
   stream = prng.noise_stream_data(seed, noise_impl)
   if fingerprint is None:

@@ -50,7 +50,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import warnings
 from typing import Any
 
 from dpjax.privacy import checks as _checks
@@ -67,28 +66,9 @@ from dpjax.privacy.accounting import calibration
 from dpjax.privacy.accounting import composition
 
 
-class LargeDeltaWarning(UserWarning):
-  """δ > 1/(10·N): allowed, but weak (a few records could be released with probability δ·N)."""
-
-
 def seed_digest(seed: int) -> str:
   """SHA-256 of the seed (what a fingerprint stores instead of the seed itself)."""
   return hashlib.sha256(f'dpjax-seed:{int(seed)}'.encode()).hexdigest()
-
-
-def check_delta(delta, num_examples: int, *, allow_large_delta: bool = False,
-                name: str = 'delta', flag: str = 'allow_large_delta=True') -> float:
-  """δ in (0, 1) and < 1/N (unless allow_large_delta); warns above 1/(10·N)."""
-  delta = _checks.check_number(name, delta, low=0.0, high=1.0, open_high=True)
-  if delta >= 1.0 / num_examples and not allow_large_delta:
-    raise ValueError(
-        f'{name} = {delta:g} is >= 1/N = {1.0 / num_examples:.3g} (N = {num_examples}): such a '
-        'guarantee allows publishing a random record in the clear. Use δ well below 1/N '
-        f'(e.g. <= 1/(10·N)), or set {flag} to accept it.')
-  if delta > 0.1 / num_examples:
-    warnings.warn(f'{name} = {delta:g} exceeds 1/(10·N) = {0.1 / num_examples:.3g}: the '
-                  f'guarantee is weak for N = {num_examples}.', LargeDeltaWarning, stacklevel=2)
-  return delta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,8 +154,9 @@ class PrivacyPlan:
                                                           max_batch_size)
       noise_multiplier_source = 'checkpoint'
     num_steps = _checks.check_int('num_steps', num_steps, 1)
-    clip_norm = noise.check_clip_norm(clip_norm)
-    delta = check_delta(delta, sampler.num_examples, allow_large_delta=allow_large_delta)
+    clip_norm = _checks.check_clip_norm(clip_norm)
+    delta = _checks.check_delta(delta, num_examples=sampler.num_examples,
+                                allow_large_delta=allow_large_delta)
     target = 0.0 if not target_epsilon else _checks.check_number(
         'target_epsilon', target_epsilon, low=0.0)
     if noise_multiplier is None and not target:
@@ -193,7 +174,7 @@ class PrivacyPlan:
                                                      accountant=accountant, **options)
       source = 'calibrated'
     else:
-      sigma, source = noise.check_noise_multiplier(noise_multiplier), noise_multiplier_source or 'given'
+      sigma, source = _checks.check_noise_multiplier(noise_multiplier), noise_multiplier_source or 'given'
     options.update(accountant=accountant, num_steps=num_steps)
     acct = accountant_lib.Accountant(sampler, sigma, delta, **options)
     plan = cls(sampler=sampler, num_steps=num_steps, clip_norm=clip_norm, noise_multiplier=sigma,

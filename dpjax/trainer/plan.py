@@ -41,6 +41,7 @@ import warnings
 import ml_collections
 import numpy as np
 
+from dpjax.privacy import checks
 from dpjax.trainer import accounting_refusals
 from dpjax.trainer import config_fields
 from dpjax.trainer import fingerprint as fingerprint_lib
@@ -288,10 +289,10 @@ def _check_resumable(previous: dict[str, Any] | None, resumed_step: int, num_ste
 def _delta_warnings(privacy: ml_collections.ConfigDict, num_examples: int) -> list[str]:
   """Refuses δ >= 1/N (unless allowed); the warning lines for a δ above 1/(10·N)."""
   with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter('always', privacy_plan.LargeDeltaWarning)
-    privacy_plan.check_delta(privacy.delta, num_examples, name='privacy.delta',
-                             allow_large_delta=bool(privacy.get('allow_large_delta', False)),
-                             flag='privacy.allow_large_delta = True')
+    warnings.simplefilter('always', checks.LargeDeltaWarning)
+    checks.check_delta(privacy.delta, 'privacy.delta', num_examples=num_examples,
+                       allow_large_delta=bool(privacy.get('allow_large_delta', False)),
+                       flag='privacy.allow_large_delta = True')
   return [str(w.message) for w in caught]
 
 
@@ -344,7 +345,7 @@ def _privacy_plan(config: ml_collections.ConfigDict, plan: RunPlan,
   if prior and privacy.target_epsilon:
     _check_prior_budget(prior, privacy, plan.init_source.path)
   with warnings.catch_warnings():
-    warnings.simplefilter('ignore', privacy_plan.LargeDeltaWarning)  # Noted by make_plan.
+    warnings.simplefilter('ignore', checks.LargeDeltaWarning)  # Noted by make_plan.
     private_plan = privacy_plan.PrivacyPlan.create(
         sampler, noise_multiplier=sigma, noise_multiplier_source=source, check_budget=False,
         num_steps=num_steps, clip_norm=privacy.clip_norm, delta=privacy.delta,

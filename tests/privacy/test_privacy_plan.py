@@ -21,6 +21,7 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 
 from dpjax.privacy import batching
+from dpjax.privacy import checks
 from dpjax.privacy import dp_step
 from dpjax.privacy import privacy_plan
 from dpjax.privacy import samplers
@@ -100,7 +101,7 @@ def test_the_plan_and_the_step_refuse_what_has_no_guarantee(kwargs, match):
 
 
 def test_large_delta_needs_the_flag_and_a_warning_above_a_tenth_of_one_over_n():
-  with pytest.warns(privacy_plan.LargeDeltaWarning, match='exceeds 1/'):
+  with pytest.warns(checks.LargeDeltaWarning, match='exceeds 1/'):
     privacy_plan.PrivacyPlan.create(_sampler(), num_steps=10, clip_norm=1.0, delta=5e-4,
                                     noise_multiplier=1.0)
   plan = privacy_plan.PrivacyPlan.create(_sampler(), num_steps=10, clip_norm=1.0, delta=0.5,

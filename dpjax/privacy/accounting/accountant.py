@@ -52,6 +52,7 @@ import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
+from dpjax.privacy import checks
 from dpjax.privacy import samplers as samplers_lib
 from dpjax.privacy.accounting import analyses
 from dpjax.privacy.accounting import balls_and_bins
@@ -98,20 +99,6 @@ def resolve_accountant(sampler_name: str, accountant: str, group_size: int = 1) 
                      f'for sampler {sampler_name!r}; accountant {accountant} supports '
                      'group_size = 1 only. Use accountant pld.')
   return accountant
-
-
-def _check_delta(delta, num_examples: int, allow_large_delta: bool) -> float:
-  """δ in (0, 1), and below 1/N unless allow_large_delta."""
-  if isinstance(delta, bool) or not isinstance(delta, (int, float, np.floating)) or not (
-      0 < delta < 1):
-    raise ValueError(f'privacy.delta must be in (0, 1), got {delta!r}.')
-  delta = float(delta)
-  if delta >= 1.0 / num_examples and not allow_large_delta:
-    raise ValueError(
-        f'delta = {delta:g} is >= 1/N = {1.0 / num_examples:.3g} (N = '
-        f'{num_examples}): such a guarantee allows publishing a random record in the '
-        'clear. Use δ well below 1/N, or allow_large_delta=True (--allow-large-delta).')
-  return delta
 
 
 def _check_group_size(group_size, num_examples: int) -> int:
@@ -211,10 +198,11 @@ class Accountant:
     if not isinstance(sampler, samplers_lib.Sampler):
       raise TypeError(f'sampler must be a dpjax.privacy.samplers.Sampler, got {type(sampler)}.')
     self.sampler = sampler
-    self.noise_multiplier = sampler_events.check_noise_multiplier(noise_multiplier)
+    self.noise_multiplier = checks.check_noise_multiplier(noise_multiplier)
     self.sensitivity = sampler_events.check_sensitivity(sensitivity)
     self.accounted_noise_multiplier = self.noise_multiplier / self.sensitivity
-    self.delta = _check_delta(delta, sampler.num_examples, allow_large_delta)
+    self.delta = checks.check_delta(delta, num_examples=sampler.num_examples,
+                                    allow_large_delta=allow_large_delta, warn=False)
     self.allow_large_delta = bool(allow_large_delta)
     self.group_size = _check_group_size(group_size, sampler.num_examples)
     self.accountant = resolve_accountant(sampler.name, accountant, self.group_size)

@@ -40,10 +40,10 @@ import dataclasses
 import math
 from typing import Callable
 
-import numpy as np
 from dp_accounting.pld import privacy_loss_mechanism
 from scipy import stats
 
+from dpjax.privacy import checks
 from dpjax.privacy.accounting import monotone
 from dpjax.privacy.accounting import pld_grid
 from dpjax.privacy.accounting import random_allocation as random_allocation_lib
@@ -113,10 +113,10 @@ def deterministic_epsilon(noise_multiplier: float, num_epochs: int, delta: float
   (Balle & Wang 2018 via dp_accounting) and rounded up. Also the always-valid
   upper bound for shuffle and balls-and-bins.
   """
-  sigma = sampler_events.check_noise_multiplier(noise_multiplier)
+  sigma = checks.check_noise_multiplier(noise_multiplier)
   epochs = sampler_events.check_positive_int('num_epochs', num_epochs)
   k = sampler_events.check_positive_int('group_size k', group_size)
-  _check_delta(delta)
+  checks.check_delta(delta)
   effective = sigma / (k * math.sqrt(epochs))
   return smallest_epsilon(lambda eps: gaussian_delta(effective, eps), delta,
                           penalty_mass=penalty_mass)
@@ -158,7 +158,7 @@ def random_allocation_epoch_pld(noise_multiplier: float, num_steps: int, *,
   E epochs from the same side. The default grid 0.02 is the one experiments/06_truncation
   uses; `provable_epsilon` picks a finer one from σ, T and δ.
   """
-  sigma = sampler_events.check_noise_multiplier(noise_multiplier)
+  sigma = checks.check_noise_multiplier(noise_multiplier)
   steps = sampler_events.check_positive_int('num_steps T', num_steps)
   return random_allocation_lib.epoch_pld(sigma, steps, discretization=discretization,
                                          tail_truncation=tail_truncation, bound=bound,
@@ -175,10 +175,10 @@ def random_allocation_epsilon_range(noise_multiplier: float, num_steps: int, del
   provable upper bound), `lower` from the dominated one at twice the grid (a provable lower
   bound on the ε of the tight pair). Grid: `random_allocation_lib.default_discretization`.
   """
-  sigma = sampler_events.check_noise_multiplier(noise_multiplier)
+  sigma = checks.check_noise_multiplier(noise_multiplier)
   steps = sampler_events.check_positive_int('num_steps T', num_steps)
   epochs = sampler_events.check_positive_int('num_epochs', num_epochs)
-  _check_delta(delta)
+  checks.check_delta(delta)
   grid = discretization or random_allocation_lib.epochs_discretization(sigma, steps, delta,
                                                                       epochs)
   tail = random_allocation_lib.default_tail_truncation(delta)
@@ -335,7 +335,3 @@ def _refined_upper(sigma: float, steps: int, epochs: int, delta: float, tau: flo
   return pld_grid.refine(evaluate, grid, next_grid=pld_grid.halve)
 
 
-def _check_delta(delta) -> None:
-  if isinstance(delta, bool) or not isinstance(delta, (int, float, np.floating)) or not (
-      0 < delta < 1):
-    raise ValueError(f'delta must be in (0, 1), got {delta!r}.')

@@ -26,6 +26,8 @@ import numpy as np
 from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import special
 
+from dpjax.privacy import checks
+
 DEFAULT_ORDERS = tuple(range(2, 257))
 
 
@@ -33,8 +35,7 @@ def _check(sampling_probability: float, noise_multiplier: float, orders) -> np.n
   q = sampling_probability
   if not (isinstance(q, (int, float, np.floating)) and 0 < q < 1):
     raise ValueError(f'sampling probability q = b/N must be in (0, 1) for FS-RDP, got {q!r}.')
-  if not (isinstance(noise_multiplier, (int, float, np.floating)) and noise_multiplier > 0):
-    raise ValueError(f'noise_multiplier must be > 0, got {noise_multiplier!r}.')
+  checks.check_noise_multiplier(noise_multiplier)
   orders = np.asarray(orders)
   if (orders.ndim != 1 or orders.size == 0 or np.any(orders < 2) or
       np.any(orders != np.round(orders))):
@@ -76,8 +77,7 @@ def fixed_size_rdp_epsilon(sampling_probability: float, noise_multiplier: float,
   """
   if isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps < 1:
     raise ValueError(f'num_steps must be an integer >= 1, got {num_steps!r}.')
-  if not (isinstance(delta, (int, float, np.floating)) and 0 < delta < 1):
-    raise ValueError(f'delta must be in (0, 1), got {delta!r}.')
+  checks.check_delta(delta)
   orders = _check(sampling_probability, noise_multiplier, orders)
   rdp = num_steps * fixed_size_rdp(sampling_probability, noise_multiplier, orders)
   eps, order = rdp_privacy_accountant.compute_epsilon(orders, rdp, delta)

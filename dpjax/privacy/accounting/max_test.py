@@ -42,6 +42,8 @@ from scipy import integrate
 from scipy import optimize
 from scipy import special
 
+from dpjax.privacy import checks
+
 # Mass left outside the fine grid (lumped into the two end bins, so never lost).
 _GRID_TAIL_MASS = 1e-40
 # Interior bins of the z grid; the binned divergence converges to the continuous one as the
@@ -128,16 +130,6 @@ def _check_epsilon(epsilon):
   if not (isinstance(epsilon, (int, float, np.floating, np.integer)) and math.isfinite(epsilon)
           and epsilon >= 0):
     raise ValueError(f'epsilon must be a finite number >= 0, got {epsilon!r}.')
-
-
-def _check_delta(delta):
-  if not (isinstance(delta, (int, float, np.floating)) and 0 < delta < 1):
-    raise ValueError(f'delta must be in (0, 1), got {delta!r}.')
-
-
-# ---------------------------------------------------------------------------------------------
-# The binned pair (post-processing z ↦ grid interval)
-# ---------------------------------------------------------------------------------------------
 
 
 def _log_diff_exp(log_hi, log_lo):
@@ -241,7 +233,7 @@ def _lower_bound_delta(pair, sigma, num_steps, epsilon, num_epochs) -> float:
 
 def _lower_bound_epsilon(pair, sigma, num_steps, delta, num_epochs) -> float:
   _check_args(sigma, num_steps, num_epochs)
-  _check_delta(delta)
+  checks.check_delta(delta)
   sigma, num_steps, num_epochs = float(sigma), int(num_steps), int(num_epochs)
   if num_epochs > 1:
     pld = _cached_composed_pld(pair, sigma, num_steps, num_epochs)

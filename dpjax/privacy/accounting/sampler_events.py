@@ -31,6 +31,8 @@ import numpy as np
 from dp_accounting import dp_event
 from scipy import stats
 
+from dpjax.privacy import checks
+
 # Tail mass (per step) that is merged into the largest sensitivity. It must stay far below the
 # mass dp_accounting's mixture PLD truncates (½·e^-50 ≈ 1e-22, `log_mass_truncation_bound`):
 # then that component never widens the privacy-loss grid, and its mass lands in the
@@ -45,13 +47,6 @@ def check_positive_int(name: str, value, minimum: int = 1) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
     raise ValueError(f'{name} must be an integer >= {minimum}, got {value!r}.')
   return int(value)
-
-
-def check_noise_multiplier(value) -> float:
-  number = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
-  if not (number and math.isfinite(value) and value > 0):
-    raise ValueError(f'noise_multiplier σ must be a finite number > 0, got {value!r}.')
-  return float(value)
 
 
 def check_sensitivity(value) -> float:
@@ -130,7 +125,7 @@ def poisson_step_event(sampling_probability: float, noise_multiplier: float, *,
   sensitivities [0, …, k] and probabilities Binomial(k, q) (Ganesh, Thm 3.1).
   """
   q = check_sampling_probability(sampling_probability)
-  sigma = check_noise_multiplier(noise_multiplier)
+  sigma = checks.check_noise_multiplier(noise_multiplier)
   k = check_positive_int('group_size k', group_size)
   if k == 1:
     return dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma))
@@ -152,7 +147,7 @@ def truncated_poisson_step_event(dataset_size: int, sampling_probability: float,
   b_max = check_positive_int('max_batch_size B', max_batch_size)
   return dp_event.TruncatedSubsampledGaussianDpEvent(
       dataset_size=n, sampling_probability=check_sampling_probability(sampling_probability),
-      truncated_batch_size=b_max, noise_multiplier=check_noise_multiplier(noise_multiplier))
+      truncated_batch_size=b_max, noise_multiplier=checks.check_noise_multiplier(noise_multiplier))
 
 
 def fixed_size_step_event(num_examples: int, batch_size: int, noise_multiplier: float, *,
@@ -164,7 +159,7 @@ def fixed_size_step_event(num_examples: int, batch_size: int, noise_multiplier: 
   replacement). k = 1: sensitivities [0, 2], probabilities [1 − b/N, b/N].
   """
   n, b = _check_sizes(num_examples, batch_size)
-  sigma = check_noise_multiplier(noise_multiplier)
+  sigma = checks.check_noise_multiplier(noise_multiplier)
   k = check_positive_int('group_size k', group_size)
   if k > n:
     raise ValueError(f'group_size k = {k} must be in [1, N = {n}].')
@@ -193,7 +188,7 @@ def fixed_size_with_replacement_step_event(
   support `SampledWithReplacementDpEvent`, so PLD with this MoG is the bound.
   """
   n, b = _check_sizes(num_examples, batch_size)
-  sigma = check_noise_multiplier(noise_multiplier)
+  sigma = checks.check_noise_multiplier(noise_multiplier)
   k = check_positive_int('group_size k', group_size)
   if k > n:
     raise ValueError(f'group_size k = {k} must be in [1, N = {n}].')
@@ -209,7 +204,7 @@ def sampled_without_replacement_rdp_event(num_examples: int, batch_size: int,
   σ/2 (docs/accounting.md §7). For comparison only: a different adjacency.
   """
   n, b = _check_sizes(num_examples, batch_size)
-  sigma = check_noise_multiplier(noise_multiplier)
+  sigma = checks.check_noise_multiplier(noise_multiplier)
   return dp_event.SampledWithoutReplacementDpEvent(n, b, dp_event.GaussianDpEvent(sigma / 2))
 
 
@@ -221,7 +216,7 @@ def epoch_gaussian_event(noise_multiplier: float, *,
   concatenated epoch output by at most k in L2 (all in one batch is worst).
   By joint convexity this also bounds shuffle and balls-and-bins (seed 000, §3).
   """
-  sigma = check_noise_multiplier(noise_multiplier)
+  sigma = checks.check_noise_multiplier(noise_multiplier)
   k = check_positive_int('group_size k', group_size)
   return dp_event.GaussianDpEvent(sigma / k)
 

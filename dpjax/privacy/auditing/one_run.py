@@ -40,6 +40,8 @@ from collections.abc import Sequence
 import numpy as np
 from scipy import optimize, stats
 
+from dpjax.privacy import checks
+
 # Guesses per side as fractions of m (k₊ = k₋ = round(f·m/2)); the level is split over them.
 DEFAULT_GUESS_FRACTIONS = (0.02, 0.05, 0.1, 0.3, 0.8)
 # Upper end of the ε search; a p-value still ≤ β here reports this value (a huge leak).
@@ -51,8 +53,7 @@ def _check(m: int, r: int, v: int, delta: float) -> None:
     raise ValueError(f'num_canaries m must be an integer >= 1, got {m!r}.')
   if not 0 <= v <= r <= m:
     raise ValueError(f'need 0 <= correct guesses v <= guesses r <= m = {m}, got v = {v}, r = {r}.')
-  if not 0 <= delta < 1:
-    raise ValueError(f'delta must be in [0, 1), got {delta}.')
+  checks.check_delta(delta, allow_zero=True)
 
 
 def p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:

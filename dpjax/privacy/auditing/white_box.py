@@ -34,6 +34,8 @@ import math
 import numpy as np
 from scipy import stats
 
+from dpjax.privacy import checks
+
 DEFAULT_CONFIDENCE = 0.999
 
 
@@ -68,9 +70,7 @@ def effective_sigma(released: np.ndarray, ordinary: np.ndarray, counts: np.ndarr
     clip_norm: C; noise_multiplier: σ > 0, both as configured.
     confidence: 1 − α.
   """
-  if not noise_multiplier > 0:
-    raise ValueError(f'noise_multiplier must be > 0 for the white-box test, got '
-                     f'{noise_multiplier}.')
+  checks.check_noise_multiplier(noise_multiplier)
   alpha = 1.0 - confidence
   if not 0 < alpha < 1:
     raise ValueError(f'confidence must be in (0, 1), got {confidence}.')

@@ -10,6 +10,7 @@ import numpy as np
 from scipy import optimize
 from scipy import special
 
+from dpjax.privacy import checks
 from dpjax.privacy.accounting import max_test
 from dpjax.privacy.accounting import monotone
 from dpjax.privacy.accounting.monte_carlo import parallel
@@ -33,7 +34,6 @@ from dpjax.privacy.accounting.monte_carlo.validation import check_method
 from dpjax.privacy.accounting.monte_carlo.validation import check_ranks
 from dpjax.privacy.accounting.monte_carlo.validation import check_seed
 from dpjax.privacy.accounting.monte_carlo.validation import check_workers
-from dpjax.privacy.accounting.monte_carlo.validation import is_finite_number
 
 # Importance sampling conditions at this fraction of the max-test lower bound on ε(δ).
 CONDITIONING_FRACTION = 0.9
@@ -176,8 +176,7 @@ def balls_and_bins_epsilon(sigma: float, num_steps: int, delta: float, *, num_ep
   Raises:
     ValueError: bad arguments, or num_samples too small for delta (even p̂ = 0 leaves δ⁺ > δ).
   """
-  if not (is_finite_number(delta) and 0 < delta < 1):
-    raise ValueError(f'delta must be in (0, 1), got {delta!r}.')
+  checks.check_delta(delta)
   if num_samples is None:
     num_samples = default_num_samples(sigma, num_steps, delta, beta, num_epochs=num_epochs,
                                       method=method)
