@@ -6,7 +6,8 @@ its float32 rounding error is (2u + O(K·u²))·Σ|batch sums| rather than O(K·
 (`dpjax.privacy.rounding`: η relies on it). Library loops sum their physical batches with
 `GradSum`, the same sum.
 
-`release` takes an optax step on ĝ = (Σ_i w_i · clip_C(g_i) + N(0, σ²C² I)) / b. The noise
+`release` takes an optax step on ĝ = (Σ_i w_i · clip_C(g_i) + N(0, σ²C² I)) / b, computed by
+`noise.noisy_mean`, the function the library's `gaussian_privatizer` runs too. The noise
 is added ONCE per logical step, to the sum over all K physical batches (Abadi et al. 2016,
 "Deep Learning with Differential Privacy", Alg. 1; docs/accounting.md: noise std on the
 *sum* of clipped gradients is σ·C), and the divisor is the sampler's `expected_batch_size`
@@ -105,10 +106,7 @@ def release(params: Params, opt_state: optax.OptState, acc: Accumulator, key: ja
   Returns:
     (params, opt_state, metrics).
   """
-  g = acc.grad_sum
-  if noise_std is not None:
-    g = noise_lib.add_noise(g, key, noise_std)
-  g = jax.tree.map(lambda s: s / expected_batch_size, g)
+  g = noise_lib.noisy_mean(acc.grad_sum, key, noise_std, expected_batch_size)
   updates, opt_state = optimizer.update(g, opt_state, params)
   params = optax.apply_updates(params, updates)
   return params, opt_state, metrics(acc, g, expected_batch_size)

@@ -50,6 +50,16 @@ def add_noise(grad_sum: Any, key: jax.Array, std: float) -> Any:
   return jax.tree.map(lambda s, z: s + std * z.astype(s.dtype), grad_sum, noise)
 
 
+def noisy_mean(grad_sum: Any, key: jax.Array, std: float | None,
+               expected_batch_size: float) -> Any:
+  """ĝ = (grad_sum + N(0, std² I)) / b: the Gaussian mechanism of one logical step, the one
+  place dpjax adds DP-SGD's noise and divides by b (the privatizer's update and the trainer's
+  step both call it). std: σ·C (None: no noise, the non-private baseline); b: the sampler's
+  expected batch size, never the rows present."""
+  noisy = grad_sum if std is None else add_noise(grad_sum, key, std)
+  return jax.tree.map(lambda g: g / expected_batch_size, noisy)
+
+
 def gaussian_privatizer(noise_multiplier: float, clip_norm: float,
                         expected_batch_size: float, seed: int, *, max_batch_size: int = 0,
                         fingerprint: Mapping[str, Any] | None = None,
@@ -91,8 +101,8 @@ def gaussian_privatizer(noise_multiplier: float, clip_norm: float,
       raise TypeError(MISSING_STEP)
     ok = noise_state.accepts(state, made, step)
     key = prng.step_noise_key(stream, state.step, noise_impl)
-    noisy = add_noise(updates, key, std)
-    released = jax.tree.map(lambda g: jnp.where(ok, g / b, jnp.nan).astype(g.dtype), noisy)
+    mean = noisy_mean(updates, key, std, b)
+    released = jax.tree.map(lambda g: jnp.where(ok, g, jnp.nan).astype(g.dtype), mean)
     after = jnp.where(ok, state.step + jnp.uint32(1), jnp.uint32(noise_state.REFUSED))
     return released, state._replace(step=after)
 
