@@ -75,8 +75,8 @@ def main() -> int:
   provenance.write_json(args.out, record)
   for name, s in median.items():
     print(f'{name:<20} {s:7.3f} s  ({s / jax_s:.2f}x import jax)')
-  print(f"target account --help <= {TARGET}x import jax: {'met' if record['target_met'] else 'NOT met'}"
-        f' ({args.out})')
+  met = 'met' if record['target_met'] else 'NOT met'
+  print(f'target account --help <= {TARGET}x import jax: {met} ({args.out})')
   return 0
 
 
