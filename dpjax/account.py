@@ -55,23 +55,25 @@ import math
 import os
 import sys
 import types
+from typing import TYPE_CHECKING
 
 from absl import flags
 from ml_collections import config_flags
 
-from dpjax.trainer import accounting_refusals
 from dpjax.trainer import cli
-from dpjax.privacy import samplers as samplers_lib
-from dpjax.privacy.accounting import accountant as accountant_lib
-from dpjax.privacy.accounting import calibration
-from dpjax.privacy.accounting import step_pld
+from dpjax.privacy import names
+
+# The accountants (numpy, dp_accounting) are imported by the answers that need them, so that
+# --help and a bad flag answer at once (tests/e2e/test_cli_start.py).
+if TYPE_CHECKING:
+  from dpjax.privacy.accounting import accountant as accountant_lib
 
 
 # Flag names keep the dashes users type (absl accepts them); the value is read as
 # args.<name with underscores>.
 _FLAGS = (
     # (definer, name, default, help[, extra])
-    ('enum', 'sampler', None, 'the sampler', samplers_lib.SAMPLER_NAMES),
+    ('enum', 'sampler', None, 'the sampler', names.SAMPLER_NAMES),
     ('integer', 'num-examples', None, 'N, training examples'),
     ('integer', 'batch-size', None, 'b, (expected) logical batch size'),
     ('integer', 'steps', None, 'T, total steps (or --epochs)'),
@@ -80,7 +82,7 @@ _FLAGS = (
     ('float', 'target-epsilon', None, 'calibrate the smallest σ for this ε (or --noise-multiplier)'),
     ('float', 'delta', None, 'δ'),
     ('enum', 'accountant', None, 'default: auto (tightest provable for the sampler)',
-     accountant_lib.ACCOUNTANTS),
+     names.ACCOUNTANTS),
     ('integer', 'max-batch-size', None, 'B, cap on the logical batch; omitted = no truncation'),
     ('integer', 'group-size', None, 'k, group privacy (default 1)'),
     ('boolean', 'monte-carlo', False,
@@ -209,6 +211,11 @@ def _from_flags(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, d
     missing.append('--noise-multiplier or --target-epsilon')
   if missing:
     raise ValueError(f'missing {", ".join(missing)} (or give --config).')
+  # pylint: disable=import-outside-toplevel
+  from dpjax.privacy import samplers as samplers_lib
+  from dpjax.privacy.accounting import accountant as accountant_lib
+  from dpjax.privacy.accounting import calibration
+  # pylint: enable=import-outside-toplevel
   for flag, value in (('--num-examples', args.num_examples), ('--batch-size', args.batch_size),
                       ('--steps', args.steps), ('--epochs', args.epochs)):
     if value is not None and value < 1:
@@ -270,6 +277,7 @@ def format_table(report: accountant_lib.PrivacyReport) -> str:
 def _from_workdir(workdir: str) -> tuple[accountant_lib.PrivacyReport, dict]:
   """The newest checkpoint's report, and the planned final ε if the run is not finished."""
   from dpjax.trainer import checkpoints  # pylint: disable=g-import-not-at-top
+  from dpjax.privacy.accounting.report import PrivacyReport  # pylint: disable=g-import-not-at-top
   if not os.path.isdir(workdir):
     raise ValueError(f'--workdir {workdir!r}: not a directory.')
   rows = [row for row in checkpoints.read_metadata(workdir) if 'error' not in row]
@@ -278,7 +286,7 @@ def _from_workdir(workdir: str) -> tuple[accountant_lib.PrivacyReport, dict]:
   meta = rows[-1]
   if meta['privacy'].get('epsilon') is None:
     raise ValueError(f'--workdir {workdir!r}: a non-private run (ε = ∞).')
-  report = accountant_lib.PrivacyReport.from_dict(meta['privacy'])
+  report = PrivacyReport.from_dict(meta['privacy'])
   extra = {'workdir': os.path.abspath(workdir), 'checkpoint_step': meta['step']}
   planned = meta['config'].get('num_steps')
   if planned and planned > meta['step']:
@@ -312,6 +320,10 @@ def main(argv=None) -> int:
     options = _monte_carlo_options(args)  # validated before any loading or computing
     acct, extra = (_from_config(args, options) if args.config is not None
                    else _from_flags(args, options))
+    # pylint: disable=import-outside-toplevel
+    from dpjax.privacy.accounting import step_pld
+    from dpjax.trainer import accounting_refusals
+    # pylint: enable=import-outside-toplevel
     try:
       report = acct.final_report()
     except step_pld.GridTooLargeError as e:  # Its fixes as this command's flags.

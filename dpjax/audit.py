@@ -34,7 +34,6 @@ import sys
 from absl import flags
 
 from dpjax.trainer import cli
-from dpjax.trainer import audit_record as record
 
 
 def _format(result: dict) -> str:
@@ -78,6 +77,8 @@ def main(argv=None) -> int:
   cli.parse_command(PROG, __doc__, fv, sys.argv[1:] if argv is None else argv)
   if not fv.workdir:
     cli.fail(PROG, '--workdir is required: the run directory to audit.')
+  # Here: --help and a bad flag answer without the audit's imports (jax, orbax).
+  from dpjax.trainer import audit_record as record  # pylint: disable=import-outside-toplevel
   try:
     result = record.audit_workdir(fv.workdir)
   except ValueError as e:

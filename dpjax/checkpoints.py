@@ -19,12 +19,12 @@ import types
 
 from absl import flags
 
-from dpjax.trainer import checkpoints as store
 from dpjax.trainer import cli
 from dpjax.trainer import manifest
 
 
 def integrity(workdir: str, step: int) -> str:
+  from dpjax.trainer import checkpoints as store  # pylint: disable=import-outside-toplevel
   try:
     path = os.path.join(store.checkpoint_dir(workdir), str(step))
     return 'ok' if manifest.verify_checkpoint(path) else 'unverified (no manifest)'
@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
   if not os.path.isdir(args.workdir):
     print(f'{prog}: error: workdir {args.workdir} is not a directory.', file=sys.stderr)
     return 2
+  # Here: --help and a bad flag answer without the checkpoints' imports (jax, orbax).
+  from dpjax.trainer import checkpoints as store  # pylint: disable=import-outside-toplevel
   rows = store.read_metadata(args.workdir)
   if not rows:
     print(f'No checkpoints in {store.checkpoint_dir(args.workdir)}.', file=sys.stderr)

@@ -52,27 +52,24 @@ import os
 import sys
 import tempfile
 from importlib import metadata as importlib_metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from absl import flags
 import ml_collections
-import numpy as np
 
-from dpjax.trainer import checkpoints
 from dpjax.trainer import cli
-from dpjax.trainer import finetune
-from dpjax.trainer import init_source
 from dpjax.trainer import interrupts
-from dpjax.trainer import run_identity
-from dpjax.trainer import run_seed
 from dpjax.trainer import seed_record
-from dpjax.trainer import stored_params
-from dpjax.trainer import training_set_size
 from dpjax.trainer import write_errors
 
+# The checkpoints and the model (jax, orbax, flax) are imported by the functions that read
+# them: --help and a bad flag answer at once (tests/e2e/test_cli_start.py).
+# pylint: disable=import-outside-toplevel
+if TYPE_CHECKING:
+  import numpy as np
+
 PROG = 'python -m dpjax.export'
-CARD = stored_params.CARD_FILE
-PARAMS, EMA_PARAMS = stored_params.PARAMS_FILE, 'ema_params.npz'
+EMA_PARAMS = 'ema_params.npz'
 CARD_FORMAT = 'dpjax privacy card 1'
 
 
@@ -84,6 +81,7 @@ def dpjax_version() -> str:
 
 
 def _checkpoint(workdir: str, step: int | None) -> dict:
+  from dpjax.trainer import checkpoints
   rows = [row for row in checkpoints.read_metadata(workdir) if 'error' not in row]
   if step is not None:
     rows = [row for row in rows if row['step'] == step]
@@ -96,6 +94,7 @@ def _checkpoint(workdir: str, step: int | None) -> dict:
 
 def privacy_card(meta: dict) -> dict[str, Any]:
   """The card of a checkpoint's metadata: the claim, the mechanism's public parameters, the model."""
+  from dpjax.trainer import init_source, training_set_size
   privacy, sampler, config = meta['privacy'], meta['sampler'], meta['config']
   k = meta.get('group_size') or 1
   drawn = meta.get('seed_source') in ('drawn', 'workdir')
@@ -149,8 +148,9 @@ def _full_params(trainable: dict, meta: dict, workdir: str) -> dict:
   config = meta['config']
   if not (config.get('freeze') or config.get('lora', {}).get('rank')):
     return trainable
-  from dpjax.models import factory as models  # pylint: disable=import-outside-toplevel
-  from dpjax.privacy import prng  # pylint: disable=import-outside-toplevel
+  from dpjax.models import factory as models
+  from dpjax.privacy import prng
+  from dpjax.trainer import finetune, run_seed
   io, seed = meta.get('model_io'), run_seed.stored_seed(workdir)
   if io is None or seed is None:
     raise ValueError(f'--workdir {workdir!r}: a fine-tuned run needs its model_io metadata and '
@@ -176,6 +176,8 @@ def _full_params(trainable: dict, meta: dict, workdir: str) -> dict:
 
 
 def _flat_numpy(params) -> dict[str, np.ndarray]:
+  import numpy as np
+  from dpjax.trainer import finetune
   return {k: np.asarray(v) for k, v in finetune.flatten(params).items()}
 
 
@@ -188,6 +190,7 @@ def export(workdir: str, out: str, *, step: int | None = None,
   same seed was exported (`seed_record`; a record that cannot be read or written costs one
   warning line on stderr).
   """
+  from dpjax.trainer import checkpoints, run_identity, stored_params
   workdir, out = os.path.realpath(workdir), os.path.realpath(out)
   if not os.path.isdir(workdir):
     raise ValueError(f'--workdir {workdir!r}: not a directory.')
@@ -215,10 +218,10 @@ def export(workdir: str, out: str, *, step: int | None = None,
         '(leave seed unset to draw one), or pass --allow_shared_seed if you know why.')
   state = checkpoints.read_state(workdir, meta['step'])  # Verified against the manifest.
   card = privacy_card(meta)
-  files = {PARAMS: _flat_numpy(_full_params(state['params'], meta, workdir))}
+  files = {stored_params.PARAMS_FILE: _flat_numpy(_full_params(state['params'], meta, workdir))}
   if meta['config'].get('ema_decay'):
     files[EMA_PARAMS] = _flat_numpy(_full_params(state['ema']['params'], meta, workdir))
-  card['files'] = sorted(files) + [CARD]
+  card['files'] = sorted(files) + [stored_params.CARD_FILE]
   parent = os.path.dirname(out)
   # Staged: removed if anything (an error, a full disk, Ctrl-C, SIGTERM) stops the export
   # before the rename, so nothing partial is left.
@@ -229,7 +232,7 @@ def export(workdir: str, out: str, *, step: int | None = None,
                                                     dir=parent)) as staging:
       for name, arrays in files.items():
         stored_params.save(os.path.join(staging, name), arrays, card)
-      with open(os.path.join(staging, CARD), 'w') as f:
+      with open(os.path.join(staging, stored_params.CARD_FILE), 'w') as f:
         json.dump(card, f, indent=2)
         f.write('\n')
       try:  # A workdir older than run ids gets one; recorded without it if that fails.

@@ -54,8 +54,7 @@ import ml_collections
 from ml_collections import config_flags
 
 from dpjax.trainer import cli
-from dpjax.privacy import samplers as samplers_lib
-from dpjax.privacy.accounting import accountant as accountant_lib
+from dpjax.privacy import names
 from dpjax.trainer import batch_size_plan
 from dpjax.trainer import write_errors
 from dpjax.trainer.atomic_write import write_text_atomically
@@ -73,8 +72,8 @@ _FLAGS = (
     ('float', 'delta', 'δ'),
     ('integer', 'epochs', 'E, epochs of ceil(N/b) steps'),
     ('string', 'batch_sizes', 'comma-separated b grid (default: powers of two from 32, then N)'),
-    ('enum', 'sampler', 'default poisson', samplers_lib.SAMPLER_NAMES),
-    ('enum', 'accountant', 'default auto', accountant_lib.ACCOUNTANTS),
+    ('enum', 'sampler', 'default poisson', names.SAMPLER_NAMES),
+    ('enum', 'accountant', 'default auto', names.ACCOUNTANTS),
     ('float', 'clip_norm', 'C (default 1)'),
     ('integer', 'physical_batch_size',
      f'P, sets the automatic cap B (default {batch_size_plan.DEFAULT_PHYSICAL_BATCH_SIZE})'),

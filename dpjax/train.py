@@ -43,24 +43,13 @@ from absl import logging
 import ml_collections
 from ml_collections import config_flags
 
-from dpjax.trainer import config_fields
 from dpjax import configs
-from dpjax.privacy import auditing
-from dpjax.privacy import augmult as augmult_lib
-from dpjax.trainer import checkpoints
 from dpjax.trainer import cli
-from dpjax.trainer import compilation_cache
 from dpjax.trainer import interrupts
-from dpjax.models import factory as models
-from dpjax.trainer import perf as perf_lib
-from dpjax.trainer import plan as plan_lib
-from dpjax.trainer import run_identity
-from dpjax.trainer import run_seed
-from dpjax.trainer import seed_record
-from dpjax.privacy import sharding
-from dpjax.trainer import loop as training_loop
-from dpjax.trainer import workdir_lock
-from dpjax.trainer import write_errors
+
+# The trainer's modules (jax, flax, orbax, the data) are imported by the functions that use
+# them, after the flags are parsed: --help and a bad flag answer at once
+# (tests/e2e/test_cli_start.py).
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'the training config: a file (path[:arg]) or a packaged config\'s name '
@@ -84,6 +73,7 @@ def check_workdir(workdir: str) -> str:
 
   Writes nothing: a missing workdir is created only once the run is planned.
   """
+  from dpjax.trainer import config_fields  # pylint: disable=import-outside-toplevel
   if not workdir:
     raise config_fields.ConfigError('--workdir: must name a directory.')
   path = os.path.abspath(workdir)
@@ -114,6 +104,7 @@ def resume_point(workdir: str) -> tuple[int, dict | None]:
 
   Reads JSON only (creates nothing). A checkpoint without a fingerprint gives {}.
   """
+  from dpjax.trainer import checkpoints  # pylint: disable=import-outside-toplevel
   rows = [row for row in checkpoints.read_metadata(workdir) if 'error' not in row]
   if not rows:
     return 0, None
@@ -127,6 +118,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   TrainingDiverged, RunInterrupted or write_errors.WriteError (a full disk; a failed
   checkpoint is its CheckpointSaveError) while training.
   """
+  # pylint: disable=import-outside-toplevel
+  from dpjax.models import factory as models
+  from dpjax.privacy import auditing, augmult as augmult_lib, sharding
+  from dpjax.trainer import (checkpoints, config_fields, loop as training_loop, perf as perf_lib,
+                             plan as plan_lib, run_identity, run_seed, seed_record, workdir_lock)
+  # pylint: enable=import-outside-toplevel
   # ---------------------------------------------------------------------------
   # Config, workdir, data, model, devices: all validated before anything is
   # written or compiled.
@@ -197,18 +194,24 @@ def parse_flags(argv: list[str]) -> list[str]:
   elif not has_config:
     cli.fail(PROG, '--config: required (a config file or a packaged config\'s name, e.g. '
              '--config digits_mlp), unless --workdir holds a run to resume (its config.json).')
-  return cli.parse_flags(PROG, flags.FLAGS, argv)
+  rest = cli.parse_flags(PROG, flags.FLAGS, argv)
+  launch = (_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  if not _DISTRIBUTED.value and any(value is not None for value in launch):
+    cli.fail(PROG, '--coordinator_address, --num_processes and --process_id only apply with '
+             '--distributed (a multi-host run).')
+  return rest
 
 
 def main(argv):
   del argv
+  # pylint: disable=import-outside-toplevel
+  from dpjax.privacy import sharding
+  from dpjax.trainer import compilation_cache, loop as training_loop, write_errors
+  # pylint: enable=import-outside-toplevel
   logging.set_verbosity(logging.ERROR)  # Orbax's per-save INFO lines drown the progress bar.
   prog = PROG
   try:
-    launch = (_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    if not _DISTRIBUTED.value and any(value is not None for value in launch):
-      raise ValueError('--coordinator_address, --num_processes and --process_id only apply with '
-                       '--distributed (a multi-host run).')
+    launch = (_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)  # Checked: parse_flags.
     try:
       config = _CONFIG.value  # Overrides are applied here: an unknown field fails now.
     except Exception as e:  # pylint: disable=broad-except

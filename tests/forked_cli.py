@@ -6,7 +6,7 @@ CASES.json is a list of {"argv": [...], "cwd": "..."}, each optionally with "sig
 {"name": "SIGINT", "after": "module.function", "in_finaliser": false}: the child sends itself
 that signal once `function` returns (inside an object's `__del__` if in_finaliser, where Python
 drops an exception raised by the handler), at a point of its own choosing. This process imports what MODULE
-imports at its top level (not MODULE itself), then for each case forks a child that runs
+imports, in its functions too (not MODULE itself), then for each case forks a child that runs
 MODULE as `python -m` does (`runpy`, as __main__, sys.argv = [its path, *argv], in cwd), with
 stdout and stderr going to files; an exception leaving MODULE prints its traceback and exits
 1, as the interpreter does. RESULTS.json gets one list: per case the exit code (negative:
@@ -28,11 +28,12 @@ import traceback
 
 
 def preimport(module: str) -> None:
-  """Imports the modules `module` imports at its top level (absolute imports)."""
+  """Imports the modules `module` imports (absolute imports), in its functions too: a command
+  imports its heavy modules where it needs them, so that its --help starts fast."""
   spec = importlib.util.find_spec(module)
   with open(spec.origin, encoding='utf-8') as f:
     tree = ast.parse(f.read())
-  for node in tree.body:
+  for node in ast.walk(tree):
     if isinstance(node, ast.Import):
       names = [alias.name for alias in node.names]
     elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module != '__future__':

@@ -17,9 +17,11 @@ from typing import Callable, Sequence
 import ml_collections
 
 from dpjax.privacy import checks as _checks
-from dpjax.trainer import plan as plan_lib
-from dpjax.privacy import samplers as samplers_lib
-from dpjax.privacy.accounting import accountant as accountant_lib
+from dpjax.privacy import names
+
+# The plan's and the accountants' imports (jax, dp_accounting) are in the functions that use
+# them: `python -m dpjax.planner --help` answers without them.
+# pylint: disable=import-outside-toplevel
 
 # Within this factor of its smallest value on the grid, σ/(q·√S) counts as flat.
 FLAT_TOLERANCE = 1.1
@@ -89,6 +91,7 @@ class Plan:
         f'σ·C/b {trend}: {first.effective_noise:.3g} at b = {first.batch_size}, '
         f'{last.effective_noise:.3g} at b = {last.batch_size} '
         f'({first.effective_noise / last.effective_noise:.3g}x less); smallest at b = {best}.']
+    from dpjax.privacy import samplers as samplers_lib
     if not samplers_lib.sampler_class(self.sampler).amplified_by_sampling:
       lines.append(f'σ grows like b^{sigma_growth:.2f}: the {self.sampler} sampler is accounted '
                    f'without amplification, so σ does not depend on b and σ·C/b ∝ 1/b.')
@@ -216,6 +219,8 @@ def plan_batch_sizes(num_examples: int, target_epsilon: float, delta: float, num
     A Plan; row σ is `make_accountant(run_config(...), N).noise_multiplier`,
     the σ `dpjax.train` would train with.
   """
+  from dpjax.privacy.accounting import accountant as accountant_lib
+  from dpjax.trainer import plan as plan_lib
   n = _checks.check_int('--num_examples', num_examples, 1)
   eps = _checks.check_number('--epsilon', target_epsilon, low=0)
   delta = _checks.check_number('--delta', delta, low=0, high=1, open_high=True)
@@ -223,12 +228,12 @@ def plan_batch_sizes(num_examples: int, target_epsilon: float, delta: float, num
   sizes = check_batch_sizes(default_batch_sizes(n) if batch_sizes is None else batch_sizes, n)
   base = base_config() if config is None else config
   name = base.sampler.name
-  if name not in samplers_lib.SAMPLER_NAMES:
+  if name not in names.SAMPLER_NAMES:
     raise ValueError(f'--sampler {name!r} is unknown; valid: '
-                     f'{", ".join(samplers_lib.SAMPLER_NAMES)}.')
-  if base.privacy.accountant not in accountant_lib.ACCOUNTANTS:
+                     f'{", ".join(names.SAMPLER_NAMES)}.')
+  if base.privacy.accountant not in names.ACCOUNTANTS:
     raise ValueError(f'--accountant {base.privacy.accountant!r} is unknown; valid: '
-                     f'{", ".join(accountant_lib.ACCOUNTANTS)}.')
+                     f'{", ".join(names.ACCOUNTANTS)}.')
   clip_norm = _checks.check_number('--clip_norm', base.privacy.clip_norm, low=0)
   _checks.check_int('--physical_batch_size', base.sampler.physical_batch_size, 1)
   _checks.check_int('--group_size', base.privacy.group_size, 1)

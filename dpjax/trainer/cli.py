@@ -16,7 +16,6 @@ from typing import Any, Callable, NoReturn, Sequence
 from absl import flags
 import ml_collections
 
-from dpjax.trainer import config_fields
 from dpjax import configs
 
 USAGE_ERROR = 2
@@ -106,6 +105,8 @@ def config_override_error(argv: Sequence[str], flag: str = 'config') -> str | No
     base = load_config_file(spec)
   except ValueError as e:
     return str(e)
+  # Here, not at the top: --help and flag errors answer without the fields' imports (jax).
+  from dpjax.trainer import config_fields  # pylint: disable=import-outside-toplevel
   known = set(config_fields.field_paths(base))
   prefixes = {p.rsplit('.', i)[0] for p in known for i in range(1, p.count('.') + 1)}
   for arg in argv:

@@ -138,7 +138,7 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
 
 def test_target_epsilon_is_met_and_never_exceeded(tmp_path):
   config = small_config(**{'privacy.noise_multiplier': None, 'privacy.target_epsilon': 2.0})
-  plan = train.plan_lib.make_plan(config, 1437)  # σ calibrated once, target kept.
+  plan = plan_lib.make_plan(config, 1437)  # σ calibrated once, target kept.
   assert plan.config.privacy.target_epsilon == 2.0 and plan.noise_multiplier > 0
   assert plan.noise_multiplier_source == 'calibrated'
   final = plan.accountant.epsilon(6)

@@ -78,6 +78,7 @@ def _worker(outdir):
   import optax  # pylint: disable=g-import-not-at-top
   from dpjax import train
   from dpjax.trainer import checkpoints
+  from dpjax.trainer import plan as plan_lib
   from dpjax.data import sources as data
   from dpjax.privacy import dp_step
   from dpjax.models import factory as models
@@ -88,7 +89,7 @@ def _worker(outdir):
   # Each config's accountant is built once (its PLD costs seconds): the two resumed runs reuse
   # those of the full runs with the same config. The 1- and 4-device configs differ in
   # num_devices, so their ε are computed independently.
-  make_plan, accountants = train.plan_lib.make_plan, {}
+  make_plan, accountants = plan_lib.make_plan, {}
   def cached_plan(config, data, *args, **kwargs):
     plan = make_plan(config, data, *args, **kwargs)
     if plan.accountant is None:
@@ -97,7 +98,7 @@ def _worker(outdir):
     accountants.setdefault(key, plan.accountant)
     return dataclasses.replace(plan, privacy=dataclasses.replace(plan.privacy,
                                                                  accountant=accountants[key]))
-  train.plan_lib.make_plan = cached_plan
+  plan_lib.make_plan = cached_plan
 
   out = {'device_count': jax.device_count()}
   # (b) Bad P or device count: a clear error before anything is written.

@@ -64,8 +64,7 @@ from dpjax.privacy.accounting.report import PrivacyReport
 from dpjax.privacy.accounting.step_compositions import StepCompositions
 from dpjax.privacy.accounting.step_pld import MAX_GRID_POINTS
 from dpjax.privacy.accounting.step_pld import mixture_components
-
-ACCOUNTANTS = ('auto', 'pld', 'rdp', 'monte_carlo')
+from dpjax.privacy.names import ACCOUNTANTS
 
 
 # ---------------------------------------------------------------------------------------------
