@@ -285,7 +285,10 @@ def test_every_run_and_resume_reports_the_epsilon_of_dp_accounting(runs):
   """Each checkpoint's ε, of the 4-device, 1-device, 2-host and resumed runs, against
   dp_accounting's PLD called directly for that step count (q = b/N, σ/(1 + η) with η from
   its closed form): the resumed runs' ε used to be compared only with the full run's, whose
-  accountant the worker handed them, so a resume that accounted its steps wrongly was unseen.
+  accountant the worker handed them, so nothing a resumed run's own accounting did was seen
+  (planted, in `plan_lib` on resume: a 0.05 PLD grid gave ε(6) = 2.2760 vs dp_accounting's
+  2.2690, here a failure, and the shared accountant hid it; an RDP accountant on resume was
+  even refused by the run's own fingerprint check once each run built its own).
   """
   from dpjax.trainer import checkpoints  # pylint: disable=g-import-not-at-top
   _, _, outdir = runs
