@@ -18,6 +18,7 @@ from dpjax.privacy import multi_step
 from dpjax.privacy import samplers
 from dpjax.privacy import sharding
 from dpjax.privacy import prng
+from tests import executions
 
 
 def _copy(tree):
@@ -154,27 +155,6 @@ def test_steps_per_call_auto():
   assert multi_step.steps_per_call(5, 'host', False) == 5
 
 
-def _count_executions(monkeypatch):
-  """Counts every execution of a compiled program (jitted calls and eager ops alike) by name.
-
-  jit's C++ fast path runs cached executables without Python; with no fast-path data every
-  call goes through pxla.ExecuteReplicated, which this counts (caches cleared first)."""
-  import collections  # pylint: disable=import-outside-toplevel
-  from jax._src import pjit  # pylint: disable=import-outside-toplevel
-  from jax._src.interpreters import pxla  # pylint: disable=import-outside-toplevel
-  counts = collections.Counter()
-  original = pxla.ExecuteReplicated.__call__
-
-  def counted(self, *args):
-    counts[self.name] += 1
-    return original(self, *args)
-
-  jax.clear_caches()
-  monkeypatch.setattr(pjit, '_get_fastpath_data', lambda *args, **kwargs: None)
-  monkeypatch.setattr(pxla.ExecuteReplicated, '__call__', counted)
-  return counts
-
-
 @pytest.mark.parametrize('steps_per_call,extra', [(1, 6), (4, 1)])
 def test_trainer_executes_one_program_per_call_and_nothing_else_per_step(
     tmp_path, monkeypatch, steps_per_call, extra):
@@ -183,7 +163,7 @@ def test_trainer_executes_one_program_per_call_and_nothing_else_per_step(
   1+4+1 vs 1+4+4+3), all of the multi-step program. Nothing else runs per step."""
   from dpjax import train  # pylint: disable=import-outside-toplevel
   from tests.run_configs import small_config  # pylint: disable=import-outside-toplevel
-  counts = _count_executions(monkeypatch)
+  counts = executions.count_executions(monkeypatch)
   totals = []
   for num_steps in (6, 12):
     counts.clear()

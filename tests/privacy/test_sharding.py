@@ -19,7 +19,6 @@ changes the update by ~σC/b = 1/128 ~ 8e-3 per step.
 """
 
 import collections
-import dataclasses
 import json
 import os
 import pathlib
@@ -34,6 +33,7 @@ import numpy as np
 import pytest
 from dpjax.privacy import prng
 from dpjax.trainer import loop as training_loop
+from tests import independent
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUM_DEVICES = 4
@@ -78,7 +78,6 @@ def _worker(outdir):
   import optax  # pylint: disable=g-import-not-at-top
   from dpjax import train
   from dpjax.trainer import checkpoints
-  from dpjax.trainer import plan as plan_lib
   from dpjax.data import sources as data
   from dpjax.privacy import dp_step
   from dpjax.models import factory as models
@@ -86,20 +85,8 @@ def _worker(outdir):
   from dpjax.privacy import sharding  # pylint: disable=g-import-not-at-top
   from dpjax.privacy import ema as ema_lib  # pylint: disable=g-import-not-at-top
 
-  # Each config's accountant is built once (its PLD costs seconds): the two resumed runs reuse
-  # those of the full runs with the same config. The 1- and 4-device configs differ in
-  # num_devices, so their ε are computed independently.
-  make_plan, accountants = plan_lib.make_plan, {}
-  def cached_plan(config, data, *args, **kwargs):
-    plan = make_plan(config, data, *args, **kwargs)
-    if plan.accountant is None:
-      return plan
-    key = json.dumps(plan.config.to_dict(), sort_keys=True)
-    accountants.setdefault(key, plan.accountant)
-    return dataclasses.replace(plan, privacy=dataclasses.replace(plan.privacy,
-                                                                 accountant=accountants[key]))
-  plan_lib.make_plan = cached_plan
-
+  # Every run builds its own accountant: the resumed runs' ε is theirs, checked against
+  # dp_accounting by the tests (a shared accountant made a resume compare ε with itself).
   out = {'device_count': jax.device_count()}
   # (b) Bad P or device count: a clear error before anything is written.
   for name, overrides in (('bad_p', {'sampler.physical_batch_size': 30}),
@@ -292,6 +279,34 @@ def test_resume_on_the_same_device_count_is_exact(worker):
   assert results['resume4']['resumed_from_3']
   np.testing.assert_array_equal(params['resume4'], params['full4'])
   assert results['resume4']['checkpoint_epsilons'] == results['full4_checkpoint_epsilons']
+
+
+def test_every_run_and_resume_reports_the_epsilon_of_dp_accounting(runs):
+  """Each checkpoint's ε, of the 4-device, 1-device, 2-host and resumed runs, against
+  dp_accounting's PLD called directly for that step count (q = b/N, σ/(1 + η) with η from
+  its closed form): the resumed runs' ε used to be compared only with the full run's, whose
+  accountant the worker handed them, so nothing a resumed run's own accounting did was seen
+  (planted, in `plan_lib` on resume: a 0.05 PLD grid gave ε(6) = 2.2760 vs dp_accounting's
+  2.2690, here a failure, and the shared accountant hid it; an RDP accountant on resume was
+  even refused by the run's own fingerprint check once each run built its own).
+  """
+  from dpjax.trainer import checkpoints  # pylint: disable=g-import-not-at-top
+  _, _, outdir = runs
+  q = RUN['sampler.batch_size'] / 1437  # sklearn's digits: 1,437 training rows.
+  expected = {}
+  for name in ('full4', 'full1', 'multihost', 'resume4', 'resume1'):
+    rows = checkpoints.read_metadata(str(outdir / name))
+    assert [row['step'] for row in rows] == [3, 6], name
+    for row in rows:
+      fp = row['fingerprint']
+      assert (fp['sampler.num_examples'], fp['privacy.noise_multiplier']) == (1437, 1.0)
+      assert fp['privacy.rounding_eta'] == pytest.approx(
+          independent.float32_eta(fp['sampler.max_batch_size']), rel=1e-9)
+      key = (row['step'], fp['privacy.delta'], fp['privacy.rounding_eta'])
+      if key not in expected:
+        expected[key] = independent.poisson_gaussian_epsilon(q, 1.0, *key)
+      assert row['privacy']['steps'] == row['step'], name
+      assert row['privacy']['epsilon'] == pytest.approx(expected[key], rel=1e-3), name
 
 
 def test_restore_on_one_device_continues_the_four_device_run(worker):

@@ -6,6 +6,7 @@ refused before any compute with a message naming the field, and the copy must
 be byte-identical afterwards.
 """
 
+import hashlib
 import json
 import os
 import pathlib
@@ -13,6 +14,7 @@ import shutil
 
 import numpy as np
 import pytest
+from scipy import stats
 
 from dpjax.trainer import plan as plan_lib
 from dpjax.privacy import accounting
@@ -20,6 +22,7 @@ from dpjax.trainer import checkpoints
 from dpjax.data import digits
 from dpjax.privacy import samplers
 from dpjax import train
+from tests import independent
 from tests.run_configs import small_config
 from tests.run_configs import tree_digest
 
@@ -217,11 +220,56 @@ def test_sigma_zero_and_infinite_clip_norm_are_refused_before_anything(tmp_path)
     assert not os.path.exists(tmp_path / 'w')
 
 
-def test_reported_sigma_and_clip_norm_are_those_of_the_step(finished_runs):
-  root, _ = finished_runs
-  for row in checkpoints.read_metadata(str(root / 'calibrated')):
+@pytest.mark.parametrize('run', ['given', 'calibrated'])
+def test_every_fingerprint_field_matches_an_independent_derivation(finished_runs, run):
+  """Every field that enters ε, derived here without dpjax: the config's values, N counted
+  from the data, η from its closed form, the truncation mass from scipy's binomial tail, ε
+  from dp_accounting, and for the calibrated run a σ whose ε meets the target tightly.
+
+  The test this replaces compared the row's σ with the fingerprint's and the privacy block's,
+  three copies of one value, which agree whatever the plan got wrong (planted: a
+  `PrivacyPlan.create` that counts N + 200 rows, as canaries counted twice would: σ
+  calibrated and ε accounted for q = 128/1637; the old test passed, this one fails)."""
+  root, configs = finished_runs
+  config = configs[run]
+  rows = checkpoints.read_metadata(str(root / run))
+  num_examples = 1437  # sklearn's 1,797 digits less the 360 of the test split.
+  seed_digest = hashlib.sha256(b'dpjax-seed:0').hexdigest()
+  q = config.sampler.batch_size / num_examples
+  for row in rows:
     fp = row['fingerprint']
-    assert row['noise_multiplier'] == fp['privacy.noise_multiplier'] == row['privacy'][
-        'noise_multiplier']
+    cap, sigma, eta = (fp['sampler.max_batch_size'], fp['privacy.noise_multiplier'],
+                       fp['privacy.rounding_eta'])
+    assert fp == {
+        'fingerprint_version': 3, 'privacy.enabled': True, 'sampler.name': 'poisson',
+        'sampler.num_examples': num_examples, 'sampler.batch_size': 128,
+        'sampler.max_batch_size': cap, 'privacy.group_size': 1,
+        'privacy.noise_multiplier': sigma, 'privacy.clip_norm': config.privacy.clip_norm,
+        'privacy.delta': config.privacy.delta, 'privacy.accountant': 'pld',
+        'privacy.matmul_format': 'float32', 'privacy.rounding_eta': eta,
+        'seed_sha256': seed_digest, 'audit.num_canaries': 0, 'audit.kind': None,
+        'data.source': 'digits', 'data.split': 'train', 'data.num_examples': num_examples,
+        'data.content_sha256': fp['data.content_sha256']}
+    # σ, C and B reported are those of the fingerprint (what ran), not re-resolved.
+    assert row['noise_multiplier'] == sigma == row['privacy']['noise_multiplier']
     assert row['clip_norm'] == fp['privacy.clip_norm'] == 1.0
-    assert row['sampler']['max_batch_size'] == fp['sampler.max_batch_size']
+    assert row['sampler']['max_batch_size'] == cap
+    assert cap % config.sampler.physical_batch_size == 0 and cap > 128
+    assert eta == pytest.approx(independent.float32_eta(cap), rel=1e-9)
+    # The cap's truncation mass T·Pr[Bin(N, q) > B] that ε pays for is an upper bound of
+    # scipy's (and negligible).
+    steps = row['privacy']['steps']
+    assert steps == row['step']
+    tail = steps * stats.binom.sf(cap, num_examples, q)
+    assert tail <= row['privacy']['details']['truncation_mass'] <= 2 * tail and tail < 1e-30
+    # ε: dp_accounting with the sensitivity C(1 + η), i.e. σ/(1 + η), at the step's T.
+    assert row['privacy']['epsilon'] == pytest.approx(
+        independent.poisson_gaussian_epsilon(q, sigma, steps, config.privacy.delta, eta),
+        rel=1e-3)
+    if run == 'calibrated' and steps == config.num_steps:
+      assert row['privacy']['epsilon'] <= config.privacy.target_epsilon  # The target is met ...
+      tighter = independent.poisson_gaussian_epsilon(q, 0.98 * sigma, config.num_steps,
+                                                     config.privacy.delta, eta)
+      assert tighter > config.privacy.target_epsilon  # ... with σ no larger than needed.
+    elif run == 'given':
+      assert sigma == config.privacy.noise_multiplier
