@@ -68,9 +68,10 @@ def schedule(start: int, stop: int, size: int, periods, limit=None):
 class CallPacer:
   """How many steps the next call may run: few enough that a call lasts about `target_seconds`.
 
-  A signal is seen between calls, and at most `max_in_flight` = 2 calls are in flight (one
-  running, one queued: `dispatched` waits for older ones), so a call of one slow step lets
-  SIGTERM stop the run within about two steps. Without that bound jax's asynchronous dispatch
+  A signal is seen between calls, and `dispatched` returns once at most `max_in_flight` = 2
+  calls are unfinished, so a signal finds the call running and at most two queued (the
+  latest dispatched while the loop waited): a call of one slow step lets SIGTERM stop the run
+  within about three steps (measured from outside by test_train_survival). Without that bound jax's asynchronous dispatch
   ran ahead of the device: a run of ~0.3 s steps had queued ~35 more when SIGTERM came, and
   saving waited for all of them. (Where the host loop stacks a call's metrics, the last
   slot's EMA update may still run when they are ready: the bound is then one short update

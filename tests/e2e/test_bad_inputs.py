@@ -289,8 +289,9 @@ config in `w/config.json` (`--config.<field>=v` overrides still apply).
 
 ## Interruptions and sizes
 
-SIGTERM or Ctrl-C during training saves a checkpoint within about two steps
-(the automatic steps per call keep a call near 0.5 s) and exits 128 + signal;
+SIGTERM or Ctrl-C during training saves a checkpoint within about three calls
+(the one running and at most two queued; the automatic steps per call keep a call
+near 0.5 s) and exits 128 + signal;
 while XLA compiles, the run stops within a second with one line (nothing was
 trained since the last checkpoint). Ctrl-C before the loop exits 130 with one
 line. An unwritable HOME or cache directory falls back to no cache (a warning;

@@ -224,7 +224,7 @@ def test_a_signal_mid_run_saves_the_step_reached_and_exits_128_plus_signal(tmp_p
     run.train()
   name = signal.Signals(signum).name
   assert info.value.exit_code == 128 + signum and not info.value.abandoned
-  assert re.match(rf'stopped by {name} after step 7 of 100 \(1 steps after it arrived\); '
+  assert re.match(rf'stopped by {name} after step 7 of 100 \(1 steps dispatched after it arrived\); '
                   r'checkpoint 7 saved', str(info.value))
   assert run.steps.calls[-1] == (6, 1)  # Nothing dispatched after the step it arrived in.
   state, report, _ = run.checkpoints.saved[7]
