@@ -244,7 +244,7 @@ def _ghost_forms(coverage, params, batch_size: int, forms: str) -> tuple[dict, l
   choice = ghost_clipping.form_timing.choose_forms(coverage, thetas, batch_size)
   if not choice.ghost and not choice.lines:
     return {}, [head]
-  how = 'timed now' if choice.timed else 'read from the cache'
+  how = f'timed now in {choice.seconds:.1f} s' if choice.timed else 'read from the cache'
   return choice.ghost, [f'ghost clipping, per layer, forms measured on this device ({how}):',
                         *choice.lines, 'all layers:']
 

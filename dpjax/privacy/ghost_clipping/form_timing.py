@@ -55,10 +55,11 @@ _MEMO: dict[str, dict] = {}  # Cache key -> decisions, for this process.
 class FormChoice:
   """The measured forms: `ghost` {layer key: True (ghost) / False}, for `mixed.chosen_forms`;
   `lines` say what was chosen from which times; `timed` is False when the decisions were read
-  from a cache (or nothing needed timing)."""
+  from a cache (or nothing needed timing); `seconds`: what timing took (compiling included)."""
   ghost: dict
   lines: tuple[str, ...]
   timed: bool
+  seconds: float = 0.0
 
 
 def check_form_rule(rule: str) -> str:
@@ -213,6 +214,7 @@ def choose_forms(coverage: Coverage, thetas: list[dict], batch_size: int,
   path = directory and os.path.join(directory, digest + '.json')
   decisions = _MEMO.get(digest) or (path and _read(path, key))
   timed = decisions is None
+  start = time.perf_counter()
   if timed:
     try:
       decisions = _time_all(layers, sigs, batch_size)
@@ -228,4 +230,4 @@ def choose_forms(coverage: Coverage, thetas: list[dict], batch_size: int,
            f"{'ghost' if decisions[s]['flops_ghost'] else 'materialised'})"
            for (l, _), s in zip(layers, sigs)]
   return FormChoice({l.key: decisions[s]['ghost'] for (l, _), s in zip(layers, sigs)},
-                    tuple(lines), timed)
+                    tuple(lines), timed, time.perf_counter() - start)
