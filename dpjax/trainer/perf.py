@@ -37,15 +37,15 @@ class Perf:
     steps_per_call: logical steps per compiled call (0 = adaptive).
     num_devices: data-parallel devices (0 = all).
     compilation_cache_dir: jax's persistent compilation cache ('' = default, 'none' = off).
-    clipping_forms: how ghost clipping picks each layer's form: 'measured' (timed on the
-      device, `dpjax.privacy.ghost_clipping.form_timing`) or 'flops' (the FLOP rule).
+    clipping_forms: how ghost clipping picks each layer's form: 'flops' (the FLOP rule) or
+      'measured' (timed on the device, `dpjax.privacy.ghost_clipping.form_timing`).
   """
 
   physical_batch_size: int
   steps_per_call: int
   num_devices: int
   compilation_cache_dir: str
-  clipping_forms: str = 'measured'
+  clipping_forms: str = 'flops'
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> Perf:
