@@ -8,9 +8,13 @@ matmul units; issue 35 measured ghost / non-private 0.27 on an H100 for the tanh
 step runs for that layer in each form: its norm and its share of the clipped sum
 (`backward.layer_norms` + `backward.layer_weighted_sum`), compiled alone, on random inputs of
 the layer's shapes at the physical batch P. Per layer, not per whole step: the forward and
-activation-backward pass are the same in both forms, so the layers' own programs are the whole
-difference up to fusion across layers, and L layers cost 2L small compilations instead of 2^L
-(or L + 1 greedy) compilations of the whole step. Layers of equal shapes are timed once.
+activation-backward pass are the same in both forms, so the layers' own programs would be the
+whole difference but for fusion across layers, and L layers cost 2L small compilations instead
+of 2^L (or L + 1 greedy) compilations of the whole step. Layers of equal shapes are timed once.
+Measured on the CPU (scripts/results/bench_clipping_forms.json) the fusion is not negligible:
+WRN-16-4's layers timed alone show ghost ≈ materialised, while the whole step is 3.8x slower
+all-ghost, and the measured choice ran at 0.89x the FLOP rule's; hence the trainer's default
+stays 'flops'.
 Each time is the median of interleaved repeats after a warm-up; the faster form is chosen
 unless the two are within `TIE` of each other, where the FLOP rule's choice stands.
 
