@@ -16,11 +16,13 @@ affects them alike. Also checks that ghost and vmap give the same clipped sum
 on the timed batch (max |ghost - vmap| / max |vmap| over leaves) and the
 same sum of norms.
 
-With --forms, ghost clipping is also timed with every layer forced to one
-form of the mixed rule (all ghost, then all materialised, Embed likewise):
-does the rule's choice from FLOP counts (ghost where S²(m + c) < S·m·c, Bu et
-al. 2022) pick the faster form on this device? Reported as `forms`, each
-ratio to non-private.
+With --forms, only ghost clipping's per-layer forms are compared (no vmap, no
+memory fit): the FLOP rule's choice (ghost where S²(m + c) < S·m·c, Bu et al.
+2022), the measured choice (`ghost_clipping.form_timing`: both forms of each
+layer timed on this device), and every layer forced to the ghost, then the
+materialised, form (Embed likewise); each as a ratio to non-private, and the
+measured step's speed over the FLOP rule's. Written to
+bench_clipping_forms.json.
 
 Models (issue 5): MLP 784-128-10 and the tanh CNN on 28x28x1 at P = 256,
 WRN-16-4 (GroupNorm, weight standardisation) on 32x32x3 at P = 16, and the
@@ -35,7 +37,7 @@ repeats.
 Run:
   python scripts/bench_clipping.py            # mlp cnn wrn transformer, ~7 min on 2 cores
   python scripts/bench_clipping.py --models mlp cnn --repeats 30
-  python scripts/bench_clipping.py --models cnn wrn transformer --forms --out /tmp/forms.json
+  python scripts/bench_clipping.py --forms --repeats 9     # forms: mlp cnn wrn transformer
   python scripts/bench_clipping.py --models mlp cnn wrn transformer vit   # on a GPU
 Writes scripts/results/bench_clipping.json (bench_clipping_gpu.json on a
 GPU; or --out).
@@ -95,11 +97,11 @@ def _batch(shape, p, seed=0):
       'weight': np.ones(p, np.float32)})
 
 
-def _step(model, method: str, p: int) -> dp_step.DPStep:
+def _step(model, method: str, p: int, forms: str = 'flops') -> dp_step.DPStep:
   return dp_step.DPStep(
       model, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0,
       expected_batch_size=p, private=method != 'nonprivate',
-      clipping='vmap' if method == 'nonprivate' else method)
+      clipping='vmap' if method == 'nonprivate' else method, clipping_forms=forms)
 
 
 def _compile(step, params, batch):
@@ -139,11 +141,30 @@ def _rel_diff(a, b) -> float:
              for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b))) / scale
 
 
-FORCED = {'ghost:all_ghost': True, 'ghost:all_materialised': False}
+def _time_interleaved(compiled, accs, params, batch, methods, repeats):
+  """(calls per sample, {method: [seconds per call]}): round-robin over the methods, so that
+  load changes on the shared machine affect them alike.
+
+  Each timed sample is `calls` back-to-back calls lasting >= MIN_SAMPLE_S for the non-private
+  step: a single call of a few ms is at the mercy of thread wake-ups (the MLP's ratio swung
+  0.6-1.2 with one call per sample).
+  """
+  start = time.perf_counter()
+  accs['nonprivate'] = jax.block_until_ready(
+      compiled['nonprivate'](params, accs['nonprivate'], batch))
+  calls = max(1, int(np.ceil(MIN_SAMPLE_S / (time.perf_counter() - start))))
+  times = {m: [] for m in methods}
+  for _ in range(repeats):
+    for method in methods:
+      start = time.perf_counter()
+      for _ in range(calls):
+        accs[method] = compiled[method](params, accs[method], batch)
+      jax.block_until_ready(accs[method])
+      times[method].append((time.perf_counter() - start) / calls)
+  return calls, times
 
 
-def bench_model(name: str, repeats: int, budget: int,
-                verify_below_s: float, forms: bool = False) -> dict:
+def bench_model(name: str, repeats: int, budget: int, verify_below_s: float) -> dict:
   """Times the methods interleaved (round-robin), so that load changes
   on the shared machine affect them alike; medians over rounds."""
   model, shape, p = _model(name)
@@ -153,19 +174,14 @@ def bench_model(name: str, repeats: int, budget: int,
          'num_params': int(sum(l.size for l in jax.tree.leaves(params))),
          'methods': {}}
   compiled, accs, sums = {}, {}, {}
-  methods = METHODS + (tuple(FORCED) if forms else ())
+  methods = METHODS
   for method in methods:
-    with (ghost_clipping.mixed.forced_form(FORCED[method]) if method in FORCED
-          else contextlib.nullcontext()):  # Traced while compiling.
-      step = _step(model, 'ghost' if method in FORCED else method, p)
-      compiled[method], compile_s, peak = _compile(step, params, batch)
+    step = _step(model, method, p)
+    compiled[method], compile_s, peak = _compile(step, params, batch)
     one = compiled[method](params, step.init_accumulator(params), batch)
     sums[method] = jax.block_until_ready((one.grad_sum, one.stats))
     accs[method] = compiled[method](params, step.init_accumulator(params),
                                     batch)  # Warm-up; reused (donated).
-    if method in FORCED:  # Timed and checked only.
-      out['methods'][method] = {'compile_seconds': compile_s, 'peak_bytes': peak}
-      continue
     _, _, peak2 = _compile(step, params, _batch(shape, 2 * p))
     max_p, checked = _max_batch(model, method, params, shape,
                                 [(p, peak), (2 * p, peak2)], budget,
@@ -177,22 +193,8 @@ def bench_model(name: str, repeats: int, budget: int,
         'max_physical_batch_size': max_p,
         'max_batch_verified_by_compiling': checked,
     }
-  # Each timed sample is `calls` back-to-back calls lasting >= MIN_SAMPLE_S
-  # for the non-private step: a single call of a few ms is at the mercy of
-  # thread wake-ups (the MLP's ratio swung 0.6-1.2 with one call per sample).
-  start = time.perf_counter()
-  accs['nonprivate'] = jax.block_until_ready(
-      compiled['nonprivate'](params, accs['nonprivate'], batch))
-  calls = max(1, int(np.ceil(MIN_SAMPLE_S / (time.perf_counter() - start))))
-  out['calls_per_sample'] = calls
-  times = {m: [] for m in methods}
-  for _ in range(repeats):
-    for method in methods:
-      start = time.perf_counter()
-      for _ in range(calls):
-        accs[method] = compiled[method](params, accs[method], batch)
-      jax.block_until_ready(accs[method])
-      times[method].append((time.perf_counter() - start) / calls)
+  out['calls_per_sample'], times = _time_interleaved(compiled, accs, params, batch, methods,
+                                                     repeats)
   for method in methods:
     r = out['methods'][method]
     r['seconds_per_batch'] = float(np.median(times[method]))
@@ -206,14 +208,6 @@ def bench_model(name: str, repeats: int, budget: int,
   for method in ('vmap', 'ghost'):
     out[f'{method}_over_nonprivate'] = (
         out['methods'][method]['examples_per_second'] / base)
-  if forms:  # The mixed rule's choice against each layer forced to one form.
-    out['forms'] = {'mixed_rule': out['ghost_over_nonprivate'], **{
-        method.split(':')[1]: out['methods'][method]['examples_per_second'] / base
-        for method in FORCED}}
-    out['forced_vs_vmap_grad_sum_rel_diff'] = {
-        method: _rel_diff(sums[method][0], sums['vmap'][0]) for method in FORCED}
-    print(f'{name:12s} forms / nonprivate: ' + '  '.join(
-        f'{k} {v:.3f}' for k, v in out['forms'].items()), flush=True)
   out['ghost_vs_vmap_grad_sum_rel_diff'] = _rel_diff(sums['ghost'][0],
                                                      sums['vmap'][0])
   out['ghost_vs_vmap_grad_norm_sum_rel_diff'] = abs(
@@ -222,6 +216,57 @@ def bench_model(name: str, repeats: int, budget: int,
   print(f'{name:12s} ghost/nonprivate {out["ghost_over_nonprivate"]:.3f}  '
         f'vmap/nonprivate {out["vmap_over_nonprivate"]:.3f}  ghost vs vmap '
         f'rel diff {out["ghost_vs_vmap_grad_sum_rel_diff"]:.1e}', flush=True)
+  return out
+
+
+# --forms: name -> (clipping, clipping_forms, every layer forced to ghost (True) / materialised).
+FORM_METHODS = {'nonprivate': ('nonprivate', 'flops', None), 'flops': ('ghost', 'flops', None),
+                'measured': ('ghost', 'measured', None), 'all_ghost': ('ghost', 'flops', True),
+                'all_materialised': ('ghost', 'flops', False)}
+
+
+def bench_forms(name: str, repeats: int, batch_size: int = 0) -> dict:
+  """Step time (one physical batch) of ghost clipping with the FLOP rule's forms, the measured
+  ones (`form_timing`, timed while compiling: its cost is in that compile time) and every layer
+  forced to one form, medians of interleaved repeats; `measured_speedup_over_flops` is the
+  FLOP rule's median time over the measured one's (>= 1: measured at least as fast)."""
+  model, shape, p = _model(name)
+  p = batch_size or p
+  params = prng.init_params(model, 0, shape)
+  batch = _batch(shape, p)
+  out = {'physical_batch_size': p, 'input_shape': list(shape), 'methods': {}}
+  compiled, accs, sums = {}, {}, {}
+  for method, (clipping, forms, forced) in FORM_METHODS.items():
+    with (ghost_clipping.mixed.forced_form(forced) if forced is not None
+          else contextlib.nullcontext()):  # Traced while compiling.
+      step = _step(model, clipping, p, forms)
+      compiled[method], compile_s, peak = _compile(step, params, batch)
+    sums[method] = jax.block_until_ready(
+        compiled[method](params, step.init_accumulator(params), batch).grad_sum)
+    accs[method] = compiled[method](params, step.init_accumulator(params), batch)  # Warm-up.
+    out['methods'][method] = {'compile_seconds': compile_s, 'peak_bytes': peak,
+                              'choice': list(step.clipping_choice)}
+  out['calls_per_sample'], times = _time_interleaved(compiled, accs, params, batch,
+                                                     tuple(FORM_METHODS), repeats)
+  base = float(np.median(times['nonprivate']))
+  for method, r in out['methods'].items():
+    r['seconds_per_batch'] = float(np.median(times[method]))
+    r['over_nonprivate'] = base / r['seconds_per_batch']
+    if method != 'nonprivate':
+      r['grad_sum_rel_diff_to_flops'] = _rel_diff(sums[method], sums['flops'])
+  flops, measured = out['methods']['flops'], out['methods']['measured']
+  out['measured_speedup_over_flops'] = flops['seconds_per_batch'] / measured['seconds_per_batch']
+  tail = lambda r: r['choice'][r['choice'].index('all layers:') + 1:] if 'all layers:' in r[
+      'choice'] else r['choice'][1:]
+  out['measured_forms_differ_from_flops'] = tail(measured) != tail(flops)
+  # Identical programs run at the same speed: their timed difference is the machine's noise.
+  out['measured_same_program_as_flops'] = (compiled['measured'].as_text()
+                                           == compiled['flops'].as_text())
+  print(f'{name:12s} P={p} / nonprivate: ' + '  '.join(
+      f'{m} {r["over_nonprivate"]:.3f}' for m, r in out['methods'].items() if m != 'nonprivate')
+        + f'  measured/flops speed {out["measured_speedup_over_flops"]:.3f}'
+        + f' (forms differ: {out["measured_forms_differ_from_flops"]}, same program: '
+        f'{out["measured_same_program_as_flops"]})', flush=True)
   return out
 
 
@@ -236,14 +281,17 @@ def main():
                       help='compile the fitted max P only for models that '
                       'compile faster than this (WRN-16-4 takes ~30 s)')
   parser.add_argument('--forms', action='store_true',
-                      help='also time ghost clipping with every layer forced to the ghost, '
-                      'then the materialised, form')
+                      help="time ghost clipping's forms instead: the FLOP rule's, the measured "
+                      'ones, all ghost, all materialised (bench_clipping_forms.json)')
+  parser.add_argument('--batch', type=int, default=0,
+                      help='--forms: the physical batch P (0: the default of each model)')
   parser.add_argument('--out', default=None)
   args = parser.parse_args()
   backend = jax.default_backend()
+  stem = 'bench_clipping_forms' if args.forms else 'bench_clipping'
   args.out = args.out or os.path.join(
       os.path.dirname(__file__), 'results',
-      'bench_clipping.json' if backend == 'cpu' else f'bench_clipping_{backend}.json')
+      f'{stem}.json' if backend == 'cpu' else f'{stem}_{backend}.json')
   budget = int(args.budget_gib * 2**30)
   result = {
       'jax': jax.__version__, 'backend': backend, 'device': jax.devices()[0].device_kind,
@@ -256,8 +304,8 @@ def main():
   start = time.perf_counter()
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   for name in args.models:
-    result['models'][name] = bench_model(name, args.repeats, budget,
-                                         args.verify_below_s, args.forms)
+    result['models'][name] = (bench_forms(name, args.repeats, args.batch) if args.forms else
+                              bench_model(name, args.repeats, budget, args.verify_below_s))
     result['wall_seconds'] = time.perf_counter() - start
     # Written after every model, so a run cut off by its time limit keeps the models it finished.
     with open(args.out, 'w') as f:

@@ -222,7 +222,24 @@ def grad_sum(loss_fn: LossFn, params: Params,
   return g, stats._replace(grad_norm_sum=jnp.zeros((), jnp.float32))
 
 
-def clipped_sum_fn(loss_fn: LossFn, clip_norm: float, method: str = 'auto'):
+def _ghost_forms(coverage, params, batch_size: int, forms: str) -> tuple[dict, list[str]]:
+  """({layer key: ghost?} for `mixed.chosen_forms`, log lines) of `forms` ('flops': the FLOP
+  rule's, no table; 'measured': `form_timing.choose_forms`, timed at the first trace)."""
+  head = ('ghost clipping, per layer (mixed rule of Bu et al. 2022: ghost where '
+          'S²(m + c) < S·m·c):')
+  if forms == 'flops':
+    return {}, [head]
+  thetas = [ghost_clipping.coverage.subtree(params, l.param_path) for l in coverage.layers]
+  choice = ghost_clipping.form_timing.choose_forms(coverage, thetas, batch_size)
+  if not choice.ghost and not choice.lines:
+    return {}, [head]
+  how = f'timed now in {choice.seconds:.1f} s' if choice.timed else 'read from the cache'
+  return choice.ghost, [f'ghost clipping, per layer, forms measured on this device ({how}):',
+                        *choice.lines, 'all layers:']
+
+
+def clipped_sum_fn(loss_fn: LossFn, clip_norm: float, method: str = 'auto',
+                   forms: str = 'flops'):
   """`(params, examples, weights) -> (Σ_i w_i · clip_C(g_i), PerExample)` by `method`.
 
   The function's `choice` (a list of lines) says what it runs: per-example
@@ -234,9 +251,13 @@ def clipped_sum_fn(loss_fn: LossFn, clip_norm: float, method: str = 'auto'):
     clip_norm: C > 0.
     method: 'auto' (ghost where it covers every parameter, else vmap, logged),
       'vmap', or 'ghost' (ValueError at trace time if a parameter is uncovered).
+    forms: how ghost clipping picks each layer's form: 'flops' (the mixed rule's FLOP
+      counts) or 'measured' (`ghost_clipping.form_timing`: both forms timed on this device
+      at the first trace, cached on disk beside jax's compilation cache). Speed only.
   """
   if method not in CLIPPING_METHODS:
     raise ValueError(f'clipping method {method!r}; valid: {CLIPPING_METHODS}.')
+  ghost_clipping.form_timing.check_form_rule(forms)
   clip_norm = checks.check_clip_norm(clip_norm, allow_inf=True)
   vmap_choice = ['per-example gradients (vmap), memory P x #params']
 
@@ -249,9 +270,10 @@ def clipped_sum_fn(loss_fn: LossFn, clip_norm: float, method: str = 'auto'):
     coverage = ghost_clipping.analyse_coverage(loss_fn, params, one)
     if coverage.complete:
       logging.info('clipping=%r: ghost clipping: %s', method, coverage.describe())
-      fn.choice[:] = ['ghost clipping, per layer (mixed rule of Bu et al. 2022: '
-                      'ghost where S²(m + c) < S·m·c):', *coverage.layer_forms()]
-      return ghost_clipped_sum(loss_fn, params, examples, weights, clip_norm, coverage)
+      table, head = _ghost_forms(coverage, params, weights.shape[0], forms)
+      with ghost_clipping.mixed.chosen_forms(table):
+        fn.choice[:] = [*head, *coverage.layer_forms()]
+        return ghost_clipped_sum(loss_fn, params, examples, weights, clip_norm, coverage)
     if method == 'ghost':
       raise ValueError(
           "clipping='ghost' does not cover every parameter of this model: "
@@ -274,12 +296,14 @@ def with_stats(sum_fn, clip_norm: float) -> ClippedSumFn:
   return fn
 
 
-def make_clipped_sum_fn(method: str, loss_fn: LossFn, clip_norm: float) -> ClippedSumFn:
+def make_clipped_sum_fn(method: str, loss_fn: LossFn, clip_norm: float,
+                        forms: str = 'flops') -> ClippedSumFn:
   """`(params, batch) -> (Σ_i w_i · clip_C(g_i), ClipStats)`: `clipped_sum_fn` on a batch dict.
 
-  `loss_fn` returns (loss, aux); `choice` as in `clipped_sum_fn`.
+  `loss_fn` returns (loss, aux); `choice` and `forms` as in `clipped_sum_fn`.
   """
-  return with_stats(clipped_sum_fn(loss_fn, clip_norm, method), checks.check_clip_norm(clip_norm, allow_inf=True))
+  return with_stats(clipped_sum_fn(loss_fn, clip_norm, method, forms),
+                    checks.check_clip_norm(clip_norm, allow_inf=True))
 
 
 def per_example_clipped_sum(loss_fn: LossFn, params: Params, batch: Batch,
@@ -298,7 +322,7 @@ def clamp_weights(weights) -> jax.Array:
 
 
 def clipped_grad(loss_fn: LossFn, clip_norm: float, *, has_aux: bool = False,
-                 method: str = 'auto', precision: str = 'default'):
+                 method: str = 'auto', precision: str = 'default', forms: str = 'flops'):
   """DP-SGD's clipped gradient sum, shaped like `jax.grad`.
 
   Returns `grad_fn(params, examples, weights) -> (Σ_i w_i · clip_C(g_i), PerExample)`
@@ -321,11 +345,14 @@ def clipped_grad(loss_fn: LossFn, clip_norm: float, *, has_aux: bool = False,
       'vmap' or 'ghost' (`dpjax.privacy.ghost_clipping`; linen and NNX layers).
     precision: 'default', 'highest' or 'bfloat16' (`dpjax.privacy.precision`): the matmul precision
       the gradients are computed in (bfloat16: the loss must cast itself, see `losses`).
+    forms: 'flops' or 'measured': how ghost clipping picks each layer's form
+      (`clipped_sum_fn`); speed only.
   """
   c = checks.check_clip_norm(clip_norm)  # Finite and > 0, as the noise transform checks it.
   precision_lib.check_precision(precision)
   # BatchNorm / Dropout state in the loss: Flax's error raised again with the fix.
-  inner = clipped_sum_fn(with_aux(stateful_layers.explained(loss_fn), has_aux), c, method)
+  inner = clipped_sum_fn(with_aux(stateful_layers.explained(loss_fn), has_aux), c, method,
+                         forms)
 
   def grad_fn(params: Params, examples: Example, weights: jax.Array | None = None):
     if weights is None:

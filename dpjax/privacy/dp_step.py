@@ -120,17 +120,17 @@ class DPStep:
       default, draws the bits `prng.noise_key` names).
     allow_repeated_steps: let `apply` noise a step again (tests comparing two sums under one
       noise; such releases have no guarantee). False: refused, one line.
+    clipping_forms: 'flops' | 'measured', how ghost clipping picks each layer's form (speed).
   """
 
-  def __init__(self, model: nn.Module,
-               optimizer: optax.GradientTransformation, *,
+  def __init__(self, model: nn.Module, optimizer: optax.GradientTransformation, *,
                clip_norm: float | None, noise_multiplier: float | None,
                expected_batch_size: float, private: bool = True,
                clipping: str = 'auto', label_format: str = 'int',
                mesh: jax.sharding.Mesh | None = None, seed: int = 0,
                precision: str = 'default', physical_loop: str = 'auto',
                sum_fn_wrapper=None, augmult: augmult_lib.Augmult | None = None,
-               loss: str = 'softmax_cross_entropy',
+               loss: str = 'softmax_cross_entropy', clipping_forms: str = 'flops',
                noise_impl: str = 'threefry', allow_repeated_steps: bool = False):
     """Validates everything before any compute (the arguments: see the class docstring)."""
     if physical_loop not in PHYSICAL_LOOPS:
@@ -150,7 +150,7 @@ class DPStep:
     self.augmult = augmult if augmult is not None and augmult.num_views > 1 else None
     loss_fn = losses.make_loss_fn(model, label_format, precision, views=self.augmult is not None,
                            loss=loss)
-    self._sum_fn = self._clipped_sum_fn(loss_fn, clipping, clip_norm, noise_multiplier)
+    self._sum_fn = self._clipped_sum_fn(loss_fn, clipping, clip_norm, noise_multiplier, clipping_forms)
     if sum_fn_wrapper is not None:  # e.g. audit canaries: (params, batch) -> (sum, stats).
       self._sum_fn = sum_fn_wrapper(self._sum_fn)
     self.seed = seed
@@ -165,7 +165,7 @@ class DPStep:
     self.mesh = mesh
     self._jit_programs(mesh)
 
-  def _clipped_sum_fn(self, loss_fn, clipping: str, clip_norm, noise_multiplier):
+  def _clipped_sum_fn(self, loss_fn, clipping: str, clip_norm, noise_multiplier, forms: str):
     """(params, batch) -> (Σ_i w_i · clip_C(g_i), stats), or the unclipped sum if not private.
 
     Sets C, σ and `clip_bound` = C (checked when private: σ > 0 and C finite, anything else
@@ -175,7 +175,7 @@ class DPStep:
       self.clip_norm = checks.check_clip_norm(clip_norm)
       self.noise_multiplier = checks.check_noise_multiplier(noise_multiplier)
       self.clip_bound = self.clip_norm  # Each example is clipped at C itself.
-      sum_fn = clipping_lib.make_clipped_sum_fn(clipping, loss_fn, self.clip_bound)
+      sum_fn = clipping_lib.make_clipped_sum_fn(clipping, loss_fn, self.clip_bound, forms)
       self._choice = sum_fn.choice  # Filled when first traced ('auto', 'ghost').
       return sum_fn
     if clipping not in clipping_lib.CLIPPING_METHODS:

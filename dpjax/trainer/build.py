@@ -100,7 +100,8 @@ def build_step(plan: plan_lib.RunPlan, model, optimizer: optax.GradientTransform
   options = dict(clipping=config.privacy.clipping, label_format=config.data.label_format,
                  loss=config.loss, noise_impl=config.privacy.noise_prng, mesh=mesh,
                  sum_fn_wrapper=None if auditor is None else auditor.wrap,
-                 augmult=augmult_lib.Augmult.from_config(config.augmult))
+                 augmult=augmult_lib.Augmult.from_config(config.augmult),
+                 clipping_forms=plan.perf.clipping_forms)
   if not plan.private:
     return dp_step.DPStep(model, optimizer, clip_norm=None, noise_multiplier=None,
                           expected_batch_size=plan.sampler.expected_batch_size,

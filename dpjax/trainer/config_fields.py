@@ -28,6 +28,7 @@ import ml_collections
 from ml_collections import config_dict
 
 from dpjax.privacy import clipping
+from dpjax.privacy.ghost_clipping import form_timing
 from dpjax.data import sources as data
 from dpjax.data import validation as data_validation
 from dpjax.privacy import losses
@@ -181,6 +182,11 @@ FIELDS: tuple[Field, ...] = (
           0, 4096),
     Field('compilation_cache_dir', 'text', '', "persistent XLA cache: '' = $DPJAX_CACHE_DIR or "
           "~/.cache/dpjax/xla; 'none' = off; else a directory"),
+    Field('clipping_forms', 'str', 'flops', "ghost clipping's form of each layer: flops (the "
+          'FLOP rule of Bu et al. 2022) | measured (both forms of each layer timed alone on the '
+          'device at the first compile, cached beside the compilation cache; on the CPU not yet '
+          'faster on every model: scripts/results/bench_clipping_forms.json); speed only',
+          choices=form_timing.FORM_RULES),
     # --- length and periodic actions
     Field('num_epochs', 'int', 20, 'exactly one of num_epochs, num_steps is > 0; an epoch is '
           'ceil(N/b) steps', 0, accounting=True),

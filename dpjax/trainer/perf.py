@@ -1,7 +1,7 @@
 """Settings that change how fast a run goes and how much memory it takes, never what it releases.
 
 `Perf` holds them as a type: the physical batch size P, the logical steps per compiled
-call, the data-parallel device count and the compilation cache. The privacy fingerprint
+call, the data-parallel device count, the compilation cache and how clipping forms are chosen. The privacy fingerprint
 (`dpjax.trainer.fingerprint.run_fingerprint`) takes no `Perf`, so none of these can enter ε
 or block a resume: that is by construction, not a list of exceptions. P matters to privacy
 only through the cap B (a multiple of P), which the plan resolves and fingerprints itself.
@@ -23,6 +23,7 @@ CONFIG_PATHS = {
     'steps_per_call': 'steps_per_call',
     'num_devices': 'num_devices',
     'compilation_cache_dir': 'compilation_cache_dir',
+    'clipping_forms': 'clipping_forms',
 }
 
 
@@ -36,12 +37,15 @@ class Perf:
     steps_per_call: logical steps per compiled call (0 = adaptive).
     num_devices: data-parallel devices (0 = all).
     compilation_cache_dir: jax's persistent compilation cache ('' = default, 'none' = off).
+    clipping_forms: how ghost clipping picks each layer's form: 'flops' (the FLOP rule) or
+      'measured' (timed on the device, `dpjax.privacy.ghost_clipping.form_timing`).
   """
 
   physical_batch_size: int
   steps_per_call: int
   num_devices: int
   compilation_cache_dir: str
+  clipping_forms: str = 'flops'
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> Perf:

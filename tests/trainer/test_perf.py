@@ -15,7 +15,7 @@ from dpjax.trainer import plan as plan_lib
 N = 1000
 # One other valid value of each Perf field (B stays a multiple of the new P).
 OTHER = {'physical_batch_size': 16, 'steps_per_call': 4, 'num_devices': 1,
-         'compilation_cache_dir': 'none'}
+         'compilation_cache_dir': 'none', 'clipping_forms': 'measured'}
 
 
 def _config(**overrides):

@@ -63,6 +63,7 @@ References:
 from dpjax.privacy.ghost_clipping import conv
 from dpjax.privacy.ghost_clipping import dense
 from dpjax.privacy.ghost_clipping import embedding
+from dpjax.privacy.ghost_clipping import form_timing
 from dpjax.privacy.ghost_clipping import normalization
 from dpjax.privacy.ghost_clipping.backward import ghost_pass
 from dpjax.privacy.ghost_clipping.backward import GhostPass

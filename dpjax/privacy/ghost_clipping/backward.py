@@ -14,6 +14,7 @@ import collections
 import jax
 import jax.numpy as jnp
 
+from dpjax.privacy.ghost_clipping import mixed
 from dpjax.privacy.rounding import weighted_row_sum
 from dpjax.privacy.ghost_clipping.coverage import leaf_paths
 from dpjax.privacy.ghost_clipping.coverage import Interceptor
@@ -37,7 +38,36 @@ def layer_norms(layer: Layer, theta: dict, a: jax.Array, d: jax.Array):
   (a2 [n, S, m], d2 [n, S, c]) of a dense layer, whose clipped
   sum is the matmul a2ᵀ(f·d2); else None (use the layer's own vjp).
   """
-  return layer.rule.sq_norms(layer, theta, a, d.astype(jnp.float32))
+  with mixed.layer_scope(layer.key):  # Its form: `mixed.chosen_forms`, else the FLOP rule.
+    return layer.rule.sq_norms(layer, theta, a, d.astype(jnp.float32))
+
+
+def layer_weighted_sum(layer: Layer, theta: dict, a: jax.Array, d: jax.Array, part,
+                       factor: jax.Array, keep: jax.Array) -> dict:
+  """Σ_i factor_i · g_i {param name: sum} of one layer (rows with keep_i False add exactly
+  zero), from its captured (a, δ) and `part` = its `layer_norms` (Bu et al. 2023)."""
+  _, grads, operands = part
+  rows = lambda v: keep.reshape((-1,) + (1,) * (v.ndim - 1))
+  if grads is not None:  # Materialised: Σ_i f_i g_i.
+    return jax.tree.map(lambda g: weighted_row_sum(factor, g, keep), grads)
+  if callable(operands):  # The rule's own weighted sum (e.g. WSConv's).
+    return operands(factor, keep)
+  if operands is not None:  # Linear layer: a2ᵀ (f · d2).
+    a2, d2 = operands
+    a2 = jnp.where(rows(a2), a2, 0.0)
+    ct = jnp.where(rows(d2), factor[:, None, None] * d2, 0.0)
+    return {'kernel': jnp.einsum('nsm,nsc->mc', a2, ct), 'bias': jnp.sum(ct, axis=(0, 1))}
+  # The layer's own weight-gradient computation (vjp).
+  a = jnp.where(rows(a), a, jnp.zeros((), a.dtype))
+  if jnp.issubdtype(a.dtype, jnp.floating):  # Not Embed's tokens.
+    a = a.astype(jnp.promote_types(a.dtype, jnp.float32))
+  ct = jnp.where(rows(d), factor.reshape(rows(d).shape) * d, 0.0)
+  out_, layer_vjp = jax.vjp(lambda t: jax.vmap(
+      lambda a_i: layer.module.apply({'params': t}, a_i))(a), theta)
+  # theta is the float32 master copy: under bfloat16 compute the captured input is cast to
+  # float32 too (layers that do not promote dtypes, e.g. WSConv's lax.conv, reject mixed
+  # ones), so the re-applied layer's output (hence its cotangent) is float32.
+  return layer_vjp(ct.astype(out_.dtype))[0]
 
 
 # ----------------------------------------------------------------------------
@@ -138,32 +168,8 @@ def _book_keeping(params: Params, flat: dict, coverage: Coverage, thetas, inputs
 
   def weighted_sum(factor: jax.Array, keep: jax.Array) -> Params:
     out = {}
-    rows = lambda v: keep.reshape((-1,) + (1,) * (v.ndim - 1))
-    for l, theta, a, d, (_, grads, operands) in zip(coverage.layers, thetas, inputs, deltas,
-                                                    parts):
-      if grads is not None:  # Materialised: Σ_i f_i g_i.
-        grads = jax.tree.map(lambda g: weighted_row_sum(factor, g, keep),
-                             grads)
-      elif callable(operands):  # The rule's own weighted sum (e.g. WSConv's).
-        grads = operands(factor, keep)
-      elif operands is not None:  # Linear layer: a2ᵀ (f · d2).
-        a2, d2 = operands
-        a2 = jnp.where(rows(a2), a2, 0.0)
-        ct = jnp.where(rows(d2), factor[:, None, None] * d2, 0.0)
-        grads = {'kernel': jnp.einsum('nsm,nsc->mc', a2, ct),
-                 'bias': jnp.sum(ct, axis=(0, 1))}
-      else:  # The layer's own weight-gradient computation (vjp).
-        a = jnp.where(rows(a), a, jnp.zeros((), a.dtype))
-        if jnp.issubdtype(a.dtype, jnp.floating):  # Not Embed's tokens.
-          a = a.astype(jnp.promote_types(a.dtype, jnp.float32))
-        ct = jnp.where(rows(d), factor.reshape(rows(d).shape) * d, 0.0)
-        out_, layer_vjp = jax.vjp(lambda t, a=a, l=l: jax.vmap(
-            lambda a_i: l.module.apply({'params': t}, a_i))(a), theta)
-        # theta is the float32 master copy: under bfloat16 compute the
-        # captured input is cast to float32 too (layers that do not promote
-        # dtypes, e.g. WSConv's lax.conv, reject mixed ones), so the
-        # re-applied layer's output (hence its cotangent) is float32.
-        grads = layer_vjp(ct.astype(out_.dtype))[0]
+    for l, theta, a, d, part in zip(coverage.layers, thetas, inputs, deltas, parts):
+      grads = layer_weighted_sum(l, theta, a, d, part, factor, keep)
       for name in l.param_names:
         out[l.param_path + (name,)] = grads[name].astype(
             theta[name].dtype).reshape(theta[name].shape)

@@ -21,6 +21,7 @@ import jax
 import jax.extend.core as jax_core
 import jax.numpy as jnp
 
+from dpjax.privacy.ghost_clipping import mixed
 from dpjax.privacy.ghost_clipping import nnx_layers
 from dpjax.privacy.ghost_clipping.registry import NormRule
 from dpjax.privacy.ghost_clipping.registry import rule_for
@@ -41,6 +42,12 @@ class Layer:
   param_names: tuple[str, ...]  # Leaves directly under param_path.
   in_aval: jax.ShapeDtypeStruct  # Per-example input.
   out_aval: jax.ShapeDtypeStruct  # Per-example output.
+
+
+def layer_form(layer: Layer) -> str:
+  """The form the layer's norm takes (its rule's `form`, under `mixed.chosen_forms`)."""
+  with mixed.layer_scope(layer.key):
+    return layer.rule.form(layer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +81,7 @@ class Coverage:
     c=16)'; parameters with per-example copies are listed last.
     """
     lines = [f"{'/'.join(l.param_path) or '(root)'}: {l.rule.name}"
-             + (f' {l.rule.form(l)}' if l.rule.form else '') for l in self.layers]
+             + (f' {layer_form(l)}' if l.rule.form else '') for l in self.layers]
     return lines + [f"{'/'.join(p)}: per-example copy" for p in self.materialised]
 
 

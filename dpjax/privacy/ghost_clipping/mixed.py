@@ -4,7 +4,8 @@ A layer z = a·W + b at S positions of one example has g_i = a_iᵀ δ_i and
 ‖g_i‖² = Σ_{s,s'} (a_s·a_s')(δ_s·δ_s') (ghost, cost S²(m + c)) = ‖a_iᵀ δ_i‖²_F
 (materialised, cost S·m·c); `use_ghost` picks the cheaper from the shapes.
 `forced_form` overrides every rule's choice (tests and benchmarks compare the
-two forms with it).
+two forms with it); `chosen_forms` overrides it layer by layer (the measured choice of
+`form_timing`), read while `layer_scope` names the layer whose rule is traced.
 """
 
 from __future__ import annotations
@@ -23,11 +24,37 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 _forced: bool | None = None  # Set by `forced_form`: every choice is this (True: ghost).
+_chosen: dict = {}  # Set by `chosen_forms`: layer key -> True (ghost) / False.
+_layer = None  # Set by `layer_scope`: the key of the layer whose rule is being traced.
 
 
 def forced_ghost() -> bool | None:
-  """The form `forced_form` imposes (True: ghost, False: materialised), or None."""
-  return _forced
+  """The form imposed on the layer traced now (True: ghost, False: materialised), or None
+  (the FLOP rule decides): `forced_form`'s, else `chosen_forms`' for the `layer_scope`."""
+  return _chosen.get(_layer) if _forced is None else _forced
+
+
+@contextlib.contextmanager
+def chosen_forms(table: dict) -> Iterator[None]:
+  """While tracing inside: the layer whose key is in `table` (see `layer_scope`) takes the
+  form it names (True: ghost, False: materialised); other layers follow the FLOP rule."""
+  global _chosen
+  saved, _chosen = _chosen, dict(table)
+  try:
+    yield
+  finally:
+    _chosen = saved
+
+
+@contextlib.contextmanager
+def layer_scope(key) -> Iterator[None]:
+  """While inside: the rules traced are those of the layer `key` (for `chosen_forms`)."""
+  global _layer
+  saved, _layer = _layer, key
+  try:
+    yield
+  finally:
+    _layer = saved
 
 
 @contextlib.contextmanager
@@ -43,8 +70,9 @@ def forced_form(ghost: bool) -> Iterator[None]:
 
 
 def use_ghost(s: int, m: int, c: int) -> bool:
-  """Mixed rule: ghost form S²(m + c) cheaper than materialising S·m·c (or `forced_form`)."""
-  return s * (m + c) < m * c if _forced is None else _forced
+  """Mixed rule: ghost form S²(m + c) cheaper than materialising S·m·c (or `forced_ghost`)."""
+  forced = forced_ghost()
+  return s * (m + c) < m * c if forced is None else forced
 
 
 def linear_form(s: int, m: int, c: int, rank_one: bool = True) -> str:
