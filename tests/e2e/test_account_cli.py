@@ -122,6 +122,7 @@ def test_the_account_cli_resolves_sigma_as_training_does_with_audit_canaries():
   assert got['epsilon'] == plan.accountant.epsilon(plan.num_steps)
 
 
+@pytest.mark.slow
 def test_delta_at_or_above_one_over_n_is_refused_unless_allowed():
   base = ('--sampler', 'poisson', '--num-examples', '1000', '--batch-size', '100', '--steps',
           '10', '--noise-multiplier', '1.0')
@@ -185,6 +186,7 @@ def test_an_oversized_privacy_loss_grid_names_the_flags_that_fix_it():
                              'lower --group-size = 1024; or raise σ (--noise-multiplier = 1).\n')
 
 
+@pytest.mark.slow
 def test_a_workdirs_planned_epsilon_is_of_the_sigma_and_eta_that_ran(tmp_path, monkeypatch):
   """`--workdir` of an unfinished run: its planned final ε is accounted with the σ the run
   used (read from the checkpoint, never calibrated again) and the η of the matmul format it

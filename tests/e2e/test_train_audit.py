@@ -11,6 +11,8 @@ from dpjax import train
 from dpjax.privacy.auditing import one_run
 from tests import run_configs
 
+pytestmark = pytest.mark.slow  # Whole trainings or child processes (`make test-unit` skips).
+
 
 def audited_config(**overrides):
   return run_configs.small_config(**{

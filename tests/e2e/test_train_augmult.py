@@ -164,6 +164,7 @@ def augmult_run(tmp_path_factory):
   return workdir, train.train_and_evaluate(small_config(**AUGMULT), str(workdir))
 
 
+@pytest.mark.slow
 def test_trainer_with_augmult_reports_the_same_epsilon_and_compiles_once(augmult_run, tmp_path):
   workdir, result = augmult_run
   plain = train.train_and_evaluate(small_config(num_steps=6), str(tmp_path / 'plain'))
@@ -176,6 +177,7 @@ def test_trainer_with_augmult_reports_the_same_epsilon_and_compiles_once(augmult
                             jax.tree.leaves(plain['params'])[0])
 
 
+@pytest.mark.slow
 def test_trainer_with_augmult_resumes_bit_exactly(augmult_run, tmp_path):
   workdir, result = augmult_run
   copy = tmp_path / 'copy'

@@ -555,6 +555,7 @@ print(json.dumps(out))
 '''
 
 
+@pytest.mark.slow
 def test_train_step_on_four_devices_equals_one_device():
   """The [K_max, P] buffer split over 4 devices (rows), dataset replicated: same params."""
   import json  # pylint: disable=g-import-not-at-top

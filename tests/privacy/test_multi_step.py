@@ -174,6 +174,7 @@ def _count_executions(monkeypatch):
   return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('steps_per_call,extra', [(1, 6), (4, 1)])
 def test_trainer_executes_one_program_per_call_and_nothing_else_per_step(
     tmp_path, monkeypatch, steps_per_call, extra):

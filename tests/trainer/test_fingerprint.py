@@ -23,6 +23,8 @@ from dpjax import train
 from tests.run_configs import small_config
 from tests.run_configs import tree_digest
 
+pytestmark = pytest.mark.slow  # Whole trainings or child processes (`make test-unit` skips).
+
 
 def _configs(root):
   return {

@@ -126,6 +126,7 @@ def test_bad_input_raises_before_compute(kwargs, match, monkeypatch):
     batch_size_plan.plan_batch_sizes(**args)
 
 
+@pytest.mark.slow
 def test_cli_end_to_end(tmp_path, capsys):
   out_json, out_png = tmp_path / 'plan.json', tmp_path / 'plan.png'
   assert planner.main(['--num_examples', '1000', '--epsilon', '2', '--delta', '1e-5',
