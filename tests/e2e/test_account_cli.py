@@ -78,6 +78,7 @@ def test_poisson_json_matches_the_api():
   assert got['details']['truncation'].startswith('none')
 
 
+@pytest.mark.slow
 def test_balls_and_bins_json_reports_estimates_beside_the_provable_bound(in_process_pld_builds):
   out = _run('--sampler', 'balls_and_bins', '--num-examples', '1000', '--batch-size', '100',
              '--steps', '10', '--noise-multiplier', '1.0', '--delta', '1e-5',
@@ -106,6 +107,7 @@ def test_config_and_calibration():
   assert got['details']['max_batch_size'] % 64 == 0  # From batching, a multiple of P.
 
 
+@pytest.mark.slow
 def test_the_account_cli_resolves_sigma_as_training_does_with_audit_canaries():
   """Issue 24 item 8: the canaries add m rows (N + m); the CLI used N and calibrated another σ."""
   from dpjax.configs import digits_mlp  # pylint: disable=import-outside-toplevel

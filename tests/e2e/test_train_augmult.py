@@ -84,6 +84,7 @@ def _reference_update(model, params, buffer, k, spec, clip_bound):
       s + SIGMA * C * np.asarray(z, np.float64)) / B, params, total, noise)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name, clipping', [('mlp', 'vmap'), ('mlp', 'ghost'),
                                             ('cnn', 'vmap'), ('cnn', 'ghost'),
                                             ('wrn', 'ghost'), ('vit', 'ghost')])
@@ -106,6 +107,7 @@ def test_train_step_clips_the_view_mean_once(name, clipping):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_views_differ_from_identity_and_padded_rows_contribute_nothing():
   model = _model('mlp')
   kw = dict(clip_norm=C, noise_multiplier=SIGMA, expected_batch_size=B, seed=SEED,

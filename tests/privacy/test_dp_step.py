@@ -488,6 +488,7 @@ def test_one_compilation_and_one_dispatch_per_logical_step(sampler_name):
   assert compiles == []
 
 
+@pytest.mark.slow
 def test_choose_physical_batch_size_is_the_largest_that_fits():
   step = dp_step.DPStep(MODEL, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0,
                         expected_batch_size=64, clipping='vmap')

@@ -46,6 +46,7 @@ def _prepared(batcher, first, count):
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('loop,ema_decay,mesh', [
     ('device', 0.0, False), ('device', 0.9, False), ('device', 0.9, True), ('host', 0.9, False)])
 def test_a_call_of_s_steps_equals_s_train_steps(loop, ema_decay, mesh):

@@ -74,6 +74,7 @@ def _model_and_rows(name, n):
   return model, shape, x, y
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name,method', [('mlp', 'ghost'), ('mlp', 'vmap'), ('cnn', 'ghost'),
                                          ('wrn', 'ghost'), ('transformer', 'ghost'),
                                          ('all_layers', 'ghost')])

@@ -88,6 +88,7 @@ def _library_epsilon(steps, sigma, grid, tail, bound_type):
       bound_type=bound_type)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('steps,sigma', CASES)
 def test_dpjax_epsilon_is_the_library_dominating_pld_inside_its_range(cache, steps, sigma):
   report = _dpjax_report(steps, sigma)
