@@ -127,6 +127,7 @@ def test_views_differ_from_identity_and_padded_rows_contribute_nothing():
     np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
+@pytest.mark.slow
 def test_one_view_is_the_ordinary_step():
   model = _model('mlp')
   kw = dict(clip_norm=C, noise_multiplier=SIGMA, expected_batch_size=B, seed=SEED,

@@ -33,6 +33,7 @@ def _setup(p=5, k=4, seed=0):
   return params, x, y, views
 
 
+@pytest.mark.slow
 def test_clipped_sum_is_the_view_mean_clipped_once():
   params, _, y, views = _setup()
   p, k = views.shape[:2]

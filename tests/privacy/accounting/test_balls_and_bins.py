@@ -94,6 +94,7 @@ def test_epochs_compose_the_one_epoch_pld(cache, in_process_pld_builds):
   assert bounds[0].epsilon < bounds[1].epsilon < bounds[2].epsilon
 
 
+@pytest.mark.slow
 def test_cache_returns_identical_numbers_without_a_child(cache, monkeypatch):
   first = balls_and_bins.provable_epsilon(1.0, 10, DELTA, num_epochs=2)
 

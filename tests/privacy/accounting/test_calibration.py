@@ -28,6 +28,7 @@ def _round_trip(sampler, target, steps, delta=DELTA, **kwargs):
   return sigma
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name, accountant', [
     ('poisson', 'pld'), ('poisson', 'rdp'), ('fixed_size', 'pld'), ('fixed_size', 'rdp'),
     ('deterministic', 'auto'), ('shuffle', 'auto'), ('shuffle', 'rdp')])
@@ -69,6 +70,7 @@ def test_round_trip_balls_and_bins_monte_carlo():
   assert sigma < det
 
 
+@pytest.mark.slow
 def test_pld_calibration_is_fast():
   import time  # pylint: disable=g-import-not-at-top
   start = time.perf_counter()

@@ -183,7 +183,7 @@ def float64_grads(module, theta, a, d):
       _, vjp = jax.vjp(lambda t: module.apply({'params': t}, a_i), theta64)
       return vjp(d_i)[0]
     with jax.default_matmul_precision('highest'):
-      grads = jax.vmap(one)(a64, np.asarray(d, np.float64))
+      grads = jax.jit(jax.vmap(one))(a64, np.asarray(d, np.float64))
     grads = jax.tree.map(np.asarray, grads)
   n = len(a)
   return grads, sum(np.sum(g.reshape(n, -1)**2, axis=1) for g in jax.tree.leaves(grads))
