@@ -446,6 +446,7 @@ def test_train_step_draws_noise_key_seed_step_bit_for_bit():
   assert not np.array_equal(other['Dense_0']['kernel'], fused['Dense_0']['kernel'])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('sampler_name', samplers.SAMPLER_NAMES)
 def test_one_compilation_and_one_dispatch_per_logical_step(sampler_name):
   """Two epochs of every sampler (K varies from step to step under Poisson): one program,

@@ -90,7 +90,7 @@ def test_noise_is_a_pure_function_of_seed_and_step():
   its high 32 bits (which `jax.random.PRNGKey` drops), → uncorrelated noise; rbg too."""
   tree = {'a': TREE['a']}
   n = tree['a'].size
-  for impl, steps in (('threefry', (0, 3, 5, 2**31)), ('rbg', (5,))):
+  for impl, steps in (('threefry', (0, 5, 2**31)), ('rbg', (5,))):
     base = _flat(_z(tree, t=4, seed=2**40 + 17, noise_impl=impl))
     np.testing.assert_array_equal(_flat(_z(tree, t=4, seed=2**40 + 17, noise_impl=impl)), base)
     others = [_flat(_z(tree, t=t, seed=2**40 + 17, noise_impl=impl)) for t in steps]
