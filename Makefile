@@ -1,10 +1,11 @@
-# Two commands: `make train` (set up, train the embedded default) and `make test`.
+# Two commands: `make train` (set up, train the embedded default) and `make test`; `make test-unit`
+# is the quick tier (no whole trainings, no child processes: tests marked `slow` are left out).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 WORKDIR ?= workdirs/digits_mlp
 
-.PHONY: setup train test clean
+.PHONY: setup train test test-unit clean
 
 # uv installs the same pinned versions as pip, about 3x faster (parallel downloads and
 # installs; bytecode compiled, as pip does); pip does it where uv cannot be had.
@@ -25,6 +26,9 @@ train: setup
 
 test: setup
 	$(PY) -m pytest -n 4 -q
+
+test-unit: setup
+	$(PY) -m pytest -n 4 -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) workdirs

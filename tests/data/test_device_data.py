@@ -103,6 +103,7 @@ def test_buffers_hold_the_logical_batch_and_zero_padding():
     device_data.index_buffer(logical, k - 1, num_rows=len(source))
 
 
+@pytest.mark.slow
 def test_device_data_step_equals_host_buffer_step():
   config, source = _digits('one_hot')
   sampler = plan_lib.make_sampler(config, len(source))

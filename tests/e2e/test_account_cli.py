@@ -78,6 +78,7 @@ def test_poisson_json_matches_the_api():
   assert got['details']['truncation'].startswith('none')
 
 
+@pytest.mark.slow
 def test_balls_and_bins_json_reports_estimates_beside_the_provable_bound(in_process_pld_builds):
   out = _run('--sampler', 'balls_and_bins', '--num-examples', '1000', '--batch-size', '100',
              '--steps', '10', '--noise-multiplier', '1.0', '--delta', '1e-5',
@@ -106,6 +107,7 @@ def test_config_and_calibration():
   assert got['details']['max_batch_size'] % 64 == 0  # From batching, a multiple of P.
 
 
+@pytest.mark.slow
 def test_the_account_cli_resolves_sigma_as_training_does_with_audit_canaries():
   """Issue 24 item 8: the canaries add m rows (N + m); the CLI used N and calibrated another σ."""
   from dpjax.configs import digits_mlp  # pylint: disable=import-outside-toplevel
@@ -122,6 +124,7 @@ def test_the_account_cli_resolves_sigma_as_training_does_with_audit_canaries():
   assert got['epsilon'] == plan.accountant.epsilon(plan.num_steps)
 
 
+@pytest.mark.slow
 def test_delta_at_or_above_one_over_n_is_refused_unless_allowed():
   base = ('--sampler', 'poisson', '--num-examples', '1000', '--batch-size', '100', '--steps',
           '10', '--noise-multiplier', '1.0')
@@ -185,6 +188,7 @@ def test_an_oversized_privacy_loss_grid_names_the_flags_that_fix_it():
                              'lower --group-size = 1024; or raise σ (--noise-multiplier = 1).\n')
 
 
+@pytest.mark.slow
 def test_a_workdirs_planned_epsilon_is_of_the_sigma_and_eta_that_ran(tmp_path, monkeypatch):
   """`--workdir` of an unfinished run: its planned final ε is accounted with the σ the run
   used (read from the checkpoint, never calibrated again) and the η of the matmul format it

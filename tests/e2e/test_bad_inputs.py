@@ -133,6 +133,7 @@ def test_there_are_at_least_forty_cases():
   assert len(CONFIG_CASES) + len(CLI_CASES) >= 40
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('overrides, message', CONFIG_CASES,
                          ids=[','.join(f'{k}={v}' for k, v in o.items()) for o, _ in CONFIG_CASES])
 def test_bad_config_field_is_one_clear_error_before_any_change(tmp_path, overrides, message):
@@ -147,6 +148,7 @@ def test_bad_config_field_is_one_clear_error_before_any_change(tmp_path, overrid
   assert tree_digest(work) == before and sorted(os.listdir(work)) == ['notes.txt']
 
 
+@pytest.mark.slow
 def test_non_private_run_ignores_privacy_fields(tmp_path):
   """σ = 0 and C = inf are errors only under privacy.enabled=True."""
   result = train.train_and_evaluate(small_config(**{
@@ -238,6 +240,7 @@ def command_line_errors(shared_setup):
     return json.load(f)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('args, message', CLI_CASES, ids=CLI_IDS)
 def test_command_line_error_is_one_line_with_exit_code_2(command_line_errors, args, message):
   import re  # pylint: disable=import-outside-toplevel
@@ -415,6 +418,7 @@ DATA_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name, replace, message', DATA_CASES, ids=[c[0] for c in DATA_CASES])
 def test_malformed_data_is_one_line_before_any_change(tmp_path, name, replace, message):
   path = _digits_npz(tmp_path / f'{name}.npz', **replace)
@@ -426,6 +430,7 @@ def test_malformed_data_is_one_line_before_any_change(tmp_path, name, replace, m
   assert not work.exists()
 
 
+@pytest.mark.slow
 def test_a_npy_file_as_npz_and_a_declared_class_count(tmp_path):
   import numpy as np  # pylint: disable=import-outside-toplevel
   np.save(tmp_path / 'x.npy', np.zeros((4, 3)))
@@ -436,6 +441,7 @@ def test_a_npy_file_as_npz_and_a_declared_class_count(tmp_path):
     train.train_and_evaluate(_npz_config(path, **{'data.num_classes': 9}), str(tmp_path / 'w'))
 
 
+@pytest.mark.slow
 def test_the_scale_is_derived_from_the_dtype_and_printed(tmp_path, capsys):
   """data.scale = 0 (the default): uint8 data is divided by 255, not by digits' 16."""
   import numpy as np  # pylint: disable=import-outside-toplevel
@@ -490,6 +496,7 @@ def test_an_unknown_config_argument_is_refused(tmp_path):
     cli.load_config_file(f'{path}:runlocal')
 
 
+@pytest.mark.slow
 def test_configs_work_from_any_directory_and_help_exits_0(tmp_path, capsys):
   """The repository's configs imported `from configs import ...` and failed outside its root;
   `dpjax.train --help` exited 1 and -h was an error; a workdir could not be resumed alone."""
@@ -526,6 +533,7 @@ def two_step_run(tmp_path_factory):
   return work
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('overrides, refused', [
     ({'optimizer.name': 'adam', 'optimizer.learning_rate': 1e-3}, 'optimizer state differ'),
     ({'optimizer.momentum': 0.9}, 'optimizer state differ'),
@@ -551,6 +559,7 @@ def test_a_changed_model_or_optimizer_is_refused_and_the_checkpoint_kept(
   assert tree_digest(work) == before
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path):
   import signal  # pylint: disable=import-outside-toplevel
   import time  # pylint: disable=import-outside-toplevel
@@ -567,6 +576,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path):
   assert len(lines) == 1 and 'interrupted (Ctrl-C)' in lines[0] and 'Traceback' not in err
 
 
+@pytest.mark.slow
 def test_sizes_that_cannot_fit_and_unwritable_caches(tmp_path, monkeypatch, capsys):
   with pytest.raises(ValueError, match=r'not reached even with σ = 10000 \(or its privacy loss '
                                        r'cannot be composed in memory\)'):
@@ -591,6 +601,7 @@ def test_sizes_that_cannot_fit_and_unwritable_caches(tmp_path, monkeypatch, caps
   assert 'compiling without a persistent cache' in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_surprising_runs_are_flagged_and_a_workdir_reports_its_epsilon(tmp_path, capsys):
   """σ = 0.3 gave ε = 297 silently; C = 1e-30 trained to chance silently; the account CLI could
   not read a workdir."""

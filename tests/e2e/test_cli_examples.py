@@ -60,6 +60,7 @@ def _examples():
 EXAMPLES = _examples()
 
 
+@pytest.mark.slow
 def test_every_cli_has_examples_and_its_help_shows_them(capsys):
   """--help prints the docstring, so the examples tested here are the ones users see.
 
@@ -195,6 +196,7 @@ def _check_plan(plan, argv, tmp_path):
         r.noise_multiplier for r in plan.rows]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('cli, argv', EXAMPLES)
 def test_example_runs(cli, argv, tmp_path, monkeypatch, capsys, prepared_workdir,
                       in_process_pld_builds):

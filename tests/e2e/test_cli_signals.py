@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # Whole trainings or child processes (`make test-unit` skips).
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Runs MODULE as __main__ (as `python -m` does) and sends SIGNAL to itself when `import absl`

@@ -11,6 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLES = ('own_loop_nnx', 'own_loop_linen', 'regression', 'next_token')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', EXAMPLES)
 def test_example_runs_and_ends_with_its_epsilon(name, tmp_path):
   proc = subprocess.run([sys.executable, str(ROOT / 'examples' / f'{name}.py'), '--quick'],

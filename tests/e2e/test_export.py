@@ -18,6 +18,8 @@ from dpjax.trainer import stored_params
 from dpjax import train
 from tests.run_configs import small_config
 
+pytestmark = pytest.mark.slow  # Whole trainings or child processes (`make test-unit` skips).
+
 CARD_FIELDS = {'epsilon', 'delta', 'bound', 'accountant', 'sampler', 'num_examples',
                'noise_multiplier', 'clip_norm', 'steps', 'neighbouring_relation',
                'dpjax_version', 'guarantee', 'seed_drawn_in_secret'}

@@ -2,9 +2,12 @@
 
 import jax
 import numpy as np
+import pytest
 
 from dpjax import train
 from tests.run_configs import small_config
+
+pytestmark = pytest.mark.slow  # Whole trainings or child processes (`make test-unit` skips).
 
 
 def _nnx_config(**overrides):

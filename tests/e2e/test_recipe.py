@@ -6,6 +6,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from dpjax.data import sources as data
 from dpjax.trainer import plan as plan_lib
@@ -35,6 +36,7 @@ def test_accounting_is_identical_with_augmult_and_ema_on_and_off():
           == p_on.accountant.final_report(estimates=False).epsilon)
 
 
+@pytest.mark.slow
 def test_identity_views_train_exactly_like_no_augmult():
   """K identical views: view-mean gradient = the gradient, so the run is the baseline's."""
   config = recipe.base_config(0, 0.0, 3, sigma=1.5)
@@ -47,6 +49,7 @@ def test_identity_views_train_exactly_like_no_augmult():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_finetuning_beats_training_from_scratch_at_the_same_epsilon(tmp_path):
   """Pretrained non-privately on public half A, fine-tuned privately on B: ≥ 10 points better.
 

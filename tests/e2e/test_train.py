@@ -20,6 +20,8 @@ from dpjax.privacy import privacy_plan
 from dpjax import train
 from tests.run_configs import small_config
 
+pytestmark = pytest.mark.slow  # Whole trainings or child processes (`make test-unit` skips).
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -17,6 +17,8 @@ from dpjax.privacy.auditing import canaries as canaries_lib
 from dpjax.privacy.auditing import one_run
 from tests import run_configs
 
+pytestmark = pytest.mark.slow  # Whole trainings or child processes (`make test-unit` skips).
+
 
 def audited_config(**overrides):
   """12 steps at σ = 0.3 (ε ≈ 34): enough signal that the audit finds ε_lower > 0 (at σ = 1

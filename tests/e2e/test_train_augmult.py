@@ -84,6 +84,7 @@ def _reference_update(model, params, buffer, k, spec, clip_bound):
       s + SIGMA * C * np.asarray(z, np.float64)) / B, params, total, noise)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name, clipping', [('mlp', 'vmap'), ('mlp', 'ghost'),
                                             ('cnn', 'vmap'), ('cnn', 'ghost'),
                                             ('wrn', 'ghost'), ('vit', 'ghost')])
@@ -106,6 +107,7 @@ def test_train_step_clips_the_view_mean_once(name, clipping):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_views_differ_from_identity_and_padded_rows_contribute_nothing():
   model = _model('mlp')
   kw = dict(clip_norm=C, noise_multiplier=SIGMA, expected_batch_size=B, seed=SEED,
@@ -125,6 +127,7 @@ def test_views_differ_from_identity_and_padded_rows_contribute_nothing():
     np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
+@pytest.mark.slow
 def test_one_view_is_the_ordinary_step():
   model = _model('mlp')
   kw = dict(clip_norm=C, noise_multiplier=SIGMA, expected_batch_size=B, seed=SEED,
@@ -164,6 +167,7 @@ def augmult_run(tmp_path_factory):
   return workdir, train.train_and_evaluate(small_config(**AUGMULT), str(workdir))
 
 
+@pytest.mark.slow
 def test_trainer_with_augmult_reports_the_same_epsilon_and_compiles_once(augmult_run, tmp_path):
   workdir, result = augmult_run
   plain = train.train_and_evaluate(small_config(num_steps=6), str(tmp_path / 'plain'))
@@ -176,6 +180,7 @@ def test_trainer_with_augmult_reports_the_same_epsilon_and_compiles_once(augmult
                             jax.tree.leaves(plain['params'])[0])
 
 
+@pytest.mark.slow
 def test_trainer_with_augmult_resumes_bit_exactly(augmult_run, tmp_path):
   workdir, result = augmult_run
   copy = tmp_path / 'copy'

@@ -17,6 +17,8 @@ from dpjax.trainer import workdir_lock
 from tests import run_configs
 from dpjax.trainer import loop as training_loop
 
+pytestmark = pytest.mark.slow  # Whole trainings or child processes (`make test-unit` skips).
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

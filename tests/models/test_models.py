@@ -129,6 +129,7 @@ def test_examples_never_mix(kind):
   np.testing.assert_array_equal(apply(x), batched)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('kind', sorted(SMALL))
 def test_models_fit_a_tiny_batch(kind):
   """Gradients reach every model: 25 Adam steps cut the loss on 8 examples."""

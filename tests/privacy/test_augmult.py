@@ -33,6 +33,7 @@ def _setup(p=5, k=4, seed=0):
   return params, x, y, views
 
 
+@pytest.mark.slow
 def test_clipped_sum_is_the_view_mean_clipped_once():
   params, _, y, views = _setup()
   p, k = views.shape[:2]
@@ -64,6 +65,7 @@ def test_clipped_sum_is_the_view_mean_clipped_once():
   assert total <= 4 * c * (1 + 1e-6)  # ≤ C per real row: the sensitivity is unchanged.
 
 
+@pytest.mark.slow
 def test_one_view_equals_todays_loss():
   params, x, y, _ = _setup()
   wrapped = augmult.mean_over_views(loss_fn)

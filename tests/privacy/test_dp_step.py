@@ -260,10 +260,12 @@ def test_metrics_match_direct_computation():
   delta = jax.tree.map(lambda u, v: u - v, new, params)
   np.testing.assert_allclose(m['noisy_grad_norm'], optax.tree.norm(delta) / lr,
                              rtol=1e-4)
-  # E‖ĝ‖² = ‖Σclip/b‖² + (σC/b)²·d; at d = 420 coordinates χ²_d is within 30%.
-  d = sum(np.size(l) for l in jax.tree.leaves(params))
-  expected = m['grad_norm']**2 + (step.noise_multiplier * step.clip_norm / b)**2 * d
-  np.testing.assert_allclose(m['noisy_grad_norm']**2, expected, rtol=0.3)
+  # ĝ = (Σclip + σC·z_0)/b exactly, z_0 the normals of prng.noise_key(seed, 0) (σ off by
+  # 1e-4 fails; the noise's distribution: tests/privacy/test_noise.py).
+  z = optax.tree.random_like(prng.noise_key(step.seed, 0), params, jax.random.normal)
+  sigma_c = step.noise_multiplier * step.clip_norm
+  noisy = jax.tree.map(lambda s, n: (s + sigma_c * n) / b, clipped, z)
+  np.testing.assert_allclose(m['noisy_grad_norm'], optax.tree.norm(noisy), rtol=1e-5)
 
 
 def test_nonfinite_example_does_not_poison_the_step():
@@ -445,6 +447,7 @@ def test_train_step_draws_noise_key_seed_step_bit_for_bit():
   assert not np.array_equal(other['Dense_0']['kernel'], fused['Dense_0']['kernel'])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('sampler_name', samplers.SAMPLER_NAMES)
 def test_one_compilation_and_one_dispatch_per_logical_step(sampler_name, monkeypatch):
   """Two epochs of every sampler (K varies from step to step under Poisson): one program,
@@ -490,6 +493,7 @@ def test_one_compilation_and_one_dispatch_per_logical_step(sampler_name, monkeyp
   assert compiles == []
 
 
+@pytest.mark.slow
 def test_choose_physical_batch_size_is_the_largest_that_fits():
   step = dp_step.DPStep(MODEL, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0,
                         expected_batch_size=64, clipping='vmap')
@@ -558,6 +562,7 @@ print(json.dumps(out))
 '''
 
 
+@pytest.mark.slow
 def test_train_step_on_four_devices_equals_one_device():
   """The [K_max, P] buffer split over 4 devices (rows), dataset replicated: same params."""
   import json  # pylint: disable=g-import-not-at-top

@@ -55,6 +55,7 @@ def _regression_npz(path, n=1200, d=8, seed=0):
   return float(np.var(y[n:]))
 
 
+@pytest.mark.slow
 def test_trainer_mse_learns_a_linear_map(tmp_path, capsys):
   variance = _regression_npz(tmp_path / 'reg.npz')
   config = small_config(**{'loss': 'mse', 'data.source': 'npz', 'data.path': str(tmp_path / 'reg.npz'),
@@ -81,6 +82,7 @@ def _sequence_npz(path, n=1200, length=12, vocab=6, seed=0):
   return vocab
 
 
+@pytest.mark.slow
 def test_trainer_sequence_cross_entropy_learns_next_tokens(tmp_path, capsys):
   vocab = _sequence_npz(tmp_path / 'seq.npz')
   config = small_config(**{'loss': 'sequence_cross_entropy', 'data.source': 'npz',
@@ -100,6 +102,7 @@ def test_trainer_sequence_cross_entropy_learns_next_tokens(tmp_path, capsys):
   assert 'ghost clipping' in out  # Embedding and attention by ghost clipping.
 
 
+@pytest.mark.slow
 def test_a_regression_loss_on_class_labels_is_refused_before_any_compute(tmp_path):
   config = small_config(loss='mse')
   with pytest.raises(ValueError, match="loss = 'mse' needs targets"):

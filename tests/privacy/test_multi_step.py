@@ -48,6 +48,7 @@ def _prepared(batcher, first, count):
   return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('loop,ema_decay,mesh', [
     ('device', 0.0, False), ('device', 0.9, False), ('device', 0.9, True), ('host', 0.9, False)])
 def test_a_call_of_s_steps_equals_s_train_steps(loop, ema_decay, mesh):
@@ -155,6 +156,7 @@ def test_steps_per_call_auto():
   assert multi_step.steps_per_call(5, 'host', False) == 5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('steps_per_call,extra', [(1, 6), (4, 1)])
 def test_trainer_executes_one_program_per_call_and_nothing_else_per_step(
     tmp_path, monkeypatch, steps_per_call, extra):

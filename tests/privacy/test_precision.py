@@ -74,6 +74,7 @@ def _model_and_rows(name, n):
   return model, shape, x, y
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name,method', [('mlp', 'ghost'), ('mlp', 'vmap'), ('cnn', 'ghost'),
                                          ('wrn', 'ghost'), ('transformer', 'ghost'),
                                          ('all_layers', 'ghost')])
@@ -116,6 +117,7 @@ def test_each_contribution_as_summed_in_bfloat16_has_norm_at_most_c(name, method
   assert step.compile_count('accumulate') == 1
 
 
+@pytest.mark.slow
 def test_highest_matches_a_float64_reference():
   n, c = 8, 0.3
   model, shape, x, y = _model_and_rows('mlp', n)

@@ -33,6 +33,7 @@ def _sampler(n=1000, b=100, seed=3):
   return samplers.make('poisson', n, b, seed)
 
 
+@pytest.mark.slow
 def test_the_plan_binds_the_cap_the_batcher_and_the_accountant_use():
   """A small cap truncates often: the plan's accountant pays for it; one built apart did not."""
   sampler = _sampler()
@@ -113,6 +114,7 @@ def test_large_delta_needs_the_flag_and_a_warning_above_a_tenth_of_one_over_n():
                                     noise_multiplier=1.0)
 
 
+@pytest.mark.slow
 def test_calibration_and_the_budget():
   plan = privacy_plan.PrivacyPlan.create(_sampler(), num_steps=20, clip_norm=1.0, delta=1e-5,
                                          target_epsilon=2.0)

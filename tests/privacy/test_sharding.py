@@ -35,6 +35,8 @@ from dpjax.privacy import prng
 from dpjax.trainer import loop as training_loop
 from tests import independent
 
+pytestmark = pytest.mark.slow  # Whole trainings or child processes (`make test-unit` skips).
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUM_DEVICES = 4
 NUM_STEPS = 6

@@ -37,6 +37,7 @@ def _batch(keys):
   return {'x': x, 'y': np.array([3, 3, 3, 1]), 'dropout_key': keys}
 
 
+@pytest.mark.slow
 def test_per_example_dropout_follows_each_examples_key():
   """The README's own loop with dropout: an example's mask is a function of its key alone (one
   example under two keys gives two losses and gradients; under one key, the same ones whatever

@@ -226,6 +226,7 @@ def test_cli_lists_a_non_private_run_and_refuses_bad_workdirs(tmp_path, capsys):
       f'python -m dpjax.checkpoints: error: workdir {tmp_path / "nope"} does not exist.']
 
 
+@pytest.mark.slow
 def test_cli_is_quiet_when_the_reader_leaves(tmp_path):
   """`... | head -1`: the pipe closes before the listing is written; no traceback."""
   write_run(tmp_path, [1, 2, 3])

@@ -25,6 +25,7 @@ def test_resolve_cache_dir(monkeypatch, tmp_path):
     compilation_cache.resolve_cache_dir(None)
 
 
+@pytest.mark.slow
 def test_second_process_reads_the_programs_the_first_wrote(tmp_path):
   """Two fresh processes compile the same program: the second is a cache hit."""
   script = textwrap.dedent(f'''

@@ -100,6 +100,7 @@ def test_frozen_parameters_are_bit_identical_after_dp_training():
   assert not np.array_equal(np.asarray(full['Dense_2/kernel']), before['Dense_2/kernel'])
 
 
+@pytest.mark.slow
 def test_lora_only_the_adapters_change_and_start_at_the_pretrained_model():
   params = _params()
   model, trainable = finetune.make_finetune(MODEL, params, freeze=('Dense_2/',), lora_rank=2,
@@ -129,6 +130,7 @@ def test_lora_only_the_adapters_change_and_start_at_the_pretrained_model():
                                - np.asarray(before['Dense_0/kernel'], np.float64), tol=1e-5) <= 2
 
 
+@pytest.mark.slow
 def test_attention_kernels_are_viewed_as_in_by_out_matrices():
   assert finetune.matrix_split('MultiHeadDotProductAttention_0/query/kernel', (64, 4, 16)) == 1
   assert finetune.matrix_split('MultiHeadDotProductAttention_0/out/kernel', (4, 16, 64)) == 2

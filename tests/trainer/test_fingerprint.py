@@ -26,6 +26,8 @@ from tests import independent
 from tests.run_configs import small_config
 from tests.run_configs import tree_digest
 
+pytestmark = pytest.mark.slow  # Whole trainings or child processes (`make test-unit` skips).
+
 
 def _configs(root):
   return {

@@ -22,6 +22,8 @@ from tests.trainer.test_checkpoints import metadata_at
 from tests.trainer.test_checkpoints import state_at
 from tests.trainer.test_checkpoints import write_run
 
+pytestmark = pytest.mark.slow  # Whole trainings or child processes (`make test-unit` skips).
+
 
 @pytest.fixture
 def disk(tmp_path):

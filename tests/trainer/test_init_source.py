@@ -79,6 +79,7 @@ def _digits_npz(path, rows):
   return path
 
 
+@pytest.mark.slow
 def test_b_from_a_on_d_permuted_or_d_minus_one_reports_the_composition(runs, tmp_path):
   """The attack: B starts from A's workdir on D with its rows permuted, or on D minus one row,
   so B's release depends on every record of D through both runs. B's ε must be that of A's 6
@@ -97,6 +98,7 @@ def test_b_from_a_on_d_permuted_or_d_minus_one_reports_the_composition(runs, tmp
     assert report.details['composed_with'] == [str(runs / 'given')]
 
 
+@pytest.mark.slow
 def test_a_run_from_an_export_reports_the_composition_everywhere_and_a_chain_composes_all(
     runs, tmp_path, capsys):
   """An export's params.npz (its card beside it) was taken as public on da06065: B reported its
@@ -133,6 +135,7 @@ def test_a_run_from_an_export_reports_the_composition_everywhere_and_a_chain_com
       _independent((N, a, STEPS), (N, b, 2), (N, c, 2), interval=1e-3), abs=1e-6)
 
 
+@pytest.mark.slow
 def test_declared_disjoint_data_is_this_run_alone_and_a_resume_cannot_change_the_sources(
     runs, tmp_path):
   """init_from_disjoint_data = True (recorded in the fingerprint): ε is B's alone; a resume
@@ -156,6 +159,7 @@ def test_declared_disjoint_data_is_this_run_alone_and_a_resume_cannot_change_the
     _plan(runs / 'given', init_from_disjoint_data=True)
 
 
+@pytest.mark.slow
 def test_calibration_meets_the_composed_target_or_refuses_a_spent_budget(runs, tmp_path):
   """σ of B (on D permuted) calibrated for a target ε = 3 after A is the smallest whose
   composition with A meets it (dp_accounting at 1e-3, the discretisation asked for: ≤ 3 at σ,
@@ -175,6 +179,7 @@ def test_calibration_meets_the_composed_target_or_refuses_a_spent_budget(runs, t
                                                        'privacy.target_epsilon': 1.5})
 
 
+@pytest.mark.slow
 def test_weights_without_a_card_are_public_and_runs_that_cannot_be_composed_are_refused(
     runs, tmp_path):
   """An .npz with no card and no dpjax workdir is assumed public, and said so; a non-private
@@ -222,6 +227,7 @@ def _export_a(runs, out):
   return export.export(str(runs / 'given'), str(out))
 
 
+@pytest.mark.slow
 def test_a_link_or_a_copy_of_an_exports_weights_composes_as_the_export_does(runs, tmp_path):
   """The attack on provenance: B's init_from is a symlink to A's exported params.npz placed in
   another directory, or a plain copy of the file there. B's release depends on A's training
@@ -246,6 +252,7 @@ def test_a_link_or_a_copy_of_an_exports_weights_composes_as_the_export_does(runs
   assert composed > _independent((N, b, 2), interval=1e-3) + 0.5  # B alone claims much less.
 
 
+@pytest.mark.slow
 def test_the_card_inside_the_weights_changes_no_parameter_and_only_its_removal_makes_them_public(
     runs, tmp_path):
   """A's export carries its card inside params.npz (the reserved entry), equal to the
@@ -280,6 +287,7 @@ def test_the_card_inside_the_weights_changes_no_parameter_and_only_its_removal_m
     assert '\n' not in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_fine_tuned_run_exports_and_resumes_only_with_the_weights_it_started_from(
     runs, tmp_path):
   """The attack on the frozen weights: B starts from A's export X with Dense_0 frozen; X's

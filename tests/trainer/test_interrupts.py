@@ -83,6 +83,7 @@ sys.exit(stop.exit_code)
 '''
 
 
+@pytest.mark.slow
 def test_a_child_process_saves_and_exits_with_128_plus_signal():
   proc = subprocess.Popen([sys.executable, '-c', CHILD], cwd=REPO, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
@@ -110,6 +111,7 @@ with interrupts.GracefulStop():
 """
 
 
+@pytest.mark.slow
 def test_a_third_ctrl_c_kills_a_stuck_process():
   proc = subprocess.Popen([sys.executable, '-c', STUCK], cwd=REPO, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
@@ -161,6 +163,7 @@ with interrupts.partial_output(sys.argv[1]) as staging:
 '''
 
 
+@pytest.mark.slow
 def test_exit_on_signals_removes_partial_output_ends_children_and_says_one_line(tmp_path):
   """A one-shot command's SIGTERM: its output being written is removed, the process it started
   is ended (it would outlive a process that exits at once), one line, exit 143. Fails on

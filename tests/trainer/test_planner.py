@@ -30,6 +30,7 @@ def plan():
   return batch_size_plan.plan_batch_sizes(N, EPS, DELTA, EPOCHS, SIZES, config=config)
 
 
+@pytest.mark.slow
 def test_sigma_is_the_calibration_training_uses(plan):
   """Each σ is calibrate_noise_multiplier called directly on the same sampler, steps and B (and
   the sensitivity 1 + η training pays for at that B), and make_accountant's ε at that σ is below
@@ -126,6 +127,7 @@ def test_bad_input_raises_before_compute(kwargs, match, monkeypatch):
     batch_size_plan.plan_batch_sizes(**args)
 
 
+@pytest.mark.slow
 def test_cli_end_to_end(tmp_path, capsys):
   out_json, out_png = tmp_path / 'plan.json', tmp_path / 'plan.png'
   assert planner.main(['--num_examples', '1000', '--epsilon', '2', '--delta', '1e-5',

@@ -52,6 +52,7 @@ def _course(tmp_path, name, capsys, outlier_target=None):
           sum(row.get('nonprivate_num_nonfinite_examples', 0) for row in rows))
 
 
+@pytest.mark.slow
 def test_a_record_with_a_non_finite_loss_does_not_change_the_course(tmp_path, capsys):
   """D = 800 regression rows + one whose target is 1e30 (its squared error overflows: a
   non-finite loss and gradient, dropped with zero contribution) against D minus that record:
@@ -68,6 +69,7 @@ def test_a_record_with_a_non_finite_loss_does_not_change_the_course(tmp_path, ca
     assert printed.count('Final: step 2, ') == 1
 
 
+@pytest.mark.slow
 def test_an_absurd_feature_is_refused_before_training(tmp_path):
   """The issue's record: one digits image with pixels × 1e30 (finite in float32). It is
   outside the public domain (|x| ≤ data.max_abs_feature after the preprocessing), so it is

@@ -52,6 +52,7 @@ def default_runs(tmp_path_factory):
   return root, out.getvalue()
 
 
+@pytest.mark.slow
 def test_an_attacker_rerunning_the_public_config_cannot_reproduce_the_release(default_runs):
   """The attack: the adversary knows the code, the config and every record but one, reruns
   dpjax on D and on D minus the record, and compares with the released parameters. With a
@@ -63,6 +64,7 @@ def test_an_attacker_rerunning_the_public_config_cannot_reproduce_the_release(de
   assert len(seeds) == 2
 
 
+@pytest.mark.slow
 def test_the_seed_is_stored_privately_and_nowhere_else(default_runs):
   root, out = default_runs
   workdir = root / 'victim'
@@ -84,6 +86,7 @@ def test_the_seed_is_stored_privately_and_nowhere_else(default_runs):
         assert str(seed).encode() not in f.read(), os.path.join(directory, name)
 
 
+@pytest.mark.slow
 def test_a_resume_reuses_the_stored_seed_and_a_missing_or_other_seed_is_refused(default_runs,
                                                                                tmp_path):
   workdir = str(tmp_path / 'run')
@@ -101,6 +104,7 @@ def test_a_resume_reuses_the_stored_seed_and_a_missing_or_other_seed_is_refused(
     train.train_and_evaluate(_default(num_steps=5), workdir)
 
 
+@pytest.mark.slow
 def test_a_given_seed_is_used_and_labelled_on_the_start_and_final_lines(tmp_path, capsys):
   train.train_and_evaluate(_default(seed=7), str(tmp_path / 'run'))
   out = capsys.readouterr().out
@@ -119,6 +123,7 @@ def test_drawn_seeds_use_all_64_bits_of_the_prng_key():
                         jax.random.key_data(jax.random.PRNGKey(5)))
 
 
+@pytest.mark.slow
 def test_each_run_gets_its_own_run_id_and_drawn_seeds_are_not_recorded(default_runs):
   """Two default runs (drawn seeds): each keeps its own run id in private/run.json (0600), and
   the seed record stays empty (drawn seeds are 63 secret bits: no other run has them). Fails on

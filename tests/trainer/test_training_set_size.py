@@ -47,6 +47,7 @@ def _release(tmp_path, rows: int, bound: int):
   return export.privacy_card(meta), [line.replace(str(path), '<data>') for line in lines]
 
 
+@pytest.mark.slow
 def test_with_a_public_bound_the_card_of_d_and_d_minus_one_row_are_identical(tmp_path):
   """The attack: D = the 1437 digits rows, D' = D minus its last row.
 

@@ -27,6 +27,7 @@ def start_holder(workdir, seconds=120):
   return proc
 
 
+@pytest.mark.slow
 def test_second_run_is_refused_naming_host_and_pid_then_stale_lock_is_taken_over(tmp_path, capsys):
   holder = start_holder(tmp_path)
   try:

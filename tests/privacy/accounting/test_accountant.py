@@ -147,6 +147,7 @@ def test_config_needs_exactly_one_length():
 # --- balls-and-bins ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_balls_and_bins_bounds_are_consistent():
   sampler = _sampler('balls_and_bins', 1000, 100)  # T = 10 bins
   # One process draws the Monte-Carlo samples (the estimate does not depend on the count:
@@ -176,6 +177,7 @@ def test_balls_and_bins_bounds_are_consistent():
   assert acct.epsilon_at(4).steps == 4
 
 
+@pytest.mark.slow
 def test_balls_and_bins_multi_epoch_composes_the_one_epoch_pld():
   sampler = _sampler('balls_and_bins', 1000, 100)  # T = 10
   acct = accountant_lib.Accountant(sampler, 1.0, DELTA, max_batch_size=None)
@@ -273,6 +275,7 @@ def test_balls_and_bins_truncation_penalty():
   assert tight.epsilon(200) == math.inf
 
 
+@pytest.mark.slow
 def test_random_allocation_pays_the_truncation_penalty_at_its_own_epsilon():
   # Regression (experiments/06_truncation): the penalty (1 + e^ε)·τ priced at the
   # deterministic ε (7.0 here) ate δ and gave ε = ∞, though the random-allocation PLD with the
@@ -305,6 +308,7 @@ def test_group_balls_and_bins_falls_back_to_deterministic():
 # --- the report -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_report_json_has_the_documented_keys():
   report = accountant_lib.Accountant(_sampler('shuffle', 1000, 100), 1.0, DELTA).epsilon_at(25)
   loaded = json.loads(report.to_json())
@@ -316,6 +320,7 @@ def test_report_json_has_the_documented_keys():
   assert loaded['epsilon'] == report.epsilon
 
 
+@pytest.mark.slow
 def test_epsilon_ahead_returns_the_accountants_own_reports():
   """Reports computed ahead on the background thread equal direct calls, estimates included."""
   from dpjax.privacy.accounting import ahead  # pylint: disable=import-outside-toplevel

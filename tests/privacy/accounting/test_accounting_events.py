@@ -42,6 +42,7 @@ def _rdp_epsilon(event, count):
 # --- Poisson ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_poisson_pld_and_rdp_match_dp_accounting():
   sampler = _sampler('poisson', 60_000, 256)
   q = 256 / 60_000
@@ -58,6 +59,7 @@ def test_poisson_pld_and_rdp_match_dp_accounting():
   assert pld.details['rdp_epsilon'] == pytest.approx(rdp.epsilon, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_poisson_exact_truncated_event_reference():
   # docs/accounting.md §1: N = 1e4, q = 0.01, σ = 1, 5000 steps, δ = 1e-5: ≈4.20 untruncated,
   # ≈5.60 at B = 130 (the penalty is large, so the exact truncated event decides).
@@ -76,6 +78,7 @@ def test_poisson_exact_truncated_event_reference():
   assert report.epsilon == pytest.approx(direct, rel=1e-9)
 
 
+@pytest.mark.slow
 def test_poisson_tv_truncation_penalty():
   sampler = _sampler('poisson', 10_000, 100)
   steps = 2000
@@ -138,6 +141,7 @@ def test_shuffle_upper_is_deterministic_never_poisson():
 # --- fixed size -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_fixed_size_mog_matches_dp_accounting():
   sampler = _sampler('fixed_size', 50_000, 120)
   steps = 416 * 20
@@ -153,6 +157,7 @@ def test_fixed_size_mog_matches_dp_accounting():
   assert rdp == report.details['fs_rdp_epsilon']
 
 
+@pytest.mark.slow
 def test_fixed_size_with_replacement_dominates_without():
   n, b, sigma, steps = 1000, 10, 3.0, 500
   wr = accountant_lib.Accountant(_sampler('fixed_size_with_replacement', n, b), sigma, DELTA,
@@ -176,6 +181,7 @@ def test_mixture_trimming_is_pessimistic():
 # --- group privacy ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_group_poisson_is_binomial_mog():
   sampler = _sampler('poisson', 10_000, 100)
   k, steps = 3, 500
@@ -190,6 +196,7 @@ def test_group_poisson_is_binomial_mog():
   assert one < report.epsilon < report.details['group_conversion_epsilon_comparison_only']
 
 
+@pytest.mark.slow
 def test_group_fixed_size_is_hypergeometric_mog():
   sampler = _sampler('fixed_size', 5000, 50)
   k, steps = 2, 300

@@ -40,6 +40,7 @@ def test_trimmed_with_replacement_event_dominates_the_exact_binomial_at_b256():
   assert points < 2e6  # ~1.1e6 grid points × components: seconds, not 24 GB.
 
 
+@pytest.mark.slow
 def test_trimming_is_pessimistic_and_close_to_the_untrimmed_event():
   """Small b, where the untrimmed mixture is cheap: trimmed ε >= untrimmed ε, and close."""
   n, b, sigma, steps, interval = 100, 8, 4.0, 20, 1e-2
@@ -59,6 +60,7 @@ def test_trimming_is_pessimistic_and_close_to_the_untrimmed_event():
   assert acct.epsilon(steps) == pytest.approx(exact, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_with_replacement_b1_is_the_poisson_gaussian_with_sensitivity_2():
   """b = 1: K ~ Bernoulli(1/N), MoG [0, 2]: the Poisson-subsampled Gaussian, σ/2 (closed form)."""
   n, sigma, steps = 1000, 2.0, 500
@@ -82,6 +84,7 @@ def test_group_size_above_batch_size_fails_fast_with_what_to_change(name, b, k):
   assert time.perf_counter() - start < 5
 
 
+@pytest.mark.slow
 def test_group_size_above_batch_size_fixed_size_is_capped_by_b():
   """Without replacement at most b of the k group members are in a batch: Hypergeometric
   support {0, ..., b}; ε matches dp_accounting with the exact pmf."""
@@ -120,6 +123,7 @@ def test_grid_estimate_matches_the_grid_dp_accounting_builds(event, interval, co
   assert estimate == pytest.approx(built * components, rel=1e-2)
 
 
+@pytest.mark.slow
 def test_too_small_cap_is_reported_as_the_cap_with_the_b_needed():
   """05e2da3 said 'target ε = 2.0 is not reached even with σ = 10000.0'."""
   n, b, steps, target = 60_000, 256, 235, 2.0

@@ -60,6 +60,7 @@ def test_one_step_is_the_gaussian_mechanism(cache, in_process_pld_builds):
     assert bound.epsilon == min(exact, bound.random_allocation_upper)
 
 
+@pytest.mark.slow
 def test_epoch_pld_is_the_library_pld_and_inside_its_adaptive_range(cache):
   sigma, steps, grid, tail = 1.0, 10, 0.02, 1e-8
   ours = balls_and_bins.random_allocation_epoch_pld(sigma, steps, discretization=grid,
@@ -75,6 +76,7 @@ def test_epoch_pld_is_the_library_pld_and_inside_its_adaptive_range(cache):
   assert mine_lower <= mine_upper <= 1.05 * upper
 
 
+@pytest.mark.slow
 def test_epochs_compose_the_one_epoch_pld(cache, in_process_pld_builds):
   sigma, steps = 1.0, 10
   bounds = [balls_and_bins.provable_epsilon(sigma, steps, DELTA, num_epochs=e) for e in (1, 3, 4)]
@@ -92,6 +94,7 @@ def test_epochs_compose_the_one_epoch_pld(cache, in_process_pld_builds):
   assert bounds[0].epsilon < bounds[1].epsilon < bounds[2].epsilon
 
 
+@pytest.mark.slow
 def test_cache_returns_identical_numbers_without_a_child(cache, monkeypatch):
   first = balls_and_bins.provable_epsilon(1.0, 10, DELTA, num_epochs=2)
 
@@ -128,6 +131,7 @@ def test_npz_round_trip_is_exact(tmp_path):
     np.testing.assert_array_equal(a._probs, b._probs)
 
 
+@pytest.mark.slow
 def test_timeout_falls_back_to_the_labelled_deterministic_bound(tmp_path, monkeypatch):
   monkeypatch.setenv('DPJAX_CACHE_DIR', str(tmp_path))
   monkeypatch.setattr(random_allocation, '_memo', {})
@@ -222,6 +226,7 @@ def test_group_size_uses_the_deterministic_bound():
   assert bound.random_allocation_upper is None and math.isfinite(bound.epsilon)
 
 
+@pytest.mark.slow
 def test_calibration_meets_the_target_in_few_builds(cache, monkeypatch, in_process_pld_builds):
   from dpjax.privacy.accounting import calibration  # pylint: disable=g-import-not-at-top
   builds = []

@@ -28,6 +28,7 @@ def _round_trip(sampler, target, steps, delta=DELTA, **kwargs):
   return sigma
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name, accountant', [
     ('poisson', 'pld'), ('poisson', 'rdp'), ('fixed_size', 'pld'), ('fixed_size', 'rdp'),
     ('deterministic', 'auto'), ('shuffle', 'auto'), ('shuffle', 'rdp')])
@@ -35,10 +36,12 @@ def test_round_trip(name, accountant):
   _round_trip(_sampler(name, 10_000, 100), 2.0, 1000, accountant=accountant)
 
 
+@pytest.mark.slow
 def test_round_trip_fixed_size_with_replacement():
   _round_trip(_sampler('fixed_size_with_replacement', 1000, 4), 0.1, 250)  # σ ≈ 4.4: a small grid.
 
 
+@pytest.mark.slow
 def test_round_trip_group_poisson():
   sigma_group = _round_trip(_sampler('poisson', 10_000, 100), 0.5, 500, group_size=2)
   sigma_one = calibration.calibrate_noise_multiplier(_sampler('poisson', 10_000, 100), 0.5, DELTA,
@@ -54,6 +57,7 @@ def test_round_trip_balls_and_bins_deterministic_fallback():
   assert sigma == pytest.approx(shuffle, rel=0.01)  # Both are the deterministic bound here.
 
 
+@pytest.mark.slow
 def test_round_trip_balls_and_bins_monte_carlo():
   sampler = _sampler('balls_and_bins', 500, 50)  # T = 10; δ = 1e-3 < 1/N.
   # One process draws the samples: the estimate does not depend on the worker count
@@ -66,6 +70,7 @@ def test_round_trip_balls_and_bins_monte_carlo():
   assert sigma < det
 
 
+@pytest.mark.slow
 def test_pld_calibration_is_fast():
   import time  # pylint: disable=g-import-not-at-top
   start = time.perf_counter()
@@ -73,6 +78,7 @@ def test_pld_calibration_is_fast():
   assert time.perf_counter() - start < 30  # < 10 s on an idle core; CI machines are shared.
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', ['poisson', 'shuffle'])
 def test_largest_number_of_steps(name):
   sampler = _sampler(name, 10_000, 100)

@@ -105,6 +105,7 @@ def test_shuffle_lower_bound_is_below_deterministic(epochs):
     assert 0 < lower <= gaussian_delta(epsilon, 1.0 / math.sqrt(epochs))
 
 
+@pytest.mark.slow
 def test_more_epochs_give_larger_lower_bounds():
   deltas = [max_test.balls_and_bins_lower_bound_delta(1.0, 50, 1.0, num_epochs=e)
             for e in (1, 2, 4)]
@@ -131,6 +132,7 @@ def test_epsilon_is_zero_when_delta_is_above_the_zero_epsilon_divergence():
   assert max_test.balls_and_bins_lower_bound_epsilon(10.0, 100, 0.5) == 0.0
 
 
+@pytest.mark.slow
 def test_lower_bound_epsilon_is_below_random_allocation_upper_bound():
   # pld-accounting's provable upper bound for random allocation (Feldman & Shenfeld).
   import PLD_accounting  # pylint: disable=g-import-not-at-top

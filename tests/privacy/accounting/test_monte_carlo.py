@@ -61,6 +61,7 @@ def test_kl_bounds_solve_the_chernoff_equation_and_cover():
   assert np.mean([lcb[x] > p for x in means]) <= beta
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('sigma,q,num_steps', [(1.0, 0.1, 10), (0.8, 0.05, 40), (1.5, 1.0, 1)])
 def test_poisson_pair_reproduces_dp_accounting_pld(sigma, q, num_steps):
   # The acceptance test of the estimator (docs/accounting.md §2): the PLD value, computed here
@@ -136,6 +137,7 @@ def test_conditioned_top_order_statistic():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('num_steps,epochs,epsilons', [
     (10, 1, [0.5, 1.0, 2.0]),
     (100, 1, [0.0, 0.3]),
@@ -187,6 +189,7 @@ def test_coarse_order_statistics_stay_pessimistic_in_each_direction():
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('epochs', [1, 2])
 def test_lower_bound_below_estimate_below_ucb_below_deterministic(epochs):
   sigma, num_steps = 0.6, 100
@@ -232,6 +235,7 @@ def test_epsilon_between_lower_bound_and_deterministic(method):
     assert lower * 0.98 <= result.epsilon_point
 
 
+@pytest.mark.slow
 def test_epsilon_brackets_random_allocation_pld_range():
   # pld-accounting (Feldman & Shenfeld) proves ε ∈ [lower, upper] for random allocation.
   import PLD_accounting  # pylint: disable=g-import-not-at-top
@@ -316,6 +320,7 @@ def _meet_and_sum(path: str, parent: int, task: tuple) -> tuple[int, np.ndarray]
   return os.getpid(), parallel.sum_chunk(*task)
 
 
+@pytest.mark.slow
 def test_run_shares_tasks_with_a_spawned_process_which_computes_the_same_bits(tmp_path):
   # The caller takes tasks from the back, the spawned worker from the front: task 1 runs here
   # and waits for the worker, which must have taken task 0. Both compute the same chunk, to

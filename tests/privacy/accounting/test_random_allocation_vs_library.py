@@ -88,6 +88,7 @@ def _library_epsilon(steps, sigma, grid, tail, bound_type):
       bound_type=bound_type)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('steps,sigma', CASES)
 def test_dpjax_epsilon_is_the_library_dominating_pld_inside_its_range(cache, steps, sigma):
   report = _dpjax_report(steps, sigma)
@@ -135,6 +136,7 @@ def test_dpjax_epsilon_is_the_library_dominating_pld_inside_its_range(cache, ste
     assert grid <= default.discretization
 
 
+@pytest.mark.slow
 def test_issue_numbers(cache):
   """The case of the issue: dpjax 0.9972 inside the public range [0.9678, 1.0143]."""
   report = _dpjax_report(10, 1.4851)

@@ -67,6 +67,7 @@ def test_max_bound_closed_form_without_delta():
       pytest.approx(math.log(p / (1 - p)), rel=1e-5))
 
 
+@pytest.mark.slow
 def test_gaussian_mechanism_bound_is_valid_and_informative():
   """Scores S_j·μ + N(0, 1): each canary sees a Gaussian mechanism of sensitivity μ."""
   mu, m, trials = 1.0, 1000, 100
@@ -143,6 +144,7 @@ def digits():
   return config, model, train
 
 
+@pytest.mark.slow
 def test_injected_canary_gradient_is_its_clipped_direction_times_its_coin(digits):
   config, model, train = digits
   params = prng.init_params(model, 0, train.input_shape)
@@ -182,6 +184,7 @@ def _audit(config, run):
 M = 200  # canaries in the training tests
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('bug', [None, *audited_sgd.PLANTED_BUGS])
 def test_planted_bugs_are_flagged_and_correct_code_is_not(digits, bug):
   config, model, train = digits
@@ -212,6 +215,7 @@ def test_non_private_run_reaches_half_the_largest_bound(digits):
   assert audit.epsilon_lower >= largest / 2, (audit, largest)
 
 
+@pytest.mark.slow
 def test_cli_recomputes_the_audit_of_a_saved_run(digits, tmp_path, capsys):
   config, model, train = digits
   run = audited_sgd.train(plan_lib.audit_settings(config), model, train, num_canaries=M, _bug='noise_tenth')

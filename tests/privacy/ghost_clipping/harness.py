@@ -160,3 +160,57 @@ class Uncovered(nn.Module):
   @nn.compact
   def __call__(self, x):
     return nn.Dense(K)(jnp.tanh(Scaled()(nn.Dense(4)(x))))
+
+
+def rule_on(module, theta, a, d):
+  """One call of `module` through its registered rule: (‖g_i‖² [n], grads, operands) from the
+  inputs a [n, *in] and the output gradients d [n, *out] (`backward.layer_norms`)."""
+  rule = ghost_clipping.RULES[type(module)]
+  in_aval = jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+  out_aval = jax.eval_shape(lambda: module.apply({'params': theta}, a[0]))
+  layer = ghost_clipping.Layer(None, rule, module, (), tuple(theta), in_aval, out_aval)
+  return jax.jit(lambda t, a, d: ghost_clipping.backward.layer_norms(layer, t, a, d))(theta, a, d)
+
+
+def float64_grads(module, theta, a, d):
+  """Per-example gradients g_i = ∂⟨d_i, module(θ, a_i)⟩/∂θ in float64 (vmap of the layer's own
+  vjp, x64 enabled): the reference the rules are held to. Returns ({name: [n, *shape]}, ‖g_i‖²)."""
+  with jax.enable_x64(True):
+    theta64 = jax.tree.map(lambda t: np.asarray(t, np.float64), theta)
+    a64 = np.asarray(a, np.float64) if np.issubdtype(a.dtype, np.floating) else np.asarray(a)
+
+    def one(a_i, d_i):
+      _, vjp = jax.vjp(lambda t: module.apply({'params': t}, a_i), theta64)
+      return vjp(d_i)[0]
+    with jax.default_matmul_precision('highest'):
+      grads = jax.jit(jax.vmap(one))(a64, np.asarray(d, np.float64))
+    grads = jax.tree.map(np.asarray, grads)
+  n = len(a)
+  return grads, sum(np.sum(g.reshape(n, -1)**2, axis=1) for g in jax.tree.leaves(grads))
+
+
+def assert_rule_matches_float64(module, theta, a, d, scale=None, rtol=2e-5, reference=None):
+  """The rule's norms against float64 per-example gradients: never below them, and above by at
+  most the cancellation allowance ε·M + √(2η)·M of `mixed.with_allowance` (M = `scale` [n],
+  Σ_s ‖a_s‖‖δ_s‖; None: no allowance, relative rtol only); kept grads and dense operands
+  (Σ_i f_i a_iᵀ d_i) equal the reference's (`float64_grads`, computed unless given). Returns
+  (got, want)."""
+  got, grads, operands = jax.tree.map(np.asarray, rule_on(module, theta, a, d))
+  want_grads, want = reference or float64_grads(module, theta, a, d)
+  got = got.astype(np.float64)
+  assert np.all(got >= want * (1 - rtol)), (got, want)
+  eps, eta = ghost_clipping.mixed.cancellation_allowance()
+  slack = 0 if scale is None else (eps + np.sqrt(2 * eta)) * np.asarray(scale, np.float64)
+  np.testing.assert_array_less(np.sqrt(got), np.sqrt(want) * (1 + rtol) + slack + 1e-30)
+  if grads is not None:
+    for name, g in grads.items():
+      np.testing.assert_allclose(g, want_grads[name], rtol=1e-5, atol=1e-6 * np.max(
+          np.abs(want_grads[name])), err_msg=name)
+  if operands is not None:  # The clipped sum Σ_i f_i g_i of the kernel from the operands.
+    a2, d2 = (np.asarray(o, np.float64) for o in operands)
+    f = np.linspace(0.1, 1.0, len(a))
+    kernel = want_grads['kernel']
+    want_sum = np.tensordot(f, kernel.reshape(len(a), a2.shape[-1], -1), axes=1)
+    np.testing.assert_allclose(np.einsum('n,nsm,nsc->mc', f, a2, d2), want_sum, rtol=1e-5,
+                               atol=1e-6 * np.max(np.abs(want_sum)))
+  return got, want

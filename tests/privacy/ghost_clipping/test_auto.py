@@ -91,6 +91,7 @@ def test_dp_step_auto_is_ghost_equals_vmap_and_compiles_once(caplog):
   assert int(results['auto'][1]['num_clipped']) > 0
 
 
+@pytest.mark.slow
 def test_clipping_code_does_not_import_models():
   """The rules live in dpjax.privacy.ghost_clipping; models register theirs (WSConv), not vice versa."""
   import subprocess  # pylint: disable=import-outside-toplevel

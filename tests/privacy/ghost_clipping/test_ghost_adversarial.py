@@ -222,6 +222,7 @@ def _worst(name, ghost):
   return worst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('ghost', [True, False], ids=['ghost', 'materialised'])
 @pytest.mark.parametrize('name', ['dense', 'dense_general', 'conv', 'wsconv', 'embed', 'norm'])
 def test_each_contribution_as_summed_has_norm_at_most_c(name, ghost):

@@ -222,6 +222,7 @@ LAYERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', LAYERS)
 def test_each_nnx_layer_matches_per_example_gradients(name):
   make_layer, shape, vocab, rule = LAYERS[name]
@@ -318,6 +319,7 @@ def test_nnx_network_is_its_linen_twin(name):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_default_hyper_parameters_have_the_linen_parameter_counts():
   """Abstractly (no initialisation): the paper CNN (26,010 on 28x28x1), the default ViT on
   32x32x3 and an MLP."""
@@ -333,6 +335,7 @@ def test_default_hyper_parameters_have_the_linen_parameter_counts():
       lambda: cnn.NNXCNN((28, 28, 1), 10, rngs=nnx.Rngs(0))), nnx.Param)) == 26010
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', sorted(NETWORKS))
 def test_nnx_network_ghost_clipping_matches_per_example_gradients(name):
   make, _, shape = NETWORKS[name]

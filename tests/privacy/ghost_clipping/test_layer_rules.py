@@ -14,6 +14,7 @@ from dpjax.privacy import losses
 from tests.privacy.ghost_clipping import harness
 
 
+@pytest.mark.slow
 def test_every_layer_type_matches_per_example_gradients():
   x, y = harness.inputs((6, 6, 3), 7, seed=100)
   coverage = harness.assert_matches_vmap(harness.AllLayers(), x, y)
@@ -55,6 +56,7 @@ def test_layer_forms_follow_the_mixed_rule_from_each_calls_shapes():
       assert (match[1] == 'ghost') == (s * (m + c) < m * c), line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('ghost', [True, False], ids=['all_ghost', 'all_materialised'])
 def test_ghost_and_materialised_forms_give_the_same_clipped_sum_for_every_layer(ghost):
   """Each layer forced to one form of the mixed rule (and Embed's): norms and clipped

@@ -32,6 +32,7 @@ MODELS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', sorted(MODELS))
 def test_each_model_matches_per_example_gradients(name):
   cfg, shape, vocab = MODELS[name]
