@@ -22,6 +22,8 @@ import pytest
 
 from dpjax.privacy.child_env import child_env
 
+pytestmark = pytest.mark.slow  # Child interpreters, one per command line.
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The modules no --help or argument error needs; their imports take seconds.
 HEAVY = ('jax', 'flax', 'optax', 'orbax.checkpoint', 'tensorflow_datasets', 'tensorflow')

@@ -68,6 +68,7 @@ def _fake_timing(monkeypatch, against_flops: bool = False, seconds=None):
   return calls
 
 
+@pytest.mark.slow  # Compiles a four-layer convnet three ways (12-17 s cold).
 def test_forms_opposite_to_the_flop_rule_give_the_same_clipped_sum_and_bound_a_neighbour(
     monkeypatch, tmp_path):
   """Measurement that makes every layer take the form the FLOP rule would not: the step runs
