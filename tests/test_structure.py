@@ -185,3 +185,27 @@ def test_no_module_re_exports_names_it_does_not_use():
                  for n in _unused_dpjax_imports(ast.parse(path.read_text())))
   assert _unused_dpjax_imports(ast.parse('from dpjax.a import b, c\nb()\n')) == ['c']
   assert found == []
+
+
+def test_no_import_cycle_even_through_type_checking_imports():
+  """Issue 35: accounting/accountant.py ↔ analyses.py was a cycle through an import under
+  `if TYPE_CHECKING:` (the analyses now name the accountant's interface as a Protocol)."""
+  modules = _modules()
+
+  def resolve(name: str) -> str:
+    while name not in modules and '.' in name:
+      name = name.rsplit('.', 1)[0]
+    return name
+
+  graph = {}
+  for name, path in modules.items():
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        targets |= {resolve(a.name) for a in node.names if a.name.startswith('dpjax')}
+      elif isinstance(node, ast.ImportFrom) and (node.module or '').startswith('dpjax'):
+        targets |= {f'{node.module}.{a.name}' if f'{node.module}.{a.name}' in modules
+                    else resolve(node.module) for a in node.names}
+    graph[name] = {t for t in targets if t in modules and t != name
+                   and not name.startswith(t + '.')}
+  assert find_cycle(graph) == []

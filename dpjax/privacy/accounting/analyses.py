@@ -26,7 +26,7 @@ function here and one entry in `ANALYSES` (docs/design.md, "Adding a sampler").
 from __future__ import annotations
 
 import math
-from typing import Any, TYPE_CHECKING
+from typing import Any, Protocol
 
 from dp_accounting.rdp import rdp_privacy_accountant
 
@@ -37,8 +37,35 @@ from dpjax.privacy.accounting import monte_carlo
 from dpjax.privacy.accounting import sampler_events
 from dpjax.privacy.accounting.report import PrivacyReport
 
-if TYPE_CHECKING:
-  from dpjax.privacy.accounting.accountant import Accountant
+
+
+class Accountant(Protocol):
+  """What an analysis (and `composition`) reads of `accountant.Accountant`, which imports
+  both modules: they name its interface here rather than import it back."""
+  sampler: Any
+  noise_multiplier: float
+  prior_runs: tuple
+  is_epoch_based: bool
+  accountant: str  # 'pld', 'rdp' or 'monte_carlo'.
+  accounted_noise_multiplier: float  # σ / (1 + η).
+  delta: float
+  group_size: int
+  max_batch_size: int
+  beta: float
+  exact_truncation: bool
+  monte_carlo_estimate: bool
+  monte_carlo_workers: int | None
+  random_allocation: Any  # 'auto', True or False: use the random-allocation PLD.
+  random_allocation_timeout: float
+  steps_per_epoch: int
+  sampling_probability: float
+
+  def composed_pld(self, event: Any, count: int, *args, **kwargs) -> Any: ...
+  def pld_grid(self, event: Any, count: int) -> dict: ...
+  def log_truncation_mass(self, num_steps: int) -> float: ...
+  def epochs_started(self, step: int) -> int: ...
+  def report(self, unit: int, epsilon: float, details: dict, **kwargs) -> PrivacyReport: ...
+  def monte_carlo_epsilon(self, epochs: int, delta0: float) -> Any: ...
 
 # Poisson truncation whose TV penalty costs less than this fraction of δ is accounted by the
 # TV argument alone; above it the exact truncated event is computed too.

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, TYPE_CHECKING
+from typing import Any
 
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
@@ -34,8 +34,7 @@ from dpjax.privacy.accounting import analyses
 from dpjax.privacy.accounting import balls_and_bins
 from dpjax.privacy.accounting.report import PrivacyReport
 
-if TYPE_CHECKING:
-  from dpjax.privacy.accounting.accountant import Accountant
+Accountant = analyses.Accountant  # Its interface (accountant.py imports this module).
 
 # The privacy fingerprint's field listing the prior runs (`PriorRun.fingerprint`), if any.
 FINGERPRINT_FIELD = 'privacy.prior_runs'
