@@ -150,7 +150,8 @@ class DPStep:
     self.augmult = augmult if augmult is not None and augmult.num_views > 1 else None
     loss_fn = losses.make_loss_fn(model, label_format, precision, views=self.augmult is not None,
                            loss=loss)
-    self._sum_fn = self._clipped_sum_fn(loss_fn, clipping, clip_norm, noise_multiplier, clipping_forms)
+    self._sum_fn = self._clipped_sum_fn(loss_fn, clipping, clip_norm, noise_multiplier,
+                                        clipping_forms)
     if sum_fn_wrapper is not None:  # e.g. audit canaries: (params, batch) -> (sum, stats).
       self._sum_fn = sum_fn_wrapper(self._sum_fn)
     self.seed = seed

@@ -71,13 +71,13 @@ class CallPacer:
   A signal is seen between calls, and `dispatched` returns once at most `max_in_flight` = 2
   calls are unfinished, so a signal finds the call running and at most two queued (the
   latest dispatched while the loop waited): a call of one slow step lets SIGTERM stop the run
-  within about three steps (measured from outside by test_train_survival). Without that bound jax's asynchronous dispatch
-  ran ahead of the device: a run of ~0.3 s steps had queued ~35 more when SIGTERM came, and
-  saving waited for all of them. (Where the host loop stacks a call's metrics, the last
-  slot's EMA update may still run when they are ready: the bound is then one short update
-  looser.) Adaptive: `limit()` is 1 until a step's duration is known
-  (`observe`), then max(1, min(S, target / step time)); otherwise S. Which steps run, and
-  their results, do not depend on it.
+  within about three steps (measured from outside by test_train_survival). Without that
+  bound jax's asynchronous dispatch ran ahead of the device: a run of ~0.3 s steps had
+  queued ~35 more when SIGTERM came, and saving waited for all of them. (Where the host
+  loop stacks a call's metrics, the last slot's EMA update may still run when they are
+  ready: the bound is then one short update looser.) Adaptive: `limit()` is 1 until a
+  step's duration is known (`observe`), then max(1, min(S, target / step time)); otherwise
+  S. Which steps run, and their results, do not depend on it.
   """
 
   def __init__(self, size: int, target_seconds: float = 0.5, adaptive: bool = True,

@@ -174,7 +174,8 @@ class PrivacyPlan:
                                                      accountant=accountant, **options)
       source = 'calibrated'
     else:
-      sigma, source = _checks.check_noise_multiplier(noise_multiplier), noise_multiplier_source or 'given'
+      sigma = _checks.check_noise_multiplier(noise_multiplier)
+      source = noise_multiplier_source or 'given'
     options.update(accountant=accountant, num_steps=num_steps)
     acct = accountant_lib.Accountant(sampler, sigma, delta, **options)
     plan = cls(sampler=sampler, num_steps=num_steps, clip_norm=clip_norm, noise_multiplier=sigma,

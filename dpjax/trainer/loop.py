@@ -229,8 +229,8 @@ class Loop:
     if stopping and done < last_step:
       raise self._stop(RunInterrupted(
           f'stopped by {self.signals.signal_name} after step {done} of {last_step} '
-          f'({done - self.signals.progress_at_signal} steps dispatched after it arrived); checkpoint '
-          f'{done} saved. Rerun the same command to resume.', self.signals.exit_code))
+          f'({done - self.signals.progress_at_signal} steps dispatched after it arrived); '
+          f'checkpoint {done} saved. Rerun the same command to resume.', self.signals.exit_code))
 
   def _fetch(self, state: TrainState) -> tuple[list[dict], float]:
     """(per-step metrics since the latest log, their mean loss), in one host sync;

@@ -1,10 +1,11 @@
 """Settings that change how fast a run goes and how much memory it takes, never what it releases.
 
 `Perf` holds them as a type: the physical batch size P, the logical steps per compiled
-call, the data-parallel device count, the compilation cache and how clipping forms are chosen. The privacy fingerprint
-(`dpjax.trainer.fingerprint.run_fingerprint`) takes no `Perf`, so none of these can enter ε
-or block a resume: that is by construction, not a list of exceptions. P matters to privacy
-only through the cap B (a multiple of P), which the plan resolves and fingerprints itself.
+call, the data-parallel device count, the compilation cache and how clipping forms are
+chosen. The privacy fingerprint (`dpjax.trainer.fingerprint.run_fingerprint`) takes no
+`Perf`, so none of these can enter ε or block a resume: that is by construction, not a list
+of exceptions. P matters to privacy only through the cap B (a multiple of P), which the plan
+resolves and fingerprints itself.
 `config.precision` is not among them: its matmul format sets η, the float rounding that ε
 pays for (`dpjax.privacy.rounding`).
 """

@@ -130,6 +130,7 @@ def test_delta_at_or_above_one_over_n_is_refused_unless_allowed():
           '10', '--noise-multiplier', '1.0')
   out = _process(*base, '--delta', '0.5')  # A real process: exit code, one line, no traceback.
   assert out.returncode == 2 and 'delta = 0.5 is >= 1/N' in out.stderr
+  assert '--allow-large-delta' in out.stderr  # The flag a user of this command can type.
   assert len(out.stderr.strip().splitlines()) == 1 and 'Traceback' not in out.stderr
   assert out.stdout == ''
   got = json.loads(_run(*base, '--delta', '0.5', '--allow-large-delta', '--json').stdout)

@@ -201,7 +201,8 @@ class Accountant:
     self.sensitivity = sampler_events.check_sensitivity(sensitivity)
     self.accounted_noise_multiplier = self.noise_multiplier / self.sensitivity
     self.delta = checks.check_delta(delta, num_examples=sampler.num_examples,
-                                    allow_large_delta=allow_large_delta, warn=False)
+                                    allow_large_delta=allow_large_delta, warn=False,
+                                    flag='allow_large_delta=True (--allow-large-delta)')
     self.allow_large_delta = bool(allow_large_delta)
     self.group_size = _check_group_size(group_size, sampler.num_examples)
     self.accountant = resolve_accountant(sampler.name, accountant, self.group_size)
