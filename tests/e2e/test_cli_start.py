@@ -131,15 +131,3 @@ def test_an_accounting_answer_imports_no_training_library(runs):
   assert report['accountant'] == 'rdp' and report['steps'] == 10 and report['epsilon'] > 0
   assert 'dp_accounting' in modules  # The answer's own library: the check sees imports.
   assert sorted(modules.intersection(NOT_FOR_ACCOUNTING)) == []
-
-
-def test_the_names_the_flags_offer_are_the_registries():
-  """`names` lists the samplers and accountants without importing them; these are the ones."""
-  from dpjax.privacy import names  # pylint: disable=import-outside-toplevel
-  from dpjax.privacy import samplers  # pylint: disable=import-outside-toplevel
-  from dpjax.privacy.accounting import accountant  # pylint: disable=import-outside-toplevel
-  assert names.SAMPLER_NAMES == samplers.SAMPLER_NAMES  # The registry's keys, in its order.
-  assert all(samplers.sampler_class(name).name == name for name in names.SAMPLER_NAMES)
-  assert accountant.ACCOUNTANTS is names.ACCOUNTANTS
-  with pytest.raises(ValueError, match='valid: auto, pld, rdp, monte_carlo'):
-    accountant.resolve_accountant('poisson', 'nope')

@@ -296,3 +296,15 @@ def test_every_sampler_names_an_analysis_the_accountant_has(name):
   cls = samplers.sampler_class(name)
   assert cls.analysis in analyses.ANALYSES
   assert set(cls.group_accountants) <= set(cls.accountants) | {'pld'}
+
+
+def test_the_names_the_flags_offer_are_the_registries():
+  """`names` lists the samplers and accountants without importing them; these are the ones."""
+  from dpjax.privacy import names  # pylint: disable=import-outside-toplevel
+  from dpjax.privacy import samplers  # pylint: disable=import-outside-toplevel
+  from dpjax.privacy.accounting import accountant  # pylint: disable=import-outside-toplevel
+  assert names.SAMPLER_NAMES == samplers.SAMPLER_NAMES  # The registry's keys, in its order.
+  assert all(samplers.sampler_class(name).name == name for name in names.SAMPLER_NAMES)
+  assert accountant.ACCOUNTANTS is names.ACCOUNTANTS
+  with pytest.raises(ValueError, match='valid: auto, pld, rdp, monte_carlo'):
+    accountant.resolve_accountant('poisson', 'nope')
