@@ -25,7 +25,8 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
   return skip
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
+  """Module -> the dpjax modules it imports (`if TYPE_CHECKING:` imports only if asked)."""
   modules = _modules()
 
   def resolve(name: str) -> str:
@@ -36,7 +37,7 @@ def import_graph() -> dict[str, set[str]]:
   graph = {}
   for name, path in modules.items():
     tree = ast.parse(path.read_text())
-    skip = _type_checking_only(tree)
+    skip = set() if type_checking else _type_checking_only(tree)
     targets = set()
     for node in ast.walk(tree):
       if id(node) in skip:
@@ -190,22 +191,7 @@ def test_no_module_re_exports_names_it_does_not_use():
 def test_no_import_cycle_even_through_type_checking_imports():
   """Issue 35: accounting/accountant.py ↔ analyses.py was a cycle through an import under
   `if TYPE_CHECKING:` (the analyses now name the accountant's interface as a Protocol)."""
-  modules = _modules()
-
-  def resolve(name: str) -> str:
-    while name not in modules and '.' in name:
-      name = name.rsplit('.', 1)[0]
-    return name
-
-  graph = {}
-  for name, path in modules.items():
-    targets = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-      if isinstance(node, ast.Import):
-        targets |= {resolve(a.name) for a in node.names if a.name.startswith('dpjax')}
-      elif isinstance(node, ast.ImportFrom) and (node.module or '').startswith('dpjax'):
-        targets |= {f'{node.module}.{a.name}' if f'{node.module}.{a.name}' in modules
-                    else resolve(node.module) for a in node.names}
-    graph[name] = {t for t in targets if t in modules and t != name
-                   and not name.startswith(t + '.')}
+  graph = import_graph(type_checking=True)
+  for name in graph:
+    graph[name] = {t for t in graph[name] if not name.startswith(t + '.')}
   assert find_cycle(graph) == []
