@@ -63,10 +63,11 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
     raise ValueError(f'--config {spec!r}: {path!r} defines no get_config().')
 
   def call(value):
-    try:
-      config = module.get_config(value)
+    try:  # Without an argument, get_config() as ml_collections calls it: `def get_config():`.
+      config = module.get_config() if value is None else module.get_config(value)
     except Exception as e:  # pylint: disable=broad-except
-      raise ValueError(f'--config {spec!r}: get_config({value!r}) in {path!r} raised '
+      shown = '' if value is None else repr(value)
+      raise ValueError(f'--config {spec!r}: get_config({shown}) in {path!r} raised '
                        f'{type(e).__name__}: {str(e).rstrip(".")}.') from None
     if not isinstance(config, ml_collections.ConfigDict):
       raise ValueError(f'--config {spec!r}: get_config() in {path!r} returned a '

@@ -469,7 +469,7 @@ CONFIG_FILE_CASES = [
     ('  c.num_steps = 10.0\n', r"Could not override field 'num_steps'"),
     ('  c.max_nonfinite_fraction = 0.01\n', r'max_nonfinite_fraction: this field was removed: '
                                            r'.*data.max_abs_feature'),
-    ('  raise RuntimeError("my bug")\n', r"get_config\(None\) in .*my_config.py' raised "
+    ('  raise RuntimeError("my bug")\n', r"get_config\(\) in .*my_config.py' raised "
                                           r'RuntimeError: my bug'),
     ('  c = {"seed": 1}\n', r'returned a dict, not an ml_collections.ConfigDict'),
 ]
@@ -493,6 +493,19 @@ def test_an_unknown_config_argument_is_refused(tmp_path):
   path.write_text('from dpjax.trainer import config_fields\n\n\ndef get_config(arg=None):\n'
                   '  return config_fields.default_config()\n')
   with pytest.raises(ValueError, match=r"the argument 'runlocal' changes nothing"):
+    cli.load_config_file(f'{path}:runlocal')
+
+
+def test_a_config_whose_get_config_takes_no_argument_loads(tmp_path):
+  """ml_collections' idiom `def get_config():` was refused ('get_config(None) … raised
+  TypeError: get_config() takes 0 positional arguments but 1 was given'); an argument given to
+  it is still refused in one line."""
+  from dpjax.trainer import cli  # pylint: disable=import-outside-toplevel
+  path = tmp_path / 'zero_args.py'
+  path.write_text('from dpjax.trainer import config_fields\n\n\ndef get_config():\n'
+                  '  c = config_fields.default_config()\n  c.num_epochs = 3\n  return c\n')
+  assert cli.load_config_file(str(path)).num_epochs == 3
+  with pytest.raises(ValueError, match=r"get_config\('runlocal'\) in .* raised TypeError"):
     cli.load_config_file(f'{path}:runlocal')
 
 
