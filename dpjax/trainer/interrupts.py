@@ -51,10 +51,21 @@ def interrupt_before_the_loop(signum: int, frame: FrameType | None) -> None:
 
 def drop_lost_interrupts(unraisable) -> None:
   """`sys.unraisablehook`: a KeyboardInterrupt that Python had to drop after
-  `interrupt_before_the_loop` is silent (it is raised again); anything else as by default."""
+  `interrupt_before_the_loop` is silent and delivered again (SIGINT to this process 50 ms
+  later, from a timer thread, so its handler runs outside the gc callback or `__del__` that
+  dropped it): start-up stops within moments, not minutes of σ calibration later at the loop's
+  start. Anything else is reported as by default."""
   if _BEFORE_THE_LOOP['interrupted'] and issubclass(unraisable.exc_type, KeyboardInterrupt):
+    deliver_sigint_again()
     return
   sys.__unraisablehook__(unraisable)
+
+
+def deliver_sigint_again(delay: float = 0.05) -> None:
+  """SIGINT to this process after `delay` seconds, from a daemon timer thread."""
+  timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+  timer.daemon = True
+  timer.start()
 
 
 class StillRunning(Exception):
