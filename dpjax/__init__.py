@@ -61,31 +61,32 @@ from dpjax.privacy.lazy_exports import lazy_exports
 # every `python -m dpjax.<command>` runs first, is instant and an early Ctrl-C is the
 # command's to handle.
 _EXPORTS = {
-    # Tier 1.
-    'Sampler': ('dpjax.privacy.samplers', 'Sampler'),
-    'PoissonSampler': ('dpjax.privacy.samplers', 'PoissonSampler'),
-    'BallsAndBinsSampler': ('dpjax.privacy.samplers', 'BallsAndBinsSampler'),
-    'ShuffleSampler': ('dpjax.privacy.samplers', 'ShuffleSampler'),
-    'DeterministicSampler': ('dpjax.privacy.samplers', 'DeterministicSampler'),
-    'FixedSizeSampler': ('dpjax.privacy.samplers', 'FixedSizeSampler'),
-    'FixedSizeWithReplacementSampler': ('dpjax.privacy.samplers',
-                                        'FixedSizeWithReplacementSampler'),
-    'make_sampler': ('dpjax.privacy.samplers', 'make'),
-    'Batcher': ('dpjax.privacy.batching', 'Batcher'),
-    'clipped_grad': ('dpjax.privacy.clipping', 'clipped_grad'),
-    'PerExample': ('dpjax.privacy.clipping', 'PerExample'),
-    'GradSum': ('dpjax.privacy.accumulator', 'GradSum'),
-    'gaussian_privatizer': ('dpjax.privacy.noise', 'gaussian_privatizer'),
-    'GaussianNoiseState': ('dpjax.privacy.noise_state', 'GaussianNoiseState'),
-    'Accountant': ('dpjax.privacy.accounting.accountant', 'Accountant'),
-    'PrivacyReport': ('dpjax.privacy.accounting.report', 'PrivacyReport'),
-    'calibrate_noise_multiplier': ('dpjax.privacy.accounting.calibration',
-                                   'calibrate_noise_multiplier'),
-    'max_num_steps': ('dpjax.privacy.accounting.calibration', 'max_num_steps'),
-    'NNXFunctional': ('dpjax.models.functional', 'Functional'),
-    # Tier 2.
-    'PrivacyPlan': ('dpjax.privacy.privacy_plan', 'PrivacyPlan'),
-    'DPStep': ('dpjax.privacy.dp_step', 'DPStep'),
+  # Tier 1.
+  'Sampler': ('dpjax.privacy.samplers', 'Sampler'),
+  'PoissonSampler': ('dpjax.privacy.samplers', 'PoissonSampler'),
+  'BallsAndBinsSampler': ('dpjax.privacy.samplers', 'BallsAndBinsSampler'),
+  'ShuffleSampler': ('dpjax.privacy.samplers', 'ShuffleSampler'),
+  'DeterministicSampler': ('dpjax.privacy.samplers', 'DeterministicSampler'),
+  'FixedSizeSampler': ('dpjax.privacy.samplers', 'FixedSizeSampler'),
+  'FixedSizeWithReplacementSampler': ('dpjax.privacy.samplers', 'FixedSizeWithReplacementSampler'),
+  'make_sampler': ('dpjax.privacy.samplers', 'make'),
+  'Batcher': ('dpjax.privacy.batching', 'Batcher'),
+  'clipped_grad': ('dpjax.privacy.clipping', 'clipped_grad'),
+  'PerExample': ('dpjax.privacy.clipping', 'PerExample'),
+  'GradSum': ('dpjax.privacy.accumulator', 'GradSum'),
+  'gaussian_privatizer': ('dpjax.privacy.noise', 'gaussian_privatizer'),
+  'GaussianNoiseState': ('dpjax.privacy.noise_state', 'GaussianNoiseState'),
+  'Accountant': ('dpjax.privacy.accounting.accountant', 'Accountant'),
+  'PrivacyReport': ('dpjax.privacy.accounting.report', 'PrivacyReport'),
+  'calibrate_noise_multiplier': (
+    'dpjax.privacy.accounting.calibration',
+    'calibrate_noise_multiplier',
+  ),
+  'max_num_steps': ('dpjax.privacy.accounting.calibration', 'max_num_steps'),
+  'NNXFunctional': ('dpjax.models.functional', 'Functional'),
+  # Tier 2.
+  'PrivacyPlan': ('dpjax.privacy.privacy_plan', 'PrivacyPlan'),
+  'DPStep': ('dpjax.privacy.dp_step', 'DPStep'),
 }
 __all__ = tuple(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

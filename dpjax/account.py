@@ -48,6 +48,7 @@ from __future__ import annotations
 
 if __name__ == '__main__':  # Ctrl-C or SIGTERM from here on, imports included: one line, exit.
   from dpjax.trainer import interrupts  # pylint: disable=g-import-not-at-top
+
   interrupts.exit_on_signals('python -m dpjax.account')
 
 import logging  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -72,44 +73,77 @@ if TYPE_CHECKING:
 # Flag names keep the dashes users type (absl accepts them); the value is read as
 # args.<name with underscores>.
 _FLAGS = (
-    # (definer, name, default, help[, extra])
-    ('enum', 'sampler', None, 'the sampler', names.SAMPLER_NAMES),
-    ('integer', 'num-examples', None, 'N, training examples'),
-    ('integer', 'batch-size', None, 'b, (expected) logical batch size'),
-    ('integer', 'steps', None, 'T, total steps (or --epochs)'),
-    ('integer', 'epochs', None, 'E; steps = E * ceil(N/b) (or --steps)'),
-    ('float', 'noise-multiplier', None, 'σ (or --target-epsilon)'),
-    ('float', 'target-epsilon', None, 'calibrate the smallest σ for this ε (or --noise-multiplier)'),
-    ('float', 'delta', None, 'δ'),
-    ('enum', 'accountant', None, 'default: auto (tightest provable for the sampler)',
-     names.ACCOUNTANTS),
-    ('integer', 'max-batch-size', None, 'B, cap on the logical batch; omitted = no truncation'),
-    ('integer', 'group-size', None, 'k, group privacy (default 1)'),
-    ('boolean', 'monte-carlo', False,
-     'balls-and-bins: also report the Monte-Carlo estimate (high-probability, not a proof) '
-     'beside the provable ε; opt-in, as at delta = 1e-5 it takes minutes (the output says how '
-     'many samples and about how long)'),
-    ('integer', 'monte-carlo-samples', None,
-     'Monte-Carlo samples per direction; default: chosen from delta and beta so that an '
-     'estimate exists (10x the least such count)'),
-    ('float', 'beta', 1e-3, 'Monte-Carlo failure probability (confidence 1 - beta)'),
-    ('integer', 'workers', None,
-     'processes drawing the Monte-Carlo samples (the estimate does not depend on it); '
-     'default: privacy.monte_carlo_workers of --config, else the available cores that the '
-     'samples pay to start'),
-    ('float', 'random-allocation-timeout', None,
-     'balls-and-bins: seconds allowed to build a new random-allocation PLD (default 300; then '
-     'cached) before the deterministic fallback; 0 = no limit'),
-    ('boolean', 'allow-large-delta', False,
-     'accept --delta >= 1/N (refused by default: such a δ allows publishing a random record)'),
-    ('boolean', 'json', False, 'print one JSON object'),
-    ('string', 'workdir', None, "a run's workdir: report the ε its newest checkpoint carries "
-     '(and, when it is not finished, the ε planned for its last step)'),
+  # (definer, name, default, help[, extra])
+  ('enum', 'sampler', None, 'the sampler', names.SAMPLER_NAMES),
+  ('integer', 'num-examples', None, 'N, training examples'),
+  ('integer', 'batch-size', None, 'b, (expected) logical batch size'),
+  ('integer', 'steps', None, 'T, total steps (or --epochs)'),
+  ('integer', 'epochs', None, 'E; steps = E * ceil(N/b) (or --steps)'),
+  ('float', 'noise-multiplier', None, 'σ (or --target-epsilon)'),
+  ('float', 'target-epsilon', None, 'calibrate the smallest σ for this ε (or --noise-multiplier)'),
+  ('float', 'delta', None, 'δ'),
+  (
+    'enum',
+    'accountant',
+    None,
+    'default: auto (tightest provable for the sampler)',
+    names.ACCOUNTANTS,
+  ),
+  ('integer', 'max-batch-size', None, 'B, cap on the logical batch; omitted = no truncation'),
+  ('integer', 'group-size', None, 'k, group privacy (default 1)'),
+  (
+    'boolean',
+    'monte-carlo',
+    False,
+    'balls-and-bins: also report the Monte-Carlo estimate (high-probability, not a proof) '
+    'beside the provable ε; opt-in, as at delta = 1e-5 it takes minutes (the output says how '
+    'many samples and about how long)',
+  ),
+  (
+    'integer',
+    'monte-carlo-samples',
+    None,
+    'Monte-Carlo samples per direction; default: chosen from delta and beta so that an '
+    'estimate exists (10x the least such count)',
+  ),
+  ('float', 'beta', 1e-3, 'Monte-Carlo failure probability (confidence 1 - beta)'),
+  (
+    'integer',
+    'workers',
+    None,
+    'processes drawing the Monte-Carlo samples (the estimate does not depend on it); '
+    'default: privacy.monte_carlo_workers of --config, else the available cores that the '
+    'samples pay to start',
+  ),
+  (
+    'float',
+    'random-allocation-timeout',
+    None,
+    'balls-and-bins: seconds allowed to build a new random-allocation PLD (default 300; then '
+    'cached) before the deterministic fallback; 0 = no limit',
+  ),
+  (
+    'boolean',
+    'allow-large-delta',
+    False,
+    'accept --delta >= 1/N (refused by default: such a δ allows publishing a random record)',
+  ),
+  ('boolean', 'json', False, 'print one JSON object'),
+  (
+    'string',
+    'workdir',
+    None,
+    "a run's workdir: report the ε its newest checkpoint carries "
+    '(and, when it is not finished, the ε planned for its last step)',
+  ),
 )
 _EXCLUSIVE = (('steps', 'epochs'), ('noise-multiplier', 'target-epsilon'))
 # The accountant's arguments that fix an oversized privacy-loss grid, as flags.
-FLAG_NAMES = {'noise_multiplier': '--noise-multiplier', 'group_size': '--group-size',
-              'sampler': '--sampler'}
+FLAG_NAMES = {
+  'noise_multiplier': '--noise-multiplier',
+  'group_size': '--group-size',
+  'sampler': '--sampler',
+}
 PROG = 'python -m dpjax.account'
 
 
@@ -117,13 +151,19 @@ def _flag_values(argv: list[str]) -> flags.FlagValues:
   """This command's flags (absl + ml_collections.config_flags, as `dpjax.train`), fresh per call."""
   fv = flags.FlagValues()
   config_flags.DEFINE_config_file(
-      'config', None, 'training config file (path[:arg]); --config.<field>=value overrides a '
-      'field, and the flags below override it too', flag_values=fv, lock_config=False,
-      sys_argv=argv)
+    'config',
+    None,
+    'training config file (path[:arg]); --config.<field>=value overrides a '
+    'field, and the flags below override it too',
+    flag_values=fv,
+    lock_config=False,
+    sys_argv=argv,
+  )
   for definer, name, default, help_text, *extra in _FLAGS:
     define = getattr(flags, f'DEFINE_{definer}')
     define(name, default, *extra, help_text, flag_values=fv) if extra else define(
-        name, default, help_text, flag_values=fv)
+      name, default, help_text, flag_values=fv
+    )
   return fv
 
 
@@ -141,11 +181,15 @@ def parse_args(argv: list[str]) -> types.SimpleNamespace:
       cli.fail(PROG, f'--{a} and --{b}: give one of them, not both.')
   ignored = [f'--{name}' for name in fv if name not in ('workdir', 'json') and fv[name].present]
   if fv['workdir'].present and ignored:  # The checkpoint's own numbers would silently win.
-    cli.fail(PROG, f'--workdir reports the ε that the run\'s checkpoints carry, so '
-             f'{", ".join(ignored)} would be ignored: give --workdir alone (with --json at most), '
-             'or leave it out to compute ε from the flags or the config.')
-  args = types.SimpleNamespace(**{name.replace('-', '_'): fv[name].value
-                                  for name in [f[1] for f in _FLAGS]})
+    cli.fail(
+      PROG,
+      f"--workdir reports the ε that the run's checkpoints carry, so "
+      f'{", ".join(ignored)} would be ignored: give --workdir alone (with --json at most), '
+      'or leave it out to compute ε from the flags or the config.',
+    )
+  args = types.SimpleNamespace(
+    **{name.replace('-', '_'): fv[name].value for name in [f[1] for f in _FLAGS]}
+  )
   args.config = fv['config'].value if fv['config'].present else None
   args.config_file = config_flags.get_config_filename(fv['config']) if args.config else None
   return args
@@ -153,15 +197,21 @@ def parse_args(argv: list[str]) -> types.SimpleNamespace:
 
 def _monte_carlo_options(args) -> dict:
   """Accountant options of the Monte-Carlo estimate; --workers only if given (else config / 1)."""
-  options = dict(monte_carlo_samples=args.monte_carlo_samples, beta=args.beta,
-                 monte_carlo_estimate=args.monte_carlo)
+  options = dict(
+    monte_carlo_samples=args.monte_carlo_samples,
+    beta=args.beta,
+    monte_carlo_estimate=args.monte_carlo,
+  )
   if args.monte_carlo_samples is not None and args.monte_carlo_samples < 1:
-    raise ValueError(f'--monte-carlo-samples must be an integer >= 1, got '
-                     f'{args.monte_carlo_samples}.')
+    raise ValueError(
+      f'--monte-carlo-samples must be an integer >= 1, got {args.monte_carlo_samples}.'
+    )
   if args.random_allocation_timeout is not None:
     if not args.random_allocation_timeout >= 0:
-      raise ValueError(f'--random-allocation-timeout must be seconds >= 0 (0: no limit), got '
-                       f'{args.random_allocation_timeout}.')
+      raise ValueError(
+        f'--random-allocation-timeout must be seconds >= 0 (0: no limit), got '
+        f'{args.random_allocation_timeout}.'
+      )
     options['random_allocation_timeout'] = args.random_allocation_timeout or None
   if args.workers is not None:
     if args.workers < 1:
@@ -172,11 +222,18 @@ def _monte_carlo_options(args) -> dict:
 
 def _from_config(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, dict]:
   config = args.config  # Loaded by config_flags, --config.<field> overrides applied.
-  cli.set_fields(config, {
-      'sampler.name': args.sampler, 'sampler.batch_size': args.batch_size,
-      'sampler.max_batch_size': args.max_batch_size, 'privacy.delta': args.delta,
+  cli.set_fields(
+    config,
+    {
+      'sampler.name': args.sampler,
+      'sampler.batch_size': args.batch_size,
+      'sampler.max_batch_size': args.max_batch_size,
+      'privacy.delta': args.delta,
       'privacy.allow_large_delta': args.allow_large_delta or None,
-      'privacy.accountant': args.accountant, 'privacy.group_size': args.group_size})
+      'privacy.accountant': args.accountant,
+      'privacy.group_size': args.group_size,
+    },
+  )
   # Unset fields are 0 (the config convention; None is accepted too).
   if args.steps is not None:
     config.num_steps, config.num_epochs = args.steps, 0
@@ -187,6 +244,7 @@ def _from_config(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, 
   if args.target_epsilon is not None:
     config.privacy.noise_multiplier, config.privacy.target_epsilon = None, args.target_epsilon
   from dpjax.trainer import plan as plan_lib  # pylint: disable=g-import-not-at-top
+
   num_examples = args.num_examples
   if num_examples is None:
     # N as training counts it: the data's rows plus the audit canaries' (one code path).
@@ -201,10 +259,16 @@ def _from_config(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, 
 
 
 def _from_flags(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, dict]:
-  missing = [flag for flag, value in (('--sampler', args.sampler),
-                                      ('--num-examples', args.num_examples),
-                                      ('--batch-size', args.batch_size),
-                                      ('--delta', args.delta)) if value is None]
+  missing = [
+    flag
+    for flag, value in (
+      ('--sampler', args.sampler),
+      ('--num-examples', args.num_examples),
+      ('--batch-size', args.batch_size),
+      ('--delta', args.delta),
+    )
+    if value is None
+  ]
   if args.steps is None and args.epochs is None:
     missing.append('--steps or --epochs')
   if args.noise_multiplier is None and args.target_epsilon is None:
@@ -215,23 +279,34 @@ def _from_flags(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, d
   from dpjax.privacy import samplers as samplers_lib
   from dpjax.privacy.accounting import accountant as accountant_lib
   from dpjax.privacy.accounting import calibration
+
   # pylint: enable=import-outside-toplevel
-  for flag, value in (('--num-examples', args.num_examples), ('--batch-size', args.batch_size),
-                      ('--steps', args.steps), ('--epochs', args.epochs)):
+  for flag, value in (
+    ('--num-examples', args.num_examples),
+    ('--batch-size', args.batch_size),
+    ('--steps', args.steps),
+    ('--epochs', args.epochs),
+  ):
     if value is not None and value < 1:
       raise ValueError(f'{flag} must be an integer >= 1, got {value}.')
-  sampler = samplers_lib.sampler_class(args.sampler)(num_examples=args.num_examples,
-                                                     batch_size=args.batch_size)
+  sampler = samplers_lib.sampler_class(args.sampler)(
+    num_examples=args.num_examples, batch_size=args.batch_size
+  )
   steps = args.steps if args.steps is not None else args.epochs * sampler.steps_per_epoch
-  options = dict(accountant=args.accountant or 'auto', max_batch_size=args.max_batch_size,
-                 group_size=1 if args.group_size is None else args.group_size,
-                 allow_large_delta=args.allow_large_delta, **monte_carlo_options)
+  options = dict(
+    accountant=args.accountant or 'auto',
+    max_batch_size=args.max_batch_size,
+    group_size=1 if args.group_size is None else args.group_size,
+    allow_large_delta=args.allow_large_delta,
+    **monte_carlo_options,
+  )
   extra = {}
   sigma = args.noise_multiplier
   if sigma is None:
     # calibrate_noise_multiplier validates every option before its (possibly long) search.
-    sigma = calibration.calibrate_noise_multiplier(sampler, args.target_epsilon, args.delta,
-                                                   steps, **options)
+    sigma = calibration.calibrate_noise_multiplier(
+      sampler, args.target_epsilon, args.delta, steps, **options
+    )
     extra['calibrated_for_target_epsilon'] = args.target_epsilon
   return accountant_lib.Accountant(sampler, sigma, args.delta, num_steps=steps, **options), extra
 
@@ -246,30 +321,36 @@ def _fmt(value) -> str:
 
 def format_table(report: accountant_lib.PrivacyReport) -> str:
   """A readable summary; every number carries its label."""
-  kind = {'upper': 'upper bound (provable)',
-          'high_probability_upper': f'upper bound with probability >= {report.confidence} '
-                                    f'(Monte Carlo, {report.num_samples} samples/direction)',
-          'lower': 'lower bound'}[report.bound]
+  kind = {
+    'upper': 'upper bound (provable)',
+    'high_probability_upper': f'upper bound with probability >= {report.confidence} '
+    f'(Monte Carlo, {report.num_samples} samples/direction)',
+    'lower': 'lower bound',
+  }[report.bound]
   d = report.details
   rows = [
-      ('sampler', report.sampler),
-      ('examples N, batch b', f'{d.get("num_examples")}, {d.get("batch_size")}'),
-      ('steps', f'{report.steps} ({report.steps_per_epoch} per epoch, '
-                f'{report.steps / report.steps_per_epoch:.4g} epochs)'),
-      ('noise multiplier σ', _fmt(report.noise_multiplier)),
-      ('δ', _fmt(report.delta)),
-      ('ε', f'{_fmt(report.epsilon)}   [{kind}]'),
-      ('accountant', f'{report.accountant}: {d.get("method")}'),
-      ('ε lower bound', _fmt(report.epsilon_lower)),
-      ('max batch size B', d.get('truncation') or _fmt(d.get('max_batch_size'))),
+    ('sampler', report.sampler),
+    ('examples N, batch b', f'{d.get("num_examples")}, {d.get("batch_size")}'),
+    (
+      'steps',
+      f'{report.steps} ({report.steps_per_epoch} per epoch, '
+      f'{report.steps / report.steps_per_epoch:.4g} epochs)',
+    ),
+    ('noise multiplier σ', _fmt(report.noise_multiplier)),
+    ('δ', _fmt(report.delta)),
+    ('ε', f'{_fmt(report.epsilon)}   [{kind}]'),
+    ('accountant', f'{report.accountant}: {d.get("method")}'),
+    ('ε lower bound', _fmt(report.epsilon_lower)),
+    ('max batch size B', d.get('truncation') or _fmt(d.get('max_batch_size'))),
   ]
   skip = {'method', 'num_examples', 'batch_size', 'max_batch_size', 'truncation'}
   for key, value in d.items():
     if key not in skip:
       rows.append((key.replace('_', ' '), _fmt(value)))
   if 'as_if_poisson_not_a_guarantee' in d:
-    rows.append(('NOTE', 'the "as if poisson" ε is NOT a guarantee: this run did not use '
-                         'Poisson sampling'))
+    rows.append(
+      ('NOTE', 'the "as if poisson" ε is NOT a guarantee: this run did not use Poisson sampling')
+    )
   width = max(len(k) for k, _ in rows)
   return '\n'.join(f'{k:<{width}}  {v}' for k, v in rows)
 
@@ -278,6 +359,7 @@ def _from_workdir(workdir: str) -> tuple[accountant_lib.PrivacyReport, dict]:
   """The newest checkpoint's report, and the planned final ε if the run is not finished."""
   from dpjax.trainer import checkpoints  # pylint: disable=g-import-not-at-top
   from dpjax.privacy.accounting.report import PrivacyReport  # pylint: disable=g-import-not-at-top
+
   if not os.path.isdir(workdir):
     raise ValueError(f'--workdir {workdir!r}: not a directory.')
   rows = [row for row in checkpoints.read_metadata(workdir) if 'error' not in row]
@@ -293,6 +375,7 @@ def _from_workdir(workdir: str) -> tuple[accountant_lib.PrivacyReport, dict]:
     from dpjax.trainer import plan as plan_lib  # pylint: disable=g-import-not-at-top
     from dpjax.configs import from_workdir  # pylint: disable=g-import-not-at-top
     from dpjax.privacy import precision  # pylint: disable=g-import-not-at-top
+
     config = from_workdir.get_config(workdir)
     if meta.get('noise_multiplier') is not None:  # The σ that ran, never calibrated again.
       config.privacy.noise_multiplier = meta['noise_multiplier']
@@ -300,7 +383,8 @@ def _from_workdir(workdir: str) -> tuple[accountant_lib.PrivacyReport, dict]:
     options = {'platform': precision.platform_of_format(fmt)} if fmt else None  # runs this.
     extra['planned_steps'] = planned
     extra['planned_final_epsilon'] = plan_lib.make_plan(
-        config, meta['num_examples'], accountant_options=options).accountant.epsilon(planned)
+      config, meta['num_examples'], accountant_options=options
+    ).accountant.epsilon(planned)
   return report, extra
 
 
@@ -318,11 +402,13 @@ def main(argv=None) -> int:
     return 0
   try:
     options = _monte_carlo_options(args)  # validated before any loading or computing
-    acct, extra = (_from_config(args, options) if args.config is not None
-                   else _from_flags(args, options))
+    acct, extra = (
+      _from_config(args, options) if args.config is not None else _from_flags(args, options)
+    )
     # pylint: disable=import-outside-toplevel
     from dpjax.privacy.accounting import step_pld
     from dpjax.trainer import accounting_refusals
+
     # pylint: enable=import-outside-toplevel
     try:
       report = acct.final_report()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 if __name__ == '__main__':  # Ctrl-C or SIGTERM from here on, imports included: one line, exit.
   from dpjax.trainer import interrupts  # pylint: disable=g-import-not-at-top
+
   interrupts.exit_on_signals('python -m dpjax.audit')
 
 import json  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -39,30 +40,44 @@ from dpjax.trainer import cli
 def _format(result: dict) -> str:
   eps = result['epsilon']
   rows = [
-      ('step', str(result['step'])),
-      (f"claimed ε (δ = {result['delta']:g})",
-       'none (non-private run)' if eps is None else f"{eps:.4f}  [{result['bound']}]"),
-      ('audit ε lower bound',
-       f"{result['audit_epsilon_lower']:.4f}  [holds with probability >= {result['confidence']}; "
-       f"{result['num_correct']}/{result['num_guesses']} guesses correct, "
-       f"{result['num_canaries']} canaries, score {result['score']}]"),
-      ('largest possible bound', f"{result['max_audit_epsilon_lower']:.4f}  (all guesses correct)"),
+    ('step', str(result['step'])),
+    (
+      f'claimed ε (δ = {result["delta"]:g})',
+      'none (non-private run)' if eps is None else f'{eps:.4f}  [{result["bound"]}]',
+    ),
+    (
+      'audit ε lower bound',
+      f'{result["audit_epsilon_lower"]:.4f}  [holds with probability >= {result["confidence"]}; '
+      f'{result["num_correct"]}/{result["num_guesses"]} guesses correct, '
+      f'{result["num_canaries"]} canaries, score {result["score"]}]',
+    ),
+    ('largest possible bound', f'{result["max_audit_epsilon_lower"]:.4f}  (all guesses correct)'),
   ]
   if 'white_box' in result:
     w = result['white_box']
     lo, hi = w['interval']
-    rows.append(('white-box effective σ',
-                 f"{w['effective']:.4f}  (interval [{lo:.4f}, {hi:.4f}] at {w['confidence']}; "
-                 f"configured {w['noise_multiplier']:g}; {len(w['flagged_steps'])} steps fail "
-                 'the per-step χ² test)'))
+    rows.append(
+      (
+        'white-box effective σ',
+        f'{w["effective"]:.4f}  (interval [{lo:.4f}, {hi:.4f}] at {w["confidence"]}; '
+        f'configured {w["noise_multiplier"]:g}; {len(w["flagged_steps"])} steps fail '
+        'the per-step χ² test)',
+      )
+    )
   verdict = []
   if result['refutes_claim']:
     verdict.append('the audit REFUTES the claimed ε: the implementation leaks more than it claims')
   if result.get('white_box', {}).get('flagged'):
-    verdict.append('the white-box test FLAGS the run: the noise or the canary contribution is '
-                   'not what σ and C say')
-  rows.append(('verdict', '; '.join(verdict) if verdict else
-               'no violation detected (this does not prove the claim)'))
+    verdict.append(
+      'the white-box test FLAGS the run: the noise or the canary contribution is '
+      'not what σ and C say'
+    )
+  rows.append(
+    (
+      'verdict',
+      '; '.join(verdict) if verdict else 'no violation detected (this does not prove the claim)',
+    )
+  )
   width = max(len(k) for k, _ in rows)
   return '\n'.join(f'{k:<{width}}  {v}' for k, v in rows)
 
@@ -79,6 +94,7 @@ def main(argv=None) -> int:
     cli.fail(PROG, '--workdir is required: the run directory to audit.')
   # Here: --help and a bad flag answer without the audit's imports (jax, orbax).
   from dpjax.trainer import audit_record as record  # pylint: disable=import-outside-toplevel
+
   try:
     result = record.audit_workdir(fv.workdir)
   except ValueError as e:

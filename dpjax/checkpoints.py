@@ -10,6 +10,7 @@ from __future__ import annotations
 
 if __name__ == '__main__':  # Ctrl-C or SIGTERM from here on, imports included: one line, exit.
   from dpjax.trainer import interrupts  # pylint: disable=g-import-not-at-top
+
   interrupts.exit_on_signals('python -m dpjax.checkpoints')
 
 import json  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -25,6 +26,7 @@ from dpjax.trainer import manifest
 
 def integrity(workdir: str, step: int) -> str:
   from dpjax.trainer import checkpoints as store  # pylint: disable=import-outside-toplevel
+
   try:
     path = os.path.join(store.checkpoint_dir(workdir), str(step))
     return 'ok' if manifest.verify_checkpoint(path) else 'unverified (no manifest)'
@@ -34,12 +36,16 @@ def integrity(workdir: str, step: int) -> str:
 
 def listing(rows: list[dict], workdir: str, verify: bool) -> list[str]:
   """The table `main` prints: one line per checkpoint."""
-  lines = [f"{'step':>8}  {'epsilon':>10}  {'delta':>8}  {'bound':<24}  {'accountant':<28}  sampler"
-           + ('  integrity' if verify else '')]
+  lines = [
+    f'{"step":>8}  {"epsilon":>10}  {"delta":>8}  {"bound":<24}  {"accountant":<28}  sampler'
+    + ('  integrity' if verify else '')
+  ]
   for row in rows:
     if 'error' in row:
-      lines.append(f"{row['step']:>8}  {row['error']}"
-                   + (f"  {integrity(workdir, row['step'])}" if verify else ''))
+      lines.append(
+        f'{row["step"]:>8}  {row["error"]}'
+        + (f'  {integrity(workdir, row["step"])}' if verify else '')
+      )
       continue
     privacy = row.get('privacy') or {}
     eps, delta = privacy.get('epsilon'), privacy.get('delta')
@@ -49,9 +55,11 @@ def listing(rows: list[dict], workdir: str, verify: bool) -> list[str]:
       eps_text = f'{eps:.4f}'
       delta_text = f'{delta:.1e}' if isinstance(delta, (int, float)) else str(delta)
       bound = str(privacy.get('bound'))
-    lines.append(f"{row['step']:>8}  {eps_text:>10}  {delta_text:>8}  {bound:<24}  "
-                 f"{str(privacy.get('accountant')):<28}  {(row.get('sampler') or {}).get('name')}"
-                 + (f"  {integrity(workdir, row['step'])}" if verify else ''))
+    lines.append(
+      f'{row["step"]:>8}  {eps_text:>10}  {delta_text:>8}  {bound:<24}  '
+      f'{str(privacy.get("accountant")):<28}  {(row.get("sampler") or {}).get("name")}'
+      + (f'  {integrity(workdir, row["step"])}' if verify else '')
+    )
   return lines
 
 
@@ -60,12 +68,17 @@ def main(argv: list[str] | None = None) -> int:
   prog = 'python -m dpjax.checkpoints'
   fv = flags.FlagValues()
   flags.DEFINE_boolean('json', False, 'print the metadata as JSON lines', flag_values=fv)
-  flags.DEFINE_boolean('verify', False,
-                       "check each checkpoint's files against its SHA-256 manifest", flag_values=fv)
-  doc = "List a workdir's checkpoints with their step, ε and kind of bound.\n\n  " + prog + \
-      ' <workdir> [--json] [--verify]\n'
-  (workdir,) = cli.parse_command(prog, doc, fv, sys.argv[1:] if argv is None else argv,
-                                 positional=('workdir',))
+  flags.DEFINE_boolean(
+    'verify', False, "check each checkpoint's files against its SHA-256 manifest", flag_values=fv
+  )
+  doc = (
+    "List a workdir's checkpoints with their step, ε and kind of bound.\n\n  "
+    + prog
+    + ' <workdir> [--json] [--verify]\n'
+  )
+  (workdir,) = cli.parse_command(
+    prog, doc, fv, sys.argv[1:] if argv is None else argv, positional=('workdir',)
+  )
   args = types.SimpleNamespace(workdir=workdir, json=fv.json, verify=fv.verify)
   if not os.path.exists(args.workdir):
     print(f'{prog}: error: workdir {args.workdir} does not exist.', file=sys.stderr)
@@ -75,12 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   # Here: --help and a bad flag answer without the checkpoints' imports (jax, orbax).
   from dpjax.trainer import checkpoints as store  # pylint: disable=import-outside-toplevel
+
   rows = store.read_metadata(args.workdir)
   if not rows:
     print(f'No checkpoints in {store.checkpoint_dir(args.workdir)}.', file=sys.stderr)
     return 1
-  lines = ([json.dumps(row) for row in rows] if args.json
-           else listing(rows, args.workdir, args.verify))
+  lines = (
+    [json.dumps(row) for row in rows] if args.json else listing(rows, args.workdir, args.verify)
+  )
   try:
     for line in lines:
       print(line)

@@ -43,8 +43,10 @@ from __future__ import annotations
 
 if __name__ == '__main__':  # Ctrl-C or SIGTERM from here on, imports included: one line, exit.
   from dpjax.trainer import interrupts  # pylint: disable=g-import-not-at-top
-  interrupts.exit_on_signals('python -m dpjax.export',
-                             ': --out holds the whole export or nothing, never a part')
+
+  interrupts.exit_on_signals(
+    'python -m dpjax.export', ': --out holds the whole export or nothing, never a part'
+  )
 
 import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 import logging
@@ -82,64 +84,83 @@ def dpjax_version() -> str:
 
 def _checkpoint(workdir: str, step: int | None) -> dict:
   from dpjax.trainer import checkpoints
+
   rows = [row for row in checkpoints.read_metadata(workdir) if 'error' not in row]
   if step is not None:
     rows = [row for row in rows if row['step'] == step]
   if not rows:
     where = f'at step {step} ' if step is not None else ''
-    raise ValueError(f'--workdir {workdir!r}: no readable checkpoint {where}(train first, or see '
-                     f'python -m dpjax.checkpoints {workdir}).')
+    raise ValueError(
+      f'--workdir {workdir!r}: no readable checkpoint {where}(train first, or see '
+      f'python -m dpjax.checkpoints {workdir}).'
+    )
   return rows[-1]
 
 
 def privacy_card(meta: dict) -> dict[str, Any]:
   """The card of a checkpoint's metadata: the claim, the mechanism's public parameters, the model."""
   from dpjax.trainer import init_source, training_set_size
+
   privacy, sampler, config = meta['privacy'], meta['sampler'], meta['config']
   k = meta.get('group_size') or 1
   drawn = meta.get('seed_source') in ('drawn', 'workdir')
   card = {
-      'format': CARD_FORMAT,
-      'dpjax_version': dpjax_version(),
-      'epsilon': privacy.get('epsilon'),
-      'delta': privacy.get('delta'),
-      'bound': privacy.get('bound'),
-      'accountant': privacy.get('accountant'),
-      'steps': meta['step'],
-      'neighbouring_relation': ('add or remove one training example' if k == 1 else
-                                f'add or remove up to {k} training examples (group privacy)'),
-      'guarantee': None,
-      'sampler': {key: sampler.get(key) for key in ('name', 'batch_size', 'expected_batch_size',
-                                                    'max_batch_size', 'steps_per_epoch')},
-      **training_set_size.card_fields(meta['num_examples'],
-                                      training_set_size.declared_bound(config)),
-      'noise_multiplier': meta.get('noise_multiplier'),
-      'clip_norm': meta.get('clip_norm'),
-      'float_rounding': meta.get('rounding'),
-      'group_size': k if privacy.get('epsilon') is not None else None,
-      'seed_drawn_in_secret': drawn,
-      'model': config['model'],
-      'num_classes': meta.get('model_io', {}).get('num_classes'),
-      'input_shape': meta.get('model_io', {}).get('input_shape'),
-      # As it ran (the resolved scale); older checkpoints kept only the config's values.
-      'preprocessing': meta.get('model_io', {}).get('preprocessing') or {
-          key: config['data'][key] for key in ('scale', 'mean', 'std', 'label_format')},
-      **init_source.card_fields(meta),
+    'format': CARD_FORMAT,
+    'dpjax_version': dpjax_version(),
+    'epsilon': privacy.get('epsilon'),
+    'delta': privacy.get('delta'),
+    'bound': privacy.get('bound'),
+    'accountant': privacy.get('accountant'),
+    'steps': meta['step'],
+    'neighbouring_relation': (
+      'add or remove one training example'
+      if k == 1
+      else f'add or remove up to {k} training examples (group privacy)'
+    ),
+    'guarantee': None,
+    'sampler': {
+      key: sampler.get(key)
+      for key in ('name', 'batch_size', 'expected_batch_size', 'max_batch_size', 'steps_per_epoch')
+    },
+    **training_set_size.card_fields(meta['num_examples'], training_set_size.declared_bound(config)),
+    'noise_multiplier': meta.get('noise_multiplier'),
+    'clip_norm': meta.get('clip_norm'),
+    'float_rounding': meta.get('rounding'),
+    'group_size': k if privacy.get('epsilon') is not None else None,
+    'seed_drawn_in_secret': drawn,
+    'model': config['model'],
+    'num_classes': meta.get('model_io', {}).get('num_classes'),
+    'input_shape': meta.get('model_io', {}).get('input_shape'),
+    # As it ran (the resolved scale); older checkpoints kept only the config's values.
+    'preprocessing': meta.get('model_io', {}).get('preprocessing')
+    or {key: config['data'][key] for key in ('scale', 'mean', 'std', 'label_format')},
+    **init_source.card_fields(meta),
   }
-  composed = (card['init_from'] or {}).get('chain') if not (
-      card['init_from'] or {}).get('disjoint_data') else None
+  composed = (
+    (card['init_from'] or {}).get('chain')
+    if not (card['init_from'] or {}).get('disjoint_data')
+    else None
+  )
   if privacy.get('epsilon') is None:
     card['guarantee'] = 'none: a non-private run (ε = ∞).'
   else:
     card['guarantee'] = (
-        f"({privacy['epsilon']:.6g}, {privacy['delta']:g})-DP ({privacy['bound']} bound, "
-        f"{privacy['accountant']}) of these parameters with respect to the training set"
-        + (f' of this run and of the {len(composed)} run(s) it started from (init_from), their '
-           'privacy losses composed,' if composed else '')
-        + f" for {card['neighbouring_relation']}; it assumes the randomness of the run was secret "
-        + ('(its seed was drawn from OS entropy)' if drawn else
-           '(its seed was given in the config: the claim holds only if that seed was kept '
-           'secret)') + '.')
+      f'({privacy["epsilon"]:.6g}, {privacy["delta"]:g})-DP ({privacy["bound"]} bound, '
+      f'{privacy["accountant"]}) of these parameters with respect to the training set'
+      + (
+        f' of this run and of the {len(composed)} run(s) it started from (init_from), their '
+        'privacy losses composed,'
+        if composed
+        else ''
+      )
+      + f' for {card["neighbouring_relation"]}; it assumes the randomness of the run was secret '
+      + (
+        '(its seed was drawn from OS entropy)'
+        if drawn
+        else '(its seed was given in the config: the claim holds only if that seed was kept secret)'
+      )
+      + '.'
+    )
   return card
 
 
@@ -151,38 +172,55 @@ def _full_params(trainable: dict, meta: dict, workdir: str) -> dict:
   from dpjax.models import factory as models
   from dpjax.privacy import prng
   from dpjax.trainer import finetune, run_seed
+
   io, seed = meta.get('model_io'), run_seed.stored_seed(workdir)
   if io is None or seed is None:
-    raise ValueError(f'--workdir {workdir!r}: a fine-tuned run needs its model_io metadata and '
-                     'private/seed.json to merge the frozen weights; neither may be missing.')
-  model = models.make_model(ml_collections.ConfigDict(config['model']), io['num_classes'],
-                            tuple(io['input_shape']))
+    raise ValueError(
+      f'--workdir {workdir!r}: a fine-tuned run needs its model_io metadata and '
+      'private/seed.json to merge the frozen weights; neither may be missing.'
+    )
+  model = models.make_model(
+    ml_collections.ConfigDict(config['model']), io['num_classes'], tuple(io['input_shape'])
+  )
   params = prng.init_params(model, seed.value, tuple(io['input_shape']))
   if config.get('init_from'):  # The weights the run started from (the step it accounted for).
     init = meta.get('init_from') or {}
     if not init.get('weights_sha256'):
-      raise ValueError(f'--workdir {workdir!r}: its checkpoint records no digest of the weights '
-                       f'it started from (init_from = {config["init_from"]!r}; an older dpjax), '
-                       'so the frozen weights re-read from there cannot be checked against those '
-                       'it trained with. Retrain to export.')
-    params = finetune.load_pretrained(init.get('params_path') or config['init_from'], params,
-                                      config.get('init_from_rules', ()), init['weights_sha256'])
+      raise ValueError(
+        f'--workdir {workdir!r}: its checkpoint records no digest of the weights '
+        f'it started from (init_from = {config["init_from"]!r}; an older dpjax), '
+        'so the frozen weights re-read from there cannot be checked against those '
+        'it trained with. Retrain to export.'
+      )
+    params = finetune.load_pretrained(
+      init.get('params_path') or config['init_from'],
+      params,
+      config.get('init_from_rules', ()),
+      init['weights_sha256'],
+    )
   lora = config.get('lora', {})
   wrapped, _ = finetune.make_finetune(
-      model, params, freeze=tuple(config.get('freeze', ())), lora_rank=lora.get('rank', 0),
-      lora_alpha=lora.get('alpha', 1.0), lora_targets=tuple(lora.get('targets', ())),
-      seed=seed.value)
+    model,
+    params,
+    freeze=tuple(config.get('freeze', ())),
+    lora_rank=lora.get('rank', 0),
+    lora_alpha=lora.get('alpha', 1.0),
+    lora_targets=tuple(lora.get('targets', ())),
+    seed=seed.value,
+  )
   return wrapped.full_params(trainable)
 
 
 def _flat_numpy(params) -> dict[str, np.ndarray]:
   import numpy as np
   from dpjax.trainer import finetune
+
   return {k: np.asarray(v) for k, v in finetune.flatten(params).items()}
 
 
-def export(workdir: str, out: str, *, step: int | None = None,
-           allow_shared_seed: bool = False) -> dict[str, Any]:
+def export(
+  workdir: str, out: str, *, step: int | None = None, allow_shared_seed: bool = False
+) -> dict[str, Any]:
   """Writes the release of `workdir` (newest checkpoint, or `step`) into the new directory `out`.
 
   Returns the privacy card. Raises ValueError (one line) before writing anything if the
@@ -191,31 +229,37 @@ def export(workdir: str, out: str, *, step: int | None = None,
   warning line on stderr).
   """
   from dpjax.trainer import checkpoints, run_identity, stored_params
+
   workdir, out = os.path.realpath(workdir), os.path.realpath(out)
   if not os.path.isdir(workdir):
     raise ValueError(f'--workdir {workdir!r}: not a directory.')
   if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-    raise ValueError(f'--out {out!r}: exists and is not an empty directory; an export goes into '
-                     'a new directory.')
+    raise ValueError(
+      f'--out {out!r}: exists and is not an empty directory; an export goes into a new directory.'
+    )
   if os.path.commonpath([workdir, out]) == workdir:
     raise ValueError(f'--out {out!r}: is inside the workdir, which must stay private.')
   meta = _checkpoint(workdir, step)
   digest = meta.get('fingerprint', {}).get('seed_sha256')
   if digest is None:
-    raise ValueError(f'--workdir {workdir!r}: its checkpoints were written by an older dpjax '
-                     '(no seed digest); retrain to export.')
+    raise ValueError(
+      f'--workdir {workdir!r}: its checkpoints were written by an older dpjax '
+      '(no seed digest); retrain to export.'
+    )
   warnings, conflict, run = [], None, run_identity.stored(workdir)  # None: older than run ids.
   try:
-    conflict = None if allow_shared_seed else seed_record.exported_by_another_run(
-        digest, run and run.run_id)
+    conflict = (
+      None if allow_shared_seed else seed_record.exported_by_another_run(digest, run and run.run_id)
+    )
   except OSError as e:
     warnings.append(seed_record.unusable(e))
   if conflict is not None:
     raise ValueError(
-        f'--workdir {workdir!r} used the same seed as {seed_record.run_named(conflict, workdir)}, '
-        f'already exported to {conflict.get("out")!r}: two releases that share their noise '
-        'reveal the noise-free difference of their gradients. Retrain one run with another seed '
-        '(leave seed unset to draw one), or pass --allow_shared_seed if you know why.')
+      f'--workdir {workdir!r} used the same seed as {seed_record.run_named(conflict, workdir)}, '
+      f'already exported to {conflict.get("out")!r}: two releases that share their noise '
+      'reveal the noise-free difference of their gradients. Retrain one run with another seed '
+      '(leave seed unset to draw one), or pass --allow_shared_seed if you know why.'
+    )
   state = checkpoints.read_state(workdir, meta['step'])  # Verified against the manifest.
   card = privacy_card(meta)
   files = {stored_params.PARAMS_FILE: _flat_numpy(_full_params(state['params'], meta, workdir))}
@@ -225,11 +269,13 @@ def export(workdir: str, out: str, *, step: int | None = None,
   parent = os.path.dirname(out)
   # Staged: removed if anything (an error, a full disk, Ctrl-C, SIGTERM) stops the export
   # before the rename, so nothing partial is left.
-  with write_errors.writing('the export', out, then='Nothing was exported; free space, then '
-                            'export again.'):
+  with write_errors.writing(
+    'the export', out, then='Nothing was exported; free space, then export again.'
+  ):
     os.makedirs(parent, exist_ok=True)
-    with interrupts.partial_output(tempfile.mkdtemp(prefix='.dpjax-export-',
-                                                    dir=parent)) as staging:
+    with interrupts.partial_output(
+      tempfile.mkdtemp(prefix='.dpjax-export-', dir=parent)
+    ) as staging:
       for name, arrays in files.items():
         stored_params.save(os.path.join(staging, name), arrays, card)
       with open(os.path.join(staging, stored_params.CARD_FILE), 'w') as f:
@@ -238,9 +284,11 @@ def export(workdir: str, out: str, *, step: int | None = None,
       try:  # A workdir older than run ids gets one; recorded without it if that fails.
         run = run or run_identity.kept(workdir)
       except write_errors.WriteError as e:
-        warnings.append(f'the run id cannot be kept in {run_identity.run_path(workdir)} '
-                        f'({write_errors.reason(e.__cause__)}): this export is recorded without '
-                        'it, so exporting this run again will need --allow_shared_seed.')
+        warnings.append(
+          f'the run id cannot be kept in {run_identity.run_path(workdir)} '
+          f'({write_errors.reason(e.__cause__)}): this export is recorded without '
+          'it, so exporting this run again will need --allow_shared_seed.'
+        )
       try:  # Before the rename: no release is ever missing from the record.
         seed_record.append(digest, seed_record.EXPORT, workdir, run and run.run_id, out)
       except OSError as e:
@@ -258,10 +306,15 @@ def main(argv: list[str] | None = None) -> int:
   fv = flags.FlagValues()
   flags.DEFINE_string('workdir', None, 'the run to publish (stays private)', flag_values=fv)
   flags.DEFINE_string('out', None, 'a new directory for the release', flag_values=fv)
-  flags.DEFINE_integer('step', None, 'the checkpoint to export (default: the newest)',
-                       flag_values=fv)
-  flags.DEFINE_boolean('allow_shared_seed', False, 'export even if another run with the same '
-                       'seed was already exported', flag_values=fv)
+  flags.DEFINE_integer(
+    'step', None, 'the checkpoint to export (default: the newest)', flag_values=fv
+  )
+  flags.DEFINE_boolean(
+    'allow_shared_seed',
+    False,
+    'export even if another run with the same seed was already exported',
+    flag_values=fv,
+  )
   cli.parse_command(PROG, __doc__, fv, sys.argv[1:] if argv is None else argv)
   if not fv.workdir or not fv.out:
     cli.fail(PROG, '--workdir and --out are required. See --help.')
@@ -271,11 +324,16 @@ def main(argv: list[str] | None = None) -> int:
     cli.fail(PROG, e)
   except write_errors.WriteError as e:
     cli.fail(PROG, e, code=1)
-  eps = ('non-private (ε = ∞)' if card['epsilon'] is None else
-         f"ε = {card['epsilon']:.4f} ({card['bound']} bound, {card['accountant']}), "
-         f"δ = {card['delta']:g}")
-  print(f'Exported step {card["steps"]} to {os.path.realpath(fv.out)}: {", ".join(card["files"])}; '
-        f'{eps}.')
+  eps = (
+    'non-private (ε = ∞)'
+    if card['epsilon'] is None
+    else f'ε = {card["epsilon"]:.4f} ({card["bound"]} bound, {card["accountant"]}), '
+    f'δ = {card["delta"]:g}'
+  )
+  print(
+    f'Exported step {card["steps"]} to {os.path.realpath(fv.out)}: {", ".join(card["files"])}; '
+    f'{eps}.'
+  )
   return 0
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 if __name__ == '__main__':  # Ctrl-C or SIGTERM from here on, imports included: one line, exit.
   from dpjax.trainer import interrupts  # pylint: disable=g-import-not-at-top
+
   interrupts.exit_on_signals('python -m dpjax.planner')
 
 import json  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -67,31 +68,37 @@ from dpjax.trainer.atomic_write import write_text_atomically
 
 # (definer, name, help[, choices]); each name also answers with dashes (--num-examples).
 _FLAGS = (
-    ('integer', 'num_examples', 'N, training examples'),
-    ('float', 'epsilon', 'ε, the budget at the end of the run'),
-    ('float', 'delta', 'δ'),
-    ('integer', 'epochs', 'E, epochs of ceil(N/b) steps'),
-    ('string', 'batch_sizes', 'comma-separated b grid (default: powers of two from 32, then N)'),
-    ('enum', 'sampler', 'default poisson', names.SAMPLER_NAMES),
-    ('enum', 'accountant', 'default auto', names.ACCOUNTANTS),
-    ('float', 'clip_norm', 'C (default 1)'),
-    ('integer', 'physical_batch_size',
-     f'P, sets the automatic cap B (default {batch_size_plan.DEFAULT_PHYSICAL_BATCH_SIZE})'),
-    ('string', 'json', 'write the plan as JSON to this file'),
+  ('integer', 'num_examples', 'N, training examples'),
+  ('float', 'epsilon', 'ε, the budget at the end of the run'),
+  ('float', 'delta', 'δ'),
+  ('integer', 'epochs', 'E, epochs of ceil(N/b) steps'),
+  ('string', 'batch_sizes', 'comma-separated b grid (default: powers of two from 32, then N)'),
+  ('enum', 'sampler', 'default poisson', names.SAMPLER_NAMES),
+  ('enum', 'accountant', 'default auto', names.ACCOUNTANTS),
+  ('float', 'clip_norm', 'C (default 1)'),
+  (
+    'integer',
+    'physical_batch_size',
+    f'P, sets the automatic cap B (default {batch_size_plan.DEFAULT_PHYSICAL_BATCH_SIZE})',
+  ),
+  ('string', 'json', 'write the plan as JSON to this file'),
 )
 PROG = 'python -m dpjax.planner'
 
 
-_CONFIG_HELP = ('training config (path[:arg]): N (from its data unless --num_examples), sampler, '
-                'ε, δ, epochs, C, P, accountant; --config.<field>=value overrides a field, and '
-                'the flags below override it too')
+_CONFIG_HELP = (
+  'training config (path[:arg]): N (from its data unless --num_examples), sampler, '
+  'ε, δ, epochs, C, P, accountant; --config.<field>=value overrides a field, and '
+  'the flags below override it too'
+)
 
 
 def _flag_values(argv: list[str]) -> flags.FlagValues:
   """This command's absl flags (fresh per call), each also spelled with dashes."""
   fv = flags.FlagValues()
-  config_flags.DEFINE_config_file('config', None, _CONFIG_HELP, flag_values=fv,
-                                  lock_config=False, sys_argv=argv)
+  config_flags.DEFINE_config_file(
+    'config', None, _CONFIG_HELP, flag_values=fv, lock_config=False, sys_argv=argv
+  )
   for definer, name, help_text, *choices in _FLAGS:
     getattr(flags, f'DEFINE_{definer}')(name, None, *choices, help_text, flag_values=fv)
     if '_' in name:
@@ -104,8 +111,10 @@ def parse_args(argv: list[str]) -> types.SimpleNamespace:
   argv = cli.resolve_config_argv(argv)  # A packaged config's name as its file.
   fv = _flag_values([PROG, *argv])
   cli.parse_command(PROG, __doc__, fv, argv)
-  return types.SimpleNamespace(config=fv.config if fv['config'].present else None,
-                               **{name: fv[name].value for _, name, *_ in _FLAGS})
+  return types.SimpleNamespace(
+    config=fv.config if fv['config'].present else None,
+    **{name: fv[name].value for _, name, *_ in _FLAGS},
+  )
 
 
 def _parse_sizes(text: str) -> list[int]:
@@ -125,21 +134,38 @@ def _resolve(args) -> tuple[ml_collections.ConfigDict, int, float, float, int]:
     if args.epsilon is None and not eps:
       raise ValueError('--epsilon must be given: the config has no privacy.target_epsilon > 0.')
     if args.epochs is None and not epochs:
-      raise ValueError('--epochs must be given: the config sets num_steps, not num_epochs, and '
-                       'the planner compares batch sizes at a fixed number of epochs.')
+      raise ValueError(
+        '--epochs must be given: the config sets num_steps, not num_epochs, and '
+        'the planner compares batch sizes at a fixed number of epochs.'
+      )
   else:
     config = batch_size_plan.base_config()
     eps, delta, epochs = args.epsilon, args.delta, args.epochs
-    missing = [f for f, v in (('--num_examples', args.num_examples), ('--epsilon', eps),
-                              ('--delta', delta), ('--epochs', epochs)) if v is None]
+    missing = [
+      f
+      for f, v in (
+        ('--num_examples', args.num_examples),
+        ('--epsilon', eps),
+        ('--delta', delta),
+        ('--epochs', epochs),
+      )
+      if v is None
+    ]
     if missing:
       raise ValueError(f'missing {", ".join(missing)} (or give --config).')
-  cli.set_fields(config, {
-      'sampler.name': args.sampler, 'sampler.physical_batch_size': args.physical_batch_size,
-      'privacy.accountant': args.accountant, 'privacy.clip_norm': args.clip_norm})
+  cli.set_fields(
+    config,
+    {
+      'sampler.name': args.sampler,
+      'sampler.physical_batch_size': args.physical_batch_size,
+      'privacy.accountant': args.accountant,
+      'privacy.clip_norm': args.clip_norm,
+    },
+  )
   n = args.num_examples
   if n is None:
     from dpjax.trainer import plan as plan_lib  # pylint: disable=g-import-not-at-top
+
     n = len(plan_lib.make_training_sources(config)[0])  # With audit canaries, as training.
   return config, n, eps, delta, epochs
 
@@ -159,19 +185,28 @@ def main(argv: Sequence[str] | None = None) -> int:
       if not header_printed:
         print('calibrating σ for each b (seconds to minutes each) ...', file=sys.stderr)
         header_printed.append(True)
-      print(f'  b = {row.batch_size}: σ = {row.noise_multiplier:.4f} ({row.seconds:.1f} s wall, '
-            f'{row.cpu_seconds:.1f} s CPU)',
-            file=sys.stderr, flush=True)
+      print(
+        f'  b = {row.batch_size}: σ = {row.noise_multiplier:.4f} ({row.seconds:.1f} s wall, '
+        f'{row.cpu_seconds:.1f} s CPU)',
+        file=sys.stderr,
+        flush=True,
+      )
 
-    plan = batch_size_plan.plan_batch_sizes(n, eps, delta, epochs, sizes, config=config, progress=progress)
+    plan = batch_size_plan.plan_batch_sizes(
+      n, eps, delta, epochs, sizes, config=config, progress=progress
+    )
   except ValueError as e:
     cli.fail(PROG, e)
   print(batch_size_plan.format_table(plan))
   if args.json:  # Whole or not at all, even if interrupted; a failed write in one line.
     try:
-      write_text_atomically(args.json, json.dumps(plan.to_dict(), indent=2), what='--json',
-                            then='The table above is complete; free space, or choose '
-                            'another --json path, and rerun to save it.')
+      write_text_atomically(
+        args.json,
+        json.dumps(plan.to_dict(), indent=2),
+        what='--json',
+        then='The table above is complete; free space, or choose '
+        'another --json path, and rerun to save it.',
+      )
     except write_errors.WriteError as e:
       cli.fail(PROG, e, code=1)
   return 0

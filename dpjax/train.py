@@ -28,6 +28,7 @@ from __future__ import annotations
 
 if __name__ == '__main__':  # Ctrl-C or SIGTERM during the imports below: one line, exit.
   from dpjax.trainer import interrupts  # pylint: disable=g-import-not-at-top
+
   interrupts.exit_on_signals('dpjax.train', ' before training started')
 
 import dataclasses  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -52,28 +53,44 @@ from dpjax.trainer import interrupts
 # (tests/e2e/test_cli_start.py).
 
 _CONFIG = config_flags.DEFINE_config_file(
-    'config', None, 'the training config: a file (path[:arg]) or a packaged config\'s name '
-    '(digits_mlp, mnist_cnn, ...); omitted: the config.json of the run in --workdir (resume). '
-    '--config.<field>=value overrides a field', lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'directory for checkpoints, metrics and config '
-                               '(private: publish with python -m dpjax.export)')
+  'config',
+  None,
+  "the training config: a file (path[:arg]) or a packaged config's name "
+  '(digits_mlp, mnist_cnn, ...); omitted: the config.json of the run in --workdir (resume). '
+  '--config.<field>=value overrides a field',
+  lock_config=True,
+)
+_WORKDIR = flags.DEFINE_string(
+  'workdir',
+  None,
+  'directory for checkpoints, metrics and config (private: publish with python -m dpjax.export)',
+)
 _DISTRIBUTED = flags.DEFINE_bool(
-    'distributed', False, 'Multi-host run: call jax.distributed.initialize() first (on every host).')
+  'distributed', False, 'Multi-host run: call jax.distributed.initialize() first (on every host).'
+)
 _COORDINATOR = flags.DEFINE_string(
-    'coordinator_address', None, 'host:port of process 0 (--distributed; default: '
-    'JAX_COORDINATOR_ADDRESS or the cluster environment).')
+  'coordinator_address',
+  None,
+  'host:port of process 0 (--distributed; default: '
+  'JAX_COORDINATOR_ADDRESS or the cluster environment).',
+)
 _NUM_PROCESSES = flags.DEFINE_integer(
-    'num_processes', None, 'Number of processes (--distributed; default: from the cluster).')
+  'num_processes', None, 'Number of processes (--distributed; default: from the cluster).'
+)
 _PROCESS_ID = flags.DEFINE_integer(
-    'process_id', None, 'This process, 0..num_processes-1 (--distributed; default: from the cluster).')
+  'process_id', None, 'This process, 0..num_processes-1 (--distributed; default: from the cluster).'
+)
 flags.mark_flags_as_required(['workdir'])
 PROG = 'dpjax.train'
+
+
 def check_workdir(workdir: str) -> str:
   """The absolute workdir; ConfigError unless it is (or can become) a writable directory.
 
   Writes nothing: a missing workdir is created only once the run is planned.
   """
   from dpjax.trainer import config_fields  # pylint: disable=import-outside-toplevel
+
   if not workdir:
     raise config_fields.ConfigError('--workdir: must name a directory.')
   path = os.path.abspath(workdir)
@@ -83,10 +100,13 @@ def check_workdir(workdir: str) -> str:
   while not os.path.exists(existing):
     existing = os.path.dirname(existing)
   if not os.path.isdir(existing):
-    raise config_fields.ConfigError(f'--workdir {workdir!r}: {existing!r} is a file, not a directory.')
+    raise config_fields.ConfigError(
+      f'--workdir {workdir!r}: {existing!r} is a file, not a directory.'
+    )
   if not _can_create_in(existing):
-    raise config_fields.ConfigError(f'--workdir {workdir!r}: cannot create files in {existing!r} '
-                                '(not writable).')
+    raise config_fields.ConfigError(
+      f'--workdir {workdir!r}: cannot create files in {existing!r} (not writable).'
+    )
   return path
 
 
@@ -105,10 +125,12 @@ def resume_point(workdir: str) -> tuple[int, dict | None]:
   Reads JSON only (creates nothing). A checkpoint without a fingerprint gives {}.
   """
   from dpjax.trainer import checkpoints  # pylint: disable=import-outside-toplevel
+
   rows = [row for row in checkpoints.read_metadata(workdir) if 'error' not in row]
   if not rows:
     return 0, None
   return rows[-1]['step'], rows[-1].get('fingerprint', {})
+
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
   """Trains (or resumes) the run described by `config`; returns the final metrics.
@@ -121,8 +143,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   # pylint: disable=import-outside-toplevel
   from dpjax.models import factory as models
   from dpjax.privacy import auditing, augmult as augmult_lib, sharding
-  from dpjax.trainer import (checkpoints, config_fields, loop as training_loop, perf as perf_lib,
-                             plan as plan_lib, run_identity, run_seed, seed_record, workdir_lock)
+  from dpjax.trainer import (
+    checkpoints,
+    config_fields,
+    loop as training_loop,
+    perf as perf_lib,
+    plan as plan_lib,
+    run_identity,
+    run_seed,
+    seed_record,
+    workdir_lock,
+  )
+
   # pylint: enable=import-outside-toplevel
   # ---------------------------------------------------------------------------
   # Config, workdir, data, model, devices: all validated before anything is
@@ -134,8 +166,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   workdir = check_workdir(workdir)
   train_source, test_source = plan_lib.make_training_sources(config)
   if config.augmult.num_views > 1:  # Crops and flips need images; checked before any compute.
-    augmult_lib.check_config(config.augmult.num_views, config.augmult.crop_padding,
-                             config.augmult.flip, input_shape=train_source.input_shape)
+    augmult_lib.check_config(
+      config.augmult.num_views,
+      config.augmult.crop_padding,
+      config.augmult.flip,
+      input_shape=train_source.input_shape,
+    )
   model = models.make_model(config.model, train_source.num_classes, train_source.input_shape)
   perf = perf_lib.Perf.from_config(config)
   mesh = sharding.make_mesh(perf.num_devices)
@@ -153,14 +189,28 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       lock.acquire()
     resumed = resume_point(workdir)
     seed = run_seed.broadcast_seed(run_seed.resolve_seed(config.seed, workdir))
-    plan = plan_lib.make_plan(config, train_source, resumed[1], seed=seed.value,
-                              seed_source=seed.source, resumed_step=resumed[0], perf=perf)
+    plan = plan_lib.make_plan(
+      config,
+      train_source,
+      resumed[1],
+      seed=seed.value,
+      seed_source=seed.source,
+      resumed_step=resumed[0],
+      perf=perf,
+    )
     lock.acquire()  # Creates a fresh workdir; a no-op if held.
     if resume_point(workdir) != resumed:  # Another run wrote here meanwhile: plan again.
       resumed = resume_point(workdir)
       seed = run_seed.broadcast_seed(run_seed.resolve_seed(config.seed, workdir))
-      plan = plan_lib.make_plan(config, train_source, resumed[1], seed=seed.value,
-                                seed_source=seed.source, resumed_step=resumed[0], perf=perf)
+      plan = plan_lib.make_plan(
+        config,
+        train_source,
+        resumed[1],
+        seed=seed.value,
+        seed_source=seed.source,
+        resumed_step=resumed[0],
+        perf=perf,
+      )
     if sharding.is_primary_process():  # Before any compute: the resume needs it.
       run_seed.store_seed(workdir, seed)
       # The seed record tells runs apart by their run id: a start from scratch is a new run
@@ -170,21 +220,35 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
       else:
         run = run_identity.fresh(workdir)
         if seed.source == 'config':
-          reuse = seed_record.start_warnings(plan.fingerprint['seed_sha256'], workdir,
-                                             run.run_id, run.earlier)
+          reuse = seed_record.start_warnings(
+            plan.fingerprint['seed_sha256'], workdir, run.run_id, run.earlier
+          )
           plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(reuse))
     return training_loop.run(plan, workdir, train_source, test_source, model, mesh)
   finally:
     lock.release()
+
 
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's parse with dpjax's conventions: --help / -h print usage and exit 0; without
   --config, a --workdir holding a run supplies its config.json (resume with --workdir alone)."""
   argv = list(argv)
   if any(a in ('-h', '--help', '--helpfull') for a in argv[1:]):
-    print(cli.usage(PROG, __doc__, flags.FLAGS, names=(
-        'config', 'workdir', 'distributed', 'coordinator_address', 'num_processes',
-        'process_id')))
+    print(
+      cli.usage(
+        PROG,
+        __doc__,
+        flags.FLAGS,
+        names=(
+          'config',
+          'workdir',
+          'distributed',
+          'coordinator_address',
+          'num_processes',
+          'process_id',
+        ),
+      )
+    )
     sys.exit(0)
   has_config = any(a == '--config' or a.startswith('--config=') for a in argv[1:])
   workdir = cli.flag_value(argv[1:], 'workdir')
@@ -192,13 +256,19 @@ def parse_flags(argv: list[str]) -> list[str]:
     # Before its overrides: absl registers --config.<field> when it meets --config.
     argv.insert(1, f'--config={configs.FROM_WORKDIR}:{os.path.abspath(workdir)}')
   elif not has_config:
-    cli.fail(PROG, '--config: required (a config file or a packaged config\'s name, e.g. '
-             '--config digits_mlp), unless --workdir holds a run to resume (its config.json).')
+    cli.fail(
+      PROG,
+      "--config: required (a config file or a packaged config's name, e.g. "
+      '--config digits_mlp), unless --workdir holds a run to resume (its config.json).',
+    )
   rest = cli.parse_flags(PROG, flags.FLAGS, argv)
   launch = (_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   if not _DISTRIBUTED.value and any(value is not None for value in launch):
-    cli.fail(PROG, '--coordinator_address, --num_processes and --process_id only apply with '
-             '--distributed (a multi-host run).')
+    cli.fail(
+      PROG,
+      '--coordinator_address, --num_processes and --process_id only apply with '
+      '--distributed (a multi-host run).',
+    )
   return rest
 
 
@@ -207,6 +277,7 @@ def main(argv):
   # pylint: disable=import-outside-toplevel
   from dpjax.privacy import sharding
   from dpjax.trainer import compilation_cache, loop as training_loop, write_errors
+
   # pylint: enable=import-outside-toplevel
   logging.set_verbosity(logging.ERROR)  # Orbax's per-save INFO lines drown the progress bar.
   prog = PROG
@@ -234,8 +305,12 @@ def main(argv):
     cli.quiet_broken_pipe()
     sys.exit(1)
   except KeyboardInterrupt:  # Ctrl-C before the loop (it handles its own): no traceback.
-    print(f'{prog}: interrupted (Ctrl-C) before training started; rerun the same command to '
-          'start again.', file=sys.stderr, flush=True)
+    print(
+      f'{prog}: interrupted (Ctrl-C) before training started; rerun the same command to '
+      'start again.',
+      file=sys.stderr,
+      flush=True,
+    )
     sys.exit(130)
 
 

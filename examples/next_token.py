@@ -18,8 +18,14 @@ from flax import nnx
 
 import dpjax
 
-WORDS = ('the cat sat on the mat', 'a dog ran in the park', 'we like to eat apples',
-         'the sun is bright today', 'she reads a good book', 'birds fly over the sea')
+WORDS = (
+  'the cat sat on the mat',
+  'a dog ran in the park',
+  'we like to eat apples',
+  'the sun is bright today',
+  'she reads a good book',
+  'birds fly over the sea',
+)
 LENGTH = 24
 
 
@@ -30,7 +36,7 @@ def make_corpus(num_windows: int, seed: int = 0):
   vocab = sorted(set(text))
   ids = np.array([vocab.index(c) for c in text], np.int32)
   starts = rng.integers(0, len(ids) - LENGTH - 1, num_windows)
-  windows = np.stack([ids[s:s + LENGTH + 1] for s in starts])
+  windows = np.stack([ids[s : s + LENGTH + 1] for s in starts])
   return windows[:, :-1], windows[:, 1:], len(vocab)
 
 
@@ -39,10 +45,11 @@ class TinyTransformer(nnx.Module):
     self.embed = nnx.Embed(vocab, width, rngs=rngs)
     self.position = nnx.Param(0.02 * jax.random.normal(rngs.params(), (LENGTH, width)))
     self.norm1, self.norm2 = nnx.LayerNorm(width, rngs=rngs), nnx.LayerNorm(width, rngs=rngs)
-    self.attention = nnx.MultiHeadAttention(4, width, decode=False, keep_rngs=False,
-                                            rngs=rngs)
-    self.mlp_in, self.mlp_out = nnx.Linear(width, 4 * width, rngs=rngs), nnx.Linear(
-        4 * width, width, rngs=rngs)
+    self.attention = nnx.MultiHeadAttention(4, width, decode=False, keep_rngs=False, rngs=rngs)
+    self.mlp_in, self.mlp_out = (
+      nnx.Linear(width, 4 * width, rngs=rngs),
+      nnx.Linear(4 * width, width, rngs=rngs),
+    )
     self.head = nnx.Linear(width, vocab, rngs=rngs)
 
   def __call__(self, tokens):  # [n, LENGTH] -> logits [n, LENGTH, vocab]
@@ -57,11 +64,13 @@ def main(quick: bool) -> None:
   x_train, y_train, vocab = make_corpus(600 if quick else 4000)
   x_test, y_test, _ = make_corpus(200 if quick else 500, seed=1)
   epochs = 1 if quick else 8
-  sampler = dpjax.PoissonSampler(num_examples=len(x_train), batch_size=100 if quick else 200,
-                                 seed=secrets.randbits(63))
+  sampler = dpjax.PoissonSampler(
+    num_examples=len(x_train), batch_size=100 if quick else 200, seed=secrets.randbits(63)
+  )
   steps = epochs * sampler.steps_per_epoch
-  plan = dpjax.PrivacyPlan.create(sampler, num_steps=steps, clip_norm=1.0,
-                                  target_epsilon=8.0, delta=1e-5)
+  plan = dpjax.PrivacyPlan.create(
+    sampler, num_steps=steps, clip_norm=1.0, target_epsilon=8.0, delta=1e-5
+  )
   model = TinyTransformer(vocab, 32 if quick else 64, nnx.Rngs(0))
   fm = dpjax.NNXFunctional(model)
 
@@ -93,10 +102,13 @@ def main(quick: bool) -> None:
   test_loss = float(optax.softmax_cross_entropy_with_integer_labels(logits, y_test).mean())
   accuracy = float(np.mean(np.argmax(logits, -1) == y_test))
   report = plan.epsilon_at(steps)
-  print(f'{steps} steps: test loss {test_loss:.3f} nats/char (uniform: {np.log(vocab):.3f}), '
-        f'next-character accuracy {accuracy:.3f}')
-  print(f'ε = {report.epsilon:.3f} ({report.bound} bound, {report.accountant}), '
-        f'δ = {report.delta:g}')
+  print(
+    f'{steps} steps: test loss {test_loss:.3f} nats/char (uniform: {np.log(vocab):.3f}), '
+    f'next-character accuracy {accuracy:.3f}'
+  )
+  print(
+    f'ε = {report.epsilon:.3f} ({report.bound} bound, {report.accountant}), δ = {report.delta:g}'
+  )
 
 
 if __name__ == '__main__':

@@ -52,10 +52,12 @@ def main(quick: bool) -> None:
   x_train, y_train, x_test, y_test = digits.load_digits_arrays()
   x_train, x_test = x_train / 16, x_test / 16
   steps = len(x_train) // 256 if quick else 10 * len(x_train) // 128  # 1/2 or 10 epochs.
-  sampler = dpjax.PoissonSampler(num_examples=len(x_train), batch_size=128,
-                                 seed=secrets.randbits(63))  # Secret: never log it.
-  plan = dpjax.PrivacyPlan.create(sampler, num_steps=steps, clip_norm=1.0,
-                                  target_epsilon=3.0, delta=1e-5)
+  sampler = dpjax.PoissonSampler(
+    num_examples=len(x_train), batch_size=128, seed=secrets.randbits(63)
+  )  # Secret: never log it.
+  plan = dpjax.PrivacyPlan.create(
+    sampler, num_steps=steps, clip_norm=1.0, target_epsilon=3.0, delta=1e-5
+  )
   model = MLP(nnx.Rngs(0))
   fm = dpjax.NNXFunctional(model)
   grad_fn = plan.clipped_grad(fm.loss(loss), method='ghost')
@@ -85,8 +87,10 @@ def main(quick: bool) -> None:
 
   logits = jax.jit(fm.apply)(params, x_test)  # No key: evaluation without dropout.
   report = plan.epsilon_at(steps)
-  print(f'{steps} steps with dropout: test accuracy {np.mean(np.argmax(logits, -1) == y_test):.3f}'
-        f' at ε = {report.epsilon:.3f} ({report.bound} bound), δ = {report.delta:g}')
+  print(
+    f'{steps} steps with dropout: test accuracy {np.mean(np.argmax(logits, -1) == y_test):.3f}'
+    f' at ε = {report.epsilon:.3f} ({report.bound} bound), δ = {report.delta:g}'
+  )
 
 
 if __name__ == '__main__':

@@ -31,11 +31,13 @@ def main(quick: bool) -> None:
   x_train, y_train, x_test, y_test = digits.load_digits_arrays()
   x_train, x_test = x_train / 16, x_test / 16
   epochs = 1 if quick else 10
-  sampler = dpjax.ShuffleSampler(num_examples=len(x_train), batch_size=128,
-                                 seed=secrets.randbits(63))
+  sampler = dpjax.ShuffleSampler(
+    num_examples=len(x_train), batch_size=128, seed=secrets.randbits(63)
+  )
   steps = epochs * sampler.steps_per_epoch
-  plan = dpjax.PrivacyPlan.create(sampler, num_steps=steps, clip_norm=1.0,
-                                  noise_multiplier=5.0, delta=1e-5)
+  plan = dpjax.PrivacyPlan.create(
+    sampler, num_steps=steps, clip_norm=1.0, noise_multiplier=5.0, delta=1e-5
+  )
   model = MLP()
   params = model.init(jax.random.key(0), x_train[:1])['params']
 
@@ -56,14 +58,17 @@ def main(quick: bool) -> None:
 
   @jax.jit
   def update(grad_sum, opt_state, params, t):
-    updates, opt_state = tx.update(grad_sum.total, opt_state, params, step=t)  # The noise of step t.
+    updates, opt_state = tx.update(
+      grad_sum.total, opt_state, params, step=t
+    )  # The noise of step t.
     return optax.apply_updates(params, updates), opt_state
 
   for batch in batcher:  # Steps t = 0..T-1 across the epochs, each once.
     grad_sum, correct, rows = dpjax.GradSum.zeros(params), 0.0, 0.0
     for idx, weights in batch.physical_batches():
-      grad_sum, correct = accumulate(grad_sum, correct, params,
-                                     {'x': x_train[idx], 'y': y_train[idx]}, weights)
+      grad_sum, correct = accumulate(
+        grad_sum, correct, params, {'x': x_train[idx], 'y': y_train[idx]}, weights
+      )
       rows += weights.sum()
     params, opt_state = update(grad_sum, opt_state, params, batch.step)
     if batch.step % max(steps // 4, 1) == 0:
@@ -71,8 +76,9 @@ def main(quick: bool) -> None:
   accuracy = np.mean(np.argmax(jax.jit(model.apply)({'params': params}, x_test), -1) == y_test)
   report = plan.epsilon_at(steps)
   print(f'{steps} steps, σ = {plan.noise_multiplier:.3f}, test accuracy {accuracy:.3f}')
-  print(f'ε = {report.epsilon:.3f} ({report.bound} bound, {report.accountant}), '
-        f'δ = {report.delta:g}')
+  print(
+    f'ε = {report.epsilon:.3f} ({report.bound} bound, {report.accountant}), δ = {report.delta:g}'
+  )
 
 
 if __name__ == '__main__':

@@ -1,7 +1,7 @@
 """Your own DP-SGD loop: an NNX CNN on the digits, Poisson sampling, ghost clipping, σ calibrated.
 
-  python examples/own_loop_nnx.py            # 15 epochs, ~1 min on 2 CPU cores
-  python examples/own_loop_nnx.py --quick    # half an epoch (the test suite runs this)
+python examples/own_loop_nnx.py            # 15 epochs, ~1 min on 2 CPU cores
+python examples/own_loop_nnx.py --quick    # half an epoch (the test suite runs this)
 """
 
 import argparse
@@ -35,10 +35,12 @@ def main(quick: bool) -> None:
   steps = len(x_train) // 256 if quick else 15 * len(x_train) // 128  # 1/2 or 15 epochs.
 
   # --- dpjax: everything that enters ε comes from one plan. ---
-  sampler = dpjax.PoissonSampler(num_examples=len(x_train), batch_size=128,
-                                 seed=secrets.randbits(63))  # Secret: never log it.
-  plan = dpjax.PrivacyPlan.create(sampler, num_steps=steps, clip_norm=1.0,
-                                  target_epsilon=3.0, delta=1e-5)
+  sampler = dpjax.PoissonSampler(
+    num_examples=len(x_train), batch_size=128, seed=secrets.randbits(63)
+  )  # Secret: never log it.
+  plan = dpjax.PrivacyPlan.create(
+    sampler, num_steps=steps, clip_norm=1.0, target_epsilon=3.0, delta=1e-5
+  )
   model = CNN(nnx.Rngs(0))
   fm = dpjax.NNXFunctional(model)  # The NNX model as a function of a parameter dict.
 
@@ -71,8 +73,9 @@ def main(quick: bool) -> None:
   accuracy = np.mean(np.argmax(jax.jit(fm.apply)(params, x_test), -1) == y_test)
   report = plan.epsilon_at(steps)
   print(f'{steps} steps, σ = {plan.noise_multiplier:.3f}, test accuracy {accuracy:.3f}')
-  print(f'ε = {report.epsilon:.3f} ({report.bound} bound, {report.accountant}), '
-        f'δ = {report.delta:g}')
+  print(
+    f'ε = {report.epsilon:.3f} ({report.bound} bound, {report.accountant}), δ = {report.delta:g}'
+  )
 
 
 if __name__ == '__main__':

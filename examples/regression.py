@@ -32,11 +32,13 @@ def main(quick: bool) -> None:
   x_train, y_train = make_data(5_000 if quick else 20_000, seed=1)
   x_test, y_test = make_data(2_000, seed=2)
   epochs = 1 if quick else 10
-  sampler = dpjax.PoissonSampler(num_examples=len(x_train), batch_size=250 if quick else 500,
-                                 seed=secrets.randbits(63))
+  sampler = dpjax.PoissonSampler(
+    num_examples=len(x_train), batch_size=250 if quick else 500, seed=secrets.randbits(63)
+  )
   steps = epochs * sampler.steps_per_epoch
-  plan = dpjax.PrivacyPlan.create(sampler, num_steps=steps, clip_norm=1.0,
-                                  target_epsilon=1.0, delta=1e-6)
+  plan = dpjax.PrivacyPlan.create(
+    sampler, num_steps=steps, clip_norm=1.0, target_epsilon=1.0, delta=1e-6
+  )
   model = nn.Dense(1)
   params = model.init(jax.random.key(0), x_train[:1])['params']
 
@@ -66,10 +68,13 @@ def main(quick: bool) -> None:
   w, *_ = np.linalg.lstsq(np.c_[x_train, np.ones(len(x_train))], y_train, rcond=None)
   baseline = float(np.mean((np.c_[x_test, np.ones(len(x_test))] @ w - y_test) ** 2))
   report = plan.epsilon_at(steps)
-  print(f'{steps} steps: test MSE {mse:.4f} (non-private least squares {baseline:.4f}, '
-        f'predicting 0: {np.mean(y_test ** 2):.2f})')
-  print(f'ε = {report.epsilon:.3f} ({report.bound} bound, {report.accountant}), '
-        f'δ = {report.delta:g}')
+  print(
+    f'{steps} steps: test MSE {mse:.4f} (non-private least squares {baseline:.4f}, '
+    f'predicting 0: {np.mean(y_test**2):.2f})'
+  )
+  print(
+    f'ε = {report.epsilon:.3f} ({report.bound} bound, {report.accountant}), δ = {report.delta:g}'
+  )
 
 
 if __name__ == '__main__':

@@ -26,8 +26,7 @@ from dpjax.privacy import samplers  # pylint: disable=wrong-import-position
 from dpjax.privacy.accounting import calibration  # pylint: disable=wrong-import-position
 from dpjax.privacy.accounting import max_test  # pylint: disable=wrong-import-position
 
-PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results',
-                    'accounting_golden.json')
+PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', 'accounting_golden.json')
 N, BATCH, SIGMA, DELTA, STEPS = 1000, 50, 1.2, 1e-5, 40
 
 
@@ -67,10 +66,17 @@ def compute() -> dict:
     cls = samplers.sampler_class(name)
     sampler = cls(num_examples=N, batch_size=BATCH, seed=0)
     for accountant in ('auto',) + tuple(cls.accountants):
-      for group in sorted({1, 2} if accountant in cls.group_accountants or accountant == 'auto'
-                          else {1}):
-        kwargs = dict(accountant=accountant, group_size=group, num_steps=STEPS,
-                      monte_carlo_samples=4000, random_allocation=False, max_batch_size=None)
+      for group in sorted(
+        {1, 2} if accountant in cls.group_accountants or accountant == 'auto' else {1}
+      ):
+        kwargs = dict(
+          accountant=accountant,
+          group_size=group,
+          num_steps=STEPS,
+          monte_carlo_samples=4000,
+          random_allocation=False,
+          max_batch_size=None,
+        )
         try:
           acct = accounting.Accountant(sampler, SIGMA, DELTA, **kwargs)
           report = acct.epsilon_at(STEPS).to_dict()
@@ -78,18 +84,28 @@ def compute() -> dict:
           report = {'refused': str(e)}
         out[f'epsilon/{name}/{accountant}/k={group}'] = report
   extra = {  # Branches the grid above does not reach.
-      'fswr/sigma=3': ('fixed_size_with_replacement', dict(batch_size=10), 3.0, DELTA, {}),
-      'monte_carlo/delta=1e-2': ('balls_and_bins', {}, SIGMA, 1e-2,
-                                 dict(accountant='monte_carlo', monte_carlo_samples=4000,
-                                      allow_large_delta=True)),
-      'random_allocation': ('balls_and_bins', dict(num_examples=200, batch_size=10), 2.0, DELTA,
-                            dict(random_allocation=True)),
-      'poisson/truncated': ('poisson', {}, SIGMA, DELTA, dict(max_batch_size=70)),
-      'balls_and_bins/truncated': ('balls_and_bins', {}, SIGMA, DELTA, dict(max_batch_size=70)),
+    'fswr/sigma=3': ('fixed_size_with_replacement', dict(batch_size=10), 3.0, DELTA, {}),
+    'monte_carlo/delta=1e-2': (
+      'balls_and_bins',
+      {},
+      SIGMA,
+      1e-2,
+      dict(accountant='monte_carlo', monte_carlo_samples=4000, allow_large_delta=True),
+    ),
+    'random_allocation': (
+      'balls_and_bins',
+      dict(num_examples=200, batch_size=10),
+      2.0,
+      DELTA,
+      dict(random_allocation=True),
+    ),
+    'poisson/truncated': ('poisson', {}, SIGMA, DELTA, dict(max_batch_size=70)),
+    'balls_and_bins/truncated': ('balls_and_bins', {}, SIGMA, DELTA, dict(max_batch_size=70)),
   }
   for key, (name, sampler_kw, sigma, delta, kwargs) in extra.items():
-    sampler = samplers.sampler_class(name)(**(dict(num_examples=N, batch_size=BATCH, seed=0)
-                                               | sampler_kw))
+    sampler = samplers.sampler_class(name)(
+      **(dict(num_examples=N, batch_size=BATCH, seed=0) | sampler_kw)
+    )
     kwargs = dict(num_steps=STEPS, random_allocation=False, max_batch_size=None) | kwargs
     try:
       report = accounting.Accountant(sampler, sigma, delta, **kwargs).epsilon_at(STEPS).to_dict()
@@ -99,9 +115,11 @@ def compute() -> dict:
   for name in ('poisson', 'fixed_size', 'shuffle', 'balls_and_bins'):
     sampler = samplers.sampler_class(name)(num_examples=N, batch_size=BATCH, seed=0)
     out[f'sigma/{name}/eps=2'] = calibration.calibrate_noise_multiplier(
-        sampler, 2.0, DELTA, STEPS, random_allocation=False, max_batch_size=None)
+      sampler, 2.0, DELTA, STEPS, random_allocation=False, max_batch_size=None
+    )
     out[f'max_steps/{name}/sigma=1.2/eps=12'] = calibration.max_num_steps(
-        sampler, SIGMA, 12.0, DELTA, max_steps=2000, random_allocation=False, max_batch_size=None)
+      sampler, SIGMA, 12.0, DELTA, max_steps=2000, random_allocation=False, max_batch_size=None
+    )
   out['lower/bnb/delta'] = max_test.balls_and_bins_lower_bound_delta(1.0, 20, 1.0)
   out['lower/bnb/epsilon'] = max_test.balls_and_bins_lower_bound_epsilon(1.0, 20, 1e-5)
   out['lower/shuffle/delta'] = max_test.shuffle_lower_bound_delta(1.0, 20, 1.0, num_epochs=2)
@@ -112,8 +130,12 @@ def compute() -> dict:
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--check', action='store_true', help='compare with the recorded file')
-  parser.add_argument('--rtol', type=float, default=0.0,
-                      help='with --check: floats may differ by this relative amount (default 0)')
+  parser.add_argument(
+    '--rtol',
+    type=float,
+    default=0.0,
+    help='with --check: floats may differ by this relative amount (default 0)',
+  )
   args = parser.parse_args()
   now = compute()
   if not args.check:
@@ -124,14 +146,21 @@ def main() -> int:
     return 0
   with open(PATH) as f:
     then = json.load(f)
-  diffs = {k: _relative_difference(then.get(k), now.get(k))
-           for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k)}
+  diffs = {
+    k: _relative_difference(then.get(k), now.get(k))
+    for k in sorted(set(then) | set(now))
+    if then.get(k) != now.get(k)
+  }
   for k, rel in diffs.items():
-    print(f'{k} (largest relative difference {rel:.2g}):\n  recorded {then.get(k)}\n'
-          f'  now      {now.get(k)}')
+    print(
+      f'{k} (largest relative difference {rel:.2g}):\n  recorded {then.get(k)}\n'
+      f'  now      {now.get(k)}'
+    )
   beyond = [k for k, rel in diffs.items() if rel > args.rtol]
-  print(f'{len(then)} entries, {len(diffs)} differ, {len(beyond)} by more than rtol = '
-        f'{args.rtol:g}' + (f' (largest {max(diffs.values()):.2g})' if diffs else ''))
+  print(
+    f'{len(then)} entries, {len(diffs)} differ, {len(beyond)} by more than rtol = '
+    f'{args.rtol:g}' + (f' (largest {max(diffs.values()):.2g})' if diffs else '')
+  )
   return 1 if beyond else 0
 
 

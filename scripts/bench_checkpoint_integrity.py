@@ -43,22 +43,27 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument('--megabytes', type=int, default=128)
   parser.add_argument('--repeats', type=int, default=5)
-  parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results',
-                                                   'checkpoint_integrity.json'))
+  parser.add_argument(
+    '--out', default=os.path.join(os.path.dirname(__file__), 'results', 'checkpoint_integrity.json')
+  )
   args = parser.parse_args()
   rng = np.random.default_rng(0)
   leaves = 8
   size = args.megabytes * 2**20 // 4 // leaves
   state = {f'w{i}': rng.standard_normal(size, dtype=np.float32) for i in range(leaves)}
   target = jax.tree.map(np.zeros_like, state)
-  args_for = lambda: ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                        metadata=ocp.args.JsonSave({'step': 0}))
+  args_for = lambda: ocp.args.Composite(
+    state=ocp.args.StandardSave(state), metadata=ocp.args.JsonSave({'step': 0})
+  )
   with tempfile.TemporaryDirectory() as root:
     dpjax_manager = checkpoints.make_manager(os.path.join(root, 'dpjax'), 1)
     plain_manager = ocp.CheckpointManager(
-        os.path.join(root, 'plain', 'checkpoints'), item_names=checkpoints.ITEMS,
-        options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True,
-                                             enable_async_checkpointing=True))
+      os.path.join(root, 'plain', 'checkpoints'),
+      item_names=checkpoints.ITEMS,
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=1, create=True, enable_async_checkpointing=True
+      ),
+    )
     step = iter(range(1, 10**6))
 
     def save_dpjax():
@@ -78,17 +83,23 @@ def main():
       results[name + '_seconds'] = statistics.median(results[name + '_samples'])
     latest = dpjax_manager.latest_step()
     step_dir = os.path.join(str(dpjax_manager.directory), str(latest))
-    restore = lambda: dpjax_manager.restore(latest, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target)))
+    restore = lambda: dpjax_manager.restore(
+      latest, args=ocp.args.Composite(state=ocp.args.StandardRestore(target))
+    )
     results['restore_seconds'], results['restore_samples'] = _median_seconds(restore, args.repeats)
     results['verify_seconds'], results['verify_samples'] = _median_seconds(
-        lambda: manifest.verify_checkpoint(step_dir), args.repeats)
+      lambda: manifest.verify_checkpoint(step_dir), args.repeats
+    )
   results.update(
-      megabytes=args.megabytes, repeats=args.repeats,
-      save_ratio_dpjax_over_plain=(results['save_dpjax_seconds']
-                                   / results['save_plain_orbax_seconds']),
-      verify_over_restore=results['verify_seconds'] / results['restore_seconds'],
-      machine=provenance.machine(), git=provenance.git_state())
+    megabytes=args.megabytes,
+    repeats=args.repeats,
+    save_ratio_dpjax_over_plain=(
+      results['save_dpjax_seconds'] / results['save_plain_orbax_seconds']
+    ),
+    verify_over_restore=results['verify_seconds'] / results['restore_seconds'],
+    machine=provenance.machine(),
+    git=provenance.git_state(),
+  )
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   with open(args.out, 'w') as f:
     json.dump(results, f, indent=2)

@@ -24,20 +24,26 @@ from dpjax.privacy.child_env import child_env
 from dpjax.trainer import provenance
 
 COMMANDS = {
-    'account --help': ['-m', 'dpjax.account', '--help'],
-    'train --help': ['-m', 'dpjax.train', '--help'],
-    'export --help': ['-m', 'dpjax.export', '--help'],
-    'planner --help': ['-m', 'dpjax.planner', '--help'],
-    'import jax': ['-c', 'import jax'],
-    'python (no import)': ['-c', 'pass'],
+  'account --help': ['-m', 'dpjax.account', '--help'],
+  'train --help': ['-m', 'dpjax.train', '--help'],
+  'export --help': ['-m', 'dpjax.export', '--help'],
+  'planner --help': ['-m', 'dpjax.planner', '--help'],
+  'import jax': ['-c', 'import jax'],
+  'python (no import)': ['-c', 'pass'],
 }
 TARGET = 0.5  # account --help / import jax.
 
 
 def _seconds(args: list[str]) -> float:
   start = time.perf_counter()
-  subprocess.run([sys.executable, *args], cwd=provenance.REPO, env=child_env(), check=True,
-                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  subprocess.run(
+    [sys.executable, *args],
+    cwd=provenance.REPO,
+    env=child_env(),
+    check=True,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
   return time.perf_counter() - start
 
 
@@ -46,7 +52,7 @@ def measure(repeats: int) -> dict[str, list[float]]:
   names, times = list(COMMANDS), {name: [] for name in COMMANDS}
   _seconds(COMMANDS['import jax'])  # Warm the file cache once, for every command alike.
   for r in range(repeats):
-    for name in names[r % len(names):] + names[:r % len(names)]:
+    for name in names[r % len(names) :] + names[: r % len(names)]:
       times[name].append(_seconds(COMMANDS[name]))
   return times
 
@@ -54,23 +60,24 @@ def measure(repeats: int) -> dict[str, list[float]]:
 def main() -> int:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--repeats', type=int, default=7)
-  parser.add_argument('--out', default=os.path.join(provenance.REPO, 'scripts', 'results',
-                                                    'cli_start.json'))
+  parser.add_argument(
+    '--out', default=os.path.join(provenance.REPO, 'scripts', 'results', 'cli_start.json')
+  )
   args = parser.parse_args()
   load_before = provenance.load_average()
   times = measure(args.repeats)
   median = {name: statistics.median(t) for name, t in times.items()}
   jax_s = median['import jax']
   record = {
-      'median_seconds': {name: round(s, 4) for name, s in median.items()},
-      'ratio_to_import_jax': {name: round(s / jax_s, 3) for name, s in median.items()},
-      'target': f'account --help <= {TARGET} x import jax',
-      'target_met': median['account --help'] <= TARGET * jax_s,
-      'repeats': args.repeats,
-      'seconds': {name: [round(s, 4) for s in t] for name, t in times.items()},
-      'machine': dict(provenance.machine(), load_average_before=load_before),
-      'git': provenance.git_state(),
-      'time': time.strftime('%Y-%m-%d %H:%M:%S'),
+    'median_seconds': {name: round(s, 4) for name, s in median.items()},
+    'ratio_to_import_jax': {name: round(s / jax_s, 3) for name, s in median.items()},
+    'target': f'account --help <= {TARGET} x import jax',
+    'target_met': median['account --help'] <= TARGET * jax_s,
+    'repeats': args.repeats,
+    'seconds': {name: [round(s, 4) for s in t] for name, t in times.items()},
+    'machine': dict(provenance.machine(), load_average_before=load_before),
+    'git': provenance.git_state(),
+    'time': time.strftime('%Y-%m-%d %H:%M:%S'),
   }
   provenance.write_json(args.out, record)
   for name, s in median.items():

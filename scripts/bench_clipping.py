@@ -67,9 +67,10 @@ MIN_SAMPLE_S = 0.1  # Shortest timed sample (several calls for fast steps).
 
 MODELS = ('mlp', 'cnn', 'wrn', 'transformer', 'vit')
 # Physical batch sizes: on the CPU, and on an accelerator (issue 14's table).
-PHYSICAL_BATCH = {'cpu': {'mlp': 256, 'cnn': 256, 'wrn': 16, 'transformer': 64, 'vit': 8},
-                  'accelerator': {'mlp': 1024, 'cnn': 1024, 'wrn': 256, 'transformer': 256,
-                                  'vit': 256}}
+PHYSICAL_BATCH = {
+  'cpu': {'mlp': 256, 'cnn': 256, 'wrn': 16, 'transformer': 64, 'vit': 8},
+  'accelerator': {'mlp': 1024, 'cnn': 1024, 'wrn': 256, 'transformer': 256, 'vit': 256},
+}
 
 
 def _model(name: str):
@@ -91,28 +92,37 @@ def _model(name: str):
 
 def _batch(shape, p, seed=0):
   rng = np.random.default_rng(seed)
-  return jax.device_put({
+  return jax.device_put(
+    {
       'x': rng.normal(size=(p, *shape)).astype(np.float32),
       'y': rng.integers(0, 10, p).astype(np.int32),
-      'weight': np.ones(p, np.float32)})
+      'weight': np.ones(p, np.float32),
+    }
+  )
 
 
 def _step(model, method: str, p: int, forms: str = 'flops') -> dp_step.DPStep:
   return dp_step.DPStep(
-      model, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0,
-      expected_batch_size=p, private=method != 'nonprivate',
-      clipping='vmap' if method == 'nonprivate' else method, clipping_forms=forms)
+    model,
+    optax.sgd(0.1),
+    clip_norm=1.0,
+    noise_multiplier=1.0,
+    expected_batch_size=p,
+    private=method != 'nonprivate',
+    clipping='vmap' if method == 'nonprivate' else method,
+    clipping_forms=forms,
+  )
 
 
 def _compile(step, params, batch):
   """(compiled accumulate, seconds to compile, estimated peak bytes)."""
   start = time.perf_counter()
-  compiled = step.accumulate.lower(params, step.init_accumulator(params),
-                                   batch).compile()
+  compiled = step.accumulate.lower(params, step.init_accumulator(params), batch).compile()
   seconds = time.perf_counter() - start
   m = compiled.memory_analysis()
-  peak = (m.argument_size_in_bytes + m.output_size_in_bytes -
-          m.alias_size_in_bytes + m.temp_size_in_bytes)
+  peak = (
+    m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+  )
   return compiled, seconds, int(peak)
 
 
@@ -126,8 +136,7 @@ def _max_batch(model, method, params, shape, fit, budget, verify):
   guess = max(1, min(guess, MAX_P))
   checked = []
   while verify:
-    _, _, peak = _compile(_step(model, method, guess), params,
-                          _batch(shape, guess))
+    _, _, peak = _compile(_step(model, method, guess), params, _batch(shape, guess))
     checked.append((guess, peak))
     if peak <= budget or guess == 1:
       break
@@ -137,8 +146,13 @@ def _max_batch(model, method, params, shape, fit, budget, verify):
 
 def _rel_diff(a, b) -> float:
   scale = max(float(np.max(np.abs(l))) for l in jax.tree.leaves(b))
-  return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v))))
-             for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b))) / scale
+  return (
+    max(
+      float(np.max(np.abs(np.asarray(u) - np.asarray(v))))
+      for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
+    / scale
+  )
 
 
 def _time_interleaved(compiled, accs, params, batch, methods, repeats):
@@ -151,7 +165,8 @@ def _time_interleaved(compiled, accs, params, batch, methods, repeats):
   """
   start = time.perf_counter()
   accs['nonprivate'] = jax.block_until_ready(
-      compiled['nonprivate'](params, accs['nonprivate'], batch))
+    compiled['nonprivate'](params, accs['nonprivate'], batch)
+  )
   calls = max(1, int(np.ceil(MIN_SAMPLE_S / (time.perf_counter() - start))))
   times = {m: [] for m in methods}
   for _ in range(repeats):
@@ -170,9 +185,12 @@ def bench_model(name: str, repeats: int, budget: int, verify_below_s: float) -> 
   model, shape, p = _model(name)
   params = prng.init_params(model, 0, shape)
   batch = _batch(shape, p)
-  out = {'physical_batch_size': p, 'input_shape': list(shape),
-         'num_params': int(sum(l.size for l in jax.tree.leaves(params))),
-         'methods': {}}
+  out = {
+    'physical_batch_size': p,
+    'input_shape': list(shape),
+    'num_params': int(sum(l.size for l in jax.tree.leaves(params))),
+    'methods': {},
+  }
   compiled, accs, sums = {}, {}, {}
   methods = METHODS
   for method in methods:
@@ -180,49 +198,65 @@ def bench_model(name: str, repeats: int, budget: int, verify_below_s: float) -> 
     compiled[method], compile_s, peak = _compile(step, params, batch)
     one = compiled[method](params, step.init_accumulator(params), batch)
     sums[method] = jax.block_until_ready((one.grad_sum, one.stats))
-    accs[method] = compiled[method](params, step.init_accumulator(params),
-                                    batch)  # Warm-up; reused (donated).
+    accs[method] = compiled[method](
+      params, step.init_accumulator(params), batch
+    )  # Warm-up; reused (donated).
     _, _, peak2 = _compile(step, params, _batch(shape, 2 * p))
-    max_p, checked = _max_batch(model, method, params, shape,
-                                [(p, peak), (2 * p, peak2)], budget,
-                                verify=compile_s < verify_below_s)
+    max_p, checked = _max_batch(
+      model,
+      method,
+      params,
+      shape,
+      [(p, peak), (2 * p, peak2)],
+      budget,
+      verify=compile_s < verify_below_s,
+    )
     out['methods'][method] = {
-        'compile_seconds': compile_s,
-        'peak_bytes': peak,
-        'peak_bytes_at_2p': peak2,
-        'max_physical_batch_size': max_p,
-        'max_batch_verified_by_compiling': checked,
+      'compile_seconds': compile_s,
+      'peak_bytes': peak,
+      'peak_bytes_at_2p': peak2,
+      'max_physical_batch_size': max_p,
+      'max_batch_verified_by_compiling': checked,
     }
-  out['calls_per_sample'], times = _time_interleaved(compiled, accs, params, batch, methods,
-                                                     repeats)
+  out['calls_per_sample'], times = _time_interleaved(
+    compiled, accs, params, batch, methods, repeats
+  )
   for method in methods:
     r = out['methods'][method]
     r['seconds_per_batch'] = float(np.median(times[method]))
     r['examples_per_second'] = p / r['seconds_per_batch']
-    print(f'{name:12s} {method:10s} {r["examples_per_second"]:10.1f} ex/s '
-          f'{r["seconds_per_batch"] * 1e3:9.2f} ms/batch  peak '
-          f'{r["peak_bytes"] / 2**20:8.1f} MiB  max P '
-          f'{r.get("max_physical_batch_size", "-")} (compile '
-          f'{r["compile_seconds"]:.1f}s)', flush=True)
+    print(
+      f'{name:12s} {method:10s} {r["examples_per_second"]:10.1f} ex/s '
+      f'{r["seconds_per_batch"] * 1e3:9.2f} ms/batch  peak '
+      f'{r["peak_bytes"] / 2**20:8.1f} MiB  max P '
+      f'{r.get("max_physical_batch_size", "-")} (compile '
+      f'{r["compile_seconds"]:.1f}s)',
+      flush=True,
+    )
   base = out['methods']['nonprivate']['examples_per_second']
   for method in ('vmap', 'ghost'):
-    out[f'{method}_over_nonprivate'] = (
-        out['methods'][method]['examples_per_second'] / base)
-  out['ghost_vs_vmap_grad_sum_rel_diff'] = _rel_diff(sums['ghost'][0],
-                                                     sums['vmap'][0])
+    out[f'{method}_over_nonprivate'] = out['methods'][method]['examples_per_second'] / base
+  out['ghost_vs_vmap_grad_sum_rel_diff'] = _rel_diff(sums['ghost'][0], sums['vmap'][0])
   out['ghost_vs_vmap_grad_norm_sum_rel_diff'] = abs(
-      float(sums['ghost'][1].grad_norm_sum / sums['vmap'][1].grad_norm_sum)
-      - 1)
-  print(f'{name:12s} ghost/nonprivate {out["ghost_over_nonprivate"]:.3f}  '
-        f'vmap/nonprivate {out["vmap_over_nonprivate"]:.3f}  ghost vs vmap '
-        f'rel diff {out["ghost_vs_vmap_grad_sum_rel_diff"]:.1e}', flush=True)
+    float(sums['ghost'][1].grad_norm_sum / sums['vmap'][1].grad_norm_sum) - 1
+  )
+  print(
+    f'{name:12s} ghost/nonprivate {out["ghost_over_nonprivate"]:.3f}  '
+    f'vmap/nonprivate {out["vmap_over_nonprivate"]:.3f}  ghost vs vmap '
+    f'rel diff {out["ghost_vs_vmap_grad_sum_rel_diff"]:.1e}',
+    flush=True,
+  )
   return out
 
 
 # --forms: name -> (clipping, clipping_forms, every layer forced to ghost (True) / materialised).
-FORM_METHODS = {'nonprivate': ('nonprivate', 'flops', None), 'flops': ('ghost', 'flops', None),
-                'measured': ('ghost', 'measured', None), 'all_ghost': ('ghost', 'flops', True),
-                'all_materialised': ('ghost', 'flops', False)}
+FORM_METHODS = {
+  'nonprivate': ('nonprivate', 'flops', None),
+  'flops': ('ghost', 'flops', None),
+  'measured': ('ghost', 'measured', None),
+  'all_ghost': ('ghost', 'flops', True),
+  'all_materialised': ('ghost', 'flops', False),
+}
 
 
 def bench_forms(name: str, repeats: int, batch_size: int = 0) -> dict:
@@ -237,17 +271,23 @@ def bench_forms(name: str, repeats: int, batch_size: int = 0) -> dict:
   out = {'physical_batch_size': p, 'input_shape': list(shape), 'methods': {}}
   compiled, accs, sums = {}, {}, {}
   for method, (clipping, forms, forced) in FORM_METHODS.items():
-    with (ghost_clipping.mixed.forced_form(forced) if forced is not None
-          else contextlib.nullcontext()):  # Traced while compiling.
+    with (
+      ghost_clipping.mixed.forced_form(forced) if forced is not None else contextlib.nullcontext()
+    ):  # Traced while compiling.
       step = _step(model, clipping, p, forms)
       compiled[method], compile_s, peak = _compile(step, params, batch)
     sums[method] = jax.block_until_ready(
-        compiled[method](params, step.init_accumulator(params), batch).grad_sum)
+      compiled[method](params, step.init_accumulator(params), batch).grad_sum
+    )
     accs[method] = compiled[method](params, step.init_accumulator(params), batch)  # Warm-up.
-    out['methods'][method] = {'compile_seconds': compile_s, 'peak_bytes': peak,
-                              'choice': list(step.clipping_choice)}
-  out['calls_per_sample'], times = _time_interleaved(compiled, accs, params, batch,
-                                                     tuple(FORM_METHODS), repeats)
+    out['methods'][method] = {
+      'compile_seconds': compile_s,
+      'peak_bytes': peak,
+      'choice': list(step.clipping_choice),
+    }
+  out['calls_per_sample'], times = _time_interleaved(
+    compiled, accs, params, batch, tuple(FORM_METHODS), repeats
+  )
   base = float(np.median(times['nonprivate']))
   for method, r in out['methods'].items():
     r['seconds_per_batch'] = float(np.median(times[method]))
@@ -256,56 +296,85 @@ def bench_forms(name: str, repeats: int, batch_size: int = 0) -> dict:
       r['grad_sum_rel_diff_to_flops'] = _rel_diff(sums[method], sums['flops'])
   flops, measured = out['methods']['flops'], out['methods']['measured']
   out['measured_speedup_over_flops'] = flops['seconds_per_batch'] / measured['seconds_per_batch']
-  tail = lambda r: r['choice'][r['choice'].index('all layers:') + 1:] if 'all layers:' in r[
-      'choice'] else r['choice'][1:]
+  tail = lambda r: (
+    r['choice'][r['choice'].index('all layers:') + 1 :]
+    if 'all layers:' in r['choice']
+    else r['choice'][1:]
+  )
   out['measured_forms_differ_from_flops'] = tail(measured) != tail(flops)
   # Identical programs run at the same speed: their timed difference is the machine's noise.
-  out['measured_same_program_as_flops'] = (compiled['measured'].as_text()
-                                           == compiled['flops'].as_text())
-  print(f'{name:12s} P={p} / nonprivate: ' + '  '.join(
-      f'{m} {r["over_nonprivate"]:.3f}' for m, r in out['methods'].items() if m != 'nonprivate')
-        + f'  measured/flops speed {out["measured_speedup_over_flops"]:.3f}'
-        + f' (forms differ: {out["measured_forms_differ_from_flops"]}, same program: '
-        f'{out["measured_same_program_as_flops"]})', flush=True)
+  out['measured_same_program_as_flops'] = (
+    compiled['measured'].as_text() == compiled['flops'].as_text()
+  )
+  print(
+    f'{name:12s} P={p} / nonprivate: '
+    + '  '.join(
+      f'{m} {r["over_nonprivate"]:.3f}' for m, r in out['methods'].items() if m != 'nonprivate'
+    )
+    + f'  measured/flops speed {out["measured_speedup_over_flops"]:.3f}'
+    + f' (forms differ: {out["measured_forms_differ_from_flops"]}, same program: '
+    f'{out["measured_same_program_as_flops"]})',
+    flush=True,
+  )
   return out
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--models', nargs='+',
-                      default=['mlp', 'cnn', 'wrn', 'transformer'],
-                      choices=list(MODELS))
+  parser.add_argument(
+    '--models', nargs='+', default=['mlp', 'cnn', 'wrn', 'transformer'], choices=list(MODELS)
+  )
   parser.add_argument('--repeats', type=int, default=15)
   parser.add_argument('--budget-gib', type=float, default=2.0)
-  parser.add_argument('--verify-below-s', type=float, default=20.0,
-                      help='compile the fitted max P only for models that '
-                      'compile faster than this (WRN-16-4 takes ~30 s)')
-  parser.add_argument('--forms', action='store_true',
-                      help="time ghost clipping's forms instead: the FLOP rule's, the measured "
-                      'ones, all ghost, all materialised (bench_clipping_forms.json)')
-  parser.add_argument('--batch', type=int, default=0,
-                      help='--forms: the physical batch P (0: the default of each model)')
+  parser.add_argument(
+    '--verify-below-s',
+    type=float,
+    default=20.0,
+    help='compile the fitted max P only for models that '
+    'compile faster than this (WRN-16-4 takes ~30 s)',
+  )
+  parser.add_argument(
+    '--forms',
+    action='store_true',
+    help="time ghost clipping's forms instead: the FLOP rule's, the measured "
+    'ones, all ghost, all materialised (bench_clipping_forms.json)',
+  )
+  parser.add_argument(
+    '--batch',
+    type=int,
+    default=0,
+    help='--forms: the physical batch P (0: the default of each model)',
+  )
   parser.add_argument('--out', default=None)
   args = parser.parse_args()
   backend = jax.default_backend()
   stem = 'bench_clipping_forms' if args.forms else 'bench_clipping'
   args.out = args.out or os.path.join(
-      os.path.dirname(__file__), 'results',
-      f'{stem}.json' if backend == 'cpu' else f'{stem}_{backend}.json')
+    os.path.dirname(__file__),
+    'results',
+    f'{stem}.json' if backend == 'cpu' else f'{stem}_{backend}.json',
+  )
   budget = int(args.budget_gib * 2**30)
   result = {
-      'jax': jax.__version__, 'backend': backend, 'device': jax.devices()[0].device_kind,
-      'cpu_count': os.cpu_count(), 'machine': platform.machine(),
-      'repeats': args.repeats, 'memory_budget_bytes': budget,
-      'memory': 'XLA estimate of the compiled accumulate: arguments + '
-                'outputs - aliased + temporaries',
-      'models': {},
+    'jax': jax.__version__,
+    'backend': backend,
+    'device': jax.devices()[0].device_kind,
+    'cpu_count': os.cpu_count(),
+    'machine': platform.machine(),
+    'repeats': args.repeats,
+    'memory_budget_bytes': budget,
+    'memory': 'XLA estimate of the compiled accumulate: arguments + '
+    'outputs - aliased + temporaries',
+    'models': {},
   }
   start = time.perf_counter()
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   for name in args.models:
-    result['models'][name] = (bench_forms(name, args.repeats, args.batch) if args.forms else
-                              bench_model(name, args.repeats, budget, args.verify_below_s))
+    result['models'][name] = (
+      bench_forms(name, args.repeats, args.batch)
+      if args.forms
+      else bench_model(name, args.repeats, budget, args.verify_below_s)
+    )
     result['wall_seconds'] = time.perf_counter() - start
     # Written after every model, so a run cut off by its time limit keeps the models it finished.
     with open(args.out, 'w') as f:

@@ -95,8 +95,12 @@ def warm(root: str) -> None:
 def cached_fraction(root: str) -> float | None:
   """Fraction of the split's bytes in the page cache (util-linux fincore), None if unavailable."""
   try:
-    out = subprocess.run(['fincore', '--bytes', '--noheadings', '--output', 'RES,SIZE',
-                          *split_files(root)], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+      ['fincore', '--bytes', '--noheadings', '--output', 'RES,SIZE', *split_files(root)],
+      capture_output=True,
+      text=True,
+      check=True,
+    ).stdout
   except (OSError, subprocess.CalledProcessError):
     return None
   resident = size = 0
@@ -127,18 +131,28 @@ def measure(name, num_examples, make_source, full_read_bytes, repeats, root=None
     times.append(time.perf_counter() - start)
     del source
     gc.collect()
-  row = dict(source=name, num_examples=num_examples, cache='cold' if cold else 'warm',
-             method=identity['method'], sample_size=identity['sample_size'],
-             labels_hashed=identity.get('labels_sha256') is not None,
-             bytes=identity['bytes'], full_read_bytes=full_read_bytes,
-             median_seconds=statistics.median(times), seconds=times,
-             load_average=provenance.load_average())
+  row = dict(
+    source=name,
+    num_examples=num_examples,
+    cache='cold' if cold else 'warm',
+    method=identity['method'],
+    sample_size=identity['sample_size'],
+    labels_hashed=identity.get('labels_sha256') is not None,
+    bytes=identity['bytes'],
+    full_read_bytes=full_read_bytes,
+    median_seconds=statistics.median(times),
+    seconds=times,
+    load_average=provenance.load_average(),
+  )
   if identity['method'] == 'full':
     row['gib_per_second'] = identity['bytes'] / 2**30 / row['median_seconds']
   if cold:
     row['cached_fraction_before'] = cached
-  print(f"{name:12s} N={num_examples:>11,d} {row['cache']:4s} {row['method']:8s} "
-        f"{row['median_seconds'] * 1e3:10.1f} ms  (load {row['load_average'][0]})", flush=True)
+  print(
+    f'{name:12s} N={num_examples:>11,d} {row["cache"]:4s} {row["method"]:8s} '
+    f'{row["median_seconds"] * 1e3:10.1f} ms  (load {row["load_average"][0]})',
+    flush=True,
+  )
   return row
 
 
@@ -148,8 +162,12 @@ def main():
   parser.add_argument('--features', type=int, default=64, help='uint8 features per row')
   parser.add_argument('--repeats', type=int, default=5, help='at N <= 1e7; 3 above')
   parser.add_argument('--workdir', default='', help='where the memmap files go (default /tmp)')
-  parser.add_argument('--out', default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                    'results', 'data_identity.json'))
+  parser.add_argument(
+    '--out',
+    default=os.path.join(
+      os.path.dirname(os.path.abspath(__file__)), 'results', 'data_identity.json'
+    ),
+  )
   args = parser.parse_args()
 
   rows, skipped = [], []
@@ -166,13 +184,22 @@ def main():
         for i, (cx, cy) in enumerate(chunks(n, args.features, 0)):
           part = slice(i * CHUNK_ROWS, i * CHUNK_ROWS + len(cx))
           x[part], y[part] = cx, cy
-        rows.append(measure('in_memory', n, lambda: arrays.ArraySource(x, y, PREPROCESS),
-                            data_identity.DEFAULT_FULL_READ_BYTES, repeats))
+        rows.append(
+          measure(
+            'in_memory',
+            n,
+            lambda: arrays.ArraySource(x, y, PREPROCESS),
+            data_identity.DEFAULT_FULL_READ_BYTES,
+            repeats,
+          )
+        )
         del x, y
         gc.collect()
       else:
-        skipped.append(f'in_memory N={n}: MemAvailable {mem_available_bytes() / 2**30:.1f} GiB '
-                       f'< {nbytes / 2**30:.1f} GiB + 4 GiB')
+        skipped.append(
+          f'in_memory N={n}: MemAvailable {mem_available_bytes() / 2**30:.1f} GiB '
+          f'< {nbytes / 2**30:.1f} GiB + 4 GiB'
+        )
         print(skipped[-1], flush=True)
       # Memory-mapped.
       root = os.path.join(workdir, f'n{n}')
@@ -183,19 +210,33 @@ def main():
       print(f'wrote {nbytes / 1e9:.2f} GB in {write_seconds:.1f} s', flush=True)
       for cold in (False, True):
         for name, limit in (('full', 1 << 62), ('sampled', label_bytes), ('sample_only', 0)):
-          rows.append(measure(f'memmap_{name}', n, lambda: open_source(root), limit,
-                              repeats, root=root, cold=cold))
+          rows.append(
+            measure(
+              f'memmap_{name}', n, lambda: open_source(root), limit, repeats, root=root, cold=cold
+            )
+          )
           rows[-1]['write_seconds'] = write_seconds
       shutil.rmtree(root)
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
 
-  provenance.write_json(args.out, dict(
-      machine=dict(provenance.machine(), time=time.strftime('%Y-%m-%d %H:%M:%S'),
-                   mem_total_gib=os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30),
-      git=provenance.git_state(), args=vars(args), key_bytes=len(KEY),
+  provenance.write_json(
+    args.out,
+    dict(
+      machine=dict(
+        provenance.machine(),
+        time=time.strftime('%Y-%m-%d %H:%M:%S'),
+        mem_total_gib=os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30,
+      ),
+      git=provenance.git_state(),
+      args=vars(args),
+      key_bytes=len(KEY),
       default_full_read_bytes=data_identity.DEFAULT_FULL_READ_BYTES,
-      default_sample_rows=data_identity.DEFAULT_SAMPLE_ROWS, skipped=skipped, results=rows))
+      default_sample_rows=data_identity.DEFAULT_SAMPLE_ROWS,
+      skipped=skipped,
+      results=rows,
+    ),
+  )
   print('wrote', args.out)
 
 

@@ -37,7 +37,9 @@ from dpjax.privacy import samplers
 
 
 def make(name: str, num_examples: int, batch_size: int, physical: int):
-  config = ml_collections.ConfigDict({'seed': 0, 'sampler': {'name': name, 'batch_size': batch_size}})
+  config = ml_collections.ConfigDict(
+    {'seed': 0, 'sampler': {'name': name, 'batch_size': batch_size}}
+  )
   sampler = plan_lib.make_sampler(config, num_examples)
   cap = batching.resolve_max_batch_size(sampler, physical, num_steps=10**6, delta=1e-6)
   return batching.Batcher(sampler, physical, cap)
@@ -61,31 +63,43 @@ def load_note(results: list[dict]) -> str:
   loads = [r['load_average_1min'] for r in results if 'load_average_1min' in r]
   if not loads:
     return ''
-  return (f'\n1-min load average {min(loads):.0f}-{max(loads):.0f} on {os.cpu_count()} CPUs '
-          'during the runs')
+  return (
+    f'\n1-min load average {min(loads):.0f}-{max(loads):.0f} on {os.cpu_count()} CPUs '
+    'during the runs'
+  )
 
 
 def plot(results: list[dict], path: str) -> None:
   """Per-step time and sampling-only time vs N, one line per sampler (log axes)."""
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use('Agg')
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
 
   names = [n for n in samplers.SAMPLER_NAMES if any(r['sampler'] == n for r in results)]
   colors = dict(zip(names, plt.cm.tab10.colors))
   fig, axes = plt.subplots(1, 2, figsize=(13, 6.2))
-  panels = [(axes[0], 'median_step_seconds', 'sampling + batching + gather (synthetic source)'),
-            (axes[1], 'median_sampling_seconds', 'sampling + batching alone')]
+  panels = [
+    (axes[0], 'median_step_seconds', 'sampling + batching + gather (synthetic source)'),
+    (axes[1], 'median_sampling_seconds', 'sampling + batching alone'),
+  ]
   for ax, key, title in panels:
     for name in names:
       rows = sorted((r for r in results if r['sampler'] == name), key=lambda r: r['num_examples'])
       sizes = [r['num_examples'] for r in rows]
       ax.plot(sizes, [1e3 * r[key] for r in rows], '-o', color=colors[name], label=name)
-      amortised = [(r['num_examples'], r['amortised_step_seconds']) for r in rows
-                   if r['amortised_step_seconds'] is not None]
+      amortised = [
+        (r['num_examples'], r['amortised_step_seconds'])
+        for r in rows
+        if r['amortised_step_seconds'] is not None
+      ]
       if key == 'median_step_seconds' and amortised:
-        ax.plot(*zip(*[(n, 1e3 * t) for n, t in amortised]), ':x', color=colors[name],
-                label=f'{name}, amortised over whole epochs (incl. building each epoch)')
+        ax.plot(
+          *zip(*[(n, 1e3 * t) for n, t in amortised]),
+          ':x',
+          color=colors[name],
+          label=f'{name}, amortised over whole epochs (incl. building each epoch)',
+        )
     ax.set_xscale('log')
     ax.set_yscale('log')
     ax.set_xlabel('N, training examples')
@@ -95,9 +109,11 @@ def plot(results: list[dict], path: str) -> None:
   handles, labels = axes[0].get_legend_handles_labels()
   fig.legend(handles, labels, loc='lower center', ncol=3, fontsize=8, frameon=False)
   first = results[0]
-  fig.suptitle(f'Data pipeline per-step cost vs N: b = {first["batch_size"]}, '
-               f'P = {first["physical_batch_size"]}, medians over repeats'
-               + load_note(results), fontsize=11)
+  fig.suptitle(
+    f'Data pipeline per-step cost vs N: b = {first["batch_size"]}, '
+    f'P = {first["physical_batch_size"]}, medians over repeats' + load_note(results),
+    fontsize=11,
+  )
   fig.tight_layout(rect=(0, 0.14, 1, 1))
   fig.savefig(path, dpi=110)
   print('wrote', path)
@@ -132,44 +148,70 @@ def main():
       for r in range(args.repeats):
         start_step = r * 7919 + 1  # Different steps (and epochs) per repeat.
         time_steps(batcher, source, [start_step])  # Warm the epoch cache / allocator.
-        times = time_steps(batcher, source, list(range(start_step + 1, start_step + 1 + args.steps)))
+        times = time_steps(
+          batcher, source, list(range(start_step + 1, start_step + 1 + args.steps))
+        )
         medians.append(statistics.median(times))
-        num_physical += [batcher.logical_batch(t).num_physical_batches
-                         for t in range(start_step + 1, start_step + 1 + args.steps)]
-        sampling.append(statistics.median(time_steps(
-            batcher, None, list(range(start_step + 1, start_step + 1 + args.steps)))))
+        num_physical += [
+          batcher.logical_batch(t).num_physical_batches
+          for t in range(start_step + 1, start_step + 1 + args.steps)
+        ]
+        sampling.append(
+          statistics.median(
+            time_steps(batcher, None, list(range(start_step + 1, start_step + 1 + args.steps)))
+          )
+        )
         if batcher.sampler.is_epoch_based and per_epoch <= 2000:
           first = (r + 10) * per_epoch  # An epoch not touched before: includes its assignment.
-          amortised.append(sum(time_steps(batcher, source, list(range(first, first + per_epoch)))) / per_epoch)
-      row = dict(sampler=name, num_examples=n, batch_size=args.batch_size,
-                 physical_batch_size=args.physical_batch_size, steps_per_epoch=per_epoch,
-                 median_step_seconds=statistics.median(medians),
-                 median_sampling_seconds=statistics.median(sampling),
-                 amortised_step_seconds=statistics.median(amortised) if amortised else None,
-                 # K = ceil(min(n, B)/P) gathers per step: Binomial n (Poisson, balls-and-bins)
-                 # straddles K = 2 and 3 at b = 256, P = 128, which moves the median.
-                 mean_physical_batches=statistics.mean(num_physical),
-                 # Peak of this one process over all runs so far (see bench_data_scale.py).
-                 max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                 load_average_1min=os.getloadavg()[0])  # Shared machine: context for the times.
+          amortised.append(
+            sum(time_steps(batcher, source, list(range(first, first + per_epoch)))) / per_epoch
+          )
+      row = dict(
+        sampler=name,
+        num_examples=n,
+        batch_size=args.batch_size,
+        physical_batch_size=args.physical_batch_size,
+        steps_per_epoch=per_epoch,
+        median_step_seconds=statistics.median(medians),
+        median_sampling_seconds=statistics.median(sampling),
+        amortised_step_seconds=statistics.median(amortised) if amortised else None,
+        # K = ceil(min(n, B)/P) gathers per step: Binomial n (Poisson, balls-and-bins)
+        # straddles K = 2 and 3 at b = 256, P = 128, which moves the median.
+        mean_physical_batches=statistics.mean(num_physical),
+        # Peak of this one process over all runs so far (see bench_data_scale.py).
+        max_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        load_average_1min=os.getloadavg()[0],
+      )  # Shared machine: context for the times.
       results.append(row)
-      print(f"{name:28s} N={n:>11,d}  median {row['median_step_seconds'] * 1e3:7.3f} ms/step"
-            f"  (sampling+batching alone {row['median_sampling_seconds'] * 1e3:6.3f} ms)"
-            + (f"  amortised {row['amortised_step_seconds'] * 1e3:7.3f} ms/step" if amortised else ''))
+      print(
+        f'{name:28s} N={n:>11,d}  median {row["median_step_seconds"] * 1e3:7.3f} ms/step'
+        f'  (sampling+batching alone {row["median_sampling_seconds"] * 1e3:6.3f} ms)'
+        + (f'  amortised {row["amortised_step_seconds"] * 1e3:7.3f} ms/step' if amortised else '')
+      )
 
   ratios, sampling_ratios = {}, {}
   lo, hi = int(min(args.sizes)), int(max(args.sizes))
   for name in args.samplers:
     rows = {r['num_examples']: r for r in results if r['sampler'] == name}
     ratios[name] = rows[hi]['median_step_seconds'] / rows[lo]['median_step_seconds']
-    sampling_ratios[name] = rows[hi]['median_sampling_seconds'] / rows[lo]['median_sampling_seconds']
+    sampling_ratios[name] = (
+      rows[hi]['median_sampling_seconds'] / rows[lo]['median_sampling_seconds']
+    )
   print('ratio per-step time N=%d / N=%d:' % (hi, lo), {k: round(v, 3) for k, v in ratios.items()})
   print('  sampling+batching alone:', {k: round(v, 3) for k, v in sampling_ratios.items()})
   os.makedirs(os.path.dirname(args.out) or '.', exist_ok=True)
   with open(args.out, 'w') as f:
-    json.dump(dict(machine=dict(cpus=os.cpu_count(), python=platform.python_version()),
-                   args=vars(args), results=results, ratio_large_over_small=ratios,
-                   sampling_ratio_large_over_small=sampling_ratios), f, indent=2)
+    json.dump(
+      dict(
+        machine=dict(cpus=os.cpu_count(), python=platform.python_version()),
+        args=vars(args),
+        results=results,
+        ratio_large_over_small=ratios,
+        sampling_ratio_large_over_small=sampling_ratios,
+      ),
+      f,
+      indent=2,
+    )
   print('wrote', args.out)
   plot(results, png)
 

@@ -81,15 +81,26 @@ def run_worker(spec: dict) -> dict:
   if spec['source'] == 'synthetic':
     source = synthetic.SyntheticSource(spec['num_examples'], (spec['features'],), 10)
   else:
-    config = ml_collections.ConfigDict(dict(
-        source='memmap', path=spec['path'], train_split='train', test_split='test', scale=255.0,
-        mean=(0.0,), std=(1.0,), label_format='int', num_classes=10))
+    config = ml_collections.ConfigDict(
+      dict(
+        source='memmap',
+        path=spec['path'],
+        train_split='train',
+        test_split='test',
+        scale=255.0,
+        mean=(0.0,),
+        std=(1.0,),
+        label_format='int',
+        num_classes=10,
+      )
+    )
     source, _ = data.make_sources(config)
   open_seconds = time.perf_counter() - start
   n = len(source)
   assert n == spec['num_examples'], (n, spec)
   config = ml_collections.ConfigDict(
-      {'seed': 0, 'sampler': {'name': spec['sampler'], 'batch_size': spec['batch_size']}})
+    {'seed': 0, 'sampler': {'name': spec['sampler'], 'batch_size': spec['batch_size']}}
+  )
   sampler = plan_lib.make_sampler(config, n)
   physical = spec['physical_batch_size']
   cap = batching.resolve_max_batch_size(sampler, physical, num_steps=10**6, delta=1e-8)
@@ -122,17 +133,25 @@ def run_worker(spec: dict) -> dict:
   end = proc_status_mib()
   epoch_structure = (4 if n < 2**31 else 8) * n + 8 * (sampler.steps_per_epoch + 1)
   return dict(
-      source='memmap_cold' if spec['cold'] else spec['source'], sampler=spec['sampler'],
-      num_examples=n, batch_size=spec['batch_size'], physical_batch_size=physical,
-      max_batch_size=cap, steps_per_epoch=sampler.steps_per_epoch,
-      open_seconds=open_seconds, first_step_seconds=first,
-      median_step_ms=1e3 * statistics.median(medians),
-      median_sampling_ms=1e3 * statistics.median(sampling),
-      baseline_rss_mib=baseline['VmRSS'], baseline_anon_rss_mib=baseline['RssAnon'],
-      peak_rss_mib=end['VmHWM'],
-      peak_anon_rss_mib=peak_anon, end_file_rss_mib=end['RssFile'],
-      documented_index_mib=(epoch_structure / 2**20 if spec['sampler'] in EPOCH_SAMPLERS else 0.0),
-      load_average_1min=os.getloadavg()[0])  # The machine is shared: context for the times.
+    source='memmap_cold' if spec['cold'] else spec['source'],
+    sampler=spec['sampler'],
+    num_examples=n,
+    batch_size=spec['batch_size'],
+    physical_batch_size=physical,
+    max_batch_size=cap,
+    steps_per_epoch=sampler.steps_per_epoch,
+    open_seconds=open_seconds,
+    first_step_seconds=first,
+    median_step_ms=1e3 * statistics.median(medians),
+    median_sampling_ms=1e3 * statistics.median(sampling),
+    baseline_rss_mib=baseline['VmRSS'],
+    baseline_anon_rss_mib=baseline['RssAnon'],
+    peak_rss_mib=end['VmHWM'],
+    peak_anon_rss_mib=peak_anon,
+    end_file_rss_mib=end['RssFile'],
+    documented_index_mib=(epoch_structure / 2**20 if spec['sampler'] in EPOCH_SAMPLERS else 0.0),
+    load_average_1min=os.getloadavg()[0],
+  )  # The machine is shared: context for the times.
 
 
 # ---------------------------------------------------------------------------
@@ -143,13 +162,16 @@ def run_worker(spec: dict) -> dict:
 def write_memmap_files(root: str, num_examples: int, features: int) -> float:
   """Writes train (N rows) and test (1000 rows) splits of random bytes; returns seconds."""
   from dpjax.data import arrays  # pylint: disable=g-import-not-at-top
+
   rows = max(1, PAGE_CACHE_CHUNK // features)
+
   def chunks(total, seed):
     for first in range(0, total, rows):
       rng = np.random.default_rng([seed, first])
       count = min(rows, total - first)
       x = np.frombuffer(rng.bytes(count * features), np.uint8).reshape(count, features)
       yield x, rng.integers(0, 10, count, dtype=np.uint8)
+
   start = time.perf_counter()
   arrays.write_memmap_split(os.path.join(root, 'train'), num_examples, chunks(num_examples, 0))
   arrays.write_memmap_split(os.path.join(root, 'test'), 1000, chunks(1000, 1))
@@ -157,8 +179,9 @@ def write_memmap_files(root: str, num_examples: int, features: int) -> float:
 
 
 def memmap_files(root: str) -> list[str]:
-  return [os.path.join(root, split, name)
-          for split in ('train', 'test') for name in ('x.npy', 'y.npy')]
+  return [
+    os.path.join(root, split, name) for split in ('train', 'test') for name in ('x.npy', 'y.npy')
+  ]
 
 
 def warm_page_cache(root: str) -> float:
@@ -183,50 +206,74 @@ def evict_page_cache(root: str) -> None:
 
 
 def run_subprocess(spec: dict) -> dict:
-  out = subprocess.run([sys.executable, __file__, '--worker', json.dumps(spec)],
-                       capture_output=True, text=True, check=False)
+  out = subprocess.run(
+    [sys.executable, __file__, '--worker', json.dumps(spec)],
+    capture_output=True,
+    text=True,
+    check=False,
+  )
   if out.returncode:
     raise RuntimeError(f'worker {spec} failed:\n{out.stderr}')
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def print_row(row: dict) -> None:
-  print(f"{row['source']:12s} {row['sampler']:28s} N={row['num_examples']:>11,d} "
-        f"{row['median_step_ms']:8.3f} ms/step (sampling {row['median_sampling_ms']:6.3f} ms) "
-        f"first step {row['first_step_seconds']:7.3f} s  peak RSS {row['peak_rss_mib']:7.1f} MiB "
-        f"(anon {row['peak_anon_rss_mib']:7.1f}, file {row['end_file_rss_mib']:7.1f}; "
-        f"baseline {row['baseline_rss_mib']:5.1f}; "
-        f"documented index {row['documented_index_mib']:6.1f})",
-        flush=True)
+  print(
+    f'{row["source"]:12s} {row["sampler"]:28s} N={row["num_examples"]:>11,d} '
+    f'{row["median_step_ms"]:8.3f} ms/step (sampling {row["median_sampling_ms"]:6.3f} ms) '
+    f'first step {row["first_step_seconds"]:7.3f} s  peak RSS {row["peak_rss_mib"]:7.1f} MiB '
+    f'(anon {row["peak_anon_rss_mib"]:7.1f}, file {row["end_file_rss_mib"]:7.1f}; '
+    f'baseline {row["baseline_rss_mib"]:5.1f}; '
+    f'documented index {row["documented_index_mib"]:6.1f})',
+    flush=True,
+  )
 
 
 def plot(results: list[dict], files: list[dict], path: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use('Agg')
   from matplotlib import pyplot as plt  # pylint: disable=g-import-not-at-top
+
   # Imported here, not at the top: the measuring workers' RSS baseline stays as it was.
   import bench_data_pipeline  # pylint: disable=g-import-not-at-top
 
-  names = sorted({r['sampler'] for r in results}, key=[
-      'poisson', 'balls_and_bins', 'shuffle', 'deterministic', 'fixed_size',
-      'fixed_size_with_replacement'].index)
+  names = sorted(
+    {r['sampler'] for r in results},
+    key=[
+      'poisson',
+      'balls_and_bins',
+      'shuffle',
+      'deterministic',
+      'fixed_size',
+      'fixed_size_with_replacement',
+    ].index,
+  )
   colors = dict(zip(names, plt.cm.tab10.colors))
   styles = {'synthetic': ('-', 'o'), 'memmap': ('--', 's'), 'memmap_cold': (':', 'x')}
   fig, axes = plt.subplots(2, 2, figsize=(13, 9.5))
   panels = [
-      (axes[0, 0], 'median_step_ms', 'per-step time (ms): sample + batch + gather'),
-      (axes[0, 1], 'peak_anon_rss_mib', 'peak anonymous RSS (MiB): process memory'),
-      (axes[1, 0], 'peak_rss_mib', 'peak RSS, VmHWM (MiB): incl. mapped file pages'),
-      (axes[1, 1], 'first_step_seconds', 'first step (s): builds the epoch for epoch samplers'),
+    (axes[0, 0], 'median_step_ms', 'per-step time (ms): sample + batch + gather'),
+    (axes[0, 1], 'peak_anon_rss_mib', 'peak anonymous RSS (MiB): process memory'),
+    (axes[1, 0], 'peak_rss_mib', 'peak RSS, VmHWM (MiB): incl. mapped file pages'),
+    (axes[1, 1], 'first_step_seconds', 'first step (s): builds the epoch for epoch samplers'),
   ]
   for ax, key, title in panels:
     for source, (line, marker) in styles.items():
       for name in names:
-        rows = sorted((r for r in results if r['source'] == source and r['sampler'] == name),
-                      key=lambda r: r['num_examples'])
+        rows = sorted(
+          (r for r in results if r['source'] == source and r['sampler'] == name),
+          key=lambda r: r['num_examples'],
+        )
         if rows:
-          ax.plot([r['num_examples'] for r in rows], [r[key] for r in rows], line, marker=marker,
-                  color=colors[name], label=f'{name} · {source}')
+          ax.plot(
+            [r['num_examples'] for r in rows],
+            [r[key] for r in rows],
+            line,
+            marker=marker,
+            color=colors[name],
+            label=f'{name} · {source}',
+          )
     ax.set_xscale('log')
     ax.set_yscale('log')
     ax.set_xlabel('N, training examples')
@@ -235,13 +282,25 @@ def plot(results: list[dict], files: list[dict], path: str) -> None:
   sizes = sorted({r['num_examples'] for r in results})
   for ax, key in ((axes[0, 1], 'baseline_anon_rss_mib'), (axes[1, 0], 'baseline_rss_mib')):
     baseline = statistics.median(r[key] for r in results)
-    ax.plot(sizes, [baseline + 4 * n / 2**20 for n in sizes], color='grey', lw=3, alpha=0.4,
-            label='after imports + 4 bytes × N (documented epoch structure)')
+    ax.plot(
+      sizes,
+      [baseline + 4 * n / 2**20 for n in sizes],
+      color='grey',
+      lw=3,
+      alpha=0.4,
+      label='after imports + 4 bytes × N (documented epoch structure)',
+    )
   if files:
     baseline = statistics.median(r['baseline_rss_mib'] for r in results)
-    axes[1, 0].plot([f['num_examples'] for f in files],
-                    [baseline + f['bytes'] / 2**20 for f in files], color='grey', ls='--', lw=3,
-                    alpha=0.4, label='after imports + memmap file size (bound on mapped pages)')
+    axes[1, 0].plot(
+      [f['num_examples'] for f in files],
+      [baseline + f['bytes'] / 2**20 for f in files],
+      color='grey',
+      ls='--',
+      lw=3,
+      alpha=0.4,
+      label='after imports + memmap file size (bound on mapped pages)',
+    )
   axes[0, 0].set_ylabel('ms per step')
   axes[0, 1].set_ylabel('MiB')
   axes[1, 0].set_ylabel('MiB')
@@ -251,9 +310,12 @@ def plot(results: list[dict], files: list[dict], path: str) -> None:
   labels.append(axes[1, 0].get_legend_handles_labels()[1][-1])
   fig.legend(handles, labels, loc='lower center', ncol=3, fontsize=8, frameon=False)
   b = results[0]['batch_size']
-  fig.suptitle(f'Data pipeline at scale: b = {b}, P = {results[0]["physical_batch_size"]}; '
-               'synthetic (solid), memmap warm page cache (dashed), memmap evicted (dotted)'
-               + bench_data_pipeline.load_note(results), fontsize=11)
+  fig.suptitle(
+    f'Data pipeline at scale: b = {b}, P = {results[0]["physical_batch_size"]}; '
+    'synthetic (solid), memmap warm page cache (dashed), memmap evicted (dotted)'
+    + bench_data_pipeline.load_note(results),
+    fontsize=11,
+  )
   fig.tight_layout(rect=(0, 0.12, 1, 0.97))
   fig.savefig(path, dpi=110)
   print('wrote', path)
@@ -263,19 +325,33 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--worker', help=argparse.SUPPRESS)
   parser.add_argument('--sizes', type=float, nargs='+', default=[1e6, 1e7, 1e8])
-  parser.add_argument('--samplers', nargs='+', default=[
-      'poisson', 'balls_and_bins', 'shuffle', 'deterministic', 'fixed_size',
-      'fixed_size_with_replacement'])
-  parser.add_argument('--sources', nargs='+', default=['synthetic', 'memmap', 'memmap_cold'],
-                      choices=['synthetic', 'memmap', 'memmap_cold'])
+  parser.add_argument(
+    '--samplers',
+    nargs='+',
+    default=[
+      'poisson',
+      'balls_and_bins',
+      'shuffle',
+      'deterministic',
+      'fixed_size',
+      'fixed_size_with_replacement',
+    ],
+  )
+  parser.add_argument(
+    '--sources',
+    nargs='+',
+    default=['synthetic', 'memmap', 'memmap_cold'],
+    choices=['synthetic', 'memmap', 'memmap_cold'],
+  )
   parser.add_argument('--batch-size', type=int, default=256)
   parser.add_argument('--physical-batch-size', type=int, default=128)
   parser.add_argument('--features', type=int, default=64, help='row width (uint8 on disk)')
   parser.add_argument('--steps', type=int, default=40, help='timed steps per repeat')
   parser.add_argument('--repeats', type=int, default=5)
   parser.add_argument('--cold-steps', type=int, default=20)
-  parser.add_argument('--workdir', default='',
-                      help='where memmap files go (default: a new directory in /tmp)')
+  parser.add_argument(
+    '--workdir', default='', help='where memmap files go (default: a new directory in /tmp)'
+  )
   parser.add_argument('--out', default='scripts/results/data_scale.json')
   parser.add_argument('--plot-only', action='store_true', help='redraw the PNG from --out')
   args = parser.parse_args()
@@ -289,8 +365,14 @@ def main():
     plot(saved['results'], saved['memmap_files'], png)
     return
 
-  base = dict(batch_size=args.batch_size, physical_batch_size=args.physical_batch_size,
-              features=args.features, steps=args.steps, repeats=args.repeats, cold=False)
+  base = dict(
+    batch_size=args.batch_size,
+    physical_batch_size=args.physical_batch_size,
+    features=args.features,
+    steps=args.steps,
+    repeats=args.repeats,
+    cold=False,
+  )
   results, files = [], []
   workdir = tempfile.mkdtemp(prefix='dpjax_data_scale_', dir=args.workdir or None)
   try:
@@ -298,8 +380,9 @@ def main():
       n = int(n_float)
       if 'synthetic' in args.sources:
         for name in args.samplers:
-          results.append(run_subprocess(dict(base, source='synthetic', sampler=name,
-                                             num_examples=n)))
+          results.append(
+            run_subprocess(dict(base, source='synthetic', sampler=name, num_examples=n))
+          )
           print_row(results[-1])
       if not {'memmap', 'memmap_cold'} & set(args.sources):
         continue
@@ -311,13 +394,25 @@ def main():
       if 'memmap' in args.sources:
         for name in args.samplers:
           record.setdefault('warm_read_seconds', []).append(warm_page_cache(root))
-          results.append(run_subprocess(dict(base, source='memmap', sampler=name, num_examples=n,
-                                             path=root)))
+          results.append(
+            run_subprocess(dict(base, source='memmap', sampler=name, num_examples=n, path=root))
+          )
           print_row(results[-1])
       if 'memmap_cold' in args.sources:
         evict_page_cache(root)
-        results.append(run_subprocess(dict(base, source='memmap', sampler='poisson', num_examples=n,
-                                           path=root, cold=True, steps=args.cold_steps)))
+        results.append(
+          run_subprocess(
+            dict(
+              base,
+              source='memmap',
+              sampler='poisson',
+              num_examples=n,
+              path=root,
+              cold=True,
+              steps=args.cold_steps,
+            )
+          )
+        )
         print_row(results[-1])
       files.append(record)
       shutil.rmtree(root)
@@ -326,9 +421,16 @@ def main():
 
   os.makedirs(os.path.dirname(args.out) or '.', exist_ok=True)
   with open(args.out, 'w') as f:
-    json.dump(dict(machine=dict(cpus=os.cpu_count(), python=platform.python_version(),
-                                numpy=np.__version__),
-                   args=vars(args), memmap_files=files, results=results), f, indent=2)
+    json.dump(
+      dict(
+        machine=dict(cpus=os.cpu_count(), python=platform.python_version(), numpy=np.__version__),
+        args=vars(args),
+        memmap_files=files,
+        results=results,
+      ),
+      f,
+      indent=2,
+    )
   print('wrote', args.out)
   plot(results, files, png)
 

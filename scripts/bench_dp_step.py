@@ -37,8 +37,7 @@ def main():
   parser.add_argument('--model', default='mlp', choices=('mlp', 'cnn'))
   parser.add_argument('--sizes', default='256,64,32')
   parser.add_argument('--repeats', type=int, default=15)
-  parser.add_argument('--clipping', default='auto',
-                      choices=('auto', 'vmap', 'ghost'))
+  parser.add_argument('--clipping', default='auto', choices=('auto', 'vmap', 'ghost'))
   args = parser.parse_args()
   if args.model == 'mlp':
     cfg = ml_collections.ConfigDict({'name': 'mlp', 'hidden_sizes': (128,)})
@@ -47,18 +46,28 @@ def main():
   model = models.make_model(cfg, 10, (28, 28, 1))
   params = prng.init_params(model, 0, (28, 28, 1))
   num_params = sum(p.size for p in jax.tree.leaves(params))
-  print(f'{args.model}: {num_params} parameters, jax {jax.__version__}, '
-        f'{jax.devices()[0].device_kind}')
+  print(
+    f'{args.model}: {num_params} parameters, jax {jax.__version__}, {jax.devices()[0].device_kind}'
+  )
   rng = np.random.default_rng(0)
   for p in (int(s) for s in args.sizes.split(',')):
-    batch = jax.device_put({
+    batch = jax.device_put(
+      {
         'x': rng.normal(size=(p, 28, 28, 1)).astype(np.float32),
         'y': rng.integers(0, 10, p).astype(np.int32),
-        'weight': np.ones(p, np.float32)})
+        'weight': np.ones(p, np.float32),
+      }
+    )
     for private in (True, False):
-      step = dp_step.DPStep(model, optax.sgd(0.1), clip_norm=1.0,
-                            noise_multiplier=1.0, expected_batch_size=p,
-                            private=private, clipping=args.clipping)
+      step = dp_step.DPStep(
+        model,
+        optax.sgd(0.1),
+        clip_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=p,
+        private=private,
+        clipping=args.clipping,
+      )
       acc = step.accumulate(params, step.init_accumulator(params), batch)
       acc = jax.block_until_ready(acc)
 
@@ -66,11 +75,14 @@ def main():
         nonlocal acc
         acc = step.accumulate(params, acc, batch)
         return acc
+
       ms = _median_ms(one_call, args.repeats)
       label = f'private ({args.clipping})' if private else 'non-private'
-      print(f'P={p:4d} {label:16s}: '
-            f'{ms:8.2f} ms per accumulate call, {1e3 * ms / p:8.1f} us per '
-            f'example; compilations: {step.compile_count("accumulate")}')
+      print(
+        f'P={p:4d} {label:16s}: '
+        f'{ms:8.2f} ms per accumulate call, {1e3 * ms / p:8.1f} us per '
+        f'example; compilations: {step.compile_count("accumulate")}'
+      )
 
 
 if __name__ == '__main__':

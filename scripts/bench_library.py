@@ -37,11 +37,16 @@ from dpjax.models import mlp
 
 SHAPE, CLASSES, BATCH = (8, 8, 1), 10, 256
 MODELS = {
-    'mlp': (lambda: mlp.MLP(CLASSES, (256, 128)),
-            lambda rngs: mlp.NNXMLP(SHAPE, CLASSES, (256, 128), rngs=rngs)),
-    'cnn': (lambda: cnn.CNN(CLASSES, (16, 32), (3, 3), (1, 1), ('SAME', 'SAME'), 32),
-            lambda rngs: cnn.NNXCNN(SHAPE, CLASSES, (16, 32), (3, 3), (1, 1),
-                                          ('SAME', 'SAME'), 32, rngs=rngs)),
+  'mlp': (
+    lambda: mlp.MLP(CLASSES, (256, 128)),
+    lambda rngs: mlp.NNXMLP(SHAPE, CLASSES, (256, 128), rngs=rngs),
+  ),
+  'cnn': (
+    lambda: cnn.CNN(CLASSES, (16, 32), (3, 3), (1, 1), ('SAME', 'SAME'), 32),
+    lambda rngs: cnn.NNXCNN(
+      SHAPE, CLASSES, (16, 32), (3, 3), (1, 1), ('SAME', 'SAME'), 32, rngs=rngs
+    ),
+  ),
 }
 
 
@@ -65,8 +70,9 @@ def make_steps(model_name: str, framework: str, method: str, noise_impl: str):
     return optax.softmax_cross_entropy_with_integer_labels(logits, example['y'])
 
   grad_fn = dpjax.clipped_grad(example_loss, 1.0, method=method)
-  private_tx = optax.chain(dpjax.gaussian_privatizer(1.0, 1.0, BATCH, seed=1234,
-                                                     noise_impl=noise_impl), optax.adam(1e-3))
+  private_tx = optax.chain(
+    dpjax.gaussian_privatizer(1.0, 1.0, BATCH, seed=1234, noise_impl=noise_impl), optax.adam(1e-3)
+  )
   plain_tx = optax.adam(1e-3)
 
   @jax.jit
@@ -81,6 +87,7 @@ def make_steps(model_name: str, framework: str, method: str, noise_impl: str):
     def mean_loss(q):
       logits = forward(q, batch['x'])
       return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch['y']))
+
     g = jax.grad(mean_loss)(p)
     updates, state = plain_tx.update(g, state, p)
     return optax.apply_updates(p, updates), state
@@ -103,11 +110,14 @@ def main():
   parser.add_argument('--out', default='')
   args = parser.parse_args()
   rng = np.random.default_rng(0)
-  batch = {'x': jnp.asarray(rng.normal(size=(BATCH, *SHAPE)), jnp.float32),
-           'y': jnp.asarray(rng.integers(0, CLASSES, BATCH), jnp.int32),
-           'weight': jnp.ones((BATCH,), jnp.float32)}
-  cases = [(m, f, c, 'threefry') for m in MODELS for f in ('linen', 'nnx')
-           for c in ('vmap', 'ghost')]
+  batch = {
+    'x': jnp.asarray(rng.normal(size=(BATCH, *SHAPE)), jnp.float32),
+    'y': jnp.asarray(rng.integers(0, CLASSES, BATCH), jnp.int32),
+    'weight': jnp.ones((BATCH,), jnp.float32),
+  }
+  cases = [
+    (m, f, c, 'threefry') for m in MODELS for f in ('linen', 'nnx') for c in ('vmap', 'ghost')
+  ]
   cases += [('mlp', f, 'ghost', impl) for f in ('linen', 'nnx') for impl in ('rbg', 'unsafe_rbg')]
   built = {}
   for case in cases:
@@ -127,21 +137,37 @@ def main():
   rows = []
   for case in cases:
     model_name, framework, method, impl = case
-    rows.append({'model': model_name, 'framework': framework, 'clipping': method,
-                 'noise_impl': impl, 'ratio_median': statistics.median(ratios[case]),
-                 'ratio_min': min(ratios[case]), 'ratio_max': max(ratios[case]),
-                 'private_ms': 1e3 * statistics.median(times[case][0]),
-                 'nonprivate_ms': 1e3 * statistics.median(times[case][1]),
-                 'choice': built[case][5][:1]})
-    print(f'{model_name:4s} {framework:6s} {method:6s} {impl:10s} private/non-private speed '
-          f'{rows[-1]["ratio_median"]:.2f} ({rows[-1]["private_ms"]:.2f} ms vs '
-          f'{rows[-1]["nonprivate_ms"]:.2f} ms)')
+    rows.append(
+      {
+        'model': model_name,
+        'framework': framework,
+        'clipping': method,
+        'noise_impl': impl,
+        'ratio_median': statistics.median(ratios[case]),
+        'ratio_min': min(ratios[case]),
+        'ratio_max': max(ratios[case]),
+        'private_ms': 1e3 * statistics.median(times[case][0]),
+        'nonprivate_ms': 1e3 * statistics.median(times[case][1]),
+        'choice': built[case][5][:1],
+      }
+    )
+    print(
+      f'{model_name:4s} {framework:6s} {method:6s} {impl:10s} private/non-private speed '
+      f'{rows[-1]["ratio_median"]:.2f} ({rows[-1]["private_ms"]:.2f} ms vs '
+      f'{rows[-1]["nonprivate_ms"]:.2f} ms)'
+    )
   backend = jax.default_backend()
-  result = {'question': 'non-private step time / private step time (library API, b = 256)',
-            'rounds': args.rounds, 'iters': args.iters, 'rows': rows,
-            'jax': jax.__version__, 'backend': backend,
-            'device': jax.devices()[0].device_kind, 'cpu_count': os.cpu_count(),
-            'machine': platform.machine()}
+  result = {
+    'question': 'non-private step time / private step time (library API, b = 256)',
+    'rounds': args.rounds,
+    'iters': args.iters,
+    'rows': rows,
+    'jax': jax.__version__,
+    'backend': backend,
+    'device': jax.devices()[0].device_kind,
+    'cpu_count': os.cpu_count(),
+    'machine': platform.machine(),
+  }
   name = 'bench_library_gpu.json' if backend == 'gpu' else 'bench_library.json'
   out = args.out or str(pathlib.Path(__file__).parent / 'results' / name)
   with open(out, 'w') as f:

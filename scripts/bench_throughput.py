@@ -100,12 +100,12 @@ MODELS = ('mlp', 'cnn')
 JAX_METHODS = ('jax_nonprivate', 'dpjax_vmap', 'dpjax_ghost', 'naive_jax')
 TORCH_METHODS = ('torch_nonprivate', 'opacus')
 LABELS = {
-    'jax_nonprivate': 'JAX non-private (dpjax, private=False)',
-    'dpjax_vmap': 'dpjax DP-SGD, vmap clipping',
-    'dpjax_ghost': 'dpjax DP-SGD, ghost clipping',
-    'naive_jax': 'naive JAX DP-SGD (variable shapes, steady state)',
-    'torch_nonprivate': 'PyTorch non-private',
-    'opacus': 'Opacus DP-SGD',
+  'jax_nonprivate': 'JAX non-private (dpjax, private=False)',
+  'dpjax_vmap': 'dpjax DP-SGD, vmap clipping',
+  'dpjax_ghost': 'dpjax DP-SGD, ghost clipping',
+  'naive_jax': 'naive JAX DP-SGD (variable shapes, steady state)',
+  'torch_nonprivate': 'PyTorch non-private',
+  'opacus': 'Opacus DP-SGD',
 }
 SEED = 0
 LEARNING_RATE = 0.1
@@ -122,20 +122,21 @@ _git_state = provenance.git_state
 class Workload:
   """N synthetic examples in memory and the Poisson logical batches over them."""
 
-  def __init__(self, num_examples: int, batch_size: int,
-               physical_batch_size: int, input_shape=(28, 28, 1)):
-    source = synthetic.SyntheticSource(num_examples, tuple(input_shape), 10,
-                                   seed=SEED)
+  def __init__(
+    self, num_examples: int, batch_size: int, physical_batch_size: int, input_shape=(28, 28, 1)
+  ):
+    source = synthetic.SyntheticSource(num_examples, tuple(input_shape), 10, seed=SEED)
     arrays = source.gather(np.arange(num_examples))
     self.x, self.y = arrays['x'], arrays['y']
     self.x_nchw = np.ascontiguousarray(np.moveaxis(self.x, -1, 1))
     self.physical_batch_size = physical_batch_size
     self.sampler = samplers.PoissonSampler(
-        num_examples=num_examples, batch_size=batch_size, seed=SEED)
+      num_examples=num_examples, batch_size=batch_size, seed=SEED
+    )
     self.steps_per_epoch = self.sampler.steps_per_epoch
     cap = batching.resolve_max_batch_size(
-        self.sampler, physical_batch_size, num_steps=self.steps_per_epoch,
-        delta=1e-5)
+      self.sampler, physical_batch_size, num_steps=self.steps_per_epoch, delta=1e-5
+    )
     self.batcher = batching.Batcher(self.sampler, physical_batch_size, cap)
     self._indices = {}
 
@@ -161,8 +162,7 @@ class Workload:
 class JaxMethod:
   """dpjax's DPStep driven masked (static shapes) or naive (real shapes)."""
 
-  def __init__(self, name: str, model_name: str, wl: Workload,
-               sigma: float, clip_norm: float):
+  def __init__(self, name: str, model_name: str, wl: Workload, sigma: float, clip_norm: float):
     self.name, self.wl = name, wl
     model, shape, _ = bench_clipping._model(model_name)
     self.params = prng.init_params(model, SEED, shape)
@@ -170,17 +170,25 @@ class JaxMethod:
     self.opt_state = optimizer.init(self.params)
     clipping = {'dpjax_ghost': 'ghost'}.get(name, 'vmap')
     self.step = dp_step.DPStep(
-        model, optimizer, clip_norm=clip_norm, noise_multiplier=sigma,
-        expected_batch_size=wl.sampler.expected_batch_size,
-        private=name != 'jax_nonprivate', clipping=clipping,
-        allow_repeated_steps=True)  # Timed repeats rerun steps 0..S-1; nothing is released.
+      model,
+      optimizer,
+      clip_norm=clip_norm,
+      noise_multiplier=sigma,
+      expected_batch_size=wl.sampler.expected_batch_size,
+      private=name != 'jax_nonprivate',
+      clipping=clipping,
+      allow_repeated_steps=True,
+    )  # Timed repeats rerun steps 0..S-1; nothing is released.
     self.num_params = int(sum(p.size for p in jax.tree.leaves(self.params)))
 
   def _physical_batches(self, step: int):
     if self.name == 'naive_jax':
       for chunk in self.wl.chunks(step):
-        yield {'x': self.wl.x[chunk], 'y': self.wl.y[chunk],
-               'weight': np.ones(len(chunk), np.float32)}
+        yield {
+          'x': self.wl.x[chunk],
+          'y': self.wl.y[chunk],
+          'weight': np.ones(len(chunk), np.float32),
+        }
     else:
       for idx, w in self.wl.batcher.logical_batch(step).physical_batches():
         yield {'x': self.wl.x[idx], 'y': self.wl.y[idx], 'weight': w}
@@ -195,9 +203,11 @@ class JaxMethod:
     self.params, self.opt_state = jax.block_until_ready((params, opt_state))
 
   def compilations(self) -> dict[str, int]:
-    return {'accumulate': self.step.compile_count('accumulate'),
-            'apply': self.step.compile_count('apply'),
-            'accumulate_jit_cache_size': self.step.accumulate._cache_size()}
+    return {
+      'accumulate': self.step.compile_count('accumulate'),
+      'apply': self.step.compile_count('apply'),
+      'accumulate_jit_cache_size': self.step.accumulate._cache_size(),
+    }
 
 
 # -----------------------------------------------------------------------------
@@ -212,6 +222,7 @@ def _torch_model(flax_model, input_shape):
   symmetric padding reproduces (checked: output 14x14).
   """
   import torch
+
   nn = torch.nn
   if flax_model.activation != 'tanh':
     raise ValueError(f'activation {flax_model.activation!r}: only tanh twins.')
@@ -223,8 +234,9 @@ def _torch_model(flax_model, input_shape):
       width = h
     return nn.Sequential(*layers, nn.Linear(width, classes))
   size, channels, layers = input_shape[0], input_shape[-1], []
-  for f, k, s, p in zip(flax_model.features, flax_model.kernel_sizes,
-                        flax_model.strides, flax_model.paddings):
+  for f, k, s, p in zip(
+    flax_model.features, flax_model.kernel_sizes, flax_model.strides, flax_model.paddings
+  ):
     if p == 'SAME':
       out = -(-size // s)
       total = max((out - 1) * s + k - size, 0)
@@ -233,13 +245,19 @@ def _torch_model(flax_model, input_shape):
       pad = total // 2
     else:
       out, pad = (size - k) // s + 1, 0
-    layers += [nn.Conv2d(channels, f, k, stride=s, padding=pad), nn.Tanh(),
-               nn.MaxPool2d(2, stride=1)]
+    layers += [
+      nn.Conv2d(channels, f, k, stride=s, padding=pad),
+      nn.Tanh(),
+      nn.MaxPool2d(2, stride=1),
+    ]
     size, channels = out - 1, f
   return nn.Sequential(
-      *layers, nn.Flatten(),
-      nn.Linear(channels * size * size, flax_model.hidden_size), nn.Tanh(),
-      nn.Linear(flax_model.hidden_size, classes))
+    *layers,
+    nn.Flatten(),
+    nn.Linear(channels * size * size, flax_model.hidden_size),
+    nn.Tanh(),
+    nn.Linear(flax_model.hidden_size, classes),
+  )
 
 
 def _torch_layout(tree, torch_model) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -248,13 +266,14 @@ def _torch_layout(tree, torch_model) -> list[tuple[np.ndarray, np.ndarray]]:
   after the convs permuted from flax's (H, W, C) flatten order to PyTorch's
   (C, H, W)."""
   import torch
+
   order = lambda k: (not k.startswith('Conv'), int(k.rsplit('_', 1)[1]))
   flax_layers = [tree[k] for k in sorted(tree, key=order)]
-  torch_layers = [m for m in torch_model.modules()
-                  if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+  torch_layers = [
+    m for m in torch_model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))
+  ]
   if len(flax_layers) != len(torch_layers):
-    raise AssertionError(f'{len(flax_layers)} flax vs {len(torch_layers)} '
-                         'torch layers')
+    raise AssertionError(f'{len(flax_layers)} flax vs {len(torch_layers)} torch layers')
   out, channels = [], None
   for fl, tl in zip(flax_layers, torch_layers):
     k = np.asarray(fl['kernel'])
@@ -273,16 +292,15 @@ def _torch_layout(tree, torch_model) -> list[tuple[np.ndarray, np.ndarray]]:
 def _load_flax_params(torch_model, params) -> None:
   """Copies flax parameters into the twin: every method starts alike."""
   import torch
-  layers = [m for m in torch_model.modules()
-            if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+
+  layers = [m for m in torch_model.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
   with torch.no_grad():
     for layer, (w, b) in zip(layers, _torch_layout(params, torch_model)):
       layer.weight.copy_(torch.from_numpy(w))
       layer.bias.copy_(torch.from_numpy(b))
 
 
-def check_same_clipped_sum(model_name: str, wl: Workload,
-                           clip_norm: float) -> float:
+def check_same_clipped_sum(model_name: str, wl: Workload, clip_norm: float) -> float:
   """max |Opacus − dpjax| / max |dpjax| of Σ_i clip_C(g_i) on one chunk.
 
   Opacus's DPOptimizer (told to skip the step, so it only clips and sums
@@ -293,24 +311,30 @@ def check_same_clipped_sum(model_name: str, wl: Workload,
   import opacus
   import torch
   from dpjax.privacy import clipping
+
   flax_model, shape, _ = bench_clipping._model(model_name)
   params = prng.init_params(flax_model, SEED, shape)
   chunk = wl.chunks(0)[0]
   want, _ = clipping.per_example_clipped_sum(
-      losses.make_loss_fn(flax_model), params,
-      {'x': wl.x[chunk], 'y': wl.y[chunk],
-       'weight': np.ones(len(chunk), np.float32)}, clip_norm)
+    losses.make_loss_fn(flax_model),
+    params,
+    {'x': wl.x[chunk], 'y': wl.y[chunk], 'weight': np.ones(len(chunk), np.float32)},
+    clip_norm,
+  )
   model = _torch_model(flax_model, shape)
   _load_flax_params(model, params)
   model = opacus.GradSampleModule(model.to(TORCH_DEVICE))
   optimizer = opacus.optimizers.DPOptimizer(
-      torch.optim.SGD(model.parameters(), lr=LEARNING_RATE),
-      noise_multiplier=0.0, max_grad_norm=clip_norm,
-      expected_batch_size=len(chunk))
+    torch.optim.SGD(model.parameters(), lr=LEARNING_RATE),
+    noise_multiplier=0.0,
+    max_grad_norm=clip_norm,
+    expected_batch_size=len(chunk),
+  )
   optimizer.signal_skip_step(do_skip=True)
   loss = torch.nn.CrossEntropyLoss()(
-      model(torch.from_numpy(wl.x_nchw[chunk]).to(TORCH_DEVICE)),
-      torch.from_numpy(wl.y[chunk]).long().to(TORCH_DEVICE))
+    model(torch.from_numpy(wl.x_nchw[chunk]).to(TORCH_DEVICE)),
+    torch.from_numpy(wl.y[chunk]).long().to(TORCH_DEVICE),
+  )
   loss.backward()
   optimizer.step()  # Skipped: clip and accumulate only.
   got = [p.summed_grad.cpu().numpy() for p in model.parameters()]
@@ -318,17 +342,18 @@ def check_same_clipped_sum(model_name: str, wl: Workload,
   scale = max(float(np.max(np.abs(r))) for r in ref)
   diff = max(float(np.max(np.abs(g - r))) for g, r in zip(got, ref)) / scale
   if not diff < 1e-4:
-    raise AssertionError(f'{model_name}: Opacus and dpjax clipped sums differ '
-                         f'by {diff:.2e} (relative)')
+    raise AssertionError(
+      f'{model_name}: Opacus and dpjax clipped sums differ by {diff:.2e} (relative)'
+    )
   return diff
 
 
 class TorchMethod:
   """Plain PyTorch SGD or Opacus DP-SGD over the workload's chunks."""
 
-  def __init__(self, name: str, model_name: str, wl: Workload,
-               sigma: float, clip_norm: float):
+  def __init__(self, name: str, model_name: str, wl: Workload, sigma: float, clip_norm: float):
     import torch
+
     self.torch, self.name, self.wl = torch, name, wl
     torch.manual_seed(SEED)
     flax_model, shape, _ = bench_clipping._model(model_name)
@@ -343,23 +368,30 @@ class TorchMethod:
     got = model(torch.from_numpy(wl.x_nchw[:8]).to(TORCH_DEVICE)).detach().cpu().numpy()
     self.logits_max_abs_diff = float(np.max(np.abs(want - got)))
     if not self.logits_max_abs_diff < 1e-4:
-      raise AssertionError(f'{model_name}: PyTorch twin differs from the flax '
-                           f'model by {self.logits_max_abs_diff:.2e}')
+      raise AssertionError(
+        f'{model_name}: PyTorch twin differs from the flax model by {self.logits_max_abs_diff:.2e}'
+      )
     self.num_params = int(sum(p.numel() for p in model.parameters()))
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     b = wl.sampler.expected_batch_size
     if name == 'opacus':
       import opacus
+
       dataset = torch.utils.data.TensorDataset(
-          torch.from_numpy(wl.x_nchw), torch.from_numpy(wl.y).long())
+        torch.from_numpy(wl.x_nchw), torch.from_numpy(wl.y).long()
+      )
       loader = torch.utils.data.DataLoader(dataset, batch_size=int(round(b)))
       engine = opacus.PrivacyEngine()
       # The loader only fixes q = b/N (expected_batch_size = b); the batches
       # themselves are the workload's Poisson batches, shared by all methods.
       model, optimizer, _ = engine.make_private(
-          module=model, optimizer=optimizer, data_loader=loader,
-          noise_multiplier=sigma, max_grad_norm=clip_norm,
-          poisson_sampling=True)
+        module=model,
+        optimizer=optimizer,
+        data_loader=loader,
+        noise_multiplier=sigma,
+        max_grad_norm=clip_norm,
+        poisson_sampling=True,
+      )
       # Opacus derives q = 1/len(loader) (b = 250 for N = 10000, b = 256);
       # divide by the same b as dpjax (only the update's scale depends on it).
       optimizer.expected_batch_size = int(round(b))
@@ -397,8 +429,9 @@ class TorchMethod:
 # -----------------------------------------------------------------------------
 # Measurements.
 # -----------------------------------------------------------------------------
-def epoch_with_compilation(model_name: str, wl: Workload, repeats: int,
-                           sigma: float, clip_norm: float):
+def epoch_with_compilation(
+  model_name: str, wl: Workload, repeats: int, sigma: float, clip_norm: float
+):
   """One epoch of Poisson steps per JAX method from a cold start (new jit
   objects), compilation included; round-robin over `repeats` cold starts.
 
@@ -408,33 +441,48 @@ def epoch_with_compilation(model_name: str, wl: Workload, repeats: int,
   examples = wl.num_examples(steps)
   res, runners = {n: [] for n in JAX_METHODS}, {}
   for r in range(repeats):
-    for name in JAX_METHODS[r % 4:] + JAX_METHODS[:r % 4]:
+    for name in JAX_METHODS[r % 4 :] + JAX_METHODS[: r % 4]:
       runners[name] = JaxMethod(name, model_name, wl, sigma, clip_norm)
       start = time.perf_counter()
       runners[name].run(steps)
-      res[name].append((time.perf_counter() - start,
-                        runners[name].compilations()))
+      res[name].append((time.perf_counter() - start, runners[name].compilations()))
   chunk_sizes = {len(c) for t in steps for c in wl.chunks(t)}
-  out = {'steps': len(steps), 'examples': examples, 'repeats': repeats,
-         'distinct_naive_chunk_sizes': len(chunk_sizes),
-         'padded_rows_fraction_masked': 1 - examples / sum(
-             wl.batcher.logical_batch(t).indices.size for t in steps),
-         'methods': {}}
+  out = {
+    'steps': len(steps),
+    'examples': examples,
+    'repeats': repeats,
+    'distinct_naive_chunk_sizes': len(chunk_sizes),
+    'padded_rows_fraction_masked': 1
+    - examples / sum(wl.batcher.logical_batch(t).indices.size for t in steps),
+    'methods': {},
+  }
   for name in JAX_METHODS:
     sec = float(np.median([t for t, _ in res[name]]))
     comp = res[name][0][1]
-    out['methods'][name] = {'seconds': sec,
-                            'all_seconds': [t for t, _ in res[name]],
-                            'examples_per_second': examples / sec,
-                            'compilations': comp}
-    print(f'{model_name:4s} epoch {name:15s} {sec:7.1f} s incl. compilation '
-          f'({examples / sec:7.0f} ex/s), compilations {comp}', flush=True)
+    out['methods'][name] = {
+      'seconds': sec,
+      'all_seconds': [t for t, _ in res[name]],
+      'examples_per_second': examples / sec,
+      'compilations': comp,
+    }
+    print(
+      f'{model_name:4s} epoch {name:15s} {sec:7.1f} s incl. compilation '
+      f'({examples / sec:7.0f} ex/s), compilations {comp}',
+      flush=True,
+    )
   return out, runners
 
 
-def steady_state(model_name: str, wl: Workload, methods, runners: dict,
-                 steps_per_repeat: int, repeats: int, sigma: float,
-                 clip_norm: float) -> dict:
+def steady_state(
+  model_name: str,
+  wl: Workload,
+  methods,
+  runners: dict,
+  steps_per_repeat: int,
+  repeats: int,
+  sigma: float,
+  clip_norm: float,
+) -> dict:
   """Examples/s per method: medians over round-robin repeats of S steps.
 
   `runners` holds warm JAX runners (from the epoch); missing ones are made
@@ -458,39 +506,45 @@ def steady_state(model_name: str, wl: Workload, methods, runners: dict,
   times = {n: [] for n in methods}
   order = list(methods)
   for r in range(repeats):
-    for name in order[r % len(order):] + order[:r % len(order)]:
+    for name in order[r % len(order) :] + order[: r % len(order)]:
       start = time.perf_counter()
       runners[name].run(steps)
       times[name].append(time.perf_counter() - start)
-  out = {'num_params': counts[methods[0]], 'steps_per_repeat': steps_per_repeat,
-         'examples_per_repeat': examples, 'methods': {}}
-  twin = [r.logits_max_abs_diff for r in runners.values()
-          if hasattr(r, 'logits_max_abs_diff')]
+  out = {
+    'num_params': counts[methods[0]],
+    'steps_per_repeat': steps_per_repeat,
+    'examples_per_repeat': examples,
+    'methods': {},
+  }
+  twin = [r.logits_max_abs_diff for r in runners.values() if hasattr(r, 'logits_max_abs_diff')]
   if twin:
     out['torch_twin_logits_max_abs_diff'] = max(twin)
   if 'opacus' in methods:
-    out['opacus_vs_dpjax_clipped_sum_rel_diff'] = check_same_clipped_sum(
-        model_name, wl, clip_norm)
-    print(f'{model_name:4s} Opacus vs dpjax clipped sum on one chunk: '
-          f'relative difference {out["opacus_vs_dpjax_clipped_sum_rel_diff"]:.1e}',
-          flush=True)
+    out['opacus_vs_dpjax_clipped_sum_rel_diff'] = check_same_clipped_sum(model_name, wl, clip_norm)
+    print(
+      f'{model_name:4s} Opacus vs dpjax clipped sum on one chunk: '
+      f'relative difference {out["opacus_vs_dpjax_clipped_sum_rel_diff"]:.1e}',
+      flush=True,
+    )
   for name in methods:
     comp = runners[name].compilations()
     if comp != before[name]:
-      raise AssertionError(f'{name} compiled during the timed repeats: '
-                           f'{before[name]} -> {comp}')
+      raise AssertionError(f'{name} compiled during the timed repeats: {before[name]} -> {comp}')
     sec = float(np.median(times[name]))
     out['methods'][name] = {
-        'examples_per_second': examples / sec,
-        'seconds_per_repeat_median': sec,
-        'seconds_per_repeat': times[name],
-        'compilations': comp,
+      'examples_per_second': examples / sec,
+      'seconds_per_repeat_median': sec,
+      'seconds_per_repeat': times[name],
+      'compilations': comp,
     }
     if name in warmup:
       out['methods'][name]['warmup_seconds'] = warmup[name]
-    print(f'{model_name:4s} {name:17s} {examples / sec:9.0f} ex/s '
-          f'(median of {repeats} x {steps_per_repeat} steps, '
-          f'{sec * 1e3:7.0f} ms) {comp or ""}', flush=True)
+    print(
+      f'{model_name:4s} {name:17s} {examples / sec:9.0f} ex/s '
+      f'(median of {repeats} x {steps_per_repeat} steps, '
+      f'{sec * 1e3:7.0f} ms) {comp or ""}',
+      flush=True,
+    )
   return out
 
 
@@ -503,19 +557,18 @@ def ratios(model: dict) -> dict:
       r[f'{dp}_over_opacus'] = m[dp] / m['opacus']
   if 'opacus' in m:
     r['opacus_over_torch_nonprivate'] = m['opacus'] / m['torch_nonprivate']
-    r['jax_nonprivate_over_torch_nonprivate'] = (m['jax_nonprivate'] /
-                                                 m['torch_nonprivate'])
+    r['jax_nonprivate_over_torch_nonprivate'] = m['jax_nonprivate'] / m['torch_nonprivate']
   r['naive_jax_steady_over_dpjax_vmap'] = m['naive_jax'] / m['dpjax_vmap']
   e = model.get('epoch', {}).get('methods', {})
   for masked in ('dpjax_vmap', 'dpjax_ghost'):
     if masked in e and 'naive_jax' in e:
       # Throughput ratio per epoch incl. compilation = naive time / masked time.
-      r[f'epoch_{masked}_over_naive_jax'] = (e['naive_jax']['seconds'] /
-                                             e[masked]['seconds'])
+      r[f'epoch_{masked}_over_naive_jax'] = e['naive_jax']['seconds'] / e[masked]['seconds']
   for name, v in e.items():
     # Epoch time beyond what the steady state would take: ~ compilation.
     r[f'epoch_{name}_seconds_beyond_steady_state'] = (
-        v['seconds'] - model['epoch']['examples'] / m[name])
+      v['seconds'] - model['epoch']['examples'] / m[name]
+    )
   return r
 
 
@@ -524,61 +577,76 @@ def ratios(model: dict) -> dict:
 # -----------------------------------------------------------------------------
 def plot(result: dict, path: str) -> None:
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+
   models = list(result['models'])
-  fig, axes = plt.subplots(1, 2, figsize=(13, 5),
-                           gridspec_kw={'width_ratios': [3, 2]})
+  fig, axes = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={'width_ratios': [3, 2]})
   ax = axes[0]
-  methods = [m for m in (*JAX_METHODS, *TORCH_METHODS)
-             if m in result['models'][models[0]]['steady']['methods']]
-  colors = dict(zip((*JAX_METHODS, *TORCH_METHODS),
-                    ('#7f7f7f', '#1f77b4', '#2ca02c', '#ff7f0e', '#c7c7c7',
-                     '#d62728')))
+  methods = [
+    m
+    for m in (*JAX_METHODS, *TORCH_METHODS)
+    if m in result['models'][models[0]]['steady']['methods']
+  ]
+  colors = dict(
+    zip(
+      (*JAX_METHODS, *TORCH_METHODS),
+      ('#7f7f7f', '#1f77b4', '#2ca02c', '#ff7f0e', '#c7c7c7', '#d62728'),
+    )
+  )
   width = 0.8 / len(methods)
   for i, name in enumerate(methods):
-    vals = [result['models'][m]['steady']['methods'][name]['examples_per_second']
-            for m in models]
+    vals = [result['models'][m]['steady']['methods'][name]['examples_per_second'] for m in models]
     xs = np.arange(len(models)) + (i - (len(methods) - 1) / 2) * width
     bars = ax.bar(xs, vals, width, label=LABELS[name], color=colors[name])
-    ax.bar_label(bars, [f'{v:.0f}' for v in vals], fontsize=7, rotation=90,
-                 padding=2)
+    ax.bar_label(bars, [f'{v:.0f}' for v in vals], fontsize=7, rotation=90, padding=2)
   ax.set_yscale('log')
   ax.set_xticks(np.arange(len(models)))
-  ax.set_xticklabels([f'{m.upper()} ({result["models"][m]["steady"]["num_params"]:,} params)'
-                      for m in models])
+  ax.set_xticklabels(
+    [f'{m.upper()} ({result["models"][m]["steady"]["num_params"]:,} params)' for m in models]
+  )
   ax.set_ylabel('training examples / s (steady state, median)')
   c = result['config']
-  ax.set_title(f'Steady-state throughput, CPU ({result["threads"]} threads), '
-               f'b={c["batch_size"]}, P={c["physical_batch_size"]}')
+  ax.set_title(
+    f'Steady-state throughput, CPU ({result["threads"]} threads), '
+    f'b={c["batch_size"]}, P={c["physical_batch_size"]}'
+  )
   ax.legend(fontsize=7, loc='upper right')
   ax.set_ylim(top=ax.get_ylim()[1] * 8)
   ax = axes[1]
-  epoch_methods = [m for m in JAX_METHODS
-                   if 'epoch' in result['models'][models[0]]
-                   and m in result['models'][models[0]]['epoch']['methods']]
+  epoch_methods = [
+    m
+    for m in JAX_METHODS
+    if 'epoch' in result['models'][models[0]]
+    and m in result['models'][models[0]]['epoch']['methods']
+  ]
   width = 0.8 / max(len(epoch_methods), 1)
   for i, name in enumerate(epoch_methods):
     e = [result['models'][m]['epoch']['methods'][name] for m in models]
     xs = np.arange(len(models)) + (i - (len(epoch_methods) - 1) / 2) * width
-    label = {'naive_jax': 'naive JAX DP-SGD (recompiles)',
-             'jax_nonprivate': LABELS[name]}.get(
-                 name, LABELS[name] + ' (masked, static shapes)')
-    bars = ax.bar(xs, [v['seconds'] for v in e], width, label=label,
-                  color=colors[name])
-    ax.bar_label(bars, [f'{v["seconds"]:.1f} s\n{v["compilations"]["accumulate"]} comp.'
-                        for v in e], fontsize=7)
+    label = {'naive_jax': 'naive JAX DP-SGD (recompiles)', 'jax_nonprivate': LABELS[name]}.get(
+      name, LABELS[name] + ' (masked, static shapes)'
+    )
+    bars = ax.bar(xs, [v['seconds'] for v in e], width, label=label, color=colors[name])
+    ax.bar_label(
+      bars,
+      [f'{v["seconds"]:.1f} s\n{v["compilations"]["accumulate"]} comp.' for v in e],
+      fontsize=7,
+    )
   ax.set_xticks(np.arange(len(models)))
   ax.set_xticklabels([m.upper() for m in models])
   ax.set_ylabel('seconds for one epoch, compilation included')
   ax.set_title(f'One epoch of Poisson batches, N={c["num_examples"]:,}')
   ax.set_ylim(top=ax.get_ylim()[1] * 1.2)
   ax.legend(fontsize=7, loc='upper left')
-  fig.suptitle(f'dpjax {result["git"]["head"][:8]}, jax {result["versions"]["jax"]}'
-               f', torch {result["versions"].get("torch")}, opacus '
-               f'{result["versions"].get("opacus")}; load avg '
-               f'{result["load_average_start"][0]}-{result["load_average_end"][0]}',
-               fontsize=9)
+  fig.suptitle(
+    f'dpjax {result["git"]["head"][:8]}, jax {result["versions"]["jax"]}'
+    f', torch {result["versions"].get("torch")}, opacus '
+    f'{result["versions"].get("opacus")}; load avg '
+    f'{result["load_average_start"][0]}-{result["load_average_end"][0]}',
+    fontsize=9,
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=120)
 
@@ -588,118 +656,150 @@ def plot(result: dict, path: str) -> None:
 # -----------------------------------------------------------------------------
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--models', nargs='+', default=list(MODELS),
-                      choices=MODELS)
-  parser.add_argument('--full', action='store_true',
-                      help='N = 60000, 9 repeats, 3 cold epochs '
-                      '(~30 min, estimated)')
-  parser.add_argument('--num-examples', type=int, default=None,
-                      help='N (default 10000, --full 60000)')
-  parser.add_argument('--batch-size', type=int, default=256,
-                      help='expected logical batch size b')
+  parser.add_argument('--models', nargs='+', default=list(MODELS), choices=MODELS)
+  parser.add_argument(
+    '--full', action='store_true', help='N = 60000, 9 repeats, 3 cold epochs (~30 min, estimated)'
+  )
+  parser.add_argument(
+    '--num-examples', type=int, default=None, help='N (default 10000, --full 60000)'
+  )
+  parser.add_argument('--batch-size', type=int, default=256, help='expected logical batch size b')
   parser.add_argument('--physical-batch-size', type=int, default=64)
   parser.add_argument('--steps-per-repeat', type=int, default=None)
   parser.add_argument('--repeats', type=int, default=None)
   parser.add_argument('--epoch-repeats', type=int, default=None)
   parser.add_argument('--noise-multiplier', type=float, default=1.0)
   parser.add_argument('--clip-norm', type=float, default=1.0)
-  parser.add_argument('--threads', type=int, default=len(os.sched_getaffinity(0)),
-                      help='cores for both frameworks: the process is pinned '
-                      'to this many CPUs (XLA sizes its pool from them) and '
-                      'torch.set_num_threads(threads); default all')
-  parser.add_argument('--no-torch', action='store_true',
-                      help='skip PyTorch / Opacus (without the bench extra)')
+  parser.add_argument(
+    '--threads',
+    type=int,
+    default=len(os.sched_getaffinity(0)),
+    help='cores for both frameworks: the process is pinned '
+    'to this many CPUs (XLA sizes its pool from them) and '
+    'torch.set_num_threads(threads); default all',
+  )
+  parser.add_argument(
+    '--no-torch', action='store_true', help='skip PyTorch / Opacus (without the bench extra)'
+  )
   parser.add_argument('--no-epoch', action='store_true')
-  parser.add_argument('--out', default=os.path.join(
-      os.path.dirname(os.path.abspath(__file__)), 'results', 'throughput'))
+  parser.add_argument(
+    '--out',
+    default=os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', 'throughput'),
+  )
   args = parser.parse_args()
   n = args.num_examples or (60_000 if args.full else 10_000)
   s = args.steps_per_repeat or (10 if args.full else 6)
   repeats = args.repeats or (9 if args.full else 5)
   epoch_repeats = args.epoch_repeats or (3 if args.full else 1)
-  for field, v, lo in (('--num-examples', n, 2), ('--batch-size', args.batch_size, 1),
-                       ('--physical-batch-size', args.physical_batch_size, 1),
-                       ('--steps-per-repeat', s, 1), ('--repeats', repeats, 1),
-                       ('--epoch-repeats', epoch_repeats, 1),
-                       ('--threads', args.threads, 1)):
+  for field, v, lo in (
+    ('--num-examples', n, 2),
+    ('--batch-size', args.batch_size, 1),
+    ('--physical-batch-size', args.physical_batch_size, 1),
+    ('--steps-per-repeat', s, 1),
+    ('--repeats', repeats, 1),
+    ('--epoch-repeats', epoch_repeats, 1),
+    ('--threads', args.threads, 1),
+  ):
     if v < lo:
       raise ValueError(f'{field} must be >= {lo}, got {v}.')
   if not args.batch_size < n:
     raise ValueError(f'--batch-size must be < N = {n}, got {args.batch_size}.')
   cpus = sorted(os.sched_getaffinity(0))
   if args.threads > len(cpus):
-    raise ValueError(f'--threads must be <= {len(cpus)} (CPUs available), '
-                     f'got {args.threads}.')
+    raise ValueError(f'--threads must be <= {len(cpus)} (CPUs available), got {args.threads}.')
   # Before the first JAX computation: XLA's CPU client reads the affinity
   # when it is created.
-  os.sched_setaffinity(0, cpus[:args.threads])
+  os.sched_setaffinity(0, cpus[: args.threads])
   if jax.config.jax_compilation_cache_dir:
-    raise ValueError('a persistent XLA compilation cache is set; compile times '
-                     'would be cache hits. Unset jax_compilation_cache_dir.')
+    raise ValueError(
+      'a persistent XLA compilation cache is set; compile times '
+      'would be cache hits. Unset jax_compilation_cache_dir.'
+    )
 
-  versions = {'jax': jax.__version__, 'numpy': np.__version__,
-              'python': platform.python_version()}
+  versions = {'jax': jax.__version__, 'numpy': np.__version__, 'python': platform.python_version()}
   methods = list(JAX_METHODS)
   torch_device_name = None
   if not args.no_torch:
     import opacus
     import torch
+
     global TORCH_DEVICE
     TORCH_DEVICE = 'cuda' if torch.cuda.is_available() else 'cpu'
-    torch_device_name = (torch.cuda.get_device_name(0) if TORCH_DEVICE == 'cuda'
-                         else platform.processor() or platform.machine())
+    torch_device_name = (
+      torch.cuda.get_device_name(0)
+      if TORCH_DEVICE == 'cuda'
+      else platform.processor() or platform.machine()
+    )
     if TORCH_DEVICE == 'cuda':
-      torch.backends.cuda.matmul.allow_tf32 = True  # PyTorch non-private TF32, as issue 14 compares.
+      torch.backends.cuda.matmul.allow_tf32 = (
+        True  # PyTorch non-private TF32, as issue 14 compares.
+      )
       torch.backends.cudnn.allow_tf32 = True
     torch.set_num_threads(args.threads)
-    versions.update(torch=torch.__version__, opacus=opacus.__version__,
-                    torch_threads=torch.get_num_threads())
+    versions.update(
+      torch=torch.__version__, opacus=opacus.__version__, torch_threads=torch.get_num_threads()
+    )
     methods += list(TORCH_METHODS)
   import warnings
+
   warnings.filterwarnings('ignore', category=UserWarning)  # Opacus / hooks.
 
   wl = Workload(n, args.batch_size, args.physical_batch_size)
   if not args.no_epoch and s > wl.steps_per_epoch:
-    raise ValueError(f'--steps-per-repeat must be <= {wl.steps_per_epoch} '
-                     f'(steps per epoch), got {s}.')
+    raise ValueError(
+      f'--steps-per-repeat must be <= {wl.steps_per_epoch} (steps per epoch), got {s}.'
+    )
   result = {
-      'question': 'training examples/s of dpjax DP-SGD vs non-private JAX, '
-                  'naive recompiling JAX DP-SGD and Opacus, same batches',
-      'command': ' '.join(['python', 'scripts/bench_throughput.py',
-                           *sys.argv[1:]]),
-      'git': _git_state(), 'versions': versions,
-      'backend': jax.default_backend(), 'device': jax.devices()[0].device_kind,
-      'torch_device': TORCH_DEVICE, 'torch_device_name': torch_device_name,
-      'cpu_count': os.cpu_count(),
-      'threads': args.threads,
-      'machine': platform.machine(),
-      'config': {'num_examples': n, 'batch_size': args.batch_size,
-                 'physical_batch_size': args.physical_batch_size,
-                 'max_batch_size': wl.batcher.max_batch_size,
-                 'sampling_probability': wl.sampler.sampling_probability,
-                 'noise_multiplier': args.noise_multiplier,
-                 'clip_norm': args.clip_norm, 'optimizer': f'sgd({LEARNING_RATE})',
-                 'steps_per_repeat': s, 'repeats': repeats,
-                 'epoch_repeats': epoch_repeats, 'seed': SEED,
-                 'data': 'dpjax.data.synthetic.SyntheticSource 28x28x1, 10 classes'},
-      'load_average_start': _load(), 'models': {},
+    'question': 'training examples/s of dpjax DP-SGD vs non-private JAX, '
+    'naive recompiling JAX DP-SGD and Opacus, same batches',
+    'command': ' '.join(['python', 'scripts/bench_throughput.py', *sys.argv[1:]]),
+    'git': _git_state(),
+    'versions': versions,
+    'backend': jax.default_backend(),
+    'device': jax.devices()[0].device_kind,
+    'torch_device': TORCH_DEVICE,
+    'torch_device_name': torch_device_name,
+    'cpu_count': os.cpu_count(),
+    'threads': args.threads,
+    'machine': platform.machine(),
+    'config': {
+      'num_examples': n,
+      'batch_size': args.batch_size,
+      'physical_batch_size': args.physical_batch_size,
+      'max_batch_size': wl.batcher.max_batch_size,
+      'sampling_probability': wl.sampler.sampling_probability,
+      'noise_multiplier': args.noise_multiplier,
+      'clip_norm': args.clip_norm,
+      'optimizer': f'sgd({LEARNING_RATE})',
+      'steps_per_repeat': s,
+      'repeats': repeats,
+      'epoch_repeats': epoch_repeats,
+      'seed': SEED,
+      'data': 'dpjax.data.synthetic.SyntheticSource 28x28x1, 10 classes',
+    },
+    'load_average_start': _load(),
+    'models': {},
   }
-  print(f'N={n} b={args.batch_size} P={args.physical_batch_size} '
-        f'B={wl.batcher.max_batch_size} {wl.steps_per_epoch} steps/epoch; '
-        f'load {result["load_average_start"]}; {versions}', flush=True)
+  print(
+    f'N={n} b={args.batch_size} P={args.physical_batch_size} '
+    f'B={wl.batcher.max_batch_size} {wl.steps_per_epoch} steps/epoch; '
+    f'load {result["load_average_start"]}; {versions}',
+    flush=True,
+  )
   start = time.perf_counter()
   for name in args.models:
     model, runners = {'load_average_before': _load()}, {}
     if not args.no_epoch:
       model['epoch'], runners = epoch_with_compilation(
-          name, wl, epoch_repeats, args.noise_multiplier, args.clip_norm)
+        name, wl, epoch_repeats, args.noise_multiplier, args.clip_norm
+      )
       model['load_average_after_epoch'] = _load()
-    model['steady'] = steady_state(name, wl, methods, runners, s, repeats,
-                                   args.noise_multiplier, args.clip_norm)
+    model['steady'] = steady_state(
+      name, wl, methods, runners, s, repeats, args.noise_multiplier, args.clip_norm
+    )
     model['load_average_after_steady'] = _load()
     model['ratios'] = ratios(model)
-    print(name, {k: round(v, 3) for k, v in model['ratios'].items()},
-          flush=True)
+    print(name, {k: round(v, 3) for k, v in model['ratios'].items()}, flush=True)
     result['models'][name] = model
   result['load_average_end'] = _load()
   result['wall_seconds'] = time.perf_counter() - start

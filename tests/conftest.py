@@ -28,7 +28,8 @@ import jax
 import pytest
 
 _CACHE = os.environ.setdefault(
-    'JAX_COMPILATION_CACHE_DIR', os.path.join(tempfile.gettempdir(), 'dpjax-test-xla-cache'))
+  'JAX_COMPILATION_CACHE_DIR', os.path.join(tempfile.gettempdir(), 'dpjax-test-xla-cache')
+)
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 # The suite's programs are tiny and run a few times each: compiling them takes far more CPU than
@@ -38,7 +39,8 @@ os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 # Subprocesses inherit it through XLA_FLAGS. A GPU run (JAX_PLATFORMS=cuda) keeps the defaults.
 if os.environ.get('JAX_PLATFORMS', 'cpu') == 'cpu':
   os.environ['XLA_FLAGS'] = ' '.join(
-      [os.environ.get('XLA_FLAGS', ''), '--xla_backend_optimization_level=0']).strip()
+    [os.environ.get('XLA_FLAGS', ''), '--xla_backend_optimization_level=0']
+  ).strip()
 jax.config.update('jax_compilation_cache_dir', _CACHE)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
 jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
@@ -105,6 +107,7 @@ def in_process_pld_builds(monkeypatch):
   import subprocess  # pylint: disable=import-outside-toplevel
   import traceback  # pylint: disable=import-outside-toplevel
   from dpjax.privacy.accounting import random_allocation  # pylint: disable=import-outside-toplevel
+
   real = random_allocation.subprocess.run
 
   def run(argv, *args, **kwargs):

@@ -12,6 +12,7 @@ def count_executions(monkeypatch) -> collections.Counter:
   call goes through pxla.ExecuteReplicated, which this counts (caches cleared first)."""
   from jax._src import pjit  # pylint: disable=import-outside-toplevel
   from jax._src.interpreters import pxla  # pylint: disable=import-outside-toplevel
+
   counts = collections.Counter()
   original = pxla.ExecuteReplicated.__call__
 

@@ -120,10 +120,17 @@ def run(module: str, cases: list[dict]) -> list[dict]:
       if pid == 0:
         _child(module, case, out, err)
       _, status = os.waitpid(pid, 0)
-      with open(out, encoding='utf-8', errors='replace') as f_out, \
-          open(err, encoding='utf-8', errors='replace') as f_err:
-        results.append({'returncode': os.waitstatus_to_exitcode(status),
-                        'stdout': f_out.read(), 'stderr': f_err.read()})
+      with (
+        open(out, encoding='utf-8', errors='replace') as f_out,
+        open(err, encoding='utf-8', errors='replace') as f_err,
+      ):
+        results.append(
+          {
+            'returncode': os.waitstatus_to_exitcode(status),
+            'stdout': f_out.read(),
+            'stderr': f_err.read(),
+          }
+        )
   return results
 
 

@@ -24,8 +24,9 @@ def float32_eta(max_batch_size: int) -> float:
   return (1 + margin) * (1 + alpha * (2 * max_batch_size - 1)) - 1
 
 
-def poisson_gaussian_epsilon(q: float, noise_multiplier: float, steps: int, delta: float,
-                             eta: float = 0.0) -> float:
+def poisson_gaussian_epsilon(
+  q: float, noise_multiplier: float, steps: int, delta: float, eta: float = 0.0
+) -> float:
   """ε(δ) of `steps` Poisson-sampled (rate q) Gaussian steps at sensitivity 1 + η."""
   accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-3)
   event = dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(noise_multiplier / (1 + eta)))

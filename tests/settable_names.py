@@ -18,8 +18,10 @@ from dpjax.trainer import config_fields
 from dpjax.trainer import fingerprint
 
 DECLARED = set(config_fields.declared_paths()) | {
-    f'model.{path}' for name in factory.MODEL_NAMES
-    for path in config_fields.field_paths(factory.default_model_config(name))}
+  f'model.{path}'
+  for name in factory.MODEL_NAMES
+  for path in config_fields.field_paths(factory.default_model_config(name))
+}
 # Names of the privacy fingerprint that are no field (a resume's "Changed: ..." lists them).
 LABELS = {'sampler.num_examples'} | {f'data.{key}' for key in fingerprint.DATASET_FIELDS}
 FILE_SUFFIXES = {'json', 'jsonl', 'npz', 'npy', 'md', 'py'}  # audit.json is a file.
@@ -28,9 +30,15 @@ GROUPS = sorted({path.split('.')[0] for path in DECLARED if '.' in path})
 PATH = re.compile(r'(?<![\w./-])(?:%s)\.[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*' % '|'.join(GROUPS))
 _LEAVES = {path.rsplit('.', 1)[-1] for path in DECLARED}
 LIBRARY_ONLY = sorted(
-    name for function in (accountant.Accountant.__init__, privacy_plan.PrivacyPlan.create,
-                          calibration.calibrate_noise_multiplier)
-    for name in inspect.signature(function).parameters if '_' in name and name not in _LEAVES)
+  name
+  for function in (
+    accountant.Accountant.__init__,
+    privacy_plan.PrivacyPlan.create,
+    calibration.calibrate_noise_multiplier,
+  )
+  for name in inspect.signature(function).parameters
+  if '_' in name and name not in _LEAVES
+)
 
 
 def unsettable_names(message: str, given: str = '') -> list[str]:
@@ -38,8 +46,12 @@ def unsettable_names(message: str, given: str = '') -> list[str]:
   the library-only settings it names; a name quoted from the bad input (`given`, e.g. the
   config file's text or the command line) is what the user wrote, not a suggestion."""
   text = re.sub(r'(?<![\w.])(?:--)?config\.', ' ', message)  # --config.x.y and config.x.y.
-  bad = [path for path in (m.group(0).rstrip('.') for m in PATH.finditer(text))
-         if path not in DECLARED | LABELS and path.rsplit('.', 1)[-1] not in FILE_SUFFIXES
-         and not any(known.startswith(path + '.') for known in DECLARED)]
+  bad = [
+    path
+    for path in (m.group(0).rstrip('.') for m in PATH.finditer(text))
+    if path not in DECLARED | LABELS
+    and path.rsplit('.', 1)[-1] not in FILE_SUFFIXES
+    and not any(known.startswith(path + '.') for known in DECLARED)
+  ]
   bad += [name for name in LIBRARY_ONLY if re.search(rf'\b{name}\b', message)]
   return [name for name in bad if name not in given]

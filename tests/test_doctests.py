@@ -5,8 +5,12 @@ import importlib
 
 import pytest
 
-PUBLIC_TIER = ('dpjax.privacy.samplers', 'dpjax.privacy.batching', 'dpjax.privacy.privacy_plan',
-               'dpjax.privacy.step_batcher')
+PUBLIC_TIER = (
+  'dpjax.privacy.samplers',
+  'dpjax.privacy.batching',
+  'dpjax.privacy.privacy_plan',
+  'dpjax.privacy.step_batcher',
+)
 
 
 @pytest.mark.parametrize('name', PUBLIC_TIER)

@@ -16,12 +16,14 @@ import pytest
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / 'experiments'
 # experiment folder -> (results files, column headers whose cells the JSON need not hold)
 CHECKED = {
-    '01_sampler_privacy': (('results.json', 'results_realistic.json'),
-                           ('σ', 'BnB / Poisson', 'BnB s')),
-    '03_fixed_size_vs_poisson': (('results.json',), ('epochs', 'steps', 'how it is computed')),
-    '04_group_privacy': (('results.json',), ('k', 'conversion / MoG')),
-    '05_batch_size_planner': (('results.json',), ('b', 'steps S')),
-    '06_truncation': (('results.json',), ('B', '(B − b)/std')),
+  '01_sampler_privacy': (
+    ('results.json', 'results_realistic.json'),
+    ('σ', 'BnB / Poisson', 'BnB s'),
+  ),
+  '03_fixed_size_vs_poisson': (('results.json',), ('epochs', 'steps', 'how it is computed')),
+  '04_group_privacy': (('results.json',), ('k', 'conversion / MoG')),
+  '05_batch_size_planner': (('results.json',), ('b', 'steps S')),
+  '06_truncation': (('results.json',), ('B', '(B − b)/std')),
 }
 _NUMBER = re.compile(r'(?<![\w.])-?\d+(?:\.\d+)?(?:e[+-]?\d+)?(?![\w.])')
 
@@ -103,6 +105,7 @@ def test_the_index_quotes_the_results_files():
     for token in _NUMBER.findall(cell):
       printed = _printed(token)
       if printed is not None and not any(
-          math.isfinite(x) and abs(x - printed[0]) <= printed[1] * (1 + 1e-9) for x in numbers):
+        math.isfinite(x) and abs(x - printed[0]) <= printed[1] * (1 + 1e-9) for x in numbers
+      ):
         missing.append(token)
   assert missing == []

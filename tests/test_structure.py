@@ -3,6 +3,8 @@ no private name imported across modules, no re-export kept for old names."""
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / 'dpjax'
 
@@ -61,7 +63,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str]:
     state[node] = 'open'
     for nxt in sorted(graph[node]):
       if state.get(nxt) == 'open':
-        return path[path.index(nxt):] + [nxt]
+        return path[path.index(nxt) :] + [nxt]
       if nxt not in state:
         cycle = visit(nxt, path + [nxt])
         if cycle:
@@ -105,8 +107,9 @@ def layer(module: str) -> int:
 
 
 def test_every_import_goes_to_the_same_layer_or_below():
-  upward = sorted(f'{m} -> {t}' for m, targets in import_graph().items() for t in targets
-                  if layer(t) > layer(m))
+  upward = sorted(
+    f'{m} -> {t}' for m, targets in import_graph().items() for t in targets if layer(t) > layer(m)
+  )
   assert upward == []
 
 
@@ -151,9 +154,13 @@ def _private_imports(tree: ast.AST, modules) -> list[str]:
         if a.name in modules and a.asname:
           aliases[a.asname] = a.name
   for node in ast.walk(tree):
-    if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-        and node.value.id in aliases and node.attr.startswith('_')
-        and not node.attr.startswith('__')):
+    if (
+      isinstance(node, ast.Attribute)
+      and isinstance(node.value, ast.Name)
+      and node.value.id in aliases
+      and node.attr.startswith('_')
+      and not node.attr.startswith('__')
+    ):
       found.append(f'{aliases[node.value.id]}.{node.attr}')
   return found
 
@@ -166,24 +173,34 @@ def test_the_private_import_checker_sees_both_forms():
 
 def test_no_private_name_is_imported_across_modules():
   modules = _modules()
-  found = sorted(f'{name}: {p}' for name, path in modules.items()
-                 for p in _private_imports(ast.parse(path.read_text()), modules))
+  found = sorted(
+    f'{name}: {p}'
+    for name, path in modules.items()
+    for p in _private_imports(ast.parse(path.read_text()), modules)
+  )
   assert found == []
 
 
 def _unused_dpjax_imports(tree: ast.AST) -> list[str]:
   used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-  return [a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom)
-          and (node.module or '').startswith('dpjax') for a in node.names
-          if (a.asname or a.name) not in used]
+  return [
+    a.asname or a.name
+    for node in tree.body
+    if isinstance(node, ast.ImportFrom) and (node.module or '').startswith('dpjax')
+    for a in node.names
+    if (a.asname or a.name) not in used
+  ]
 
 
 def test_no_module_re_exports_names_it_does_not_use():
   """A package's `__init__` may name its public API; any other module that imports a dpjax name
   uses it (no re-exports kept so that old import paths still work)."""
-  found = sorted(f'{name}: {n}' for name, path in _modules().items()
-                 if path.name != '__init__.py'
-                 for n in _unused_dpjax_imports(ast.parse(path.read_text())))
+  found = sorted(
+    f'{name}: {n}'
+    for name, path in _modules().items()
+    if path.name != '__init__.py'
+    for n in _unused_dpjax_imports(ast.parse(path.read_text()))
+  )
   assert _unused_dpjax_imports(ast.parse('from dpjax.a import b, c\nb()\n')) == ['c']
   assert found == []
 
@@ -195,3 +212,16 @@ def test_no_import_cycle_even_through_type_checking_imports():
   for name in graph:
     graph[name] = {t for t in graph[name] if not name.startswith(t + '.')}
   assert find_cycle(graph) == []
+
+
+def test_the_code_is_laid_out_by_the_formatter():
+  """`ruff format --check` (pyproject's settings) passes on the whole repository, so the
+  size limits above hold for code a tool laid out, not for code packed to fit them."""
+  done = subprocess.run(
+    [sys.executable, '-m', 'ruff', 'format', '--check', '.'],
+    cwd=ROOT.parent,
+    capture_output=True,
+    text=True,
+    check=False,
+  )
+  assert done.returncode == 0, done.stdout + done.stderr

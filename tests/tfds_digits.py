@@ -19,18 +19,22 @@ class DigitsTfds(tfds.core.GeneratorBasedBuilder):
 
   def _info(self) -> tfds.core.DatasetInfo:
     return self.dataset_info_from_configs(
-        features=tfds.features.FeaturesDict({
-            'image': tfds.features.Tensor(shape=(8, 8, 1), dtype=np.uint8),
-            'label': tfds.features.ClassLabel(num_classes=10),
-        }),
-        supervised_keys=('image', 'label'),
+      features=tfds.features.FeaturesDict(
+        {
+          'image': tfds.features.Tensor(shape=(8, 8, 1), dtype=np.uint8),
+          'label': tfds.features.ClassLabel(num_classes=10),
+        }
+      ),
+      supervised_keys=('image', 'label'),
     )
 
   def _split_generators(self, dl_manager):
     del dl_manager
     x_train, y_train, x_test, y_test = digits.load_digits_arrays()
-    return {'train': self._generate_examples(x_train, y_train),
-            'test': self._generate_examples(x_test, y_test)}
+    return {
+      'train': self._generate_examples(x_train, y_train),
+      'test': self._generate_examples(x_test, y_test),
+    }
 
   def _generate_examples(self, images, labels):
     for i, (image, label) in enumerate(zip(images, labels)):

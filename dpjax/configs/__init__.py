@@ -32,5 +32,5 @@ def path_of(name: str) -> str | None:
 def runlocal(arg: str | None) -> bool:
   """Whether `arg` asks for the smoke run; ValueError for an argument the configs do not take."""
   if arg not in (None, '', *ARGS):
-    raise ValueError(f"config argument {arg!r} is unknown; valid: {', '.join(ARGS)} (or none).")
+    raise ValueError(f'config argument {arg!r} is unknown; valid: {", ".join(ARGS)} (or none).')
   return arg == 'runlocal'

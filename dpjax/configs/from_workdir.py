@@ -36,8 +36,7 @@ def get_config(workdir: str | None = None) -> ml_collections.ConfigDict:
     raise ValueError('from_workdir needs the workdir as its argument (path:workdir).')
   path = os.path.join(workdir, 'config.json')
   if not os.path.isfile(path):
-    raise ValueError(f'{path} does not exist: give --config (this workdir holds no run to '
-                     'resume).')
+    raise ValueError(f'{path} does not exist: give --config (this workdir holds no run to resume).')
   with open(path) as f:
     values = json.load(f)
   config = config_fields.default_config()

@@ -56,7 +56,9 @@ class DeviceDataset:
   std: jax.Array  # [1] or [channels].
   label_format: str = flax.struct.field(pytree_node=False)
   num_classes: int = flax.struct.field(pytree_node=False)
-  targets: str = flax.struct.field(pytree_node=False, default='labels')  # preprocess.Preprocessor's.
+  targets: str = flax.struct.field(
+    pytree_node=False, default='labels'
+  )  # preprocess.Preprocessor's.
 
   def __len__(self) -> int:
     return self.labels.shape[0]
@@ -68,8 +70,10 @@ class DeviceDataset:
   def gather(self, indices: jax.Array) -> dict[str, jax.Array]:
     """`DataSource.gather` on the device: {'x': float32 [P, ...], 'y': ...} (tokens: int32)."""
     if self.targets == 'tokens':
-      return {'x': jnp.take(self.images, indices, axis=0).astype(jnp.int32),
-              'y': jnp.take(self.labels, indices, axis=0)}
+      return {
+        'x': jnp.take(self.images, indices, axis=0).astype(jnp.int32),
+        'y': jnp.take(self.labels, indices, axis=0),
+      }
     x = _divide(jnp.take(self.images, indices, axis=0).astype(jnp.float32), self.scale)
     x = _divide(x - self.mean, self.std)
     y = jnp.take(self.labels, indices, axis=0)
@@ -130,35 +134,54 @@ def default_max_bytes(device: jax.Device | None = None) -> int:
 
 def fits_on_device(source: data.DataSource, max_bytes: int | None = None) -> bool:
   """Whether the raw split is a known source of at most `max_bytes` (default above)."""
-  if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
-                                or max_bytes < 0):
+  if max_bytes is not None and (
+    isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0
+  ):
     raise ValueError(f'device data byte limit must be an int >= 0 (0 = never), got {max_bytes!r}.')
   limit = default_max_bytes() if max_bytes is None else max_bytes
   size = raw_nbytes(source)
   return size is not None and size <= limit
 
 
-def put_on_device(source: data.DataSource,
-                  sharding: jax.sharding.Sharding | None = None) -> DeviceDataset:
+def put_on_device(
+  source: data.DataSource, sharding: jax.sharding.Sharding | None = None
+) -> DeviceDataset:
   """The raw split on the device (replicated over a mesh with `sharding`), read once."""
   images, labels, pre = _raw_arrays(source)
   images = np.asarray(images)
   if images.dtype == np.float64:  # The host preprocessor computes in float32 too.
     images = images.astype(np.float32)
   labels = np.asarray(labels)
-  labels = (labels.astype(np.float32).reshape(len(labels), -1) if pre.targets == 'values'
-            else labels.astype(np.int32))
-  constants = (np.float32(pre.scale), np.asarray(pre.mean, np.float32),
-               np.asarray(pre.std, np.float32))
+  labels = (
+    labels.astype(np.float32).reshape(len(labels), -1)
+    if pre.targets == 'values'
+    else labels.astype(np.int32)
+  )
+  constants = (
+    np.float32(pre.scale),
+    np.asarray(pre.mean, np.float32),
+    np.asarray(pre.std, np.float32),
+  )
   images, labels, (scale, mean, std) = jax.device_put((images, labels, constants), sharding)
-  return DeviceDataset(images=images, labels=labels, scale=scale, mean=mean, std=std,
-                       label_format=pre.label_format, num_classes=int(pre.num_classes),
-                       targets=pre.targets)
+  return DeviceDataset(
+    images=images,
+    labels=labels,
+    scale=scale,
+    mean=mean,
+    std=std,
+    label_format=pre.label_format,
+    num_classes=int(pre.num_classes),
+    targets=pre.targets,
+  )
 
 
-def index_buffer(logical: batching.LogicalBatch, max_physical_batches: int,
-                 rows: np.ndarray | None = None, *,
-                 num_rows: int) -> tuple[dict[str, np.ndarray], np.int32]:
+def index_buffer(
+  logical: batching.LogicalBatch,
+  max_physical_batches: int,
+  rows: np.ndarray | None = None,
+  *,
+  num_rows: int,
+) -> tuple[dict[str, np.ndarray], np.int32]:
   """({'index': int32 [K_max, rows], 'weight': float32 [K_max, rows]}, K) for a DeviceDataset.
 
   `num_rows`: the rows of the source the indices will be gathered from; an index outside
@@ -176,9 +199,12 @@ def index_buffer(logical: batching.LogicalBatch, max_physical_batches: int,
   return {'index': index, 'weight': weight}, np.int32(k)
 
 
-def host_buffer(source: data.DataSource, logical: batching.LogicalBatch,
-                max_physical_batches: int,
-                rows: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], np.int32]:
+def host_buffer(
+  source: data.DataSource,
+  logical: batching.LogicalBatch,
+  max_physical_batches: int,
+  rows: np.ndarray | None = None,
+) -> tuple[dict[str, np.ndarray], np.int32]:
   """({'x': [K_max, rows, ...], 'y': ..., 'weight': ..., 'index': ...}, K), gathered on the host.
 
   One `gather` of the K·rows real and padding rows; batches K.. stay zero.

@@ -13,8 +13,10 @@ def load_digits_arrays() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
   """scikit-learn's digits as (x_train, y_train, x_test, y_test); x is [n, 8, 8, 1] in 0..16."""
   from sklearn import datasets as sk_datasets  # pylint: disable=g-import-not-at-top
   from sklearn import model_selection  # pylint: disable=g-import-not-at-top
+
   digits = sk_datasets.load_digits()
   images = digits.images.astype(np.float32)[..., None]
   x_train, x_test, y_train, y_test = model_selection.train_test_split(
-      images, digits.target, test_size=DIGITS_TEST_SIZE, random_state=0, stratify=digits.target)
+    images, digits.target, test_size=DIGITS_TEST_SIZE, random_state=0, stratify=digits.target
+  )
   return x_train, y_train.astype(np.int64), x_test, y_test.astype(np.int64)

@@ -53,8 +53,13 @@ SYNTHETIC_SAMPLE_ROWS = 64
 _SAMPLE_DOMAIN = b'dpjax.data.identity.sample.v1\0'
 
 
-def content_identity(source: Any, *, key: bytes, full_read_bytes: int = DEFAULT_FULL_READ_BYTES,
-                     sample_rows: int = DEFAULT_SAMPLE_ROWS) -> dict[str, Any]:
+def content_identity(
+  source: Any,
+  *,
+  key: bytes,
+  full_read_bytes: int = DEFAULT_FULL_READ_BYTES,
+  sample_rows: int = DEFAULT_SAMPLE_ROWS,
+) -> dict[str, Any]:
   """The content identity of `source` (see the module docstring).
 
   Args:
@@ -76,8 +81,10 @@ def content_identity(source: Any, *, key: bytes, full_read_bytes: int = DEFAULT_
   """
   if not isinstance(key, (bytes, bytearray)):
     raise TypeError(f'key must be bytes, got {type(key).__name__}.')
-  for name, value, low in (('full_read_bytes', full_read_bytes, 0),
-                           ('sample_rows', sample_rows, 1)):
+  for name, value, low in (
+    ('full_read_bytes', full_read_bytes, 0),
+    ('sample_rows', sample_rows, 1),
+  ):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
       raise ValueError(f'{name} must be an integer >= {low}, got {value!r}.')
   options = dict(key=bytes(key), full_read_bytes=int(full_read_bytes), sample_rows=int(sample_rows))
@@ -85,8 +92,14 @@ def content_identity(source: Any, *, key: bytes, full_read_bytes: int = DEFAULT_
   canaries = sys.modules.get('dpjax.privacy.auditing.canaries')
   if canaries is not None and isinstance(source, canaries.CanarySource):
     base = content_identity(source.base, **options)
-    fields = dict(kind='canary', method=base['method'], num_examples=len(source),
-                  sample_size=base['sample_size'], num_canaries=source.num_canaries, base=base)
+    fields = dict(
+      kind='canary',
+      method=base['method'],
+      num_examples=len(source),
+      sample_size=base['sample_size'],
+      num_canaries=source.num_canaries,
+      base=base,
+    )
     return _finish(fields, hashlib.sha256())
   if isinstance(source, arrays_lib.ArraySource):
     return _array_identity(source, **options)
@@ -96,12 +109,14 @@ def content_identity(source: Any, *, key: bytes, full_read_bytes: int = DEFAULT_
     return _synthetic_identity(source, **options)
   if hasattr(source, 'gather') and hasattr(source, '__len__'):
     return _gather_identity(source, **options)
-  raise TypeError(f'cannot identify a {type(source).__name__}: a data source needs __len__ and '
-                  'gather.')
+  raise TypeError(
+    f'cannot identify a {type(source).__name__}: a data source needs __len__ and gather.'
+  )
 
 
-def sample_indices(num_examples: int, key: bytes,
-                   sample_rows: int = DEFAULT_SAMPLE_ROWS) -> np.ndarray:
+def sample_indices(
+  num_examples: int, key: bytes, sample_rows: int = DEFAULT_SAMPLE_ROWS
+) -> np.ndarray:
   """The distinct rows (sorted int64) the sampled method hashes.
 
   All rows when N ≤ s; else s draws with replacement, uniform in [0, N) (bias
@@ -126,19 +141,24 @@ def _array_identity(source, *, key, full_read_bytes, sample_rows):
   arrays = (('x', source.images), ('y', source.labels))
   for name, array in arrays:
     if array.dtype.hasobject:
-      raise TypeError(f'cannot identify {name} of dtype {array.dtype}: object arrays hold '
-                      'pointers, not content.')
+      raise TypeError(
+        f'cannot identify {name} of dtype {array.dtype}: object arrays hold pointers, not content.'
+      )
   backing = {name: _backing(array) for name, array in arrays}
   mapped = {name: b for name, b in backing.items() if b is not None}
   mapped_bytes = sum(array.nbytes for name, array in arrays if name in mapped)
   full = mapped_bytes <= full_read_bytes
   files = sorted({b[0] for b in mapped.values() if b[0]})
   fields = dict(
-      kind='memmap' if mapped else 'arrays', method='full' if full else 'sampled', num_examples=n,
-      sample_size=0, arrays=[_header(name, array) for name, array in arrays],
-      bytes=sum(array.nbytes for _, array in arrays),
-      files=[_file_facts(path, with_mtime=not full) for path in files] if mapped else None,
-      labels_sha256=None)
+    kind='memmap' if mapped else 'arrays',
+    method='full' if full else 'sampled',
+    num_examples=n,
+    sample_size=0,
+    arrays=[_header(name, array) for name, array in arrays],
+    bytes=sum(array.nbytes for _, array in arrays),
+    files=[_file_facts(path, with_mtime=not full) for path in files] if mapped else None,
+    labels_sha256=None,
+  )
   digest = hashlib.sha256()
   if full:
     for name, array in arrays:
@@ -162,15 +182,27 @@ def _array_identity(source, *, key, full_read_bytes, sample_rows):
 def _tfds_identity(source, *, key, full_read_bytes, sample_rows):
   n = len(source)
   files = _tfds_files(source.source)
-  fields = dict(kind='tfds', method='sampled', num_examples=n, sample_size=0, bytes=None,
-                files=None, labels_sha256=None)  # Labels: only by decoding every record.
+  fields = dict(
+    kind='tfds',
+    method='sampled',
+    num_examples=n,
+    sample_size=0,
+    bytes=None,
+    files=None,
+    labels_sha256=None,
+  )  # Labels: only by decoding every record.
   digest = hashlib.sha256()
   if files is not None:
     total = sum(os.stat(path).st_size for path, _, _ in files)
     full = total <= full_read_bytes
-    fields.update(method='full' if full else 'sampled', bytes=total, files=[
+    fields.update(
+      method='full' if full else 'sampled',
+      bytes=total,
+      files=[
         dict(_file_facts(path, with_mtime=not full), skip=skip, take=take)
-        for path, skip, take in files])
+        for path, skip, take in files
+      ],
+    )
     if full:
       for path, _, _ in files:
         size = os.stat(path).st_size
@@ -182,7 +214,7 @@ def _tfds_identity(source, *, key, full_read_bytes, sample_rows):
   fields['sample_size'] = min(n, sample_rows)
   digest.update(rows.astype('<i8').tobytes())
   for start in range(0, len(rows), SAMPLE_CHUNK_ROWS):
-    keys = [int(i) for i in rows[start:start + SAMPLE_CHUNK_ROWS]]
+    keys = [int(i) for i in rows[start : start + SAMPLE_CHUNK_ROWS]]
     try:  # Raw records (before the config's preprocessing), one batched read.
       records = source.source.__getitems__(keys)
     except (AttributeError, TypeError):
@@ -196,14 +228,23 @@ def _synthetic_identity(source, *, key, full_read_bytes, sample_rows):
   del full_read_bytes
   cls = type(source)
   parameters = dict(
-      **{'class': f'{cls.__module__}.{cls.__qualname__}'}, num_examples=source.num_examples,
-      input_shape=[int(d) for d in source.input_shape], num_classes=int(source.num_classes),
-      seed=int(source.seed), offset=int(source.offset), one_hot=bool(source.one_hot))
+    **{'class': f'{cls.__module__}.{cls.__qualname__}'},
+    num_examples=source.num_examples,
+    input_shape=[int(d) for d in source.input_shape],
+    num_classes=int(source.num_classes),
+    seed=int(source.seed),
+    offset=int(source.offset),
+    one_hot=bool(source.one_hot),
+  )
   digest = hashlib.sha256()
-  sample_size = _hash_gathered_sample(digest, source, key,
-                                      min(sample_rows, SYNTHETIC_SAMPLE_ROWS))
-  fields = dict(kind='synthetic', method='parameters', num_examples=len(source),
-                sample_size=sample_size, parameters=parameters)
+  sample_size = _hash_gathered_sample(digest, source, key, min(sample_rows, SYNTHETIC_SAMPLE_ROWS))
+  fields = dict(
+    kind='synthetic',
+    method='parameters',
+    num_examples=len(source),
+    sample_size=sample_size,
+    parameters=parameters,
+  )
   return _finish(fields, digest)
 
 
@@ -212,9 +253,14 @@ def _gather_identity(source, *, key, full_read_bytes, sample_rows):
   digest = hashlib.sha256()
   sample_size = _hash_gathered_sample(digest, source, key, sample_rows)
   shape = getattr(source, 'input_shape', None)
-  fields = dict(kind='gather', method='sampled', num_examples=len(source), sample_size=sample_size,
-                source_class=f'{type(source).__module__}.{type(source).__qualname__}',
-                input_shape=None if shape is None else [int(d) for d in shape])
+  fields = dict(
+    kind='gather',
+    method='sampled',
+    num_examples=len(source),
+    sample_size=sample_size,
+    source_class=f'{type(source).__module__}.{type(source).__qualname__}',
+    input_shape=None if shape is None else [int(d) for d in shape],
+  )
   return _finish(fields, digest)
 
 
@@ -224,7 +270,7 @@ def _hash_gathered_sample(digest, source, key: bytes, sample_rows: int) -> int:
   rows = sample_indices(n, key, sample_rows)
   digest.update(rows.astype('<i8').tobytes())
   for start in range(0, len(rows), SAMPLE_CHUNK_ROWS):
-    _hash_tree(digest, '', source.gather(rows[start:start + SAMPLE_CHUNK_ROWS]))
+    _hash_tree(digest, '', source.gather(rows[start : start + SAMPLE_CHUNK_ROWS]))
   return min(n, sample_rows)
 
 
@@ -240,8 +286,11 @@ def _backing(array: np.ndarray) -> tuple[str, int | None] | None:
   while obj is not None:
     if isinstance(obj, np.memmap) and getattr(obj, 'filename', None):
       path = obj.filename
-      if (obj is array and array.flags.c_contiguous
-          and array.offset + array.nbytes == os.stat(path).st_size):
+      if (
+        obj is array
+        and array.flags.c_contiguous
+        and array.offset + array.nbytes == os.stat(path).st_size
+      ):
         return path, array.offset
       return path, None
     if isinstance(obj, mmap.mmap):
@@ -251,8 +300,11 @@ def _backing(array: np.ndarray) -> tuple[str, int | None] | None:
 
 
 def _header(name: str, array: np.ndarray) -> dict[str, Any]:
-  return {'name': name, 'dtype': np.lib.format.dtype_to_descr(array.dtype),
-          'shape': [int(d) for d in array.shape]}
+  return {
+    'name': name,
+    'dtype': np.lib.format.dtype_to_descr(array.dtype),
+    'shape': [int(d) for d in array.shape],
+  }
 
 
 def _length_prefixed(blob: bytes) -> bytes:
@@ -267,12 +319,12 @@ def _hash_array(digest, name: str, array: np.ndarray, backing) -> None:
   elif array.flags.c_contiguous:  # A byte view: no copy.
     flat = memoryview(array.reshape(-1).view(np.uint8))
     for start in range(0, len(flat), CHUNK_BYTES):
-      digest.update(flat[start:start + CHUNK_BYTES])
+      digest.update(flat[start : start + CHUNK_BYTES])
   else:  # Copies one chunk of rows at a time.
     row_bytes = max(1, array.nbytes // max(1, len(array)))
     rows = max(1, CHUNK_BYTES // row_bytes)
     for start in range(0, len(array), rows):
-      digest.update(np.ascontiguousarray(array[start:start + rows]).reshape(-1).view(np.uint8))
+      digest.update(np.ascontiguousarray(array[start : start + rows]).reshape(-1).view(np.uint8))
 
 
 def _row_chunks(array: np.ndarray, backing, rows: np.ndarray):
@@ -283,8 +335,9 @@ def _row_chunks(array: np.ndarray, backing, rows: np.ndarray):
   window at a time, ~50x slower on files out of the page cache (scripts/README.md).
   """
   row_bytes = array.dtype.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))
-  chunks = [rows[start:start + SAMPLE_CHUNK_ROWS]
-            for start in range(0, len(rows), SAMPLE_CHUNK_ROWS)]
+  chunks = [
+    rows[start : start + SAMPLE_CHUNK_ROWS] for start in range(0, len(rows), SAMPLE_CHUNK_ROWS)
+  ]
   advise = getattr(os, 'posix_fadvise', None)
   if backing is None or backing[1] is None or row_bytes == 0:
     for chunk in chunks:
@@ -319,8 +372,7 @@ def _hash_file(digest, path: str, offset: int, length: int) -> None:
     while position < end:
       size = min(len(buffer), end - position)
       if advise and position + size < end:
-        advise(fd, position + size, min(len(buffer), end - position - size),
-               os.POSIX_FADV_WILLNEED)
+        advise(fd, position + size, min(len(buffer), end - position - size), os.POSIX_FADV_WILLNEED)
       got = os.preadv(fd, [buffer[:size]], position)
       if got <= 0:
         raise ValueError(f'{path!r} ended at byte {position}, expected {end} bytes.')

@@ -37,17 +37,28 @@ class Preprocessor:
     if self.targets == 'tokens':
       return f'x, y = int tokens (vocabulary {self.num_classes}; y = -1: padding)'
     fmt = lambda v: ', '.join(f'{x:g}' for x in v)
-    kind = (f'{self.num_classes} classes, labels {self.label_format}' if self.targets == 'labels'
-            else f'float targets of size {self.num_classes}')
-    return (f'x = (raw / {self.scale:g} − ({fmt(self.mean)})) / ({fmt(self.std)}) '
-            f'[scale: {self.scale_source}], {kind}')
+    kind = (
+      f'{self.num_classes} classes, labels {self.label_format}'
+      if self.targets == 'labels'
+      else f'float targets of size {self.num_classes}'
+    )
+    return (
+      f'x = (raw / {self.scale:g} − ({fmt(self.mean)})) / ({fmt(self.std)}) '
+      f'[scale: {self.scale_source}], {kind}'
+    )
 
   def public_fields(self) -> dict:
     """The preprocessing as it ran (the resolved scale and where it came from), JSON-ready."""
     if self.targets == 'tokens':
       return {'inputs': 'int32 tokens, used as they are', 'targets': self.targets}
-    return {'scale': self.scale, 'scale_source': self.scale_source, 'mean': list(self.mean),
-            'std': list(self.std), 'label_format': self.label_format, 'targets': self.targets}
+    return {
+      'scale': self.scale,
+      'scale_source': self.scale_source,
+      'mean': list(self.mean),
+      'std': list(self.std),
+      'label_format': self.label_format,
+      'targets': self.targets,
+    }
 
   def features(self, raw_x: np.ndarray) -> np.ndarray:
     """x = (raw / scale − mean) / std in float32 (not for token sequences)."""
@@ -66,9 +77,14 @@ class Preprocessor:
     return {'x': x, 'y': y}
 
 
-def make_preprocessor(config: ml_collections.ConfigDict, num_classes: int, channels: int,
-                      raw_dtype=np.float32, native_scale: float | None = None,
-                      targets: str = 'labels') -> Preprocessor:
+def make_preprocessor(
+  config: ml_collections.ConfigDict,
+  num_classes: int,
+  channels: int,
+  raw_dtype=np.float32,
+  native_scale: float | None = None,
+  targets: str = 'labels',
+) -> Preprocessor:
   """The `data` block's preprocessing; `data.scale = 0` derives the scale from the data.
 
   Derived: the source's own range (`native_scale`, e.g. digits: 16), else 255 for uint8 and
@@ -99,9 +115,20 @@ def model_io(source) -> dict:
   features, are used as they are). Audit canaries wrap a source as `base`."""
   base = getattr(source, 'base', source)
   preprocess = getattr(base, 'preprocess', None)
-  fields = preprocess.public_fields() if preprocess is not None else {
-      'scale': 1.0, 'scale_source': 'none: the features are used as they are', 'mean': [0.0],
-      'std': [1.0], 'label_format': 'one_hot' if getattr(base, 'one_hot', False) else 'int',
-      'targets': 'labels'}
-  return {'num_classes': int(source.num_classes),
-          'input_shape': [int(d) for d in source.input_shape], 'preprocessing': fields}
+  fields = (
+    preprocess.public_fields()
+    if preprocess is not None
+    else {
+      'scale': 1.0,
+      'scale_source': 'none: the features are used as they are',
+      'mean': [0.0],
+      'std': [1.0],
+      'label_format': 'one_hot' if getattr(base, 'one_hot', False) else 'int',
+      'targets': 'labels',
+    }
+  )
+  return {
+    'num_classes': int(source.num_classes),
+    'input_shape': [int(d) for d in source.input_shape],
+    'preprocessing': fields,
+  }

@@ -63,36 +63,54 @@ class DataSource(Protocol):
   def gather(self, indices: np.ndarray) -> dict[str, np.ndarray]: ...
 
 
-def make_sources(config: ml_collections.ConfigDict, seed: int = 0,
-                 loss: str = 'softmax_cross_entropy') -> tuple[DataSource, DataSource]:
+def make_sources(
+  config: ml_collections.ConfigDict, seed: int = 0, loss: str = 'softmax_cross_entropy'
+) -> tuple[DataSource, DataSource]:
   """The (train, test) sources described by `config` (the `data` block)."""
   if config.source not in SOURCES:
     raise ValueError(f'data.source = {config.source!r} is unknown; valid: {", ".join(SOURCES)}.')
   if TARGETS.get(loss, 'labels') != 'labels' and config.source not in ('npz', 'memmap'):
-    raise ValueError(f'loss = {loss!r} needs targets from your own arrays: data.source = '
-                     f"'npz' or 'memmap' (got {config.source!r}, whose labels are classes).")
+    raise ValueError(
+      f'loss = {loss!r} needs targets from your own arrays: data.source = '
+      f"'npz' or 'memmap' (got {config.source!r}, whose labels are classes)."
+    )
   if config.source == 'synthetic':
     return _synthetic_sources(config, seed)
   if config.source == 'tfds':
     return _tfds_sources(config)
   declared = public_num_classes(config, TARGETS[loss])
   if config.source == 'digits':
-    return _array_sources(config, 'digits', declared, digits.load_digits_arrays(),
-                          native_scale=digits.DIGITS_RANGE)
+    return _array_sources(
+      config, 'digits', declared, digits.load_digits_arrays(), native_scale=digits.DIGITS_RANGE
+    )
   if config.source == 'npz':
-    return _array_sources(config, f'data.path = {config.path!r}', declared,
-                          arrays.load_npz(config.path), targets=TARGETS[loss])
+    return _array_sources(
+      config,
+      f'data.path = {config.path!r}',
+      declared,
+      arrays.load_npz(config.path),
+      targets=TARGETS[loss],
+    )
   # memmap
   if not config.path or not os.path.isdir(config.path):
-    raise ValueError(f"data.path = {config.path!r} must be an existing directory when "
-                     f"data.source = 'memmap' (with <split>/x.npy and <split>/y.npy for "
-                     f"data.train_split = {config.train_split!r}, data.test_split = "
-                     f"{config.test_split!r}).")
+    raise ValueError(
+      f'data.path = {config.path!r} must be an existing directory when '
+      f"data.source = 'memmap' (with <split>/x.npy and <split>/y.npy for "
+      f'data.train_split = {config.train_split!r}, data.test_split = '
+      f'{config.test_split!r}).'
+    )
   (x_train, y_train), (x_test, y_test) = (
-      arrays.open_memmap_split(os.path.join(config.path, split))
-      for split in (config.train_split, config.test_split))
-  return _array_sources(config, f'data.path = {config.path!r}', declared,
-                        (x_train, y_train, x_test, y_test), mapped=True, targets=TARGETS[loss])
+    arrays.open_memmap_split(os.path.join(config.path, split))
+    for split in (config.train_split, config.test_split)
+  )
+  return _array_sources(
+    config,
+    f'data.path = {config.path!r}',
+    declared,
+    (x_train, y_train, x_test, y_test),
+    mapped=True,
+    targets=TARGETS[loss],
+  )
 
 
 def public_num_classes(config: ml_collections.ConfigDict, targets: str = 'labels') -> int:
@@ -109,22 +127,35 @@ def public_num_classes(config: ml_collections.ConfigDict, targets: str = 'labels
     return declared
   if config.source == 'digits':
     return digits.DIGITS_NUM_CLASSES
-  what = 'the number of classes K (labels in [0, K))' if targets == 'labels' else (
-      'the vocabulary size V (tokens in [0, V))')
-  raise ValueError(f'data.num_classes = 0: set it to {what} of your task (data.source = '
-                   f'{config.source!r}). It must come from the task\'s definition, not from the '
-                   'private labels: a size derived from them (max + 1) would reveal in the '
-                   "model's shape whether a record with the largest label is in the data.")
+  what = (
+    'the number of classes K (labels in [0, K))'
+    if targets == 'labels'
+    else ('the vocabulary size V (tokens in [0, V))')
+  )
+  raise ValueError(
+    f'data.num_classes = 0: set it to {what} of your task (data.source = '
+    f"{config.source!r}). It must come from the task's definition, not from the "
+    'private labels: a size derived from them (max + 1) would reveal in the '
+    "model's shape whether a record with the largest label is in the data."
+  )
 
 
 def _check_label_format(config: ml_collections.ConfigDict) -> None:
   if config.label_format not in LABEL_FORMATS:
-    raise ValueError(f'data.label_format = {config.label_format!r}; valid: {", ".join(LABEL_FORMATS)}.')
+    raise ValueError(
+      f'data.label_format = {config.label_format!r}; valid: {", ".join(LABEL_FORMATS)}.'
+    )
 
 
-def _array_sources(config: ml_collections.ConfigDict, where: str, num_classes: int, splits,
-                   mapped: bool = False, targets: str = 'labels',
-                   native_scale: float | None = None) -> tuple[DataSource, DataSource]:
+def _array_sources(
+  config: ml_collections.ConfigDict,
+  where: str,
+  num_classes: int,
+  splits,
+  mapped: bool = False,
+  targets: str = 'labels',
+  native_scale: float | None = None,
+) -> tuple[DataSource, DataSource]:
   """`ArraySource`s of (x_train, y_train, x_test, y_test), checked (`where` names them).
 
   num_classes: K from `public_num_classes`. Memory-mapped labels are checked but kept as
@@ -132,7 +163,8 @@ def _array_sources(config: ml_collections.ConfigDict, where: str, num_classes: i
   """
   x_train, y_train, x_test, y_test = splits
   checked_train, checked_test, size = data_validation.check_splits(
-      where, num_classes, x_train, y_train, x_test, y_test, mapped=mapped, targets=targets)
+    where, num_classes, x_train, y_train, x_test, y_test, mapped=mapped, targets=targets
+  )
   if not mapped:
     y_train, y_test = checked_train, checked_test
   _check_label_format(config)
@@ -140,15 +172,18 @@ def _array_sources(config: ml_collections.ConfigDict, where: str, num_classes: i
     preprocess_fn = preprocess.make_preprocessor(config, size, 1, native_scale=native_scale)
   else:
     preprocess_fn = preprocess.make_preprocessor(
-        config, size, x_train.shape[-1] if x_train.ndim > 1 else 1, x_train.dtype,
-        targets=targets)
+      config, size, x_train.shape[-1] if x_train.ndim > 1 else 1, x_train.dtype, targets=targets
+    )
   if targets != 'tokens':  # The public domain of records (`data.max_abs_feature`).
     bound = float(config.get('max_abs_feature', data_validation.MAX_ABS_FEATURE))
     for name, x in (('x_train', x_train), ('x_test', x_test)):
-      data_validation.check_feature_bound(f'{where}: {name}', x, preprocess_fn.features, bound,
-                                          mapped=mapped)
-  return (arrays.ArraySource(x_train, y_train, preprocess_fn),
-          arrays.ArraySource(x_test, y_test, preprocess_fn))
+      data_validation.check_feature_bound(
+        f'{where}: {name}', x, preprocess_fn.features, bound, mapped=mapped
+      )
+  return (
+    arrays.ArraySource(x_train, y_train, preprocess_fn),
+    arrays.ArraySource(x_test, y_test, preprocess_fn),
+  )
 
 
 def _tfds_sources(config: ml_collections.ConfigDict) -> tuple[DataSource, DataSource]:
@@ -156,25 +191,35 @@ def _tfds_sources(config: ml_collections.ConfigDict) -> tuple[DataSource, DataSo
     raise ValueError("data.name must name a TFDS dataset when data.source = 'tfds'.")
   if not config.data_dir or not os.path.isdir(config.data_dir):
     raise ValueError(
-        f'data.data_dir = {config.data_dir!r} must be an existing directory holding the prepared '
-        f'TFDS dataset {config.name!r} (datasets are never downloaded at run time).')
+      f'data.data_dir = {config.data_dir!r} must be an existing directory holding the prepared '
+      f'TFDS dataset {config.name!r} (datasets are never downloaded at run time).'
+    )
   _check_label_format(config)
-  return (tfds_source.open_split(config, config.train_split),
-          tfds_source.open_split(config, config.test_split))
+  return (
+    tfds_source.open_split(config, config.train_split),
+    tfds_source.open_split(config, config.test_split),
+  )
 
 
-def _synthetic_sources(config: ml_collections.ConfigDict,
-                       seed: int) -> tuple[DataSource, DataSource]:
+def _synthetic_sources(
+  config: ml_collections.ConfigDict, seed: int
+) -> tuple[DataSource, DataSource]:
   if not isinstance(config.num_examples, int) or config.num_examples < 1:
-    raise ValueError(f'data.num_examples must be an integer >= 1 for the synthetic source, '
-                     f'got {config.num_examples!r}.')
+    raise ValueError(
+      f'data.num_examples must be an integer >= 1 for the synthetic source, '
+      f'got {config.num_examples!r}.'
+    )
   if config.num_classes < 2:
     raise ValueError(f'data.num_classes must be >= 2, got {config.num_classes}.')
   _check_label_format(config)
   shape = tuple(int(d) for d in config.input_shape)
   test_size = max(1, min(10_000, config.num_examples // 5))
   one_hot = config.label_format == 'one_hot'
-  return (synthetic.SyntheticSource(config.num_examples, shape, config.num_classes, seed,
-                                    one_hot=one_hot),
-          synthetic.SyntheticSource(test_size, shape, config.num_classes, seed,
-                                    config.num_examples, one_hot))
+  return (
+    synthetic.SyntheticSource(
+      config.num_examples, shape, config.num_classes, seed, one_hot=one_hot
+    ),
+    synthetic.SyntheticSource(
+      test_size, shape, config.num_classes, seed, config.num_examples, one_hot
+    ),
+  )

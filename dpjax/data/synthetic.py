@@ -28,8 +28,9 @@ class SyntheticSource:
 
   def _features(self, indices: np.ndarray) -> np.ndarray:
     dim = int(np.prod(self.input_shape))
-    counters = ((np.asarray(indices, np.uint64)[:, None] + np.uint64(self.offset)) * np.uint64(dim)
-                + np.arange(dim, dtype=np.uint64)[None, :])
+    counters = (np.asarray(indices, np.uint64)[:, None] + np.uint64(self.offset)) * np.uint64(
+      dim
+    ) + np.arange(dim, dtype=np.uint64)[None, :]
     bits = _splitmix64(counters ^ np.uint64(self.seed * 0x9E3779B97F4A7C15 % 2**64))
     uniform = (bits >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)
     return (2 * uniform - 1).reshape((len(indices), *self.input_shape))
@@ -41,7 +42,7 @@ class SyntheticSource:
     flat = x.reshape(len(x), -1)
     width = -(-flat.shape[1] // self.num_classes) * self.num_classes
     padded = np.zeros((len(x), width), np.float32)
-    padded[:, :flat.shape[1]] = flat
+    padded[:, : flat.shape[1]] = flat
     scores = padded.reshape(len(x), -1, self.num_classes).sum(axis=1)
     y = np.argmax(scores, axis=1).astype(np.int32)
     if self.one_hot:

@@ -28,6 +28,7 @@ class CNN(nn.Module):
   conv 16 8x8/2 -> tanh -> maxpool 2/1 -> conv 32 4x4/2 -> tanh -> maxpool 2/1
   -> Dense 32 -> tanh -> Dense classes. 26,010 parameters on 28x28x1.
   """
+
   num_classes: int
   features: Sequence[int] = (16, 32)
   kernel_sizes: Sequence[int] = (8, 4)
@@ -39,8 +40,7 @@ class CNN(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     act = layers.ACTIVATIONS[self.activation]
-    for f, k, s, p in zip(self.features, self.kernel_sizes, self.strides,
-                          self.paddings):
+    for f, k, s, p in zip(self.features, self.kernel_sizes, self.strides, self.paddings):
       x = act(nn.Conv(f, (k, k), strides=(s, s), padding=p)(x))
       x = nn.max_pool(x, (2, 2), strides=(1, 1), padding='VALID')
     x = x.reshape((x.shape[0], -1))
@@ -60,16 +60,29 @@ class NNXCNN(nnx.Module):
   -> Linear 32 -> tanh -> Linear classes (by default); parameters of the same shapes.
   """
 
-  def __init__(self, input_shape: Sequence[int], num_classes: int,
-               features: Sequence[int] = (16, 32), kernel_sizes: Sequence[int] = (8, 4),
-               strides: Sequence[int] = (2, 2), paddings: Sequence[str] = ('SAME', 'VALID'),
-               hidden_size: int = 32, activation: str = 'tanh', *, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    input_shape: Sequence[int],
+    num_classes: int,
+    features: Sequence[int] = (16, 32),
+    kernel_sizes: Sequence[int] = (8, 4),
+    strides: Sequence[int] = (2, 2),
+    paddings: Sequence[str] = ('SAME', 'VALID'),
+    hidden_size: int = 32,
+    activation: str = 'tanh',
+    *,
+    rngs: nnx.Rngs,
+  ):
     self.activation = layers.ACTIVATIONS[activation]
     channels = [input_shape[-1], *features]
-    self.convs = nnx.List([
+    self.convs = nnx.List(
+      [
         nnx.Conv(c_in, c_out, (k, k), strides=(s, s), padding=p, rngs=rngs)
-        for c_in, c_out, k, s, p in zip(channels[:-1], channels[1:], kernel_sizes,
-                                        strides, paddings)])
+        for c_in, c_out, k, s, p in zip(
+          channels[:-1], channels[1:], kernel_sizes, strides, paddings
+        )
+      ]
+    )
     # The flattened size of the conv features, from the shapes alone.
     out = jax.eval_shape(self._features, jax.ShapeDtypeStruct((1, *input_shape), jnp.float32))
     self.hidden = nnx.Linear(math.prod(out.shape[1:]), hidden_size, rngs=rngs)
@@ -109,24 +122,30 @@ def _output_size(size: int, cfg: ml_collections.ConfigDict) -> int:
 def build(cfg: ml_collections.ConfigDict, num_classes: int, input_shape: tuple[int, ...]):
   """The CNN (linen, or NNX with `cfg.framework = 'nnx'`) of a checked config."""
   n = len(cfg.features)
-  if not (len(cfg.kernel_sizes) == len(cfg.strides) == len(cfg.paddings)
-          == n):
-    raise ValueError('config.model.{features, kernel_sizes, strides, '
-                     'paddings} must have the same length.')
-  if any(p not in ('SAME', 'VALID') for p in cfg.paddings):
-    raise ValueError(f'config.model.paddings={cfg.paddings}; each must be '
-                     "'SAME' or 'VALID'.")
-  if len(input_shape) != 3:
+  if not (len(cfg.kernel_sizes) == len(cfg.strides) == len(cfg.paddings) == n):
     raise ValueError(
-        f'cnn needs images HxWxC, got input_shape={input_shape}.')
+      'config.model.{features, kernel_sizes, strides, paddings} must have the same length.'
+    )
+  if any(p not in ('SAME', 'VALID') for p in cfg.paddings):
+    raise ValueError(f"config.model.paddings={cfg.paddings}; each must be 'SAME' or 'VALID'.")
+  if len(input_shape) != 3:
+    raise ValueError(f'cnn needs images HxWxC, got input_shape={input_shape}.')
   out = min(_output_size(d, cfg) for d in input_shape[:2])
   if out < 1:
     raise ValueError(
-        f'cnn: input_shape={input_shape} is too small for kernel_sizes='
-        f'{tuple(cfg.kernel_sizes)}, paddings={tuple(cfg.paddings)} (spatial '
-        "size reaches 0); use paddings=('SAME', 'SAME') for small images.")
-  args = (num_classes, tuple(cfg.features), tuple(cfg.kernel_sizes), tuple(cfg.strides),
-          tuple(cfg.paddings), cfg.hidden_size, cfg.activation)
+      f'cnn: input_shape={input_shape} is too small for kernel_sizes='
+      f'{tuple(cfg.kernel_sizes)}, paddings={tuple(cfg.paddings)} (spatial '
+      "size reaches 0); use paddings=('SAME', 'SAME') for small images."
+    )
+  args = (
+    num_classes,
+    tuple(cfg.features),
+    tuple(cfg.kernel_sizes),
+    tuple(cfg.strides),
+    tuple(cfg.paddings),
+    cfg.hidden_size,
+    cfg.activation,
+  )
   if cfg.framework == 'nnx':
     return family.as_linen('cnn', lambda rngs: NNXCNN(input_shape, *args, rngs=rngs))
   return CNN(*args)

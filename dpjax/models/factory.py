@@ -30,11 +30,11 @@ from dpjax.models import vit
 from dpjax.models import wrn
 
 FAMILIES = {
-    'mlp': mlp.FAMILY,
-    'cnn': cnn.FAMILY,
-    'wrn': wrn.FAMILY,
-    'transformer': transformer.FAMILY,
-    'vit': vit.FAMILY,
+  'mlp': mlp.FAMILY,
+  'cnn': cnn.FAMILY,
+  'wrn': wrn.FAMILY,
+  'transformer': transformer.FAMILY,
+  'vit': vit.FAMILY,
 }
 MODEL_NAMES = tuple(FAMILIES)
 FRAMEWORKS = ('linen', 'nnx')
@@ -43,8 +43,7 @@ FRAMEWORKS = ('linen', 'nnx')
 def default_model_config(name: str) -> ml_collections.ConfigDict:
   """Every field model `name` reads, with its default and meaning."""
   if name not in MODEL_NAMES:
-    raise ValueError(
-        f'config.model.name={name!r} is not a model; valid: {MODEL_NAMES}.')
+    raise ValueError(f'config.model.name={name!r} is not a model; valid: {MODEL_NAMES}.')
   c = ml_collections.ConfigDict()
   c.name = name  # mlp | cnn | wrn | transformer | vit
   if FAMILIES[name].nnx:
@@ -56,43 +55,46 @@ def default_model_config(name: str) -> ml_collections.ConfigDict:
 def _refuse_batchnorm(raw: dict, name) -> None:
   """Raises ValueError, with the reason, if any field asks for BatchNorm."""
   for field, value in raw.items():
-    asks_batchnorm = (
-        (field == 'normalization' and 'batch' in str(value).lower()) or
-        ('batch' in field.lower() and 'norm' in field.lower() and value))
+    asks_batchnorm = (field == 'normalization' and 'batch' in str(value).lower()) or (
+      'batch' in field.lower() and 'norm' in field.lower() and value
+    )
     if asks_batchnorm:
-      valid = (FAMILIES[name].normalizations if name in FAMILIES
-               else ('groupnorm', 'layernorm'))
+      valid = FAMILIES[name].normalizations if name in FAMILIES else ('groupnorm', 'layernorm')
       raise ValueError(
-          f'config.model.{field}={value!r}: BatchNorm is not allowed in DP '
-          'training. Its batch statistics make each example\'s gradient '
-          'depend on the other examples of the batch (so per-example clipping '
-          'no longer bounds one example\'s influence), and its running '
-          'statistics are an un-noised release of the data. Use '
-          f'normalization in {valid} for model {name!r}.')
+        f'config.model.{field}={value!r}: BatchNorm is not allowed in DP '
+        "training. Its batch statistics make each example's gradient "
+        'depend on the other examples of the batch (so per-example clipping '
+        "no longer bounds one example's influence), and its running "
+        'statistics are an un-noised release of the data. Use '
+        f'normalization in {valid} for model {name!r}.'
+      )
 
 
 def _checked_config(model_config) -> ml_collections.ConfigDict:
   """`model_config` over its family's defaults, after the checks every family shares."""
-  raw = (model_config.to_dict() if hasattr(model_config, 'to_dict')
-         else dict(model_config))
+  raw = model_config.to_dict() if hasattr(model_config, 'to_dict') else dict(model_config)
   name = raw.get('name')
   _refuse_batchnorm(raw, name)
   defaults = default_model_config(name)  # Validates the name.
   unknown = sorted(set(raw) - set(defaults.keys()))
   if unknown:
-    raise ValueError(f'config.model has unknown field(s) {unknown} for model '
-                     f'{name!r}; valid fields: {sorted(defaults.keys())}.')
+    raise ValueError(
+      f'config.model has unknown field(s) {unknown} for model '
+      f'{name!r}; valid fields: {sorted(defaults.keys())}.'
+    )
   cfg = ml_collections.ConfigDict({**defaults.to_dict(), **raw})
   normalizations = FAMILIES[name].normalizations
   if cfg.normalization not in normalizations:
     raise ValueError(
-        f'config.model.normalization={cfg.normalization!r} is not valid for '
-        f'model {name!r}; valid: {normalizations}.')
+      f'config.model.normalization={cfg.normalization!r} is not valid for '
+      f'model {name!r}; valid: {normalizations}.'
+    )
   return cfg
 
 
-def make_model(model_config: ml_collections.ConfigDict, num_classes: int,
-               input_shape: Sequence[int]) -> nn.Module:
+def make_model(
+  model_config: ml_collections.ConfigDict, num_classes: int, input_shape: Sequence[int]
+) -> nn.Module:
   """Builds the model named by `model_config.name` (fields as in defaults).
 
   Missing fields take the values of `default_model_config(name)`; unknown
@@ -113,11 +115,11 @@ def make_model(model_config: ml_collections.ConfigDict, num_classes: int,
   family.check_positive(cfg.name, num_classes, 'num_classes (from the data)')
   input_shape = tuple(int(d) for d in input_shape)
   if not input_shape or any(d <= 0 for d in input_shape):
-    raise ValueError(f'input_shape must be non-empty and positive, got '
-                     f'{input_shape}.')
+    raise ValueError(f'input_shape must be non-empty and positive, got {input_shape}.')
   if 'activation' in cfg and cfg.activation not in layers.ACTIVATIONS:
-    raise ValueError(f'config.model.activation={cfg.activation!r}; valid: '
-                     f'{tuple(layers.ACTIVATIONS)}.')
+    raise ValueError(
+      f'config.model.activation={cfg.activation!r}; valid: {tuple(layers.ACTIVATIONS)}.'
+    )
   if cfg.get('framework', 'linen') not in FRAMEWORKS:
     raise ValueError(f'config.model.framework={cfg.framework!r}; valid: {FRAMEWORKS}.')
   return FAMILIES[cfg.name].build(cfg, num_classes, input_shape)

@@ -18,6 +18,7 @@ from dpjax.models import functional
 
 class Family(NamedTuple):
   """A model family as the factory's registry holds it."""
+
   # The normalisations it supports (`config.model.normalization`); never BatchNorm.
   normalizations: tuple[str, ...]
   # Declares the family's fields on a ConfigDict, with their defaults and meaning.
@@ -30,12 +31,12 @@ class Family(NamedTuple):
 def check_positive(name: str, value, field: str) -> None:
   """Raises ValueError unless `value`, the field `field` of model `name`, is an int > 0."""
   if not isinstance(value, int) or value <= 0:
-    raise ValueError(f'config.model.{field} must be a positive int for model '
-                     f'{name!r}, got {value!r}.')
+    raise ValueError(
+      f'config.model.{field} must be a positive int for model {name!r}, got {value!r}.'
+    )
 
 
-def check_positive_fields(name: str, cfg: ml_collections.ConfigDict,
-                          fields: Sequence[str]) -> None:
+def check_positive_fields(name: str, cfg: ml_collections.ConfigDict, fields: Sequence[str]) -> None:
   """`check_positive` of each of `fields`, in order."""
   for field in fields:
     check_positive(name, cfg[field], field)

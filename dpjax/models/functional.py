@@ -63,10 +63,12 @@ class Functional:
 
   def loss(self, fn: Callable[..., Any]) -> Callable[[Params, Any], Any]:
     """`fn(model, example)` as `(params, example) -> fn(merged model, example)`."""
+
     def loss_fn(params: Params, example):
       model = self.merge(params)
       with nnx_layers.model_paths(model):
         return fn(model, example)
+
     return loss_fn
 
   def update(self, model: nnx.Module, params: Params) -> None:

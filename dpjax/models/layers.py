@@ -16,11 +16,11 @@ import jax.numpy as jnp
 from dpjax.privacy import ghost_clipping
 
 ACTIVATIONS = {
-    'relu': nn.relu,
-    'tanh': nn.tanh,
-    'gelu': nn.gelu,
-    'elu': nn.elu,
-    'silu': nn.silu,
+  'relu': nn.relu,
+  'tanh': nn.tanh,
+  'gelu': nn.gelu,
+  'elu': nn.elu,
+  'silu': nn.silu,
 }
 
 
@@ -34,6 +34,7 @@ class WSConv(nn.Module):
   by De et al. 2022). It normalises weights, not activations, so examples stay
   independent.
   """
+
   features: int
   kernel_size: tuple[int, int] = (3, 3)
   strides: tuple[int, int] = (1, 1)
@@ -42,8 +43,7 @@ class WSConv(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     shape = (*self.kernel_size, x.shape[-1], self.features)
-    w = self.param('kernel', nn.initializers.variance_scaling(
-        1.0, 'fan_in', 'normal'), shape)
+    w = self.param('kernel', nn.initializers.variance_scaling(1.0, 'fan_in', 'normal'), shape)
     gain = self.param('gain', nn.initializers.ones, (self.features,))
     bias = self.param('bias', nn.initializers.zeros, (self.features,))
     mean = jnp.mean(w, axis=(0, 1, 2), keepdims=True)
@@ -51,20 +51,24 @@ class WSConv(nn.Module):
     fan_in = math.prod(shape[:-1])
     w = (w - mean) * jax.lax.rsqrt(jnp.maximum(var * fan_in, self.eps)) * gain
     y = jax.lax.conv_general_dilated(
-        x, w, window_strides=self.strides, padding='SAME',
-        dimension_numbers=('NHWC', 'HWIO', 'NHWC'))
+      x, w, window_strides=self.strides, padding='SAME', dimension_numbers=('NHWC', 'HWIO', 'NHWC')
+    )
     return y + bias
 
 
 # Ghost clipping's closed-form rule for this layer (dpjax.privacy.ghost_clipping.conv restates
 # the standardisation above); the clipping code imports no model.
-ghost_clipping.register_norm_rule(WSConv, name='wsconv', params=ghost_clipping.conv.WS_CONV_PARAMS,
-                                  form=ghost_clipping.conv.ws_conv_form)(
-    ghost_clipping.conv.ws_conv_sq_norms)
+ghost_clipping.register_norm_rule(
+  WSConv,
+  name='wsconv',
+  params=ghost_clipping.conv.WS_CONV_PARAMS,
+  form=ghost_clipping.conv.ws_conv_form,
+)(ghost_clipping.conv.ws_conv_sq_norms)
 
 
-def pre_ln_encoder(x: jax.Array, num_layers: int, num_heads: int, width: int,
-                   mlp_dim: int, causal: bool = False) -> jax.Array:
+def pre_ln_encoder(
+  x: jax.Array, num_layers: int, num_heads: int, width: int, mlp_dim: int, causal: bool = False
+) -> jax.Array:
   """num_layers x (x += MHA(LN(x)); x += MLP(LN(x))), final LN, mean over tokens (linen).
 
   causal: each position attends to itself and earlier ones, and the final LN's output is
@@ -75,7 +79,8 @@ def pre_ln_encoder(x: jax.Array, num_layers: int, num_heads: int, width: int,
   for _ in range(num_layers):
     y = nn.LayerNorm()(x)
     x = x + nn.MultiHeadDotProductAttention(
-        num_heads=num_heads, qkv_features=width, deterministic=True)(y, y, mask=mask)
+      num_heads=num_heads, qkv_features=width, deterministic=True
+    )(y, y, mask=mask)
     y = nn.LayerNorm()(x)
     x = x + nn.Dense(width)(nn.gelu(nn.Dense(mlp_dim)(y)))
   x = nn.LayerNorm()(x)
@@ -89,8 +94,14 @@ class EncoderBlock(nnx.Module):
     self.attention_norm = nnx.LayerNorm(width, rngs=rngs)
     # linen's MultiHeadDotProductAttention(num_heads, qkv_features=width), self-attention.
     self.attention = nnx.MultiHeadAttention(
-        num_heads=num_heads, in_features=width, qkv_features=width, out_features=width,
-        decode=False, deterministic=True, rngs=rngs)
+      num_heads=num_heads,
+      in_features=width,
+      qkv_features=width,
+      out_features=width,
+      decode=False,
+      deterministic=True,
+      rngs=rngs,
+    )
     self.mlp_norm = nnx.LayerNorm(width, rngs=rngs)
     self.mlp_in = nnx.Linear(width, mlp_dim, rngs=rngs)
     self.mlp_out = nnx.Linear(mlp_dim, width, rngs=rngs)

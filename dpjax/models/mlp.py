@@ -21,6 +21,7 @@ from dpjax.models import layers
 
 class MLP(nn.Module):
   """Flatten -> [Dense -> activation] * len(hidden_sizes) -> Dense logits."""
+
   num_classes: int
   hidden_sizes: Sequence[int]
   activation: str = 'tanh'
@@ -40,12 +41,18 @@ class NNXMLP(nnx.Module):
   the constructor takes one example's `input_shape` (no batch axis) first.
   """
 
-  def __init__(self, input_shape: Sequence[int], num_classes: int,
-               hidden_sizes: Sequence[int], activation: str = 'tanh', *, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    input_shape: Sequence[int],
+    num_classes: int,
+    hidden_sizes: Sequence[int],
+    activation: str = 'tanh',
+    *,
+    rngs: nnx.Rngs,
+  ):
     self.activation = layers.ACTIVATIONS[activation]
     sizes = [math.prod(input_shape), *hidden_sizes]
-    self.hidden = nnx.List([nnx.Linear(m, c, rngs=rngs)
-                            for m, c in zip(sizes[:-1], sizes[1:])])
+    self.hidden = nnx.List([nnx.Linear(m, c, rngs=rngs) for m, c in zip(sizes[:-1], sizes[1:])])
     self.head = nnx.Linear(sizes[-1], num_classes, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -68,8 +75,12 @@ def build(cfg: ml_collections.ConfigDict, num_classes: int, input_shape: tuple[i
   for h in cfg.hidden_sizes:
     family.check_positive('mlp', h, 'hidden_sizes[i]')
   if cfg.framework == 'nnx':
-    return family.as_linen('mlp', lambda rngs: NNXMLP(
-        input_shape, num_classes, tuple(cfg.hidden_sizes), cfg.activation, rngs=rngs))
+    return family.as_linen(
+      'mlp',
+      lambda rngs: NNXMLP(
+        input_shape, num_classes, tuple(cfg.hidden_sizes), cfg.activation, rngs=rngs
+      ),
+    )
   return MLP(num_classes, tuple(cfg.hidden_sizes), cfg.activation)
 
 

@@ -30,6 +30,7 @@ class Transformer(nn.Module):
   causal=True makes it a causal language model: a causal attention mask and logits
   [n, L, num_classes] per position (loss sequence_cross_entropy).
   """
+
   num_classes: int
   max_length: int
   vocab_size: int = 0
@@ -52,11 +53,13 @@ class Transformer(nn.Module):
       # Float features [n, L, ...]: trailing axes are one token's features
       # (e.g. an 8x8x1 image as 8 tokens of 8 pixels).
       x = nn.Dense(self.model_dim)(x.reshape(*x.shape[:2], -1))
-    pos = self.param('pos_embedding', nn.initializers.normal(0.02),
-                     (self.max_length, self.model_dim))
-    x = x + pos[:x.shape[-2]]
-    x = layers.pre_ln_encoder(x, self.num_layers, self.num_heads, self.model_dim,
-                              self.mlp_dim, self.causal)
+    pos = self.param(
+      'pos_embedding', nn.initializers.normal(0.02), (self.max_length, self.model_dim)
+    )
+    x = x + pos[: x.shape[-2]]
+    x = layers.pre_ln_encoder(
+      x, self.num_layers, self.num_heads, self.model_dim, self.mlp_dim, self.causal
+    )
     return nn.Dense(self.num_classes)(x)
 
 
@@ -75,22 +78,33 @@ def add_fields(c: ml_collections.ConfigDict) -> None:
 
 def build(cfg: ml_collections.ConfigDict, num_classes: int, input_shape: tuple[int, ...]):
   """The transformer of a checked config."""
-  family.check_positive_fields('transformer', cfg,
-                               ('num_layers', 'num_heads', 'model_dim', 'mlp_dim'))
+  family.check_positive_fields(
+    'transformer', cfg, ('num_layers', 'num_heads', 'model_dim', 'mlp_dim')
+  )
   if cfg.model_dim % cfg.num_heads:
-    raise ValueError(f'config.model.num_heads={cfg.num_heads} must divide '
-                     f'model_dim={cfg.model_dim}.')
+    raise ValueError(
+      f'config.model.num_heads={cfg.num_heads} must divide model_dim={cfg.model_dim}.'
+    )
   if not isinstance(cfg.vocab_size, int) or cfg.vocab_size < 0:
-    raise ValueError('config.model.vocab_size must be an int >= 0 (0 = float '
-                     f'features), got {cfg.vocab_size!r}.')
+    raise ValueError(
+      f'config.model.vocab_size must be an int >= 0 (0 = float features), got {cfg.vocab_size!r}.'
+    )
   if (len(input_shape) != 1) if cfg.vocab_size > 0 else (len(input_shape) < 2):
     raise ValueError(
-        f'transformer with vocab_size={cfg.vocab_size} needs input_shape '
-        f"{'(L,) of tokens' if cfg.vocab_size > 0 else '(L, D_in, ...) of features'}, got "
-        f'{input_shape}.')
-  return Transformer(num_classes, input_shape[0], cfg.vocab_size,
-                     cfg.num_layers, cfg.num_heads, cfg.model_dim, cfg.mlp_dim,
-                     bool(cfg.causal))
+      f'transformer with vocab_size={cfg.vocab_size} needs input_shape '
+      f'{"(L,) of tokens" if cfg.vocab_size > 0 else "(L, D_in, ...) of features"}, got '
+      f'{input_shape}.'
+    )
+  return Transformer(
+    num_classes,
+    input_shape[0],
+    cfg.vocab_size,
+    cfg.num_layers,
+    cfg.num_heads,
+    cfg.model_dim,
+    cfg.mlp_dim,
+    bool(cfg.causal),
+  )
 
 
 FAMILY = family.Family(normalizations=('layernorm',), add_fields=add_fields, build=build)

@@ -31,6 +31,7 @@ class ViT(nn.Module):
   ghost clipping (Conv, DenseGeneral, Dense, LayerNorm; the positional
   embedding gets per-example copies).
   """
+
   num_classes: int
   patch_size: int = 4
   num_layers: int = 12
@@ -43,10 +44,8 @@ class ViT(nn.Module):
     p = self.patch_size
     x = nn.Conv(self.width, (p, p), strides=(p, p), padding='VALID')(x)
     x = x.reshape(x.shape[0], -1, self.width)  # [n, tokens, width].
-    pos = self.param('pos_embedding', nn.initializers.normal(0.02),
-                     (x.shape[1], self.width))
-    x = layers.pre_ln_encoder(x + pos, self.num_layers, self.num_heads, self.width,
-                              self.mlp_dim)
+    pos = self.param('pos_embedding', nn.initializers.normal(0.02), (x.shape[1], self.width))
+    x = layers.pre_ln_encoder(x + pos, self.num_layers, self.num_heads, self.width, self.mlp_dim)
     return nn.Dense(self.num_classes)(x)
 
 
@@ -60,19 +59,29 @@ class NNXViT(nnx.Module):
   dropout, no class token.
   """
 
-  def __init__(self, input_shape: Sequence[int], num_classes: int, patch_size: int = 4,
-               num_layers: int = 12, num_heads: int = 6, width: int = 384,
-               mlp_dim: int = 1536, *, rngs: nnx.Rngs):
+  def __init__(
+    self,
+    input_shape: Sequence[int],
+    num_classes: int,
+    patch_size: int = 4,
+    num_layers: int = 12,
+    num_heads: int = 6,
+    width: int = 384,
+    mlp_dim: int = 1536,
+    *,
+    rngs: nnx.Rngs,
+  ):
     height, width_px, channels = input_shape
     p = patch_size
     self.width = width
-    self.patch_embedding = nnx.Conv(channels, width, (p, p), strides=(p, p),
-                                    padding='VALID', rngs=rngs)
+    self.patch_embedding = nnx.Conv(
+      channels, width, (p, p), strides=(p, p), padding='VALID', rngs=rngs
+    )
     tokens = ((height - p) // p + 1) * ((width_px - p) // p + 1)
-    self.pos_embedding = nnx.Param(
-        nnx.initializers.normal(0.02)(rngs.params(), (tokens, width)))
-    self.blocks = nnx.List([layers.EncoderBlock(width, num_heads, mlp_dim, rngs=rngs)
-                            for _ in range(num_layers)])
+    self.pos_embedding = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (tokens, width)))
+    self.blocks = nnx.List(
+      [layers.EncoderBlock(width, num_heads, mlp_dim, rngs=rngs) for _ in range(num_layers)]
+    )
     self.norm = nnx.LayerNorm(width, rngs=rngs)
     self.head = nnx.Linear(width, num_classes, rngs=rngs)
 
@@ -96,21 +105,21 @@ def add_fields(c: ml_collections.ConfigDict) -> None:
 
 def build(cfg: ml_collections.ConfigDict, num_classes: int, input_shape: tuple[int, ...]):
   """The ViT (linen, or NNX with `cfg.framework = 'nnx'`) of a checked config."""
-  family.check_positive_fields('vit', cfg,
-                               ('patch_size', 'num_layers', 'num_heads', 'width', 'mlp_dim'))
+  family.check_positive_fields(
+    'vit', cfg, ('patch_size', 'num_layers', 'num_heads', 'width', 'mlp_dim')
+  )
   if cfg.width % cfg.num_heads:
-    raise ValueError(f'config.model.num_heads={cfg.num_heads} must divide '
-                     f'width={cfg.width}.')
+    raise ValueError(f'config.model.num_heads={cfg.num_heads} must divide width={cfg.width}.')
   if len(input_shape) != 3 or any(d % cfg.patch_size for d in input_shape[:2]):
-    raise ValueError(f'vit needs images HxWxC with H and W multiples of '
-                     f'config.model.patch_size={cfg.patch_size}, got '
-                     f'input_shape={input_shape}.')
-  args = (num_classes, cfg.patch_size, cfg.num_layers, cfg.num_heads, cfg.width,
-          cfg.mlp_dim)
+    raise ValueError(
+      f'vit needs images HxWxC with H and W multiples of '
+      f'config.model.patch_size={cfg.patch_size}, got '
+      f'input_shape={input_shape}.'
+    )
+  args = (num_classes, cfg.patch_size, cfg.num_layers, cfg.num_heads, cfg.width, cfg.mlp_dim)
   if cfg.framework == 'nnx':
     return family.as_linen('vit', lambda rngs: NNXViT(input_shape, *args, rngs=rngs))
   return ViT(*args)
 
 
-FAMILY = family.Family(normalizations=('layernorm',), add_fields=add_fields, build=build,
-                       nnx=True)
+FAMILY = family.Family(normalizations=('layernorm',), add_fields=add_fields, build=build, nnx=True)

@@ -25,6 +25,7 @@ class WideResNet(nn.Module):
   of a group has a 1x1 projection shortcut (same ordering as De et al.'s
   reference implementation).
   """
+
   num_classes: int
   depth: int = 16
   width: int = 4
@@ -36,8 +37,7 @@ class WideResNet(nn.Module):
   def _conv(self, features, kernel, strides=1):
     if self.weight_standardization:
       return layers.WSConv(features, (kernel, kernel), (strides, strides))
-    return nn.Conv(features, (kernel, kernel), strides=(strides, strides),
-                   padding='SAME')
+    return nn.Conv(features, (kernel, kernel), strides=(strides, strides), padding='SAME')
 
   def _norm(self):
     if self.normalization == 'groupnorm':
@@ -78,17 +78,25 @@ def build(cfg: ml_collections.ConfigDict, num_classes: int, input_shape: tuple[i
   """The WideResNet of a checked config."""
   family.check_positive_fields('wrn', cfg, ('depth', 'width', 'groups'))
   if cfg.depth < 10 or (cfg.depth - 4) % 6:
-    raise ValueError(f'config.model.depth={cfg.depth}: need depth = 6n + 4 '
-                     'with n >= 1 (10, 16, 22, 28, ...).')
-  if cfg.normalization == 'groupnorm' and 16 % cfg.groups:
-    raise ValueError(f'config.model.groups={cfg.groups} must divide 16 (the '
-                     'stem width; all widths are multiples of 16).')
-  if len(input_shape) != 3:
     raise ValueError(
-        f'wrn needs images HxWxC, got input_shape={input_shape}.')
-  return WideResNet(num_classes, cfg.depth, cfg.width, cfg.groups,
-                    cfg.normalization, bool(cfg.weight_standardization),
-                    cfg.activation)
+      f'config.model.depth={cfg.depth}: need depth = 6n + 4 with n >= 1 (10, 16, 22, 28, ...).'
+    )
+  if cfg.normalization == 'groupnorm' and 16 % cfg.groups:
+    raise ValueError(
+      f'config.model.groups={cfg.groups} must divide 16 (the '
+      'stem width; all widths are multiples of 16).'
+    )
+  if len(input_shape) != 3:
+    raise ValueError(f'wrn needs images HxWxC, got input_shape={input_shape}.')
+  return WideResNet(
+    num_classes,
+    cfg.depth,
+    cfg.width,
+    cfg.groups,
+    cfg.normalization,
+    bool(cfg.weight_standardization),
+    cfg.activation,
+  )
 
 
 FAMILY = family.Family(normalizations=('groupnorm', 'none'), add_fields=add_fields, build=build)

@@ -38,6 +38,7 @@ class Accumulator(NamedTuple):
   holds the low-order bits each float32 addition lost, so the sum's rounding error does
   not grow with the number of batches (`dpjax.privacy.rounding`).
   """
+
   grad_sum: Params  # Σ_i w_i · clip_C(g_i) (private) or Σ_i w_i · g_i.
   stats: clipping_lib.ClipStats
   compensation: Params  # −(the rounding error of grad_sum so far), per coordinate.
@@ -52,6 +53,7 @@ class GradSum(NamedTuple):
       grad_sum = grad_sum.add(grad_fn(params, batch(idx), weights)[0])
     updates, opt_state = tx.update(grad_sum.total, opt_state, params, step=logical.step)
   """
+
   total: Params
   compensation: Params
 
@@ -81,23 +83,29 @@ def metrics(acc: Accumulator, noisy_grad: Params, expected_batch_size: float) ->
   s = acc.stats
   finite_rows = s.num_rows - s.num_nonfinite.astype(jnp.float32)
   return {
-      'loss': s.loss_sum / jnp.maximum(finite_rows, 1.0),
-      'accuracy': s.correct / jnp.maximum(s.num_rows, 1.0),
-      'num_examples': s.num_rows,
-      'num_clipped': s.num_clipped,
-      'num_nonfinite': s.num_nonfinite,
-      # ‖Σ_i w_i clip(g_i)‖ / b: the mean clipped gradient before noise.
-      'grad_norm': optax.tree.norm(acc.grad_sum) / expected_batch_size,
-      'noisy_grad_norm': optax.tree.norm(noisy_grad),
-      # Mean per-example ‖g_i‖ before clipping (helps choose C); 0 when
-      # not private (no per-example gradients are formed).
-      'example_grad_norm': s.grad_norm_sum / jnp.maximum(finite_rows, 1.0),
+    'loss': s.loss_sum / jnp.maximum(finite_rows, 1.0),
+    'accuracy': s.correct / jnp.maximum(s.num_rows, 1.0),
+    'num_examples': s.num_rows,
+    'num_clipped': s.num_clipped,
+    'num_nonfinite': s.num_nonfinite,
+    # ‖Σ_i w_i clip(g_i)‖ / b: the mean clipped gradient before noise.
+    'grad_norm': optax.tree.norm(acc.grad_sum) / expected_batch_size,
+    'noisy_grad_norm': optax.tree.norm(noisy_grad),
+    # Mean per-example ‖g_i‖ before clipping (helps choose C); 0 when
+    # not private (no per-example gradients are formed).
+    'example_grad_norm': s.grad_norm_sum / jnp.maximum(finite_rows, 1.0),
   }
 
 
-def release(params: Params, opt_state: optax.OptState, acc: Accumulator, key: jax.Array,
-            optimizer: optax.GradientTransformation, noise_std: float | None,
-            expected_batch_size: float):
+def release(
+  params: Params,
+  opt_state: optax.OptState,
+  acc: Accumulator,
+  key: jax.Array,
+  optimizer: optax.GradientTransformation,
+  noise_std: float | None,
+  expected_batch_size: float,
+):
   """ĝ = (acc.grad_sum + N(0, noise_std² I)) / b, one optax step on ĝ, and the metrics.
 
   noise_std: σ·C, the noise of `key`; None: no noise (the non-private step).

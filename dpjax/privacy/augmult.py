@@ -53,28 +53,37 @@ LossFn = Callable[[Any, Any], tuple[jax.Array, Any]]  # (params, example) -> (lo
 
 def check_config(num_views: int, crop_padding: int, flip: bool, input_shape=None) -> None:
   """ValueError naming the `augmult.*` field and its valid range, before any compute."""
+
   def _int(v):
     return isinstance(v, int) and not isinstance(v, bool)
+
   if not _int(num_views) or num_views < 0:
-    raise ValueError(f'augmult.num_views = {num_views!r}: must be an integer >= 0 '
-                     '(0 or 1 = off, K > 1 = K views per example).')
+    raise ValueError(
+      f'augmult.num_views = {num_views!r}: must be an integer >= 0 '
+      '(0 or 1 = off, K > 1 = K views per example).'
+    )
   if not _int(crop_padding) or crop_padding < 0:
     raise ValueError(f'augmult.crop_padding = {crop_padding!r}: must be an integer >= 0.')
   if not isinstance(flip, bool):
     raise ValueError(f'augmult.flip = {flip!r}: must be True or False.')
   if input_shape is not None and (crop_padding or flip):
     if len(input_shape) != 3:
-      raise ValueError(f'augmult.crop_padding = {crop_padding}, augmult.flip = {flip}: crops and '
-                       f'flips need images [H, W, C], got per-example shape {tuple(input_shape)}; '
-                       'set crop_padding = 0 and flip = False for identity views.')
+      raise ValueError(
+        f'augmult.crop_padding = {crop_padding}, augmult.flip = {flip}: crops and '
+        f'flips need images [H, W, C], got per-example shape {tuple(input_shape)}; '
+        'set crop_padding = 0 and flip = False for identity views.'
+      )
     if crop_padding >= min(input_shape[:2]):
-      raise ValueError(f'augmult.crop_padding = {crop_padding}: must be < min(H, W) = '
-                       f'{min(input_shape[:2])} (reflect padding).')
+      raise ValueError(
+        f'augmult.crop_padding = {crop_padding}: must be < min(H, W) = '
+        f'{min(input_shape[:2])} (reflect padding).'
+      )
 
 
 @dataclasses.dataclass(frozen=True)
 class Augmult:
   """K views per example (K <= 1: off), reflect-pad-and-crop by crop_padding, random flip."""
+
   num_views: int
   crop_padding: int = 0
   flip: bool = False
@@ -91,8 +100,15 @@ class Augmult:
 
   def views(self, x: jax.Array, indices: jax.Array, step, *, seed) -> jax.Array:
     """x [P, ...] -> views [P, K, ...] (see `make_views`)."""
-    return make_views(x, indices, step, seed=seed, num_views=self.num_views,
-                      crop_padding=self.crop_padding, flip=self.flip)
+    return make_views(
+      x,
+      indices,
+      step,
+      seed=seed,
+      num_views=self.num_views,
+      crop_padding=self.crop_padding,
+      flip=self.flip,
+    )
 
 
 def stream_data(seed: int):
@@ -105,8 +121,11 @@ def view_keys(seed, step, indices: jax.Array, num_views: int) -> jax.Array:
 
   `seed` is an int, or the stream's key data (`stream_data`, possibly traced).
   """
-  stream = (prng.stream_key(seed, Stream.VIEWS) if isinstance(seed, (int, np.integer))
-            else prng.from_data(seed))
+  stream = (
+    prng.stream_key(seed, Stream.VIEWS)
+    if isinstance(seed, (int, np.integer))
+    else prng.from_data(seed)
+  )
   root = jax.random.fold_in(stream, step)
   per_example = jax.vmap(lambda i: jax.random.fold_in(root, i))(jnp.asarray(indices, jnp.uint32))
   return jax.vmap(lambda k: jax.random.split(k, num_views))(per_example)
@@ -125,18 +144,21 @@ def augment(key: jax.Array, image: jax.Array, crop_padding: int, flip: bool) -> 
   return image
 
 
-def make_views(x: jax.Array, indices: jax.Array, step, *, seed, num_views: int,
-               crop_padding: int, flip: bool) -> jax.Array:
+def make_views(
+  x: jax.Array, indices: jax.Array, step, *, seed, num_views: int, crop_padding: int, flip: bool
+) -> jax.Array:
   """x [P, ...] → views [P, K, ...] (`_make_views`); `seed` an int or the view stream's key data
   (`stream_data`: what the DP step passes, so its program does not depend on the seed)."""
   data = stream_data(seed) if isinstance(seed, (int, np.integer)) else seed
-  return _make_views(x, indices, step, data, num_views=num_views, crop_padding=crop_padding,
-                     flip=flip)
+  return _make_views(
+    x, indices, step, data, num_views=num_views, crop_padding=crop_padding, flip=flip
+  )
 
 
 @functools.partial(jax.jit, static_argnames=('num_views', 'crop_padding', 'flip'))
-def _make_views(x: jax.Array, indices: jax.Array, step, seed, *, num_views: int,
-                crop_padding: int, flip: bool) -> jax.Array:
+def _make_views(
+  x: jax.Array, indices: jax.Array, step, seed, *, num_views: int, crop_padding: int, flip: bool
+) -> jax.Array:
   """x [P, ...] → views [P, K, ...] of each row (row i's views depend on (seed, step, index_i)).
 
   Args:
@@ -162,8 +184,10 @@ def mean_over_views(loss_fn: LossFn) -> LossFn:
   Its gradient is (1/K) Σ_k ∇loss_k, the view-averaged gradient that DP-SGD
   clips once (module docstring). With K = 1 it equals loss_fn on views[0].
   """
+
   def loss(params, example):
     views = example['x']
     per_view = jax.vmap(lambda v: loss_fn(params, {**example, 'x': v}))(views)
     return jax.tree.map(lambda a: jnp.mean(a, axis=0), per_view)
+
   return loss

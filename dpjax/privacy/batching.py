@@ -83,9 +83,10 @@ class LogicalBatch:
     low, high = int(self.indices.min()), int(self.indices.max())
     if low < 0 or high >= num_rows:
       raise ValueError(
-          f'step {self.step}: sampled example index {low if low < 0 else high} is outside '
-          f'[0, {num_rows}), the rows of the data source it is gathered from: the sampler\'s '
-          'N and the source disagree (rows counted twice?); nothing was gathered.')
+        f'step {self.step}: sampled example index {low if low < 0 else high} is outside '
+        f"[0, {num_rows}), the rows of the data source it is gathered from: the sampler's "
+        'N and the source disagree (rows counted twice?); nothing was gathered.'
+      )
 
   def physical_batches(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     yield from zip(self.indices, self.weights)
@@ -99,8 +100,9 @@ def _is_binomial(sampler: samplers_lib.Sampler) -> bool:
 def log_truncation_probability(sampler: samplers_lib.Sampler, max_batch_size: int) -> float:
   """log Pr[n_t > B] for one step, in log-space (no underflow at N = 1e7)."""
   if _is_binomial(sampler):
-    return float(stats.binom.logsf(max_batch_size, sampler.num_examples,
-                                   sampler.sampling_probability))
+    return float(
+      stats.binom.logsf(max_batch_size, sampler.num_examples, sampler.sampling_probability)
+    )
   return 0.0 if max_batch_size < sampler.batch_size else -math.inf
 
 
@@ -113,9 +115,14 @@ def _round_up(value: int, multiple: int) -> int:
   return -(-value // multiple) * multiple
 
 
-def resolve_max_batch_size(sampler: samplers_lib.Sampler, physical_batch_size: int,
-                           requested: int = 0, *, num_steps: int = 1,
-                           delta: float = 1e-5) -> int:
+def resolve_max_batch_size(
+  sampler: samplers_lib.Sampler,
+  physical_batch_size: int,
+  requested: int = 0,
+  *,
+  num_steps: int = 1,
+  delta: float = 1e-5,
+) -> int:
   """The cap B on the logical batch size actually used for training.
 
   Args:
@@ -134,21 +141,27 @@ def resolve_max_batch_size(sampler: samplers_lib.Sampler, physical_batch_size: i
   _checks.check_int('sampler.physical_batch_size', physical_batch_size, 0)
   physical_batch_size = physical_batch_size or 1  # P = 0: B to the row (see above).
   if isinstance(requested, bool) or not isinstance(requested, (int, np.integer)) or requested < 0:
-    raise ValueError(f'sampler.max_batch_size must be 0 (auto) or a positive multiple of '
-                     f'sampler.physical_batch_size = {physical_batch_size}, got {requested!r}.')
+    raise ValueError(
+      f'sampler.max_batch_size must be 0 (auto) or a positive multiple of '
+      f'sampler.physical_batch_size = {physical_batch_size}, got {requested!r}.'
+    )
   # Under add/remove adjacency the neighbouring dataset has N + 1 examples, so B > N is what
   # rules truncation out for both (the accountant checks the neighbour too).
-  no_truncation = _round_up(sampler.num_examples + 1 if _is_binomial(sampler) else sampler.batch_size,
-                            physical_batch_size)
+  no_truncation = _round_up(
+    sampler.num_examples + 1 if _is_binomial(sampler) else sampler.batch_size, physical_batch_size
+  )
   if requested:
     if requested % physical_batch_size:
-      raise ValueError(f'sampler.max_batch_size = {requested} must be a multiple of '
-                       f'sampler.physical_batch_size = {physical_batch_size}.')
+      raise ValueError(
+        f'sampler.max_batch_size = {requested} must be a multiple of '
+        f'sampler.physical_batch_size = {physical_batch_size}.'
+      )
     if not _is_binomial(sampler) and requested < sampler.batch_size:
       raise ValueError(
-          f'sampler.max_batch_size = {requested} is below sampler.batch_size = '
-          f'{sampler.batch_size}; the {sampler.name} sampler has no truncation accounting, '
-          f'so B must be >= b (or 0 for auto).')
+        f'sampler.max_batch_size = {requested} is below sampler.batch_size = '
+        f'{sampler.batch_size}; the {sampler.name} sampler has no truncation accounting, '
+        f'so B must be >= b (or 0 for auto).'
+      )
     return min(requested, no_truncation)
   if not _is_binomial(sampler):
     return no_truncation
@@ -158,19 +171,24 @@ def resolve_max_batch_size(sampler: samplers_lib.Sampler, physical_batch_size: i
   mean = sampler.expected_batch_size
   std = math.sqrt(mean * (1 - sampler.sampling_probability))
   candidate = _round_up(max(int(mean + 4 * std), 1), physical_batch_size)
+
   # The tail of the larger (N + 1) neighbour, as the accountant pays for it.
   def log_tail(cap):
     return float(stats.binom.logsf(cap, sampler.num_examples + 1, sampler.sampling_probability))
+
   while candidate < no_truncation and log_tail(candidate) > log_budget:
     candidate += physical_batch_size
-  while (candidate - physical_batch_size >= physical_batch_size and
-         log_tail(candidate - physical_batch_size) <= log_budget):
+  while (
+    candidate - physical_batch_size >= physical_batch_size
+    and log_tail(candidate - physical_batch_size) <= log_budget
+  ):
     candidate -= physical_batch_size
   return min(candidate, no_truncation)
 
 
-def max_physical_batch_size(sampler: samplers_lib.Sampler, requested: int = 0, *,
-                            num_steps: int = 1, delta: float = 1e-5) -> int:
+def max_physical_batch_size(
+  sampler: samplers_lib.Sampler, requested: int = 0, *, num_steps: int = 1, delta: float = 1e-5
+) -> int:
   """The largest useful P: the cap B resolved to the row (`resolve_max_batch_size` with P = 0),
   rounded up to a power of two, the most the automatic choice tries.
 
@@ -204,8 +222,7 @@ class Batcher:
     size = len(indices)
     truncated = size > self.max_batch_size
     if truncated:
-      rng = random_streams.host_generator(self.sampler.seed, random_streams.Stream.TRUNCATION,
-                                          step)
+      rng = random_streams.host_generator(self.sampler.seed, random_streams.Stream.TRUNCATION, step)
       keep = rng.choice(size, size=self.max_batch_size, replace=False)
       indices = np.sort(indices[keep])
     num_rows = len(indices)
@@ -215,5 +232,10 @@ class Batcher:
     weights = np.zeros(padded.shape, dtype=np.float32)
     weights[:num_rows] = 1.0
     shape = (num_batches, self.physical_batch_size)
-    return LogicalBatch(indices=padded.reshape(shape), weights=weights.reshape(shape),
-                        size=size, truncated=truncated, step=int(step))
+    return LogicalBatch(
+      indices=padded.reshape(shape),
+      weights=weights.reshape(shape),
+      size=size,
+      truncated=truncated,
+      step=int(step),
+    )

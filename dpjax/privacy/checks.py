@@ -28,11 +28,16 @@ def check_int(name: str, value, minimum: int, maximum: int | None = None) -> int
   return int(value)
 
 
-def check_number(name: str, value, *, low: float, high: float = math.inf,
-                 open_high: bool = False) -> float:
+def check_number(
+  name: str, value, *, low: float, high: float = math.inf, open_high: bool = False
+) -> float:
   """`value` as a float if finite, > low and <= high (< high if open_high); else ValueError."""
-  if not (is_number(value) and math.isfinite(value) and value > low
-          and (value < high if open_high else value <= high)):
+  if not (
+    is_number(value)
+    and math.isfinite(value)
+    and value > low
+    and (value < high if open_high else value <= high)
+  ):
     upper = f' and < {high:g}' if open_high else (f' and <= {high:g}' if high < math.inf else '')
     raise ValueError(f'{name} must be a finite number > {low:g}{upper}, got {value!r}.')
   return float(value)
@@ -65,9 +70,16 @@ def check_expected_batch_size(value, name: str = 'expected_batch_size') -> float
   return check_number(name, value, low=0.0)
 
 
-def check_delta(value, name: str = 'delta', *, num_examples: int | None = None,
-                allow_large_delta: bool = False, flag: str = 'allow_large_delta=True',
-                allow_zero: bool = False, warn: bool = True) -> float:
+def check_delta(
+  value,
+  name: str = 'delta',
+  *,
+  num_examples: int | None = None,
+  allow_large_delta: bool = False,
+  flag: str = 'allow_large_delta=True',
+  allow_zero: bool = False,
+  warn: bool = True,
+) -> float:
   """δ in (0, 1) ([0, 1) if allow_zero); given N, also < 1/N unless allow_large_delta (`flag`
   names how to allow it), with a `LargeDeltaWarning` above 1/(10·N) if warn."""
   if allow_zero and is_number(value) and value == 0:
@@ -77,10 +89,15 @@ def check_delta(value, name: str = 'delta', *, num_examples: int | None = None,
     return delta
   if delta >= 1.0 / num_examples and not allow_large_delta:
     raise ValueError(
-        f'{name} = {delta:g} is >= 1/N = {1.0 / num_examples:.3g} (N = {num_examples}): such a '
-        'guarantee allows publishing a random record in the clear. Use δ well below 1/N '
-        f'(e.g. <= 1/(10·N)), or set {flag} to accept it.')
+      f'{name} = {delta:g} is >= 1/N = {1.0 / num_examples:.3g} (N = {num_examples}): such a '
+      'guarantee allows publishing a random record in the clear. Use δ well below 1/N '
+      f'(e.g. <= 1/(10·N)), or set {flag} to accept it.'
+    )
   if warn and delta > 0.1 / num_examples:
-    warnings.warn(f'{name} = {delta:g} exceeds 1/(10·N) = {0.1 / num_examples:.3g}: the '
-                  f'guarantee is weak for N = {num_examples}.', LargeDeltaWarning, stacklevel=2)
+    warnings.warn(
+      f'{name} = {delta:g} exceeds 1/(10·N) = {0.1 / num_examples:.3g}: the '
+      f'guarantee is weak for N = {num_examples}.',
+      LargeDeltaWarning,
+      stacklevel=2,
+    )
   return delta

@@ -13,6 +13,7 @@ ROOT = str(pathlib.Path(__file__).resolve().parents[2])  # The folder holding `d
 
 def child_env(**overrides: str) -> dict[str, str]:
   """os.environ with ROOT first on PYTHONPATH, then `overrides`."""
-  path = os.pathsep.join([ROOT] + ([os.environ['PYTHONPATH']] if os.environ.get('PYTHONPATH')
-                                   else []))
+  path = os.pathsep.join(
+    [ROOT] + ([os.environ['PYTHONPATH']] if os.environ.get('PYTHONPATH') else [])
+  )
   return dict(os.environ, PYTHONPATH=path, **overrides)

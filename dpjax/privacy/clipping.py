@@ -68,13 +68,15 @@ ClippedSumFn = Callable[[Params, Batch], tuple[Params, 'ClipStats']]
 
 CLIPPING_METHODS = ('auto', 'vmap', 'ghost')
 MISSING_WEIGHTS = (
-    "clipped_grad's weights are required: grad_fn(params, examples, weights) with the "
-    "batcher's weights [P] (1 for a real row, 0 for padding, which holds a copy of example 0 "
-    'and must add nothing).')
+  "clipped_grad's weights are required: grad_fn(params, examples, weights) with the "
+  "batcher's weights [P] (1 for a real row, 0 for padding, which holds a copy of example 0 "
+  'and must add nothing).'
+)
 
 
 class PerExample(NamedTuple):
   """Per-row values of one clipped sum (monitoring only: NOT differentially private)."""
+
   loss: jax.Array  # [P] loss_i.
   aux: Any  # The loss's aux, rows stacked ([P, ...] leaves); () without aux.
   norm: jax.Array  # [P] ‖g_i‖ before clipping.
@@ -83,6 +85,7 @@ class PerExample(NamedTuple):
 
 class ClipStats(NamedTuple):
   """Sums over the real (weight > 0) rows of a physical batch. Not private."""
+
   num_rows: jax.Array  # Σ w_i (float32).
   num_clipped: jax.Array  # #{finite rows with ‖g_i‖ > C} (int32).
   num_nonfinite: jax.Array  # #{rows with non-finite gradient or loss} (int32).
@@ -105,13 +108,17 @@ class ClipStats(NamedTuple):
     ok = real & rows.finite
     correct = rows.aux.get('correct') if isinstance(rows.aux, dict) else None
     return cls(
-        num_rows=jnp.sum(w),
-        num_clipped=jnp.sum(ok & (rows.norm > clip_norm), dtype=jnp.int32),
-        num_nonfinite=jnp.sum(real & ~rows.finite, dtype=jnp.int32),
-        loss_sum=jnp.sum(jnp.where(ok, w * rows.loss, 0.0)),
-        correct=(jnp.zeros((), jnp.float32) if correct is None else
-                 jnp.sum(jnp.where(ok, w * correct.astype(jnp.float32), 0.0))),
-        grad_norm_sum=jnp.sum(jnp.where(ok, w * rows.norm, 0.0)))
+      num_rows=jnp.sum(w),
+      num_clipped=jnp.sum(ok & (rows.norm > clip_norm), dtype=jnp.int32),
+      num_nonfinite=jnp.sum(real & ~rows.finite, dtype=jnp.int32),
+      loss_sum=jnp.sum(jnp.where(ok, w * rows.loss, 0.0)),
+      correct=(
+        jnp.zeros((), jnp.float32)
+        if correct is None
+        else jnp.sum(jnp.where(ok, w * correct.astype(jnp.float32), 0.0))
+      ),
+      grad_norm_sum=jnp.sum(jnp.where(ok, w * rows.norm, 0.0)),
+    )
 
 
 def examples_of(batch: Batch) -> dict[str, jax.Array]:
@@ -129,13 +136,17 @@ def with_aux(loss_fn: LossFn, has_aux: bool) -> LossFn:
 def _row_sq_norms(grads: Params) -> jax.Array:
   """‖g_i‖² over all parameters; per-example gradients have a leading axis."""
   leaves = jax.tree.leaves(grads)
-  return sum(jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1)
-             for g in leaves)
+  return sum(jnp.sum(jnp.square(g.reshape(g.shape[0], -1)), axis=1) for g in leaves)
 
 
-def _clip_and_sum(losses: jax.Array, aux, sq_norms: jax.Array,
-                  weighted_sum: Callable[[jax.Array, jax.Array], Params],
-                  weights: jax.Array, clip_norm: float) -> tuple[Params, PerExample]:
+def _clip_and_sum(
+  losses: jax.Array,
+  aux,
+  sq_norms: jax.Array,
+  weighted_sum: Callable[[jax.Array, jax.Array], Params],
+  weights: jax.Array,
+  clip_norm: float,
+) -> tuple[Params, PerExample]:
   """Clip factors from ‖g_i‖², and the weighted sum Σ_i w_i · clip_C(g_i).
 
   A row is finite iff its loss and ‖g_i‖ are finite; other rows contribute
@@ -148,8 +159,9 @@ def _clip_and_sum(losses: jax.Array, aux, sq_norms: jax.Array,
   return weighted_sum(w * scale, finite), PerExample(losses, aux, norms, finite)
 
 
-def vmap_clipped_sum(loss_fn: LossFn, params: Params, examples: Example,
-                     weights: jax.Array, clip_norm: float) -> tuple[Params, PerExample]:
+def vmap_clipped_sum(
+  loss_fn: LossFn, params: Params, examples: Example, weights: jax.Array, clip_norm: float
+) -> tuple[Params, PerExample]:
   """Σ_i w_i · clip_C(g_i) by per-example gradients `jax.vmap(jax.grad(...))`.
 
   Args:
@@ -161,24 +173,31 @@ def vmap_clipped_sum(loss_fn: LossFn, params: Params, examples: Example,
   """
   grad_fn = jax.vmap(jax.value_and_grad(loss_fn, has_aux=True), in_axes=(None, 0))
   (losses, aux), grads = grad_fn(params, examples)
-  return _clip_and_sum(losses, aux, _row_sq_norms(grads),
-                       lambda factor, keep: jax.tree.map(
-                           lambda g: rounding.weighted_row_sum(factor, g, keep), grads),
-                       weights, clip_norm)
+  return _clip_and_sum(
+    losses,
+    aux,
+    _row_sq_norms(grads),
+    lambda factor, keep: jax.tree.map(lambda g: rounding.weighted_row_sum(factor, g, keep), grads),
+    weights,
+    clip_norm,
+  )
 
 
-def ghost_clipped_sum(loss_fn: LossFn, params: Params, examples: Example,
-                      weights: jax.Array, clip_norm: float,
-                      coverage: ghost_clipping.Coverage | None = None,
-                      ) -> tuple[Params, PerExample]:
+def ghost_clipped_sum(
+  loss_fn: LossFn,
+  params: Params,
+  examples: Example,
+  weights: jax.Array,
+  clip_norm: float,
+  coverage: ghost_clipping.Coverage | None = None,
+) -> tuple[Params, PerExample]:
   """Σ_i w_i · clip_C(g_i) by ghost norms and book-keeping (same result as vmap).
 
   No per-example gradient is formed (see `dpjax.privacy.ghost_clipping`). Raises ValueError (at
   trace time) if some parameter is not covered.
   """
   out = ghost_clipping.ghost_pass(loss_fn, params, examples, coverage)
-  return _clip_and_sum(out.losses, out.aux, out.sq_norms, out.weighted_sum, weights,
-                       clip_norm)
+  return _clip_and_sum(out.losses, out.aux, out.sq_norms, out.weighted_sum, weights, clip_norm)
 
 
 def _finite_rows(examples: Example) -> jax.Array:
@@ -191,8 +210,7 @@ def _finite_rows(examples: Example) -> jax.Array:
   return ok
 
 
-def grad_sum(loss_fn: LossFn, params: Params,
-             batch: Batch) -> tuple[Params, ClipStats]:
+def grad_sum(loss_fn: LossFn, params: Params, batch: Batch) -> tuple[Params, ClipStats]:
   """Non-private Σ_i w_i · g_i by one backward pass of Σ_i w_i · loss_i.
 
   `loss_fn` returns (loss, aux). No clipping. Rows with a non-finite input or loss are
@@ -206,8 +224,13 @@ def grad_sum(loss_fn: LossFn, params: Params,
   real = w > 0
   x_finite = _finite_rows(examples)
   examples = jax.tree.map(
-      lambda l: (jnp.where(x_finite.reshape((-1,) + (1,) * (l.ndim - 1)), l, 0)
-                 if jnp.issubdtype(l.dtype, jnp.inexact) else l), examples)
+    lambda l: (
+      jnp.where(x_finite.reshape((-1,) + (1,) * (l.ndim - 1)), l, 0)
+      if jnp.issubdtype(l.dtype, jnp.inexact)
+      else l
+    ),
+    examples,
+  )
 
   def weighted_loss(p):
     losses, aux = jax.vmap(loss_fn, in_axes=(None, 0))(p, examples)
@@ -225,8 +248,7 @@ def grad_sum(loss_fn: LossFn, params: Params,
 def _ghost_forms(coverage, params, batch_size: int, forms: str) -> tuple[dict, list[str]]:
   """({layer key: ghost?} for `mixed.chosen_forms`, log lines) of `forms` ('flops': the FLOP
   rule's, no table; 'measured': `form_timing.choose_forms`, timed at the first trace)."""
-  head = ('ghost clipping, per layer (mixed rule of Bu et al. 2022: ghost where '
-          'S²(m + c) < S·m·c):')
+  head = 'ghost clipping, per layer (mixed rule of Bu et al. 2022: ghost where S²(m + c) < S·m·c):'
   if forms == 'flops':
     return {}, [head]
   thetas = [ghost_clipping.coverage.subtree(params, l.param_path) for l in coverage.layers]
@@ -234,12 +256,14 @@ def _ghost_forms(coverage, params, batch_size: int, forms: str) -> tuple[dict, l
   if not choice.ghost and not choice.lines:
     return {}, [head]
   how = f'timed now in {choice.seconds:.1f} s' if choice.timed else 'read from the cache'
-  return choice.ghost, [f'ghost clipping, per layer, forms measured on this device ({how}):',
-                        *choice.lines, 'all layers:']
+  return choice.ghost, [
+    f'ghost clipping, per layer, forms measured on this device ({how}):',
+    *choice.lines,
+    'all layers:',
+  ]
 
 
-def clipped_sum_fn(loss_fn: LossFn, clip_norm: float, method: str = 'auto',
-                   forms: str = 'flops'):
+def clipped_sum_fn(loss_fn: LossFn, clip_norm: float, method: str = 'auto', forms: str = 'flops'):
   """`(params, examples, weights) -> (Σ_i w_i · clip_C(g_i), PerExample)` by `method`.
 
   The function's `choice` (a list of lines) says what it runs: per-example
@@ -276,41 +300,51 @@ def clipped_sum_fn(loss_fn: LossFn, clip_norm: float, method: str = 'auto',
         return ghost_clipped_sum(loss_fn, params, examples, weights, clip_norm, coverage)
     if method == 'ghost':
       raise ValueError(
-          "clipping='ghost' does not cover every parameter of this model: "
-          f"{coverage.describe()}. Use 'auto' (falls back to 'vmap') or 'vmap'.")
+        "clipping='ghost' does not cover every parameter of this model: "
+        f"{coverage.describe()}. Use 'auto' (falls back to 'vmap') or 'vmap'."
+      )
     uncovered = ', '.join(f'{p} ({why})' for p, why in coverage.uncovered)
-    logging.warning("clipping='auto': ghost clipping does not cover %s; using per-example "
-                    'gradients (vmap) for this model.', uncovered)
+    logging.warning(
+      "clipping='auto': ghost clipping does not cover %s; using per-example "
+      'gradients (vmap) for this model.',
+      uncovered,
+    )
     fn.choice[:] = [f'{vmap_choice[0]}; ghost clipping does not cover {uncovered}']
     return vmap_clipped_sum(loss_fn, params, examples, weights, clip_norm)
+
   fn.choice = list(vmap_choice) if method == 'vmap' else []  # Known once traced.
   return fn
 
 
 def with_stats(sum_fn, clip_norm: float) -> ClippedSumFn:
   """`(params, batch) -> (sum, ClipStats)` from a `clipped_sum_fn` (batch: examples + weight)."""
+
   def fn(params: Params, batch: Batch) -> tuple[Params, ClipStats]:
     total, rows = sum_fn(params, examples_of(batch), batch['weight'])
     return total, ClipStats.of(rows, batch['weight'], clip_norm)
+
   fn.choice = sum_fn.choice
   return fn
 
 
-def make_clipped_sum_fn(method: str, loss_fn: LossFn, clip_norm: float,
-                        forms: str = 'flops') -> ClippedSumFn:
+def make_clipped_sum_fn(
+  method: str, loss_fn: LossFn, clip_norm: float, forms: str = 'flops'
+) -> ClippedSumFn:
   """`(params, batch) -> (Σ_i w_i · clip_C(g_i), ClipStats)`: `clipped_sum_fn` on a batch dict.
 
   `loss_fn` returns (loss, aux); `choice` and `forms` as in `clipped_sum_fn`.
   """
-  return with_stats(clipped_sum_fn(loss_fn, clip_norm, method, forms),
-                    checks.check_clip_norm(clip_norm, allow_inf=True))
+  return with_stats(
+    clipped_sum_fn(loss_fn, clip_norm, method, forms),
+    checks.check_clip_norm(clip_norm, allow_inf=True),
+  )
 
 
-def per_example_clipped_sum(loss_fn: LossFn, params: Params, batch: Batch,
-                            clip_norm: float) -> tuple[Params, ClipStats]:
+def per_example_clipped_sum(
+  loss_fn: LossFn, params: Params, batch: Batch, clip_norm: float
+) -> tuple[Params, ClipStats]:
   """`vmap_clipped_sum` on a batch dict, with its statistics."""
-  total, rows = vmap_clipped_sum(loss_fn, params, examples_of(batch), batch['weight'],
-                                 clip_norm)
+  total, rows = vmap_clipped_sum(loss_fn, params, examples_of(batch), batch['weight'], clip_norm)
   return total, ClipStats.of(rows, batch['weight'], clip_norm)
 
 
@@ -321,8 +355,15 @@ def clamp_weights(weights) -> jax.Array:
   return jnp.where(weights > 0, jnp.minimum(weights, 1.0), 0.0)
 
 
-def clipped_grad(loss_fn: LossFn, clip_norm: float, *, has_aux: bool = False,
-                 method: str = 'auto', precision: str = 'default', forms: str = 'flops'):
+def clipped_grad(
+  loss_fn: LossFn,
+  clip_norm: float,
+  *,
+  has_aux: bool = False,
+  method: str = 'auto',
+  precision: str = 'default',
+  forms: str = 'flops',
+):
   """DP-SGD's clipped gradient sum, shaped like `jax.grad`.
 
   Returns `grad_fn(params, examples, weights) -> (Σ_i w_i · clip_C(g_i), PerExample)`
@@ -351,8 +392,7 @@ def clipped_grad(loss_fn: LossFn, clip_norm: float, *, has_aux: bool = False,
   c = checks.check_clip_norm(clip_norm)  # Finite and > 0, as the noise transform checks it.
   precision_lib.check_precision(precision)
   # BatchNorm / Dropout state in the loss: Flax's error raised again with the fix.
-  inner = clipped_sum_fn(with_aux(stateful_layers.explained(loss_fn), has_aux), c, method,
-                         forms)
+  inner = clipped_sum_fn(with_aux(stateful_layers.explained(loss_fn), has_aux), c, method, forms)
 
   def grad_fn(params: Params, examples: Example, weights: jax.Array | None = None):
     if weights is None:
@@ -360,6 +400,7 @@ def clipped_grad(loss_fn: LossFn, clip_norm: float, *, has_aux: bool = False,
     weights = clamp_weights(weights)
     with precision_lib.matmul_precision(precision):
       return inner(params, examples, weights)
+
   grad_fn.choice = inner.choice
   grad_fn.clip_bound = c  # Each example is clipped at C itself.
   return grad_fn

@@ -123,15 +123,28 @@ class DPStep:
     clipping_forms: 'flops' | 'measured', how ghost clipping picks each layer's form (speed).
   """
 
-  def __init__(self, model: nn.Module, optimizer: optax.GradientTransformation, *,
-               clip_norm: float | None, noise_multiplier: float | None,
-               expected_batch_size: float, private: bool = True,
-               clipping: str = 'auto', label_format: str = 'int',
-               mesh: jax.sharding.Mesh | None = None, seed: int = 0,
-               precision: str = 'default', physical_loop: str = 'auto',
-               sum_fn_wrapper=None, augmult: augmult_lib.Augmult | None = None,
-               loss: str = 'softmax_cross_entropy', clipping_forms: str = 'flops',
-               noise_impl: str = 'threefry', allow_repeated_steps: bool = False):
+  def __init__(
+    self,
+    model: nn.Module,
+    optimizer: optax.GradientTransformation,
+    *,
+    clip_norm: float | None,
+    noise_multiplier: float | None,
+    expected_batch_size: float,
+    private: bool = True,
+    clipping: str = 'auto',
+    label_format: str = 'int',
+    mesh: jax.sharding.Mesh | None = None,
+    seed: int = 0,
+    precision: str = 'default',
+    physical_loop: str = 'auto',
+    sum_fn_wrapper=None,
+    augmult: augmult_lib.Augmult | None = None,
+    loss: str = 'softmax_cross_entropy',
+    clipping_forms: str = 'flops',
+    noise_impl: str = 'threefry',
+    allow_repeated_steps: bool = False,
+  ):
     """Validates everything before any compute (the arguments: see the class docstring)."""
     if physical_loop not in PHYSICAL_LOOPS:
       raise ValueError(f'physical_loop={physical_loop!r}; valid: {PHYSICAL_LOOPS}.')
@@ -148,18 +161,22 @@ class DPStep:
     self.expected_batch_size = b
     self.label_format = label_format
     self.augmult = augmult if augmult is not None and augmult.num_views > 1 else None
-    loss_fn = losses.make_loss_fn(model, label_format, precision, views=self.augmult is not None,
-                           loss=loss)
-    self._sum_fn = self._clipped_sum_fn(loss_fn, clipping, clip_norm, noise_multiplier,
-                                        clipping_forms)
+    loss_fn = losses.make_loss_fn(
+      model, label_format, precision, views=self.augmult is not None, loss=loss
+    )
+    self._sum_fn = self._clipped_sum_fn(
+      loss_fn, clipping, clip_norm, noise_multiplier, clipping_forms
+    )
     if sum_fn_wrapper is not None:  # e.g. audit canaries: (params, batch) -> (sum, stats).
       self._sum_fn = sum_fn_wrapper(self._sum_fn)
     self.seed = seed
     # The seed's key data, an argument of every program (not a constant in it): one
     # compilation, and one persistent cache entry, serve every run whatever its secret seed.
     self.noise_impl = prng.check_noise_impl(noise_impl)
-    self.keys = {'noise': prng.noise_stream_data(seed, noise_impl),
-                 'views': augmult_lib.stream_data(seed)}
+    self.keys = {
+      'noise': prng.noise_stream_data(seed, noise_impl),
+      'views': augmult_lib.stream_data(seed),
+    }
     self._traces = {'accumulate': 0, 'apply': 0, 'train_step': 0}
     self.sizing_compiles = 0  # Programs compiled only for their memory analysis (P = 0).
     self._step_bytes = {}  # physical_batch.compiled_step_bytes, by shapes.
@@ -180,8 +197,9 @@ class DPStep:
       self._choice = sum_fn.choice  # Filled when first traced ('auto', 'ghost').
       return sum_fn
     if clipping not in clipping_lib.CLIPPING_METHODS:
-      raise ValueError(f'config.privacy.clipping={clipping!r}; valid: '
-                       f'{clipping_lib.CLIPPING_METHODS}.')
+      raise ValueError(
+        f'config.privacy.clipping={clipping!r}; valid: {clipping_lib.CLIPPING_METHODS}.'
+      )
     self.clip_norm = self.clip_bound = None
     self.noise_multiplier = 0.0
     self._choice = []
@@ -200,41 +218,64 @@ class DPStep:
       return
     state, batch = sharding.replicated(mesh), sharding.batch_sharding(mesh)
     self.accumulate = jax.jit(
-        self._accumulate, in_shardings=(state, state, batch),
-        out_shardings=state, donate_argnums=(1,))
-    self._apply_jit = jax.jit(self._apply, in_shardings=state,
-                              out_shardings=state, donate_argnums=(2,))
+      self._accumulate, in_shardings=(state, state, batch), out_shardings=state, donate_argnums=(1,)
+    )
+    self._apply_jit = jax.jit(
+      self._apply, in_shardings=state, out_shardings=state, donate_argnums=(2,)
+    )
     self._zeros = jax.jit(accumulator_lib.zeros, out_shardings=state)
     self._train_step = jax.jit(
-        self._fused_step,
-        in_shardings=(state, state, sharding.logical_batch_sharding(mesh),
-                      state, state, state, state),
-        out_shardings=state, donate_argnums=(0, 1))
+      self._fused_step,
+      in_shardings=(
+        state,
+        state,
+        sharding.logical_batch_sharding(mesh),
+        state,
+        state,
+        state,
+        state,
+      ),
+      out_shardings=state,
+      donate_argnums=(0, 1),
+    )
     self._logical_sharding = sharding.logical_batch_sharding(mesh)
     self._accumulate_at = jax.jit(
-        self._accumulate_at_fn,
-        in_shardings=(state, state, self._logical_sharding, state, state, state, state),
-        out_shardings=state, donate_argnums=(1,))
-    self._apply_at = jax.jit(self._apply_at_fn, in_shardings=state,
-                             out_shardings=state, donate_argnums=(0, 1))
+      self._accumulate_at_fn,
+      in_shardings=(state, state, self._logical_sharding, state, state, state, state),
+      out_shardings=state,
+      donate_argnums=(1,),
+    )
+    self._apply_at = jax.jit(
+      self._apply_at_fn, in_shardings=state, out_shardings=state, donate_argnums=(0, 1)
+    )
 
   @classmethod
-  def from_plan(cls, model, optimizer: optax.GradientTransformation,
-                plan: privacy_plan.PrivacyPlan, **kwargs) -> 'DPStep':
+  def from_plan(
+    cls, model, optimizer: optax.GradientTransformation, plan: privacy_plan.PrivacyPlan, **kwargs
+  ) -> 'DPStep':
     """The DP step of a `PrivacyPlan`: σ, C, the divisor b, the seed and the precision (whose
     float rounding η the plan's accountant pays for) are the plan's.
 
     They cannot be passed here, so the step that runs and the accountant that reports cannot
     disagree; `kwargs` are the other `DPStep` arguments (clipping, mesh, ...).
     """
-    taken = sorted(set(kwargs) & {'clip_norm', 'noise_multiplier', 'expected_batch_size',
-                                  'seed', 'private', 'precision'})
+    taken = sorted(
+      set(kwargs)
+      & {'clip_norm', 'noise_multiplier', 'expected_batch_size', 'seed', 'private', 'precision'}
+    )
     if taken:
       raise TypeError(f'DPStep.from_plan: {", ".join(taken)} come from the plan.')
-    return cls(model, optimizer, clip_norm=plan.clip_norm,
-               noise_multiplier=plan.noise_multiplier,
-               expected_batch_size=plan.expected_batch_size, seed=plan.seed, private=True,
-               precision=plan.precision, **kwargs)
+    return cls(
+      model,
+      optimizer,
+      clip_norm=plan.clip_norm,
+      noise_multiplier=plan.noise_multiplier,
+      expected_batch_size=plan.expected_batch_size,
+      seed=plan.seed,
+      private=True,
+      precision=plan.precision,
+      **kwargs,
+    )
 
   def loop_mode(self, params: Params) -> str:
     """'device' or 'host': how `train_step` runs for these params (see physical_loop)."""
@@ -243,8 +284,9 @@ class DPStep:
     convolutional = any(jnp.ndim(leaf) >= 3 for leaf in jax.tree.leaves(params))
     return 'host' if jax.default_backend() == 'cpu' and convolutional else 'device'
 
-  def train_step(self, params: Params, opt_state: optax.OptState,
-                 logical: Batch, num_batches, step, dataset=None):
+  def train_step(
+    self, params: Params, opt_state: optax.OptState, logical: Batch, num_batches, step, dataset=None
+  ):
     """One whole logical step as one compiled program (one dispatch).
 
     Equals init_accumulator, `accumulate` over logical[:K], then `apply` with
@@ -273,8 +315,7 @@ class DPStep:
     """
     self._check_step(step)
     if self.loop_mode(params) == 'device':
-      return self._train_step(params, opt_state, logical, num_batches, step,
-                              dataset, self.keys)
+      return self._train_step(params, opt_state, logical, num_batches, step, dataset, self.keys)
     # 'host': the buffer goes to the device once; K small dispatches read it.
     logical = jax.device_put(logical, self._logical_sharding)
     k_max = logical_buffer.num_slots(logical)
@@ -283,8 +324,9 @@ class DPStep:
       acc = self._accumulate_at(params, acc, logical, np.int32(i), step, dataset, self.keys)
     return self._apply_at(params, opt_state, acc, step, self.keys)
 
-  def apply(self, params: Params, opt_state: optax.OptState, acc: accumulator_lib.Accumulator,
-            step):
+  def apply(
+    self, params: Params, opt_state: optax.OptState, acc: accumulator_lib.Accumulator, step
+  ):
     """ĝ = (acc.grad_sum + N(0, σ²C²)) / b with the noise of (this step's seed, `step`); one
     optax step on ĝ. Donates `acc`. Refuses (ValueError, before any compute) a step not after
     the last one applied (`noise_state.check_after`)."""
@@ -295,14 +337,12 @@ class DPStep:
     """This object noises each step once, in order (`noise_state.check_after`); a loop
     resumed in another process continues from its saved step (the noise is (seed, t)'s)."""
     if self.private and not self.allow_repeated_steps:
-      self._last_applied = noise_state.check_after(step, self._last_applied,
-                                                   who='DPStep')
+      self._last_applied = noise_state.check_after(step, self._last_applied, who='DPStep')
 
   def _accumulate_at_fn(self, params, acc, logical, i, step, dataset, keys):
     self._traces['train_step'] += 1
     with precision_lib.matmul_precision(self.precision):
-      return self._add_batch(params, acc,
-                             self._physical_batch(logical, i, step, dataset, keys))
+      return self._add_batch(params, acc, self._physical_batch(logical, i, step, dataset, keys))
 
   def _apply_at_fn(self, params, opt_state, acc, step, keys):
     self._traces['train_step'] += 1
@@ -312,29 +352,34 @@ class DPStep:
   def _physical_batch(self, logical: Batch, i, step, dataset, keys) -> Batch:
     return logical_buffer.physical_batch(logical, i, step, dataset, self.augmult, keys['views'])
 
-  def _fused_step(self, params: Params, opt_state: optax.OptState,
-                  logical: Batch, num_batches, step, dataset, keys):
+  def _fused_step(
+    self,
+    params: Params,
+    opt_state: optax.OptState,
+    logical: Batch,
+    num_batches,
+    step,
+    dataset,
+    keys,
+  ):
     self._traces['train_step'] += 1
     with precision_lib.matmul_precision(self.precision):
-      return self._fused_body(params, opt_state, logical, num_batches, step,
-                              dataset, keys)
+      return self._fused_body(params, opt_state, logical, num_batches, step, dataset, keys)
 
-  def logical_step(self, params, opt_state, logical, num_batches, step, dataset=None,
-                   keys=None):
+  def logical_step(self, params, opt_state, logical, num_batches, step, dataset=None, keys=None):
     """`train_step`'s computation, untraced and unjitted, in the step's precision: to embed
     in a larger program (`dpjax.privacy.multi_step`, which passes `self.keys` as an argument)."""
     with precision_lib.matmul_precision(self.precision):
-      return self._fused_body(params, opt_state, logical, num_batches, step, dataset,
-                              self.keys if keys is None else keys)
+      return self._fused_body(
+        params, opt_state, logical, num_batches, step, dataset, self.keys if keys is None else keys
+      )
 
-  def _fused_body(self, params, opt_state, logical, num_batches, step,
-                  dataset, keys):
+  def _fused_body(self, params, opt_state, logical, num_batches, step, dataset, keys):
     k_max = logical_buffer.num_slots(logical)
     k = logical_buffer.clamp_num_batches(num_batches, k_max)
 
     def body(i, acc):
-      return self._add_batch(params, acc,
-                             self._physical_batch(logical, i, step, dataset, keys))
+      return self._add_batch(params, acc, self._physical_batch(logical, i, step, dataset, keys))
 
     acc = jax.lax.fori_loop(0, k, body, accumulator_lib.zeros(params))
     return self._update(params, opt_state, acc, self._noise_key(keys, step))
@@ -347,31 +392,41 @@ class DPStep:
     """Zero sums with the structure of params (replicated over the mesh)."""
     return self._zeros(params)
 
-  def _accumulate(self, params: Params, acc: accumulator_lib.Accumulator,
-                  batch: Batch) -> accumulator_lib.Accumulator:
+  def _accumulate(
+    self, params: Params, acc: accumulator_lib.Accumulator, batch: Batch
+  ) -> accumulator_lib.Accumulator:
     """acc + this physical batch's Σ_i w_i · clip_C(g_i) and statistics."""
     self._traces['accumulate'] += 1
     with precision_lib.matmul_precision(self.precision):
       return self._add_batch(params, acc, batch)
 
-  def _add_batch(self, params: Params, acc: accumulator_lib.Accumulator,
-                 batch: Batch) -> accumulator_lib.Accumulator:
+  def _add_batch(
+    self, params: Params, acc: accumulator_lib.Accumulator, batch: Batch
+  ) -> accumulator_lib.Accumulator:
     batch = dict(batch, weight=clipping_lib.clamp_weights(batch['weight']))  # As clipped_grad.
     g, stats = self._sum_fn(params, batch)
     return accumulator_lib.add(acc, g, stats)
 
-  def _apply(self, params: Params, opt_state: optax.OptState,
-             acc: accumulator_lib.Accumulator, step, keys):
+  def _apply(
+    self, params: Params, opt_state: optax.OptState, acc: accumulator_lib.Accumulator, step, keys
+  ):
     self._traces['apply'] += 1
     with precision_lib.matmul_precision(self.precision):
       return self._update(params, opt_state, acc, self._noise_key(keys, step))
 
-  def _update(self, params: Params, opt_state: optax.OptState,
-              acc: accumulator_lib.Accumulator, key: jax.Array):
-    std = (self.noise_multiplier * self.clip_norm
-           if self.private and self.noise_multiplier > 0 else None)
-    return accumulator_lib.release(params, opt_state, acc, key, self.optimizer, std,
-                                   self.expected_batch_size)
+  def _update(
+    self,
+    params: Params,
+    opt_state: optax.OptState,
+    acc: accumulator_lib.Accumulator,
+    key: jax.Array,
+  ):
+    std = (
+      self.noise_multiplier * self.clip_norm if self.private and self.noise_multiplier > 0 else None
+    )
+    return accumulator_lib.release(
+      params, opt_state, acc, key, self.optimizer, std, self.expected_batch_size
+    )
 
   def compile_count(self, fn: str | None = None) -> int:
     """Compilations so far of 'accumulate', 'apply' or 'train_step'; None:

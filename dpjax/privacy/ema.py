@@ -33,6 +33,7 @@ Params = Any
 
 class EmaState(NamedTuple):
   """The average and the number of updates folded into it."""
+
   params: Params
   count: jax.Array  # int32 scalar: t, the next update's index.
 
@@ -47,8 +48,10 @@ def check_decay(decay: float) -> float:
 
 def init(params: Params) -> EmaState:
   """ema_0 = θ_0 (float32 copies, so a low-precision θ is averaged exactly enough)."""
-  return EmaState(jax.tree.map(lambda p: jnp.asarray(p, jnp.result_type(p, jnp.float32)),
-                               params), jnp.zeros((), jnp.int32))
+  return EmaState(
+    jax.tree.map(lambda p: jnp.asarray(p, jnp.result_type(p, jnp.float32)), params),
+    jnp.zeros((), jnp.int32),
+  )
 
 
 def decay_at(decay: float, count: jax.Array) -> jax.Array:

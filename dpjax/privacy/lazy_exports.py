@@ -11,8 +11,9 @@ import importlib
 from typing import Callable
 
 
-def lazy_exports(package: str, exports: dict[str, tuple[str, str]],
-                 namespace: dict) -> tuple[Callable, Callable]:
+def lazy_exports(
+  package: str, exports: dict[str, tuple[str, str]], namespace: dict
+) -> tuple[Callable, Callable]:
   """(__getattr__, __dir__) for `package`: name -> (module, attribute), cached in `namespace`."""
 
   def getattr_(name: str):

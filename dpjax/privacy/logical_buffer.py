@@ -27,21 +27,27 @@ def clamp_num_batches(num_batches, k_max: int) -> jax.Array:
   return jnp.clip(jnp.asarray(num_batches, jnp.int32), 0, k_max)
 
 
-def physical_batch(logical: Batch, i, step, dataset: Any = None,
-                   augmult: augmult_lib.Augmult | None = None, views_seed=None) -> Batch:
+def physical_batch(
+  logical: Batch,
+  i,
+  step,
+  dataset: Any = None,
+  augmult: augmult_lib.Augmult | None = None,
+  views_seed=None,
+) -> Batch:
   """Physical batch i (traced) of `logical`, gathered from `dataset` if given.
 
   With `augmult`, its x becomes the rows' views [P, K, ...], made on the device from
   (views_seed, step, batch['index']) (`augmult.make_views`).
   """
-  batch = jax.tree.map(
-      lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), logical)
+  batch = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), logical)
   if dataset is not None:
-    batch = dataset.gather(batch['index']) | {'weight': batch['weight'],
-                                              'index': batch['index']}
+    batch = dataset.gather(batch['index']) | {'weight': batch['weight'], 'index': batch['index']}
   if augmult is not None:
     if 'index' not in batch:
-      raise ValueError("augmult: the logical buffer must carry each row's example "
-                       "'index' (device_data.index_buffer / host_buffer do).")
+      raise ValueError(
+        "augmult: the logical buffer must carry each row's example "
+        "'index' (device_data.index_buffer / host_buffer do)."
+      )
     batch = batch | {'x': augmult.views(batch['x'], batch['index'], step, seed=views_seed)}
   return batch

@@ -23,8 +23,11 @@ HAS_ACCURACY = {'softmax_cross_entropy': True, 'mse': False, 'sequence_cross_ent
 
 
 def _cross_entropy(label_format: str):
-  return (optax.softmax_cross_entropy_with_integer_labels if label_format == 'int'
-          else optax.softmax_cross_entropy)
+  return (
+    optax.softmax_cross_entropy_with_integer_labels
+    if label_format == 'int'
+    else optax.softmax_cross_entropy
+  )
 
 
 def output_loss(loss: str, label_format: str = 'int'):
@@ -45,31 +48,39 @@ def output_loss(loss: str, label_format: str = 'int'):
   if label_format not in LABEL_FORMATS:
     raise ValueError(f'label_format={label_format!r}; valid: {LABEL_FORMATS}.')
   if loss == 'mse':
+
     def mse(out, y):
       value = jnp.mean(jnp.square(out - jnp.reshape(y, jnp.shape(out)).astype(out.dtype)))
       return value, jnp.zeros((), jnp.float32)
+
     return mse
   if loss == 'sequence_cross_entropy':
+
     def sequence(logits, y):
       real = y >= 0
       tokens = jnp.where(real, y, 0)
       per_token = optax.softmax_cross_entropy_with_integer_labels(logits, tokens)
       count = jnp.maximum(jnp.sum(real), 1)
       hit = (jnp.argmax(logits, -1) == tokens) & real
-      return (jnp.sum(jnp.where(real, per_token, 0.0)) / count,
-              jnp.sum(hit) / count)
+      return (jnp.sum(jnp.where(real, per_token, 0.0)) / count, jnp.sum(hit) / count)
+
     return sequence
   cross_entropy = _cross_entropy(label_format)
 
   def classification(logits, y):
     label = jnp.argmax(y, -1) if label_format == 'one_hot' else y
     return cross_entropy(logits, y), (jnp.argmax(logits, -1) == label).astype(jnp.float32)
+
   return classification
 
 
-def make_loss_fn(model: nn.Module, label_format: str = 'int',
-                 precision: str = 'default', views: bool = False,
-                 loss: str = 'softmax_cross_entropy') -> clipping_lib.LossFn:
+def make_loss_fn(
+  model: nn.Module,
+  label_format: str = 'int',
+  precision: str = 'default',
+  views: bool = False,
+  loss: str = 'softmax_cross_entropy',
+) -> clipping_lib.LossFn:
   """Per-example loss `(params, {'x': x_i, 'y': y_i}) -> (loss_i, {'correct': c_i})`.
 
   `loss` and `label_format`: see `output_loss`. precision='bfloat16' casts the
@@ -99,13 +110,18 @@ def make_loss_fn(model: nn.Module, label_format: str = 'int',
     values, _ = jax.vmap(per_output, in_axes=(0, None))(out, y)
     _, correct = per_output(jnp.mean(out, axis=0), y)
     return jnp.mean(values), {'correct': correct}
+
   return loss_fn
 
 
 @functools.partial(jax.jit, static_argnames=('model', 'label_format', 'loss'))
-def eval_step(model: nn.Module, params: Params, batch: Batch,
-              label_format: str = 'int',
-              loss: str = 'softmax_cross_entropy') -> dict[str, jax.Array]:
+def eval_step(
+  model: nn.Module,
+  params: Params,
+  batch: Batch,
+  label_format: str = 'int',
+  loss: str = 'softmax_cross_entropy',
+) -> dict[str, jax.Array]:
   """Sums over the real rows of a padded eval batch (sum them over batches).
 
   Returns {'loss_sum': Σ w_i·loss_i, 'correct': Σ w_i·correct_i, 'num_examples':
@@ -116,7 +132,7 @@ def eval_step(model: nn.Module, params: Params, batch: Batch,
   out = model.apply({'params': params}, batch['x']).astype(jnp.float32)
   losses, correct = jax.vmap(output_loss(loss, label_format))(out, batch['y'])
   return {
-      'loss_sum': jnp.sum(jnp.where(w > 0, w * losses, 0.0)),
-      'correct': jnp.sum(w * correct),
-      'num_examples': jnp.sum(w),
+    'loss_sum': jnp.sum(jnp.where(w > 0, w * losses, 0.0)),
+    'correct': jnp.sum(w * correct),
+    'num_examples': jnp.sum(w),
   }

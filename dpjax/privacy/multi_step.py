@@ -59,8 +59,11 @@ def schedule(start: int, stop: int, size: int, periods, limit=None):
   first = start
   while first < stop:
     most = size if limit is None else max(1, min(size, int(limit())))
-    end = min([first + most, stop] + [(first // p + 1) * p for p in periods]
-              + ([start + 1] if first == start else []))
+    end = min(
+      [first + most, stop]
+      + [(first // p + 1) * p for p in periods]
+      + ([start + 1] if first == start else [])
+    )
     yield first, end - first
     first = end
 
@@ -80,8 +83,9 @@ class CallPacer:
   S. Which steps run, and their results, do not depend on it.
   """
 
-  def __init__(self, size: int, target_seconds: float = 0.5, adaptive: bool = True,
-               max_in_flight: int = 2):
+  def __init__(
+    self, size: int, target_seconds: float = 0.5, adaptive: bool = True, max_in_flight: int = 2
+  ):
     self.size, self.target, self.adaptive = int(size), float(target_seconds), adaptive
     self._limit = 1 if adaptive else self.size
     self.observed = not adaptive
@@ -107,6 +111,7 @@ class CallPacer:
 @dataclasses.dataclass
 class Chunk:
   """The host side of one call: its logical batches and the stacked device buffer."""
+
   first_step: int
   logicals: list
   buffer: dict  # [S, K_max, rows, ...]
@@ -124,8 +129,9 @@ def stack(first_step: int, prepared: list, size: int) -> Chunk:
   from `first_step`, padded to `size` slots with zero buffers (never read: count < size)."""
   count = len(prepared)
   buffers = [b for _, b, _ in prepared]
-  buffer = {name: np.zeros((size,) + buffers[0][name].shape, buffers[0][name].dtype)
-            for name in buffers[0]}
+  buffer = {
+    name: np.zeros((size,) + buffers[0][name].shape, buffers[0][name].dtype) for name in buffers[0]
+  }
   for j, b in enumerate(buffers):
     for name, value in b.items():
       buffer[name][j] = value
@@ -133,8 +139,7 @@ def stack(first_step: int, prepared: list, size: int) -> Chunk:
   num_batches[:count] = [k for _, _, k in prepared]
   steps = np.zeros(size, np.uint32)
   steps[:count] = np.arange(first_step, first_step + count)
-  return Chunk(first_step, [l for l, _, _ in prepared], buffer, num_batches, steps,
-               np.int32(count))
+  return Chunk(first_step, [l for l, _, _ in prepared], buffer, num_batches, steps, np.int32(count))
 
 
 class MultiStep:
@@ -144,8 +149,13 @@ class MultiStep:
   count are zero). ema is a `dpjax.privacy.ema.EmaState`, or None when ema_decay = 0.
   """
 
-  def __init__(self, step_fns: dp_step.DPStep, size: int, ema_decay: float = 0.0,
-               mesh: jax.sharding.Mesh | None = None):
+  def __init__(
+    self,
+    step_fns: dp_step.DPStep,
+    size: int,
+    ema_decay: float = 0.0,
+    mesh: jax.sharding.Mesh | None = None,
+  ):
     if size < 1:
       raise ValueError(f'steps per call must be >= 1, got {size}.')
     self.step_fns, self.size, self.ema_decay = step_fns, int(size), float(ema_decay)
@@ -155,10 +165,21 @@ class MultiStep:
     else:
       state = sharding.replicated(mesh)
       self._program = jax.jit(
-          self._steps, donate_argnums=(0, 1, 2),
-          in_shardings=(state, state, state, sharding.chunk_sharding(mesh), state, state, state,
-                        state, state),
-          out_shardings=state)
+        self._steps,
+        donate_argnums=(0, 1, 2),
+        in_shardings=(
+          state,
+          state,
+          state,
+          sharding.chunk_sharding(mesh),
+          state,
+          state,
+          state,
+          state,
+          state,
+        ),
+        out_shardings=state,
+      )
     self._update_ema = jax.jit(lambda ema, params: ema_lib.update(ema, params, self.ema_decay))
 
   def compile_count(self) -> int:
@@ -167,27 +188,45 @@ class MultiStep:
 
   def __call__(self, params, opt_state, ema, chunk: Chunk, dataset=None):
     if self.step_fns.loop_mode(params) == 'device':
-      return self._program(params, opt_state, ema, chunk.buffer, chunk.num_batches,
-                           chunk.steps, chunk.count, dataset, self.step_fns.keys)
+      return self._program(
+        params,
+        opt_state,
+        ema,
+        chunk.buffer,
+        chunk.num_batches,
+        chunk.steps,
+        chunk.count,
+        dataset,
+        self.step_fns.keys,
+      )
     metrics = []  # 'host' loop mode: each slot as train_step's K + 1 dispatches.
     for j in range(int(chunk.count)):
       logical = jax.tree.map(lambda a, j=j: a[j], chunk.buffer)
       params, opt_state, m = self.step_fns.train_step(
-          params, opt_state, logical, int(chunk.num_batches[j]), chunk.steps[j], dataset)
+        params, opt_state, logical, int(chunk.num_batches[j]), chunk.steps[j], dataset
+      )
       if ema is not None:
         ema = self._update_ema(ema, params)
       metrics.append(m)
     metrics = jax.tree.map(lambda *m: jnp.stack(m), *metrics)
     pad = self.size - int(chunk.count)
-    return params, opt_state, ema, jax.tree.map(
-        lambda m: jnp.concatenate([m, jnp.zeros((pad,) + m.shape[1:], m.dtype)]), metrics)
+    return (
+      params,
+      opt_state,
+      ema,
+      jax.tree.map(
+        lambda m: jnp.concatenate([m, jnp.zeros((pad,) + m.shape[1:], m.dtype)]), metrics
+      ),
+    )
 
   def _steps(self, params, opt_state, ema, buffer, num_batches, steps, count, dataset, keys):
     self.traces += 1
     take = lambda tree, j: jax.tree.map(
-        lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), tree)
-    one = lambda p, o, j: self.step_fns.logical_step(p, o, take(buffer, j), num_batches[j],
-                                                     steps[j], dataset, keys)
+      lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), tree
+    )
+    one = lambda p, o, j: self.step_fns.logical_step(
+      p, o, take(buffer, j), num_batches[j], steps[j], dataset, keys
+    )
     shapes = jax.eval_shape(one, params, opt_state, 0)[2]
     metrics = jax.tree.map(lambda s: jnp.zeros((self.size,) + s.shape, s.dtype), shapes)
 

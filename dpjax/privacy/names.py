@@ -6,6 +6,12 @@ keys) must equal `SAMPLER_NAMES` (tests/e2e/test_cli_start.py checks it);
 `accounting.accountant` validates against `ACCOUNTANTS`.
 """
 
-SAMPLER_NAMES = ('poisson', 'balls_and_bins', 'shuffle', 'deterministic', 'fixed_size',
-                 'fixed_size_with_replacement')
+SAMPLER_NAMES = (
+  'poisson',
+  'balls_and_bins',
+  'shuffle',
+  'deterministic',
+  'fixed_size',
+  'fixed_size_with_replacement',
+)
 ACCOUNTANTS = ('auto', 'pld', 'rdp', 'monte_carlo')

@@ -39,9 +39,10 @@ from dpjax.privacy import noise_state
 from dpjax.privacy import prng
 
 MISSING_STEP = (
-    "the Gaussian privatizer's update needs step=t, the logical step whose clipped sum this "
-    "is (the batch's `LogicalBatch.step`): tx.update(grad_sum.total, opt_state, params, "
-    'step=t). The batch and the noise of a step share one counter.')
+  "the Gaussian privatizer's update needs step=t, the logical step whose clipped sum this "
+  "is (the batch's `LogicalBatch.step`): tx.update(grad_sum.total, opt_state, params, "
+  'step=t). The batch and the noise of a step share one counter.'
+)
 
 
 def add_noise(grad_sum: Any, key: jax.Array, std: float) -> Any:
@@ -50,8 +51,7 @@ def add_noise(grad_sum: Any, key: jax.Array, std: float) -> Any:
   return jax.tree.map(lambda s, z: s + std * z.astype(s.dtype), grad_sum, noise)
 
 
-def noisy_mean(grad_sum: Any, key: jax.Array, std: float | None,
-               expected_batch_size: float) -> Any:
+def noisy_mean(grad_sum: Any, key: jax.Array, std: float | None, expected_batch_size: float) -> Any:
   """ĝ = (grad_sum + N(0, std² I)) / b: the Gaussian mechanism of one logical step, the one
   place dpjax adds DP-SGD's noise and divides by b (the privatizer's update and the trainer's
   step both call it). std: σ·C (None: no noise, the non-private baseline); b: the sampler's
@@ -60,10 +60,16 @@ def noisy_mean(grad_sum: Any, key: jax.Array, std: float | None,
   return jax.tree.map(lambda g: g / expected_batch_size, noisy)
 
 
-def gaussian_privatizer(noise_multiplier: float, clip_norm: float,
-                        expected_batch_size: float, seed: int, *, max_batch_size: int = 0,
-                        fingerprint: Mapping[str, Any] | None = None,
-                        noise_impl: str = 'threefry') -> optax.GradientTransformationExtraArgs:
+def gaussian_privatizer(
+  noise_multiplier: float,
+  clip_norm: float,
+  expected_batch_size: float,
+  seed: int,
+  *,
+  max_batch_size: int = 0,
+  fingerprint: Mapping[str, Any] | None = None,
+  noise_impl: str = 'threefry',
+) -> optax.GradientTransformationExtraArgs:
   """An optax transform mapping Σ_i w_i · clip_C(g_i) of step t to ĝ_t (module docstring).
 
   Args:
@@ -87,8 +93,13 @@ def gaussian_privatizer(noise_multiplier: float, clip_norm: float,
   cap = _checks.check_int('max_batch_size', max_batch_size, 0)
   stream = prng.noise_stream_data(seed, noise_impl)
   if fingerprint is None:
-    fingerprint = {'noise_multiplier': sigma, 'clip_norm': c, 'expected_batch_size': b,
-                   'max_batch_size': cap, 'noise_stream': stream.tolist()}
+    fingerprint = {
+      'noise_multiplier': sigma,
+      'clip_norm': c,
+      'expected_batch_size': b,
+      'max_batch_size': cap,
+      'noise_stream': stream.tolist(),
+    }
   made = noise_state.made_with(sigma, c, b, cap, fingerprint)
 
   def init(params):

@@ -33,6 +33,7 @@ FLOAT_FIELDS = ('noise_multiplier', 'clip_norm', 'expected_batch_size')
 
 class GaussianNoiseState(NamedTuple):
   """The next logical step to noise and the privatizer's σ, C, b, B and plan fingerprint."""
+
   step: jax.Array  # uint32 scalar: the t the next update must be told (REFUSED: none).
   noise_multiplier: jax.Array  # σ as its float64 bits, uint32[2] (`float_of`).
   clip_norm: jax.Array  # C, likewise.
@@ -57,14 +58,22 @@ def digest_words(fingerprint: Mapping[str, Any]) -> np.ndarray:
   return np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint32).copy()
 
 
-def made_with(noise_multiplier: float, clip_norm: float, expected_batch_size: float,
-              max_batch_size: int, fingerprint: Mapping[str, Any]) -> GaussianNoiseState:
+def made_with(
+  noise_multiplier: float,
+  clip_norm: float,
+  expected_batch_size: float,
+  max_batch_size: int,
+  fingerprint: Mapping[str, Any],
+) -> GaussianNoiseState:
   """The state of a privatizer with these σ, C, b, B and fingerprint at step 0."""
   return GaussianNoiseState(
-      step=np.zeros((), np.uint32), noise_multiplier=float_words(noise_multiplier),
-      clip_norm=float_words(clip_norm), expected_batch_size=float_words(expected_batch_size),
-      max_batch_size=np.asarray(max_batch_size, np.uint32),
-      fingerprint=digest_words(fingerprint))
+    step=np.zeros((), np.uint32),
+    noise_multiplier=float_words(noise_multiplier),
+    clip_norm=float_words(clip_norm),
+    expected_batch_size=float_words(expected_batch_size),
+    max_batch_size=np.asarray(max_batch_size, np.uint32),
+    fingerprint=digest_words(fingerprint),
+  )
 
 
 def accepts(state: GaussianNoiseState, made: GaussianNoiseState, step) -> jax.Array:
@@ -77,14 +86,17 @@ def accepts(state: GaussianNoiseState, made: GaussianNoiseState, step) -> jax.Ar
 
 def find(opt_state: Any) -> GaussianNoiseState:
   """The one GaussianNoiseState inside an optax state (e.g. a chain's); ValueError otherwise."""
-  found = [s for s in jax.tree.leaves(opt_state,
-                                      is_leaf=lambda x: isinstance(x, GaussianNoiseState))
-           if isinstance(s, GaussianNoiseState)]
+  found = [
+    s
+    for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, GaussianNoiseState))
+    if isinstance(s, GaussianNoiseState)
+  ]
   if len(found) != 1:
     raise ValueError(
-        f'the optimiser state holds {len(found)} Gaussian privatizer states, not 1: pass the '
-        "state of `tx.init(params)` with the plan's privatizer in `tx` (restore a checkpoint "
-        'into that structure, e.g. orbax with `tx.init(params)` as its target).')
+      f'the optimiser state holds {len(found)} Gaussian privatizer states, not 1: pass the '
+      "state of `tx.init(params)` with the plan's privatizer in `tx` (restore a checkpoint "
+      'into that structure, e.g. orbax with `tx.init(params)` as its target).'
+    )
   return found[0]
 
 
@@ -107,18 +119,26 @@ def check(opt_state: Any, made: GaussianNoiseState, who: str = 'the plan') -> in
   state, want = describe(find(opt_state)), describe(made)
   if state['step'] == REFUSED:
     raise ValueError(
-        'this privatizer state refused an update (a step other than the one it expected, or '
-        'a state made by another plan): the parameters after it are NaN. Resume from the '
-        'last state it accepted.')
-  differ = [f'{name}: the state\'s {state[name]!r} (what ran) vs {who}\'s {want[name]!r}'
-            for name in (*FLOAT_FIELDS, 'max_batch_size') if state[name] != want[name]]
+      'this privatizer state refused an update (a step other than the one it expected, or '
+      'a state made by another plan): the parameters after it are NaN. Resume from the '
+      'last state it accepted.'
+    )
+  differ = [
+    f"{name}: the state's {state[name]!r} (what ran) vs {who}'s {want[name]!r}"
+    for name in (*FLOAT_FIELDS, 'max_batch_size')
+    if state[name] != want[name]
+  ]
   if state['fingerprint'] != want['fingerprint'] and not differ:
-    differ.append('the fingerprint (sampler, N, b, δ, accountant, group size, the matmul '
-                  'format and η of the precision and platform, the prior runs, or seed)')
+    differ.append(
+      'the fingerprint (sampler, N, b, δ, accountant, group size, the matmul '
+      'format and η of the precision and platform, the prior runs, or seed)'
+    )
   if differ:
-    raise ValueError(f'the privatizer state was not made by {who}: {"; ".join(differ)}. A '
-                     'resumed loop keeps what it ran with: PrivacyPlan.create(..., '
-                     'resume_from=opt_state) takes σ from the state.')
+    raise ValueError(
+      f'the privatizer state was not made by {who}: {"; ".join(differ)}. A '
+      'resumed loop keeps what it ran with: PrivacyPlan.create(..., '
+      'resume_from=opt_state) takes σ from the state.'
+    )
   return state['step']
 
 
@@ -131,7 +151,8 @@ def check_after(step, last: int | None, who: str = 'DPStep.apply') -> int:
   t = int(step)
   if last is not None and t <= last:
     raise ValueError(
-        f'{who}: step {t} is not after step {last}, the last one noised: the noise of a step '
-        'is that of (seed, t), and two sums released under one noise reveal their difference. '
-        'Each logical step is applied once, in order.')
+      f'{who}: step {t} is not after step {last}, the last one noised: the noise of a step '
+      'is that of (seed, t), and two sums released under one noise reveal their difference. '
+      'Each logical step is applied once, in order.'
+    )
   return t

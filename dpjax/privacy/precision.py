@@ -75,7 +75,8 @@ def matmul_format(precision: str, platform: str | None = None) -> str:
     return 'float32'
   platform = platform or jax.default_backend()
   return {'cpu': 'float32', 'gpu': 'tf32', 'cuda': 'tf32', 'rocm': 'tf32'}.get(
-      platform, 'bfloat16')  # TPU: one bfloat16 pass by default.
+    platform, 'bfloat16'
+  )  # TPU: one bfloat16 pass by default.
 
 
 def platform_of_format(matmul_format_name: str) -> str:
@@ -104,8 +105,15 @@ def traced_matmul_format(dtype: Any = jnp.float32, platform: str | None = None) 
   setting = None if setting is None else str(setting).upper()
   if setting in ('HIGHEST', 'FLOAT32', 'F32_F32_F32', 'F64_F64_F64'):
     return 'float32'
-  if setting in ('HIGH', 'TENSORFLOAT32', 'TF32_TF32_F32', 'TF32_TF32_F32_X3',
-                 'BF16_BF16_F32_X3', 'BF16_BF16_F32_X6', 'BF16_BF16_F32_X9'):
+  if setting in (
+    'HIGH',
+    'TENSORFLOAT32',
+    'TF32_TF32_F32',
+    'TF32_TF32_F32_X3',
+    'BF16_BF16_F32_X3',
+    'BF16_BF16_F32_X6',
+    'BF16_BF16_F32_X9',
+  ):
     return 'tf32'
   if setting in (None, 'DEFAULT', 'BFLOAT16'):
     return matmul_format('default', platform)
@@ -139,4 +147,5 @@ def compute_dtype(precision: str) -> Any:
 def cast_floats(tree: Any, dtype: Any) -> Any:
   """Floating-point leaves of `tree` cast to dtype; integer leaves (tokens, labels) unchanged."""
   return jax.tree.map(
-      lambda v: v.astype(dtype) if jnp.issubdtype(jnp.result_type(v), jnp.floating) else v, tree)
+    lambda v: v.astype(dtype) if jnp.issubdtype(jnp.result_type(v), jnp.floating) else v, tree
+  )

@@ -107,14 +107,27 @@ class PrivacyPlan:
   accountant_options: dict = dataclasses.field(compare=False, repr=False, default_factory=dict)
 
   @classmethod
-  def create(cls, sampler: samplers_lib.Sampler, *, num_steps: int, clip_norm: float,
-             delta: float, noise_multiplier: float | None = None,
-             target_epsilon: float = 0.0, max_batch_size: int = 0,
-             physical_batch_size: int = 0, accountant: str = 'auto', group_size: int = 1,
-             allow_large_delta: bool = False, noise_multiplier_source: str | None = None,
-             check_budget: bool = True, resume_from: Any = None,
-             precision: str = 'default', platform: str | None = None,
-             **accountant_options: Any) -> PrivacyPlan:
+  def create(
+    cls,
+    sampler: samplers_lib.Sampler,
+    *,
+    num_steps: int,
+    clip_norm: float,
+    delta: float,
+    noise_multiplier: float | None = None,
+    target_epsilon: float = 0.0,
+    max_batch_size: int = 0,
+    physical_batch_size: int = 0,
+    accountant: str = 'auto',
+    group_size: int = 1,
+    allow_large_delta: bool = False,
+    noise_multiplier_source: str | None = None,
+    check_budget: bool = True,
+    resume_from: Any = None,
+    precision: str = 'default',
+    platform: str | None = None,
+    **accountant_options: Any,
+  ) -> PrivacyPlan:
     """Validates every argument, resolves B, calibrates σ if it is None, checks the budget.
 
     Args:
@@ -150,38 +163,61 @@ class PrivacyPlan:
     if not isinstance(sampler, samplers_lib.Sampler):
       raise TypeError(f'sampler must be a dpjax sampler, got {type(sampler).__name__}.')
     if resume_from is not None:
-      noise_multiplier, max_batch_size = resumed_settings(resume_from, noise_multiplier,
-                                                          max_batch_size)
+      noise_multiplier, max_batch_size = resumed_settings(
+        resume_from, noise_multiplier, max_batch_size
+      )
       noise_multiplier_source = 'checkpoint'
     num_steps = _checks.check_int('num_steps', num_steps, 1)
     clip_norm = _checks.check_clip_norm(clip_norm)
-    delta = _checks.check_delta(delta, num_examples=sampler.num_examples,
-                                allow_large_delta=allow_large_delta)
-    target = 0.0 if not target_epsilon else _checks.check_number(
-        'target_epsilon', target_epsilon, low=0.0)
+    delta = _checks.check_delta(
+      delta, num_examples=sampler.num_examples, allow_large_delta=allow_large_delta
+    )
+    target = (
+      0.0 if not target_epsilon else _checks.check_number('target_epsilon', target_epsilon, low=0.0)
+    )
     if noise_multiplier is None and not target:
-      raise ValueError('noise_multiplier or target_epsilon must be given (σ, or an ε to '
-                       'calibrate σ to).')
+      raise ValueError(
+        'noise_multiplier or target_epsilon must be given (σ, or an ε to calibrate σ to).'
+      )
     group_size = _checks.check_int('group_size', group_size, 1)
     max_batch_size = batching.resolve_max_batch_size(
-        sampler, physical_batch_size, max_batch_size, num_steps=num_steps, delta=delta)
-    rounding = rounding_lib.Rounding.of(max_batch_size, precision_lib.check_precision(precision),
-                                        platform)
-    options = dict(accountant_options, max_batch_size=max_batch_size, group_size=group_size,
-                   allow_large_delta=allow_large_delta, sensitivity=rounding.sensitivity)
+      sampler, physical_batch_size, max_batch_size, num_steps=num_steps, delta=delta
+    )
+    rounding = rounding_lib.Rounding.of(
+      max_batch_size, precision_lib.check_precision(precision), platform
+    )
+    options = dict(
+      accountant_options,
+      max_batch_size=max_batch_size,
+      group_size=group_size,
+      allow_large_delta=allow_large_delta,
+      sensitivity=rounding.sensitivity,
+    )
     if noise_multiplier is None:
-      sigma = calibration.calibrate_noise_multiplier(sampler, target, delta, num_steps,
-                                                     accountant=accountant, **options)
+      sigma = calibration.calibrate_noise_multiplier(
+        sampler, target, delta, num_steps, accountant=accountant, **options
+      )
       source = 'calibrated'
     else:
       sigma = _checks.check_noise_multiplier(noise_multiplier)
       source = noise_multiplier_source or 'given'
     options.update(accountant=accountant, num_steps=num_steps)
     acct = accountant_lib.Accountant(sampler, sigma, delta, **options)
-    plan = cls(sampler=sampler, num_steps=num_steps, clip_norm=clip_norm, noise_multiplier=sigma,
-               noise_multiplier_source=source, delta=delta, max_batch_size=max_batch_size,
-               group_size=group_size, target_epsilon=target, precision=precision,
-               rounding=rounding, accountant=acct, accountant_options=options)
+    plan = cls(
+      sampler=sampler,
+      num_steps=num_steps,
+      clip_norm=clip_norm,
+      noise_multiplier=sigma,
+      noise_multiplier_source=source,
+      delta=delta,
+      max_batch_size=max_batch_size,
+      group_size=group_size,
+      target_epsilon=target,
+      precision=precision,
+      rounding=rounding,
+      accountant=acct,
+      accountant_options=options,
+    )
     if resume_from is not None:
       noise_state.check(resume_from, plan.initial_noise_state, 'the resumed plan')
     if check_budget and source != 'calibrated':
@@ -211,8 +247,10 @@ class PrivacyPlan:
     """
     start = noise_state.check(opt_state, self.initial_noise_state)
     return step_batcher.StepBatcher(
-        batching.Batcher(self.sampler, physical_batch_size, self.max_batch_size),
-        self.num_steps, start)
+      batching.Batcher(self.sampler, physical_batch_size, self.max_batch_size),
+      self.num_steps,
+      start,
+    )
 
   def epsilon_at(self, step: int, *, estimates: bool = False) -> accountant_lib.PrivacyReport:
     """The PrivacyReport after `step` steps: ε, δ and the kind of bound (`report.bound`)."""
@@ -228,15 +266,17 @@ class PrivacyPlan:
     final = self.accountant.epsilon(self.num_steps)
     if final > self.target_epsilon:
       raise BudgetExceededError(
-          f'noise_multiplier = {self.noise_multiplier:g} over {self.num_steps} steps would reach '
-          f'ε = {final:.4g} (δ = {self.delta:g}), above target_epsilon = '
-          f'{self.target_epsilon:g}: raise the budget, raise σ, or shorten the run.',
-          final_epsilon=final)
+        f'noise_multiplier = {self.noise_multiplier:g} over {self.num_steps} steps would reach '
+        f'ε = {final:.4g} (δ = {self.delta:g}), above target_epsilon = '
+        f'{self.target_epsilon:g}: raise the budget, raise σ, or shorten the run.',
+        final_epsilon=final,
+      )
 
   def clipped_grad(self, loss_fn, *, has_aux: bool = False, method: str = 'auto'):
     """`clipping.clipped_grad` with this plan's C and precision (the η its accountant pays)."""
-    return clipping.clipped_grad(loss_fn, self.clip_norm, has_aux=has_aux, method=method,
-                                 precision=self.precision)
+    return clipping.clipped_grad(
+      loss_fn, self.clip_norm, has_aux=has_aux, method=method, precision=self.precision
+    )
 
   @functools.cached_property
   def _ideal_accountants(self) -> dict[Any, accountant_lib.Accountant]:
@@ -257,30 +297,45 @@ class PrivacyPlan:
       if grid is not None:
         options['value_discretization_interval'] = grid
       self._ideal_accountants[grid] = accountant_lib.Accountant(
-          self.sampler, self.noise_multiplier, self.delta, **options)
+        self.sampler, self.noise_multiplier, self.delta, **options
+      )
     return report.epsilon - self._ideal_accountants[grid].epsilon(step)
 
   def rounding_record(self, step: int | None = None) -> dict[str, Any]:
     """η, what it is of, and its cost Δε after `step` steps (for checkpoints and the card)."""
     r, cost = self.rounding, self.rounding_cost(step)
-    return {'eta': r.eta, 'max_batch_size': r.max_batch_size, 'matmul_format': r.matmul_format,
-            'precision': self.precision, 'epsilon_cost': cost,
-            'statement': r.describe(cost) + ' (included in ε; examples are clipped at C exactly)'}
+    return {
+      'eta': r.eta,
+      'max_batch_size': r.max_batch_size,
+      'matmul_format': r.matmul_format,
+      'precision': self.precision,
+      'epsilon_cost': cost,
+      'statement': r.describe(cost) + ' (included in ε; examples are clipped at C exactly)',
+    }
 
   def privatizer(self, *, noise_impl: str = 'threefry'):
     """The optax transform adding N(0, σ²C²) to each step's clipped sum and dividing by b,
     with this plan's σ, C, b and seed (`noise.gaussian_privatizer`)."""
-    return noise.gaussian_privatizer(self.noise_multiplier, self.clip_norm,
-                                     self.expected_batch_size, self.seed,
-                                     max_batch_size=self.max_batch_size,
-                                     fingerprint=self.fingerprint, noise_impl=noise_impl)
+    return noise.gaussian_privatizer(
+      self.noise_multiplier,
+      self.clip_norm,
+      self.expected_batch_size,
+      self.seed,
+      max_batch_size=self.max_batch_size,
+      fingerprint=self.fingerprint,
+      noise_impl=noise_impl,
+    )
 
   @property
   def initial_noise_state(self) -> noise_state.GaussianNoiseState:
     """The state `privatizer().init` starts from (step 0): σ, C, b, B and the fingerprint."""
-    return noise_state.made_with(self.noise_multiplier, self.clip_norm,
-                                 self.expected_batch_size, self.max_batch_size,
-                                 self.fingerprint)
+    return noise_state.made_with(
+      self.noise_multiplier,
+      self.clip_norm,
+      self.expected_batch_size,
+      self.max_batch_size,
+      self.fingerprint,
+    )
 
   @property
   def fingerprint(self) -> dict[str, Any]:
@@ -288,33 +343,38 @@ class PrivacyPlan:
     s = self.sampler
     prior = {composition.FINGERPRINT_FIELD: [r.fingerprint for r in self.accountant.prior_runs]}
     return {
-        **(prior if self.accountant.prior_runs else {}),
-        'sampler.name': s.name,
-        'sampler.num_examples': s.num_examples,
-        'sampler.batch_size': s.batch_size,
-        'sampler.max_batch_size': self.max_batch_size,
-        'privacy.group_size': self.group_size,
-        'privacy.noise_multiplier': self.noise_multiplier,
-        'privacy.clip_norm': self.clip_norm,
-        'privacy.delta': self.delta,
-        'privacy.accountant': self.accountant_name,
-        'privacy.matmul_format': self.rounding.matmul_format,
-        'privacy.rounding_eta': self.rounding.eta,
-        'seed_sha256': seed_digest(s.seed),
+      **(prior if self.accountant.prior_runs else {}),
+      'sampler.name': s.name,
+      'sampler.num_examples': s.num_examples,
+      'sampler.batch_size': s.batch_size,
+      'sampler.max_batch_size': self.max_batch_size,
+      'privacy.group_size': self.group_size,
+      'privacy.noise_multiplier': self.noise_multiplier,
+      'privacy.clip_norm': self.clip_norm,
+      'privacy.delta': self.delta,
+      'privacy.accountant': self.accountant_name,
+      'privacy.matmul_format': self.rounding.matmul_format,
+      'privacy.rounding_eta': self.rounding.eta,
+      'seed_sha256': seed_digest(s.seed),
     }
 
 
-def resumed_settings(opt_state: Any, noise_multiplier: float | None,
-                     max_batch_size: int) -> tuple[float, int]:
+def resumed_settings(
+  opt_state: Any, noise_multiplier: float | None, max_batch_size: int
+) -> tuple[float, int]:
   """(σ, B) of the privatizer state in `opt_state`, what ran; ValueError (one line) if the
   caller gives another σ or B (0: none given). B is kept too: the automatic cap depends on
   T, and the batches that ran were truncated at the state's."""
   ran = noise_state.describe(noise_state.find(opt_state))
-  for name, given in (('noise_multiplier', noise_multiplier),
-                      ('max_batch_size', max_batch_size or None)):
+  for name, given in (
+    ('noise_multiplier', noise_multiplier),
+    ('max_batch_size', max_batch_size or None),
+  ):
     if given is not None and given != ran[name]:
-      raise ValueError(f'{name} = {given!r} differs from the {ran[name]!r} of the state to '
-                       f'resume (what ran): a resumed loop keeps it; leave {name} unset.')
+      raise ValueError(
+        f'{name} = {given!r} differs from the {ran[name]!r} of the state to '
+        f'resume (what ran): a resumed loop keeps it; leave {name} unset.'
+      )
   return ran['noise_multiplier'], ran['max_batch_size']
 
 

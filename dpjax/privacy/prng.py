@@ -43,8 +43,9 @@ def draw_seed() -> int:
 
 
 def check_seed(seed: int) -> None:
-  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not (
-      0 <= seed <= MAX_SEED):
+  if (
+    isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not (0 <= seed <= MAX_SEED)
+  ):
     raise ValueError(f'seed must be an integer in [0, 2**64), got {seed!r}.')
 
 
@@ -53,7 +54,8 @@ def root_key(seed: int) -> jax.Array:
   check_seed(seed)
   seed = int(seed)
   return jax.random.wrap_key_data(
-      np.asarray([seed >> 32, seed & 0xFFFFFFFF], np.uint32), impl='threefry2x32')
+    np.asarray([seed >> 32, seed & 0xFFFFFFFF], np.uint32), impl='threefry2x32'
+  )
 
 
 def stream_key(seed: int, stream: Stream) -> jax.Array:
@@ -102,8 +104,7 @@ def noise_key(seed: int, step: int) -> jax.Array:
   redraws exactly the noise of an uninterrupted run.
   """
   check_seed(seed)
-  if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not (
-      0 <= step < 2**32):
+  if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or not (0 <= step < 2**32):
     raise ValueError(f'step must be an int in [0, 2**32), got {step!r}.')
   return fold_noise_key(seed, step)
 
@@ -122,7 +123,9 @@ def init_params(model, seed: int, input_shape: Sequence[int], input_dtype: Any =
   variables = model.init(stream_key(seed, INIT_STREAM), jnp.zeros((1, *input_shape), dtype))
   extra = set(variables) - {'params'}
   if extra:
-    raise ValueError(f'model has non-parameter collections {sorted(extra)} '
-                     '(e.g. batch statistics); DP training needs a stateless, '
-                     'per-example model.')
+    raise ValueError(
+      f'model has non-parameter collections {sorted(extra)} '
+      '(e.g. batch statistics); DP training needs a stateless, '
+      'per-example model.'
+    )
   return variables['params']

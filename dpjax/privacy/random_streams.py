@@ -37,7 +37,9 @@ HOST_STREAMS = (Stream.SAMPLER, Stream.TRUNCATION, Stream.AUDIT)
 def host_generator(seed: int, stream: Stream, *key: int) -> np.random.Generator:
   """PCG64 over SeedSequence([seed, stream, *key]): a pure function of its arguments."""
   if stream not in HOST_STREAMS:
-    raise ValueError(f'{stream!r} is a JAX stream (dpjax.privacy.prng); host streams: '
-                     f'{[s.name for s in HOST_STREAMS]}.')
+    raise ValueError(
+      f'{stream!r} is a JAX stream (dpjax.privacy.prng); host streams: '
+      f'{[s.name for s in HOST_STREAMS]}.'
+    )
   entropy = [int(seed), int(stream), *(int(k) for k in key)]
   return np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy)))

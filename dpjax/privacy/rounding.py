@@ -82,8 +82,9 @@ def sum_error_per_row(max_rows: int) -> float:
 def eta(max_rows: int, matmul_format: str) -> float:
   """η with 1 + η = (1 + m)(1 + α(2B − 1)) for the cap B and a matmul format (docstring)."""
   if matmul_format not in precision_lib.UNIT_ROUNDOFF:
-    raise ValueError(f'matmul format {matmul_format!r}; valid: '
-                     f'{", ".join(precision_lib.UNIT_ROUNDOFF)}.')
+    raise ValueError(
+      f'matmul format {matmul_format!r}; valid: {", ".join(precision_lib.UNIT_ROUNDOFF)}.'
+    )
   b = check_max_rows(max_rows)
   margin = precision_lib.format_margin(matmul_format)
   return (1 + margin) * (1 + sum_error_per_row(b) * (2 * b - 1)) - 1
@@ -104,8 +105,9 @@ class Rounding:
   eta: float
 
   @classmethod
-  def of(cls, max_batch_size: int, precision: str = 'default',
-         platform: str | None = None) -> Rounding:
+  def of(
+    cls, max_batch_size: int, precision: str = 'default', platform: str | None = None
+  ) -> Rounding:
     """The Rounding of a cap B, a precision mode and the platform that runs (None: this one)."""
     fmt = precision_lib.matmul_format(precision, platform)
     return cls(check_max_rows(max_batch_size), fmt, eta(max_batch_size, fmt))
@@ -117,18 +119,22 @@ class Rounding:
 
   def describe(self, epsilon_cost: float | None = None) -> str:
     """'η = 7.3e-03 (float rounding of the sum, B = 4096, float32 matmuls) costs Δε = 0.0188'."""
-    text = (f'η = {self.eta:.2g} (float rounding of the sum, B = {self.max_batch_size}, '
-            f'{self.matmul_format} matmuls)')
+    text = (
+      f'η = {self.eta:.2g} (float rounding of the sum, B = {self.max_batch_size}, '
+      f'{self.matmul_format} matmuls)'
+    )
     return text if epsilon_cost is None else f'{text} costs Δε = {epsilon_cost:.3g}'
 
 
 def kahan_add(total: Any, compensation: Any, g: Any) -> tuple[Any, Any]:
   """(total + g, its compensation) by Kahan's algorithm (Higham 2002, §4.3): over K additions
   the error is (2u + O(K·u²))·Σ|terms|, not O(K·u). Start from zeros."""
+
   def add(s, c, x):
     y = x - c
     t = s + y
     return t, (t - s) - y
+
   pairs = jax.tree.map(add, total, compensation, g)
   outer = jax.tree.structure(total)
   return jax.tree.transpose(outer, jax.tree.structure((0, 0)), pairs)

@@ -98,7 +98,8 @@ class Sampler(abc.ABC):
   group_accountants: ClassVar[tuple[str, ...]] = ('pld',)
   # Why an accountant outside `accountants` does not apply (the error message says it).
   unsupported_accountant_reason: ClassVar[str] = (
-      'the Monte-Carlo accountant exists for balls-and-bins only')
+    'the Monte-Carlo accountant exists for balls-and-bins only'
+  )
   # Batch sizes are Binomial(N, p): a cap B truncates with probability > 0, and the
   # accountant pays for it. Other samplers' batches never exceed b (B >= b is required).
   binomial_batch_size: ClassVar[bool] = False
@@ -129,12 +130,15 @@ class Sampler(abc.ABC):
     _checks.check_int('sampler.batch_size', self.batch_size, 1)
     if self.batch_size > self.num_examples:
       raise ValueError(
-          f'sampler.batch_size = {self.batch_size} must be in [1, N = '
-          f'{self.num_examples}] (the number of training examples).')
+        f'sampler.batch_size = {self.batch_size} must be in [1, N = '
+        f'{self.num_examples}] (the number of training examples).'
+      )
     if self.num_rows is not None:
       if not self.bounds_rows:
-        raise ValueError(f'the {self.name} sampler needs the exact N (num_rows must be None): '
-                         'its batches depend on how many rows there are.')
+        raise ValueError(
+          f'the {self.name} sampler needs the exact N (num_rows must be None): '
+          'its batches depend on how many rows there are.'
+        )
       _checks.check_int('num_rows', self.num_rows, 1, self.num_examples)
 
   @property
@@ -222,7 +226,9 @@ class FixedSizeSampler(Sampler):
 
   def indices(self, step: int) -> np.ndarray:
     rng = _generator(self.seed, self._check_step(step))
-    return np.sort(rng.choice(self.num_examples, size=self.batch_size, replace=False)).astype(np.int64)
+    return np.sort(rng.choice(self.num_examples, size=self.batch_size, replace=False)).astype(
+      np.int64
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,16 +238,19 @@ class FixedSizeWithReplacementSampler(Sampler):
   name: ClassVar[str] = 'fixed_size_with_replacement'
   accountants: ClassVar[tuple[str, ...]] = ('pld',)
   unsupported_accountant_reason: ClassVar[str] = (
-      'dp_accounting has no RDP for sampling with replacement')
+    'dp_accounting has no RDP for sampling with replacement'
+  )
   analysis: ClassVar[str] = 'subsampling_with_replacement'
   many_component_pld: ClassVar[bool] = True
   grid_too_large_hint: ClassVar[str | None] = (
-      'use sampler fixed_size (without replacement: a 2-component mixture)')
+    'use sampler fixed_size (without replacement: a 2-component mixture)'
+  )
 
   def calibration_base(self) -> Sampler:
     """Fixed size without replacement: ε of its 2-component mixture is never larger."""
-    return FixedSizeSampler(num_examples=self.num_examples, batch_size=self.batch_size,
-                            seed=self.seed)
+    return FixedSizeSampler(
+      num_examples=self.num_examples, batch_size=self.batch_size, seed=self.seed
+    )
 
   def indices(self, step: int) -> np.ndarray:
     rng = _generator(self.seed, self._check_step(step))
@@ -268,7 +277,7 @@ class _EpochSampler(Sampler):
     step = self._check_step(step)
     epoch, t = divmod(step, self.steps_per_epoch)
     order, offsets = self._cached_assignment(epoch)
-    return np.sort(order[offsets[t]:offsets[t + 1]]).astype(np.int64)
+    return np.sort(order[offsets[t] : offsets[t + 1]]).astype(np.int64)
 
   def _cached_assignment(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
     # One epoch's assignment is kept per sampler object (O(N) memory); a
@@ -301,7 +310,8 @@ class BallsAndBinsSampler(_EpochSampler):
   accountants: ClassVar[tuple[str, ...]] = ('pld', 'monte_carlo')
   group_accountants: ClassVar[tuple[str, ...]] = ('pld',)
   unsupported_accountant_reason: ClassVar[str] = (
-      'no RDP analysis of balls-and-bins is implemented; use pld (provable) or monte_carlo')
+    'no RDP analysis of balls-and-bins is implemented; use pld (provable) or monte_carlo'
+  )
   binomial_batch_size: ClassVar[bool] = True
 
   @property
@@ -358,39 +368,48 @@ class DeterministicSampler(_EpochSampler):
     return np.arange(t * self.batch_size, stop, dtype=np.int64)
 
   def _epoch_assignment(self, epoch):
-    return (np.arange(self.num_examples, dtype=_index_dtype(self.num_examples)),
-            _consecutive_offsets(self.num_examples, self.batch_size))
+    return (
+      np.arange(self.num_examples, dtype=_index_dtype(self.num_examples)),
+      _consecutive_offsets(self.num_examples, self.batch_size),
+    )
 
 
 def _consecutive_offsets(num_examples: int, batch_size: int) -> np.ndarray:
   return np.minimum(np.arange(0, num_examples + batch_size, batch_size), num_examples)[
-      : math.ceil(num_examples / batch_size) + 1]
+    : math.ceil(num_examples / batch_size) + 1
+  ]
 
 
 # Every sampler class, by config name (a new sampler is added here, once).
 _SAMPLERS = {
-    cls.name: cls
-    for cls in (PoissonSampler, BallsAndBinsSampler, ShuffleSampler, DeterministicSampler,
-                FixedSizeSampler, FixedSizeWithReplacementSampler)
+  cls.name: cls
+  for cls in (
+    PoissonSampler,
+    BallsAndBinsSampler,
+    ShuffleSampler,
+    DeterministicSampler,
+    FixedSizeSampler,
+    FixedSizeWithReplacementSampler,
+  )
 }
 SAMPLER_NAMES = tuple(_SAMPLERS)
 
 
-def make(name: str, num_examples: int, batch_size: int, seed: int = 0,
-         num_rows: int | None = None) -> Sampler:
+def make(
+  name: str, num_examples: int, batch_size: int, seed: int = 0, num_rows: int | None = None
+) -> Sampler:
   """The sampler called `name` over N = num_examples with batch size b, seeded by `seed`.
 
   The seed must be secret for the privacy guarantee (it decides which examples each step
   uses, and `dpjax.privacy.prng` derives the noise from it). `num_rows`: the rows present
   when N is a public upper bound on them (samplers with `bounds_rows` only).
   """
-  return sampler_class(name)(num_examples=num_examples, batch_size=batch_size, seed=seed,
-                             num_rows=num_rows)
+  return sampler_class(name)(
+    num_examples=num_examples, batch_size=batch_size, seed=seed, num_rows=num_rows
+  )
 
 
 def sampler_class(name: str) -> type[Sampler]:
   if name not in _SAMPLERS:
     raise ValueError(f'sampler.name = {name!r} is unknown; valid: {", ".join(SAMPLER_NAMES)}.')
   return _SAMPLERS[name]
-
-

@@ -31,9 +31,11 @@ import numpy as np
 DATA_AXIS = 'data'
 
 
-def initialize_distributed(coordinator_address: str | None = None,
-                           num_processes: int | None = None,
-                           process_id: int | None = None) -> None:
+def initialize_distributed(
+  coordinator_address: str | None = None,
+  num_processes: int | None = None,
+  process_id: int | None = None,
+) -> None:
   """`jax.distributed.initialize`: joins this process to a multi-host job.
 
   Must run before any JAX computation. Arguments left as None are found by
@@ -46,8 +48,9 @@ def initialize_distributed(coordinator_address: str | None = None,
       raise ValueError(f'{name} must be an integer >= {low}, got {value!r}.')
   if num_processes is not None and process_id is not None and process_id >= num_processes:
     raise ValueError(f'process_id = {process_id} must be < num_processes = {num_processes}.')
-  jax.distributed.initialize(coordinator_address=coordinator_address,
-                             num_processes=num_processes, process_id=process_id)
+  jax.distributed.initialize(
+    coordinator_address=coordinator_address, num_processes=num_processes, process_id=process_id
+  )
 
 
 def make_mesh(num_devices: int = 0) -> jax.sharding.Mesh:
@@ -57,16 +60,24 @@ def make_mesh(num_devices: int = 0) -> jax.sharding.Mesh:
   must hold part of the mesh.
   """
   available = jax.device_count()
-  if isinstance(num_devices, bool) or not isinstance(num_devices, int) or not (
-      0 <= num_devices <= available):
-    raise ValueError(f'num_devices must be an integer in [0, {available}] (0 = all '
-                     f'{available} devices), got {num_devices!r}.')
+  if (
+    isinstance(num_devices, bool)
+    or not isinstance(num_devices, int)
+    or not (0 <= num_devices <= available)
+  ):
+    raise ValueError(
+      f'num_devices must be an integer in [0, {available}] (0 = all '
+      f'{available} devices), got {num_devices!r}.'
+    )
   if num_devices and num_devices != available and jax.process_count() > 1:
-    raise ValueError(f'num_devices = {num_devices} selects a subset of the {available} devices, '
-                     f'which a {jax.process_count()}-process job cannot use; set num_devices = 0.')
-  devices = jax.devices()[:num_devices or available]
-  return jax.make_mesh((len(devices),), (DATA_AXIS,),
-                       axis_types=(jax.sharding.AxisType.Auto,), devices=devices)
+    raise ValueError(
+      f'num_devices = {num_devices} selects a subset of the {available} devices, '
+      f'which a {jax.process_count()}-process job cannot use; set num_devices = 0.'
+    )
+  devices = jax.devices()[: num_devices or available]
+  return jax.make_mesh(
+    (len(devices),), (DATA_AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=devices
+  )
 
 
 def replicated(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
@@ -94,9 +105,10 @@ def check_physical_batch_size(physical_batch_size: int, mesh: jax.sharding.Mesh)
   num_devices = mesh.devices.size
   if physical_batch_size % num_devices:
     raise ValueError(
-        f'sampler.physical_batch_size = {physical_batch_size} must be a multiple of the number '
-        f'of devices ({num_devices} in the data mesh, over {jax.process_count()} process(es)), so '
-        'that every device takes P/D rows; see num_devices.')
+      f'sampler.physical_batch_size = {physical_batch_size} must be a multiple of the number '
+      f'of devices ({num_devices} in the data mesh, over {jax.process_count()} process(es)), so '
+      'that every device takes P/D rows; see num_devices.'
+    )
 
 
 def local_rows(mesh: jax.sharding.Mesh, physical_batch_size: int) -> np.ndarray:
@@ -112,8 +124,9 @@ def local_rows(mesh: jax.sharding.Mesh, physical_batch_size: int) -> np.ndarray:
   return np.asarray(sorted(rows), np.int64)
 
 
-def shard_batch(mesh: jax.sharding.Mesh,
-                local_batch: dict[str, np.ndarray]) -> dict[str, np.ndarray | jax.Array]:
+def shard_batch(
+  mesh: jax.sharding.Mesh, local_batch: dict[str, np.ndarray]
+) -> dict[str, np.ndarray | jax.Array]:
   """The batch [P, ...] for a function jitted with in_shardings `batch_sharding(mesh)`.
 
   Several processes: the global array sharded over 'data', assembled from
@@ -126,8 +139,9 @@ def shard_batch(mesh: jax.sharding.Mesh,
   return jax.make_array_from_process_local_data(batch_sharding(mesh), local_batch)
 
 
-def shard_chunk(mesh: jax.sharding.Mesh,
-                local_buffer: dict[str, np.ndarray]) -> dict[str, np.ndarray | jax.Array]:
+def shard_chunk(
+  mesh: jax.sharding.Mesh, local_buffer: dict[str, np.ndarray]
+) -> dict[str, np.ndarray | jax.Array]:
   """`shard_batch` for stacked buffers [S, K_max, rows, ...] of this process's `local_rows`."""
   if jax.process_count() == 1:
     return local_buffer

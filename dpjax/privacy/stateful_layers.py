@@ -29,24 +29,28 @@ from flax import errors as flax_errors
 
 README = 'README, "Dropout and BatchNorm in your own loop"'
 BATCH_NORM_FIX = (
-    'BatchNorm normalises with statistics of the batch, so one example\'s output depends on '
-    'the others: it has no per-example gradient and is not DP-compatible across examples. Use '
-    'GroupNorm or LayerNorm (per example; ghost clipping covers both), or frozen statistics: '
-    'BatchNorm(use_running_average=True) with statistics fixed or computed on public data.')
+  "BatchNorm normalises with statistics of the batch, so one example's output depends on "
+  'the others: it has no per-example gradient and is not DP-compatible across examples. Use '
+  'GroupNorm or LayerNorm (per example; ghost clipping covers both), or frozen statistics: '
+  'BatchNorm(use_running_average=True) with statistics fixed or computed on public data.'
+)
 NNX_DROPOUT_FIX = (
-    'nnx.Dropout built with rngs draws from a counter stored in the model, which a per-example '
-    'loss cannot advance. Give each example its own key in the batch and pass it to the call: '
-    'build nnx.Dropout(rate) without rngs, call self.drop(h, rngs=key), and in the loss '
-    "m(example['x'][None], example['dropout_key']); make the keys of a physical batch as "
-    'jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(root, step), i))(idx) '
-    f'({README}).')
+  'nnx.Dropout built with rngs draws from a counter stored in the model, which a per-example '
+  'loss cannot advance. Give each example its own key in the batch and pass it to the call: '
+  'build nnx.Dropout(rate) without rngs, call self.drop(h, rngs=key), and in the loss '
+  "m(example['x'][None], example['dropout_key']); make the keys of a physical batch as "
+  'jax.vmap(lambda i: jax.random.fold_in(jax.random.fold_in(root, step), i))(idx) '
+  f'({README}).'
+)
 LINEN_DROPOUT_FIX = (
-    "linen Dropout needs a 'dropout' RNG. Give each example its own key in the batch and pass "
-    "it to the call: model.apply({'params': params}, example['x'][None], rngs={'dropout': "
-    f"example['dropout_key']}}) ({README}).")
+  "linen Dropout needs a 'dropout' RNG. Give each example its own key in the batch and pass "
+  "it to the call: model.apply({'params': params}, example['x'][None], rngs={'dropout': "
+  f"example['dropout_key']}}) ({README})."
+)
 NNX_STATE_FIX = (
-    'the model writes NNX state (a Variable other than its parameters) during the call, which a '
-    'per-example loss cannot do: DP-SGD needs a pure function of the parameters and one example.')
+  'the model writes NNX state (a Variable other than its parameters) during the call, which a '
+  'per-example loss cannot do: DP-SGD needs a pure function of the parameters and one example.'
+)
 
 
 class StatefulLayerError(ValueError):
@@ -70,14 +74,19 @@ def fix_for(error: Exception) -> str | None:
 
 def explained(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
   """`loss_fn`, raising `StatefulLayerError` (with the fix) where a stateful layer fails."""
+
   @functools.wraps(loss_fn)
   def per_example_loss(*args, **kwargs):
     try:
       return loss_fn(*args, **kwargs)
-    except (flax_errors.TraceContextError, flax_errors.InvalidRngError,
-            flax_errors.ScopeCollectionNotFound) as e:
+    except (
+      flax_errors.TraceContextError,
+      flax_errors.InvalidRngError,
+      flax_errors.ScopeCollectionNotFound,
+    ) as e:
       fix = fix_for(e)
       if fix is None:
         raise
       raise StatefulLayerError(f'the per-example loss: {fix}') from e
+
   return per_example_loss

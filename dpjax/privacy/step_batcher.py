@@ -65,16 +65,21 @@ class StepBatcher:
     where = f'(the next is {self._next}, of num_steps = {self.num_steps})'
     if step < self._next:
       raise ValueError(
-          f'logical_batch({step}): step {step} was drawn already {where}: each step\'s batch '
-          'is used once. Iterate the batcher (t continues across epochs) rather than '
-          'restarting t: the same batches under fresh noise are not what ε covers.')
+        f"logical_batch({step}): step {step} was drawn already {where}: each step's batch "
+        'is used once. Iterate the batcher (t continues across epochs) rather than '
+        'restarting t: the same batches under fresh noise are not what ε covers.'
+      )
     if step > self._next:
-      raise ValueError(f'logical_batch({step}) skips steps {where}: steps are drawn in order, '
-                       'each once, as the privatizer noises them.')
+      raise ValueError(
+        f'logical_batch({step}) skips steps {where}: steps are drawn in order, '
+        'each once, as the privatizer noises them.'
+      )
     if step >= self.num_steps:
-      raise ValueError(f'logical_batch({step}): the plan covers steps 0..{self.num_steps - 1} '
-                       '(its num_steps); a longer run needs a plan with more steps '
-                       '(PrivacyPlan.create(..., resume_from=opt_state)).')
+      raise ValueError(
+        f'logical_batch({step}): the plan covers steps 0..{self.num_steps - 1} '
+        '(its num_steps); a longer run needs a plan with more steps '
+        '(PrivacyPlan.create(..., resume_from=opt_state)).'
+      )
     batch = self.batcher.logical_batch(step)
     self._next = step + 1
     return batch

@@ -15,12 +15,16 @@ from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import step_pld
 
 # The accountant's arguments that fix an oversized grid, as config fields.
-CONFIG_NAMES = {'noise_multiplier': 'privacy.noise_multiplier',
-                'group_size': 'privacy.group_size', 'sampler': 'sampler.name'}
+CONFIG_NAMES = {
+  'noise_multiplier': 'privacy.noise_multiplier',
+  'group_size': 'privacy.group_size',
+  'sampler': 'sampler.name',
+}
 
 
-def grid_too_large(error: step_pld.GridTooLargeError,
-                   accountant: accountant_lib.Accountant, names: dict[str, str]) -> str:
+def grid_too_large(
+  error: step_pld.GridTooLargeError, accountant: accountant_lib.Accountant, names: dict[str, str]
+) -> str:
   """`error`'s diagnosis, then its fixes as `names` spells the accountant's arguments
   ('noise_multiplier', 'group_size', 'sampler'). A refusal with no list of fixes (too many
   steps to compose) is returned as it is."""

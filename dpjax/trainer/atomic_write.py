@@ -14,8 +14,9 @@ from dpjax.trainer import interrupts
 from dpjax.trainer import write_errors
 
 
-def write_text_atomically(path: str, text: str, mode: int = 0o666, what: str = '',
-                          then: str = write_errors.RERUN) -> None:
+def write_text_atomically(
+  path: str, text: str, mode: int = 0o666, what: str = '', then: str = write_errors.RERUN
+) -> None:
   """Atomically sets the content of `path` to `text` (tmp + fsync + rename + fsync of the dir).
 
   `mode` (before the umask) applies from the file's creation: 0o600 keeps a secret unreadable

@@ -33,6 +33,7 @@ DEFAULT_PHYSICAL_BATCH_SIZE = 64
 @dataclasses.dataclass(frozen=True)
 class PlanRow:
   """One batch size: the calibrated σ and what it means for the gradient."""
+
   batch_size: int
   steps_per_epoch: int
   num_steps: int
@@ -50,6 +51,7 @@ class PlanRow:
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """The planner's answer for one (N, ε, δ, E, sampler)."""
+
   num_examples: int
   target_epsilon: float
   delta: float
@@ -83,42 +85,51 @@ class Plan:
     first, last = rows[0], rows[-1]
     ratios = [a.effective_noise / b.effective_noise for a, b in zip(rows, rows[1:])]
     monotone = all(r > 1 for r in ratios)
-    trend = ('decreases at every step of the grid' if monotone else
-             'does not decrease monotonically')
+    trend = 'decreases at every step of the grid' if monotone else 'does not decrease monotonically'
     sigma_growth = math.log(last.noise_multiplier / first.noise_multiplier) / math.log(
-        last.batch_size / first.batch_size)
+      last.batch_size / first.batch_size
+    )
     lines = [
-        f'σ·C/b {trend}: {first.effective_noise:.3g} at b = {first.batch_size}, '
-        f'{last.effective_noise:.3g} at b = {last.batch_size} '
-        f'({first.effective_noise / last.effective_noise:.3g}x less); smallest at b = {best}.']
+      f'σ·C/b {trend}: {first.effective_noise:.3g} at b = {first.batch_size}, '
+      f'{last.effective_noise:.3g} at b = {last.batch_size} '
+      f'({first.effective_noise / last.effective_noise:.3g}x less); smallest at b = {best}.'
+    ]
     from dpjax.privacy import samplers as samplers_lib
+
     if not samplers_lib.sampler_class(self.sampler).amplified_by_sampling:
-      lines.append(f'σ grows like b^{sigma_growth:.2f}: the {self.sampler} sampler is accounted '
-                   f'without amplification, so σ does not depend on b and σ·C/b ∝ 1/b.')
+      lines.append(
+        f'σ grows like b^{sigma_growth:.2f}: the {self.sampler} sampler is accounted '
+        f'without amplification, so σ does not depend on b and σ·C/b ∝ 1/b.'
+      )
       return '\n'.join(lines)
-    lines.append(f'σ grows like b^{sigma_growth:.2f} from b = {first.batch_size} to '
-                 f'{last.batch_size} (b^0.5 at fixed epochs where amplification is linear, '
-                 f'σ/b ∝ 1/√b; b^1 would make larger batches useless).')
+    lines.append(
+      f'σ grows like b^{sigma_growth:.2f} from b = {first.batch_size} to '
+      f'{last.batch_size} (b^0.5 at fixed epochs where amplification is linear, '
+      f'σ/b ∝ 1/√b; b^1 would make larger batches useless).'
+    )
     flat = self.flat_from
     if flat == last.batch_size:
-      lines.append('σ/(q·√S), the noise of the whole run, still falls at the end of the grid: '
-                   'no batch size on it reaches the linear-amplification regime.')
+      lines.append(
+        'σ/(q·√S), the noise of the whole run, still falls at the end of the grid: '
+        'no batch size on it reaches the linear-amplification regime.'
+      )
     else:
       lines.append(
-          f'σ/(q·√S), the noise of the whole run, is within {FLAT_TOLERANCE - 1:.0%} of its '
-          f'smallest value from b = {flat} on: there the budget fixes the noise of the run '
-          f'whatever b, and a larger b buys less noise per step with fewer steps.')
+        f'σ/(q·√S), the noise of the whole run, is within {FLAT_TOLERANCE - 1:.0%} of its '
+        f'smallest value from b = {flat} on: there the budget fixes the noise of the run '
+        f'whatever b, and a larger b buys less noise per step with fewer steps.'
+      )
     if flat > first.batch_size:
       lines.append(
-          f'At b = {first.batch_size} the run needs '
-          f'{first.run_noise / min(r.run_noise for r in rows):.3g}x the smallest σ/(q·√S) on '
-          f'the grid: subsampling amplifies poorly at small q (seed 003, docs/accounting.md §8).')
+        f'At b = {first.batch_size} the run needs '
+        f'{first.run_noise / min(r.run_noise for r in rows):.3g}x the smallest σ/(q·√S) on '
+        f'the grid: subsampling amplifies poorly at small q (seed 003, docs/accounting.md §8).'
+      )
     return '\n'.join(lines)
 
   def to_dict(self) -> dict:
     d = dataclasses.asdict(self)
-    d.update(best_batch_size=self.best_batch_size, flat_from=self.flat_from,
-             message=self.message())
+    d.update(best_batch_size=self.best_batch_size, flat_from=self.flat_from, message=self.message())
     return d
 
   @classmethod
@@ -133,8 +144,9 @@ class Plan:
 # ---------------------------------------------------------------------------------------------
 
 
-def default_batch_sizes(num_examples: int,
-                        smallest: int = DEFAULT_SMALLEST_BATCH_SIZE) -> list[int]:
+def default_batch_sizes(
+  num_examples: int, smallest: int = DEFAULT_SMALLEST_BATCH_SIZE
+) -> list[int]:
   """Powers of two from `smallest` (from 1 if N <= smallest) below N, then N itself."""
   n = _checks.check_int('--num_examples', num_examples, 1)
   b = smallest if n > smallest else 1
@@ -154,24 +166,44 @@ def check_batch_sizes(batch_sizes: Sequence[int], num_examples: int) -> list[int
   return sorted(set(int(b) for b in batch_sizes))
 
 
-def base_config(*, sampler: str = 'poisson', accountant: str = 'auto', clip_norm: float = 1.0,
-                physical_batch_size: int = DEFAULT_PHYSICAL_BATCH_SIZE, group_size: int = 1,
-                seed: int = 0) -> ml_collections.ConfigDict:
+def base_config(
+  *,
+  sampler: str = 'poisson',
+  accountant: str = 'auto',
+  clip_norm: float = 1.0,
+  physical_batch_size: int = DEFAULT_PHYSICAL_BATCH_SIZE,
+  group_size: int = 1,
+  seed: int = 0,
+) -> ml_collections.ConfigDict:
   """The privacy-relevant fields of a training config (configs/digits_mlp.py)."""
   c = ml_collections.ConfigDict()
   c.seed = seed
-  c.sampler = ml_collections.ConfigDict(dict(
-      name=sampler, batch_size=1, physical_batch_size=physical_batch_size, max_batch_size=0))
-  c.privacy = ml_collections.ConfigDict(dict(
-      enabled=True, clip_norm=float(clip_norm), noise_multiplier=None, target_epsilon=1.0,
-      delta=1e-5, accountant=accountant, group_size=group_size))
+  c.sampler = ml_collections.ConfigDict(
+    dict(name=sampler, batch_size=1, physical_batch_size=physical_batch_size, max_batch_size=0)
+  )
+  c.privacy = ml_collections.ConfigDict(
+    dict(
+      enabled=True,
+      clip_norm=float(clip_norm),
+      noise_multiplier=None,
+      target_epsilon=1.0,
+      delta=1e-5,
+      accountant=accountant,
+      group_size=group_size,
+    )
+  )
   c.num_epochs, c.num_steps = 1, 0
   c.data = ml_collections.ConfigDict(dict(public_num_examples=0))  # The N given is exact.
   return c
 
 
-def run_config(base: ml_collections.ConfigDict, batch_size: int, target_epsilon: float,
-               delta: float, num_epochs: int) -> ml_collections.ConfigDict:
+def run_config(
+  base: ml_collections.ConfigDict,
+  batch_size: int,
+  target_epsilon: float,
+  delta: float,
+  num_epochs: int,
+) -> ml_collections.ConfigDict:
   """`base` as a run of `num_epochs` epochs at batch size b, σ to calibrate for ε.
 
   The cap B is re-derived for each b (`max_batch_size = 0`, automatic), as a
@@ -199,10 +231,16 @@ def _cpu_seconds() -> float:
   return t.user + t.system + t.children_user + t.children_system
 
 
-def plan_batch_sizes(num_examples: int, target_epsilon: float, delta: float, num_epochs: int,
-                     batch_sizes: Sequence[int] | None = None, *,
-                     config: ml_collections.ConfigDict | None = None,
-                     progress: Callable[[PlanRow], None] | None = None) -> Plan:
+def plan_batch_sizes(
+  num_examples: int,
+  target_epsilon: float,
+  delta: float,
+  num_epochs: int,
+  batch_sizes: Sequence[int] | None = None,
+  *,
+  config: ml_collections.ConfigDict | None = None,
+  progress: Callable[[PlanRow], None] | None = None,
+) -> Plan:
   """The calibrated σ, σ·C/b and σ/(q√S) for each batch size b.
 
   Args:
@@ -221,6 +259,7 @@ def plan_batch_sizes(num_examples: int, target_epsilon: float, delta: float, num
   """
   from dpjax.privacy.accounting import accountant as accountant_lib
   from dpjax.trainer import plan as plan_lib
+
   n = _checks.check_int('--num_examples', num_examples, 1)
   eps = _checks.check_number('--epsilon', target_epsilon, low=0)
   delta = _checks.check_number('--delta', delta, low=0, high=1, open_high=True)
@@ -229,19 +268,25 @@ def plan_batch_sizes(num_examples: int, target_epsilon: float, delta: float, num
   base = base_config() if config is None else config
   name = base.sampler.name
   if name not in names.SAMPLER_NAMES:
-    raise ValueError(f'--sampler {name!r} is unknown; valid: '
-                     f'{", ".join(names.SAMPLER_NAMES)}.')
+    raise ValueError(f'--sampler {name!r} is unknown; valid: {", ".join(names.SAMPLER_NAMES)}.')
   if base.privacy.accountant not in names.ACCOUNTANTS:
-    raise ValueError(f'--accountant {base.privacy.accountant!r} is unknown; valid: '
-                     f'{", ".join(names.ACCOUNTANTS)}.')
+    raise ValueError(
+      f'--accountant {base.privacy.accountant!r} is unknown; valid: {", ".join(names.ACCOUNTANTS)}.'
+    )
   clip_norm = _checks.check_number('--clip_norm', base.privacy.clip_norm, low=0)
   _checks.check_int('--physical_batch_size', base.sampler.physical_batch_size, 1)
   _checks.check_int('--group_size', base.privacy.group_size, 1)
   # Every per-b argument the accountant checks, before any calibration.
   for b in sizes:
     sampler = plan_lib.make_sampler(run_config(base, b, eps, delta, epochs), n)
-    accountant_lib.Accountant(sampler, 1.0, delta, accountant=base.privacy.accountant,
-                              group_size=base.privacy.group_size, max_batch_size=None)
+    accountant_lib.Accountant(
+      sampler,
+      1.0,
+      delta,
+      accountant=base.privacy.accountant,
+      group_size=base.privacy.group_size,
+      max_batch_size=None,
+    )
   rows = []
   for b in sizes:
     start, cpu_start = time.perf_counter(), _cpu_seconds()
@@ -249,16 +294,34 @@ def plan_batch_sizes(num_examples: int, target_epsilon: float, delta: float, num
     report = acct.final_report(estimates=False)  # Memoised: make_accountant checked it.
     sigma, steps = acct.noise_multiplier, report.steps
     q = b / n
-    rows.append(PlanRow(
-        batch_size=b, steps_per_epoch=acct.steps_per_epoch, num_steps=steps,
-        noise_multiplier=sigma, effective_noise=sigma * clip_norm / b,
-        run_noise=sigma / (q * math.sqrt(steps)), epsilon=report.epsilon, bound=report.bound,
-        accountant=report.accountant, max_batch_size=acct.max_batch_size,
-        seconds=time.perf_counter() - start, cpu_seconds=_cpu_seconds() - cpu_start))
+    rows.append(
+      PlanRow(
+        batch_size=b,
+        steps_per_epoch=acct.steps_per_epoch,
+        num_steps=steps,
+        noise_multiplier=sigma,
+        effective_noise=sigma * clip_norm / b,
+        run_noise=sigma / (q * math.sqrt(steps)),
+        epsilon=report.epsilon,
+        bound=report.bound,
+        accountant=report.accountant,
+        max_batch_size=acct.max_batch_size,
+        seconds=time.perf_counter() - start,
+        cpu_seconds=_cpu_seconds() - cpu_start,
+      )
+    )
     if progress is not None:
       progress(rows[-1])
-  return Plan(num_examples=n, target_epsilon=eps, delta=delta, num_epochs=epochs, sampler=name,
-              accountant=rows[0].accountant, clip_norm=clip_norm, rows=tuple(rows))
+  return Plan(
+    num_examples=n,
+    target_epsilon=eps,
+    delta=delta,
+    num_epochs=epochs,
+    sampler=name,
+    accountant=rows[0].accountant,
+    clip_norm=clip_norm,
+    rows=tuple(rows),
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,23 +329,32 @@ def plan_batch_sizes(num_examples: int, target_epsilon: float, delta: float, num
 # ---------------------------------------------------------------------------------------------
 
 
-_HEADER = ('b', 'steps/epoch', 'steps S', 'σ', 'σ·C/b', 'σ/(q√S)', 'ε (attached)', 'B',
-           'time')
+_HEADER = ('b', 'steps/epoch', 'steps S', 'σ', 'σ·C/b', 'σ/(q√S)', 'ε (attached)', 'B', 'time')
 
 
 def _cells(plan: Plan, row: PlanRow) -> tuple[str, ...]:
   cap = '-' if row.max_batch_size is None else str(row.max_batch_size)
-  return (str(row.batch_size), str(row.steps_per_epoch), str(row.num_steps),
-          f'{row.noise_multiplier:.4f}', f'{row.effective_noise:.3e}', f'{row.run_noise:.3f}',
-          f'{row.epsilon:.4f}', cap, f'{row.seconds:.1f}s')
+  return (
+    str(row.batch_size),
+    str(row.steps_per_epoch),
+    str(row.num_steps),
+    f'{row.noise_multiplier:.4f}',
+    f'{row.effective_noise:.3e}',
+    f'{row.run_noise:.3f}',
+    f'{row.epsilon:.4f}',
+    cap,
+    f'{row.seconds:.1f}s',
+  )
 
 
 def format_table(plan: Plan) -> str:
   """Title, table (the smallest σ·C/b marked) and the message."""
   bounds = sorted({r.bound for r in plan.rows})
-  title = (f'N = {plan.num_examples}, ε = {plan.target_epsilon:g}, δ = {plan.delta:g}, '
-           f'{plan.num_epochs} epochs, sampler {plan.sampler}, accountant {plan.accountant} '
-           f'(ε: {" / ".join(bounds)} bound), C = {plan.clip_norm:g}')
+  title = (
+    f'N = {plan.num_examples}, ε = {plan.target_epsilon:g}, δ = {plan.delta:g}, '
+    f'{plan.num_epochs} epochs, sampler {plan.sampler}, accountant {plan.accountant} '
+    f'(ε: {" / ".join(bounds)} bound), C = {plan.clip_norm:g}'
+  )
   table = [_HEADER] + [_cells(plan, r) for r in plan.rows]
   widths = [max(len(line[i]) for line in table) for i in range(len(_HEADER))]
   lines = ['  '.join(f'{c:>{w}}' for c, w in zip(line, widths)) for line in table]
@@ -290,6 +362,13 @@ def format_table(plan: Plan) -> str:
     if row.batch_size == plan.best_batch_size:
       lines[i] += '  <- smallest σ·C/b'
   wall, cpu = sum(r.seconds for r in plan.rows), sum(r.cpu_seconds for r in plan.rows)
-  return '\n'.join([title, *lines, '', plan.message(),
-                    f'calibration time: {wall:.1f} s wall, {cpu:.1f} s CPU for '
-                    f'{len(plan.rows)} batch size{"s" if len(plan.rows) > 1 else ""}'])
+  return '\n'.join(
+    [
+      title,
+      *lines,
+      '',
+      plan.message(),
+      f'calibration time: {wall:.1f} s wall, {cpu:.1f} s CPU for '
+      f'{len(plan.rows)} batch size{"s" if len(plan.rows) > 1 else ""}',
+    ]
+  )

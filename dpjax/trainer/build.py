@@ -47,12 +47,19 @@ def init_params(plan: plan_lib.RunPlan, model, input_shape) -> tuple[Any, Any]:
   config = plan.config
   params = prng.init_params(model, plan.seed, input_shape)
   if config.init_from:
-    params = finetune.load_pretrained(plan.init_source.weights, params, config.init_from_rules,
-                                      plan.init_source.weights_sha256)
+    params = finetune.load_pretrained(
+      plan.init_source.weights, params, config.init_from_rules, plan.init_source.weights_sha256
+    )
   if config.freeze or config.lora.rank:
     model, params = finetune.make_finetune(
-        model, params, freeze=config.freeze, lora_rank=config.lora.rank,
-        lora_alpha=config.lora.alpha, lora_targets=config.lora.targets, seed=plan.seed)
+      model,
+      params,
+      freeze=config.freeze,
+      lora_rank=config.lora.rank,
+      lora_alpha=config.lora.alpha,
+      lora_targets=config.lora.targets,
+      seed=plan.seed,
+    )
   return model, params
 
 
@@ -67,7 +74,8 @@ class Auditor:
   def __init__(self, plan: plan_lib.RunPlan, params, workdir: str):
     audit = plan.config.audit
     self.canaries = auditing.make_canaries(
-        plan.seed, audit.num_canaries, int(sum(np.size(x) for x in jax.tree.leaves(params))))
+      plan.seed, audit.num_canaries, int(sum(np.size(x) for x in jax.tree.leaves(params)))
+    )
     self.confidence, self.every_checkpoint = audit.confidence, audit.every_checkpoint
     self.num_canaries = audit.num_canaries
     # A non-private run (no δ in its plan) is audited at the config's δ.
@@ -76,68 +84,107 @@ class Auditor:
     self._scale = plan.clip_norm if plan.private else 1.0
     self._initial_projection = auditing.project(params, self.canaries)
     if sharding.is_primary_process() and not os.path.exists(
-        os.path.join(workdir, audit_record.AUDIT_FILE)):
-      audit_record.write_record(workdir, self.canaries, confidence=self.confidence,
-                                initial_params=params)
+      os.path.join(workdir, audit_record.AUDIT_FILE)
+    ):
+      audit_record.write_record(
+        workdir, self.canaries, confidence=self.confidence, initial_params=params
+      )
 
   def wrap(self, sum_fn):
     """The clipped-sum function with the sampled canaries' gradients added."""
     return auditing.with_gradient_canaries(
-        sum_fn, self.canaries, canary_norm=self.canaries.gradient_scale * self._scale,
-        clip_norm=self._clip_norm)
+      sum_fn,
+      self.canaries,
+      canary_norm=self.canaries.gradient_scale * self._scale,
+      clip_norm=self._clip_norm,
+    )
 
   def __call__(self, params) -> dict:
     """The audit's metrics and metadata fields at `params`."""
-    return audit_record.audit_params(self.canaries, self._initial_projection,
-                                     jax.device_get(params), delta=self.delta,
-                                     confidence=self.confidence)
+    return audit_record.audit_params(
+      self.canaries,
+      self._initial_projection,
+      jax.device_get(params),
+      delta=self.delta,
+      confidence=self.confidence,
+    )
 
 
-def build_step(plan: plan_lib.RunPlan, model, optimizer: optax.GradientTransformation,
-               mesh: jax.sharding.Mesh, auditor: Auditor | None = None) -> dp_step.DPStep:
+def build_step(
+  plan: plan_lib.RunPlan,
+  model,
+  optimizer: optax.GradientTransformation,
+  mesh: jax.sharding.Mesh,
+  auditor: Auditor | None = None,
+) -> dp_step.DPStep:
   """The DP step of the plan (σ, C, b, seed), or the non-private step."""
   config = plan.config
-  options = dict(clipping=config.privacy.clipping, label_format=config.data.label_format,
-                 loss=config.loss, noise_impl=config.privacy.noise_prng, mesh=mesh,
-                 sum_fn_wrapper=None if auditor is None else auditor.wrap,
-                 augmult=augmult_lib.Augmult.from_config(config.augmult),
-                 clipping_forms=plan.perf.clipping_forms)
+  options = dict(
+    clipping=config.privacy.clipping,
+    label_format=config.data.label_format,
+    loss=config.loss,
+    noise_impl=config.privacy.noise_prng,
+    mesh=mesh,
+    sum_fn_wrapper=None if auditor is None else auditor.wrap,
+    augmult=augmult_lib.Augmult.from_config(config.augmult),
+    clipping_forms=plan.perf.clipping_forms,
+  )
   if not plan.private:
-    return dp_step.DPStep(model, optimizer, clip_norm=None, noise_multiplier=None,
-                          expected_batch_size=plan.sampler.expected_batch_size,
-                          private=False, seed=plan.seed, precision=plan_lib.precision_of(config), **options)
+    return dp_step.DPStep(
+      model,
+      optimizer,
+      clip_norm=None,
+      noise_multiplier=None,
+      expected_batch_size=plan.sampler.expected_batch_size,
+      private=False,
+      seed=plan.seed,
+      precision=plan_lib.precision_of(config),
+      **options,
+    )
   step = dp_step.DPStep.from_plan(model, optimizer, plan.privacy, **options)
   # What is reported is what runs (and its precision is the one whose η ε pays for); not an
   # assert, which `python -O` removes.
-  if not (step.noise_multiplier == plan.accountant.noise_multiplier == plan.noise_multiplier
-          and step.precision == plan.privacy.precision == plan_lib.precision_of(config)):
+  if not (
+    step.noise_multiplier == plan.accountant.noise_multiplier == plan.noise_multiplier
+    and step.precision == plan.privacy.precision == plan_lib.precision_of(config)
+  ):
     raise RuntimeError('the DP step and the privacy plan disagree on σ or the precision.')
   return step
 
 
-def make_evaluator(plan: plan_lib.RunPlan, model, test_source: data.DataSource,
-                   mesh: jax.sharding.Mesh) -> Callable[[Any], dict[str, float]]:
+def make_evaluator(
+  plan: plan_lib.RunPlan, model, test_source: data.DataSource, mesh: jax.sharding.Mesh
+) -> Callable[[Any], dict[str, float]]:
   """`evaluate(state)`: loss and accuracy of `state.params` on the test split (and of the
   EMA parameters, as `*_ema`, when `ema_decay` > 0), in batches of the plan's P."""
   config = plan.config
   eval_fn = jax.jit(  # Sharded like training; the sums come back replicated.
-      lambda params, batch: losses.eval_step(model, params, batch, config.data.label_format,
-                                             config.loss),
-      in_shardings=(sharding.replicated(mesh), sharding.batch_sharding(mesh)),
-      out_shardings=sharding.replicated(mesh))
+    lambda params, batch: losses.eval_step(
+      model, params, batch, config.data.label_format, config.loss
+    ),
+    in_shardings=(sharding.replicated(mesh), sharding.batch_sharding(mesh)),
+    out_shardings=sharding.replicated(mesh),
+  )
 
   def evaluate(state) -> dict[str, float]:
     out = evaluation.evaluate(eval_fn, state.params, test_source, plan.physical_batch_size, mesh)
     if config.ema_decay:
-      out.update({f'{k}_ema': v for k, v in evaluation.evaluate(
-          eval_fn, state.ema.params, test_source, plan.physical_batch_size, mesh).items()})
+      out.update(
+        {
+          f'{k}_ema': v
+          for k, v in evaluation.evaluate(
+            eval_fn, state.ema.params, test_source, plan.physical_batch_size, mesh
+          ).items()
+        }
+      )
     return out
 
   return evaluate
 
 
-def restore_or_init(manager, state, plan: plan_lib.RunPlan, workdir: str,
-                    log=print) -> tuple[int | None, Any]:
+def restore_or_init(
+  manager, state, plan: plan_lib.RunPlan, workdir: str, log=print
+) -> tuple[int | None, Any]:
   """(step restored, state) from the newest readable checkpoint, or (None, `state`).
 
   PlanError if that checkpoint's privacy fingerprint differs from the plan's.
@@ -148,8 +195,9 @@ def restore_or_init(manager, state, plan: plan_lib.RunPlan, workdir: str,
   if restored is not None:
     restored_step, state, metadata = restored
     if fingerprint_lib.fingerprint_changes(metadata.get('fingerprint', {}), plan.fingerprint):
-      raise plan_lib.PlanError(f'checkpoint {restored_step} has another privacy fingerprint '
-                               f'than the newest one; {plan_lib.NEW_WORKDIR_HINT}')
+      raise plan_lib.PlanError(
+        f'checkpoint {restored_step} has another privacy fingerprint '
+        f'than the newest one; {plan_lib.NEW_WORKDIR_HINT}'
+      )
     log(f'Resuming from step {restored_step} ({checkpoints.checkpoint_dir(workdir)}).')
-  return restored_step, state.replace(step=int(state.step),
-                                      num_truncated=int(state.num_truncated))
+  return restored_step, state.replace(step=int(state.step), num_truncated=int(state.num_truncated))

@@ -79,8 +79,9 @@ def temporary_checkpoints(workdir: str) -> list[str]:
   directory = checkpoint_dir(workdir)
   if not os.path.isdir(directory):
     return []
-  return sorted(os.path.join(directory, name) for name in os.listdir(directory)
-                if TMP_MARKER in name)
+  return sorted(
+    os.path.join(directory, name) for name in os.listdir(directory) if TMP_MARKER in name
+  )
 
 
 def remove_temporary_checkpoints(workdir: str) -> list[str]:
@@ -97,7 +98,8 @@ def remove_temporary_checkpoints(workdir: str) -> list[str]:
 def _disk_full(error: BaseException) -> bool:
   """A full disk, as an OSError or as tensorstore's RESOURCE_EXHAUSTED message."""
   return write_errors.is_full(error) or (
-      'No space left on device' in str(error) or "os_error_code='28'" in str(error))
+    'No space left on device' in str(error) or "os_error_code='28'" in str(error)
+  )
 
 
 class _QuietOrbaxErrors(logging.Filter):
@@ -125,8 +127,10 @@ class _QuietClosedLoop:
     self.previous = previous
 
   def __call__(self, unraisable) -> None:
-    if not (issubclass(unraisable.exc_type, RuntimeError)
-            and str(unraisable.exc_value) == 'Event loop is closed'):
+    if not (
+      issubclass(unraisable.exc_type, RuntimeError)
+      and str(unraisable.exc_value) == 'Event loop is closed'
+    ):
       self.previous(unraisable)
 
 
@@ -142,8 +146,9 @@ class Manager(ocp.CheckpointManager):
     self.pending_step: int | None = None
     self._directory_path = checkpoint_dir(workdir)
     if not options.read_only:
-      options = dataclasses.replace(options, async_options=ocp.AsyncOptions(
-          post_finalization_callback=self._write_manifest))
+      options = dataclasses.replace(
+        options, async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest)
+      )
     super().__init__(self._directory_path, options=options, item_names=ITEMS)
 
   def save(self, step: int, *args, **kwargs) -> bool:
@@ -154,8 +159,11 @@ class Manager(ocp.CheckpointManager):
   def _write_manifest(self) -> None:
     """Runs on process 0 after all processes wrote the step, before the rename into place."""
     step = self.pending_step
-    candidates = [path for path in temporary_checkpoints(os.path.dirname(self._directory_path))
-                  if re.fullmatch(rf'{step}{re.escape(TMP_MARKER)}.*', os.path.basename(path))]
+    candidates = [
+      path
+      for path in temporary_checkpoints(os.path.dirname(self._directory_path))
+      if re.fullmatch(rf'{step}{re.escape(TMP_MARKER)}.*', os.path.basename(path))
+    ]
     final = os.path.join(self._directory_path, str(step))
     if len(candidates) != 1 and not os.path.isdir(final):  # Commit-file storage: written in place.
       raise RuntimeError(f'cannot find the directory of checkpoint {step} to hash: {candidates}')
@@ -170,8 +178,11 @@ def make_manager(workdir: str, keep: int, *, read_only: bool = False) -> ocp.Che
   if not read_only and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
     raise ValueError(f'keep_checkpoints must be an integer >= 1, got {keep!r}.')
   options = ocp.CheckpointManagerOptions(
-      max_to_keep=None if read_only else keep, create=not read_only,
-      enable_async_checkpointing=not read_only, read_only=read_only)
+    max_to_keep=None if read_only else keep,
+    create=not read_only,
+    enable_async_checkpointing=not read_only,
+    read_only=read_only,
+  )
   if not read_only and jax.process_index() == 0:  # Before any save of this run can be in flight.
     remove_temporary_checkpoints(workdir)
   if _QUIET_ORBAX_ERRORS not in logging.getLogger('absl').filters:
@@ -183,8 +194,9 @@ def make_manager(workdir: str, keep: int, *, read_only: bool = False) -> ocp.Che
     return Manager(workdir, options)
 
 
-def _save_error(manager: ocp.CheckpointManager, step: int | None,
-                error: Exception) -> CheckpointSaveError:
+def _save_error(
+  manager: ocp.CheckpointManager, step: int | None, error: Exception
+) -> CheckpointSaveError:
   """Removes the failed save's temporary directory; one line: what failed, what is intact."""
   # One failed write fails the save at once while orbax's other writer threads of the same
   # save may still be writing (and recreating directories): let them end first.
@@ -201,11 +213,18 @@ def _save_error(manager: ocp.CheckpointManager, step: int | None,
   disk_full = _disk_full(error)
   manager.reload()
   intact = sorted(other for other in manager.all_steps() if other != step)
-  cause = (f'no space left on device under {manager.directory}' if disk_full
-           else f'{type(error).__name__}: {text}')
+  cause = (
+    f'no space left on device under {manager.directory}'
+    if disk_full
+    else f'{type(error).__name__}: {text}'
+  )
   action = 'free space and ' if disk_full else ''
-  kept = (f'the checkpoint at step {intact[-1]} is intact: {action}rerun the same command to '
-          'resume from it' if intact else f'there is no earlier checkpoint: {action}rerun')
+  kept = (
+    f'the checkpoint at step {intact[-1]} is intact: {action}rerun the same command to '
+    'resume from it'
+    if intact
+    else f'there is no earlier checkpoint: {action}rerun'
+  )
   return CheckpointSaveError(f'checkpoint at step {step} could not be written ({cause}); {kept}.')
 
 
@@ -225,8 +244,13 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, metadata: dict) 
   """
   wait_until_finished(manager)
   try:
-    manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), metadata=ocp.args.JsonSave(metadata)), force=True)
+    manager.save(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), metadata=ocp.args.JsonSave(metadata)
+      ),
+      force=True,
+    )
   except Exception as e:
     raise _save_error(manager, step, e) from e
 
@@ -245,8 +269,10 @@ def _key_name(key) -> str:
 
 def _shapes(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
   """{path: shape} of the array leaves of a state or of a checkpoint's saved tree."""
-  return {tuple(_key_name(k) for k in path): tuple(getattr(leaf, 'shape', ()))
-          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+  return {
+    tuple(_key_name(k) for k in path): tuple(getattr(leaf, 'shape', ()))
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+  }
 
 
 _PARTS = {'params': 'model parameters', 'opt_state': 'optimizer state', 'ema': 'EMA parameters'}
@@ -264,10 +290,13 @@ def state_mismatch(saved_tree, target) -> str:
     old = 'absent' if path not in saved else str(saved[path])
     new = 'absent' if path not in want else str(want[path])
     parts.setdefault(_PARTS.get(path[0], path[0]), []).append(
-        f"{'/'.join(path[1:]) or path[0]} {old} → {new}")
-  return '; '.join(f'{part} differ ({", ".join(items[:3])}'
-                   f'{f" and {len(items) - 3} more" if len(items) > 3 else ""})'
-                   for part, items in parts.items())
+      f'{"/".join(path[1:]) or path[0]} {old} → {new}'
+    )
+  return '; '.join(
+    f'{part} differ ({", ".join(items[:3])}'
+    f'{f" and {len(items) - 3} more" if len(items) > 3 else ""})'
+    for part, items in parts.items()
+  )
 
 
 def _saved_tree(path: str):
@@ -289,31 +318,40 @@ def _restore_step(manager: ocp.CheckpointManager, step: int, target: Any):
   try:
     verified = manifest.verify_checkpoint(path)
     if not verified:
-      message = (f'checkpoint {step} has no {manifest.MANIFEST} (written before dpjax kept '
-                 'checksums); restoring it unverified.')
+      message = (
+        f'checkpoint {step} has no {manifest.MANIFEST} (written before dpjax kept '
+        'checksums); restoring it unverified.'
+      )
       logging.warning(message)
       print(f'WARNING: {message}', file=sys.stderr)
     mismatch = state_mismatch(_saved_tree(path), target)
     if mismatch:
       raise CheckpointMismatchError(
-          f'checkpoint {step} in {manager.directory} holds a state of another structure than '
-          f'this config builds: {mismatch}. The model or the optimizer changed since the run '
-          'started; restore them, or use a new --workdir to start fresh (the checkpoint is '
-          'untouched).')
-    restored = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), metadata=ocp.args.JsonRestore()))
+        f'checkpoint {step} in {manager.directory} holds a state of another structure than '
+        f'this config builds: {mismatch}. The model or the optimizer changed since the run '
+        'started; restore them, or use a new --workdir to start fresh (the checkpoint is '
+        'untouched).'
+      )
+    restored = manager.restore(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target), metadata=ocp.args.JsonRestore()
+      ),
+    )
   except CheckpointMismatchError:
     raise
   except Exception as e:  # Orbax raises many types for damaged files.
     if write_errors.is_full(e):  # Not the checkpoint's fault.
-      raise write_errors.WriteError(f'cannot restore checkpoint {step} ({path}): no space left '
-                                    f'on device. {write_errors.RERUN}') from None
+      raise write_errors.WriteError(
+        f'cannot restore checkpoint {step} ({path}): no space left on device. {write_errors.RERUN}'
+      ) from None
     if verified:
       raise CheckpointMismatchError(
-          f'checkpoint {step} passed its checksums but could not be restored onto this '
-          f'config\'s state ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}); '
-          'it is untouched. Restore the settings it was written with, or use a new '
-          '--workdir.') from None
+        f'checkpoint {step} passed its checksums but could not be restored onto this '
+        f"config's state ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+        'it is untouched. Restore the settings it was written with, or use a new '
+        '--workdir.'
+      ) from None
     return e
   return restored['state'], restored['metadata']
 
@@ -342,8 +380,10 @@ def restore_latest(manager: ocp.CheckpointManager, target: Any) -> tuple[int, An
       aside = f'{path}.unreadable-{int(time.time())}'
       if jax.process_index() == 0:  # One host renames the shared directory.
         os.rename(path, aside)
-      message = (f'checkpoint {bad} is unreadable ({type(error).__name__}: {error}); moved it '
-                 f'to {aside} and resuming from checkpoint {step}, the newest readable one.')
+      message = (
+        f'checkpoint {bad} is unreadable ({type(error).__name__}: {error}); moved it '
+        f'to {aside} and resuming from checkpoint {step}, the newest readable one.'
+      )
       logging.warning(message)
       print(f'WARNING: {message}', file=sys.stderr)
     if unreadable:
@@ -353,11 +393,12 @@ def restore_latest(manager: ocp.CheckpointManager, target: Any) -> tuple[int, An
     newest, error = unreadable[0]
     first_line = str(error).splitlines()[0] if str(error) else ''
     raise CheckpointUnreadableError(
-        f'checkpoint {newest} in {manager.directory} is unreadable ({type(error).__name__}: '
-        f'{first_line}) and no earlier checkpoint is readable'
-        f'{f" (steps {sorted(s for s, _ in unreadable)})" if len(unreadable) > 1 else ""}, so '
-        'the run cannot resume. To train it again from step 0, move the checkpoints directory '
-        'away (or use a new --workdir) and rerun; nothing was changed.')
+      f'checkpoint {newest} in {manager.directory} is unreadable ({type(error).__name__}: '
+      f'{first_line}) and no earlier checkpoint is readable'
+      f'{f" (steps {sorted(s for s, _ in unreadable)})" if len(unreadable) > 1 else ""}, so '
+      'the run cannot resume. To train it again from step 0, move the checkpoints directory '
+      'away (or use a new --workdir) and rerun; nothing was changed.'
+    )
   return None
 
 

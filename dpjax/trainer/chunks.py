@@ -38,9 +38,15 @@ def make_batcher(plan: plan_lib.RunPlan) -> batching.Batcher:
   return batching.Batcher(plan.sampler, plan.physical_batch_size, cap)
 
 
-def make_chunks(calls: Iterable[tuple[int, int]], batcher: batching.Batcher,
-                train_source: data.DataSource, dataset, mesh: jax.sharding.Mesh, size: int,
-                serial: bool):
+def make_chunks(
+  calls: Iterable[tuple[int, int]],
+  batcher: batching.Batcher,
+  train_source: data.DataSource,
+  dataset,
+  mesh: jax.sharding.Mesh,
+  size: int,
+  serial: bool,
+):
   """A context manager over (call, `multi_step.Chunk`) for each (first step, count) of `calls`.
 
   With the training set on the device (`dataset`) a chunk holds indices, made
@@ -55,11 +61,11 @@ def make_chunks(calls: Iterable[tuple[int, int]], batcher: batching.Batcher,
     prepared = []
     for t in range(first, first + count):
       logical = batcher.logical_batch(t)
-      buffer, k = (device_data.index_buffer(logical, batcher.max_physical_batches, rows,
-                                             num_rows=len(dataset))
-                   if dataset is not None else
-                   device_data.host_buffer(train_source, logical, batcher.max_physical_batches,
-                                           rows))
+      buffer, k = (
+        device_data.index_buffer(logical, batcher.max_physical_batches, rows, num_rows=len(dataset))
+        if dataset is not None
+        else device_data.host_buffer(train_source, logical, batcher.max_physical_batches, rows)
+      )
       prepared.append((logical, buffer, k))
     chunk = multi_step.stack(first, prepared, size)
     chunk.buffer = sharding.shard_chunk(mesh, chunk.buffer)

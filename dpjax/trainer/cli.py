@@ -46,8 +46,10 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
   """
   path, _, arg = resolve_config_spec(spec).partition(':')
   if not os.path.isfile(path):
-    raise ValueError(f'--config {spec!r}: no such file {path!r} (and no packaged config of that '
-                     f'name: {", ".join(configs.NAMES)}).')
+    raise ValueError(
+      f'--config {spec!r}: no such file {path!r} (and no packaged config of that '
+      f'name: {", ".join(configs.NAMES)}).'
+    )
   module_spec = importlib.util.spec_from_file_location('_dpjax_config', path)
   if module_spec is None or module_spec.loader is None:
     raise ValueError(f'--config {spec!r}: cannot load {path!r} as a Python file.')
@@ -57,8 +59,9 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
   except SyntaxError as e:
     raise ValueError(f'--config {spec!r}: syntax error at line {e.lineno}: {e.msg}.') from None
   except Exception as e:  # pylint: disable=broad-except
-    raise ValueError(f'--config {spec!r}: loading it raised {type(e).__name__}: '
-                     f'{str(e).rstrip(".")}.') from None
+    raise ValueError(
+      f'--config {spec!r}: loading it raised {type(e).__name__}: {str(e).rstrip(".")}.'
+    ) from None
   if not hasattr(module, 'get_config'):
     raise ValueError(f'--config {spec!r}: {path!r} defines no get_config().')
 
@@ -67,12 +70,16 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
       config = module.get_config() if value is None else module.get_config(value)
     except Exception as e:  # pylint: disable=broad-except
       shown = '' if value is None else repr(value)
-      raise ValueError(f'--config {spec!r}: get_config({shown}) in {path!r} raised '
-                       f'{type(e).__name__}: {str(e).rstrip(".")}.') from None
+      raise ValueError(
+        f'--config {spec!r}: get_config({shown}) in {path!r} raised '
+        f'{type(e).__name__}: {str(e).rstrip(".")}.'
+      ) from None
     if not isinstance(config, ml_collections.ConfigDict):
-      raise ValueError(f'--config {spec!r}: get_config() in {path!r} returned a '
-                       f'{type(config).__name__}, not an ml_collections.ConfigDict (start from '
-                       'dpjax.trainer.config_fields.default_config()).')
+      raise ValueError(
+        f'--config {spec!r}: get_config() in {path!r} returned a '
+        f'{type(config).__name__}, not an ml_collections.ConfigDict (start from '
+        'dpjax.trainer.config_fields.default_config()).'
+      )
     return config
 
   config = call(arg or None)
@@ -81,8 +88,10 @@ def load_config_file(spec: str) -> ml_collections.ConfigDict:
   except ValueError:  # get_config needs its argument (e.g. configs/from_workdir.py).
     baseline = None
   if baseline is not None and config.to_dict() == baseline.to_dict():
-    raise ValueError(f"--config {spec!r}: the argument {arg!r} changes nothing in {path!r}'s "
-                     'get_config (a typo, e.g. of runlocal?).')
+    raise ValueError(
+      f"--config {spec!r}: the argument {arg!r} changes nothing in {path!r}'s "
+      'get_config (a typo, e.g. of runlocal?).'
+    )
   return config
 
 
@@ -108,11 +117,12 @@ def config_override_error(argv: Sequence[str], flag: str = 'config') -> str | No
     return str(e)
   # Here, not at the top: --help and flag errors answer without the fields' imports (jax).
   from dpjax.trainer import config_fields  # pylint: disable=import-outside-toplevel
+
   known = set(config_fields.field_paths(base))
   prefixes = {p.rsplit('.', i)[0] for p in known for i in range(1, p.count('.') + 1)}
   for arg in argv:
     if arg.startswith(f'--{flag}.'):
-      path = arg[len(flag) + 3:].split('=', 1)[0]
+      path = arg[len(flag) + 3 :].split('=', 1)[0]
       if config_fields.removed_field_message(path):
         return f'--{flag}.{path}: ' + config_fields.removed_field_message(path)
       if path not in known and path not in prefixes:
@@ -128,7 +138,7 @@ def resolve_config_argv(argv: Sequence[str]) -> list[str]:
   out = list(argv)
   for i, arg in enumerate(out):
     if arg.startswith('--config='):
-      out[i] = '--config=' + resolve_config_spec(arg[len('--config='):])
+      out[i] = '--config=' + resolve_config_spec(arg[len('--config=') :])
     elif arg == '--config' and i + 1 < len(out):
       out[i + 1] = resolve_config_spec(out[i + 1])
   return out
@@ -153,23 +163,35 @@ def parse_flags(prog: str, flag_values: flags.FlagValues, argv: list[str]) -> li
     fail(prog, config_override_error(argv[1:]) or f'{type(e).__name__}: {e}')
 
 
-def usage(prog: str, doc: str, flag_values: flags.FlagValues,
-          positional: Sequence[str] = (), names: Sequence[str] | None = None) -> str:
+def usage(
+  prog: str,
+  doc: str,
+  flag_values: flags.FlagValues,
+  positional: Sequence[str] = (),
+  names: Sequence[str] | None = None,
+) -> str:
   """--help text: the command's docstring, then each flag (`names`, default all) with its help,
   choices and default."""
   lines = []
-  for name in (names if names is not None else flag_values):
+  for name in names if names is not None else flag_values:
     flag = flag_values[name]
     extra = ''  # absl's enum help already lists the choices.
-    if flag.default not in (None, False) and not isinstance(flag.default, ml_collections.ConfigDict):
+    if flag.default not in (None, False) and not isinstance(
+      flag.default, ml_collections.ConfigDict
+    ):
       extra += f' (default {flag.default})'
     lines.append(f'  --{name}: {flag.help}{extra}')
   args = ''.join(f' <{p}>' for p in positional)
   return f'usage: {prog}{args} [--flag=value ...]\n\n{doc}\nflags:\n' + '\n'.join(lines)
 
 
-def parse_command(prog: str, doc: str, flag_values: flags.FlagValues, argv: Sequence[str],
-                  positional: Sequence[str] = ()) -> list[str]:
+def parse_command(
+  prog: str,
+  doc: str,
+  flag_values: flags.FlagValues,
+  argv: Sequence[str],
+  positional: Sequence[str] = (),
+) -> list[str]:
   """One convention for every dpjax command: absl flags in `flag_values`.
 
   `--help` prints `usage` and exits 0; a bad flag, config file or

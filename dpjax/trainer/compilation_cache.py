@@ -29,16 +29,19 @@ MIN_COMPILE_SECONDS = 0.1
 def resolve_cache_dir(setting: str = '') -> str | None:
   """The directory `setting` names ('' = default, 'none' = None); ValueError if not a string."""
   if not isinstance(setting, str):
-    raise ValueError(f"compilation_cache_dir must be a string ('' = default, 'none' = off, or a "
-                     f'directory), got {setting!r}.')
+    raise ValueError(
+      f"compilation_cache_dir must be a string ('' = default, 'none' = off, or a "
+      f'directory), got {setting!r}.'
+    )
   if setting.strip().lower() == 'none':
     return None
   path = setting or os.environ.get(ENV_VAR) or DEFAULT_DIR
   return os.path.abspath(os.path.expanduser(path))
 
 
-def enable_compilation_cache(setting: str = '',
-                             min_compile_seconds: float = MIN_COMPILE_SECONDS) -> str | None:
+def enable_compilation_cache(
+  setting: str = '', min_compile_seconds: float = MIN_COMPILE_SECONDS
+) -> str | None:
   """Points jax's persistent compilation cache at `setting` (see module doc); returns the dir.
 
   Call before the first compilation. 'none' disables the cache for this process.
@@ -46,10 +49,16 @@ def enable_compilation_cache(setting: str = '',
   path = resolve_cache_dir(setting)
   if path is not None and not _writable_dir(path):
     if setting:  # Named by the user: say so, as for any other bad field.
-      raise ValueError(f'compilation_cache_dir = {setting!r}: {path} cannot be created or written; '
-                       "name a writable directory, or 'none' to compile every run.")
-    print(f'WARNING: the compilation cache {path} is not writable (HOME or $DPJAX_CACHE_DIR); '
-          'compiling without a persistent cache.', file=sys.stderr, flush=True)
+      raise ValueError(
+        f'compilation_cache_dir = {setting!r}: {path} cannot be created or written; '
+        "name a writable directory, or 'none' to compile every run."
+      )
+    print(
+      f'WARNING: the compilation cache {path} is not writable (HOME or $DPJAX_CACHE_DIR); '
+      'compiling without a persistent cache.',
+      file=sys.stderr,
+      flush=True,
+    )
     path = None
   if path is None:
     jax.config.update('jax_enable_compilation_cache', False)

@@ -25,13 +25,17 @@ class EventFile:
   def __init__(self, directory: str, purge_step: int | None = None):
     os.makedirs(directory, exist_ok=True)
     # A unique name per writer: the timestamp in it has one-second resolution.
-    self.path = os.path.join(directory, f'events.out.tfevents.{int(time.time())}.'
-                             f'{socket.gethostname()}.{os.getpid()}.{time.time_ns()}')
+    self.path = os.path.join(
+      directory,
+      f'events.out.tfevents.{int(time.time())}.'
+      f'{socket.gethostname()}.{os.getpid()}.{time.time_ns()}',
+    )
     self._records = record_writer.RecordWriter(self.path)
     self._event(file_version='brain.Event:2')
     if purge_step is not None:
-      self._event(step=purge_step,
-                  session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START))
+      self._event(
+        step=purge_step, session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+      )
 
   def _event(self, **fields) -> None:
     self._records.write(event_pb2.Event(wall_time=time.time(), **fields).SerializeToString())

@@ -59,14 +59,23 @@ class Field:
     if self.kind == 'str':
       return 'one of ' + ', '.join(repr(c) for c in self.choices)
     if self.kind in ('text', 'texts', 'pairs'):
-      return {'text': 'a string', 'texts': 'a tuple of strings',
-              'pairs': 'a tuple of (regex, replacement) string pairs'}[self.kind]
+      return {
+        'text': 'a string',
+        'texts': 'a tuple of strings',
+        'pairs': 'a tuple of (regex, replacement) string pairs',
+      }[self.kind]
     fmt = lambda v: str(int(v)) if self.kind in ('int', 'ints') else f'{v:g}'
-    noun = {'int': 'an integer', 'float': 'a finite number', 'ints': 'a tuple of integers',
-            'floats': 'a tuple of finite numbers'}[self.kind]
+    noun = {
+      'int': 'an integer',
+      'float': 'a finite number',
+      'ints': 'a tuple of integers',
+      'floats': 'a tuple of finite numbers',
+    }[self.kind]
     if self.low is not None and self.high is not None:
-      text = (f'{noun} in {"(" if self.low_open else "["}{fmt(self.low)}, {fmt(self.high)}'
-              f'{")" if self.high_open else "]"}')
+      text = (
+        f'{noun} in {"(" if self.low_open else "["}{fmt(self.low)}, {fmt(self.high)}'
+        f'{")" if self.high_open else "]"}'
+      )
     elif self.low is not None:
       text = f'{noun} {">" if self.low_open else ">="} {fmt(self.low)}'
     elif self.high is not None:
@@ -104,13 +113,14 @@ class Field:
     if self.kind == 'texts':
       return all(isinstance(v, str) for v in value)
     if self.kind == 'pairs':
-      return all(isinstance(v, (tuple, list)) and len(v) == 2
-                 and all(isinstance(s, str) for s in v) for v in value)
+      return all(
+        isinstance(v, (tuple, list)) and len(v) == 2 and all(isinstance(s, str) for s in v)
+        for v in value
+      )
     if not value:
       return False
     check = is_int if self.kind == 'ints' else is_number
-    return all(check(v) and self._in_range(float(v) if self.kind == 'floats' else v)
-               for v in value)
+    return all(check(v) and self._in_range(float(v) if self.kind == 'floats' else v) for v in value)
 
   def message(self, value) -> str:
     doc = f' ({self.doc})' if self.doc else ''

@@ -81,8 +81,9 @@ def apply_rules(flat: dict[str, Any], rules: Sequence[Sequence[str]]) -> dict[st
   """Renames keys by each (regex, replacement) in turn (re.sub); '' drops the key."""
   out = dict(flat)
   for rule in rules:
-    if not (isinstance(rule, (tuple, list)) and len(rule) == 2
-            and all(isinstance(s, str) for s in rule)):
+    if not (
+      isinstance(rule, (tuple, list)) and len(rule) == 2 and all(isinstance(s, str) for s in rule)
+    ):
       raise ValueError(f'init_from_rules entry {rule!r}: must be a (regex, replacement) pair.')
     try:
       pattern = re.compile(rule[0])
@@ -99,8 +100,9 @@ def apply_rules(flat: dict[str, Any], rules: Sequence[Sequence[str]]) -> dict[st
   return out
 
 
-def load_pretrained(init_from: str, template: Params, rules: Sequence[Sequence[str]] = (),
-                    sha256: str | None = None) -> Params:
+def load_pretrained(
+  init_from: str, template: Params, rules: Sequence[Sequence[str]] = (), sha256: str | None = None
+) -> Params:
   """Pretrained parameters with the structure, shapes and dtypes of `template`.
 
   sha256: the digest of the weights the run started from (`stored_params.sha256`), if
@@ -115,14 +117,26 @@ def load_pretrained(init_from: str, template: Params, rules: Sequence[Sequence[s
   want = flatten(template)
   missing = sorted(set(want) - set(flat))
   unexpected = sorted(set(flat) - set(want))
-  shapes = sorted(f'{k} {tuple(np.shape(flat[k]))} vs model {tuple(np.shape(want[k]))}'
-                  for k in set(want) & set(flat) if np.shape(flat[k]) != np.shape(want[k]))
+  shapes = sorted(
+    f'{k} {tuple(np.shape(flat[k]))} vs model {tuple(np.shape(want[k]))}'
+    for k in set(want) & set(flat)
+    if np.shape(flat[k]) != np.shape(want[k])
+  )
   if missing or unexpected or shapes:
-    parts = [f'{name} [{_listing(items)}]' for name, items in
-             (('missing keys', missing), ('unexpected keys', unexpected),
-              ('shape mismatches', shapes)) if items]
-    raise ValueError(f'init_from = {init_from!r} does not match the model: ' + '; '.join(parts)
-                     + '. Rename keys with init_from_rules (regex, replacement).')
+    parts = [
+      f'{name} [{_listing(items)}]'
+      for name, items in (
+        ('missing keys', missing),
+        ('unexpected keys', unexpected),
+        ('shape mismatches', shapes),
+      )
+      if items
+    ]
+    raise ValueError(
+      f'init_from = {init_from!r} does not match the model: '
+      + '; '.join(parts)
+      + '. Rename keys with init_from_rules (regex, replacement).'
+    )
   return unflatten({k: jnp.asarray(flat[k], jnp.asarray(v).dtype) for k, v in want.items()})
 
 
@@ -144,8 +158,10 @@ def _matching(field: str, patterns: Sequence[str], paths: Sequence[str]) -> set[
   for pattern in _compile_all(field, patterns):
     matched = {p for p in paths if pattern.search(p)}
     if not matched:
-      raise ValueError(f'{field} regex {pattern.pattern!r} matches no parameter; the parameters '
-                       f'are [{_listing(sorted(paths))}].')
+      raise ValueError(
+        f'{field} regex {pattern.pattern!r} matches no parameter; the parameters '
+        f'are [{_listing(sorted(paths))}].'
+      )
     hits |= matched
   return hits
 
@@ -165,8 +181,9 @@ class FineTuneModel:
   The frozen constants are closed over by the compiled programs.
   """
 
-  def __init__(self, model, frozen: dict[str, jax.Array], lora_targets: Sequence[str],
-               lora_scale: float):
+  def __init__(
+    self, model, frozen: dict[str, jax.Array], lora_targets: Sequence[str], lora_scale: float
+  ):
     self.model = model
     self.frozen = dict(frozen)
     self.lora_targets = tuple(lora_targets)
@@ -187,9 +204,16 @@ class FineTuneModel:
     return self.model.apply({'params': self.full_params(variables['params'])}, *args, **kwargs)
 
 
-def make_finetune(model, params: Params, *, freeze: Sequence[str] = (), lora_rank: int = 0,
-                  lora_alpha: float = 1.0, lora_targets: Sequence[str] = (),
-                  seed: int = 0) -> tuple[FineTuneModel, Params]:
+def make_finetune(
+  model,
+  params: Params,
+  *,
+  freeze: Sequence[str] = (),
+  lora_rank: int = 0,
+  lora_alpha: float = 1.0,
+  lora_targets: Sequence[str] = (),
+  seed: int = 0,
+) -> tuple[FineTuneModel, Params]:
   """(wrapped model, initial trainable parameters) for fine-tuning `params`.
 
   Args:
@@ -222,11 +246,14 @@ def make_finetune(model, params: Params, *, freeze: Sequence[str] = (), lora_ran
     split = matrix_split(path, shape)
     d_in, d_out = int(np.prod(shape[:split])), int(np.prod(shape[split:]))
     if lora_rank > min(d_in, d_out):
-      raise ValueError(f'lora.rank = {lora_rank}: must be <= min(in, out) = {min(d_in, d_out)} '
-                       f'of {path} {tuple(shape)}.')
+      raise ValueError(
+        f'lora.rank = {lora_rank}: must be <= min(in, out) = {min(d_in, d_out)} '
+        f'of {path} {tuple(shape)}.'
+      )
     dtype = jnp.asarray(flat[path]).dtype
-    trainable[path + LORA_A] = (jax.random.normal(jax.random.fold_in(key, i), (d_in, lora_rank),
-                                                  dtype) / math.sqrt(d_in))
+    trainable[path + LORA_A] = jax.random.normal(
+      jax.random.fold_in(key, i), (d_in, lora_rank), dtype
+    ) / math.sqrt(d_in)
     trainable[path + LORA_B] = jnp.zeros((lora_rank, d_out), dtype)
   if not trainable:
     raise ValueError(f'freeze = {tuple(freeze)!r}: freezes every parameter; nothing would train.')

@@ -32,8 +32,9 @@ FINGERPRINT_VERSION = 3  # 2: the seed as its SHA-256, the data by its content; 
 DATASET_FIELDS = ('source', 'split', 'num_examples', 'content_sha256')
 
 
-def run_fingerprint(config, sampler, max_batch_size: int, privacy, dataset,
-                    init_weights_sha256: str | None = None) -> dict[str, Any]:
+def run_fingerprint(
+  config, sampler, max_batch_size: int, privacy, dataset, init_weights_sha256: str | None = None
+) -> dict[str, Any]:
   """The privacy fingerprint: the privacy plan's fields, the private flag, the starting
   weights' digest, audit and data."""
   dataset = dataset or {}
@@ -42,33 +43,47 @@ def run_fingerprint(config, sampler, max_batch_size: int, privacy, dataset,
   if privacy is not None:
     fields = privacy.fingerprint
   else:
-    fields = {'sampler.name': sampler.name, 'sampler.num_examples': sampler.num_examples,
-              'sampler.batch_size': sampler.batch_size, 'sampler.max_batch_size': max_batch_size,
-              'privacy.group_size': None, 'privacy.noise_multiplier': None,
-              'privacy.clip_norm': None, 'privacy.delta': None, 'privacy.accountant': None,
-              'privacy.matmul_format': None, 'privacy.rounding_eta': None,
-              'seed_sha256': privacy_plan.seed_digest(sampler.seed)}
-  init = {'init_from_disjoint_data': bool(config.get('init_from_disjoint_data')),
-          INIT_WEIGHTS_FIELD: init_weights_sha256}
+    fields = {
+      'sampler.name': sampler.name,
+      'sampler.num_examples': sampler.num_examples,
+      'sampler.batch_size': sampler.batch_size,
+      'sampler.max_batch_size': max_batch_size,
+      'privacy.group_size': None,
+      'privacy.noise_multiplier': None,
+      'privacy.clip_norm': None,
+      'privacy.delta': None,
+      'privacy.accountant': None,
+      'privacy.matmul_format': None,
+      'privacy.rounding_eta': None,
+      'seed_sha256': privacy_plan.seed_digest(sampler.seed),
+    }
+  init = {
+    'init_from_disjoint_data': bool(config.get('init_from_disjoint_data')),
+    INIT_WEIGHTS_FIELD: init_weights_sha256,
+  }
   return {
-      'fingerprint_version': FINGERPRINT_VERSION,
-      'privacy.enabled': privacy is not None,
-      **fields,
-      # Whether the starting weights' runs are composed (present when init_from is set).
-      **(init if config.get('init_from') else {}),
-      # Audit canaries change the data (N + m rows) and what each canary contributes.
-      'audit.num_canaries': canaries,
-      'audit.kind': audit.get('kind') if canaries else None,
-      **{f'data.{key}': dataset.get(key) for key in DATASET_FIELDS},
-      # A declared public bound on N (sampler.num_examples then holds it); absent when the
-      # exact N is public, as in checkpoints written before the field existed.
-      **({'data.public_num_examples': bound} if (bound := training_set_size.declared_bound(
-          config)) else {}),
+    'fingerprint_version': FINGERPRINT_VERSION,
+    'privacy.enabled': privacy is not None,
+    **fields,
+    # Whether the starting weights' runs are composed (present when init_from is set).
+    **(init if config.get('init_from') else {}),
+    # Audit canaries change the data (N + m rows) and what each canary contributes.
+    'audit.num_canaries': canaries,
+    'audit.kind': audit.get('kind') if canaries else None,
+    **{f'data.{key}': dataset.get(key) for key in DATASET_FIELDS},
+    # A declared public bound on N (sampler.num_examples then holds it); absent when the
+    # exact N is public, as in checkpoints written before the field existed.
+    **(
+      {'data.public_num_examples': bound}
+      if (bound := training_set_size.declared_bound(config))
+      else {}
+    ),
   }
 
 
-def dataset_identity(data_config: ml_collections.ConfigDict, source,
-                     key: bytes = b'') -> dict[str, Any]:
+def dataset_identity(
+  data_config: ml_collections.ConfigDict, source, key: bytes = b''
+) -> dict[str, Any]:
   """Source, name, location, split, N and a digest of a train split's content (features, labels).
 
   The digest is `data_identity.content_identity(source, key=key)`: a SHA-256 over every
@@ -81,14 +96,23 @@ def dataset_identity(data_config: ml_collections.ConfigDict, source,
   kind = data_config.source
   path = str(data_config.get('path', '') or '')
   name = {'tfds': data_config.name, 'digits': 'sklearn digits'}.get(
-      kind, path.rstrip('/').rsplit('/', 1)[-1] or kind)
-  location = {'tfds': f'{data_config.name}@{os.path.realpath(data_config.data_dir or ".")}',
-              'npz': os.path.realpath(path) if path else '', 'memmap': os.path.realpath(path)
-              if path else ''}.get(kind, kind)
+    kind, path.rstrip('/').rsplit('/', 1)[-1] or kind
+  )
+  location = {
+    'tfds': f'{data_config.name}@{os.path.realpath(data_config.data_dir or ".")}',
+    'npz': os.path.realpath(path) if path else '',
+    'memmap': os.path.realpath(path) if path else '',
+  }.get(kind, kind)
   split = data_config.train_split if kind in ('tfds', 'memmap') else 'train'
-  return {'source': kind, 'name': name, 'location': location, 'split': split,
-          'num_examples': len(source), 'content_sha256': identity['sha256'],
-          'content_method': identity['method']}
+  return {
+    'source': kind,
+    'name': name,
+    'location': location,
+    'split': split,
+    'num_examples': len(source),
+    'content_sha256': identity['sha256'],
+    'content_method': identity['method'],
+  }
 
 
 def data_key(seed: int) -> bytes:
@@ -101,11 +125,14 @@ def fingerprint_changes(previous: dict[str, Any], current: dict[str, Any]) -> li
   changes = []
   for key in sorted(set(previous) | set(current)):
     old, new = previous.get(key, '<absent>'), current.get(key, '<absent>')
-    if old != new and not (_is_float(old) and _is_float(new) and math.isclose(old, new,
-                                                                             rel_tol=1e-12)):
+    if old != new and not (
+      _is_float(old) and _is_float(new) and math.isclose(old, new, rel_tol=1e-12)
+    ):
       if key == 'seed_sha256':
-        changes.append('seed: another seed than the run being resumed (a given seed differs, '
-                       "or the workdir's private/seed.json is missing or was changed)")
+        changes.append(
+          'seed: another seed than the run being resumed (a given seed differs, '
+          "or the workdir's private/seed.json is missing or was changed)"
+        )
       else:
         changes.append(f'{key}: {old!r} → {new!r}')
   return changes
@@ -122,13 +149,19 @@ class PendingFields:
     prior = {composition.FINGERPRINT_FIELD: [r.fingerprint for r in prior_runs]}
     rounding = rounding_lib.Rounding.of(max_batch_size, precision)
     self.fingerprint = {
-        **(prior if prior_runs else {}),
-        'sampler.name': sampler.name, 'sampler.num_examples': sampler.num_examples,
-        'sampler.batch_size': sampler.batch_size, 'sampler.max_batch_size': max_batch_size,
-        'privacy.group_size': privacy.group_size,
-        'privacy.noise_multiplier': None if sigma is None else float(sigma),
-        'privacy.clip_norm': float(privacy.clip_norm), 'privacy.delta': float(privacy.delta),
-        'privacy.accountant': accountant_lib.resolve_accountant(
-            sampler.name, privacy.accountant, privacy.group_size),
-        'privacy.matmul_format': rounding.matmul_format, 'privacy.rounding_eta': rounding.eta,
-        'seed_sha256': privacy_plan.seed_digest(sampler.seed)}
+      **(prior if prior_runs else {}),
+      'sampler.name': sampler.name,
+      'sampler.num_examples': sampler.num_examples,
+      'sampler.batch_size': sampler.batch_size,
+      'sampler.max_batch_size': max_batch_size,
+      'privacy.group_size': privacy.group_size,
+      'privacy.noise_multiplier': None if sigma is None else float(sigma),
+      'privacy.clip_norm': float(privacy.clip_norm),
+      'privacy.delta': float(privacy.delta),
+      'privacy.accountant': accountant_lib.resolve_accountant(
+        sampler.name, privacy.accountant, privacy.group_size
+      ),
+      'privacy.matmul_format': rounding.matmul_format,
+      'privacy.rounding_eta': rounding.eta,
+      'seed_sha256': privacy_plan.seed_digest(sampler.seed),
+    }

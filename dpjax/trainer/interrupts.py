@@ -102,9 +102,11 @@ class GracefulStop:
     if self.signum is None:
       self.signum = signum
       self.progress_at_signal = self.progress
-      self._log(f'{name} received: finishing this step, saving a checkpoint, then exiting with '
-                f'code {128 + signum}' + (' (Ctrl-C again to abort at once).'
-                                          if signum == signal.SIGINT else '.'))
+      self._log(
+        f'{name} received: finishing this step, saving a checkpoint, then exiting with '
+        f'code {128 + signum}'
+        + (' (Ctrl-C again to abort at once).' if signum == signal.SIGINT else '.')
+      )
     elif signum == signal.SIGINT:
       signal.signal(signal.SIGINT, signal.SIG_DFL)  # A third Ctrl-C kills the process.
       raise KeyboardInterrupt(f'second {name}: aborting without a checkpoint')
@@ -167,8 +169,11 @@ def exit_on_signals(prog: str, detail: str = '') -> None:
         os.kill(pid, signal.SIGTERM)
     for path in reversed(_PARTIAL):
       _remove(path)
-    what = 'interrupted (Ctrl-C)' if signum == signal.SIGINT else (
-        f'stopped by {signal.Signals(signum).name}')
+    what = (
+      'interrupted (Ctrl-C)'
+      if signum == signal.SIGINT
+      else (f'stopped by {signal.Signals(signum).name}')
+    )
     with contextlib.suppress(OSError):  # Not print: stderr may be in the middle of a write.
       os.write(2, f'{prog}: {what}{detail}.\n'.encode())
     os._exit(128 + signum)  # pylint: disable=protected-access

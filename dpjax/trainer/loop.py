@@ -56,6 +56,7 @@ class TrainState:
   In the loop `step` and `num_truncated` are host ints; a checkpoint holds them
   as replicated int32 arrays (`loop_parts.PlanCheckpointer.stored`).
   """
+
   step: Any
   params: Any  # The trainable parameters (all of them unless fine-tuning freezes some).
   opt_state: Any
@@ -79,18 +80,30 @@ class Loop:
   log writes its own row.
   """
 
-  def __init__(self, settings: loop_parts.LoopSettings, steps: loop_parts.StepRunner,
-               chunks: loop_parts.ChunkStream, evaluate: loop_parts.Evaluate,
-               writer: loop_parts.Writer, checkpointer: loop_parts.Checkpointer,
-               accountant: loop_parts.Epsilons | None, auditor: build.Auditor | None = None, *,
-               clock: Callable[[], float] = time.time, log=print):
+  def __init__(
+    self,
+    settings: loop_parts.LoopSettings,
+    steps: loop_parts.StepRunner,
+    chunks: loop_parts.ChunkStream,
+    evaluate: loop_parts.Evaluate,
+    writer: loop_parts.Writer,
+    checkpointer: loop_parts.Checkpointer,
+    accountant: loop_parts.Epsilons | None,
+    auditor: build.Auditor | None = None,
+    *,
+    clock: Callable[[], float] = time.time,
+    log=print,
+  ):
     self.settings, self.steps, self.chunks, self.evaluate = settings, steps, chunks, evaluate
     self.writer, self.checkpointer, self.accountant = writer, checkpointer, accountant
     self.auditor, self.clock, self.log = auditor, clock, log
     self.primary, self.serial = settings.primary, settings.serial
     self.ema_decay = settings.ema_decay
-    self.every = {'log': settings.log_every, 'eval': settings.eval_every,
-                  'checkpoint': settings.checkpoint_every}
+    self.every = {
+      'log': settings.log_every,
+      'eval': settings.eval_every,
+      'checkpoint': settings.checkpoint_every,
+    }
     self.warnings = run_warnings.RunWarnings()
     self.progress = self.chrono = self.pacer = self.signals = self.ahead = None
     self.last: dict[str, Any] = {}  # The latest log row (or the step-0 evaluation).
@@ -117,24 +130,38 @@ class Loop:
 
   def _train(self, state: TrainState) -> TrainState:
     start, last_step = state.step, self.settings.num_steps
-    self.progress = tqdm.tqdm(total=last_step, initial=start, desc='train', dynamic_ncols=True,
-                              disable=not self.primary or (
-                                  not sys.stderr.isatty()
-                                  and os.environ.get('DPJAX_PROGRESS') != '1'))
+    self.progress = tqdm.tqdm(
+      total=last_step,
+      initial=start,
+      desc='train',
+      dynamic_ncols=True,
+      disable=not self.primary
+      or (not sys.stderr.isatty() and os.environ.get('DPJAX_PROGRESS') != '1'),
+    )
     self.chrono = chrono_lib.Chrono(self.clock)
     self._window_start = start + 1
     size = self.steps.size  # S logical steps a call; calls end where the host needs θ.
     # Automatic S: a call lasts ~0.5 s at most, so a signal stops a slow run within ~2 steps.
-    self.pacer = multi_step.CallPacer(size, adaptive=self.settings.steps_per_call == 0
-                                      and size > 1)
-    calls = multi_step.schedule(start, last_step, size, tuple(self.every.values()),
-                                limit=self.pacer.limit)
+    self.pacer = multi_step.CallPacer(size, adaptive=self.settings.steps_per_call == 0 and size > 1)
+    calls = multi_step.schedule(
+      start, last_step, size, tuple(self.every.values()), limit=self.pacer.limit
+    )
     stream = self.chunks(calls)
     # ε of the logged and saved steps, computed ahead while the device trains.
-    self.ahead = None if self.accountant is None else ahead_lib.EpsilonAhead(
-        self.accountant, () if self.serial else (
-            s for s in range(start + 1, last_step + 1)
-            if self._due('log', s) or self._due('checkpoint', s)))
+    self.ahead = (
+      None
+      if self.accountant is None
+      else ahead_lib.EpsilonAhead(
+        self.accountant,
+        ()
+        if self.serial
+        else (
+          s
+          for s in range(start + 1, last_step + 1)
+          if self._due('log', s) or self._due('checkpoint', s)
+        ),
+      )
+    )
     with stream as prepared, contextlib.nullcontext() if self.ahead is None else self.ahead:
       chunks = iter(prepared)
       upcoming = next(chunks, None)
@@ -156,31 +183,43 @@ class Loop:
       saved = state.step > self._saved_step
       if saved:
         self._save(state, None)
-      kept = (f'checkpoint {state.step} saved' if saved else
-              f'nothing was trained since {f"checkpoint {state.step}" if state.step else "the start"}')
-      raise self._stop(RunInterrupted(
+      kept = (
+        f'checkpoint {state.step} saved'
+        if saved
+        else f'nothing was trained since {f"checkpoint {state.step}" if state.step else "the start"}'
+      )
+      raise self._stop(
+        RunInterrupted(
           f'stopped by {self.signals.signal_name} at step {state.step} of '
           f'{self.settings.num_steps} while XLA compiled or ran a call (it cannot be '
-          f'interrupted); {kept}. Rerun the same command to resume.', self.signals.exit_code,
-          abandoned=True)) from None
+          f'interrupted); {kept}. Rerun the same command to resume.',
+          self.signals.exit_code,
+          abandoned=True,
+        )
+      ) from None
 
   def _dispatch(self, state: TrainState, chunk: multi_step.Chunk) -> TrainState:
     """One compiled call: S logical steps (K physical batches each, noise keyed by
     (seed, step), the update and the EMA). The first call of a (re)start compiles."""
     self.chrono.dispatch()
-    call = lambda: self.steps(state.params, state.opt_state,
-                              state.ema if self.ema_decay else None, chunk)
-    params, opt_state, ema, metrics = (self._interruptible(call, state)
-                                       if self.chrono.compile_seconds is None else call())
+    call = lambda: self.steps(
+      state.params, state.opt_state, state.ema if self.ema_decay else None, chunk
+    )
+    params, opt_state, ema, metrics = (
+      self._interruptible(call, state) if self.chrono.compile_seconds is None else call()
+    )
     self.signals.progress = chunk.last_step + 1  # Read by the signal handler.
     self.pacer.dispatched(metrics)  # At most two calls in flight: a signal waits for few steps.
     if self.serial:
       jax.block_until_ready(params)
     self._pending.append((metrics, chunk.count))
     return state.replace(
-        step=chunk.last_step + 1, params=params, opt_state=opt_state,
-        ema=ema if self.ema_decay else state.ema,
-        num_truncated=state.num_truncated + sum(int(b.truncated) for b in chunk.logicals))
+      step=chunk.last_step + 1,
+      params=params,
+      opt_state=opt_state,
+      ema=ema if self.ema_decay else state.ema,
+      num_truncated=state.num_truncated + sum(int(b.truncated) for b in chunk.logicals),
+    )
 
   def _count(self, state: TrainState, chunk: multi_step.Chunk) -> None:
     """Progress and timing of a call: compilation apart, then the window's steps and rows."""
@@ -194,8 +233,9 @@ class Loop:
     if not self.pacer.observed:  # One more sync: how long a step takes, after compilation.
       jax.block_until_ready(state.params)
       self.pacer.observe(int(chunk.count), self.chrono.since_dispatch())
-    self.chrono.count(int(chunk.count), sum(min(b.size, self.settings.max_batch_size)
-                                            for b in chunk.logicals))
+    self.chrono.count(
+      int(chunk.count), sum(min(b.size, self.settings.max_batch_size) for b in chunk.logicals)
+    )
 
   def _periodic(self, state: TrainState) -> None:
     """The actions due after the call that ended at `state.step`, in order."""
@@ -208,8 +248,9 @@ class Loop:
     audit = self._audit(state) if saving_now else None
     row = self._log(state, *fetched, wait=saving_now) if logging_now else None
     evaluated = self._eval(state) if self._due('eval', done) else None
-    audit_row = None if audit is None else {
-        k: audit[k] for k in ('audit_epsilon_lower', 'audit_confidence')}
+    audit_row = (
+      None if audit is None else {k: audit[k] for k in ('audit_epsilon_lower', 'audit_confidence')}
+    )
     if row is not None:
       row.update(evaluated or {})
       if self.chrono.checkpoint_seconds is not None:  # The latest save's (outside the rates).
@@ -227,10 +268,14 @@ class Loop:
     if logging_now:
       self.chrono.next_window()
     if stopping and done < last_step:
-      raise self._stop(RunInterrupted(
+      raise self._stop(
+        RunInterrupted(
           f'stopped by {self.signals.signal_name} after step {done} of {last_step} '
           f'({done - self.signals.progress_at_signal} steps dispatched after it arrived); '
-          f'checkpoint {done} saved. Rerun the same command to resume.', self.signals.exit_code))
+          f'checkpoint {done} saved. Rerun the same command to resume.',
+          self.signals.exit_code,
+        )
+      )
 
   def _fetch(self, state: TrainState) -> tuple[list[dict], float]:
     """(per-step metrics since the latest log, their mean loss), in one host sync;
@@ -241,11 +286,14 @@ class Loop:
     fetched = [row for m, count in fetched for row in multi_step.rows_of(m, count)]
     loss = float(np.mean([m['loss'] for m in fetched])) if fetched else 0.0
     if bool(diverged):
-      raise self._stop(TrainingDiverged(
-          f'non-finite parameters (or ‖θ‖ beyond float32\'s range) between steps '
+      raise self._stop(
+        TrainingDiverged(
+          f"non-finite parameters (or ‖θ‖ beyond float32's range) between steps "
           f'{self._window_start} and {state.step}; the '
           f'last checkpoint before step {self._window_start} is intact. Try a smaller '
-          'optimizer.learning_rate or privacy.clip_norm.'))
+          'optimizer.learning_rate or privacy.clip_norm.'
+        )
+      )
     return fetched, loss
 
   def _log(self, state: TrainState, fetched: list[dict], loss: float, wait: bool) -> dict:
@@ -257,18 +305,20 @@ class Loop:
       self.pacer.observe(self.chrono.window_steps, elapsed)  # The steady-state step time.
     total = lambda name: sum(int(m[name]) for m in fetched)
     examples = sum(float(m['num_examples']) for m in fetched)
-    row = {'nonprivate_train_loss': loss,
-           'nonprivate_train_accuracy': float(np.mean([m['accuracy'] for m in fetched])),
-           'nonprivate_num_nonfinite_examples': total('num_nonfinite'),
-           'nonprivate_num_truncated': state.num_truncated,
-           'nonprivate_compile_seconds': self.chrono.compile_seconds,
-           'nonprivate_steps_per_second': rate,
-           'nonprivate_wall_seconds': self.chrono.wall_seconds(),
-           'nonprivate_examples_per_second': self.chrono.window_examples / elapsed if rate
-                                             else None,
-           'nonprivate_clip_fraction': total('num_clipped') / max(1.0, examples),
-           'nonprivate_mean_grad_norm': float(np.mean([m['example_grad_norm'] for m in fetched]))
-                                        if self.settings.private else None}
+    row = {
+      'nonprivate_train_loss': loss,
+      'nonprivate_train_accuracy': float(np.mean([m['accuracy'] for m in fetched])),
+      'nonprivate_num_nonfinite_examples': total('num_nonfinite'),
+      'nonprivate_num_truncated': state.num_truncated,
+      'nonprivate_compile_seconds': self.chrono.compile_seconds,
+      'nonprivate_steps_per_second': rate,
+      'nonprivate_wall_seconds': self.chrono.wall_seconds(),
+      'nonprivate_examples_per_second': self.chrono.window_examples / elapsed if rate else None,
+      'nonprivate_clip_fraction': total('num_clipped') / max(1.0, examples),
+      'nonprivate_mean_grad_norm': float(np.mean([m['example_grad_norm'] for m in fetched]))
+      if self.settings.private
+      else None,
+    }
     for line in self.warnings.check(row, self._window_start, done, self.settings.clip_norm):
       self.log(f'WARNING: {line}')
     self._pending, self._window_start = [], done + 1
@@ -282,8 +332,11 @@ class Loop:
     None, as for a non-private run). `estimates`: with the side estimates."""
     if self.ahead is None:
       return None
-    return (self.ahead.epsilon_at(step, estimates=estimates) if wait
-            else self.ahead.epsilon_if_ready(step))
+    return (
+      self.ahead.epsilon_at(step, estimates=estimates)
+      if wait
+      else self.ahead.epsilon_if_ready(step)
+    )
 
   def _eval(self, state: TrainState) -> dict:
     """The evaluation of `state` and its seconds (queued steps finish before the clock)."""
@@ -296,8 +349,9 @@ class Loop:
   def _audit(self, state: TrainState) -> dict | None:
     """The audit at a saved `state` when due: at every checkpoint with
     `audit.every_checkpoint`, else at the last step; None without canaries."""
-    if self.auditor is None or not (self.auditor.every_checkpoint
-                                    or state.step == self.settings.num_steps):
+    if self.auditor is None or not (
+      self.auditor.every_checkpoint or state.step == self.settings.num_steps
+    ):
       return None
     return self.auditor(state.params)
 
@@ -315,9 +369,11 @@ class Loop:
 
   def _show(self, done: int, row: dict) -> None:
     """The progress bar's postfix; without a terminal, one plain progress line."""
-    shown = {k: f'{v:.4g}' for k, v in row.items()
-             if k in ('nonprivate_train_loss', 'nonprivate_train_accuracy', 'eval_accuracy',
-                      'epsilon')}
+    shown = {
+      k: f'{v:.4g}'
+      for k, v in row.items()
+      if k in ('nonprivate_train_loss', 'nonprivate_train_accuracy', 'eval_accuracy', 'epsilon')
+    }
     if 'epsilon' in shown:  # The kind of bound beside the number.
       shown['epsilon'] += f' ({row["epsilon_bound"]})'
     self.progress.set_postfix(shown)
@@ -329,8 +385,11 @@ class Loop:
     query_seconds = 0.0 if self.ahead is None else self.ahead.mean_query_seconds
     eta = left / rate + saves_left * query_seconds if rate else float('nan')
     speed = f'{row["nonprivate_examples_per_second"]:.0f} ex/s' if rate else 'compiling'
-    print(f'step {done}/{self.settings.num_steps}, {speed}, ETA {eta:.0f} s, '
-          + ' '.join(f'{k}={v}' for k, v in shown.items()), flush=True)
+    print(
+      f'step {done}/{self.settings.num_steps}, {speed}, ETA {eta:.0f} s, '
+      + ' '.join(f'{k}={v}' for k, v in shown.items()),
+      flush=True,
+    )
 
   def _close(self, after_failed_write: bool = False) -> None:
     """Leaves the workdir consistent: earlier saves complete, metrics and events flushed
@@ -338,8 +397,11 @@ class Loop:
     if self.progress is not None:
       self.progress.close()
     for finish in (self.checkpointer.wait_until_finished, self.writer.close):
-      with (contextlib.suppress(write_errors.WriteError) if after_failed_write
-            else contextlib.nullcontext()):
+      with (
+        contextlib.suppress(write_errors.WriteError)
+        if after_failed_write
+        else contextlib.nullcontext()
+      ):
         finish()
 
   def _stop(self, error: Exception) -> Exception:
@@ -352,8 +414,14 @@ class Loop:
     return self.steps.compilations()
 
 
-def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
-        test_source: data.DataSource, model, mesh: jax.sharding.Mesh) -> dict[str, Any]:
+def run(
+  plan: plan_lib.RunPlan,
+  workdir: str,
+  train_source: data.DataSource,
+  test_source: data.DataSource,
+  model,
+  mesh: jax.sharding.Mesh,
+) -> dict[str, Any]:
   """The run of a plan, in a locked workdir; returns the final metrics and parameters."""
   log = print if sharding.is_primary_process() else lambda *args, **kwargs: None
   config = plan.config
@@ -361,22 +429,43 @@ def run(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
   model, params = build.init_params(plan, model, train_source.input_shape)
   auditor = build.Auditor(plan, params, workdir) if config.audit.num_canaries else None
   step_fns = build.build_step(plan, model, optimizer, mesh, auditor)
-  state = sharding.replicate(mesh, TrainState(  # Same seed, same values on every host.
-      step=np.int32(0), params=params, opt_state=optimizer.init(params),
-      num_truncated=np.int32(0), ema=ema_lib.init(params)))
+  state = sharding.replicate(
+    mesh,
+    TrainState(  # Same seed, same values on every host.
+      step=np.int32(0),
+      params=params,
+      opt_state=optimizer.init(params),
+      num_truncated=np.int32(0),
+      ema=ema_lib.init(params),
+    ),
+  )
   # The training set on the device when it fits (the sampler sends indices only); else
   # host-gathered rows, prefetched on a thread.
-  dataset = (device_data.put_on_device(train_source, sharding.replicated(mesh))
-             if device_data.fits_on_device(train_source) else None)
+  dataset = (
+    device_data.put_on_device(train_source, sharding.replicated(mesh))
+    if device_data.fits_on_device(train_source)
+    else None
+  )
   plan = physical_batch.resolve_physical_batch_size(
-      plan, step_fns, state.params, state.opt_state, train_source, dataset, mesh, log)
+    plan, step_fns, state.params, state.opt_state, train_source, dataset, mesh, log
+  )
   evaluate = build.make_evaluator(plan, model, test_source, mesh)
   manager = checkpoints.make_manager(workdir, config.keep_checkpoints)
   restored_step, state = build.restore_or_init(manager, state, plan, workdir, log)
   run_report.announce(plan, workdir, train_source, mesh, params, log)
-  parts = loop_parts.from_plan(plan, workdir, step_fns, state.params, train_source, dataset,
-                               mesh, manager, restored_step)
-  loop = Loop(parts.settings, parts.steps, parts.chunks, evaluate, parts.writer,
-              parts.checkpointer, plan.accountant, auditor, log=log)
+  parts = loop_parts.from_plan(
+    plan, workdir, step_fns, state.params, train_source, dataset, mesh, manager, restored_step
+  )
+  loop = Loop(
+    parts.settings,
+    parts.steps,
+    parts.chunks,
+    evaluate,
+    parts.writer,
+    parts.checkpointer,
+    plan.accountant,
+    auditor,
+    log=log,
+  )
   state = loop.run(state)
   return run_report.finish(plan, state, loop.last, evaluate, auditor, loop.compilations(), log)

@@ -44,6 +44,7 @@ class LoopSettings:
   """What the loop reads of the plan. `steps_per_call`: S as requested (0: automatic, paced);
   `serial`: calls one at a time, ε computed when asked (`chunks.serial_dispatch`);
   `primary`: this process writes and shows progress."""
+
   num_steps: int
   log_every: int
   eval_every: int
@@ -59,16 +60,24 @@ class LoopSettings:
   @classmethod
   def of_plan(cls, plan: plan_lib.RunPlan, mesh: jax.sharding.Mesh) -> LoopSettings:
     config = plan.config
-    return cls(num_steps=plan.num_steps, log_every=config.log_every_steps,
-               eval_every=config.eval_every_steps, checkpoint_every=config.checkpoint_every_steps,
-               steps_per_call=plan.perf.steps_per_call, ema_decay=config.ema_decay,
-               max_batch_size=plan.max_batch_size, clip_norm=plan.clip_norm,
-               private=plan.private, serial=chunks_lib.serial_dispatch(mesh),
-               primary=sharding.is_primary_process())
+    return cls(
+      num_steps=plan.num_steps,
+      log_every=config.log_every_steps,
+      eval_every=config.eval_every_steps,
+      checkpoint_every=config.checkpoint_every_steps,
+      steps_per_call=plan.perf.steps_per_call,
+      ema_decay=config.ema_decay,
+      max_batch_size=plan.max_batch_size,
+      clip_norm=plan.clip_norm,
+      private=plan.private,
+      serial=chunks_lib.serial_dispatch(mesh),
+      primary=sharding.is_primary_process(),
+    )
 
 
 class StepRunner(Protocol):
   """The device side: S logical steps per call, and a check of the parameters."""
+
   size: int  # S, the slots of a call.
 
   def __call__(self, params, opt_state, ema, chunk: multi_step.Chunk) -> tuple:
@@ -85,8 +94,9 @@ class StepRunner(Protocol):
     """The programs compiled so far, by name."""
 
 
-ChunkStream = Callable[[Iterable[tuple[int, int]]],
-                       ContextManager[Iterable[tuple[tuple[int, int], multi_step.Chunk]]]]
+ChunkStream = Callable[
+  [Iterable[tuple[int, int]]], ContextManager[Iterable[tuple[tuple[int, int], multi_step.Chunk]]]
+]
 Evaluate = Callable[[Any], dict]
 
 
@@ -114,8 +124,9 @@ class Epsilons(Protocol):
 class CompiledSteps:
   """`StepRunner` of a DP step: `multi_step.MultiStep` over the data (on the device or not)."""
 
-  def __init__(self, step_fns: dp_step.DPStep, size: int, ema_decay: float,
-               mesh: jax.sharding.Mesh, dataset):
+  def __init__(
+    self, step_fns: dp_step.DPStep, size: int, ema_decay: float, mesh: jax.sharding.Mesh, dataset
+  ):
     self.step_fns, self.size, self.dataset = step_fns, size, dataset
     self.multi = multi_step.MultiStep(step_fns, size, ema_decay, mesh)
 
@@ -130,8 +141,10 @@ class CompiledSteps:
     return self.step_fns.clipping_choice
 
   def compilations(self) -> dict[str, int]:
-    counts = (('train_steps', self.multi.compile_count()),
-              ('train_step', self.step_fns.compile_count('train_step')))
+    counts = (
+      ('train_steps', self.multi.compile_count()),
+      ('train_step', self.step_fns.compile_count('train_step')),
+    )
     return {name: count for name, count in counts if count}
 
 
@@ -139,14 +152,23 @@ class PlanCheckpointer:
   """`Checkpointer` to an orbax manager: each checkpoint holds the ε of its step and the plan's
   privacy fingerprint (`privacy_metadata`), σ and C read from the step that ran."""
 
-  def __init__(self, manager, plan: plan_lib.RunPlan, step_fns, batcher,
-               train_source: data.DataSource, mesh: jax.sharding.Mesh, ema_decay: float):
+  def __init__(
+    self,
+    manager,
+    plan: plan_lib.RunPlan,
+    step_fns,
+    batcher,
+    train_source: data.DataSource,
+    mesh: jax.sharding.Mesh,
+    ema_decay: float,
+  ):
     self.manager, self.plan, self.step_fns, self.batcher = manager, plan, step_fns, batcher
     self.train_source, self.mesh, self.ema_decay = train_source, mesh, ema_decay
 
   def save(self, state, report: PrivacyReport | None, audit: dict | None) -> None:
-    metadata = privacy_metadata.privacy_metadata(state.step, report, self.plan, self.step_fns,
-                                                 self.batcher, state.num_truncated)
+    metadata = privacy_metadata.privacy_metadata(
+      state.step, report, self.plan, self.step_fns, self.batcher, state.num_truncated
+    )
     metadata['model_io'] = preprocess.model_io(self.train_source)  # For export.
     if audit is not None:
       metadata['audit'] = audit
@@ -157,8 +179,10 @@ class PlanCheckpointer:
     EMA is what the update would have made, (θ, t)."""
     count = lambda n: sharding.replicate(self.mesh, np.int32(n))
     return state.replace(
-        step=count(state.step), num_truncated=count(state.num_truncated),
-        ema=state.ema if self.ema_decay else ema_lib.EmaState(state.params, count(state.step)))
+      step=count(state.step),
+      num_truncated=count(state.num_truncated),
+      ema=state.ema if self.ema_decay else ema_lib.EmaState(state.params, count(state.step)),
+    )
 
   def wait_until_finished(self) -> None:
     checkpoints.wait_until_finished(self.manager)
@@ -167,6 +191,7 @@ class PlanCheckpointer:
 @dataclasses.dataclass(frozen=True)
 class LoopParts:
   """The real collaborators of a plan's loop (`from_plan`)."""
+
   settings: LoopSettings
   steps: CompiledSteps
   chunks: ChunkStream
@@ -174,21 +199,34 @@ class LoopParts:
   checkpointer: PlanCheckpointer
 
 
-def from_plan(plan: plan_lib.RunPlan, workdir: str, step_fns: dp_step.DPStep, params,
-              train_source: data.DataSource, dataset, mesh: jax.sharding.Mesh, manager,
-              restored_step: int | None) -> LoopParts:
+def from_plan(
+  plan: plan_lib.RunPlan,
+  workdir: str,
+  step_fns: dp_step.DPStep,
+  params,
+  train_source: data.DataSource,
+  dataset,
+  mesh: jax.sharding.Mesh,
+  manager,
+  restored_step: int | None,
+) -> LoopParts:
   """The loop's collaborators for `plan` (P resolved): S = `multi_step.steps_per_call` for the
   step's loop mode at `params`, the plan's batcher, the workdir's writer and checkpoints."""
   settings = LoopSettings.of_plan(plan, mesh)
-  size = multi_step.steps_per_call(settings.steps_per_call, step_fns.loop_mode(params),
-                                   dataset is not None)
+  size = multi_step.steps_per_call(
+    settings.steps_per_call, step_fns.loop_mode(params), dataset is not None
+  )
   batcher = chunks_lib.make_batcher(plan)
 
   def chunks(calls):
-    return chunks_lib.make_chunks(calls, batcher, train_source, dataset, mesh, size,
-                                  settings.serial)
+    return chunks_lib.make_chunks(
+      calls, batcher, train_source, dataset, mesh, size, settings.serial
+    )
 
   return LoopParts(
-      settings, CompiledSteps(step_fns, size, settings.ema_decay, mesh, dataset), chunks,
-      metrics_lib.MetricWriter(workdir, restored_step, enabled=settings.primary),
-      PlanCheckpointer(manager, plan, step_fns, batcher, train_source, mesh, settings.ema_decay))
+    settings,
+    CompiledSteps(step_fns, size, settings.ema_decay, mesh, dataset),
+    chunks,
+    metrics_lib.MetricWriter(workdir, restored_step, enabled=settings.primary),
+    PlanCheckpointer(manager, plan, step_fns, batcher, train_source, mesh, settings.ema_decay),
+  )

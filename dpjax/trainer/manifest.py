@@ -72,6 +72,7 @@ def verify_checkpoint(step_dir: str) -> bool:
       raise CheckpointCorruptError(f'{relative} is missing')
     if got != want:
       raise CheckpointCorruptError(
-          f"{relative} differs from the manifest (size {got['size']} vs {want['size']}, "
-          f"sha256 {got['sha256'][:12]}… vs {want['sha256'][:12]}…)")
+        f'{relative} differs from the manifest (size {got["size"]} vs {want["size"]}, '
+        f'sha256 {got["sha256"][:12]}… vs {want["sha256"][:12]}…)'
+      )
   return True

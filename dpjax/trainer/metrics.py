@@ -47,8 +47,18 @@ TENSORBOARD_DIR = 'tensorboard'
 # audit), the privacy claim itself, and public counts. Every other value a run logs is a
 # statistic of the private training data or of the run's timing and is named nonprivate_*
 # (TensorBoard section nonprivate/). README "Metrics" has the table.
-COVERED = ('step', 'epsilon', 'epsilon_bound', 'eval_loss', 'eval_accuracy', 'eval_loss_ema',
-           'eval_accuracy_ema', 'audit_epsilon_lower', 'audit_confidence', 'train_window_steps')
+COVERED = (
+  'step',
+  'epsilon',
+  'epsilon_bound',
+  'eval_loss',
+  'eval_accuracy',
+  'eval_loss_ema',
+  'eval_accuracy_ema',
+  'audit_epsilon_lower',
+  'audit_confidence',
+  'train_window_steps',
+)
 NONPRIVATE = 'nonprivate_'
 TRAIN_LOSS = NONPRIVATE + 'train_loss'
 
@@ -57,13 +67,14 @@ def check_names(scalars: dict) -> None:
   """ValueError for a name neither covered by ε nor labelled nonprivate_ (a programming error)."""
   bad = [k for k in scalars if k not in COVERED and not k.startswith(NONPRIVATE)]
   if bad:
-    raise ValueError(f'metric names {bad} are neither covered by ε ({COVERED}) nor labelled '
-                     f'{NONPRIVATE}*.')
+    raise ValueError(
+      f'metric names {bad} are neither covered by ε ({COVERED}) nor labelled {NONPRIVATE}*.'
+    )
 
 
 def tensorboard_tag(name: str) -> str:
   """nonprivate_x -> 'nonprivate/x' (its own section); covered names unchanged."""
-  return 'nonprivate/' + name[len(NONPRIVATE):] if name.startswith(NONPRIVATE) else name
+  return 'nonprivate/' + name[len(NONPRIVATE) :] if name.startswith(NONPRIVATE) else name
 
 
 def _warn(message: str) -> None:
@@ -87,8 +98,10 @@ def read_rows(path: str) -> list[dict]:
         continue
       rows.append(row)
   if torn:
-    _warn(f'{path}: dropped {len(torn)} unreadable line(s) (line {", ".join(map(str, torn))}; '
-          'a torn write from a killed run); those steps are logged again if they are recomputed.')
+    _warn(
+      f'{path}: dropped {len(torn)} unreadable line(s) (line {", ".join(map(str, torn))}; '
+      'a torn write from a killed run); those steps are logged again if they are recomputed.'
+    )
   return rows
 
 
@@ -112,19 +125,22 @@ class MetricWriter:
     self._closed = not enabled
     if not enabled:
       return
-    if resume_step is not None and (isinstance(resume_step, bool) or not isinstance(
-        resume_step, int) or resume_step < 0):
+    if resume_step is not None and (
+      isinstance(resume_step, bool) or not isinstance(resume_step, int) or resume_step < 0
+    ):
       raise ValueError(f'resume_step must be None or an integer >= 0, got {resume_step!r}.')
     keep_until = -1 if resume_step is None else resume_step
     self._path = os.path.join(workdir, METRICS_FILE)
     kept = []
     if os.path.exists(self._path):
       kept = [row for row in read_rows(self._path) if row['step'] <= keep_until]
-      write_text_atomically(self._path, ''.join(json.dumps(row) + '\n' for row in kept),
-                            what='the metrics')
+      write_text_atomically(
+        self._path, ''.join(json.dumps(row) + '\n' for row in kept), what='the metrics'
+      )
     # The window of the next train_loss starts after the last logged one or the resume step.
-    self._last_train_step = max([0, keep_until] + [row['step'] for row in kept
-                                                   if TRAIN_LOSS in row])
+    self._last_train_step = max(
+      [0, keep_until] + [row['step'] for row in kept if TRAIN_LOSS in row]
+    )
     self._jsonl = self._tb = None
     self._durable: dict[str, int] = {}  # Path -> its size at the latest flush.
     tb_dir = os.path.join(workdir, TENSORBOARD_DIR)

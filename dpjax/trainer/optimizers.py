@@ -36,21 +36,25 @@ def make_schedule(config: ml_collections.ConfigDict, num_steps: int) -> optax.Sc
   if name == 'cosine':
     warmup = int(config.get('warmup_steps', 0))
     if not 0 <= warmup < num_steps:
-      raise ValueError(f'optimizer.warmup_steps = {warmup}: must be an integer in '
-                       f'[0, {num_steps}) (the run has {num_steps} steps).')
+      raise ValueError(
+        f'optimizer.warmup_steps = {warmup}: must be an integer in '
+        f'[0, {num_steps}) (the run has {num_steps} steps).'
+      )
     return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, num_steps, end_value=0.0)
   boundaries = tuple(int(s) for s in config.get('decay_steps', ()))
   factor = float(config.get('decay_factor', 0.1))
   if any(s <= 0 for s in boundaries) or list(boundaries) != sorted(set(boundaries)):
-    raise ValueError(f'optimizer.decay_steps = {boundaries}: must be strictly increasing '
-                     'steps > 0.')
+    raise ValueError(
+      f'optimizer.decay_steps = {boundaries}: must be strictly increasing steps > 0.'
+    )
   if not 0 < factor <= 1:
     raise ValueError(f'optimizer.decay_factor = {factor}: must be a number in (0, 1].')
   return optax.piecewise_constant_schedule(lr, {s: factor for s in boundaries})
 
 
-def make_optimizer(config: ml_collections.ConfigDict,
-                   num_steps: int) -> optax.GradientTransformation:
+def make_optimizer(
+  config: ml_collections.ConfigDict, num_steps: int
+) -> optax.GradientTransformation:
   """sgd (with optional momentum) or adam of `config` (an `optimizer` block), scheduled.
 
   Args:

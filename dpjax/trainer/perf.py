@@ -20,11 +20,11 @@ from dpjax.trainer import config_fields
 
 # Perf field -> its config path (the config file keeps its familiar layout).
 CONFIG_PATHS = {
-    'physical_batch_size': 'sampler.physical_batch_size',
-    'steps_per_call': 'steps_per_call',
-    'num_devices': 'num_devices',
-    'compilation_cache_dir': 'compilation_cache_dir',
-    'clipping_forms': 'clipping_forms',
+  'physical_batch_size': 'sampler.physical_batch_size',
+  'steps_per_call': 'steps_per_call',
+  'num_devices': 'num_devices',
+  'compilation_cache_dir': 'compilation_cache_dir',
+  'clipping_forms': 'clipping_forms',
 }
 
 
@@ -52,5 +52,9 @@ class Perf:
   def from_config(cls, config: ml_collections.ConfigDict) -> Perf:
     """The Perf of a validated config; a field it lacks (an accounting-only config) has its
     declared default (`config_fields.FIELDS`)."""
-    return cls(**{name: config_fields.get(config, path, config_fields.FIELDS_BY_PATH[path].default)
-                  for name, path in CONFIG_PATHS.items()})
+    return cls(
+      **{
+        name: config_fields.get(config, path, config_fields.FIELDS_BY_PATH[path].default)
+        for name, path in CONFIG_PATHS.items()
+      }
+    )

@@ -26,9 +26,15 @@ from dpjax.privacy.dp_step import Params
 from dpjax.trainer import plan as plan_lib
 
 
-def compiled_step_bytes(step: DPStep, params: Params, opt_state: optax.OptState,
-                        example: Batch, physical_batch_size: int,
-                        max_batch_size: int, dataset=None) -> int:
+def compiled_step_bytes(
+  step: DPStep,
+  params: Params,
+  opt_state: optax.OptState,
+  example: Batch,
+  physical_batch_size: int,
+  max_batch_size: int,
+  dataset=None,
+) -> int:
   """Device bytes of `step.train_step` at P (XLA's memory analysis; nothing runs).
 
   arguments + outputs + temporaries − donated (aliased) bytes of the program
@@ -36,32 +42,46 @@ def compiled_step_bytes(step: DPStep, params: Params, opt_state: optax.OptState,
   'y': [...]}, or {'index': []} with `dataset`). Compiles (once per shape and
   step); does not execute.
   """
-  key = (physical_batch_size, max_batch_size, dataset is None,
-         tuple((name, jnp.shape(v), str(jnp.result_type(v))) for name, v in sorted(example.items())))
+  key = (
+    physical_batch_size,
+    max_batch_size,
+    dataset is None,
+    tuple((name, jnp.shape(v), str(jnp.result_type(v))) for name, v in sorted(example.items())),
+  )
   if key in step._step_bytes:  # pylint: disable=protected-access
     return step._step_bytes[key]  # pylint: disable=protected-access
   k_max = -(-max_batch_size // physical_batch_size)
-  spec = lambda v: jax.ShapeDtypeStruct((k_max, physical_batch_size, *jnp.shape(v)),
-                                        jnp.result_type(v))
+  spec = lambda v: jax.ShapeDtypeStruct(
+    (k_max, physical_batch_size, *jnp.shape(v)), jnp.result_type(v)
+  )
   logical = {name: spec(value) for name, value in example.items() if name != 'weight'}
   logical['weight'] = jax.ShapeDtypeStruct((k_max, physical_batch_size), jnp.float32)
-  abstract = lambda tree: jax.tree.map(lambda v: jax.ShapeDtypeStruct(jnp.shape(v),
-                                                                      jnp.result_type(v)), tree)
+  abstract = lambda tree: jax.tree.map(
+    lambda v: jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)), tree
+  )
   # pylint: disable=protected-access
   traces = dict(step._traces)
   compiled = step._train_step.lower(
-      abstract(params), abstract(opt_state), logical, jax.ShapeDtypeStruct((), jnp.int32),
-      jax.ShapeDtypeStruct((), jnp.uint32), dataset, step.keys).compile()
+    abstract(params),
+    abstract(opt_state),
+    logical,
+    jax.ShapeDtypeStruct((), jnp.int32),
+    jax.ShapeDtypeStruct((), jnp.uint32),
+    dataset,
+    step.keys,
+  ).compile()
   # Sizing compilations are counted apart: compile_count stays that of the programs run.
   step.sizing_compiles += step._traces['train_step'] - traces['train_step']
   step._traces = traces
   # pylint: enable=protected-access
   m = compiled.memory_analysis()
   if m is None:
-    raise ValueError('this backend reports no memory analysis; set '
-                     'sampler.physical_batch_size > 0.')
-  used = int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-             - m.alias_size_in_bytes)
+    raise ValueError(
+      'this backend reports no memory analysis; set sampler.physical_batch_size > 0.'
+    )
+  used = int(
+    m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+  )
   step._step_bytes[key] = used  # pylint: disable=protected-access
   return used
 
@@ -75,10 +95,19 @@ def device_memory_bytes(device: jax.Device | None = None) -> int:
   return os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') // 2
 
 
-def choose_physical_batch_size(step: DPStep, params: Params, opt_state: optax.OptState,
-                               example: Batch, max_batch_size: int, num_devices: int = 1,
-                               memory_bytes: int | None = None, dataset=None,
-                               fraction: float = 0.9, log=print, first: int = 1) -> int:
+def choose_physical_batch_size(
+  step: DPStep,
+  params: Params,
+  opt_state: optax.OptState,
+  example: Batch,
+  max_batch_size: int,
+  num_devices: int = 1,
+  memory_bytes: int | None = None,
+  dataset=None,
+  fraction: float = 0.9,
+  log=print,
+  first: int = 1,
+) -> int:
   """`sampler.physical_batch_size = 0`: the largest P = D·2^k whose step fits the device.
 
   Tries P = D·2^k upwards, from the largest such P ≤ max(D, `first`) (D =
@@ -93,8 +122,11 @@ def choose_physical_batch_size(step: DPStep, params: Params, opt_state: optax.Op
   only sizes the buffer [ceil(B/P), P, ...] (ceil(B/P)·P ≥ B rows: the extra
   rows are padding of weight 0). ValueError if even P = D does not fit.
   """
-  for name, value, low in (('max_batch_size', max_batch_size, 1), ('num_devices', num_devices, 1),
-                           ('first', first, 1)):
+  for name, value, low in (
+    ('max_batch_size', max_batch_size, 1),
+    ('num_devices', num_devices, 1),
+    ('first', first, 1),
+  ):
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
       raise ValueError(f'{name} must be an int >= {low}, got {value!r}.')
   if not 0 < fraction <= 1:
@@ -126,16 +158,25 @@ def choose_physical_batch_size(step: DPStep, params: Params, opt_state: optax.Op
         best = p
         break
   if best is None:
-    raise ValueError(f'sampler.physical_batch_size = {num_devices} (the smallest) needs '
-                     f'more than the {budget:.0f} bytes available on the device; use a smaller '
-                     'model.')
+    raise ValueError(
+      f'sampler.physical_batch_size = {num_devices} (the smallest) needs '
+      f'more than the {budget:.0f} bytes available on the device; use a smaller '
+      'model.'
+    )
   log(f'sampler.physical_batch_size = 0: chose P = {best}.')
   return best
 
 
-def resolve_physical_batch_size(plan: plan_lib.RunPlan, step: DPStep, params: Params,
-                                opt_state: optax.OptState, train_source: data.DataSource,
-                                dataset, mesh: jax.sharding.Mesh, log=print) -> plan_lib.RunPlan:
+def resolve_physical_batch_size(
+  plan: plan_lib.RunPlan,
+  step: DPStep,
+  params: Params,
+  opt_state: optax.OptState,
+  train_source: data.DataSource,
+  dataset,
+  mesh: jax.sharding.Mesh,
+  log=print,
+) -> plan_lib.RunPlan:
   """The plan with P resolved: itself when P > 0; for P = 0, the largest P that fits.
 
   `choose_physical_batch_size` over the mesh's devices from P = 32·D, for a
@@ -149,8 +190,18 @@ def resolve_physical_batch_size(plan: plan_lib.RunPlan, step: DPStep, params: Pa
   if dataset is None:
     example.update({k: v[0] for k, v in train_source.gather(np.zeros(1, np.int64)).items()})
   chosen = choose_physical_batch_size(
-      step, params, opt_state, example, plan.max_batch_size, num_devices=mesh.devices.size,
-      dataset=dataset, first=32 * mesh.devices.size, log=lambda line: logging.info('%s', line))
-  log(f'sampler.physical_batch_size = 0: P = {chosen}, the largest power-of-two multiple of '
-      f'the device count whose step fits the device (XLA memory analysis).')
+    step,
+    params,
+    opt_state,
+    example,
+    plan.max_batch_size,
+    num_devices=mesh.devices.size,
+    dataset=dataset,
+    first=32 * mesh.devices.size,
+    log=lambda line: logging.info('%s', line),
+  )
+  log(
+    f'sampler.physical_batch_size = 0: P = {chosen}, the largest power-of-two multiple of '
+    f'the device count whose step fits the device (XLA memory analysis).'
+  )
   return dataclasses.replace(plan, perf=dataclasses.replace(plan.perf, physical_batch_size=chosen))

@@ -124,22 +124,32 @@ class RunPlan:
   @property
   def fingerprint(self) -> dict[str, Any]:
     """The flat dict of everything that enters ε (JSON-ready; compared on resume)."""
-    return fingerprint_lib.run_fingerprint(self.config, self.sampler, self.max_batch_size,
-                                           self.privacy, self.dataset,
-                                           getattr(self.init_source, 'weights_sha256', None))
+    return fingerprint_lib.run_fingerprint(
+      self.config,
+      self.sampler,
+      self.max_batch_size,
+      self.privacy,
+      self.dataset,
+      getattr(self.init_source, 'weights_sha256', None),
+    )
 
   def summary(self) -> str:
     """One line: sampler, b, B, P, σ (and whether calibrated), C, target ε, steps."""
     s = self.sampler
-    text = (f'{s.name} sampler, {training_set_size.describe(s)}, b = {s.batch_size}, '
-            f'B = {self.max_batch_size}, P = {self.physical_batch_size}, {self.num_steps} steps')
+    text = (
+      f'{s.name} sampler, {training_set_size.describe(s)}, b = {s.batch_size}, '
+      f'B = {self.max_batch_size}, P = {self.physical_batch_size}, {self.num_steps} steps'
+    )
     if not self.private:
       return text + ', non-private (no clipping, no noise, ε = ∞)'
-    source = {'given': 'given', 'calibrated': 'calibrated',
-              'checkpoint': "the checkpoint's"}[self.noise_multiplier_source]
+    source = {'given': 'given', 'calibrated': 'calibrated', 'checkpoint': "the checkpoint's"}[
+      self.noise_multiplier_source
+    ]
     target = f'target ε = {self.target_epsilon:g}' if self.target_epsilon else 'no target ε'
-    return (text + f', σ = {self.noise_multiplier:.4f} ({source}), C = {self.clip_norm:g}, '
-            f'δ = {self.delta:g}, {target}')
+    return (
+      text + f', σ = {self.noise_multiplier:.4f} ({source}), C = {self.clip_norm:g}, '
+      f'δ = {self.delta:g}, {target}'
+    )
 
 
 def _of(privacy, name):
@@ -164,8 +174,9 @@ def make_training_sources(config: ml_collections.ConfigDict):
   return train, test
 
 
-def make_sampler(config: ml_collections.ConfigDict, num_examples: int,
-                 seed: int | None = None) -> samplers_lib.Sampler:
+def make_sampler(
+  config: ml_collections.ConfigDict, num_examples: int, seed: int | None = None
+) -> samplers_lib.Sampler:
   """The sampler named by `config.sampler.name` over the `num_examples` training rows; its
   N is `data.public_num_examples` when that public bound is set (`training_set_size`).
 
@@ -178,8 +189,9 @@ def make_sampler(config: ml_collections.ConfigDict, num_examples: int,
   return samplers_lib.make(config.sampler.name, n, config.sampler.batch_size, seed, num_rows=rows)
 
 
-def make_accountant(config: ml_collections.ConfigDict, num_examples: int,
-                    **kwargs) -> accountant_lib.Accountant:
+def make_accountant(
+  config: ml_collections.ConfigDict, num_examples: int, **kwargs
+) -> accountant_lib.Accountant:
   """The accountant of the run that `config` trains on `num_examples` examples:
   `make_plan(config, N).accountant`, so training and every CLI account for the same run.
 
@@ -194,13 +206,17 @@ def make_accountant(config: ml_collections.ConfigDict, num_examples: int,
 def audit_settings(config: ml_collections.ConfigDict):
   """`auditing.audited_sgd.AuditSettings` of a training config (seed None: drawn)."""
   return audited_sgd.AuditSettings(
-      sampler=config.sampler.name, batch_size=config.sampler.batch_size,
-      physical_batch_size=config.sampler.physical_batch_size,
-      max_batch_size=config.sampler.max_batch_size, num_steps=config.num_steps,
-      clip_norm=float(config.privacy.clip_norm),
-      noise_multiplier=float(config.privacy.noise_multiplier or 0.0),
-      delta=config.privacy.delta, learning_rate=config.optimizer.learning_rate,
-      seed=config.get('seed'))
+    sampler=config.sampler.name,
+    batch_size=config.sampler.batch_size,
+    physical_batch_size=config.sampler.physical_batch_size,
+    max_batch_size=config.sampler.max_batch_size,
+    num_steps=config.num_steps,
+    clip_norm=float(config.privacy.clip_norm),
+    noise_multiplier=float(config.privacy.noise_multiplier or 0.0),
+    delta=config.privacy.delta,
+    learning_rate=config.optimizer.learning_rate,
+    seed=config.get('seed'),
+  )
 
 
 def num_train_steps(config: ml_collections.ConfigDict, sampler: samplers_lib.Sampler) -> int:
@@ -208,11 +224,17 @@ def num_train_steps(config: ml_collections.ConfigDict, sampler: samplers_lib.Sam
   return config.num_steps or config.num_epochs * sampler.steps_per_epoch
 
 
-def make_plan(config: ml_collections.ConfigDict, data: Any,
-              previous: dict[str, Any] | None = None, *, seed: int | None = None,
-              seed_source: str = 'config', resumed_step: int = 0,
-              accountant_options: dict | None = None,
-              perf: perf_lib.Perf | None = None) -> RunPlan:
+def make_plan(
+  config: ml_collections.ConfigDict,
+  data: Any,
+  previous: dict[str, Any] | None = None,
+  *,
+  seed: int | None = None,
+  seed_source: str = 'config',
+  resumed_step: int = 0,
+  accountant_options: dict | None = None,
+  perf: perf_lib.Perf | None = None,
+) -> RunPlan:
   """Resolves `config` once into a RunPlan (see the module docstring).
 
   Args:
@@ -242,10 +264,12 @@ def make_plan(config: ml_collections.ConfigDict, data: Any,
   if config.get('init_from'):
     from dpjax.trainer import init_source  # pylint: disable=import-outside-toplevel
     from dpjax.trainer import stored_params  # pylint: disable=import-outside-toplevel
+
     init = init_source.read_source(config.init_from, bool(config.get('init_from_disjoint_data')))
     if previous is not None:  # A resume continues from the weights it started from only.
-      stored_params.refuse_changed(config.init_from, previous.get(
-          fingerprint_lib.INIT_WEIGHTS_FIELD), init.weights_sha256)
+      stored_params.refuse_changed(
+        config.init_from, previous.get(fingerprint_lib.INIT_WEIGHTS_FIELD), init.weights_sha256
+      )
   sampler = make_sampler(config, num_examples, seed=seed)
   num_steps = num_train_steps(config, sampler)
   _check_resumable(previous, resumed_step, num_steps)
@@ -254,16 +278,30 @@ def make_plan(config: ml_collections.ConfigDict, data: Any,
   if init is not None and dataset is not None:
     notes += init.data_notes(dataset['content_sha256'])
   perf = perf or perf_lib.Perf.from_config(config)
-  max_batch_size = _resolve_max_batch_size(config, sampler, previous, num_steps,
-                                           float(config.privacy.delta) if private else 1e-5,
-                                           perf.physical_batch_size)
+  max_batch_size = _resolve_max_batch_size(
+    config,
+    sampler,
+    previous,
+    num_steps,
+    float(config.privacy.delta) if private else 1e-5,
+    perf.physical_batch_size,
+  )
   resolved = ml_collections.ConfigDict(config.to_dict())
   resolved.num_steps, resolved.num_epochs = num_steps, 0
   resolved.sampler.max_batch_size = max_batch_size
-  plan = RunPlan(config=resolved, sampler=sampler, num_steps=num_steps,
-                 perf=perf,
-                 max_batch_size=max_batch_size, private=private, privacy=None, dataset=dataset,
-                 seed_source=seed_source, warnings=tuple(notes), init_source=init)
+  plan = RunPlan(
+    config=resolved,
+    sampler=sampler,
+    num_steps=num_steps,
+    perf=perf,
+    max_batch_size=max_batch_size,
+    private=private,
+    privacy=None,
+    dataset=dataset,
+    seed_source=seed_source,
+    warnings=tuple(notes),
+    init_source=init,
+  )
   if not private:
     if previous is not None:
       _refuse_changes(previous, plan.fingerprint)
@@ -277,50 +315,71 @@ def _check_resumable(previous: dict[str, Any] | None, resumed_step: int, num_ste
   """PlanError for a checkpoint without a current fingerprint, or beyond the run's end."""
   version = fingerprint_lib.FINGERPRINT_VERSION
   if previous is not None and previous.get('fingerprint_version') != version:
-    raise PlanError(f'the checkpoint in this workdir has no privacy fingerprint of version '
-                    f'{version} (written by an older dpjax), so a resume cannot be checked. '
-                    + NEW_WORKDIR_HINT)
+    raise PlanError(
+      f'the checkpoint in this workdir has no privacy fingerprint of version '
+      f'{version} (written by an older dpjax), so a resume cannot be checked. ' + NEW_WORKDIR_HINT
+    )
   if resumed_step > num_steps:
-    raise PlanError(f'num_steps: the checkpoint is at step {resumed_step}, beyond this config\'s '
-                    f'{num_steps} steps. Set num_steps/num_epochs to at least that, or use a new '
-                    '--workdir.')
+    raise PlanError(
+      f"num_steps: the checkpoint is at step {resumed_step}, beyond this config's "
+      f'{num_steps} steps. Set num_steps/num_epochs to at least that, or use a new '
+      '--workdir.'
+    )
 
 
 def _delta_warnings(privacy: ml_collections.ConfigDict, num_examples: int) -> list[str]:
   """Refuses δ >= 1/N (unless allowed); the warning lines for a δ above 1/(10·N)."""
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always', checks.LargeDeltaWarning)
-    checks.check_delta(privacy.delta, 'privacy.delta', num_examples=num_examples,
-                       allow_large_delta=bool(privacy.get('allow_large_delta', False)),
-                       flag='privacy.allow_large_delta = True')
+    checks.check_delta(
+      privacy.delta,
+      'privacy.delta',
+      num_examples=num_examples,
+      allow_large_delta=bool(privacy.get('allow_large_delta', False)),
+      flag='privacy.allow_large_delta = True',
+    )
   return [str(w.message) for w in caught]
 
 
-def _resolve_max_batch_size(config: ml_collections.ConfigDict, sampler: samplers_lib.Sampler,
-                            previous: dict[str, Any] | None, num_steps: int,
-                            delta: float, physical: int) -> int:
+def _resolve_max_batch_size(
+  config: ml_collections.ConfigDict,
+  sampler: samplers_lib.Sampler,
+  previous: dict[str, Any] | None,
+  num_steps: int,
+  delta: float,
+  physical: int,
+) -> int:
   """The cap B (a multiple of P = `physical`): resolved from (N, b, steps, δ) on a fresh run,
   the checkpoint's on resume. PlanError for P above `batching.max_physical_batch_size`."""
-  largest = batching.max_physical_batch_size(sampler, config.sampler.max_batch_size,
-                                             num_steps=num_steps, delta=delta)
+  largest = batching.max_physical_batch_size(
+    sampler, config.sampler.max_batch_size, num_steps=num_steps, delta=delta
+  )
   if physical > largest:
-    raise PlanError(f'sampler.physical_batch_size = {physical}: must be <= {largest} (the cap on '
-                    'a logical batch rounded up to a power of two), or 0 = automatic; a larger '
-                    'P only adds padding rows, which cost compile time and memory.')
+    raise PlanError(
+      f'sampler.physical_batch_size = {physical}: must be <= {largest} (the cap on '
+      'a logical batch rounded up to a power of two), or 0 = automatic; a larger '
+      'P only adds padding rows, which cost compile time and memory.'
+    )
   if previous is None or config.sampler.max_batch_size:
     return batching.resolve_max_batch_size(
-        sampler, physical, config.sampler.max_batch_size, num_steps=num_steps, delta=delta)
+      sampler, physical, config.sampler.max_batch_size, num_steps=num_steps, delta=delta
+    )
   max_batch_size = previous['sampler.max_batch_size']
   if physical and max_batch_size % physical:
-    raise PlanError(f'sampler.physical_batch_size = {physical}: the run being resumed has the '
-                    f'cap B = {max_batch_size}, which is not a multiple of it; choose a P that '
-                    f'divides {max_batch_size}.')
+    raise PlanError(
+      f'sampler.physical_batch_size = {physical}: the run being resumed has the '
+      f'cap B = {max_batch_size}, which is not a multiple of it; choose a P that '
+      f'divides {max_batch_size}.'
+    )
   return max_batch_size
 
 
-def _privacy_plan(config: ml_collections.ConfigDict, plan: RunPlan,
-                  previous: dict[str, Any] | None,
-                  accountant_options: dict | None) -> privacy_plan.PrivacyPlan:
+def _privacy_plan(
+  config: ml_collections.ConfigDict,
+  plan: RunPlan,
+  previous: dict[str, Any] | None,
+  accountant_options: dict | None,
+) -> privacy_plan.PrivacyPlan:
   """σ (given, the checkpoint's, never re-calibrated, or calibrated once) bound with the
   sampler, B, C, δ and the accountant; refuses a changed fingerprint before any accounting,
   and a run whose final ε exceeds the target."""
@@ -333,44 +392,70 @@ def _privacy_plan(config: ml_collections.ConfigDict, plan: RunPlan,
     options['random_allocation_timeout'] = privacy.random_allocation_timeout
   options.update(accountant_options or {})
   pld_options = {k: v for k, v in options.items() if k == 'value_discretization_interval'}
-  prior = (plan.init_source.prior_runs(privacy.group_size, **pld_options) if plan.init_source
-           else ())
+  prior = plan.init_source.prior_runs(privacy.group_size, **pld_options) if plan.init_source else ()
   options['prior_runs'] = prior
   if previous is not None:  # Refuse before any (costly) accounting.
-    _refuse_changes(previous, fingerprint_lib.run_fingerprint(
-        config, sampler, plan.max_batch_size,
-        fingerprint_lib.PendingFields(sampler, plan.max_batch_size, privacy, sigma,
-                                      precision_of(config), prior), plan.dataset,
-        getattr(plan.init_source, 'weights_sha256', None)))
+    _refuse_changes(
+      previous,
+      fingerprint_lib.run_fingerprint(
+        config,
+        sampler,
+        plan.max_batch_size,
+        fingerprint_lib.PendingFields(
+          sampler, plan.max_batch_size, privacy, sigma, precision_of(config), prior
+        ),
+        plan.dataset,
+        getattr(plan.init_source, 'weights_sha256', None),
+      ),
+    )
   if prior and privacy.target_epsilon:
     _check_prior_budget(prior, privacy, plan.init_source.path)
   with warnings.catch_warnings():
     warnings.simplefilter('ignore', checks.LargeDeltaWarning)  # Noted by make_plan.
     private_plan = privacy_plan.PrivacyPlan.create(
-        sampler, noise_multiplier=sigma, noise_multiplier_source=source, check_budget=False,
-        num_steps=num_steps, clip_norm=privacy.clip_norm, delta=privacy.delta,
-        target_epsilon=privacy.target_epsilon, max_batch_size=plan.max_batch_size,
-        physical_batch_size=plan.physical_batch_size, accountant=privacy.accountant,
-        group_size=privacy.group_size, allow_large_delta=True, precision=precision_of(config),
-        **options)
+      sampler,
+      noise_multiplier=sigma,
+      noise_multiplier_source=source,
+      check_budget=False,
+      num_steps=num_steps,
+      clip_norm=privacy.clip_norm,
+      delta=privacy.delta,
+      target_epsilon=privacy.target_epsilon,
+      max_batch_size=plan.max_batch_size,
+      physical_batch_size=plan.physical_batch_size,
+      accountant=privacy.accountant,
+      group_size=privacy.group_size,
+      allow_large_delta=True,
+      precision=precision_of(config),
+      **options,
+    )
   # The final ε now (memoised): a run whose privacy loss cannot be composed is refused here,
   # before anything is written.
   try:
     private_plan.accountant.epsilon(num_steps)
   except step_pld.GridTooLargeError as e:  # Its fixes as config fields.
-    raise PlanError(accounting_refusals.grid_too_large(
-        e, private_plan.accountant, accounting_refusals.CONFIG_NAMES)) from None
+    raise PlanError(
+      accounting_refusals.grid_too_large(
+        e, private_plan.accountant, accounting_refusals.CONFIG_NAMES
+      )
+    ) from None
   try:
     private_plan.check_budget()
   except privacy_plan.BudgetExceededError as e:
-    what = (f'extending the run to {num_steps} steps' if previous is not None else
-            f'privacy.noise_multiplier = {private_plan.noise_multiplier:g} over {num_steps} steps')
+    what = (
+      f'extending the run to {num_steps} steps'
+      if previous is not None
+      else f'privacy.noise_multiplier = {private_plan.noise_multiplier:g} over {num_steps} steps'
+    )
     what += ', composed with the runs init_from starts from,' if prior else ''
-    raise PlanError(f'{what} would reach ε = {e.final_epsilon:.4g} (δ = {private_plan.delta:g}), '
-                    f'above privacy.target_epsilon = {private_plan.target_epsilon:g}. Raise '
-                    'privacy.target_epsilon (the budget), raise σ, or shorten the run.' + (
-                        '' if previous is not None else
-                        ' Or unset privacy.noise_multiplier (None) to calibrate it.')) from None
+    raise PlanError(
+      f'{what} would reach ε = {e.final_epsilon:.4g} (δ = {private_plan.delta:g}), '
+      f'above privacy.target_epsilon = {private_plan.target_epsilon:g}. Raise '
+      'privacy.target_epsilon (the budget), raise σ, or shorten the run.'
+      + (
+        '' if previous is not None else ' Or unset privacy.noise_multiplier (None) to calibrate it.'
+      )
+    ) from None
   return private_plan
 
 
@@ -378,15 +463,19 @@ def _check_prior_budget(prior, privacy, init_from: str) -> None:
   """PlanError when the runs init_from starts from already spend privacy.target_epsilon."""
   eps = composition.prior_epsilon(prior, float(privacy.delta))
   if eps >= privacy.target_epsilon:
-    raise PlanError(f'privacy.target_epsilon = {privacy.target_epsilon:g}: the run(s) init_from = '
-                    f'{init_from!r} starts from already reach ε = {eps:.4g} at δ = '
-                    f'{privacy.delta:g}, and this run can only add to it. Raise the target, or '
-                    'set init_from_disjoint_data = True if this data shares no individual with '
-                    'theirs.')
+    raise PlanError(
+      f'privacy.target_epsilon = {privacy.target_epsilon:g}: the run(s) init_from = '
+      f'{init_from!r} starts from already reach ε = {eps:.4g} at δ = '
+      f'{privacy.delta:g}, and this run can only add to it. Raise the target, or '
+      'set init_from_disjoint_data = True if this data shares no individual with '
+      'theirs.'
+    )
 
 
 def _refuse_changes(previous: dict[str, Any], current: dict[str, Any]) -> None:
   changes = fingerprint_lib.fingerprint_changes(previous, current)
   if changes:
-    raise PlanError('this workdir holds a run with other privacy settings; resuming it would '
-                    'make its ε wrong. Changed: ' + '; '.join(changes) + '. ' + NEW_WORKDIR_HINT)
+    raise PlanError(
+      'this workdir holds a run with other privacy settings; resuming it would '
+      'make its ε wrong. Changed: ' + '; '.join(changes) + '. ' + NEW_WORKDIR_HINT
+    )

@@ -27,8 +27,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _git(*args: str) -> str | None:
   try:
-    return subprocess.run(['git', *args], cwd=REPO, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+      ['git', *args], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
   except (OSError, subprocess.CalledProcessError):
     return None  # Not a git checkout (e.g. an installed package).
 
@@ -40,8 +41,10 @@ def git_state(paths: tuple[str, ...] = ('dpjax',)) -> dict[str, Any]:
   'dpjax_configs_uncommitted_changes'.
   """
   dirty = _git('status', '--porcelain', '--', *paths)
-  return {'head': _git('rev-parse', 'HEAD'),
-          f'{"_".join(paths)}_uncommitted_changes': dirty.splitlines() if dirty else []}
+  return {
+    'head': _git('rev-parse', 'HEAD'),
+    f'{"_".join(paths)}_uncommitted_changes': dirty.splitlines() if dirty else [],
+  }
 
 
 def load_average() -> list[float]:
@@ -51,12 +54,17 @@ def load_average() -> list[float]:
 
 def machine() -> dict[str, Any]:
   """Cores, load, Python, platform and (when jax is imported) the backend and device."""
-  info: dict[str, Any] = {'cpu_count': os.cpu_count(), 'load_average': load_average(),
-                          'python': platform.python_version(), 'platform': platform.platform()}
+  info: dict[str, Any] = {
+    'cpu_count': os.cpu_count(),
+    'load_average': load_average(),
+    'python': platform.python_version(),
+    'platform': platform.platform(),
+  }
   jax = __import__('sys').modules.get('jax')
   if jax is not None:
-    info.update(jax=jax.__version__, backend=jax.default_backend(),
-                device=jax.devices()[0].device_kind)
+    info.update(
+      jax=jax.__version__, backend=jax.default_backend(), device=jax.devices()[0].device_kind
+    )
   return info
 
 

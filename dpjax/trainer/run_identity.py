@@ -34,6 +34,7 @@ _HEX_ID = re.compile(r'[0-9a-f]{32}')
 @dataclasses.dataclass(frozen=True)
 class RunIdentity:
   """This run's id and those of the runs this workdir held before it (newest first)."""
+
   run_id: str
   earlier: tuple[str, ...] = ()
 
@@ -45,14 +46,19 @@ def run_path(workdir: str) -> str:
 def stored(workdir: str) -> RunIdentity | None:
   """The identity kept in `workdir`, or None. ValueError (one line) if the file is damaged."""
   return run_seed.read_private_record(
-      run_path(workdir), _parse, 'run id', 'remove it and retry (the run then gets a new id: '
-      'exporting it again after an export needs --allow_shared_seed).')
+    run_path(workdir),
+    _parse,
+    'run id',
+    'remove it and retry (the run then gets a new id: '
+    'exporting it again after an export needs --allow_shared_seed).',
+  )
 
 
 def _parse(record: dict) -> RunIdentity:
   identity = RunIdentity(record['run_id'], tuple(record.get('earlier', ())))
-  if not all(isinstance(i, str) and _HEX_ID.fullmatch(i)
-             for i in (identity.run_id,) + identity.earlier):
+  if not all(
+    isinstance(i, str) and _HEX_ID.fullmatch(i) for i in (identity.run_id,) + identity.earlier
+  ):
     raise ValueError(record)
   return identity
 
@@ -84,7 +90,16 @@ def _store(workdir: str, identity: RunIdentity) -> None:
   directory = os.path.join(workdir, run_seed.PRIVATE_DIR)
   with write_errors.writing('the run id', directory):
     os.makedirs(directory, mode=0o700, exist_ok=True)
-  write_text_atomically(run_path(workdir), json.dumps(
-      {'run_id': identity.run_id, 'earlier': list(identity.earlier),
-       'note': 'Tells this run apart from others with the same seed (dpjax seed record).'})
-                        + '\n', mode=0o600, what='the run id')
+  write_text_atomically(
+    run_path(workdir),
+    json.dumps(
+      {
+        'run_id': identity.run_id,
+        'earlier': list(identity.earlier),
+        'note': 'Tells this run apart from others with the same seed (dpjax seed record).',
+      }
+    )
+    + '\n',
+    mode=0o600,
+    what='the run id',
+  )

@@ -24,22 +24,35 @@ from dpjax.trainer import training_set_size
 from dpjax.trainer.atomic_write import write_text_atomically
 
 
-def announce(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource,
-             mesh: jax.sharding.Mesh, params, log=print) -> None:
+def announce(
+  plan: plan_lib.RunPlan,
+  workdir: str,
+  train_source: data.DataSource,
+  mesh: jax.sharding.Mesh,
+  params,
+  log=print,
+) -> None:
   """Writes config.json (process 0), then the start lines: devices, model and plan (with the
   final ε), seed, a large-ε warning, the data's preprocessing and the plan's warnings."""
   config = plan.config
   if sharding.is_primary_process():
-    write_text_atomically(os.path.join(workdir, 'config.json'),
-                          json.dumps(config.to_dict(), indent=2), what='the run config')
+    write_text_atomically(
+      os.path.join(workdir, 'config.json'),
+      json.dumps(config.to_dict(), indent=2),
+      what='the run config',
+    )
   rows = sharding.local_rows(mesh, plan.physical_batch_size)
-  log(f'{mesh.devices.size} device(s) on {jax.process_count()} process(es), {len(rows)} rows of '
-      f'each physical batch gathered here ({jax.devices()[0].device_kind}).')
+  log(
+    f'{mesh.devices.size} device(s) on {jax.process_count()} process(es), {len(rows)} rows of '
+    f'each physical batch gathered here ({jax.devices()[0].device_kind}).'
+  )
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
   final_epsilon = plan.accountant.epsilon(plan.num_steps) if plan.private else None
-  log(f'Model {config.model.name} with {num_params:,} parameters; {plan.summary()}'
-      + (f'; final ε = {final_epsilon:.4f}{composed_with(plan.accountant)}' if plan.private
-         else '') + '.')
+  log(
+    f'Model {config.model.name} with {num_params:,} parameters; {plan.summary()}'
+    + (f'; final ε = {final_epsilon:.4f}{composed_with(plan.accountant)}' if plan.private else '')
+    + '.'
+  )
   if plan.init_source is not None:
     log(plan.init_source.describe())
   if plan.private:
@@ -50,8 +63,10 @@ def announce(plan: plan_lib.RunPlan, workdir: str, train_source: data.DataSource
       log(f'WARNING: {line}')
   preprocess = getattr(getattr(train_source, 'base', train_source), 'preprocess', None)
   if preprocess is not None:  # Where the scale came from: derived or data.scale.
-    log(f'Data: {config.data.source}, {training_set_size.describe(plan.sampler)}, '
-        f'{preprocess.describe()}.')
+    log(
+      f'Data: {config.data.source}, {training_set_size.describe(plan.sampler)}, '
+      f'{preprocess.describe()}.'
+    )
   for line in plan.warnings:
     log(f'WARNING: {line}')
 
@@ -62,33 +77,50 @@ def composed_with(accountant) -> str:
   return f', composed with {", ".join(r.name for r in runs)}' if runs else ''
 
 
-def finish(plan: plan_lib.RunPlan, state, last: dict[str, Any], evaluate: Callable,
-           auditor: build.Auditor | None, compilations: dict[str, int],
-           log=print) -> dict[str, Any]:
+def finish(
+  plan: plan_lib.RunPlan,
+  state,
+  last: dict[str, Any],
+  evaluate: Callable,
+  auditor: build.Auditor | None,
+  compilations: dict[str, int],
+  log=print,
+) -> dict[str, Any]:
   """The result of a finished run: the last log row (evaluated if it was not), the
   parameters, the compiled programs, ε with its side estimates and the audit; prints the
   truncation count and the Final line."""
   accountant = plan.accountant
   if state.num_truncated and accountant is not None:
-    log(f'{state.num_truncated} of {plan.num_steps} logical batches exceeded B = '
-        f'{plan.max_batch_size} and were truncated; the reported ε accounts for the cap (this '
-        'count is not covered by ε).')
+    log(
+      f'{state.num_truncated} of {plan.num_steps} logical batches exceeded B = '
+      f'{plan.max_batch_size} and were truncated; the reported ε accounts for the cap (this '
+      'count is not covered by ε).'
+    )
   if 'eval_accuracy' not in last:
     last.update(evaluate(state))
   result = {'step': plan.num_steps, **last, 'params': state.params, 'compilations': compilations}
   final_report = accountant.epsilon_at(plan.num_steps) if accountant else None  # With estimates.
   if final_report is not None:
     result['privacy'] = final_report.to_dict()
-  eps_text = (f'ε = {final_report.epsilon:.4f} ({final_report.bound} bound, '
-              f'{final_report.accountant}{composed_with(accountant)}), δ = '
-              f'{final_report.delta:g}' if final_report else 'non-private (ε = ∞)')
+  eps_text = (
+    f'ε = {final_report.epsilon:.4f} ({final_report.bound} bound, '
+    f'{final_report.accountant}{composed_with(accountant)}), δ = '
+    f'{final_report.delta:g}'
+    if final_report
+    else 'non-private (ε = ∞)'
+  )
   if auditor is not None:
     result['audit'] = auditor(state.params)
-    eps_text += (f'; audit ε ≥ {result["audit"]["audit_epsilon_lower"]:.4f} (one-run lower '
-                 f'bound, confidence {auditor.confidence:g}, {auditor.num_canaries} canaries)')
+    eps_text += (
+      f'; audit ε ≥ {result["audit"]["audit_epsilon_lower"]:.4f} (one-run lower '
+      f'bound, confidence {auditor.confidence:g}, {auditor.num_canaries} canaries)'
+    )
   if final_report is not None and not plan.seed_is_secret:
     eps_text += '; the seed came from the config: ε holds only if that seed is secret'
-  quality = (f'test accuracy {last["eval_accuracy"]:.4f}' if losses.HAS_ACCURACY[plan.config.loss]
-             else f'test loss {last["eval_loss"]:.4f}')
+  quality = (
+    f'test accuracy {last["eval_accuracy"]:.4f}'
+    if losses.HAS_ACCURACY[plan.config.loss]
+    else f'test loss {last["eval_loss"]:.4f}'
+  )
   log(f'Final: step {plan.num_steps}, {quality}, {eps_text}.')
   return result

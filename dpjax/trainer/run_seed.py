@@ -39,6 +39,7 @@ T = TypeVar('T')
 @dataclasses.dataclass(frozen=True)
 class RunSeed:
   """The resolved seed and where it came from ('drawn', 'workdir' or 'config')."""
+
   value: int
   source: str
 
@@ -50,11 +51,15 @@ class RunSeed:
   def describe(self, workdir: str) -> str:
     """One line for the start of a run."""
     if self.is_secret:
-      return (f'Seed: drawn from OS entropy, kept in {seed_path(workdir)} (keep the workdir '
-              'private; publish only `python -m dpjax.export`).')
-    return (f'Seed: {self.value}, given by the config: the privacy guarantee holds only if this '
-            'seed is secret, and every run of a sweep needs its own seed (unset `seed` to '
-            'draw one).')
+      return (
+        f'Seed: drawn from OS entropy, kept in {seed_path(workdir)} (keep the workdir '
+        'private; publish only `python -m dpjax.export`).'
+      )
+    return (
+      f'Seed: {self.value}, given by the config: the privacy guarantee holds only if this '
+      'seed is secret, and every run of a sweep needs its own seed (unset `seed` to '
+      'draw one).'
+    )
 
 
 def seed_path(workdir: str) -> str:
@@ -85,8 +90,12 @@ def _parse_seed(record: dict) -> RunSeed:
 
 def stored_seed(workdir: str) -> RunSeed | None:
   """The seed a run in `workdir` stored, or None. ValueError if the file is damaged."""
-  return read_private_record(seed_path(workdir), _parse_seed, 'seed record', 'it is needed to '
-                             'resume this run exactly. Restore it, or use a new --workdir.')
+  return read_private_record(
+    seed_path(workdir),
+    _parse_seed,
+    'seed record',
+    'it is needed to resume this run exactly. Restore it, or use a new --workdir.',
+  )
 
 
 def resolve_seed(config_seed: int | None, workdir: str) -> RunSeed:
@@ -112,19 +121,30 @@ def store_seed(workdir: str, seed: RunSeed) -> None:
   with write_errors.writing('the run seed', directory):
     os.makedirs(directory, mode=0o700, exist_ok=True)
   source = 'config' if seed.source == 'config' else 'drawn'
-  write_text_atomically(seed_path(workdir), json.dumps(
-      {'seed': seed.value, 'source': source,
-       'note': 'Secret: the privacy guarantee of this run needs it. Never publish it.'}) + '\n',
-      mode=0o600, what='the run seed')
+  write_text_atomically(
+    seed_path(workdir),
+    json.dumps(
+      {
+        'seed': seed.value,
+        'source': source,
+        'note': 'Secret: the privacy guarantee of this run needs it. Never publish it.',
+      }
+    )
+    + '\n',
+    mode=0o600,
+    what='the run seed',
+  )
 
 
 def broadcast_seed(seed: RunSeed) -> RunSeed:
   """Process 0's seed on every process of a multi-host run (each would draw its own)."""
   import jax  # pylint: disable=import-outside-toplevel
+
   if jax.process_count() == 1:
     return seed
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
   words = np.asarray([seed.value >> 32, seed.value & 0xFFFFFFFF], np.uint32)
   words = np.asarray(multihost_utils.broadcast_one_to_all(words))
   return RunSeed((int(words[0]) << 32) | int(words[1]), seed.source)

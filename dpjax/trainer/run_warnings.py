@@ -34,14 +34,17 @@ class RunWarnings:
   def epsilon(self, final_epsilon: float, target: float) -> list[str]:
     if final_epsilon <= LARGE_EPSILON:
       return []
-    budget = (f'privacy.target_epsilon = {target:g}' if target else
-              'no privacy.target_epsilon is set')
-    return self._once('epsilon', f'the final ε = {final_epsilon:.4g} is above {LARGE_EPSILON:g} '
-                      f'({budget}): a weak guarantee. Raise privacy.noise_multiplier, or set a '
-                      'target ε to calibrate σ to.')
+    budget = (
+      f'privacy.target_epsilon = {target:g}' if target else 'no privacy.target_epsilon is set'
+    )
+    return self._once(
+      'epsilon',
+      f'the final ε = {final_epsilon:.4g} is above {LARGE_EPSILON:g} '
+      f'({budget}): a weak guarantee. Raise privacy.noise_multiplier, or set a '
+      'target ε to calibrate σ to.',
+    )
 
-  def check(self, row: dict, first_step: int, last_step: int,
-            clip_norm: float | None) -> list[str]:
+  def check(self, row: dict, first_step: int, last_step: int, clip_norm: float | None) -> list[str]:
     """Warnings from one log row's statistics (steps first_step..last_step); C None if not
     private."""
     lines = []
@@ -50,22 +53,31 @@ class RunWarnings:
     where = f'steps {first_step}-{last_step}'
     if clip_norm is not None and fraction is not None and norm:
       if fraction >= 1.0 and clip_norm * FAR < norm:
-        lines += self._once('clip_all', f'every example was clipped in {where}, at C = '
-                            f'{clip_norm:g} while their mean gradient norm is {norm:.3g} '
-                            '(nonprivate: not covered by ε): privacy.clip_norm is far below '
-                            'the gradient norms.')
+        lines += self._once(
+          'clip_all',
+          f'every example was clipped in {where}, at C = '
+          f'{clip_norm:g} while their mean gradient norm is {norm:.3g} '
+          '(nonprivate: not covered by ε): privacy.clip_norm is far below '
+          'the gradient norms.',
+        )
       elif fraction <= 0.0 and clip_norm > FAR * norm:
-        lines += self._once('clip_none', f'no example was clipped in {where}, at C = '
-                            f'{clip_norm:g} while their mean gradient norm is {norm:.3g} '
-                            '(nonprivate: not covered by ε): privacy.clip_norm is far above '
-                            'the gradient norms, so the noise σ·C swamps them.')
+        lines += self._once(
+          'clip_none',
+          f'no example was clipped in {where}, at C = '
+          f'{clip_norm:g} while their mean gradient norm is {norm:.3g} '
+          '(nonprivate: not covered by ε): privacy.clip_norm is far above '
+          'the gradient norms, so the noise σ·C swamps them.',
+        )
     loss = row.get('nonprivate_train_loss')
     if loss is not None:
       if self._first_loss is None:
         self._first_loss = max(abs(loss), 1e-12)
       elif abs(loss) > LOSS_GROWTH * self._first_loss:
-        lines += self._once('loss', f'the training loss grew to {loss:.3g} by step {last_step}, '
-                            f'{LOSS_GROWTH:g}x the first window\'s (nonprivate: not covered by '
-                            'ε): the run may be diverging; try a smaller '
-                            'optimizer.learning_rate.')
+        lines += self._once(
+          'loss',
+          f'the training loss grew to {loss:.3g} by step {last_step}, '
+          f"{LOSS_GROWTH:g}x the first window's (nonprivate: not covered by "
+          'ε): the run may be diverging; try a smaller '
+          'optimizer.learning_rate.',
+        )
     return lines

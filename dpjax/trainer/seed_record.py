@@ -44,8 +44,9 @@ TRAIN, EXPORT = 'train', 'export'
 def state_dir() -> str:
   """Where this user's private dpjax state lives."""
   return os.environ.get(STATE_ENV) or os.path.join(
-      os.environ.get('XDG_STATE_HOME') or os.path.join(os.path.expanduser('~'), '.local',
-                                                       'state'), 'dpjax')
+    os.environ.get('XDG_STATE_HOME') or os.path.join(os.path.expanduser('~'), '.local', 'state'),
+    'dpjax',
+  )
 
 
 def record_path() -> str:
@@ -68,24 +69,38 @@ def uses(digest: str) -> list[dict]:
   return rows
 
 
-def append(digest: str, event: str, workdir: str, run_id: str | None,
-           out: str | None = None) -> None:
+def append(
+  digest: str, event: str, workdir: str, run_id: str | None, out: str | None = None
+) -> None:
   """Appends one use under an exclusive lock (other processes append whole lines). OSError if
   the record cannot be written."""
   os.makedirs(state_dir(), mode=0o700, exist_ok=True)
   fd = os.open(record_path(), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
   with os.fdopen(fd, 'a') as f:
     fcntl.flock(f, fcntl.LOCK_EX)
-    f.write(json.dumps({'seed_sha256': digest, 'event': event, 'run_id': run_id,
-                        'workdir': workdir, 'out': out, 'time': time.time()}) + '\n')
+    f.write(
+      json.dumps(
+        {
+          'seed_sha256': digest,
+          'event': event,
+          'run_id': run_id,
+          'workdir': workdir,
+          'out': out,
+          'time': time.time(),
+        }
+      )
+      + '\n'
+    )
     f.flush()
 
 
 def unusable(error: OSError) -> str:
   """The one warning line for a record that cannot be read or written."""
-  return (f'the seed record {record_path()} cannot be read or written '
-          f'({type(error).__name__}: {error.strerror or error}): another run with this seed will '
-          f'not be detected (set ${STATE_ENV} to a writable directory).')
+  return (
+    f'the seed record {record_path()} cannot be read or written '
+    f'({type(error).__name__}: {error.strerror or error}): another run with this seed will '
+    f'not be detected (set ${STATE_ENV} to a writable directory).'
+  )
 
 
 def run_named(row: dict, workdir: str) -> str:
@@ -98,8 +113,9 @@ def run_named(row: dict, workdir: str) -> str:
   return f'the run in {path}'
 
 
-def start_warnings(digest: str, workdir: str, run_id: str,
-                   earlier: tuple[str, ...] = ()) -> list[str]:
+def start_warnings(
+  digest: str, workdir: str, run_id: str, earlier: tuple[str, ...] = ()
+) -> list[str]:
   """Lines for a run with a given seed starting from scratch as `run_id`; records its use.
 
   Uses by other runs count, but not the starts of the runs this workdir held before (`earlier`,
@@ -110,20 +126,29 @@ def start_warnings(digest: str, workdir: str, run_id: str,
     append(digest, TRAIN, workdir, run_id)
   except OSError as e:
     return [unusable(e)]
-  others = [r for r in rows if r.get('run_id') != run_id
-            and not (r['event'] == TRAIN and r.get('run_id') in earlier)]
+  others = [
+    r
+    for r in rows
+    if r.get('run_id') != run_id and not (r['event'] == TRAIN and r.get('run_id') in earlier)
+  ]
   if not others:
     return []
   more = len({r.get('run_id') or r.get('workdir') for r in others}) - 1
-  return [f'seed: {run_named(others[-1], workdir)}' + (f' (and {more} more)' if more else '')
-          + ' used this same given seed: two runs that share a seed share their sampling and '
-          'noise, and releasing both reveals the noise-free difference of their gradients. Give '
-          'each run its own seed, or unset seed to draw one.']
+  return [
+    f'seed: {run_named(others[-1], workdir)}'
+    + (f' (and {more} more)' if more else '')
+    + ' used this same given seed: two runs that share a seed share their sampling and '
+    'noise, and releasing both reveals the noise-free difference of their gradients. Give '
+    'each run its own seed, or unset seed to draw one.'
+  ]
 
 
 def exported_by_another_run(digest: str, run_id: str | None) -> dict | None:
   """The latest export of the same seed by another run (a row without a run id is another
   run; so is every row for `run_id` None). OSError if the record is unreadable."""
-  others = [r for r in uses(digest)
-            if r['event'] == EXPORT and (run_id is None or r.get('run_id') != run_id)]
+  others = [
+    r
+    for r in uses(digest)
+    if r['event'] == EXPORT and (run_id is None or r.get('run_id') != run_id)
+  ]
   return others[-1] if others else None

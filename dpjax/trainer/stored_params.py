@@ -39,8 +39,11 @@ def save(path: str, arrays: dict[str, np.ndarray], card: dict[str, Any] | None =
   """Writes `arrays` ('/'-joined keys) as an .npz, with `card` as its reserved entry if given."""
   if EMBEDDED_CARD in arrays:
     raise ValueError(f'a parameter is named {EMBEDDED_CARD!r}, the entry reserved for the card.')
-  extra = {} if card is None else {
-      EMBEDDED_CARD: np.frombuffer(json.dumps(card).encode('utf-8'), np.uint8)}
+  extra = (
+    {}
+    if card is None
+    else {EMBEDDED_CARD: np.frombuffer(json.dumps(card).encode('utf-8'), np.uint8)}
+  )
   np.savez(path, **arrays, **extra)
 
 
@@ -56,21 +59,26 @@ def embedded_card(path: str) -> dict[str, Any] | None:
     if not isinstance(card, dict):
       raise ValueError(f'a {type(card).__name__}, not a card')
   except (OSError, ValueError, EOFError) as e:
-    raise ValueError(f'init_from = {path!r}: the privacy card inside it is unreadable '
-                     f'({type(e).__name__}: {e}), so its privacy loss cannot be composed.'
-                     ) from None
+    raise ValueError(
+      f'init_from = {path!r}: the privacy card inside it is unreadable '
+      f'({type(e).__name__}: {e}), so its privacy loss cannot be composed.'
+    ) from None
   return card
 
 
 def read_params(init_from: str) -> dict[str, np.ndarray]:
   """The flat parameters stored at `init_from` (.npz, dpjax export, workdir or step dir)."""
   if not isinstance(init_from, str) or not init_from:
-    raise ValueError(f'init_from = {init_from!r}: must name an .npz file, a dpjax workdir or an '
-                     'orbax checkpoint directory.')
+    raise ValueError(
+      f'init_from = {init_from!r}: must name an .npz file, a dpjax workdir or an '
+      'orbax checkpoint directory.'
+    )
   if os.path.isfile(init_from):
     if not init_from.endswith('.npz'):
-      raise ValueError(f'init_from = {init_from!r}: a file must be an .npz of parameters keyed by '
-                       "'/'-joined paths.")
+      raise ValueError(
+        f'init_from = {init_from!r}: a file must be an .npz of parameters keyed by '
+        "'/'-joined paths."
+      )
     with np.load(init_from) as f:
       return {k: f[k] for k in f.files if k != EMBEDDED_CARD}
   export = os.path.join(init_from, PARAMS_FILE)
@@ -87,11 +95,14 @@ def read_params(init_from: str) -> dict[str, np.ndarray]:
     workdir = os.path.dirname(os.path.dirname(step_dir))
     state = checkpoints.read_state(workdir, int(os.path.basename(step_dir)))
   else:
-    raise ValueError(f'init_from = {init_from!r}: not found, or not an .npz, a dpjax workdir or '
-                     'a checkpoint step directory.')
+    raise ValueError(
+      f'init_from = {init_from!r}: not found, or not an .npz, a dpjax workdir or '
+      'a checkpoint step directory.'
+    )
   if 'params' not in state:
-    raise ValueError(f'init_from = {init_from!r}: the checkpoint holds no params '
-                     f'(keys {sorted(state)}).')
+    raise ValueError(
+      f'init_from = {init_from!r}: the checkpoint holds no params (keys {sorted(state)}).'
+    )
   flat = traverse_util.flatten_dict(state['params'], sep='/')
   return {k: np.asarray(v) for k, v in flat.items()}
 
@@ -110,7 +121,8 @@ def refuse_changed(init_from: str, recorded: str | None, current: str) -> None:
   """ValueError (one line) when the weights at `init_from` are not those a run started from."""
   if recorded is not None and recorded != current:
     raise ValueError(
-        f'init_from = {init_from!r}: these weights are not those this run started from (SHA-256 '
-        f'{recorded[:12]}… recorded, {current[:12]}… now: changed or replaced since), nor those '
-        'it trained with and its ε accounted for. Restore the weights it started from, or train '
-        'from these in a new --workdir.')
+      f'init_from = {init_from!r}: these weights are not those this run started from (SHA-256 '
+      f'{recorded[:12]}… recorded, {current[:12]}… now: changed or replaced since), nor those '
+      'it trained with and its ε accounted for. Restore the weights it started from, or train '
+      'from these in a new --workdir.'
+    )

@@ -49,13 +49,17 @@ def sampler_sizes(config: ml_collections.ConfigDict, num_rows: int) -> tuple[int
     return num_rows, None
   name = config.sampler.name
   if not samplers_lib.sampler_class(name).bounds_rows:
-    raise SizeError(f"{FIELD} = {bound} needs sampler.name = 'poisson': the {name} sampler's "
-                    'batches depend on the exact N, so ε cannot be accounted from a bound. Use '
-                    f'poisson, or set {FIELD} = 0 (N treated as public).')
+    raise SizeError(
+      f"{FIELD} = {bound} needs sampler.name = 'poisson': the {name} sampler's "
+      'batches depend on the exact N, so ε cannot be accounted from a bound. Use '
+      f'poisson, or set {FIELD} = 0 (N treated as public).'
+    )
   if num_rows > bound:
-    raise SizeError(f'{FIELD} = {bound}: the training set has more examples (with audit '
-                    'canaries, N + m); it must be a public upper bound on them, e.g. N rounded '
-                    'up.')
+    raise SizeError(
+      f'{FIELD} = {bound}: the training set has more examples (with audit '
+      'canaries, N + m); it must be a public upper bound on them, e.g. N rounded '
+      'up.'
+    )
   return bound, num_rows
 
 
@@ -69,12 +73,19 @@ def describe(sampler: samplers_lib.Sampler) -> str:
 def card_fields(num_examples: int, bound: int) -> dict[str, Any]:
   """The card's N, whether it is the exact N (then treated as public) and why."""
   if bound:
-    note = (f'num_examples is {FIELD}, a declared public upper bound on the number of '
-            'training examples; σ, q = b/N, B and ε were computed from it, and the exact number '
-            'is not released.')
+    note = (
+      f'num_examples is {FIELD}, a declared public upper bound on the number of '
+      'training examples; σ, q = b/N, B and ε were computed from it, and the exact number '
+      'is not released.'
+    )
   else:
-    note = ('num_examples is the exact number of training examples and is treated as public: '
-            'under add/remove neighbours it tells whether a record was in the training set. Set '
-            f'{FIELD} to release a public upper bound instead.')
-  return {'num_examples': num_examples, 'exact_num_examples_is_public': not bound,
-          'num_examples_note': note}
+    note = (
+      'num_examples is the exact number of training examples and is treated as public: '
+      'under add/remove neighbours it tells whether a record was in the training set. Set '
+      f'{FIELD} to release a public upper bound instead.'
+    )
+  return {
+    'num_examples': num_examples,
+    'exact_num_examples_is_public': not bound,
+    'num_examples_note': note,
+  }

@@ -44,9 +44,12 @@ class WorkdirInUseError(ValueError):
 
 def _describe(holder: dict[str, Any]) -> str:
   started = holder.get('start_time')
-  since = (time.strftime(' since %Y-%m-%d %H:%M:%S UTC', time.gmtime(started))
-           if isinstance(started, (int, float)) else '')
-  return f"PID {holder.get('pid')} on host {holder.get('host')}{since}"
+  since = (
+    time.strftime(' since %Y-%m-%d %H:%M:%S UTC', time.gmtime(started))
+    if isinstance(started, (int, float))
+    else ''
+  )
+  return f'PID {holder.get("pid")} on host {holder.get("host")}{since}'
 
 
 def _read_holder(fd: int) -> dict[str, Any] | None:
@@ -84,11 +87,13 @@ class WorkdirLock:
       os.makedirs(self.workdir, exist_ok=True)
       fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
     except (FileExistsError, NotADirectoryError):
-      raise ValueError(f'--workdir {self.workdir} is not a directory (a file is in the way).'
-                       ) from None
+      raise ValueError(
+        f'--workdir {self.workdir} is not a directory (a file is in the way).'
+      ) from None
     except OSError as e:
-      raise ValueError(f'--workdir {self.workdir} cannot be used: {e.strerror} '
-                       f'({e.filename or self.path}).') from None
+      raise ValueError(
+        f'--workdir {self.workdir} cannot be used: {e.strerror} ({e.filename or self.path}).'
+      ) from None
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -96,10 +101,12 @@ class WorkdirLock:
       os.close(fd)
       if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
         raise WorkdirInUseError(
-            f'--workdir {self.workdir} is in use by another run ({_describe(holder)}); wait '
-            f'for it to finish or stop it, or use another --workdir.') from None
-      raise ValueError(f'--workdir {self.workdir}: cannot lock {self.path} ({e.strerror}).'
-                       ) from None
+          f'--workdir {self.workdir} is in use by another run ({_describe(holder)}); wait '
+          f'for it to finish or stop it, or use another --workdir.'
+        ) from None
+      raise ValueError(
+        f'--workdir {self.workdir}: cannot lock {self.path} ({e.strerror}).'
+      ) from None
     host = socket.gethostname()
     previous = _read_holder(fd)
     if previous is not None:
@@ -107,16 +114,22 @@ class WorkdirLock:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
         raise WorkdirInUseError(
-            f'--workdir {self.workdir} is locked by {_describe(previous)}, which cannot be '
-            f'checked from host {host}; if that run has ended, delete {self.path} and rerun.')
-      message = (f'taking over the stale lock of {self.workdir} left by {_describe(previous)}, '
-                 'which ended without releasing it.')
+          f'--workdir {self.workdir} is locked by {_describe(previous)}, which cannot be '
+          f'checked from host {host}; if that run has ended, delete {self.path} and rerun.'
+        )
+      message = (
+        f'taking over the stale lock of {self.workdir} left by {_describe(previous)}, '
+        'which ended without releasing it.'
+      )
       logging.warning(message)
       print(f'WARNING: {message}', file=sys.stderr)
     body = json.dumps({'host': host, 'pid': os.getpid(), 'start_time': time.time()})
     try:
-      with write_errors.writing('the lock file', self.path, then='Free space (or fix the file '
-                                'system), then rerun the same command.'):
+      with write_errors.writing(
+        'the lock file',
+        self.path,
+        then='Free space (or fix the file system), then rerun the same command.',
+      ):
         os.ftruncate(fd, 0)
         os.pwrite(fd, body.encode(), 0)
         os.fsync(fd)

@@ -17,8 +17,10 @@ import os
 from typing import Iterator
 
 FULL = (errno.ENOSPC, errno.EDQUOT)
-RERUN = ('Free space (or fix the file system), then rerun the same command: it resumes from '
-         'the latest checkpoint if there is one (a failed write leaves them intact).')
+RERUN = (
+  'Free space (or fix the file system), then rerun the same command: it resumes from '
+  'the latest checkpoint if there is one (a failed write leaves them intact).'
+)
 
 
 class WriteError(RuntimeError):

@@ -78,8 +78,15 @@ def _csv(kind):
   return lambda text: tuple(kind(v) for v in text.split(',') if v)
 
 
-def make_config(dataset: str, sampler: str, sigma: float | None, seed: int, epochs: int,
-                batch_size: int = 0, mnist_data_dir: str = ''):
+def make_config(
+  dataset: str,
+  sampler: str,
+  sigma: float | None,
+  seed: int,
+  epochs: int,
+  batch_size: int = 0,
+  mnist_data_dir: str = '',
+):
   """The experiment's config: the dataset's default config with these fields changed.
 
   `sigma=None` is the non-private baseline through the same pipeline; `batch_size=0`
@@ -104,8 +111,15 @@ def make_config(dataset: str, sampler: str, sigma: float | None, seed: int, epoc
   return config
 
 
-def run_one(dataset: str, sampler: str, sigma: float | None, seed: int, epochs: int,
-            batch_size: int = 0, mnist_data_dir: str = '') -> dict[str, Any]:
+def run_one(
+  dataset: str,
+  sampler: str,
+  sigma: float | None,
+  seed: int,
+  epochs: int,
+  batch_size: int = 0,
+  mnist_data_dir: str = '',
+) -> dict[str, Any]:
   """One training run in a fresh temporary workdir; the record stored in results.json."""
   config = make_config(dataset, sampler, sigma, seed, epochs, batch_size, mnist_data_dir)
   start = time.time()
@@ -118,26 +132,34 @@ def run_one(dataset: str, sampler: str, sigma: float | None, seed: int, epochs: 
     except FloatingPointError as e:  # Diverged: recorded, not hidden.
       result, error = {}, str(e)
   report = result.get('privacy')
-  num_examples = (report['details']['num_examples'] if report is not None
-                  else len(data.make_sources(config.data, seed=config.seed)[0]))
+  num_examples = (
+    report['details']['num_examples']
+    if report is not None
+    else len(data.make_sources(config.data, seed=config.seed)[0])
+  )
   record = {
-      'dataset': dataset, 'sampler': sampler, 'sigma': sigma, 'seed': seed, 'epochs': epochs,
-      'batch_size': config.sampler.batch_size,
-      # The divisor of the noisy sum: b, or N/T for balls-and-bins.
-      'expected_batch_size': plan_lib.make_sampler(config, num_examples).expected_batch_size,
-      'num_examples': num_examples,
-      'private': sigma is not None,
-      'steps': result.get('step'),
-      'test_accuracy': result.get('eval_accuracy'),
-      'test_loss': result.get('eval_loss'),
-      'train_accuracy_last_epoch': result.get('nonprivate_train_accuracy'),
-      'num_truncated': result.get('nonprivate_num_truncated'),
-      'wall_time_s': time.time() - start,
-      'error': error,
+    'dataset': dataset,
+    'sampler': sampler,
+    'sigma': sigma,
+    'seed': seed,
+    'epochs': epochs,
+    'batch_size': config.sampler.batch_size,
+    # The divisor of the noisy sum: b, or N/T for balls-and-bins.
+    'expected_batch_size': plan_lib.make_sampler(config, num_examples).expected_batch_size,
+    'num_examples': num_examples,
+    'private': sigma is not None,
+    'steps': result.get('step'),
+    'test_accuracy': result.get('eval_accuracy'),
+    'test_loss': result.get('eval_loss'),
+    'train_accuracy_last_epoch': result.get('nonprivate_train_accuracy'),
+    'num_truncated': result.get('nonprivate_num_truncated'),
+    'wall_time_s': time.time() - start,
+    'error': error,
   }
   if report is not None:
     details = report['details']
-    record.update({
+    record.update(
+      {
         'epsilon': report['epsilon'],
         'delta': report['delta'],
         'bound': report['bound'],  # 'upper' | 'high_probability_upper' | 'lower'
@@ -151,7 +173,8 @@ def run_one(dataset: str, sampler: str, sigma: float | None, seed: int, epochs: 
         'truncation_mass': details.get('truncation_mass'),
         'as_if_poisson_epsilon_not_a_guarantee': details.get('as_if_poisson_not_a_guarantee'),
         'monte_carlo_epsilon_high_probability': details.get('monte_carlo_epsilon_high_probability'),
-    })
+      }
+    )
   return record
 
 
@@ -162,14 +185,23 @@ def _lower_bound_method(report: dict) -> str | None:
     return None
   if 'lower_bound_method' in details:
     return details['lower_bound_method']
-  if details.get('random_allocation_lower') is not None and lower == details['random_allocation_lower']:
+  if (
+    details.get('random_allocation_lower') is not None
+    and lower == details['random_allocation_lower']
+  ):
     return 'random-allocation PLD lower bound'
   return 'max test' if 'max_test_lower_bound' in details else 'unknown'
 
 
 def _key(record: dict) -> tuple:
-  return (record['dataset'], record['batch_size'], record['sampler'], record['sigma'],
-          record['seed'], record['epochs'])
+  return (
+    record['dataset'],
+    record['batch_size'],
+    record['sampler'],
+    record['sigma'],
+    record['seed'],
+    record['epochs'],
+  )
 
 
 def git_state() -> dict[str, Any]:
@@ -181,8 +213,12 @@ def summarise(records: list[dict], dataset: str, batch_size: int) -> dict:
   """{sampler: {σ: (mean, std, n, ε, bound, ε_lower)}} over seeds (std with ddof = 1)."""
   table: dict[str, dict[float, tuple]] = {}
   for r in records:
-    if (r['dataset'] != dataset or r['batch_size'] != batch_size or not r['private']
-        or r['test_accuracy'] is None):
+    if (
+      r['dataset'] != dataset
+      or r['batch_size'] != batch_size
+      or not r['private']
+      or r['test_accuracy'] is None
+    ):
       continue
     table.setdefault(r['sampler'], {}).setdefault(r['sigma'], []).append(r)
   out = {}
@@ -191,18 +227,27 @@ def summarise(records: list[dict], dataset: str, batch_size: int) -> dict:
     for sigma, rs in sorted(by_sigma.items()):
       acc = np.array([r['test_accuracy'] for r in rs])
       out[sampler][sigma] = dict(
-          mean=float(acc.mean()), std=float(acc.std(ddof=1)) if len(acc) > 1 else 0.0,
-          n=len(acc), epsilon=rs[0]['epsilon'], bound=rs[0]['bound'], method=rs[0]['method'],
-          epsilon_lower=rs[0]['epsilon_lower'])
+        mean=float(acc.mean()),
+        std=float(acc.std(ddof=1)) if len(acc) > 1 else 0.0,
+        n=len(acc),
+        epsilon=rs[0]['epsilon'],
+        bound=rs[0]['bound'],
+        method=rs[0]['method'],
+        epsilon_lower=rs[0]['epsilon_lower'],
+      )
   return out
 
 
-def baseline(records: list[dict], dataset: str,
-             batch_size: int) -> tuple[float, float, int] | None:
+def baseline(records: list[dict], dataset: str, batch_size: int) -> tuple[float, float, int] | None:
   """Non-private test accuracy (mean, std, number of seeds), if those runs exist."""
-  acc = [r['test_accuracy'] for r in records
-         if r['dataset'] == dataset and r['batch_size'] == batch_size and not r['private']
-         and r['test_accuracy'] is not None]
+  acc = [
+    r['test_accuracy']
+    for r in records
+    if r['dataset'] == dataset
+    and r['batch_size'] == batch_size
+    and not r['private']
+    and r['test_accuracy'] is not None
+  ]
   if not acc:
     return None
   return float(np.mean(acc)), float(np.std(acc, ddof=1)) if len(acc) > 1 else 0.0, len(acc)
@@ -214,22 +259,39 @@ def paired_differences(records: list[dict], dataset: str, batch_size: int) -> st
   Seeds share the model initialisation and the noise key, so per-seed differences remove
   most of the seed-to-seed spread that the mean ± std table shows.
   """
-  acc = {(r['sampler'], r['sigma'], r['seed']): r['test_accuracy'] for r in records
-         if r['dataset'] == dataset and r['batch_size'] == batch_size and r['private']
-         and r['test_accuracy'] is not None}
+  acc = {
+    (r['sampler'], r['sigma'], r['seed']): r['test_accuracy']
+    for r in records
+    if r['dataset'] == dataset
+    and r['batch_size'] == batch_size
+    and r['private']
+    and r['test_accuracy'] is not None
+  }
   others = [s for s in ('poisson', 'shuffle') if any(k[0] == s for k in acc)]
   sigmas = sorted({k[1] for k in acc if k[0] == 'balls_and_bins'})
-  lines = [f'b = {batch_size}: balls-and-bins − other sampler, same seed, accuracy points '
-           '(mean ± std over seeds; [min, max]):', '',
-           '| σ | ' + ' | '.join(f'b&b − {s}' for s in others) + ' |', '|---|' + '---|' * len(others)]
+  lines = [
+    f'b = {batch_size}: balls-and-bins − other sampler, same seed, accuracy points '
+    '(mean ± std over seeds; [min, max]):',
+    '',
+    '| σ | ' + ' | '.join(f'b&b − {s}' for s in others) + ' |',
+    '|---|' + '---|' * len(others),
+  ]
   for sigma in sigmas:
     cells = []
     for other in others:
-      d = 100 * np.array([acc[('balls_and_bins', sigma, seed)] - acc[(other, sigma, seed)]
-                          for (s, x, seed) in acc if s == 'balls_and_bins' and x == sigma
-                          and (other, sigma, seed) in acc])
-      cells.append(f'{d.mean():+.1f} ± {d.std(ddof=1) if len(d) > 1 else 0:.1f} '
-                   f'[{d.min():+.1f}, {d.max():+.1f}]' if len(d) else '–')
+      d = 100 * np.array(
+        [
+          acc[('balls_and_bins', sigma, seed)] - acc[(other, sigma, seed)]
+          for (s, x, seed) in acc
+          if s == 'balls_and_bins' and x == sigma and (other, sigma, seed) in acc
+        ]
+      )
+      cells.append(
+        f'{d.mean():+.1f} ± {d.std(ddof=1) if len(d) > 1 else 0:.1f} '
+        f'[{d.min():+.1f}, {d.max():+.1f}]'
+        if len(d)
+        else '–'
+      )
     lines.append(f'| {sigma:g} | ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines)
 
@@ -240,19 +302,33 @@ def _fmt_eps(value) -> str:
   return '∞' if not math.isfinite(value) else f'{value:.3g}'
 
 
-def markdown_table(records: list[dict], dataset: str, batch_size: int,
-                   with_epsilon: bool = True) -> str:
+def markdown_table(
+  records: list[dict], dataset: str, batch_size: int, with_epsilon: bool = True
+) -> str:
   """Accuracy (mean ± std over seeds, %) per sampler × σ, then ε per sampler × σ."""
   summary = summarise(records, dataset, batch_size)
   samplers = [s for s in SAMPLERS if s in summary]
   sigmas = sorted({s for by in summary.values() for s in by})
   n = {summary[s][sig]['n'] for s in samplers for sig in summary[s]}
-  divisors = {s: next(r['expected_batch_size'] for r in records if r['dataset'] == dataset
-                      and r['batch_size'] == batch_size and r['sampler'] == s and r['private'])
-              for s in samplers}
-  lines = [f'b = {batch_size} (noise divisor: ' + ', '.join(f'{s} {d:g}' for s, d in divisors.items())
-           + f'). Test accuracy (%), mean ± std over {"/".join(map(str, sorted(n)))} seeds:', '',
-           '| σ | ' + ' | '.join(samplers) + ' |', '|---|' + '---|' * len(samplers)]
+  divisors = {
+    s: next(
+      r['expected_batch_size']
+      for r in records
+      if r['dataset'] == dataset
+      and r['batch_size'] == batch_size
+      and r['sampler'] == s
+      and r['private']
+    )
+    for s in samplers
+  }
+  lines = [
+    f'b = {batch_size} (noise divisor: '
+    + ', '.join(f'{s} {d:g}' for s, d in divisors.items())
+    + f'). Test accuracy (%), mean ± std over {"/".join(map(str, sorted(n)))} seeds:',
+    '',
+    '| σ | ' + ' | '.join(samplers) + ' |',
+    '|---|' + '---|' * len(samplers),
+  ]
   for sigma in sigmas:
     cells = []
     for s in samplers:
@@ -261,14 +337,21 @@ def markdown_table(records: list[dict], dataset: str, batch_size: int,
     lines.append(f'| {sigma:g} | ' + ' | '.join(cells) + ' |')
   base = baseline(records, dataset, batch_size)
   if base:
-    lines.append(f'| non-private | {100 * base[0]:.1f} ± {100 * base[1]:.1f} (Poisson batches, '
-                 f'{base[2]} seeds) |' + ' |' * (len(samplers) - 1))
+    lines.append(
+      f'| non-private | {100 * base[0]:.1f} ± {100 * base[1]:.1f} (Poisson batches, '
+      f'{base[2]} seeds) |' + ' |' * (len(samplers) - 1)
+    )
   if not with_epsilon:
     return '\n'.join(lines)
   delta = next(r['delta'] for r in records if r['dataset'] == dataset and r['private'])
-  lines += ['', f'ε at δ = {delta:g} after the run (the attached bound; [lower bound] where '
-            'the accountant gives one):', '',
-            '| σ | ' + ' | '.join(samplers) + ' |', '|---|' + '---|' * len(samplers)]
+  lines += [
+    '',
+    f'ε at δ = {delta:g} after the run (the attached bound; [lower bound] where '
+    'the accountant gives one):',
+    '',
+    '| σ | ' + ' | '.join(samplers) + ' |',
+    '|---|' + '---|' * len(samplers),
+  ]
   for sigma in sigmas:
     cells = []
     for s in samplers:
@@ -284,8 +367,11 @@ def markdown_table(records: list[dict], dataset: str, batch_size: int,
   return '\n'.join(lines)
 
 
-STYLE = {'poisson': ('tab:blue', 'o'), 'balls_and_bins': ('tab:orange', 's'),
-         'shuffle': ('tab:green', '^')}
+STYLE = {
+  'poisson': ('tab:blue', 'o'),
+  'balls_and_bins': ('tab:orange', 's'),
+  'shuffle': ('tab:green', '^'),
+}
 LABELS = {'poisson': 'Poisson', 'balls_and_bins': 'balls-and-bins', 'shuffle': 'shuffle'}
 
 
@@ -322,10 +408,23 @@ def _accuracy_panel(ax, records: list[dict], dataset: str, batch_size: int, titl
     mean = np.array([summary[s][x]['mean'] for x in sigmas]) * 100
     std = np.array([summary[s][x]['std'] for x in sigmas]) * 100
     n = summary[s][sigmas[0]]['n']
-    divisor = next(r['expected_batch_size'] for r in records if r['dataset'] == dataset
-                   and r['batch_size'] == batch_size and r['sampler'] == s and r['private'])
-    ax.errorbar(np.array(sigmas) * offsets[s], mean, yerr=std, color=color, marker=marker,
-                capsize=3, label=f'{LABELS[s]} (÷{divisor:g}; mean ± std, {n} seeds)')
+    divisor = next(
+      r['expected_batch_size']
+      for r in records
+      if r['dataset'] == dataset
+      and r['batch_size'] == batch_size
+      and r['sampler'] == s
+      and r['private']
+    )
+    ax.errorbar(
+      np.array(sigmas) * offsets[s],
+      mean,
+      yerr=std,
+      color=color,
+      marker=marker,
+      capsize=3,
+      label=f'{LABELS[s]} (÷{divisor:g}; mean ± std, {n} seeds)',
+    )
   base = baseline(records, dataset, batch_size)
   if base:
     ax.axhline(100 * base[0], color='gray', ls=':', label=f'non-private ({base[2]} seeds)')
@@ -335,18 +434,25 @@ def _accuracy_panel(ax, records: list[dict], dataset: str, batch_size: int, titl
   ax.legend(fontsize=7)
 
 
-def plot(records: list[dict], dataset: str, path: pathlib.Path, epochs: int,
-         batch_sizes: list[int]) -> None:
+def plot(
+  records: list[dict], dataset: str, path: pathlib.Path, epochs: int, batch_sizes: list[int]
+) -> None:
   """Accuracy vs σ per batch size (the first is the config's), then ε vs σ at the first."""
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
   fig, axes = plt.subplots(1, len(batch_sizes) + 1, figsize=(6 * (len(batch_sizes) + 1), 4.8))
   for i, (ax, b) in enumerate(zip(axes, batch_sizes)):
     kind = 'config b' if i == 0 else 'control: b ≈ N/T, equal noise divisors'
-    _accuracy_panel(ax, records, dataset, b, f'{dataset}: test accuracy after {epochs} epochs '
-                    f'at equal σ\n{kind} = {b}')
+    _accuracy_panel(
+      ax,
+      records,
+      dataset,
+      b,
+      f'{dataset}: test accuracy after {epochs} epochs at equal σ\n{kind} = {b}',
+    )
   ax_eps = axes[-1]
   summary = summarise(records, dataset, batch_sizes[0])
   samplers = [s for s in SAMPLERS if s in summary]
@@ -356,20 +462,37 @@ def plot(records: list[dict], dataset: str, path: pathlib.Path, epochs: int,
     eps = [summary[s][x]['epsilon'] for x in sigmas]
     bounds = {summary[s][x]['bound'] for x in sigmas}
     methods = {summary[s][x]['method'] for x in sigmas}
-    ax_eps.plot(sigmas, eps, color=color, marker=marker, ls='-',
-                label=f'{LABELS[s]}: {"/".join(sorted(bounds))} bound '
-                      f'({_method_label(s, methods)})')
-    lower = [(x, summary[s][x]['epsilon_lower']) for x in sigmas
-             if summary[s][x]['epsilon_lower'] is not None]
+    ax_eps.plot(
+      sigmas,
+      eps,
+      color=color,
+      marker=marker,
+      ls='-',
+      label=f'{LABELS[s]}: {"/".join(sorted(bounds))} bound ({_method_label(s, methods)})',
+    )
+    lower = [
+      (x, summary[s][x]['epsilon_lower'])
+      for x in sigmas
+      if summary[s][x]['epsilon_lower'] is not None
+    ]
     if lower:
-      ax_eps.plot(*zip(*lower), color=color, marker=marker, ls='--', mfc='none',
-                  label=f'{LABELS[s]}: lower bound (true ε is at least this)')
+      ax_eps.plot(
+        *zip(*lower),
+        color=color,
+        marker=marker,
+        ls='--',
+        mfc='none',
+        label=f'{LABELS[s]}: lower bound (true ε is at least this)',
+      )
   delta = next(r['delta'] for r in records if r['dataset'] == dataset and r['private'])
   _sigma_axis(ax_eps, sorted({x for by in summary.values() for x in by}))
   ax_eps.set_yscale('log')
   ax_eps.set_ylabel(f'ε at δ = {delta:g}')
-  ax_eps.set_title(f'{dataset}: ε after {epochs} epochs, b = {batch_sizes[0]}\n'
-                   '(solid: attached upper bound; dashed: lower bound)', fontsize=10)
+  ax_eps.set_title(
+    f'{dataset}: ε after {epochs} epochs, b = {batch_sizes[0]}\n'
+    '(solid: attached upper bound; dashed: lower bound)',
+    fontsize=10,
+  )
   ax_eps.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -378,28 +501,50 @@ def plot(records: list[dict], dataset: str, path: pathlib.Path, epochs: int,
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  parser.add_argument('--sigmas', type=_csv(float), default=None,
-                      help=f'comma-separated σ grid (default {DEFAULT_SIGMAS}, --full {FULL_SIGMAS})')
-  parser.add_argument('--seeds', type=_csv(int), default=None,
-                      help=f'comma-separated seeds (default {DEFAULT_SEEDS}, --full {FULL_SEEDS})')
+  parser.add_argument(
+    '--sigmas',
+    type=_csv(float),
+    default=None,
+    help=f'comma-separated σ grid (default {DEFAULT_SIGMAS}, --full {FULL_SIGMAS})',
+  )
+  parser.add_argument(
+    '--seeds',
+    type=_csv(int),
+    default=None,
+    help=f'comma-separated seeds (default {DEFAULT_SEEDS}, --full {FULL_SEEDS})',
+  )
   parser.add_argument('--samplers', type=_csv(str), default=SAMPLERS)
   parser.add_argument('--epochs', type=int, default=20, help='digits epochs (6 steps each)')
-  parser.add_argument('--control_batch_size', type=int, default=240,
-                      help='digits control series with this b (0: none); 240 ≈ N/6 equalises '
-                           'the noise divisors')
-  parser.add_argument('--control_sigmas', type=_csv(float), default=None,
-                      help=f'σ of the control series (default {DEFAULT_CONTROL_SIGMAS}, --full: '
-                           'the whole grid)')
+  parser.add_argument(
+    '--control_batch_size',
+    type=int,
+    default=240,
+    help='digits control series with this b (0: none); 240 ≈ N/6 equalises the noise divisors',
+  )
+  parser.add_argument(
+    '--control_sigmas',
+    type=_csv(float),
+    default=None,
+    help=f'σ of the control series (default {DEFAULT_CONTROL_SIGMAS}, --full: the whole grid)',
+  )
   parser.add_argument('--full', action='store_true', help='more seeds and σ; MNIST if prepared')
-  parser.add_argument('--mnist_data_dir', default='',
-                      help='prepared TFDS data_dir holding mnist (used with --full)')
+  parser.add_argument(
+    '--mnist_data_dir', default='', help='prepared TFDS data_dir holding mnist (used with --full)'
+  )
   parser.add_argument('--mnist_epochs', type=int, default=5)
-  parser.add_argument('--no_baseline', action='store_true',
-                      help='skip the non-private reference runs (one per seed)')
-  parser.add_argument('--resume', action='store_true',
-                      help='reuse runs already in results.json with the same settings')
-  parser.add_argument('--plot_only', action='store_true',
-                      help='redraw the plots and print the tables from results.json')
+  parser.add_argument(
+    '--no_baseline', action='store_true', help='skip the non-private reference runs (one per seed)'
+  )
+  parser.add_argument(
+    '--resume',
+    action='store_true',
+    help='reuse runs already in results.json with the same settings',
+  )
+  parser.add_argument(
+    '--plot_only',
+    action='store_true',
+    help='redraw the plots and print the tables from results.json',
+  )
   parser.add_argument('--out', type=pathlib.Path, default=HERE)
   args = parser.parse_args()
   if args.plot_only:
@@ -424,16 +569,23 @@ def main() -> None:
   if args.full and args.mnist_data_dir:
     datasets.append(('mnist', args.mnist_epochs))
   elif args.full:
-    print('MNIST skipped: pass --mnist_data_dir with a prepared TFDS data_dir '
-          '(see configs/mnist_cnn.py).', flush=True)
+    print(
+      'MNIST skipped: pass --mnist_data_dir with a prepared TFDS data_dir '
+      '(see configs/mnist_cnn.py).',
+      flush=True,
+    )
   elif args.mnist_data_dir:
     print('MNIST runs only with --full; --mnist_data_dir ignored.', flush=True)
 
   logging.set_verbosity(logging.ERROR)
   # Every run compiles the same ~25 small programs; a persistent cache turns the compile time
   # (most of a short run's wall time) into a lookup. A cached executable is the same program.
-  jax.config.update('jax_compilation_cache_dir', os.environ.get(
-      'JAX_COMPILATION_CACHE_DIR', os.path.join(tempfile.gettempdir(), 'dpjax-exp02-xla-cache')))
+  jax.config.update(
+    'jax_compilation_cache_dir',
+    os.environ.get(
+      'JAX_COMPILATION_CACHE_DIR', os.path.join(tempfile.gettempdir(), 'dpjax-exp02-xla-cache')
+    ),
+  )
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
   jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
   args.out.mkdir(parents=True, exist_ok=True)
@@ -442,20 +594,28 @@ def main() -> None:
   batch_sizes = {d: [make_config(d, 'poisson', None, 0, 1).sampler.batch_size] for d, _ in datasets}
   if args.control_batch_size and args.control_batch_size != batch_sizes['digits'][0]:
     batch_sizes['digits'].append(args.control_batch_size)
-  settings = {'sigmas': list(sigmas), 'seeds': list(seeds), 'samplers': list(args.samplers),
-              'batch_sizes': batch_sizes, 'control_sigmas': list(control_sigmas),
-              'epochs': args.epochs, 'mnist_epochs': args.mnist_epochs,
-              'datasets': [d for d, _ in datasets], 'full': args.full,
-              'baseline': not args.no_baseline,
-              'config': 'configs/digits_mlp.py (digits), configs/mnist_cnn.py (mnist); '
-                        'changed: sampler.name, seed, privacy.noise_multiplier, '
-                        'privacy.target_epsilon = 0, num_epochs, sampler.max_batch_size = '
-                        'no-truncation cap, log/eval/checkpoint at the last step only; '
-                        'sampler.batch_size in the control series'}
+  settings = {
+    'sigmas': list(sigmas),
+    'seeds': list(seeds),
+    'samplers': list(args.samplers),
+    'batch_sizes': batch_sizes,
+    'control_sigmas': list(control_sigmas),
+    'epochs': args.epochs,
+    'mnist_epochs': args.mnist_epochs,
+    'datasets': [d for d, _ in datasets],
+    'full': args.full,
+    'baseline': not args.no_baseline,
+    'config': 'configs/digits_mlp.py (digits), configs/mnist_cnn.py (mnist); '
+    'changed: sampler.name, seed, privacy.noise_multiplier, '
+    'privacy.target_epsilon = 0, num_epochs, sampler.max_batch_size = '
+    'no-truncation cap, log/eval/checkpoint at the last step only; '
+    'sampler.batch_size in the control series',
+  }
   previous = {}
   if args.resume and results_path.exists():
-    previous = {_key(r): r for r in json.loads(results_path.read_text())['runs']
-                if r.get('error') is None}
+    previous = {
+      _key(r): r for r in json.loads(results_path.read_text())['runs'] if r.get('error') is None
+    }
 
   plan = []  # (dataset, b, sampler, σ, seed, epochs), the key of a run.
   for dataset, epochs in datasets:
@@ -463,7 +623,7 @@ def main() -> None:
       for seed in seeds:
         if j == 0 and not args.no_baseline:
           plan.append((dataset, b, 'poisson', None, seed, epochs))
-        for sigma in (sigmas if j == 0 else control_sigmas):
+        for sigma in sigmas if j == 0 else control_sigmas:
           for sampler in args.samplers:
             plan.append((dataset, b, sampler, sigma, seed, epochs))
   git_at_start = git_state()
@@ -477,19 +637,31 @@ def main() -> None:
     r = run_one(dataset, sampler, sigma, seed, epochs, b, args.mnist_data_dir)
     r['git'] = git
     records.append(r)
-    eps = (f'ε = {_fmt_eps(r.get("epsilon"))} ({r.get("bound")})' if r['private']
-           else 'non-private')
+    eps = f'ε = {_fmt_eps(r.get("epsilon"))} ({r.get("bound")})' if r['private'] else 'non-private'
     acc = 'diverged' if r['test_accuracy'] is None else f'acc {r["test_accuracy"]:.4f}'
-    print(f'[{i + 1}/{len(plan)}] {dataset} b={b} {sampler:>14} σ={sigma} seed={seed}: {acc}, {eps}, '
-          f'{r["wall_time_s"]:.1f} s (total {time.time() - start:.0f} s)', flush=True)
-    results_path.write_text(json.dumps(  # After every run: an interrupted sweep keeps its runs.
-        {'settings': settings, 'git_at_start': git_at_start, 'runs': records}, indent=1))
-  results_path.write_text(json.dumps(
-      {'settings': settings, 'git_at_start': git_at_start,
-       'machine': provenance.machine(),
-       'wall_time_s_this_invocation': time.time() - start,
-       'sum_of_run_wall_times_s': sum(r['wall_time_s'] for r in records),
-       'runs': records}, indent=1))
+    print(
+      f'[{i + 1}/{len(plan)}] {dataset} b={b} {sampler:>14} σ={sigma} seed={seed}: {acc}, {eps}, '
+      f'{r["wall_time_s"]:.1f} s (total {time.time() - start:.0f} s)',
+      flush=True,
+    )
+    results_path.write_text(
+      json.dumps(  # After every run: an interrupted sweep keeps its runs.
+        {'settings': settings, 'git_at_start': git_at_start, 'runs': records}, indent=1
+      )
+    )
+  results_path.write_text(
+    json.dumps(
+      {
+        'settings': settings,
+        'git_at_start': git_at_start,
+        'machine': provenance.machine(),
+        'wall_time_s_this_invocation': time.time() - start,
+        'sum_of_run_wall_times_s': sum(r['wall_time_s'] for r in records),
+        'runs': records,
+      },
+      indent=1,
+    )
+  )
   report(records, settings, args.out)
   print(f'Wrote {results_path}.')
 

@@ -38,6 +38,7 @@ import os
 import time
 
 import matplotlib
+
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import numpy as np
@@ -70,10 +71,15 @@ def epoch_grid(full: bool) -> list[int]:
 def wang_et_al_epsilon(steps: int) -> float:
   """Wang et al. 2019 fixed-size RDP bound (replace-one), straight from dp_accounting."""
   rdp = rdp_privacy_accountant.RdpAccountant(
-      neighboring_relation=rdp_privacy_accountant.NeighborRel.REPLACE_ONE)
+    neighboring_relation=rdp_privacy_accountant.NeighborRel.REPLACE_ONE
+  )
   # Replace-one moves the clipped sum by up to 2C: noise multiplier σ/2 on sensitivity 1.
-  rdp.compose(dp_event.SampledWithoutReplacementDpEvent(
-      NUM_EXAMPLES, BATCH_SIZE, dp_event.GaussianDpEvent(NOISE_MULTIPLIER / 2)), steps)
+  rdp.compose(
+    dp_event.SampledWithoutReplacementDpEvent(
+      NUM_EXAMPLES, BATCH_SIZE, dp_event.GaussianDpEvent(NOISE_MULTIPLIER / 2)
+    ),
+    steps,
+  )
   return float(rdp.get_epsilon(DELTA))
 
 
@@ -82,8 +88,7 @@ def mog_pld_direct(steps: int, grid: float) -> float:
   path at the grid its report names)."""
   q = BATCH_SIZE / NUM_EXAMPLES
   pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=grid)
-  pld.compose(dp_event.MixtureOfGaussiansDpEvent(NOISE_MULTIPLIER, [0.0, 2.0], [1 - q, q]),
-              steps)
+  pld.compose(dp_event.MixtureOfGaussiansDpEvent(NOISE_MULTIPLIER, [0.0, 2.0], [1 - q, q]), steps)
   return float(pld.get_epsilon(DELTA))
 
 
@@ -95,16 +100,21 @@ def main():
   fixed = samplers.sampler_class('fixed_size')(num_examples=NUM_EXAMPLES, batch_size=BATCH_SIZE)
   poisson = samplers.sampler_class('poisson')(num_examples=NUM_EXAMPLES, batch_size=BATCH_SIZE)
   accountants = {
-      'fixed_size_mog_pld_add_remove': accountant_lib.Accountant(
-          fixed, NOISE_MULTIPLIER, DELTA, accountant='pld'),
-      'fixed_size_fs_rdp_add_remove': accountant_lib.Accountant(
-          fixed, NOISE_MULTIPLIER, DELTA, accountant='rdp'),
-      'poisson_pld_add_remove': accountant_lib.Accountant(
-          poisson, NOISE_MULTIPLIER, DELTA, accountant='pld', max_batch_size=None),
-      'poisson_rdp_add_remove': accountant_lib.Accountant(
-          poisson, NOISE_MULTIPLIER, DELTA, accountant='rdp', max_batch_size=None),
-      'poisson_pld_half_sigma_reference': accountant_lib.Accountant(
-          poisson, NOISE_MULTIPLIER / 2, DELTA, accountant='pld', max_batch_size=None),
+    'fixed_size_mog_pld_add_remove': accountant_lib.Accountant(
+      fixed, NOISE_MULTIPLIER, DELTA, accountant='pld'
+    ),
+    'fixed_size_fs_rdp_add_remove': accountant_lib.Accountant(
+      fixed, NOISE_MULTIPLIER, DELTA, accountant='rdp'
+    ),
+    'poisson_pld_add_remove': accountant_lib.Accountant(
+      poisson, NOISE_MULTIPLIER, DELTA, accountant='pld', max_batch_size=None
+    ),
+    'poisson_rdp_add_remove': accountant_lib.Accountant(
+      poisson, NOISE_MULTIPLIER, DELTA, accountant='rdp', max_batch_size=None
+    ),
+    'poisson_pld_half_sigma_reference': accountant_lib.Accountant(
+      poisson, NOISE_MULTIPLIER / 2, DELTA, accountant='pld', max_batch_size=None
+    ),
   }
   epochs = epoch_grid(args.full)
   curves = {name: [] for name in accountants}
@@ -114,8 +124,7 @@ def main():
     for name, acct in accountants.items():
       curves[name].append(acct.epsilon(steps))
     curves['fixed_size_wang_et_al_rdp_replace_one'].append(wang_et_al_epsilon(steps))
-    print(f'epochs {e:4d}: ' + ', '.join(f'{n} {c[-1]:.4f}' for n, c in curves.items()),
-          flush=True)
+    print(f'epochs {e:4d}: ' + ', '.join(f'{n} {c[-1]:.4f}' for n, c in curves.items()), flush=True)
 
   table = []
   for e in TABLE_EPOCHS:
@@ -124,33 +133,47 @@ def main():
     report = accountants['fixed_size_mog_pld_add_remove'].epsilon_at(steps)
     row = {name: curve[i] for name, curve in curves.items()}
     row.update(
-        epochs=e, steps=steps, fs_rdp_reference_docs_accounting=REFERENCE_FS_RDP[e],
-        mog_pld_grid=report.details['pld_grid'],
-        mog_pld_dp_accounting_direct=mog_pld_direct(steps, report.details['pld_grid']),
-        wang_et_al_from_dpjax_report=report.details['wang_et_al_rdp_replace_one_epsilon'],
-        fs_rdp_order=accountants['fixed_size_fs_rdp_add_remove'].epsilon_at(
-            steps, estimates=False).details.get('fs_rdp_order'))
+      epochs=e,
+      steps=steps,
+      fs_rdp_reference_docs_accounting=REFERENCE_FS_RDP[e],
+      mog_pld_grid=report.details['pld_grid'],
+      mog_pld_dp_accounting_direct=mog_pld_direct(steps, report.details['pld_grid']),
+      wang_et_al_from_dpjax_report=report.details['wang_et_al_rdp_replace_one_epsilon'],
+      fs_rdp_order=accountants['fixed_size_fs_rdp_add_remove']
+      .epsilon_at(steps, estimates=False)
+      .details.get('fs_rdp_order'),
+    )
     row['ratio_fixed_size_mog_pld_over_poisson_pld'] = (
-        row['fixed_size_mog_pld_add_remove'] / row['poisson_pld_add_remove'])
+      row['fixed_size_mog_pld_add_remove'] / row['poisson_pld_add_remove']
+    )
     row['ratio_fs_rdp_over_mog_pld'] = (
-        row['fixed_size_fs_rdp_add_remove'] / row['fixed_size_mog_pld_add_remove'])
+      row['fixed_size_fs_rdp_add_remove'] / row['fixed_size_mog_pld_add_remove']
+    )
     table.append(row)
 
   results = dict(
-      question='ε vs epochs for fixed-size batches (FS-RDP, Wang et al., MoG PLD) vs Poisson',
-      setting=dict(noise_multiplier=NOISE_MULTIPLIER, batch_size=BATCH_SIZE,
-                   num_examples=NUM_EXAMPLES, delta=DELTA, steps_per_epoch=STEPS_PER_EPOCH,
-                   sampling_probability=BATCH_SIZE / NUM_EXAMPLES),
-      neighbouring_relation={
-          'fixed_size_mog_pld_add_remove': 'add/remove one example (datasets of size >= N)',
-          'fixed_size_fs_rdp_add_remove': 'add/remove one example',
-          'fixed_size_wang_et_al_rdp_replace_one': 'replace one example',
-          'poisson_pld_add_remove': 'add/remove one example',
-          'poisson_rdp_add_remove': 'add/remove one example',
-          'poisson_pld_half_sigma_reference': 'add/remove, σ/2 (reference, not this run)',
-      },
-      epochs=epochs, epsilon=curves, table=table,
-      seconds=time.perf_counter() - start)
+    question='ε vs epochs for fixed-size batches (FS-RDP, Wang et al., MoG PLD) vs Poisson',
+    setting=dict(
+      noise_multiplier=NOISE_MULTIPLIER,
+      batch_size=BATCH_SIZE,
+      num_examples=NUM_EXAMPLES,
+      delta=DELTA,
+      steps_per_epoch=STEPS_PER_EPOCH,
+      sampling_probability=BATCH_SIZE / NUM_EXAMPLES,
+    ),
+    neighbouring_relation={
+      'fixed_size_mog_pld_add_remove': 'add/remove one example (datasets of size >= N)',
+      'fixed_size_fs_rdp_add_remove': 'add/remove one example',
+      'fixed_size_wang_et_al_rdp_replace_one': 'replace one example',
+      'poisson_pld_add_remove': 'add/remove one example',
+      'poisson_rdp_add_remove': 'add/remove one example',
+      'poisson_pld_half_sigma_reference': 'add/remove, σ/2 (reference, not this run)',
+    },
+    epochs=epochs,
+    epsilon=curves,
+    table=table,
+    seconds=time.perf_counter() - start,
+  )
   with open(os.path.join(HERE, 'results.json'), 'w') as f:
     json.dump(results, f, indent=1)
   plot(epochs, curves)
@@ -159,30 +182,50 @@ def main():
 
 def plot(epochs, curves):
   styles = {
-      'fixed_size_wang_et_al_rdp_replace_one': (
-          'fixed size: Wang et al. RDP (replace-one)', 'tab:red', '-'),
-      'fixed_size_fs_rdp_add_remove': ('fixed size: FS-RDP, Birrell et al. (add/remove)',
-                                       'tab:orange', '-'),
-      'fixed_size_mog_pld_add_remove': ('fixed size: MoG PLD, Ganesh (add/remove)',
-                                        'tab:blue', '-'),
-      'poisson_rdp_add_remove': ('Poisson q=b/N: RDP (add/remove)', 'tab:green', '--'),
-      'poisson_pld_add_remove': ('Poisson q=b/N: PLD (add/remove)', 'tab:olive', '--'),
+    'fixed_size_wang_et_al_rdp_replace_one': (
+      'fixed size: Wang et al. RDP (replace-one)',
+      'tab:red',
+      '-',
+    ),
+    'fixed_size_fs_rdp_add_remove': (
+      'fixed size: FS-RDP, Birrell et al. (add/remove)',
+      'tab:orange',
+      '-',
+    ),
+    'fixed_size_mog_pld_add_remove': ('fixed size: MoG PLD, Ganesh (add/remove)', 'tab:blue', '-'),
+    'poisson_rdp_add_remove': ('Poisson q=b/N: RDP (add/remove)', 'tab:green', '--'),
+    'poisson_pld_add_remove': ('Poisson q=b/N: PLD (add/remove)', 'tab:olive', '--'),
   }
   fig, ax = plt.subplots(figsize=(7.5, 5))
   for name, (label, color, style) in styles.items():
     ax.plot(epochs, curves[name], style, color=color, label=label, lw=1.8)
-  ax.plot(epochs, curves['poisson_pld_half_sigma_reference'], 'o', mfc='none', color='0.3',
-          ms=5, markevery=2, label='Poisson PLD at σ/2 = 3 (same pair as the MoG [0, 2])')
+  ax.plot(
+    epochs,
+    curves['poisson_pld_half_sigma_reference'],
+    'o',
+    mfc='none',
+    color='0.3',
+    ms=5,
+    markevery=2,
+    label='Poisson PLD at σ/2 = 3 (same pair as the MoG [0, 2])',
+  )
   for e in TABLE_EPOCHS:
     ax.axvline(e, color='0.85', lw=0.8, zorder=0)
-  ax.plot(list(REFERENCE_FS_RDP), list(REFERENCE_FS_RDP.values()), 'x', color='k', ms=8,
-          label='FS-RDP reference values (docs/accounting.md §7)')
+  ax.plot(
+    list(REFERENCE_FS_RDP),
+    list(REFERENCE_FS_RDP.values()),
+    'x',
+    color='k',
+    ms=8,
+    label='FS-RDP reference values (docs/accounting.md §7)',
+  )
   ax.set_xscale('log')
   ax.set_yscale('log')
   ax.set_xlabel('epochs (416 steps each)')
   ax.set_ylabel(f'ε at δ = {DELTA:g}')
-  ax.set_title(f'Fixed-size vs Poisson: σ = {NOISE_MULTIPLIER:g}, b = {BATCH_SIZE}, '
-               f'N = {NUM_EXAMPLES}')
+  ax.set_title(
+    f'Fixed-size vs Poisson: σ = {NOISE_MULTIPLIER:g}, b = {BATCH_SIZE}, N = {NUM_EXAMPLES}'
+  )
   ax.grid(True, which='both', alpha=0.3)
   ax.legend(fontsize=8, loc='upper left')
   fig.tight_layout()

@@ -39,6 +39,7 @@ import os
 import time
 
 import matplotlib
+
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import numpy as np
@@ -56,8 +57,9 @@ DELTA = 1e-5
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 DEFAULT_GROUP_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-_RDP_ORDERS = sorted(set(np.linspace(1.1, 10.9, 99).round(2)) | set(range(11, 64)) |
-                     set(range(64, 1025, 8)))
+_RDP_ORDERS = sorted(
+  set(np.linspace(1.1, 10.9, 99).round(2)) | set(range(11, 64)) | set(range(64, 1025, 8))
+)
 
 
 def group_config(noise_multiplier: float, group_size: int):
@@ -87,8 +89,12 @@ class ExampleLevelCurve:
   """
 
   def __init__(self, noise_multiplier: float):
-    event = dp_event.SelfComposedDpEvent(dp_event.PoissonSampledDpEvent(
-        BATCH_SIZE / NUM_EXAMPLES, dp_event.GaussianDpEvent(noise_multiplier)), NUM_STEPS)
+    event = dp_event.SelfComposedDpEvent(
+      dp_event.PoissonSampledDpEvent(
+        BATCH_SIZE / NUM_EXAMPLES, dp_event.GaussianDpEvent(noise_multiplier)
+      ),
+      NUM_STEPS,
+    )
     self.pld = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
     self.pld.compose(event)
     rdp = rdp_privacy_accountant.RdpAccountant(orders=_RDP_ORDERS)
@@ -107,8 +113,7 @@ class ExampleLevelCurve:
     return min(log_rdp, math.log(d_pld) if d_pld > 0 else -math.inf)
 
 
-def generic_conversion_epsilon(curve: ExampleLevelCurve, group_size: int,
-                               delta: float) -> float:
+def generic_conversion_epsilon(curve: ExampleLevelCurve, group_size: int, delta: float) -> float:
   """k·ε₁ for the smallest ε₁ found with k·e^{(k−1)ε₁}·δ₁(ε₁) ≤ δ (Vadhan 2017, Lemma 2.2).
 
   Doubling then bisection on ε₁, all in log space; the returned ε₁ is the
@@ -157,18 +162,25 @@ def main():
       report = acct.epsilon_at(NUM_STEPS)
       mog_seconds = time.perf_counter() - t0
       row = dict(
-          group_size=k, mog_pld=report.epsilon, method=report.details['method'],
-          mog_pld_seconds=mog_seconds,
-          generic_conversion=generic_conversion_epsilon(curve, k, DELTA),
-          conversion_pld_only_dpjax=report.details.get(
-              'group_conversion_epsilon_comparison_only', eps_one if k == 1 else None),
-          linear_reference=k * eps_one)
+        group_size=k,
+        mog_pld=report.epsilon,
+        method=report.details['method'],
+        mog_pld_seconds=mog_seconds,
+        generic_conversion=generic_conversion_epsilon(curve, k, DELTA),
+        conversion_pld_only_dpjax=report.details.get(
+          'group_conversion_epsilon_comparison_only', eps_one if k == 1 else None
+        ),
+        linear_reference=k * eps_one,
+      )
       row['conversion_over_mog'] = row['generic_conversion'] / row['mog_pld']
       rows.append(row)
-      print(f'σ={sigma:g} k={k:2d}: MoG {row["mog_pld"]:.4g}  conversion '
-            f'{row["generic_conversion"]:.4g}  PLD-only conversion '
-            f'{row["conversion_pld_only_dpjax"]}  k·ε₁ {row["linear_reference"]:.4g}  '
-            f'({mog_seconds:.1f} s)', flush=True)
+      print(
+        f'σ={sigma:g} k={k:2d}: MoG {row["mog_pld"]:.4g}  conversion '
+        f'{row["generic_conversion"]:.4g}  PLD-only conversion '
+        f'{row["conversion_pld_only_dpjax"]}  k·ε₁ {row["linear_reference"]:.4g}  '
+        f'({mog_seconds:.1f} s)',
+        flush=True,
+      )
     runs.append(dict(noise_multiplier=sigma, epsilon_one=eps_one, rows=rows))
     save(runs, time.perf_counter() - start)
   plot(runs)
@@ -176,12 +188,20 @@ def main():
 
 def save(runs, seconds):
   results = dict(
-      question='ε vs group size k: MoG PLD (Ganesh) vs the generic k·ε conversion (Vadhan)',
-      setting=dict(num_examples=NUM_EXAMPLES, batch_size=BATCH_SIZE,
-                   sampling_probability=BATCH_SIZE / NUM_EXAMPLES, num_steps=NUM_STEPS,
-                   delta=DELTA, sampler='poisson', truncation='none (B > N + 1)',
-                   adjacency='add or remove up to k examples'),
-      runs=runs, seconds=seconds)
+    question='ε vs group size k: MoG PLD (Ganesh) vs the generic k·ε conversion (Vadhan)',
+    setting=dict(
+      num_examples=NUM_EXAMPLES,
+      batch_size=BATCH_SIZE,
+      sampling_probability=BATCH_SIZE / NUM_EXAMPLES,
+      num_steps=NUM_STEPS,
+      delta=DELTA,
+      sampler='poisson',
+      truncation='none (B > N + 1)',
+      adjacency='add or remove up to k examples',
+    ),
+    runs=runs,
+    seconds=seconds,
+  )
   with open(os.path.join(HERE, 'results.json'), 'w') as f:
     json.dump(results, f, indent=1)
 
@@ -191,17 +211,27 @@ def plot(runs):
   for ax, run in zip(axes[0], runs):
     ks = [r['group_size'] for r in run['rows']]
     conv = [r['generic_conversion'] for r in run['rows']]
-    ax.plot(ks, conv, 's-', color='tab:red',
-            label='generic conversion (Vadhan Lemma 2.2)')
+    ax.plot(ks, conv, 's-', color='tab:red', label='generic conversion (Vadhan Lemma 2.2)')
     pld_only = [r['conversion_pld_only_dpjax'] for r in run['rows']]
     finite = [(k, v) for k, v in zip(ks, pld_only) if v is not None and math.isfinite(v)]
     if finite:
-      ax.plot(*zip(*finite), 'x', color='tab:red', ms=8,
-              label='same, PLD δ₁ only (∞ beyond the last ×)')
-    ax.plot(ks, [r['mog_pld'] for r in run['rows']], 'o-', color='tab:blue',
-            label='MoG PLD, Ganesh (dpjax)')
-    ax.plot(ks, [r['linear_reference'] for r in run['rows']], ':', color='0.4',
-            label='k·ε₁ (linear reference)')
+      ax.plot(
+        *zip(*finite), 'x', color='tab:red', ms=8, label='same, PLD δ₁ only (∞ beyond the last ×)'
+      )
+    ax.plot(
+      ks,
+      [r['mog_pld'] for r in run['rows']],
+      'o-',
+      color='tab:blue',
+      label='MoG PLD, Ganesh (dpjax)',
+    )
+    ax.plot(
+      ks,
+      [r['linear_reference'] for r in run['rows']],
+      ':',
+      color='0.4',
+      label='k·ε₁ (linear reference)',
+    )
     ax.set_xscale('log', base=2)
     ax.set_yscale('log')
     ax.set_xticks(ks)

@@ -47,15 +47,25 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   os.makedirs(args.out, exist_ok=True)
   epsilons = (3.0,) if args.quick else EPSILONS
-  sizes = ([64, 512, 4096, 32768, NUM_EXAMPLES] if args.quick
-           else batch_size_plan.default_batch_sizes(NUM_EXAMPLES))
+  sizes = (
+    [64, 512, 4096, 32768, NUM_EXAMPLES]
+    if args.quick
+    else batch_size_plan.default_batch_sizes(NUM_EXAMPLES)
+  )
   path = os.path.join(args.out, 'results.json')
   results = {
-      'setting': dict(num_examples=NUM_EXAMPLES, delta=DELTA, num_epochs=NUM_EPOCHS,
-                      physical_batch_size=PHYSICAL_BATCH_SIZE, clip_norm=1.0,
-                      batch_sizes=sizes, epsilons=list(epsilons)),
-      'machine': dict(provenance.machine(), git=provenance.git_state()),  # Load: at the start.
-      'poisson': [], 'shuffle_reference': [],
+    'setting': dict(
+      num_examples=NUM_EXAMPLES,
+      delta=DELTA,
+      num_epochs=NUM_EPOCHS,
+      physical_batch_size=PHYSICAL_BATCH_SIZE,
+      clip_norm=1.0,
+      batch_sizes=sizes,
+      epsilons=list(epsilons),
+    ),
+    'machine': dict(provenance.machine(), git=provenance.git_state()),  # Load: at the start.
+    'poisson': [],
+    'shuffle_reference': [],
   }
   if args.resume and os.path.exists(path):
     with open(path) as f:
@@ -70,11 +80,19 @@ def main(argv=None) -> int:
     for name, key in (('poisson', 'poisson'), ('shuffle', 'shuffle_reference')):
       config = batch_size_plan.base_config(sampler=name, physical_batch_size=PHYSICAL_BATCH_SIZE)
       plan = batch_size_plan.plan_batch_sizes(
-          NUM_EXAMPLES, eps, DELTA, NUM_EPOCHS, sizes, config=config,
-          progress=lambda r, name=name, eps=eps: print(
-              f'{name} ε={eps:g} b={r.batch_size}: σ={r.noise_multiplier:.4f} '
-              f'ε_att={r.epsilon:.4f} ({r.seconds:.1f} s wall, {r.cpu_seconds:.1f} s CPU)',
-              file=sys.stderr, flush=True))
+        NUM_EXAMPLES,
+        eps,
+        DELTA,
+        NUM_EPOCHS,
+        sizes,
+        config=config,
+        progress=lambda r, name=name, eps=eps: print(
+          f'{name} ε={eps:g} b={r.batch_size}: σ={r.noise_multiplier:.4f} '
+          f'ε_att={r.epsilon:.4f} ({r.seconds:.1f} s wall, {r.cpu_seconds:.1f} s CPU)',
+          file=sys.stderr,
+          flush=True,
+        ),
+      )
       results[key].append(plan.to_dict())
       with open(path, 'w') as f:
         json.dump(results, f, indent=2)
@@ -90,8 +108,9 @@ def main(argv=None) -> int:
   for plan in plans:
     print(batch_size_plan.format_table(plan), end='\n\n')
   png = os.path.join(args.out, 'noise_vs_batch_size.png')
-  plot_plans.plot_plans(plans, png, reference=reference,
-                     reference_note=' (provable bound: no amplification)')
+  plot_plans.plot_plans(
+    plans, png, reference=reference, reference_note=' (provable bound: no amplification)'
+  )
   print(f'wrote {path} and {png}')
   return 0
 

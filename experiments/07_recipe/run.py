@@ -72,12 +72,12 @@ class Variant:
 
 
 VARIANTS = (
-    Variant('baseline'),
-    Variant('augmult', num_views=8),
-    Variant('ema', ema_decay=0.95),
-    Variant('augmult+ema', num_views=8, ema_decay=0.95),
-    Variant('finetune', finetune=True, learning_rate=0.5),
-    Variant('finetune_head', finetune=True, freeze=('Dense_0/',), learning_rate=0.5),
+  Variant('baseline'),
+  Variant('augmult', num_views=8),
+  Variant('ema', ema_decay=0.95),
+  Variant('augmult+ema', num_views=8, ema_decay=0.95),
+  Variant('finetune', finetune=True, learning_rate=0.5),
+  Variant('finetune_head', finetune=True, freeze=('Dense_0/',), learning_rate=0.5),
 )
 
 
@@ -99,9 +99,10 @@ def base_config(seed: int, epsilon: float, num_steps: int, sigma: float | None =
 def halves(source: arrays.ArraySource) -> tuple[arrays.ArraySource, arrays.ArraySource]:
   """(public A, private B): a fixed permutation of the training split cut in two."""
   order = np.random.default_rng(SPLIT_SEED).permutation(len(source))
-  a, b = np.sort(order[:len(order) // 2]), np.sort(order[len(order) // 2:])
-  return tuple(arrays.ArraySource(source.images[i], source.labels[i], source.preprocess)
-               for i in (a, b))
+  a, b = np.sort(order[: len(order) // 2]), np.sort(order[len(order) // 2 :])
+  return tuple(
+    arrays.ArraySource(source.images[i], source.labels[i], source.preprocess) for i in (a, b)
+  )
 
 
 def evaluate(model, params, source, batch_size=256) -> float:
@@ -141,8 +142,11 @@ def train(config, train_source, variant: Variant, init=None):
   config = config.copy_and_resolve_references()
   config.optimizer.learning_rate = variant.learning_rate
   plan = plan_lib.make_plan(config, train_source)
-  batcher = batching.Batcher(plan.sampler, plan.physical_batch_size,
-                             plan.privacy.max_batch_size if plan.private else plan.max_batch_size)
+  batcher = batching.Batcher(
+    plan.sampler,
+    plan.physical_batch_size,
+    plan.privacy.max_batch_size if plan.private else plan.max_batch_size,
+  )
   model = models.make_model(config.model, train_source.num_classes, train_source.input_shape)
   params = prng.init_params(model, config.seed, train_source.input_shape)
   eval_model = model
@@ -154,13 +158,21 @@ def train(config, train_source, variant: Variant, init=None):
   if plan.private:  # σ, C, b, B and the seed from the run's privacy plan.
     step = dp_step.DPStep.from_plan(model, optimizer, plan.privacy, clipping='vmap')
   else:
-    step = dp_step.DPStep(model, optimizer, clip_norm=None, noise_multiplier=None,
-                          expected_batch_size=plan.sampler.expected_batch_size,
-                          private=False, seed=plan.seed, clipping='vmap')
+    step = dp_step.DPStep(
+      model,
+      optimizer,
+      clip_norm=None,
+      noise_multiplier=None,
+      expected_batch_size=plan.sampler.expected_batch_size,
+      private=False,
+      seed=plan.seed,
+      clipping='vmap',
+    )
   k = variant.num_views
   if k > 1:
-    augmult.check_config(k, config.augmult.crop_padding, config.augmult.flip,
-                         train_source.input_shape)
+    augmult.check_config(
+      k, config.augmult.crop_padding, config.augmult.flip, train_source.input_shape
+    )
     _use_augmult(step, model, step.clip_bound)
   opt_state = optimizer.init(params)
   averaged = ema.init(params) if variant.ema_decay else None
@@ -171,9 +183,15 @@ def train(config, train_source, variant: Variant, init=None):
       batch = train_source.gather(indices)
       batch['weight'] = weights
       if k > 1:
-        batch['x'] = augmult.make_views(batch['x'], indices, t, seed=config.seed, num_views=k,
-                                        crop_padding=config.augmult.crop_padding,
-                                        flip=config.augmult.flip)
+        batch['x'] = augmult.make_views(
+          batch['x'],
+          indices,
+          t,
+          seed=config.seed,
+          num_views=k,
+          crop_padding=config.augmult.crop_padding,
+          flip=config.augmult.flip,
+        )
       acc = step.accumulate(params, acc, batch)
     params, opt_state, _ = step.apply(params, opt_state, acc, t)
     if averaged is not None:
@@ -181,14 +199,22 @@ def train(config, train_source, variant: Variant, init=None):
   final = averaged.params if averaged is not None else params
   if eval_model is not model:
     final = model.full_params(final)
-  info = {'num_steps': plan.num_steps, 'noise_multiplier': plan.noise_multiplier,
-          'epsilon': plan.accountant.final_report(estimates=False).epsilon if plan.private
-          else None}
+  info = {
+    'num_steps': plan.num_steps,
+    'noise_multiplier': plan.noise_multiplier,
+    'epsilon': plan.accountant.final_report(estimates=False).epsilon if plan.private else None,
+  }
   return final, info
 
 
-def run_variant(variant: Variant, seed: int, epsilon: float, num_steps: int,
-                pretrained_npz: str | None = None, sigma: float | None = None):
+def run_variant(
+  variant: Variant,
+  seed: int,
+  epsilon: float,
+  num_steps: int,
+  pretrained_npz: str | None = None,
+  sigma: float | None = None,
+):
   """Test accuracy and ε of one (variant, seed) on the private half."""
   config = base_config(seed, epsilon, num_steps, sigma)
   train_source, test_source = data.make_sources(config.data, seed=seed)
@@ -200,15 +226,21 @@ def run_variant(variant: Variant, seed: int, epsilon: float, num_steps: int,
     init = finetune.load_pretrained(pretrained_npz, template)
   params, info = train(config, private, variant, init)
   model = models.make_model(config.model, private.num_classes, private.input_shape)
-  return {'variant': variant.name, 'seed': seed, 'test_accuracy': evaluate(model, params,
-                                                                           test_source), **info}
+  return {
+    'variant': variant.name,
+    'seed': seed,
+    'test_accuracy': evaluate(model, params, test_source),
+    **info,
+  }
 
 
 def augmentation_control(seed: int, num_steps: int = 120) -> dict[str, float]:
   """Non-private test accuracy on B with and without augmult: is the augmentation itself useful?"""
   out = {}
-  for variant in (Variant('baseline', learning_rate=0.5),
-                  Variant('augmult', num_views=8, learning_rate=0.5)):
+  for variant in (
+    Variant('baseline', learning_rate=0.5),
+    Variant('augmult', num_views=8, learning_rate=0.5),
+  ):
     config = base_config(seed, 1.0, num_steps)
     config.privacy.enabled = False
     config.sampler.name = 'shuffle'
@@ -244,8 +276,11 @@ def main(argv=None) -> int:
     train_source, test_source = data.make_sources(config.data)
     public, _ = halves(train_source)
     model = models.make_model(config.model, public.num_classes, public.input_shape)
-    pretrained_acc = evaluate(model, finetune.load_pretrained(
-        npz, prng.init_params(model, 0, public.input_shape)), test_source)
+    pretrained_acc = evaluate(
+      model,
+      finetune.load_pretrained(npz, prng.init_params(model, 0, public.input_shape)),
+      test_source,
+    )
     print(f'pretrained on the public half (no fine-tuning): {pretrained_acc:.4f}', flush=True)
     for variant in VARIANTS:
       for seed in range(args.seeds):
@@ -263,42 +298,63 @@ def main(argv=None) -> int:
     acc = np.array([r['test_accuracy'] for r in rows if r['variant'] == variant.name])
     diff = acc - base  # Paired by seed (same sampler, noise and init streams).
     summary[variant.name] = {
-        'mean': float(acc.mean()), 'std': float(acc.std(ddof=1)), 'min': float(acc.min()),
-        'max': float(acc.max()), 'diff_vs_baseline_mean': float(diff.mean()),
-        'diff_vs_baseline_std': float(diff.std(ddof=1))}
+      'mean': float(acc.mean()),
+      'std': float(acc.std(ddof=1)),
+      'min': float(acc.min()),
+      'max': float(acc.max()),
+      'diff_vs_baseline_mean': float(diff.mean()),
+      'diff_vs_baseline_std': float(diff.std(ddof=1)),
+    }
   result = {
-      'question': 'test accuracy at the same ε: baseline / +augmult / +EMA / +both / fine-tuned',
-      'setup': {'dataset': 'sklearn digits; private = half B of the training split (seed '
-                f'{SPLIT_SEED}), public = half A (pretraining only)',
-                'model': 'MLP 64 tanh', 'batch_size': 128, 'num_steps': args.num_steps,
-                'clip_norm': 1.0, 'delta': 1e-5, 'target_epsilon': args.epsilon,
-                'epsilon': rows[0]['epsilon'], 'noise_multiplier': rows[0]['noise_multiplier'],
-                'augmult': 'K = 8, crop_padding 1, no flip', 'ema_decay': 0.95,
-                'optimizer': 'sgd, constant lr 2.0 (fine-tuning 0.5)', 'seeds': args.seeds},
-      'pretrained_public_only_accuracy': pretrained_acc,
-      'summary': summary, 'rows': rows,
-      'nonprivate_augmentation_control': {
-          'what': 'non-private SGD (lr 0.5, 120 steps, b = 128, shuffle) on B, without / with '
-                  'augmult K = 8 (crop_padding 1): the augmentation alone, no clipping or noise',
-          'per_seed': control},
-      'commit': subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True,
-                               cwd=HERE, check=False).stdout.strip(),
-      'machine': '2-core CPU shared with other agents', 'seconds': time.time() - start,
+    'question': 'test accuracy at the same ε: baseline / +augmult / +EMA / +both / fine-tuned',
+    'setup': {
+      'dataset': 'sklearn digits; private = half B of the training split (seed '
+      f'{SPLIT_SEED}), public = half A (pretraining only)',
+      'model': 'MLP 64 tanh',
+      'batch_size': 128,
+      'num_steps': args.num_steps,
+      'clip_norm': 1.0,
+      'delta': 1e-5,
+      'target_epsilon': args.epsilon,
+      'epsilon': rows[0]['epsilon'],
+      'noise_multiplier': rows[0]['noise_multiplier'],
+      'augmult': 'K = 8, crop_padding 1, no flip',
+      'ema_decay': 0.95,
+      'optimizer': 'sgd, constant lr 2.0 (fine-tuning 0.5)',
+      'seeds': args.seeds,
+    },
+    'pretrained_public_only_accuracy': pretrained_acc,
+    'summary': summary,
+    'rows': rows,
+    'nonprivate_augmentation_control': {
+      'what': 'non-private SGD (lr 0.5, 120 steps, b = 128, shuffle) on B, without / with '
+      'augmult K = 8 (crop_padding 1): the augmentation alone, no clipping or noise',
+      'per_seed': control,
+    },
+    'commit': subprocess.run(
+      ['git', 'rev-parse', 'HEAD'], capture_output=True, text=True, cwd=HERE, check=False
+    ).stdout.strip(),
+    'machine': '2-core CPU shared with other agents',
+    'seconds': time.time() - start,
   }
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, 'results.json'), 'w') as f:
     json.dump(result, f, indent=2)
   plot(result, os.path.join(args.out, 'recipe.png'))
   for name, s in summary.items():
-    print(f'{name:14s} {s["mean"]:.4f} ± {s["std"]:.4f}   Δ vs baseline '
-          f'{s["diff_vs_baseline_mean"]:+.4f} ± {s["diff_vs_baseline_std"]:.4f}')
+    print(
+      f'{name:14s} {s["mean"]:.4f} ± {s["std"]:.4f}   Δ vs baseline '
+      f'{s["diff_vs_baseline_mean"]:+.4f} ± {s["diff_vs_baseline_std"]:.4f}'
+    )
   return 0
 
 
 def plot(result, path):
   import matplotlib  # pylint: disable=g-import-not-at-top
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
   names = list(result['summary'])
   fig, ax = plt.subplots(figsize=(7, 3.5))
   for i, name in enumerate(names):
@@ -306,13 +362,19 @@ def plot(result, path):
     ax.scatter([i] * len(accs), accs, color='C0', alpha=0.6, s=18)
     s = result['summary'][name]
     ax.errorbar(i, s['mean'], yerr=s['std'], color='C1', capsize=4, marker='_', ms=14)
-  ax.axhline(result['pretrained_public_only_accuracy'], color='gray', ls=':',
-             label='pretrained on public half, no fine-tuning')
+  ax.axhline(
+    result['pretrained_public_only_accuracy'],
+    color='gray',
+    ls=':',
+    label='pretrained on public half, no fine-tuning',
+  )
   ax.set_xticks(range(len(names)), names, rotation=20)
   ax.set_ylabel('test accuracy')
   setup = result['setup']
-  ax.set_title(f'digits MLP, private half, ε = {setup["epsilon"]:.2f} (δ = 1e-5), '
-               f'{setup["num_steps"]} steps, {setup["seeds"]} seeds')
+  ax.set_title(
+    f'digits MLP, private half, ε = {setup["epsilon"]:.2f} (δ = 1e-5), '
+    f'{setup["num_steps"]} steps, {setup["seeds"]} seeds'
+  )
   ax.legend(loc='lower right', fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=120)

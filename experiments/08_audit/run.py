@@ -63,23 +63,45 @@ def base_config():
 
 def one(config, model, train, *, private=True, bug=None) -> dict:
   start = time.time()
-  run = audited_sgd.train(plan_lib.audit_settings(config), model, train, num_canaries=M, private=private, _bug=bug)
+  run = audited_sgd.train(
+    plan_lib.audit_settings(config), model, train, num_canaries=M, private=private, _bug=bug
+  )
   audit = one_run.audit(run.scores(), run.canaries.membership, delta=DELTA, confidence=CONFIDENCE)
-  row = {'sampler': config.sampler.name, 'sigma': run.noise_multiplier, 'seed': config.seed,
-         'bug': bug, 'private': private, 'audit': audit.to_dict(),
-         'epsilon_lower': audit.epsilon_lower}
+  row = {
+    'sampler': config.sampler.name,
+    'sigma': run.noise_multiplier,
+    'seed': config.seed,
+    'bug': bug,
+    'private': private,
+    'audit': audit.to_dict(),
+    'epsilon_lower': audit.epsilon_lower,
+  }
   if private:
     report = accounting.make_accountant(config, run.num_examples).epsilon_at(STEPS)
-    test = white_box.effective_sigma(run.released, run.ordinary, run.counts,
-                                     run.canaries.membership, clip_norm=run.clip_norm,
-                                     noise_multiplier=run.noise_multiplier)
-    row.update(epsilon=report.epsilon, bound=report.bound, accountant=report.accountant,
-               white_box=test.to_dict(), refuted=audit.epsilon_lower > report.epsilon,
-               flagged=audit.epsilon_lower > report.epsilon or test.flagged)
+    test = white_box.effective_sigma(
+      run.released,
+      run.ordinary,
+      run.counts,
+      run.canaries.membership,
+      clip_norm=run.clip_norm,
+      noise_multiplier=run.noise_multiplier,
+    )
+    row.update(
+      epsilon=report.epsilon,
+      bound=report.bound,
+      accountant=report.accountant,
+      white_box=test.to_dict(),
+      refuted=audit.epsilon_lower > report.epsilon,
+      flagged=audit.epsilon_lower > report.epsilon or test.flagged,
+    )
   row['seconds'] = time.time() - start
-  print({k: row[k] for k in ('sampler', 'sigma', 'seed', 'bug', 'epsilon_lower')},
-        {k: row.get(k) for k in ('epsilon', 'flagged')},
-        row.get('white_box', {}).get('effective'), f"{row['seconds']:.1f}s", flush=True)
+  print(
+    {k: row[k] for k in ('sampler', 'sigma', 'seed', 'bug', 'epsilon_lower')},
+    {k: row.get(k) for k in ('epsilon', 'flagged')},
+    row.get('white_box', {}).get('effective'),
+    f'{row["seconds"]:.1f}s',
+    flush=True,
+  )
   return row
 
 
@@ -101,17 +123,36 @@ def compute() -> dict:
         config.privacy.noise_multiplier = sigma
         rows.append(one(config, model, train, bug=bug))
     rows.append(one(config, model, train, private=False))
-  limits = [{'num_canaries': m, 'max_epsilon_lower': one_run.max_epsilon_lower(
-      m, delta=DELTA, confidence=CONFIDENCE)} for m in CANARY_COUNTS]
-  commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip()
-  return {'settings': {'num_canaries': M, 'num_base_examples': len(train),
-                       'num_examples': len(train) + M, 'batch_size': config.sampler.batch_size,
-                       'steps': STEPS, 'delta': DELTA, 'confidence': CONFIDENCE,
-                       'white_box_confidence': white_box.DEFAULT_CONFIDENCE, 'clip_norm': 1.0,
-                       'learning_rate': config.optimizer.learning_rate,
-                       'model': 'MLP hidden (32,)', 'guess_fractions': one_run.DEFAULT_GUESS_FRACTIONS},
-          'runs': rows, 'limits': limits, 'git': commit, 'machine': platform.platform()}
+  limits = [
+    {
+      'num_canaries': m,
+      'max_epsilon_lower': one_run.max_epsilon_lower(m, delta=DELTA, confidence=CONFIDENCE),
+    }
+    for m in CANARY_COUNTS
+  ]
+  commit = subprocess.run(
+    ['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT, capture_output=True, text=True
+  ).stdout.strip()
+  return {
+    'settings': {
+      'num_canaries': M,
+      'num_base_examples': len(train),
+      'num_examples': len(train) + M,
+      'batch_size': config.sampler.batch_size,
+      'steps': STEPS,
+      'delta': DELTA,
+      'confidence': CONFIDENCE,
+      'white_box_confidence': white_box.DEFAULT_CONFIDENCE,
+      'clip_norm': 1.0,
+      'learning_rate': config.optimizer.learning_rate,
+      'model': 'MLP hidden (32,)',
+      'guess_fractions': one_run.DEFAULT_GUESS_FRACTIONS,
+    },
+    'runs': rows,
+    'limits': limits,
+    'git': commit,
+    'machine': platform.platform(),
+  }
 
 
 def plot(results: dict) -> None:
@@ -120,16 +161,25 @@ def plot(results: dict) -> None:
   ax = axes[0]
   colors = {'poisson': 'tab:blue', 'balls_and_bins': 'tab:orange'}
   settings = results['settings']
-  top = one_run.max_epsilon_lower(settings['num_canaries'], delta=settings['delta'],
-                                  confidence=settings['confidence'])
+  top = one_run.max_epsilon_lower(
+    settings['num_canaries'], delta=settings['delta'], confidence=settings['confidence']
+  )
   for name in SAMPLERS:
     ok = [r for r in runs if r['sampler'] == name and r['private'] and r['bug'] is None]
     sig = sorted({r['sigma'] for r in ok})
     claim = [next(r['epsilon'] for r in ok if r['sigma'] == s) for s in sig]
     ax.plot(sig, claim, '-', color=colors[name], label=f'{name}: claimed ε (upper bound)')
-    ax.plot([r['sigma'] for r in ok], [r['epsilon_lower'] for r in ok], 'o', mfc='none',
-            color=colors[name], label=f'{name}: audit lower bound (3 seeds)')
-  ax.axhline(top, color='grey', ls=':', label=f'largest bound with m = {results["settings"]["num_canaries"]}')
+    ax.plot(
+      [r['sigma'] for r in ok],
+      [r['epsilon_lower'] for r in ok],
+      'o',
+      mfc='none',
+      color=colors[name],
+      label=f'{name}: audit lower bound (3 seeds)',
+    )
+  ax.axhline(
+    top, color='grey', ls=':', label=f'largest bound with m = {results["settings"]["num_canaries"]}'
+  )
   ax.set_xscale('log')
   ax.set_yscale('log')
   ax.set_xlabel('noise multiplier σ')
@@ -138,15 +188,23 @@ def plot(results: dict) -> None:
   ax.legend(fontsize=8)
   ax = axes[1]
   bugs = [r for r in runs if r['bug'] is not None]
-  labels = [f"{r['bug']}\n{'P' if r['sampler'] == 'poisson' else 'BB'} σ={r['sigma']:g}" for r in bugs]
+  labels = [
+    f'{r["bug"]}\n{"P" if r["sampler"] == "poisson" else "BB"} σ={r["sigma"]:g}' for r in bugs
+  ]
   x = range(len(bugs))
   ax.bar([i - 0.2 for i in x], [r['epsilon'] for r in bugs], 0.4, label='claimed ε')
   ax.bar([i + 0.2 for i in x], [r['epsilon_lower'] for r in bugs], 0.4, label='audit lower bound')
   for i, r in zip(x, bugs):
     w = r['white_box']
-    ax.text(i, max(r['epsilon'], r['epsilon_lower']) + 0.15,
-            f"σ_eff/σ = {w['effective'] / r['sigma']:.2f}, {'flagged' if r['flagged'] else 'MISSED'}",
-            ha='center', va='bottom', rotation=90, fontsize=6)
+    ax.text(
+      i,
+      max(r['epsilon'], r['epsilon_lower']) + 0.15,
+      f'σ_eff/σ = {w["effective"] / r["sigma"]:.2f}, {"flagged" if r["flagged"] else "MISSED"}',
+      ha='center',
+      va='bottom',
+      rotation=90,
+      fontsize=6,
+    )
   ax.set_ylim(0, 1.6 * max(max(r['epsilon'], r['epsilon_lower']) for r in bugs))
   ax.set_xticks(list(x))
   ax.set_xticklabels(labels, rotation=90, fontsize=6)

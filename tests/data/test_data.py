@@ -45,23 +45,28 @@ def test_preprocessing_mean_std_and_one_hot():
 
 def test_tfds_arrayrecord_dataset_reads_back_through_data_source(tmp_path):
   from tests import tfds_digits
+
   tfds_digits.build(str(tmp_path))
-  config = data_config(source='tfds', name='digits_tfds', data_dir=str(tmp_path),
-                       scale=16.0)  # Digits' range (uint8 would be scaled by 255 by default).
+  config = data_config(
+    source='tfds', name='digits_tfds', data_dir=str(tmp_path), scale=16.0
+  )  # Digits' range (uint8 would be scaled by 255 by default).
   train, test = data.make_sources(config)
   assert (len(train), len(test)) == (1437, 360)
   assert train.input_shape == (8, 8, 1) and train.num_classes == 10
   # TFDS shuffles on write: compare the multiset of (label, image) records.
   x_train, y_train, _, _ = digits.load_digits_arrays()
   batch = train.gather(np.arange(len(train)))
+
   def records(x, y):
     return sorted((int(label), img.astype(np.float32).tobytes()) for img, label in zip(x, y))
+
   assert records(batch['x'] * 16.0, batch['y']) == records(x_train, y_train)
   assert 'tensorflow' not in sys.modules  # The TFDS path never imports TensorFlow.
 
 
 def test_tfds_mock_mnist():
   import tensorflow_datasets as tfds
+
   config = data_config(source='tfds', name='mnist', data_dir='/tmp', scale=255.0)
   with tfds.testing.mock_data(num_examples=20, policy=tfds.testing.MockPolicy.USE_CODE):
     train, _ = data.make_sources(config)
@@ -73,16 +78,28 @@ def test_tfds_mock_mnist():
 
 def test_npz_source(tmp_path):
   rng = np.random.default_rng(0)
-  arrays = dict(x_train=rng.integers(0, 255, (30, 4, 4, 3)), y_train=rng.integers(0, 5, 30),
-                x_test=rng.integers(0, 255, (10, 4, 4, 3)), y_test=np.arange(10) % 5)
+  arrays = dict(
+    x_train=rng.integers(0, 255, (30, 4, 4, 3)),
+    y_train=rng.integers(0, 5, 30),
+    x_test=rng.integers(0, 255, (10, 4, 4, 3)),
+    y_test=np.arange(10) % 5,
+  )
   path = tmp_path / 'd.npz'
   np.savez(path, **arrays)
-  config = data_config(source='npz', path=str(path), scale=255.0, mean=(0.1, 0.2, 0.3), std=(1.0, 2.0, 4.0),
-                       num_classes=5)
+  config = data_config(
+    source='npz',
+    path=str(path),
+    scale=255.0,
+    mean=(0.1, 0.2, 0.3),
+    std=(1.0, 2.0, 4.0),
+    num_classes=5,
+  )
   train, test = data.make_sources(config)
   assert (len(train), len(test), train.num_classes) == (30, 10, 5)
   batch = train.gather(np.array([2, 7]))
-  expected = (arrays['x_train'][[2, 7]] / 255.0 - np.array([0.1, 0.2, 0.3])) / np.array([1.0, 2.0, 4.0])
+  expected = (arrays['x_train'][[2, 7]] / 255.0 - np.array([0.1, 0.2, 0.3])) / np.array(
+    [1.0, 2.0, 4.0]
+  )
   np.testing.assert_allclose(batch['x'], expected, rtol=1e-5)
 
 
@@ -107,7 +124,7 @@ def test_synthetic_source_is_a_function_of_the_index_at_any_scale():
 
 def write_memmap_dir(root, x_train, y_train, x_test, y_test, chunk_rows=7):
   for split, x, y in (('train', x_train, y_train), ('test', x_test, y_test)):
-    chunks = ((x[i:i + chunk_rows], y[i:i + chunk_rows]) for i in range(0, len(x), chunk_rows))
+    chunks = ((x[i : i + chunk_rows], y[i : i + chunk_rows]) for i in range(0, len(x), chunk_rows))
     arrays_lib.write_memmap_split(str(root / split), len(x), chunks)
 
 
@@ -118,8 +135,14 @@ def test_memmap_source_gathers_exactly_the_written_rows(tmp_path):
   write_memmap_dir(tmp_path, x_train, y_train, x_test, y_test)  # Chunks of 7: a ragged last one.
   # The files are plain .npy arrays holding exactly the rows written.
   np.testing.assert_array_equal(np.load(tmp_path / 'train' / 'x.npy'), x_train)
-  config = data_config(source='memmap', path=str(tmp_path), scale=255.0, mean=(0.5,),
-                       std=(0.25, 0.5, 1.0), num_classes=7)  # Class 6 only in the test split.
+  config = data_config(
+    source='memmap',
+    path=str(tmp_path),
+    scale=255.0,
+    mean=(0.5,),
+    std=(0.25, 0.5, 1.0),
+    num_classes=7,
+  )  # Class 6 only in the test split.
   train, test = data.make_sources(config)
   assert (len(train), len(test), train.num_classes) == (50, 9, 7)
   assert train.input_shape == (4, 3)
@@ -136,13 +159,13 @@ def test_memmap_source_gathers_exactly_the_written_rows(tmp_path):
 def test_memmap_writer_rejects_bad_chunks_and_leaves_no_files(tmp_path):
   x, y = np.zeros((4, 2), np.uint8), np.zeros(4, np.int64)
   cases = [
-      (5, [(x, y)], 'chunks hold 4 rows'),
-      (3, [(x, y)], 'more than num_examples'),
-      (8, [(x, y), (np.zeros((4, 3), np.uint8), y)], 'does not match'),
-      (8, [(x, y), (x.astype(np.float32), y)], 'cast safely'),
-      (4, [(x, y - 1)], '>= 0'),
-      (4, [(x, y.astype(np.float32))], 'integers'),
-      (0, [], 'num_examples'),
+    (5, [(x, y)], 'chunks hold 4 rows'),
+    (3, [(x, y)], 'more than num_examples'),
+    (8, [(x, y), (np.zeros((4, 3), np.uint8), y)], 'does not match'),
+    (8, [(x, y), (x.astype(np.float32), y)], 'cast safely'),
+    (4, [(x, y - 1)], '>= 0'),
+    (4, [(x, y.astype(np.float32))], 'integers'),
+    (0, [], 'num_examples'),
   ]
   for num_examples, chunks, message in cases:
     with pytest.raises(ValueError, match=message):
@@ -153,6 +176,7 @@ def test_memmap_writer_rejects_bad_chunks_and_leaves_no_files(tmp_path):
 def test_memmap_source_errors_name_the_field(tmp_path):
   def config(path):
     return data_config(source='memmap', path=str(path), num_classes=3)
+
   with pytest.raises(ValueError, match='data.path'):
     data.make_sources(config(''))
   with pytest.raises(ValueError, match='data.path.*existing directory'):
@@ -171,8 +195,9 @@ def test_memmap_source_errors_name_the_field(tmp_path):
   with pytest.raises(ValueError, match='y_test: 20 examples but 19 labels'):
     data.make_sources(config(tmp_path))
   np.save(tmp_path / 'test' / 'y.npy', y - 1)
-  with pytest.raises(ValueError,
-                     match=r'y_test: label -1 in row \d+ is negative; labels must be in \[0, 3\)'):
+  with pytest.raises(
+    ValueError, match=r'y_test: label -1 in row \d+ is negative; labels must be in \[0, 3\)'
+  ):
     data.make_sources(config(tmp_path))
   np.save(tmp_path / 'test' / 'y.npy', y.astype(np.float32))
   with pytest.raises(ValueError, match='y.npy.*memory-mapped labels must be integers'):
@@ -193,14 +218,16 @@ def test_memmap_source_errors_name_the_field(tmp_path):
 def test_memmap_gather_touches_o_of_b_memory(tmp_path):
   """A gather allocates O(b) (traced numpy buffers), not O(N), and the labels scan is chunked."""
   import tracemalloc
+
   n = 400_000
   chunks = ((np.full((50_000, 16), i, np.uint8), np.full(50_000, i % 3)) for i in range(8))
   arrays_lib.write_memmap_split(str(tmp_path / 'train'), n, chunks)
   arrays_lib.write_memmap_split(str(tmp_path / 'test'), 2, [(np.zeros((2, 16), np.uint8), [0, 1])])
   tracemalloc.start()
   try:
-    train, _ = data.make_sources(data_config(source='memmap', path=str(tmp_path), scale=1.0,
-                                             num_classes=3))
+    train, _ = data.make_sources(
+      data_config(source='memmap', path=str(tmp_path), scale=1.0, num_classes=3)
+    )
     idx = np.sort(np.random.default_rng(0).choice(n, 256, replace=False))
     tracemalloc.reset_peak()
     batch = train.gather(idx)
@@ -213,7 +240,9 @@ def test_memmap_gather_touches_o_of_b_memory(tmp_path):
   assert train.num_classes == 3
 
 
-@pytest.mark.parametrize('overrides,message', [
+@pytest.mark.parametrize(
+  'overrides,message',
+  [
     (dict(source='imagenet'), 'data.source'),
     (dict(source='tfds', name='mnist', data_dir=''), 'data.data_dir'),
     (dict(source='tfds', name='', data_dir='/tmp'), 'data.name'),
@@ -225,7 +254,8 @@ def test_memmap_gather_touches_o_of_b_memory(tmp_path):
     (dict(label_format='onehot'), 'data.label_format'),
     (dict(scale=-1.0), 'data.scale'),
     (dict(std=(1.0, 2.0)), 'data.std'),
-])
+  ],
+)
 def test_bad_input_names_the_field(overrides, message):
   with pytest.raises(ValueError, match=message):
     data.make_sources(data_config(**overrides))

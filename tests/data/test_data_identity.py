@@ -59,21 +59,28 @@ def test_in_memory_arrays_one_value_swap_and_layout():
   swapped[[i, j]] = swapped[[j, i]]
   assert identity(arrays_lib.ArraySource(swapped, y, preprocess))['sha256'] != base['sha256']
   # dtype is content too.
-  assert identity(arrays_lib.ArraySource(x.astype(np.float64), y, preprocess))['sha256'] != base['sha256']
+  assert (
+    identity(arrays_lib.ArraySource(x.astype(np.float64), y, preprocess))['sha256']
+    != base['sha256']
+  )
 
 
 def test_npz_source_one_float_and_a_copy_elsewhere(tmp_path):
   rng = np.random.default_rng(0)
-  arrays = dict(x_train=rng.normal(size=(50, 4, 4, 3)).astype(np.float32),
-                y_train=rng.integers(0, 5, 50), x_test=rng.normal(size=(10, 4, 4, 3)),
-                y_test=np.arange(10) % 5)
+  arrays = dict(
+    x_train=rng.normal(size=(50, 4, 4, 3)).astype(np.float32),
+    y_train=rng.integers(0, 5, 50),
+    x_test=rng.normal(size=(10, 4, 4, 3)),
+    y_test=np.arange(10) % 5,
+  )
   (tmp_path / 'a').mkdir()
   (tmp_path / 'b').mkdir()
   np.savez(tmp_path / 'a' / 'd.npz', **arrays)
   shutil.copy(tmp_path / 'a' / 'd.npz', tmp_path / 'b' / 'd.npz')
+
   def npz_identity(path):
-    return identity(data.make_sources(data_config(source='npz', path=str(path),
-                                                  num_classes=5))[0])
+    return identity(data.make_sources(data_config(source='npz', path=str(path), num_classes=5))[0])
+
   base = npz_identity(tmp_path / 'a' / 'd.npz')
   assert base['kind'] == 'arrays' and base['method'] == 'full'
   assert npz_identity(tmp_path / 'b' / 'd.npz') == base
@@ -83,14 +90,25 @@ def test_npz_source_one_float_and_a_copy_elsewhere(tmp_path):
 
 
 def write_split(root, x, y):
-  arrays_lib.write_memmap_split(str(root / 'train'), len(x), [(x[:len(x) // 2], y[:len(x) // 2]),
-                                                        (x[len(x) // 2:], y[len(x) // 2:])])
+  arrays_lib.write_memmap_split(
+    str(root / 'train'),
+    len(x),
+    [(x[: len(x) // 2], y[: len(x) // 2]), (x[len(x) // 2 :], y[len(x) // 2 :])],
+  )
   arrays_lib.write_memmap_split(str(root / 'test'), 10, [(x[:10], y[:10])])
 
 
 def memmap_source(root):
-  return data.make_sources(data_config(source='memmap', path=str(root), train_split='train',
-                                       test_split='test', scale=255.0, num_classes=10))[0]
+  return data.make_sources(
+    data_config(
+      source='memmap',
+      path=str(root),
+      train_split='train',
+      test_split='test',
+      scale=255.0,
+      num_classes=10,
+    )
+  )[0]
 
 
 def rewrite_row(path, row, new_row, *, keep_mtime):
@@ -119,15 +137,18 @@ def test_memmap_full_method_one_pixel_swap_and_copy(memmap_root, tmp_path):
   assert isinstance(source.images, np.memmap)
   base = identity(source)
   assert base['kind'] == 'memmap' and base['method'] == 'full'
-  assert base['files'] == [{'name': 'x.npy', 'bytes': os.path.getsize(root / 'train' / 'x.npy')},
-                           {'name': 'y.npy', 'bytes': os.path.getsize(root / 'train' / 'y.npy')}]
+  assert base['files'] == [
+    {'name': 'x.npy', 'bytes': os.path.getsize(root / 'train' / 'x.npy')},
+    {'name': 'y.npy', 'bytes': os.path.getsize(root / 'train' / 'y.npy')},
+  ]
   shutil.copytree(root, tmp_path / 'copy')  # New paths and mtimes, same bytes.
   assert identity(memmap_source(tmp_path / 'copy')) == base
   os.utime(root / 'train' / 'x.npy', ns=(1, 1))  # The full method ignores mtimes.
   assert identity(source) == base
   # One pixel, through the file (the open source sees it, and so does a fresh one).
-  rewrite_row(root / 'train' / 'x.npy', 1234, x[1234] ^ np.eye(16, dtype=np.uint8)[5],
-              keep_mtime=True)
+  rewrite_row(
+    root / 'train' / 'x.npy', 1234, x[1234] ^ np.eye(16, dtype=np.uint8)[5], keep_mtime=True
+  )
   assert identity(source)['sha256'] != base['sha256']
   assert identity(memmap_source(root)) == identity(source)
   # Two same-label rows swapped, in the copy.
@@ -196,14 +217,17 @@ def test_keyed_sample_depends_on_the_key(memmap_root):
   assert np.array_equal(data_identity.sample_indices(50, b'a'), np.arange(50))  # N ≤ s: all rows.
   source = memmap_source(memmap_root[0])
   sampled = dict(full_read_bytes=0, sample_rows=64)
-  assert identity(source, key=b'a', **sampled)['sha256'] != identity(source, key=b'b', **sampled)[
-      'sha256']
+  assert (
+    identity(source, key=b'a', **sampled)['sha256']
+    != identity(source, key=b'b', **sampled)['sha256']
+  )
   assert identity(source, key=b'a') == identity(source, key=b'b')  # 'full' needs no key.
 
 
 @pytest.fixture(scope='module')
 def tfds_dir(tmp_path_factory):
   from tests import tfds_digits
+
   root = tmp_path_factory.mktemp('tfds')
   tfds_digits.build(str(root / 'original'))
   return root
@@ -218,7 +242,9 @@ def test_tfds_full_method_copy_and_one_record(tfds_dir, monkeypatch):
   base = identity(tfds_source(tfds_dir / 'original'))
   assert base['kind'] == 'tfds' and base['method'] == 'full' and base['num_examples'] == 1437
   assert [f['name'] for f in base['files']] == [
-      'digits_tfds-train.array_record-00000-of-00001', 'features.json']
+    'digits_tfds-train.array_record-00000-of-00001',
+    'features.json',
+  ]
   assert base['files'][0]['take'] == 1437 and 'mtime_ns' not in base['files'][0]
   copy = tfds_dir / 'copy'
   shutil.copytree(tfds_dir / 'original', copy)
@@ -227,11 +253,13 @@ def test_tfds_full_method_copy_and_one_record(tfds_dir, monkeypatch):
   # One record's pixel changed before writing (the same build otherwise; TFDS builds are
   # deterministic, so the unchanged build reproduces the identity).
   from tests import tfds_digits
+
   x_train, y_train, x_test, y_test = digits.load_digits_arrays()
   x_train = x_train.copy()
   x_train[100, 4, 4, 0] = 16 - x_train[100, 4, 4, 0]
-  monkeypatch.setattr(tfds_digits.digits, 'load_digits_arrays',
-                      lambda: (x_train, y_train, x_test, y_test))
+  monkeypatch.setattr(
+    tfds_digits.digits, 'load_digits_arrays', lambda: (x_train, y_train, x_test, y_test)
+  )
   tfds_digits.build(str(tfds_dir / 'one_pixel'))
   assert identity(tfds_source(tfds_dir / 'one_pixel'))['sha256'] != base['sha256']
   # One byte of the shard, in place.
@@ -259,8 +287,9 @@ def test_tfds_sampled_method_records_and_mtime(tfds_dir):
   os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
   assert identity(source, **options) == base
   # The sample hashes raw records, not the config's preprocessing.
-  rescaled = data.make_sources(data_config(source='tfds', name='digits_tfds', scale=255.0,
-                                           data_dir=str(tfds_dir / 'original')))[0]
+  rescaled = data.make_sources(
+    data_config(source='tfds', name='digits_tfds', scale=255.0, data_dir=str(tfds_dir / 'original'))
+  )[0]
   assert identity(rescaled, **options) == base
 
 
@@ -268,35 +297,50 @@ def test_synthetic_canary_and_generic_sources():
   synthetic = synthetic_lib.SyntheticSource(10**8, (64,), 10, seed=3)
   base = identity(synthetic)
   assert base['kind'] == 'synthetic' and base['method'] == 'parameters'
-  assert base['parameters'] == {'class': 'dpjax.data.synthetic.SyntheticSource', 'num_examples': 10**8,
-                                'input_shape': [64], 'num_classes': 10, 'seed': 3, 'offset': 0,
-                                'one_hot': False}
+  assert base['parameters'] == {
+    'class': 'dpjax.data.synthetic.SyntheticSource',
+    'num_examples': 10**8,
+    'input_shape': [64],
+    'num_classes': 10,
+    'seed': 3,
+    'offset': 0,
+    'one_hot': False,
+  }
   assert identity(synthetic_lib.SyntheticSource(10**8, (64,), 10, seed=3)) == base
-  for other in (synthetic_lib.SyntheticSource(10**8, (64,), 10, seed=4),
-                synthetic_lib.SyntheticSource(10**8, (64,), 10, seed=3, offset=1),
-                synthetic_lib.SyntheticSource(10**8 - 1, (64,), 10, seed=3),
-                synthetic_lib.SyntheticSource(10**8, (8, 8), 10, seed=3),
-                synthetic_lib.SyntheticSource(10**8, (64,), 10, seed=3, one_hot=True)):
+  for other in (
+    synthetic_lib.SyntheticSource(10**8, (64,), 10, seed=4),
+    synthetic_lib.SyntheticSource(10**8, (64,), 10, seed=3, offset=1),
+    synthetic_lib.SyntheticSource(10**8 - 1, (64,), 10, seed=3),
+    synthetic_lib.SyntheticSource(10**8, (8, 8), 10, seed=3),
+    synthetic_lib.SyntheticSource(10**8, (64,), 10, seed=3, one_hot=True),
+  ):
     assert identity(other)['sha256'] != base['sha256']
 
   from dpjax.privacy.auditing import canaries
+
   x, y, _, _ = digits.load_digits_arrays()
   preprocess = data.make_sources(data_config())[0].preprocess
   with_canaries = identity(canaries.CanarySource(arrays_lib.ArraySource(x, y, preprocess), 8))
   assert with_canaries['kind'] == 'canary' and with_canaries['num_examples'] == 1437 + 8
   assert with_canaries['base'] == identity(arrays_lib.ArraySource(x, y, preprocess))
-  assert identity(canaries.CanarySource(arrays_lib.ArraySource(x, y, preprocess), 9))[
-      'sha256'] != with_canaries['sha256']
+  assert (
+    identity(canaries.CanarySource(arrays_lib.ArraySource(x, y, preprocess), 9))['sha256']
+    != with_canaries['sha256']
+  )
   changed = x.copy()
   changed[3, 0, 0, 0] += 1
-  assert identity(canaries.CanarySource(arrays_lib.ArraySource(changed, y, preprocess), 8))[
-      'sha256'] != with_canaries['sha256']
+  assert (
+    identity(canaries.CanarySource(arrays_lib.ArraySource(changed, y, preprocess), 8))['sha256']
+    != with_canaries['sha256']
+  )
 
   class Rows:  # Only __len__ and gather: a keyed sample and N (weaker).
     def __init__(self, values):
       self.values = values
+
     def __len__(self):
       return len(self.values)
+
     def gather(self, indices):
       return {'x': self.values[indices], 'y': np.zeros(len(indices), np.int32)}
 

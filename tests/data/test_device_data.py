@@ -40,8 +40,10 @@ def _digits(label_format='int', **data_fields):
   return config, data.make_sources(config.data)[0]
 
 
-@pytest.mark.parametrize('label_format,fields', [
-    ('int', {}), ('one_hot', {}), ('int', {'mean': (0.3,), 'std': (0.7,), 'scale': 7.0})])
+@pytest.mark.parametrize(
+  'label_format,fields',
+  [('int', {}), ('one_hot', {}), ('int', {'mean': (0.3,), 'std': (0.7,), 'scale': 7.0})],
+)
 def test_device_gather_equals_the_host_gather(label_format, fields):
   _, source = _digits(label_format, **fields)
   dataset = device_data.put_on_device(source)
@@ -64,8 +66,9 @@ def test_uint8_stays_uint8_and_synthetic_matches():
   synthetic = synthetic_lib.SyntheticSource(40, (4, 4, 3), 5, seed=3, one_hot=True)
   on_device = device_data.put_on_device(synthetic)
   for name in ('x', 'y'):
-    np.testing.assert_array_equal(on_device.gather(idx[idx < 40])[name],
-                                  synthetic.gather(idx[idx < 40])[name])
+    np.testing.assert_array_equal(
+      on_device.gather(idx[idx < 40])[name], synthetic.gather(idx[idx < 40])[name]
+    )
 
 
 def test_fits_on_device_uses_the_byte_limit():
@@ -109,23 +112,30 @@ def test_device_data_step_equals_host_buffer_step():
   sampler = plan_lib.make_sampler(config, len(source))
   batcher = batching.Batcher(sampler, 64, 512)
   model = models.make_model(config.model, source.num_classes, source.input_shape)
-  step = dp_step.DPStep(model, optax.adam(1e-2), clip_norm=1.0, noise_multiplier=1.0,
-                        expected_batch_size=sampler.expected_batch_size,
-                        label_format='one_hot', seed=2,
-                        allow_repeated_steps=True)  # Two paths of one step compared.
+  step = dp_step.DPStep(
+    model,
+    optax.adam(1e-2),
+    clip_norm=1.0,
+    noise_multiplier=1.0,
+    expected_batch_size=sampler.expected_batch_size,
+    label_format='one_hot',
+    seed=2,
+    allow_repeated_steps=True,
+  )  # Two paths of one step compared.
   dataset = device_data.put_on_device(source)
   params = prng.init_params(model, 2, source.input_shape)
   states = [jax.tree.map(np.array, (params, step.optimizer.init(params))) for _ in range(2)]
   with device_data.Prefetcher(
-      lambda t: device_data.host_buffer(source, batcher.logical_batch(t), 8), range(3)) as host:
+    lambda t: device_data.host_buffer(source, batcher.logical_batch(t), 8), range(3)
+  ) as host:
     for t, (buf, k) in host:
-      index, k_index = device_data.index_buffer(batcher.logical_batch(t), 8,
-                                                num_rows=len(source))
+      index, k_index = device_data.index_buffer(batcher.logical_batch(t), 8, num_rows=len(source))
       a = step.train_step(*states[0], buf, k, np.uint32(t))
       b = step.train_step(*states[1], index, k_index, np.uint32(t), dataset)
       states = [a[:2], b[:2]]
-  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6), *[
-      s[0] for s in states])
+  jax.tree.map(
+    lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6), *[s[0] for s in states]
+  )
   assert step.compile_count('train_step') == 2  # One per buffer kind.
 
 

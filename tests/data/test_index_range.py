@@ -29,8 +29,9 @@ ROWS = 6  # The source's rows.
 
 def _source() -> arrays.ArraySource:
   images = (np.arange(ROWS * 4, dtype=np.uint8) * 7).reshape(ROWS, 2, 2, 1)
-  return arrays.ArraySource(images, np.arange(ROWS) % 3,
-                            preprocess.Preprocessor(255.0, (0.0,), (1.0,), 'int', 3))
+  return arrays.ArraySource(
+    images, np.arange(ROWS) % 3, preprocess.Preprocessor(255.0, (0.0,), (1.0,), 'int', 3)
+  )
 
 
 class _GatherSpy:
@@ -59,8 +60,7 @@ class _Planted(samplers.FixedSizeSampler):
 
 def _batches(batcher, dataset, source, serial=False):
   """The trainer's data path for steps 0, 1 (one call of 2 steps)."""
-  stream = chunks.make_chunks([(0, 2)], batcher, source, dataset, sharding.make_mesh(1), 2,
-                              serial)
+  stream = chunks.make_chunks([(0, 2)], batcher, source, dataset, sharding.make_mesh(1), 2, serial)
   with stream as prepared:
     return [chunk for _, chunk in prepared]
 
@@ -101,8 +101,9 @@ def test_out_of_range_index_is_refused_before_the_host_gather(serial, bad):
   """Nothing is gathered: an index ≥ rows fails on da06065 with numpy's IndexError, not this
   refusal, and -1 is gathered there as the last row."""
   source = _GatherSpy(_source())
-  batcher = batching.Batcher(_Planted(num_examples=ROWS + 300, batch_size=2, seed=0,
-                                      planted=(0, bad)), 2, 2)
+  batcher = batching.Batcher(
+    _Planted(num_examples=ROWS + 300, batch_size=2, seed=0, planted=(0, bad)), 2, 2
+  )
   with pytest.raises(ValueError, match=rf'index {bad} is outside \[0, {ROWS}\)'):
     _batches(batcher, None, source, serial)
   assert not source.gathered
@@ -111,8 +112,9 @@ def test_out_of_range_index_is_refused_before_the_host_gather(serial, bad):
 def test_indices_at_the_edges_of_the_source_are_gathered():
   """0 and rows − 1 pass (no off-by-one), padding rows (index 0) included; the chunk holds them."""
   source = _GatherSpy(_source())
-  batcher = batching.Batcher(_Planted(num_examples=ROWS, batch_size=3, seed=0,
-                                      planted=(0, ROWS - 1, 2)), 2, 4)
+  batcher = batching.Batcher(
+    _Planted(num_examples=ROWS, batch_size=3, seed=0, planted=(0, ROWS - 1, 2)), 2, 4
+  )
   (chunk,) = _batches(batcher, None, source, serial=True)
   np.testing.assert_array_equal(chunk.buffer['index'][0, :2].ravel(), [0, ROWS - 1, 2, 0])
   np.testing.assert_array_equal(chunk.buffer['weight'][0, :2].ravel(), [1, 1, 1, 0])

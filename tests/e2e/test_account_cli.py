@@ -21,8 +21,16 @@ from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import monte_carlo
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-REQUIRED = ('epsilon', 'delta', 'noise_multiplier', 'steps', 'steps_per_epoch', 'sampler',
-            'accountant', 'bound')
+REQUIRED = (
+  'epsilon',
+  'delta',
+  'noise_multiplier',
+  'steps',
+  'steps_per_epoch',
+  'sampler',
+  'accountant',
+  'bound',
+)
 
 
 @pytest.fixture(autouse=True)
@@ -33,6 +41,7 @@ def _private_cache(tmp_path, monkeypatch):
 def _run(*args, check=True):
   """`python -m dpjax.account ARGS` in-process: returncode, stdout and stderr as a process's."""
   from dpjax import account  # pylint: disable=import-outside-toplevel
+
   stdout, stderr, cwd = io.StringIO(), io.StringIO(), os.getcwd()
   os.chdir(ROOT)  # Where the command ran: config paths are relative to the repository.
   try:
@@ -42,8 +51,9 @@ def _run(*args, check=True):
     returncode = e.code
   finally:
     os.chdir(cwd)
-  out = subprocess.CompletedProcess(['dpjax.account', *args], returncode, stdout.getvalue(),
-                                    stderr.getvalue())
+  out = subprocess.CompletedProcess(
+    ['dpjax.account', *args], returncode, stdout.getvalue(), stderr.getvalue()
+  )
   if check:
     assert out.returncode == 0, out.stderr
   return out
@@ -52,21 +62,53 @@ def _run(*args, check=True):
 def _process(*args):
   """`python -m dpjax.account ARGS` as a real process."""
   env = child_env()
-  return subprocess.run([sys.executable, '-m', 'dpjax.account', *args], capture_output=True,
-                        text=True, cwd=ROOT, env=env, timeout=300)
+  return subprocess.run(
+    [sys.executable, '-m', 'dpjax.account', *args],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    env=env,
+    timeout=300,
+  )
 
 
 def test_help():
   out = _run('--help')
-  for flag in ('--sampler', '--num-examples', '--batch-size', '--steps', '--epochs',
-               '--noise-multiplier', '--target-epsilon', '--delta', '--accountant',
-               '--max-batch-size', '--group-size', '--json', '--config', '--workers'):
+  for flag in (
+    '--sampler',
+    '--num-examples',
+    '--batch-size',
+    '--steps',
+    '--epochs',
+    '--noise-multiplier',
+    '--target-epsilon',
+    '--delta',
+    '--accountant',
+    '--max-batch-size',
+    '--group-size',
+    '--json',
+    '--config',
+    '--workers',
+  ):
     assert flag in out.stdout
 
 
 def test_poisson_json_matches_the_api():
-  out = _run('--sampler', 'poisson', '--num-examples', '60000', '--batch-size', '256',
-             '--epochs', '3', '--noise-multiplier', '1.1', '--delta', '1e-5', '--json')
+  out = _run(
+    '--sampler',
+    'poisson',
+    '--num-examples',
+    '60000',
+    '--batch-size',
+    '256',
+    '--epochs',
+    '3',
+    '--noise-multiplier',
+    '1.1',
+    '--delta',
+    '1e-5',
+    '--json',
+  )
   got = json.loads(out.stdout)
   assert all(key in got for key in REQUIRED)
   sampler = samplers.sampler_class('poisson')(num_examples=60_000, batch_size=256)
@@ -80,9 +122,26 @@ def test_poisson_json_matches_the_api():
 
 @pytest.mark.slow
 def test_balls_and_bins_json_reports_estimates_beside_the_provable_bound(in_process_pld_builds):
-  out = _run('--sampler', 'balls_and_bins', '--num-examples', '1000', '--batch-size', '100',
-             '--steps', '10', '--noise-multiplier', '1.0', '--delta', '1e-5',
-             '--monte-carlo', '--monte-carlo-samples', '200000', '--workers', '2', '--json')
+  out = _run(
+    '--sampler',
+    'balls_and_bins',
+    '--num-examples',
+    '1000',
+    '--batch-size',
+    '100',
+    '--steps',
+    '10',
+    '--noise-multiplier',
+    '1.0',
+    '--delta',
+    '1e-5',
+    '--monte-carlo',
+    '--monte-carlo-samples',
+    '200000',
+    '--workers',
+    '2',
+    '--json',
+  )
   got = json.loads(out.stdout)
   assert got['bound'] == 'upper' and got['steps_per_epoch'] == 10
   assert got['epsilon'] == got['details']['provable_epsilon']
@@ -91,15 +150,22 @@ def test_balls_and_bins_json_reports_estimates_beside_the_provable_bound(in_proc
   assert (got['confidence'], got['num_samples']) == (0.999, m)
   assert got['details']['monte_carlo_epsilon_high_probability'] >= got['epsilon_lower']
   # Two worker processes, the numbers of one (untruncated: δ₀ = δ).
-  serial = monte_carlo.balls_and_bins_epsilon(1.0, 10, 1e-5, num_samples=m, beta=1e-3,
-                                              workers=1)
+  serial = monte_carlo.balls_and_bins_epsilon(1.0, 10, 1e-5, num_samples=m, beta=1e-3, workers=1)
   assert got['details']['monte_carlo_epsilon_high_probability'] == min(
-      serial.epsilon, got['details']['deterministic_epsilon'])
+    serial.epsilon, got['details']['deterministic_epsilon']
+  )
 
 
 def test_config_and_calibration():
-  out = _run('--config', 'configs/digits_mlp.py', '--num-examples', '1437', '--target-epsilon',
-             '4.0', '--json')
+  out = _run(
+    '--config',
+    'configs/digits_mlp.py',
+    '--num-examples',
+    '1437',
+    '--target-epsilon',
+    '4.0',
+    '--json',
+  )
   got = json.loads(out.stdout)
   assert got['sampler'] == 'poisson' and got['steps'] == 20 * got['steps_per_epoch']
   assert 0.99 * 4.0 <= got['epsilon'] <= 4.0
@@ -112,8 +178,14 @@ def test_the_account_cli_resolves_sigma_as_training_does_with_audit_canaries():
   """Issue 24 item 8: the canaries add m rows (N + m); the CLI used N and calibrated another σ."""
   from dpjax.configs import digits_mlp  # pylint: disable=import-outside-toplevel
   from dpjax.trainer import plan as plan_lib  # pylint: disable=import-outside-toplevel
-  out = _run('--config', 'configs/digits_mlp.py', '--config.audit.num_canaries=200',
-             '--config.num_epochs=2', '--json')
+
+  out = _run(
+    '--config',
+    'configs/digits_mlp.py',
+    '--config.audit.num_canaries=200',
+    '--config.num_epochs=2',
+    '--json',
+  )
   got = json.loads(out.stdout)
   config = digits_mlp.get_config()
   config.audit.num_canaries, config.num_epochs = 200, 2
@@ -126,8 +198,18 @@ def test_the_account_cli_resolves_sigma_as_training_does_with_audit_canaries():
 
 @pytest.mark.slow
 def test_delta_at_or_above_one_over_n_is_refused_unless_allowed():
-  base = ('--sampler', 'poisson', '--num-examples', '1000', '--batch-size', '100', '--steps',
-          '10', '--noise-multiplier', '1.0')
+  base = (
+    '--sampler',
+    'poisson',
+    '--num-examples',
+    '1000',
+    '--batch-size',
+    '100',
+    '--steps',
+    '10',
+    '--noise-multiplier',
+    '1.0',
+  )
   out = _process(*base, '--delta', '0.5')  # A real process: exit code, one line, no traceback.
   assert out.returncode == 2 and 'delta = 0.5 is >= 1/N' in out.stderr
   assert '--allow-large-delta' in out.stderr  # The flag a user of this command can type.
@@ -138,21 +220,41 @@ def test_delta_at_or_above_one_over_n_is_refused_unless_allowed():
 
 
 def test_table_labels_shuffle_numbers():
-  out = _run('--sampler', 'shuffle', '--num-examples', '10000', '--batch-size', '100',
-             '--epochs', '1', '--noise-multiplier', '1.0', '--delta', '1e-5')
+  out = _run(
+    '--sampler',
+    'shuffle',
+    '--num-examples',
+    '10000',
+    '--batch-size',
+    '100',
+    '--epochs',
+    '1',
+    '--noise-multiplier',
+    '1.0',
+    '--delta',
+    '1e-5',
+  )
   assert 'upper bound (provable)' in out.stdout
   assert 'NOT a guarantee' in out.stdout
   assert 'lower bound' in out.stdout
 
 
-@pytest.mark.parametrize('args, message', [
+@pytest.mark.parametrize(
+  'args, message',
+  [
     (('--noise-multiplier', '-1'), 'noise_multiplier'),
     (('--noise-multiplier', '1', '--batch-size', '20000'), 'batch_size'),
     (('--noise-multiplier', '1', '--workers', '0'), '--workers'),
-])
+  ],
+)
 def test_errors_name_the_field(args, message):
-  base = {'--sampler': 'poisson', '--num-examples': '10000', '--batch-size': '100',
-          '--steps': '10', '--delta': '1e-5'}
+  base = {
+    '--sampler': 'poisson',
+    '--num-examples': '10000',
+    '--batch-size': '100',
+    '--steps': '10',
+    '--delta': '1e-5',
+  }
   for flag, value in zip(args[::2], args[1::2]):
     base[flag] = value
   out = _run(*[x for kv in base.items() for x in kv], check=False)
@@ -160,33 +262,54 @@ def test_errors_name_the_field(args, message):
   assert message in out.stderr
 
 
-@pytest.mark.parametrize('extra, named', [
+@pytest.mark.parametrize(
+  'extra, named',
+  [
     (('--config', 'digits_mlp', '--config.num_epochs=50'), '--config, --config.num_epochs'),
     (('--epochs', '50', '--noise-multiplier', '2', '--json'), '--epochs, --noise-multiplier'),
     (('--delta', '1e-8'), '--delta'),
-])
+  ],
+)
 def test_workdir_with_any_flag_it_would_ignore_is_refused(tmp_path, extra, named):
   """`--workdir w --config ... --config.num_epochs=50` printed the checkpoint's ε as if it
   answered for 50 epochs; now one line naming the ignored flags, before the workdir is read
   (here it does not even exist). Fails on da06065: it answered (here: 'not a directory')."""
   out = _run('--workdir', str(tmp_path / 'w'), *extra, check=False)
   assert out.returncode == 2 and out.stdout == ''
-  assert out.stderr == (f'python -m dpjax.account: error: --workdir reports the ε that the run\'s '
-                        f'checkpoints carry, so {named} would be ignored: give --workdir alone '
-                        '(with --json at most), or leave it out to compute ε from the flags or '
-                        'the config.\n')
+  assert out.stderr == (
+    f"python -m dpjax.account: error: --workdir reports the ε that the run's "
+    f'checkpoints carry, so {named} would be ignored: give --workdir alone '
+    '(with --json at most), or leave it out to compute ε from the flags or '
+    'the config.\n'
+  )
 
 
 def test_an_oversized_privacy_loss_grid_names_the_flags_that_fix_it():
   """k = 1024 > b: the accountant refuses the grid before building it. Fails on da06065: the
   fixes named max_grid_points and value_discretization_interval (no flag sets them) and the
   config fields privacy.group_size and privacy.noise_multiplier instead of the flags."""
-  out = _run('--sampler', 'poisson', '--num-examples', '50000', '--batch-size', '256', '--steps',
-             '100', '--noise-multiplier', '1', '--delta', '1e-5', '--group-size', '1024',
-             check=False)
+  out = _run(
+    '--sampler',
+    'poisson',
+    '--num-examples',
+    '50000',
+    '--batch-size',
+    '256',
+    '--steps',
+    '100',
+    '--noise-multiplier',
+    '1',
+    '--delta',
+    '1e-5',
+    '--group-size',
+    '1024',
+    check=False,
+  )
   assert out.returncode == 2 and len(out.stderr.splitlines()) == 1
-  assert out.stderr.endswith('more than the 2e+06 allowed (minutes and GBs of memory). To fix: '
-                             'lower --group-size = 1024; or raise σ (--noise-multiplier = 1).\n')
+  assert out.stderr.endswith(
+    'more than the 2e+06 allowed (minutes and GBs of memory). To fix: '
+    'lower --group-size = 1024; or raise σ (--noise-multiplier = 1).\n'
+  )
 
 
 @pytest.mark.slow
@@ -201,10 +324,12 @@ def test_a_workdirs_planned_epsilon_is_of_the_sigma_and_eta_that_ran(tmp_path, m
   from dpjax.privacy import rounding  # pylint: disable=import-outside-toplevel
   from dpjax.trainer import checkpoints  # pylint: disable=import-outside-toplevel
   from tests.run_configs import small_config  # pylint: disable=import-outside-toplevel
+
   workdir = tmp_path / 'w'
   train.train_and_evaluate(small_config(**{'num_steps': 2, 'seed': 3}), str(workdir))
   meta = checkpoints.read_metadata(str(workdir))[-1]
   read = checkpoints.read_metadata
+
   def unfinished(path):  # As if it planned 40 steps, had σ calibrated and ran on a GPU.
     rows = read(path)
     for row in rows:
@@ -212,6 +337,7 @@ def test_a_workdirs_planned_epsilon_is_of_the_sigma_and_eta_that_ran(tmp_path, m
       row['config']['privacy'].update(noise_multiplier=None, target_epsilon=50.0)
       row['fingerprint']['privacy.matmul_format'] = 'tf32'
     return rows
+
   monkeypatch.setattr(checkpoints, 'read_metadata', unfinished)
   out = json.loads(_run('--workdir', str(workdir), '--json').stdout)['details']
   cap = meta['sampler']['max_batch_size']
@@ -222,8 +348,11 @@ def test_a_workdirs_planned_epsilon_is_of_the_sigma_and_eta_that_ran(tmp_path, m
     direct = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-5)
     direct.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(noise)), 40)
     return direct.get_epsilon(meta['privacy']['delta'])
+
   tf32 = reference(meta['noise_multiplier'] / (1 + eta))
   assert out['planned_steps'] == 40
   assert tf32 <= out['planned_final_epsilon'] <= tf32 * 1.003
-  assert out['planned_final_epsilon'] > reference(
-      meta['noise_multiplier'] / (1 + rounding.eta(cap, 'float32'))) * 1.003
+  assert (
+    out['planned_final_epsilon']
+    > reference(meta['noise_multiplier'] / (1 + rounding.eta(cap, 'float32'))) * 1.003
+  )

@@ -28,104 +28,165 @@ INF, NAN = math.inf, math.nan
 
 # (overrides, regex the message must match). Each names the field and its valid range.
 CONFIG_CASES = [
-    ({'seed': -1}, r'seed = -1: must be an integer in \[0, \d+\] or None'),
-    ({'data.source': 'imagenet'}, r"data.source = 'imagenet': must be one of 'digits'"),
-    ({'data.label_format': 'onehot'}, r"data.label_format = 'onehot': must be one of 'int'"),
-    ({'data.max_abs_feature': 0.0}, r'data.max_abs_feature = 0.0: must be a finite number > 0'),
-    ({'data.scale': -1.0}, r'data.scale = -1.0: must be a finite number >= 0'),
-    ({'data.scale': NAN}, r'data.scale = nan: must be a finite number >= 0'),
-    ({'data.std': (0.0,)}, r'data.std = \(0.0,\): must be a tuple of finite numbers, each > 0'),
-    ({'data.num_classes': -1}, r'data.num_classes = -1: must be an integer >= 0'),
-    ({'data.source': 'synthetic', 'data.num_examples': 100, 'data.num_classes': 1},
-     r"data.num_classes = 1: must be an integer >= 2 for data.source = 'synthetic'"),
-    ({'data.num_classes': 9}, r'digits: y_train: label 9 in row \d+ is not in \[0, 9\)'),
-    ({'data.public_num_examples': -1}, r'data.public_num_examples = -1: must be an integer >= 0'),
-    ({'data.public_num_examples': 1000}, r'data.public_num_examples = 1000: the training set has '
-                                         r'more examples .*a public upper bound'),
-    ({'data.public_num_examples': 2000, 'sampler.name': 'shuffle'},
-     r"data.public_num_examples = 2000 needs sampler.name = 'poisson': the shuffle sampler's"),
-    ({'data.input_shape': (0, 8)}, r'data.input_shape = \(0, 8\): must be a tuple of integers, '
-                                   r'each >= 1'),
-    ({'data.source': 'npz'}, r"data.num_classes = 0: set it to the number of classes K \(labels "
-                             r"in \[0, K\)\) of your task \(data.source = 'npz'\)"),
-    ({'data.source': 'npz', 'data.num_classes': 10}, r"data.path = '':? must name an existing "
-                                                     r'.npz file'),
-    ({'data.source': 'memmap', 'data.path': '/nonexistent', 'data.num_classes': 10},
-     r"data.path = '/nonexistent':? must be an existing directory"),
-    ({'data.source': 'tfds'}, r'data.name must name a TFDS dataset'),
-    ({'sampler.name': 'poison'}, r"sampler.name = 'poison': must be one of 'poisson'"),
-    ({'sampler.batch_size': 0}, r'sampler.batch_size = 0: must be an integer >= 1'),
-    ({'sampler.batch_size': 5000}, r'sampler.batch_size = 5000 must be in \[1, N = 1437\]'),
-    ({'sampler.physical_batch_size': -1}, r'sampler.physical_batch_size = -1: must be an integer >= 0'),
-    ({'sampler.max_batch_size': -1}, r'sampler.max_batch_size = -1: must be an integer >= 0'),
-    # Issue 34: accepted on da06065 (B became 2^20), it compiled a step over a million rows.
-    ({'sampler.physical_batch_size': 2**20}, r'sampler.physical_batch_size = 1048576: must be '
-                                             r'<= 512 \(the cap on a logical batch rounded up'),
-    ({'sampler.max_batch_size': 100}, r'sampler.max_batch_size = 100: must be 0 \(auto\) or a '
-                                      r'multiple of sampler.physical_batch_size = 32'),
-    ({'privacy.clip_norm': 0.0}, r'privacy.clip_norm = 0.0: must be a finite number > 0 .*'
-                                 r'privacy.enabled=False'),
-    ({'privacy.clip_norm': -1.0}, r'privacy.clip_norm = -1.0: must be a finite number > 0'),
-    ({'privacy.clip_norm': INF}, r'privacy.clip_norm = inf: must be a finite number > 0'),
-    ({'privacy.clip_norm': NAN}, r'privacy.clip_norm = nan: must be a finite number > 0'),
-    ({'privacy.noise_multiplier': 0.0}, r'privacy.noise_multiplier = 0.0: must be a finite number '
-                                        r'> 0 or None .*privacy.enabled=False'),
-    ({'privacy.noise_multiplier': -1.0}, r'privacy.noise_multiplier = -1.0: must be a finite'),
-    ({'privacy.noise_multiplier': INF}, r'privacy.noise_multiplier = inf: must be a finite'),
-    ({'privacy.noise_multiplier': NAN}, r'privacy.noise_multiplier = nan: must be a finite'),
-    ({'privacy.target_epsilon': -1.0}, r'privacy.target_epsilon = -1.0: must be a finite number '
-                                       r'>= 0'),
-    ({'privacy.target_epsilon': INF}, r'privacy.target_epsilon = inf: must be a finite number'),
-    ({'privacy.delta': 0.0}, r'privacy.delta = 0.0: must be a finite number in \(0, 1\)'),
-    ({'privacy.delta': 1.0}, r'privacy.delta = 1.0: must be a finite number in \(0, 1\)'),
-    ({'privacy.delta': 1.5}, r'privacy.delta = 1.5: must be a finite number in \(0, 1\)'),
-    ({'privacy.delta': 0.5}, r'privacy.delta = 0.5 is >= 1/N = 0.000696 \(N = 1437\).*'
-                             r'privacy.allow_large_delta = True'),
-    ({'privacy.delta': 1 / 1437}, r'privacy.delta = 0.000695894 is >= 1/N'),
-    ({'privacy.accountant': 'moments'}, r"privacy.accountant = 'moments': must be one of 'auto'"),
-    ({'privacy.accountant': 'monte_carlo'}, r"privacy.accountant = 'monte_carlo' is not supported "
-                                            r"for sampler 'poisson'"),
-    ({'privacy.group_size': 0}, r'privacy.group_size = 0: must be an integer >= 1'),
-    ({'privacy.monte_carlo_workers': 0}, r'privacy.monte_carlo_workers = 0: must be an integer '
-                                         r'>= 1'),
-    ({'privacy.clipping': 'fast'}, r"privacy.clipping = 'fast': must be one of 'auto'"),
-    ({'privacy.noise_multiplier': None}, r'privacy.noise_multiplier or privacy.target_epsilon must '
-                                         r'be set'),
-    ({'privacy.noise_multiplier': 0.3, 'privacy.target_epsilon': 1.0},
-     r'would reach ε = \d+\.\d+ .*above privacy.target_epsilon = 1'),
-    ({'optimizer.name': 'lamb'}, r"optimizer.name = 'lamb': must be one of 'sgd', 'adam'"),
-    ({'optimizer.learning_rate': 0.0}, r'optimizer.learning_rate = 0.0: must be a finite number '
-                                       r'> 0'),
-    ({'optimizer.learning_rate': NAN}, r'optimizer.learning_rate = nan: must be a finite number'),
-    ({'optimizer.momentum': 1.0}, r'optimizer.momentum = 1.0: must be a finite number in \[0, 1\)'),
-    ({'optimizer.momentum': -0.5}, r'optimizer.momentum = -0.5: must be a finite number in'),
-    ({'num_devices': -1}, r'num_devices = -1: must be an integer >= 0'),
-    ({'num_devices': 64}, r'num_devices'),
-    ({'steps_per_call': -1}, r'steps_per_call = -1: must be an integer in \[0, 4096\]'),
-    ({'num_steps': -2}, r'num_steps = -2: must be an integer >= 0'),
-    ({'num_epochs': -1}, r'num_epochs = -1: must be an integer >= 0'),
-    ({'num_steps': 0}, r'num_steps = 0, num_epochs = 0: exactly one must be > 0'),
-    ({'num_epochs': 3}, r'num_steps = 6, num_epochs = 3: exactly one must be > 0'),
-    ({'log_every_steps': 0}, r'log_every_steps = 0: must be an integer >= 1'),
-    ({'eval_every_steps': 0}, r'eval_every_steps = 0: must be an integer >= 1'),
-    ({'checkpoint_every_steps': -5}, r'checkpoint_every_steps = -5: must be an integer >= 1'),
-    ({'keep_checkpoints': 0}, r'keep_checkpoints = 0: must be an integer >= 1'),
-    ({'augmult.num_views': 4, 'augmult.crop_padding': 8},
-     r'augmult.crop_padding = 8: must be < min\(H, W\) = 8'),
-    ({'augmult.num_views': -1}, r'augmult.num_views = -1: must be an integer >= 0'),
-    ({'audit.num_canaries': -1}, r'audit.num_canaries = -1: must be an integer >= 0'),
-    ({'audit.kind': 'loss'}, r"audit.kind = 'loss': must be one of 'gradient'"),
-    ({'model.name': 'resnet'}, r"model.name = 'resnet': must be one of 'mlp', 'cnn'"),
-    ({'model.activation': 'swish'}, r"config.model.activation='swish'"),
-    # Fails on da06065: it named max_grid_points and value_discretization_interval, settings
-    # no config has.
-    ({'privacy.group_size': 1024}, r'needs ~[0-9.]+e\+[0-9]+ grid points × components, more than the '
-                                   r'2e\+06 allowed .* To fix: lower privacy.group_size = 1024; '
-                                   r'or raise σ \(privacy.noise_multiplier = 1\)\.$'),
-    # Fails on da06065: "Did you mean model.hidden_size?", a field the command line cannot add.
-    ({'model.name': 'cnn'}, r"model.hidden_sizes: a field of model 'mlp', not of model.name = "
-                            r"'cnn', whose fields are model.activation, .*default_model_config"
-                            r"\('cnn'\)"),
+  ({'seed': -1}, r'seed = -1: must be an integer in \[0, \d+\] or None'),
+  ({'data.source': 'imagenet'}, r"data.source = 'imagenet': must be one of 'digits'"),
+  ({'data.label_format': 'onehot'}, r"data.label_format = 'onehot': must be one of 'int'"),
+  ({'data.max_abs_feature': 0.0}, r'data.max_abs_feature = 0.0: must be a finite number > 0'),
+  ({'data.scale': -1.0}, r'data.scale = -1.0: must be a finite number >= 0'),
+  ({'data.scale': NAN}, r'data.scale = nan: must be a finite number >= 0'),
+  ({'data.std': (0.0,)}, r'data.std = \(0.0,\): must be a tuple of finite numbers, each > 0'),
+  ({'data.num_classes': -1}, r'data.num_classes = -1: must be an integer >= 0'),
+  (
+    {'data.source': 'synthetic', 'data.num_examples': 100, 'data.num_classes': 1},
+    r"data.num_classes = 1: must be an integer >= 2 for data.source = 'synthetic'",
+  ),
+  ({'data.num_classes': 9}, r'digits: y_train: label 9 in row \d+ is not in \[0, 9\)'),
+  ({'data.public_num_examples': -1}, r'data.public_num_examples = -1: must be an integer >= 0'),
+  (
+    {'data.public_num_examples': 1000},
+    r'data.public_num_examples = 1000: the training set has '
+    r'more examples .*a public upper bound',
+  ),
+  (
+    {'data.public_num_examples': 2000, 'sampler.name': 'shuffle'},
+    r"data.public_num_examples = 2000 needs sampler.name = 'poisson': the shuffle sampler's",
+  ),
+  (
+    {'data.input_shape': (0, 8)},
+    r'data.input_shape = \(0, 8\): must be a tuple of integers, '
+    r'each >= 1',
+  ),
+  (
+    {'data.source': 'npz'},
+    r'data.num_classes = 0: set it to the number of classes K \(labels '
+    r"in \[0, K\)\) of your task \(data.source = 'npz'\)",
+  ),
+  (
+    {'data.source': 'npz', 'data.num_classes': 10},
+    r"data.path = '':? must name an existing "
+    r'.npz file',
+  ),
+  (
+    {'data.source': 'memmap', 'data.path': '/nonexistent', 'data.num_classes': 10},
+    r"data.path = '/nonexistent':? must be an existing directory",
+  ),
+  ({'data.source': 'tfds'}, r'data.name must name a TFDS dataset'),
+  ({'sampler.name': 'poison'}, r"sampler.name = 'poison': must be one of 'poisson'"),
+  ({'sampler.batch_size': 0}, r'sampler.batch_size = 0: must be an integer >= 1'),
+  ({'sampler.batch_size': 5000}, r'sampler.batch_size = 5000 must be in \[1, N = 1437\]'),
+  (
+    {'sampler.physical_batch_size': -1},
+    r'sampler.physical_batch_size = -1: must be an integer >= 0',
+  ),
+  ({'sampler.max_batch_size': -1}, r'sampler.max_batch_size = -1: must be an integer >= 0'),
+  # Issue 34: accepted on da06065 (B became 2^20), it compiled a step over a million rows.
+  (
+    {'sampler.physical_batch_size': 2**20},
+    r'sampler.physical_batch_size = 1048576: must be '
+    r'<= 512 \(the cap on a logical batch rounded up',
+  ),
+  (
+    {'sampler.max_batch_size': 100},
+    r'sampler.max_batch_size = 100: must be 0 \(auto\) or a '
+    r'multiple of sampler.physical_batch_size = 32',
+  ),
+  (
+    {'privacy.clip_norm': 0.0},
+    r'privacy.clip_norm = 0.0: must be a finite number > 0 .*'
+    r'privacy.enabled=False',
+  ),
+  ({'privacy.clip_norm': -1.0}, r'privacy.clip_norm = -1.0: must be a finite number > 0'),
+  ({'privacy.clip_norm': INF}, r'privacy.clip_norm = inf: must be a finite number > 0'),
+  ({'privacy.clip_norm': NAN}, r'privacy.clip_norm = nan: must be a finite number > 0'),
+  (
+    {'privacy.noise_multiplier': 0.0},
+    r'privacy.noise_multiplier = 0.0: must be a finite number '
+    r'> 0 or None .*privacy.enabled=False',
+  ),
+  ({'privacy.noise_multiplier': -1.0}, r'privacy.noise_multiplier = -1.0: must be a finite'),
+  ({'privacy.noise_multiplier': INF}, r'privacy.noise_multiplier = inf: must be a finite'),
+  ({'privacy.noise_multiplier': NAN}, r'privacy.noise_multiplier = nan: must be a finite'),
+  (
+    {'privacy.target_epsilon': -1.0},
+    r'privacy.target_epsilon = -1.0: must be a finite number '
+    r'>= 0',
+  ),
+  ({'privacy.target_epsilon': INF}, r'privacy.target_epsilon = inf: must be a finite number'),
+  ({'privacy.delta': 0.0}, r'privacy.delta = 0.0: must be a finite number in \(0, 1\)'),
+  ({'privacy.delta': 1.0}, r'privacy.delta = 1.0: must be a finite number in \(0, 1\)'),
+  ({'privacy.delta': 1.5}, r'privacy.delta = 1.5: must be a finite number in \(0, 1\)'),
+  (
+    {'privacy.delta': 0.5},
+    r'privacy.delta = 0.5 is >= 1/N = 0.000696 \(N = 1437\).*'
+    r'privacy.allow_large_delta = True',
+  ),
+  ({'privacy.delta': 1 / 1437}, r'privacy.delta = 0.000695894 is >= 1/N'),
+  ({'privacy.accountant': 'moments'}, r"privacy.accountant = 'moments': must be one of 'auto'"),
+  (
+    {'privacy.accountant': 'monte_carlo'},
+    r"privacy.accountant = 'monte_carlo' is not supported "
+    r"for sampler 'poisson'",
+  ),
+  ({'privacy.group_size': 0}, r'privacy.group_size = 0: must be an integer >= 1'),
+  (
+    {'privacy.monte_carlo_workers': 0},
+    r'privacy.monte_carlo_workers = 0: must be an integer '
+    r'>= 1',
+  ),
+  ({'privacy.clipping': 'fast'}, r"privacy.clipping = 'fast': must be one of 'auto'"),
+  (
+    {'privacy.noise_multiplier': None},
+    r'privacy.noise_multiplier or privacy.target_epsilon must '
+    r'be set',
+  ),
+  (
+    {'privacy.noise_multiplier': 0.3, 'privacy.target_epsilon': 1.0},
+    r'would reach ε = \d+\.\d+ .*above privacy.target_epsilon = 1',
+  ),
+  ({'optimizer.name': 'lamb'}, r"optimizer.name = 'lamb': must be one of 'sgd', 'adam'"),
+  (
+    {'optimizer.learning_rate': 0.0},
+    r'optimizer.learning_rate = 0.0: must be a finite number '
+    r'> 0',
+  ),
+  ({'optimizer.learning_rate': NAN}, r'optimizer.learning_rate = nan: must be a finite number'),
+  ({'optimizer.momentum': 1.0}, r'optimizer.momentum = 1.0: must be a finite number in \[0, 1\)'),
+  ({'optimizer.momentum': -0.5}, r'optimizer.momentum = -0.5: must be a finite number in'),
+  ({'num_devices': -1}, r'num_devices = -1: must be an integer >= 0'),
+  ({'num_devices': 64}, r'num_devices'),
+  ({'steps_per_call': -1}, r'steps_per_call = -1: must be an integer in \[0, 4096\]'),
+  ({'num_steps': -2}, r'num_steps = -2: must be an integer >= 0'),
+  ({'num_epochs': -1}, r'num_epochs = -1: must be an integer >= 0'),
+  ({'num_steps': 0}, r'num_steps = 0, num_epochs = 0: exactly one must be > 0'),
+  ({'num_epochs': 3}, r'num_steps = 6, num_epochs = 3: exactly one must be > 0'),
+  ({'log_every_steps': 0}, r'log_every_steps = 0: must be an integer >= 1'),
+  ({'eval_every_steps': 0}, r'eval_every_steps = 0: must be an integer >= 1'),
+  ({'checkpoint_every_steps': -5}, r'checkpoint_every_steps = -5: must be an integer >= 1'),
+  ({'keep_checkpoints': 0}, r'keep_checkpoints = 0: must be an integer >= 1'),
+  (
+    {'augmult.num_views': 4, 'augmult.crop_padding': 8},
+    r'augmult.crop_padding = 8: must be < min\(H, W\) = 8',
+  ),
+  ({'augmult.num_views': -1}, r'augmult.num_views = -1: must be an integer >= 0'),
+  ({'audit.num_canaries': -1}, r'audit.num_canaries = -1: must be an integer >= 0'),
+  ({'audit.kind': 'loss'}, r"audit.kind = 'loss': must be one of 'gradient'"),
+  ({'model.name': 'resnet'}, r"model.name = 'resnet': must be one of 'mlp', 'cnn'"),
+  ({'model.activation': 'swish'}, r"config.model.activation='swish'"),
+  # Fails on da06065: it named max_grid_points and value_discretization_interval, settings
+  # no config has.
+  (
+    {'privacy.group_size': 1024},
+    r'needs ~[0-9.]+e\+[0-9]+ grid points × components, more than the '
+    r'2e\+06 allowed .* To fix: lower privacy.group_size = 1024; '
+    r'or raise σ \(privacy.noise_multiplier = 1\)\.$',
+  ),
+  # Fails on da06065: "Did you mean model.hidden_size?", a field the command line cannot add.
+  (
+    {'model.name': 'cnn'},
+    r"model.hidden_sizes: a field of model 'mlp', not of model.name = "
+    r"'cnn', whose fields are model.activation, .*default_model_config"
+    r"\('cnn'\)",
+  ),
 ]
 
 
@@ -134,8 +195,11 @@ def test_there_are_at_least_forty_cases():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('overrides, message', CONFIG_CASES,
-                         ids=[','.join(f'{k}={v}' for k, v in o.items()) for o, _ in CONFIG_CASES])
+@pytest.mark.parametrize(
+  'overrides, message',
+  CONFIG_CASES,
+  ids=[','.join(f'{k}={v}' for k, v in o.items()) for o, _ in CONFIG_CASES],
+)
 def test_bad_config_field_is_one_clear_error_before_any_change(tmp_path, overrides, message):
   work = tmp_path / 'work'
   work.mkdir()
@@ -151,25 +215,33 @@ def test_bad_config_field_is_one_clear_error_before_any_change(tmp_path, overrid
 @pytest.mark.slow
 def test_non_private_run_ignores_privacy_fields(tmp_path):
   """σ = 0 and C = inf are errors only under privacy.enabled=True."""
-  result = train.train_and_evaluate(small_config(**{
-      'privacy.enabled': False, 'privacy.noise_multiplier': 0.0, 'privacy.clip_norm': INF,
-      'num_steps': 2}), str(tmp_path))
+  result = train.train_and_evaluate(
+    small_config(
+      **{
+        'privacy.enabled': False,
+        'privacy.noise_multiplier': 0.0,
+        'privacy.clip_norm': INF,
+        'num_steps': 2,
+      }
+    ),
+    str(tmp_path),
+  )
   assert 'privacy' not in result and result['step'] == 2
 
 
 # (extra command-line arguments, regex of the one stderr line). As processes: the exit code and
 # the single line are the point.
 CLI_CASES = [
-    (['--config.foo=1'], r"--config.foo: the config has no field 'foo'"),
-    (['--config.privacy.nois_multiplier=1'], r'Did you mean --config.privacy.noise_multiplier\?'),
-    (['--config.num_steps=abc'], r'--config.num_steps=abc'),
-    (['--config.privacy.noise_multiplier=0'], r'privacy.noise_multiplier = 0.0: must be'),
-    (['--config.privacy.clip_norm=inf'], r'privacy.clip_norm = inf: must be'),
-    (['--num_processes=2'], r'only apply with --distributed'),
-    ('missing_config', r"no such file .*missing.py"),
-    ('broken_config', r'syntax error at line 1'),
-    ('workdir_is_file', r'is a file, not a directory'),
-    ('workdir_unwritable', r'not writable'),
+  (['--config.foo=1'], r"--config.foo: the config has no field 'foo'"),
+  (['--config.privacy.nois_multiplier=1'], r'Did you mean --config.privacy.noise_multiplier\?'),
+  (['--config.num_steps=abc'], r'--config.num_steps=abc'),
+  (['--config.privacy.noise_multiplier=0'], r'privacy.noise_multiplier = 0.0: must be'),
+  (['--config.privacy.clip_norm=inf'], r'privacy.clip_norm = inf: must be'),
+  (['--num_processes=2'], r'only apply with --distributed'),
+  ('missing_config', r'no such file .*missing.py'),
+  ('broken_config', r'syntax error at line 1'),
+  ('workdir_is_file', r'is a file, not a directory'),
+  ('workdir_unwritable', r'not writable'),
 ]
 
 
@@ -203,31 +275,55 @@ def _run_command_lines(root):
   Writes {case id: [(result, workdir, must_not_exist), ...]} to root/runs.json."""
   import json  # pylint: disable=import-outside-toplevel
   import pathlib  # pylint: disable=import-outside-toplevel
+
   root = pathlib.Path(root)
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   real_argv, real_workdir, real_check = _command_line(
-      CLI_CASES[CLI_IDS.index(REAL_PROCESS_CASE)][0], root / 'real')
-  real = subprocess.Popen([sys.executable, '-m', 'dpjax.train', *real_argv], cwd=REPO,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    CLI_CASES[CLI_IDS.index(REAL_PROCESS_CASE)][0], root / 'real'
+  )
+  real = subprocess.Popen(
+    [sys.executable, '-m', 'dpjax.train', *real_argv],
+    cwd=REPO,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    env=env,
+  )
   try:
     cases = []
     for i, (args, _) in enumerate(CLI_CASES):
       (root / str(i)).mkdir()
       cases.append(_command_line(args, root / str(i)))
-    (root / 'cases.json').write_text(json.dumps([{'argv': argv, 'cwd': REPO}
-                                                 for argv, _, _ in cases]))
-    driver = subprocess.run([sys.executable, '-m', 'tests.forked_cli', 'dpjax.train',
-                             str(root / 'cases.json'), str(root / 'results.json')],
-                            cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    (root / 'cases.json').write_text(
+      json.dumps([{'argv': argv, 'cwd': REPO} for argv, _, _ in cases])
+    )
+    driver = subprocess.run(
+      [
+        sys.executable,
+        '-m',
+        'tests.forked_cli',
+        'dpjax.train',
+        str(root / 'cases.json'),
+        str(root / 'results.json'),
+      ],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      env=env,
+      timeout=300,
+    )
     out, err = real.communicate(timeout=300)
   finally:
     real.kill()
   assert driver.returncode == 0, driver.stderr
   results = json.loads((root / 'results.json').read_text())
-  runs = {case_id: [(result, workdir, check)]
-          for case_id, result, (_, workdir, check) in zip(CLI_IDS, results, cases)}
+  runs = {
+    case_id: [(result, workdir, check)]
+    for case_id, result, (_, workdir, check) in zip(CLI_IDS, results, cases)
+  }
   runs[REAL_PROCESS_CASE].append(
-      ({'returncode': real.returncode, 'stdout': out, 'stderr': err}, real_workdir, real_check))
+    ({'returncode': real.returncode, 'stdout': out, 'stderr': err}, real_workdir, real_check)
+  )
   (root / 'runs.json').write_text(json.dumps(runs))
 
 
@@ -235,8 +331,10 @@ def _run_command_lines(root):
 def command_line_errors(shared_setup):
   """_run_command_lines, once per test session (pytest-xdist workers share the results)."""
   import json  # pylint: disable=import-outside-toplevel
-  with open(os.path.join(shared_setup('command_line_errors', _run_command_lines),
-                         'runs.json')) as f:
+
+  with open(
+    os.path.join(shared_setup('command_line_errors', _run_command_lines), 'runs.json')
+  ) as f:
     return json.load(f)
 
 
@@ -244,6 +342,7 @@ def command_line_errors(shared_setup):
 @pytest.mark.parametrize('args, message', CLI_CASES, ids=CLI_IDS)
 def test_command_line_error_is_one_line_with_exit_code_2(command_line_errors, args, message):
   import re  # pylint: disable=import-outside-toplevel
+
   case_id = args if isinstance(args, str) else args[0]
   runs = command_line_errors[case_id]
   assert len(runs) == 1 + (case_id == REAL_PROCESS_CASE)
@@ -341,6 +440,7 @@ def document() -> str:
   import pathlib  # pylint: disable=import-outside-toplevel
   from dpjax.trainer import cli
   from dpjax.trainer import config_fields  # pylint: disable=import-outside-toplevel
+
   out = [_INTRO, '## Your data', '', '| data (an .npz) | message |', '|---|---|']
   with tempfile.TemporaryDirectory() as tmp:
     tmp = pathlib.Path(tmp)
@@ -355,8 +455,13 @@ def document() -> str:
       out.append(f'| `{body.strip()}` | {text.replace(str(tmp) + "/", "")} |')
     text = _message(lambda: cli.load_config_file('digits_mlp:runlcoal'))
     out.append(f'| `--config digits_mlp:runlcoal` | {text.replace(REPO + os.sep, "")} |')
-  out += ['', '## Command line', '', '| bad input | message (the line after "dpjax.train: error: ") |',
-          '|---|---|']
+  out += [
+    '',
+    '## Command line',
+    '',
+    '| bad input | message (the line after "dpjax.train: error: ") |',
+    '|---|---|',
+  ]
   for args, message in CLI_CASES:
     shown = args if isinstance(args, str) else ' '.join(args)
     out.append(f'| `{shown}` | matches `{message}` |')
@@ -369,15 +474,15 @@ def document() -> str:
   return '\n'.join(out) + '\n'
 
 
-
-
 # --------------------------------------------------------------------------------------------
 # Issue 25: a new user's own data, config files, resumes, interruptions and surprises.
 # --------------------------------------------------------------------------------------------
 
+
 def _digits_npz(path, **replace):
   from dpjax.data import digits  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
+
   x_train, y_train, x_test, y_test = digits.load_digits_arrays()
   arrays = dict(x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
   arrays.update({k: (v(arrays[k]) if callable(v) else v) for k, v in replace.items()})
@@ -387,34 +492,64 @@ def _digits_npz(path, **replace):
 
 def _npz_config(path, **overrides):
   """small_config on the .npz `path`, its 10 classes declared (npz labels are private)."""
-  return small_config(**{'data.source': 'npz', 'data.path': path, 'data.num_classes': 10,
-                         **overrides})
+  return small_config(
+    **{'data.source': 'npz', 'data.path': path, 'data.num_classes': 10, **overrides}
+  )
 
 
 def _at(row, value):
   import numpy as np  # pylint: disable=import-outside-toplevel
+
   return lambda y: np.where(np.arange(len(y)) == row, value, y)
 
 
 # (name, the npz's replaced arrays, regex of the one line). Each trained "successfully" before.
 DATA_CASES = [
-    ('fractional_label', dict(y_train=lambda y: y.astype(float) + 0.5 * (y == y[3]) * (
-        __import__('numpy').arange(len(y)) == 3)), r'y_train: label 3.5 in row 3 is not an integer'),
-    ('negative_label', dict(y_train=_at(5, -1)), r'y_train: label -1 in row 5 is negative'),
-    ('lengths_differ', dict(y_train=lambda y: y[:-1]), r'1437 examples but 1436 labels'),
-    ('all_nan', dict(x_train=lambda x: x * float('nan')), r'x_train: example 0 has a non-finite'),
-    ('one_inf_pixel', dict(x_train=lambda x: __import__('numpy').where(
-        __import__('numpy').arange(x.size).reshape(x.shape) == 64 * 9 + 3, float('inf'), x)),
-     r'x_train: example 9 has a non-finite feature value \(inf\)'),
-    ('absurd_feature', dict(x_train=lambda x: x * __import__('numpy').where(
-        __import__('numpy').arange(len(x)) == 4, 1e30, 1.0)[:, None, None, None]),
-     r'x_train: example 4 has the feature value .* beyond the public bound'),
-    ('stray_label_id', dict(y_train=_at(7, 1_000_000)),
-     r'y_train: label 1000000 in row 7 is not in \[0, 10\) \(data.num_classes = 10'),
-    ('class_only_in_test', dict(y_test=_at(2, 10)), r'y_test: label 10 in row 2 is not in \[0, 10\)'),
-    ('other_test_shape', dict(x_test=lambda x: x.reshape(len(x), 64)),
-     r'x_test: rows have shape \(64,\) but the training rows'),
-    ('string_labels', dict(y_train=lambda y: y.astype(str)), r'labels have dtype <U\d+'),
+  (
+    'fractional_label',
+    dict(
+      y_train=lambda y: (
+        y.astype(float) + 0.5 * (y == y[3]) * (__import__('numpy').arange(len(y)) == 3)
+      )
+    ),
+    r'y_train: label 3.5 in row 3 is not an integer',
+  ),
+  ('negative_label', dict(y_train=_at(5, -1)), r'y_train: label -1 in row 5 is negative'),
+  ('lengths_differ', dict(y_train=lambda y: y[:-1]), r'1437 examples but 1436 labels'),
+  ('all_nan', dict(x_train=lambda x: x * float('nan')), r'x_train: example 0 has a non-finite'),
+  (
+    'one_inf_pixel',
+    dict(
+      x_train=lambda x: __import__('numpy').where(
+        __import__('numpy').arange(x.size).reshape(x.shape) == 64 * 9 + 3, float('inf'), x
+      )
+    ),
+    r'x_train: example 9 has a non-finite feature value \(inf\)',
+  ),
+  (
+    'absurd_feature',
+    dict(
+      x_train=lambda x: (
+        x
+        * __import__('numpy').where(__import__('numpy').arange(len(x)) == 4, 1e30, 1.0)[
+          :, None, None, None
+        ]
+      )
+    ),
+    r'x_train: example 4 has the feature value .* beyond the public bound',
+  ),
+  (
+    'stray_label_id',
+    dict(y_train=_at(7, 1_000_000)),
+    r'y_train: label 1000000 in row 7 is not in \[0, 10\) \(data.num_classes = 10',
+  ),
+  ('class_only_in_test', dict(y_test=_at(2, 10)), r'y_test: label 10 in row 2 is not in \[0, 10\)'),
+  (
+    'other_test_shape',
+    dict(x_test=lambda x: x.reshape(len(x), 64)),
+    r'x_test: rows have shape \(64,\) but the training rows',
+  ),
+  ('string_labels', dict(y_train=lambda y: y.astype(str)), r'labels have dtype <U\d+'),
 ]
 
 
@@ -433,8 +568,9 @@ def test_malformed_data_is_one_line_before_any_change(tmp_path, name, replace, m
 @pytest.mark.slow
 def test_a_npy_file_as_npz_and_a_declared_class_count(tmp_path):
   import numpy as np  # pylint: disable=import-outside-toplevel
+
   np.save(tmp_path / 'x.npy', np.zeros((4, 3)))
-  with pytest.raises(ValueError, match=r"a single .npy array, not an .npz archive"):
+  with pytest.raises(ValueError, match=r'a single .npy array, not an .npz archive'):
     train.train_and_evaluate(_npz_config(str(tmp_path / 'x.npy')), str(tmp_path / 'w'))
   path = _digits_npz(tmp_path / 'ok.npz')  # 10 classes in the data, 9 declared: refused.
   with pytest.raises(ValueError, match=r'label 9 in row \d+ is not in \[0, 9\)'):
@@ -445,41 +581,63 @@ def test_a_npy_file_as_npz_and_a_declared_class_count(tmp_path):
 def test_the_scale_is_derived_from_the_dtype_and_printed(tmp_path, capsys):
   """data.scale = 0 (the default): uint8 data is divided by 255, not by digits' 16."""
   import numpy as np  # pylint: disable=import-outside-toplevel
-  path = _digits_npz(tmp_path / 'u8.npz', x_train=lambda x: (x * 15).astype(np.uint8),
-                     x_test=lambda x: (x * 15).astype(np.uint8))
+
+  path = _digits_npz(
+    tmp_path / 'u8.npz',
+    x_train=lambda x: (x * 15).astype(np.uint8),
+    x_test=lambda x: (x * 15).astype(np.uint8),
+  )
   train.train_and_evaluate(_npz_config(path, num_steps=1), str(tmp_path / 'w'))
-  assert ('x = (raw / 255 − (0.5)) / (0.5) [scale: data.scale = 0: derived from the uint8 data]'
-          in capsys.readouterr().out)
+  assert (
+    'x = (raw / 255 − (0.5)) / (0.5) [scale: data.scale = 0: derived from the uint8 data]'
+    in capsys.readouterr().out
+  )
 
 
 def _config_file(tmp_path, body):
   path = tmp_path / 'my_config.py'
-  path.write_text('from dpjax.configs import digits_mlp\n\n\ndef get_config(arg=None):\n'
-                  '  c = digits_mlp.get_config(arg)\n' + body + '  return c\n')
+  path.write_text(
+    'from dpjax.configs import digits_mlp\n\n\ndef get_config(arg=None):\n'
+    '  c = digits_mlp.get_config(arg)\n' + body + '  return c\n'
+  )
   return str(path)
 
 
 # (what the user's config file does, regex of the one line). Silent or a traceback before.
 CONFIG_FILE_CASES = [
-    ('  c.privacy.target_epislon = 1.0\n',
-     r'privacy.target_epislon: not a field.*Did you mean privacy.target_epsilon\?'),
-    ('  c.privacy.detla = 1e-6\n', r'privacy.detla: not a field.*Did you mean privacy.delta\?'),
-    ('  c.sampler.batchsize = 64\n',
-     r'sampler.batchsize: not a field.*Did you mean sampler.batch_size\?'),
-    ('  c.num_steps = 10.0\n', r"Could not override field 'num_steps'"),
-    ('  c.max_nonfinite_fraction = 0.01\n', r'max_nonfinite_fraction: this field was removed: '
-                                           r'.*data.max_abs_feature'),
-    ('  raise RuntimeError("my bug")\n', r"get_config\(\) in .*my_config.py' raised "
-                                          r'RuntimeError: my bug'),
-    ('  c = {"seed": 1}\n', r'returned a dict, not an ml_collections.ConfigDict'),
+  (
+    '  c.privacy.target_epislon = 1.0\n',
+    r'privacy.target_epislon: not a field.*Did you mean privacy.target_epsilon\?',
+  ),
+  ('  c.privacy.detla = 1e-6\n', r'privacy.detla: not a field.*Did you mean privacy.delta\?'),
+  (
+    '  c.sampler.batchsize = 64\n',
+    r'sampler.batchsize: not a field.*Did you mean sampler.batch_size\?',
+  ),
+  ('  c.num_steps = 10.0\n', r"Could not override field 'num_steps'"),
+  (
+    '  c.max_nonfinite_fraction = 0.01\n',
+    r'max_nonfinite_fraction: this field was removed: '
+    r'.*data.max_abs_feature',
+  ),
+  (
+    '  raise RuntimeError("my bug")\n',
+    r"get_config\(\) in .*my_config.py' raised "
+    r'RuntimeError: my bug',
+  ),
+  ('  c = {"seed": 1}\n', r'returned a dict, not an ml_collections.ConfigDict'),
 ]
 
 
-@pytest.mark.parametrize('body, message', CONFIG_FILE_CASES,
-                         ids=[b.strip().split('=')[0].split('(')[0] for b, _ in CONFIG_FILE_CASES])
+@pytest.mark.parametrize(
+  'body, message',
+  CONFIG_FILE_CASES,
+  ids=[b.strip().split('=')[0].split('(')[0] for b, _ in CONFIG_FILE_CASES],
+)
 def test_config_file_mistakes_are_one_line(tmp_path, body, message):
   from dpjax.trainer import cli
   from dpjax.trainer import config_fields  # pylint: disable=import-outside-toplevel
+
   with pytest.raises(ValueError, match=message) as info:
     config_fields.validate(cli.load_config_file(_config_file(tmp_path, body)))
   assert '\n' not in str(info.value) and unsettable_names(str(info.value), given=body) == []
@@ -487,11 +645,14 @@ def test_config_file_mistakes_are_one_line(tmp_path, body, message):
 
 def test_an_unknown_config_argument_is_refused(tmp_path):
   from dpjax.trainer import cli  # pylint: disable=import-outside-toplevel
+
   with pytest.raises(ValueError, match=r"argument 'runlcoal' is unknown; valid: runlocal"):
     cli.load_config_file('digits_mlp:runlcoal')
   path = tmp_path / 'plain.py'  # A user's config that takes no argument at all.
-  path.write_text('from dpjax.trainer import config_fields\n\n\ndef get_config(arg=None):\n'
-                  '  return config_fields.default_config()\n')
+  path.write_text(
+    'from dpjax.trainer import config_fields\n\n\ndef get_config(arg=None):\n'
+    '  return config_fields.default_config()\n'
+  )
   with pytest.raises(ValueError, match=r"the argument 'runlocal' changes nothing"):
     cli.load_config_file(f'{path}:runlocal')
 
@@ -501,9 +662,12 @@ def test_a_config_whose_get_config_takes_no_argument_loads(tmp_path):
   TypeError: get_config() takes 0 positional arguments but 1 was given'); an argument given to
   it is still refused in one line."""
   from dpjax.trainer import cli  # pylint: disable=import-outside-toplevel
+
   path = tmp_path / 'zero_args.py'
-  path.write_text('from dpjax.trainer import config_fields\n\n\ndef get_config():\n'
-                  '  c = config_fields.default_config()\n  c.num_epochs = 3\n  return c\n')
+  path.write_text(
+    'from dpjax.trainer import config_fields\n\n\ndef get_config():\n'
+    '  c = config_fields.default_config()\n  c.num_epochs = 3\n  return c\n'
+  )
   assert cli.load_config_file(str(path)).num_epochs == 3
   with pytest.raises(ValueError, match=r"get_config\('runlocal'\) in .* raised TypeError"):
     cli.load_config_file(f'{path}:runlocal')
@@ -515,21 +679,42 @@ def test_configs_work_from_any_directory_and_help_exits_0(tmp_path, capsys):
   `dpjax.train --help` exited 1 and -h was an error; a workdir could not be resumed alone."""
   from dpjax import configs
   from dpjax.trainer import cli  # pylint: disable=import-outside-toplevel
-  assert cli.resolve_config_spec('digits_mlp:runlocal') == configs.path_of('digits_mlp') + ':runlocal'
+
+  assert (
+    cli.resolve_config_spec('digits_mlp:runlocal') == configs.path_of('digits_mlp') + ':runlocal'
+  )
   # The suite's XLA compilation cache (tests/conftest.py), not ~/.cache/dpjax/xla.
-  env = dict(os.environ, JAX_PLATFORMS='cpu',
-             DPJAX_CACHE_DIR=os.environ['JAX_COMPILATION_CACHE_DIR'])
-  proc = subprocess.run([sys.executable, '-m', 'dpjax.train',
-                         f'--config={os.path.join(REPO, "configs", "digits_mlp.py")}:runlocal',
-                         f'--workdir={tmp_path / "w"}', '--config.num_steps=1',
-                         # A fixed σ: calibration is not what this test is about.
-                         '--config.privacy.target_epsilon=0', '--config.privacy.noise_multiplier=1'],
-                        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+  env = dict(
+    os.environ, JAX_PLATFORMS='cpu', DPJAX_CACHE_DIR=os.environ['JAX_COMPILATION_CACHE_DIR']
+  )
+  proc = subprocess.run(
+    [
+      sys.executable,
+      '-m',
+      'dpjax.train',
+      f'--config={os.path.join(REPO, "configs", "digits_mlp.py")}:runlocal',
+      f'--workdir={tmp_path / "w"}',
+      '--config.num_steps=1',
+      # A fixed σ: calibration is not what this test is about.
+      '--config.privacy.target_epsilon=0',
+      '--config.privacy.noise_multiplier=1',
+    ],
+    cwd=tmp_path,
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=300,
+  )
   assert proc.returncode == 0 and 'Final: step 1' in proc.stdout, proc.stderr
   # Resume with --workdir alone (its config.json), extended by overrides.
-  proc = subprocess.run([sys.executable, '-m', 'dpjax.train', f'--workdir={tmp_path / "w"}',
-                         '--config.num_steps=2'],
-                        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+  proc = subprocess.run(
+    [sys.executable, '-m', 'dpjax.train', f'--workdir={tmp_path / "w"}', '--config.num_steps=2'],
+    cwd=tmp_path,
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=300,
+  )
   assert proc.returncode == 0 and 'Resuming from step 1' in proc.stdout, proc.stderr
   for flag in ('--help', '-h'):
     with pytest.raises(SystemExit) as info:
@@ -547,17 +732,22 @@ def two_step_run(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('overrides, refused', [
+@pytest.mark.parametrize(
+  'overrides, refused',
+  [
     ({'optimizer.name': 'adam', 'optimizer.learning_rate': 1e-3}, 'optimizer state differ'),
     ({'optimizer.momentum': 0.9}, 'optimizer state differ'),
     ({'model.hidden_sizes': (32,)}, 'model parameters differ'),
     ({'optimizer.schedule': 'cosine'}, None),  # Same state structure: allowed, resumes.
-])
+  ],
+)
 def test_a_changed_model_or_optimizer_is_refused_and_the_checkpoint_kept(
-    two_step_run, tmp_path, overrides, refused):
+  two_step_run, tmp_path, overrides, refused
+):
   """A state that does not fit the checkpoint was renamed *.unreadable-* as if corrupt and the
   run restarted at step 0; now: one line naming what differs, the workdir byte-identical."""
   import shutil  # pylint: disable=import-outside-toplevel
+
   work = tmp_path / 'copy'
   shutil.copytree(two_step_run, work)
   config = small_config(**{'num_steps': 3, 'checkpoint_every_steps': 2, **overrides})
@@ -565,8 +755,11 @@ def test_a_changed_model_or_optimizer_is_refused_and_the_checkpoint_kept(
     assert train.train_and_evaluate(config, str(work))['step'] == 3
     return
   before = tree_digest(work)
-  with pytest.raises(ValueError, match=f'checkpoint 2 .* holds a state of another structure.*'
-                                       f'{refused}.*the checkpoint is untouched') as info:
+  with pytest.raises(
+    ValueError,
+    match=f'checkpoint 2 .* holds a state of another structure.*'
+    f'{refused}.*the checkpoint is untouched',
+  ) as info:
     train.train_and_evaluate(config, str(work))
   assert '\n' not in str(info.value)
   assert tree_digest(work) == before
@@ -576,11 +769,23 @@ def test_a_changed_model_or_optimizer_is_refused_and_the_checkpoint_kept(
 def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path):
   import signal  # pylint: disable=import-outside-toplevel
   import time  # pylint: disable=import-outside-toplevel
+
   proc = subprocess.Popen(  # Calibrating σ for balls-and-bins takes seconds: interrupt it.
-      [sys.executable, '-m', 'dpjax.train', '--config=digits_mlp', f'--workdir={tmp_path / "w"}',
-       '--config.sampler.name=balls_and_bins', '--config.privacy.random_allocation_timeout=600'],
-      cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-      env=dict(os.environ, JAX_PLATFORMS='cpu', DPJAX_CACHE_DIR=str(tmp_path / 'cache')))
+    [
+      sys.executable,
+      '-m',
+      'dpjax.train',
+      '--config=digits_mlp',
+      f'--workdir={tmp_path / "w"}',
+      '--config.sampler.name=balls_and_bins',
+      '--config.privacy.random_allocation_timeout=600',
+    ],
+    cwd=REPO,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    env=dict(os.environ, JAX_PLATFORMS='cpu', DPJAX_CACHE_DIR=str(tmp_path / 'cache')),
+  )
   time.sleep(6)
   proc.send_signal(signal.SIGINT)
   _, err = proc.communicate(timeout=120)
@@ -591,20 +796,29 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(tmp_path):
 
 @pytest.mark.slow
 def test_sizes_that_cannot_fit_and_unwritable_caches(tmp_path, monkeypatch, capsys):
-  with pytest.raises(ValueError, match=r'not reached even with σ = 10000 \(or its privacy loss '
-                                       r'cannot be composed in memory\)'):
-    train.train_and_evaluate(small_config(**{'num_steps': 10**12, 'privacy.noise_multiplier': None,
-                                             'privacy.target_epsilon': 3.0}), str(tmp_path / 'w'))
+  with pytest.raises(
+    ValueError,
+    match=r'not reached even with σ = 10000 \(or its privacy loss '
+    r'cannot be composed in memory\)',
+  ):
+    train.train_and_evaluate(
+      small_config(
+        **{'num_steps': 10**12, 'privacy.noise_multiplier': None, 'privacy.target_epsilon': 3.0}
+      ),
+      str(tmp_path / 'w'),
+    )
   with pytest.raises(ValueError, match=r'num_steps = 1000000000000: composing the privacy loss'):
     train.train_and_evaluate(small_config(num_steps=10**12), str(tmp_path / 'w'))
   assert not (tmp_path / 'w').exists()
   from dpjax.trainer import compilation_cache  # pylint: disable=import-outside-toplevel
+
   monkeypatch.setenv('HOME', '/proc/dpjax-no-home')
   monkeypatch.delenv('DPJAX_CACHE_DIR', raising=False)
   assert compilation_cache.resolve_cache_dir('') is not None
   with pytest.raises(ValueError, match=r"compilation_cache_dir = '/proc/x': .* cannot be created"):
     compilation_cache.enable_compilation_cache('/proc/x')
   import jax  # pylint: disable=import-outside-toplevel
+
   saved = jax.config.jax_compilation_cache_dir
   try:
     assert compilation_cache.enable_compilation_cache('') is None  # Falls back: no cache.
@@ -618,14 +832,18 @@ def test_sizes_that_cannot_fit_and_unwritable_caches(tmp_path, monkeypatch, caps
 def test_surprising_runs_are_flagged_and_a_workdir_reports_its_epsilon(tmp_path, capsys):
   """σ = 0.3 gave ε = 297 silently; C = 1e-30 trained to chance silently; the account CLI could
   not read a workdir."""
-  train.train_and_evaluate(small_config(**{'num_steps': 2, 'privacy.noise_multiplier': 0.35,
-                                           'privacy.clip_norm': 1e-30}), str(tmp_path / 'w'))
+  train.train_and_evaluate(
+    small_config(**{'num_steps': 2, 'privacy.noise_multiplier': 0.35, 'privacy.clip_norm': 1e-30}),
+    str(tmp_path / 'w'),
+  )
   out = capsys.readouterr().out
   assert 'WARNING: the final ε = ' in out and 'is above 10' in out
   assert 'WARNING: every example was clipped in steps 1-2, at C = 1e-30' in out
   from dpjax import account  # pylint: disable=import-outside-toplevel
+
   assert account.main(['--workdir', str(tmp_path / 'w'), '--json']) == 0
   import json  # pylint: disable=import-outside-toplevel
+
   report = json.loads(capsys.readouterr().out)
   assert report['steps'] == 2 and report['epsilon'] > 10 and report['bound'] == 'upper'
 
@@ -633,6 +851,7 @@ def test_surprising_runs_are_flagged_and_a_workdir_reports_its_epsilon(tmp_path,
 if __name__ == '__main__':
   import contextlib  # pylint: disable=import-outside-toplevel
   import io  # pylint: disable=import-outside-toplevel
+
   with contextlib.redirect_stdout(io.StringIO()):  # The trainer's start lines.
     text = document()
   sys.stdout.write(text)
@@ -640,5 +859,5 @@ if __name__ == '__main__':
 
 def test_docs_config_md_is_generated_from_the_field_declarations():
   """docs/config.md is `python -m dpjax.trainer.config_fields` (one declaration per field)."""
-  with open(os.path.join(REPO, "docs", "config.md")) as f:
+  with open(os.path.join(REPO, 'docs', 'config.md')) as f:
     assert f.read() == config_fields.markdown(), 'regenerate: python -m dpjax.trainer.config_fields'

@@ -50,8 +50,9 @@ def docstring_examples(doc: str) -> list[list[str]]:
 def _examples():
   params = []
   for cli in CLIS:
-    for i, command in enumerate(docstring_examples(importlib.import_module(f'dpjax.{cli}')
-                                                   .__doc__)):
+    for i, command in enumerate(
+      docstring_examples(importlib.import_module(f'dpjax.{cli}').__doc__)
+    ):
       assert command[:3] == ['python', '-m', f'dpjax.{cli}'], command
       params.append(pytest.param(cli, command[3:], id=f'{cli}-{i}'))
   return params
@@ -69,9 +70,14 @@ def test_every_cli_has_examples_and_its_help_shows_them(capsys):
   runs it as a process)."""
   for cli in CLIS:
     assert any(p.values[0] == cli for p in EXAMPLES), f'dpjax.{cli} has no example'
-  planner = subprocess.run([sys.executable, '-m', 'dpjax.planner', '--help'], capture_output=True,
-                           text=True, cwd=REPO, env=child_env(),
-                           timeout=120)
+  planner = subprocess.run(
+    [sys.executable, '-m', 'dpjax.planner', '--help'],
+    capture_output=True,
+    text=True,
+    cwd=REPO,
+    env=child_env(),
+    timeout=120,
+  )
   assert planner.returncode == 0, planner.stderr
   capsys.readouterr()
   with pytest.raises(SystemExit) as info:
@@ -85,21 +91,35 @@ def test_every_cli_has_examples_and_its_help_shows_them(capsys):
 
 
 def test_docstring_parser_joins_continuations_and_drops_comments_and_optional_groups():
-  doc = ('Intro.\n\n  python -m dpjax.x --a 1 \\\n      --b "two words"  # note\n'
-         '  python -m dpjax.x --c [--d=1 ...]\nnot python -m dpjax.y\n')
-  assert docstring_examples(doc) == [['python', '-m', 'dpjax.x', '--a', '1', '--b', 'two words'],
-                                     ['python', '-m', 'dpjax.x', '--c']]
+  doc = (
+    'Intro.\n\n  python -m dpjax.x --a 1 \\\n      --b "two words"  # note\n'
+    '  python -m dpjax.x --c [--d=1 ...]\nnot python -m dpjax.y\n'
+  )
+  assert docstring_examples(doc) == [
+    ['python', '-m', 'dpjax.x', '--a', '1', '--b', 'two words'],
+    ['python', '-m', 'dpjax.x', '--c'],
+  ]
 
 
 def _prepare_workdir(workdir):
   from dpjax.configs import digits_mlp  # pylint: disable=g-import-not-at-top
   from dpjax import train  # pylint: disable=g-import-not-at-top
+
   config = digits_mlp.get_config()
-  config.update_from_flattened_dict({
-      'num_epochs': 0, 'num_steps': 4, 'sampler.batch_size': 64,
-      'sampler.physical_batch_size': 32, 'privacy.target_epsilon': 0.0,
-      'privacy.noise_multiplier': 1.0, 'log_every_steps': 2, 'eval_every_steps': 4,
-      'checkpoint_every_steps': 2, 'audit.num_canaries': 50})  # audit needs canaries.
+  config.update_from_flattened_dict(
+    {
+      'num_epochs': 0,
+      'num_steps': 4,
+      'sampler.batch_size': 64,
+      'sampler.physical_batch_size': 32,
+      'privacy.target_epsilon': 0.0,
+      'privacy.noise_multiplier': 1.0,
+      'log_every_steps': 2,
+      'eval_every_steps': 4,
+      'checkpoint_every_steps': 2,
+      'audit.num_canaries': 50,
+    }
+  )  # audit needs canaries.
   train.train_and_evaluate(config, str(workdir))
 
 
@@ -151,8 +171,9 @@ def _check_account(report, argv):
   if report['sampler'] in ('poisson', 'fixed_size'):
     # A run's config accounts the float rounding η of its sum: σ/(1 + η) (dpjax.privacy.rounding).
     sigma = report['noise_multiplier'] / d.get('sensitivity', 1.0)
-    direct = _direct_epsilon(report['sampler'], d['num_examples'], d['batch_size'], sigma,
-                             report['steps'], report['delta'])
+    direct = _direct_epsilon(
+      report['sampler'], d['num_examples'], d['batch_size'], sigma, report['steps'], report['delta']
+    )
     # Truncation (a cap B from a config) may only add its TV penalty; here it is ~1e-32.
     assert eps == pytest.approx(direct, rel=2e-3)
   if report['sampler'] == 'balls_and_bins':
@@ -165,6 +186,7 @@ def _check_account(report, argv):
 
 def _run_account(argv, capsys):
   from dpjax import account  # pylint: disable=g-import-not-at-top
+
   assert account.main(argv) == 0
   text = capsys.readouterr().out
   if '--json' in argv:
@@ -182,8 +204,14 @@ def _check_plan(plan, argv, tmp_path):
   for row in plan.rows:
     assert row.epsilon <= plan.target_epsilon and math.isfinite(row.noise_multiplier)
     if plan.sampler == 'poisson':
-      direct = _direct_epsilon('poisson', plan.num_examples, row.batch_size,
-                               row.noise_multiplier, row.num_steps, plan.delta)
+      direct = _direct_epsilon(
+        'poisson',
+        plan.num_examples,
+        row.batch_size,
+        row.noise_multiplier,
+        row.num_steps,
+        plan.delta,
+      )
       assert direct == pytest.approx(plan.target_epsilon, rel=0.02)
       assert direct <= plan.target_epsilon * (1 + 1e-3)
   for flag in ('--json',):
@@ -192,14 +220,14 @@ def _check_plan(plan, argv, tmp_path):
       assert path.stat().st_size > 0
   if '--json' in argv:
     saved = json.loads((tmp_path / argv[argv.index('--json') + 1]).read_text())
-    assert [r['noise_multiplier'] for r in saved['rows']] == [
-        r.noise_multiplier for r in plan.rows]
+    assert [r['noise_multiplier'] for r in saved['rows']] == [r.noise_multiplier for r in plan.rows]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('cli, argv', EXAMPLES)
-def test_example_runs(cli, argv, tmp_path, monkeypatch, capsys, prepared_workdir,
-                      in_process_pld_builds):
+def test_example_runs(
+  cli, argv, tmp_path, monkeypatch, capsys, prepared_workdir, in_process_pld_builds
+):
   monkeypatch.setenv('DPJAX_CACHE_DIR', str(tmp_path / 'cache'))
   monkeypatch.chdir(tmp_path)
   argv = _resolve(argv, prepared_workdir, tmp_path)
@@ -207,10 +235,12 @@ def test_example_runs(cli, argv, tmp_path, monkeypatch, capsys, prepared_workdir
     _check_account(_run_account(argv, capsys), argv)
   elif cli == 'planner':
     from dpjax import planner  # pylint: disable=g-import-not-at-top
+
     plans = []
     real = batch_size_plan.plan_batch_sizes
-    monkeypatch.setattr(batch_size_plan, 'plan_batch_sizes',
-                        lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
+    monkeypatch.setattr(
+      batch_size_plan, 'plan_batch_sizes', lambda *a, **k: plans.append(real(*a, **k)) or plans[-1]
+    )
     assert planner.main(argv) == 0
     assert len(plans) == 1
     _check_plan(plans[0], argv, tmp_path)
@@ -218,28 +248,38 @@ def test_example_runs(cli, argv, tmp_path, monkeypatch, capsys, prepared_workdir
     from dpjax.privacy import accounting  # pylint: disable=g-import-not-at-top
     from dpjax import checkpoints as checkpoints_cli  # pylint: disable=g-import-not-at-top
     from dpjax.trainer import checkpoints  # pylint: disable=g-import-not-at-top
+
     assert checkpoints_cli.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
-    steps = sorted(int(d) for d in os.listdir(os.path.join(prepared_workdir, 'checkpoints'))
-                   if d.isdigit())
+    steps = sorted(
+      int(d) for d in os.listdir(os.path.join(prepared_workdir, 'checkpoints')) if d.isdigit()
+    )
     assert steps and [int(line.split()[0]) for line in lines[1:]] == steps
     # The ε of each row, recomputed from the run's sampler, σ and η (of its cap B and matmul
     # format; not from the metadata).
     from dpjax.privacy import precision, rounding  # pylint: disable=g-import-not-at-top
+
     config = json.load(open(os.path.join(prepared_workdir, 'config.json')))
     n = next(r for r in checkpoints.read_metadata(prepared_workdir))['num_examples']
     sampler = samplers.sampler_class(config['sampler']['name'])(
-        num_examples=n, batch_size=config['sampler']['batch_size'])
-    eta = rounding.eta(config['sampler']['max_batch_size'],
-                       precision.matmul_format(config['precision']))
-    acct = accounting.Accountant(sampler, config['privacy']['noise_multiplier'],
-                                 config['privacy']['delta'], max_batch_size=None,
-                                 sensitivity=1 + eta)
+      num_examples=n, batch_size=config['sampler']['batch_size']
+    )
+    eta = rounding.eta(
+      config['sampler']['max_batch_size'], precision.matmul_format(config['precision'])
+    )
+    acct = accounting.Accountant(
+      sampler,
+      config['privacy']['noise_multiplier'],
+      config['privacy']['delta'],
+      max_batch_size=None,
+      sensitivity=1 + eta,
+    )
     for line, step in zip(lines[1:], steps):
       assert float(line.split()[1]) == pytest.approx(acct.epsilon(step), abs=1e-4)
   elif cli == 'audit':
     from dpjax import audit  # pylint: disable=g-import-not-at-top
     from dpjax.trainer import checkpoints  # pylint: disable=g-import-not-at-top
+
     assert audit.main(argv) == 0
     text = capsys.readouterr().out
     last = checkpoints.read_metadata(prepared_workdir)[-1]
@@ -248,13 +288,19 @@ def test_example_runs(cli, argv, tmp_path, monkeypatch, capsys, prepared_workdir
       assert out['epsilon'] == last['privacy']['epsilon'] and out['num_canaries'] == 50
       assert out['audit_epsilon_lower'] == pytest.approx(last['audit']['audit_epsilon_lower'])
     else:
-      assert f"{last['privacy']['epsilon']:.4f}" in text
+      assert f'{last["privacy"]["epsilon"]:.4f}' in text
   else:
     # DPJAX_CACHE_DIR (set above for the accountants' caches) would also be the child's XLA
     # compilation cache, empty for every example: point it at the suite's (tests/conftest.py).
     env = child_env(DPJAX_CACHE_DIR=os.environ['JAX_COMPILATION_CACHE_DIR'])
-    out = subprocess.run([sys.executable, '-m', f'dpjax.{cli}', *argv], capture_output=True,
-                         text=True, cwd=tmp_path, env=env, timeout=300)
+    out = subprocess.run(
+      [sys.executable, '-m', f'dpjax.{cli}', *argv],
+      capture_output=True,
+      text=True,
+      cwd=tmp_path,
+      env=env,
+      timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     final = [line for line in (out.stdout + out.stderr).splitlines() if 'Final:' in line]
     assert final and re.search(r'ε = [0-9.]+ \(upper bound', final[-1]), final

@@ -30,7 +30,7 @@ HEAVY = ('jax', 'flax', 'optax', 'orbax.checkpoint', 'tensorflow_datasets', 'ten
 # What an accounting answer from flags must not import (it needs dp_accounting and numpy).
 NOT_FOR_ACCOUNTING = HEAVY
 # Runs `module` with argv as `python -m module argv` would, then records its exit and imports.
-RUN_AS_MAIN = '''
+RUN_AS_MAIN = """
 import json, runpy, sys
 report, module = sys.argv[1], sys.argv[2]
 sys.argv = [module, *sys.argv[3:]]
@@ -41,22 +41,45 @@ except SystemExit as e:
   code = e.code
 with open(report, 'w') as f:
   json.dump({'exit': code, 'modules': sorted(sys.modules)}, f)
-'''
+"""
 # Each command's program name and one bad argument (rejected by the flags, before any compute).
 COMMANDS = {
-    'account': ('python -m dpjax.account', ['--steps', '1', '--epochs', '2'],
-                '--steps and --epochs: give one of them, not both.'),
-    'train': ('dpjax.train', ['--workdir', 'w'], '--config: required'),
-    'export': ('python -m dpjax.export', ['--workdir', 'w'], '--workdir and --out are required'),
-    'planner': ('python -m dpjax.planner', ['--num_examples', 'many'],
-                "flag --num_examples=many: invalid literal for int() with base 10: 'many'"),
-    'audit': ('python -m dpjax.audit', ['--json'], '--workdir is required'),
-    'checkpoints': ('python -m dpjax.checkpoints', [],
-                    'expected positional arguments: <workdir>; got []'),
+  'account': (
+    'python -m dpjax.account',
+    ['--steps', '1', '--epochs', '2'],
+    '--steps and --epochs: give one of them, not both.',
+  ),
+  'train': ('dpjax.train', ['--workdir', 'w'], '--config: required'),
+  'export': ('python -m dpjax.export', ['--workdir', 'w'], '--workdir and --out are required'),
+  'planner': (
+    'python -m dpjax.planner',
+    ['--num_examples', 'many'],
+    "flag --num_examples=many: invalid literal for int() with base 10: 'many'",
+  ),
+  'audit': ('python -m dpjax.audit', ['--json'], '--workdir is required'),
+  'checkpoints': (
+    'python -m dpjax.checkpoints',
+    [],
+    'expected positional arguments: <workdir>; got []',
+  ),
 }
-ACCOUNTING_ANSWER = ['--sampler', 'poisson', '--num-examples', '1000', '--batch-size', '10',
-                     '--steps', '10', '--noise-multiplier', '1.0', '--delta', '1e-5',
-                     '--accountant', 'rdp', '--json']
+ACCOUNTING_ANSWER = [
+  '--sampler',
+  'poisson',
+  '--num-examples',
+  '1000',
+  '--batch-size',
+  '10',
+  '--steps',
+  '10',
+  '--noise-multiplier',
+  '1.0',
+  '--delta',
+  '1e-5',
+  '--accountant',
+  'rdp',
+  '--json',
+]
 
 
 def _cases():
@@ -73,16 +96,30 @@ def runs(tmp_path_factory):
   for name, kind, argv in _cases():  # All at once: the wall time of the slowest.
     cwd = tmp_path_factory.mktemp(f'{name}_{kind}')
     report = cwd.parent / f'{cwd.name}.json'
-    started[name, kind] = cwd, report, subprocess.Popen(
-        [sys.executable, '-c', RUN_AS_MAIN, str(report), f'dpjax.{name}', *argv], cwd=cwd,
-        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started[name, kind] = (
+      cwd,
+      report,
+      subprocess.Popen(
+        [sys.executable, '-c', RUN_AS_MAIN, str(report), f'dpjax.{name}', *argv],
+        cwd=cwd,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+      ),
+    )
   out = {}
   for key, (cwd, report, proc) in started.items():
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, (key, stderr)  # The wrapper itself ended normally.
     result = json.loads(report.read_text())
-    out[key] = (result['exit'], stdout, stderr, set(result['modules']), sorted(
-        p.name for p in cwd.iterdir()))
+    out[key] = (
+      result['exit'],
+      stdout,
+      stderr,
+      set(result['modules']),
+      sorted(p.name for p in cwd.iterdir()),
+    )
   return out
 
 
@@ -91,8 +128,11 @@ def test_every_command_line_entry_point_is_covered():
   found = set()
   for path in (ROOT / 'dpjax').glob('*.py'):
     for node in ast.parse(path.read_text()).body:
-      if (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
-          and getattr(node.test.left, 'id', '') == '__name__'):
+      if (
+        isinstance(node, ast.If)
+        and isinstance(node.test, ast.Compare)
+        and getattr(node.test.left, 'id', '') == '__name__'
+      ):
         found.add(path.stem)
   assert found == set(COMMANDS)
 

@@ -14,8 +14,14 @@ EXAMPLES = ('own_loop_nnx', 'own_loop_linen', 'regression', 'next_token')
 @pytest.mark.slow
 @pytest.mark.parametrize('name', EXAMPLES)
 def test_example_runs_and_ends_with_its_epsilon(name, tmp_path):
-  proc = subprocess.run([sys.executable, str(ROOT / 'examples' / f'{name}.py'), '--quick'],
-                        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False)
+  proc = subprocess.run(
+    [sys.executable, str(ROOT / 'examples' / f'{name}.py'), '--quick'],
+    cwd=tmp_path,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   last = proc.stdout.strip().splitlines()[-1]
   match = re.match(r'ε = (\d+\.\d+) \(upper bound, (pld|rdp)\), δ = ', last)
@@ -33,7 +39,8 @@ def test_readme_shows_the_nnx_example_code():
   section = readme.split('## Use dpjax in your own training loop')[1].split('\n## ')[0]
   code = (ROOT / 'examples' / 'own_loop_nnx.py').read_text()
   loop = code.split('# --- dpjax: everything that enters ε comes from one plan. ---')[1].split(
-      '# --- end of dpjax. ---')[0]
+    '# --- end of dpjax. ---'
+  )[0]
   for line in loop.strip().splitlines():
     assert line.strip() in section, line
 

@@ -20,17 +20,30 @@ from tests.run_configs import small_config
 
 pytestmark = pytest.mark.slow  # Whole trainings or child processes (`make test-unit` skips).
 
-CARD_FIELDS = {'epsilon', 'delta', 'bound', 'accountant', 'sampler', 'num_examples',
-               'noise_multiplier', 'clip_norm', 'steps', 'neighbouring_relation',
-               'dpjax_version', 'guarantee', 'seed_drawn_in_secret'}
+CARD_FIELDS = {
+  'epsilon',
+  'delta',
+  'bound',
+  'accountant',
+  'sampler',
+  'num_examples',
+  'noise_multiplier',
+  'clip_norm',
+  'steps',
+  'neighbouring_relation',
+  'dpjax_version',
+  'guarantee',
+  'seed_drawn_in_secret',
+}
 
 
 @pytest.fixture(scope='module')
 def drawn_run(tmp_path_factory):
   """A 3-step run with a drawn seed and an EMA."""
   workdir = tmp_path_factory.mktemp('export') / 'run'
-  config = small_config(**{'seed': None, 'num_steps': 3, 'checkpoint_every_steps': 3,
-                           'ema_decay': 0.9})
+  config = small_config(
+    **{'seed': None, 'num_steps': 3, 'checkpoint_every_steps': 3, 'ema_decay': 0.9}
+  )
   train.train_and_evaluate(config, str(workdir))
   return workdir
 
@@ -56,14 +69,21 @@ def test_export_writes_params_ema_and_card_and_nothing_private(drawn_run, tmp_pa
     assert stored_params.embedded_card(str(out / 'ema_params.npz')) == card
   # Nothing private: not the seed, its digest, a path, or a non-private statistic.
   seed = run_seed.stored_seed(str(drawn_run)).value
-  secrets = [str(seed).encode(), meta['fingerprint']['seed_sha256'].encode(),
-             str(drawn_run).encode(), b'nonprivate', b'num_truncated', b'train_loss']
+  secrets = [
+    str(seed).encode(),
+    meta['fingerprint']['seed_sha256'].encode(),
+    str(drawn_run).encode(),
+    b'nonprivate',
+    b'num_truncated',
+    b'train_loss',
+  ]
   for name in os.listdir(out):
     blob = open(out / name, 'rb').read()
     assert not [s for s in secrets if s in blob], name
   # What init_from reads.
   assert set(stored_params.read_params(str(out / 'params.npz'))) == set(
-      finetune.flatten(state['params']))
+    finetune.flatten(state['params'])
+  )
 
 
 def test_the_card_says_n_is_public_and_records_the_scale_that_ran(drawn_run, tmp_path):
@@ -74,11 +94,17 @@ def test_the_card_says_n_is_public_and_records_the_scale_that_ran(drawn_run, tmp
   assert 'treated as public' in card['num_examples_note']
   assert 'data.public_num_examples' in card['num_examples_note']
   assert card['preprocessing'] == {
-      'scale': 16.0, 'scale_source': "data.scale = 0: the digits data's range", 'mean': [0.5],
-      'std': [0.5], 'label_format': 'int', 'targets': 'labels'}
+    'scale': 16.0,
+    'scale_source': "data.scale = 0: the digits data's range",
+    'mean': [0.5],
+    'std': [0.5],
+    'label_format': 'int',
+    'targets': 'labels',
+  }
   # The card's preprocessing maps raw digits exactly as training did.
   from dpjax.data import digits  # pylint: disable=import-outside-toplevel
   from dpjax.data import sources  # pylint: disable=import-outside-toplevel
+
   raw = digits.load_digits_arrays()[0][:3]
   p = card['preprocessing']
   trained = sources.make_sources(small_config().data)[0].gather(np.arange(3))['x']
@@ -91,14 +117,16 @@ def test_the_card_states_eta_and_what_it_cost_in_epsilon(drawn_run, tmp_path):
   card had no η (clipping was below C and ε was that of σ)."""
   from dp_accounting import dp_event  # pylint: disable=import-outside-toplevel
   from dp_accounting.pld import pld_privacy_accountant  # pylint: disable=import-outside-toplevel
+
   card = export.export(str(drawn_run), str(tmp_path / 'model'))
   meta = checkpoints.read_metadata(str(drawn_run))[-1]
   cap, fmt = card['sampler']['max_batch_size'], meta['fingerprint']['privacy.matmul_format']
   rounded = card['float_rounding']
   assert rounded['eta'] == meta['fingerprint']['privacy.rounding_eta'] == rounding.eta(cap, fmt)
   assert rounded['max_batch_size'] == cap and rounded['matmul_format'] == fmt
-  assert rounded['statement'].startswith(f"η = {rounded['eta']:.2g} (float rounding of the sum, "
-                                         f'B = {cap}')
+  assert rounded['statement'].startswith(
+    f'η = {rounded["eta"]:.2g} (float rounding of the sum, B = {cap}'
+  )
   sigma, q = card['noise_multiplier'], card['sampler']['expected_batch_size'] / card['num_examples']
   grid = meta['privacy']['details']['pld_grid']  # The grid ε was reported at (it follows ε).
 
@@ -106,13 +134,15 @@ def test_the_card_states_eta_and_what_it_cost_in_epsilon(drawn_run, tmp_path):
     direct = pld_privacy_accountant.PLDAccountant(value_discretization_interval=grid)
     direct.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(noise)), 3)
     return direct.get_epsilon(card['delta'])
+
   assert card['epsilon'] == pytest.approx(epsilon(sigma / (1 + rounded['eta'])), rel=1e-6)
   assert rounded['epsilon_cost'] == pytest.approx(card['epsilon'] - epsilon(sigma), rel=1e-3)
   assert 0 < rounded['epsilon_cost']
 
 
 def test_a_second_run_with_a_given_seed_is_named_at_start_and_its_export_refused_anywhere(
-    tmp_path, capsys):
+  tmp_path, capsys
+):
   """Issue 34 item 8: two runs with one given seed (their noise identical) started and exported
   to two directory trees without a word on da06065. Now the second run's start names the
   first in one line, a resume of the first is not a reuse, and the second export is refused
@@ -121,8 +151,9 @@ def test_a_second_run_with_a_given_seed_is_named_at_start_and_its_export_refused
   workdirs = [str(tmp_path / name) for name in ('lr_a', 'lr_b')]
   starts = []
   for workdir in workdirs:
-    train.train_and_evaluate(small_config(**{'seed': 11, 'num_steps': 2,
-                                             'checkpoint_every_steps': 2}), workdir)
+    train.train_and_evaluate(
+      small_config(**{'seed': 11, 'num_steps': 2, 'checkpoint_every_steps': 2}), workdir
+    )
     starts.append(capsys.readouterr().out)
   reuse = 'used this same given seed'
   assert reuse not in starts[0]
@@ -153,21 +184,41 @@ def test_a_workdir_deleted_and_trained_again_in_the_same_path_is_another_run(tmp
   (checked): the record exempted every row with the same path, so no warning and both exports
   succeeded (the issue's script measured RMS 2.0e-5 against a noise std of 1e-3)."""
   from dpjax.data import digits  # pylint: disable=import-outside-toplevel
+
   x, y = digits.load_digits_arrays()[:2]
   data = {'D': (x[:256], y[:256]), 'D_minus_one': (x[:255], y[:255])}
   workdir, lr, b = str(tmp_path / 'sweep' / 'run'), 0.5, 256
   starts, params = [], []
   for name, (x_train, y_train) in data.items():
-    np.savez(tmp_path / f'{name}.npz', x_train=x_train, y_train=y_train, x_test=x[-64:],
-             y_test=digits.load_digits_arrays()[1][-64:])
+    np.savez(
+      tmp_path / f'{name}.npz',
+      x_train=x_train,
+      y_train=y_train,
+      x_test=x[-64:],
+      y_test=digits.load_digits_arrays()[1][-64:],
+    )
     shutil.rmtree(workdir, ignore_errors=True)  # The sweep's delete-and-retrain.
-    train.train_and_evaluate(small_config(**{
-        'seed': 11, 'num_steps': 1, 'checkpoint_every_steps': 1, 'eval_every_steps': 1000,
-        'data.source': 'npz', 'data.path': str(tmp_path / f'{name}.npz'),
-        'data.num_classes': 10, 'data.scale': 16.0, 'data.public_num_examples': 256,
-        'sampler.batch_size': b, 'optimizer.name': 'sgd',
-        'optimizer.learning_rate': lr, 'optimizer.warmup_steps': 0,
-        'optimizer.schedule': 'constant'}), workdir)
+    train.train_and_evaluate(
+      small_config(
+        **{
+          'seed': 11,
+          'num_steps': 1,
+          'checkpoint_every_steps': 1,
+          'eval_every_steps': 1000,
+          'data.source': 'npz',
+          'data.path': str(tmp_path / f'{name}.npz'),
+          'data.num_classes': 10,
+          'data.scale': 16.0,
+          'data.public_num_examples': 256,
+          'sampler.batch_size': b,
+          'optimizer.name': 'sgd',
+          'optimizer.learning_rate': lr,
+          'optimizer.warmup_steps': 0,
+          'optimizer.schedule': 'constant',
+        }
+      ),
+      workdir,
+    )
     starts.append(capsys.readouterr().out)
     params.append(finetune.flatten(checkpoints.read_state(workdir, 1)['params']))
     if name == 'D':
@@ -175,8 +226,10 @@ def test_a_workdir_deleted_and_trained_again_in_the_same_path_is_another_run(tmp
   reuse = 'used this same given seed'
   assert reuse not in starts[0]
   (line,) = [l for l in starts[1].splitlines() if reuse in l]
-  assert line.startswith(f'WARNING: seed: an earlier run in this same workdir '
-                         f'{os.path.realpath(workdir)} (deleted, or started again from scratch)')
+  assert line.startswith(
+    f'WARNING: seed: an earlier run in this same workdir '
+    f'{os.path.realpath(workdir)} (deleted, or started again from scratch)'
+  )
   capsys.readouterr()
   with pytest.raises(SystemExit) as exit_info:
     export.main(['--workdir', workdir, '--out', str(tmp_path / 'out2')])
@@ -186,15 +239,17 @@ def test_a_workdir_deleted_and_trained_again_in_the_same_path_is_another_run(tmp
   assert os.path.realpath(workdir) in err and str(tmp_path / 'out1') in err
   assert not os.path.exists(tmp_path / 'out2')
   # What the refused release would have told: one clipped gradient, without noise.
-  diff = np.concatenate([(params[0][k].astype(np.float64) - params[1][k]).ravel()
-                         for k in params[0]])
+  diff = np.concatenate(
+    [(params[0][k].astype(np.float64) - params[1][k]).ravel() for k in params[0]]
+  )
   eta = checkpoints.read_metadata(workdir)[-1]['fingerprint']['privacy.rounding_eta']
   assert 0 < np.linalg.norm(diff) <= lr * 1.0 * (1 + eta) / b * (1 + 1e-4)
   assert np.linalg.norm(diff) < 0.05 * lr * 1.0 * np.sqrt(diff.size) / b  # σ = C = 1.
 
 
-def test_an_unusable_seed_record_costs_one_warning_line_never_the_export(drawn_run, tmp_path,
-                                                                         monkeypatch, capsys):
+def test_an_unusable_seed_record_costs_one_warning_line_never_the_export(
+  drawn_run, tmp_path, monkeypatch, capsys
+):
   """A read-only or missing home: the seed record cannot be read or written (here its directory
   is a file); the export still happens, with one warning line on stderr. On da06065 the export
   crashed with a traceback (NotADirectoryError) after writing the release: failed there
@@ -209,7 +264,8 @@ def test_an_unusable_seed_record_costs_one_warning_line_never_the_export(drawn_r
 
 
 def test_a_workdir_from_before_run_ids_gets_one_and_a_row_without_one_is_another_run(
-    drawn_run, tmp_path, capsys):
+  drawn_run, tmp_path, capsys
+):
   """What a user upgrading sees. A workdir without private/run.json (trained by an older dpjax)
   is exported, gets a run id (0600), and exports again as the same run. A record row without a
   run id (written by an older dpjax) at this very path may be this run or a deleted one: it
@@ -217,6 +273,7 @@ def test_a_workdir_from_before_run_ids_gets_one_and_a_row_without_one_is_another
   silence). Fails on 467e31c (checked): that row was exempt by its path and the export passed."""
   from dpjax.trainer import run_identity  # pylint: disable=import-outside-toplevel
   from dpjax.trainer import seed_record  # pylint: disable=import-outside-toplevel
+
   workdir = str(tmp_path / 'old')
   shutil.copytree(drawn_run, workdir)
   os.remove(run_identity.run_path(workdir))
@@ -228,14 +285,25 @@ def test_a_workdir_from_before_run_ids_gets_one_and_a_row_without_one_is_another
   rows = seed_record.uses(digest)
   assert [r['run_id'] for r in rows] == [identity.run_id] * 2 and identity.earlier == ()
   with open(seed_record.record_path(), 'a') as f:  # An older dpjax's row, at the same path.
-    f.write(json.dumps({'seed_sha256': digest, 'event': 'export', 'out': '/old/release',
-                        'workdir': os.path.realpath(workdir)}) + '\n')
+    f.write(
+      json.dumps(
+        {
+          'seed_sha256': digest,
+          'event': 'export',
+          'out': '/old/release',
+          'workdir': os.path.realpath(workdir),
+        }
+      )
+      + '\n'
+    )
   capsys.readouterr()
   with pytest.raises(SystemExit):
     export.main(['--workdir', workdir, '--out', str(tmp_path / 'c')])
   (err,) = capsys.readouterr().err.strip().splitlines()
-  assert (f'same seed as the run in {os.path.realpath(workdir)} (recorded by an older dpjax, '
-          "without a run id), already exported to '/old/release'") in err
+  assert (
+    f'same seed as the run in {os.path.realpath(workdir)} (recorded by an older dpjax, '
+    "without a run id), already exported to '/old/release'"
+  ) in err
   assert '--allow_shared_seed' in err and not os.path.exists(tmp_path / 'c')
 
 
@@ -264,24 +332,45 @@ def test_ctrl_c_or_sigterm_during_the_write_is_one_line_and_publishes_nothing(dr
   leaving `.dpjax-export-*` beside the output."""
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
+
   repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  points = [('SIGINT', 'numpy.savez', False), ('SIGINT', 'numpy.savez', True),
-            ('SIGTERM', 'json.dump', False)]
-  cases = [{'argv': ['--workdir', str(drawn_run), '--out', str(tmp_path / str(i) / 'model')],
-            'cwd': repo, 'signal': {'name': name, 'after': after, 'in_finaliser': finaliser}}
-           for i, (name, after, finaliser) in enumerate(points)]
+  points = [
+    ('SIGINT', 'numpy.savez', False),
+    ('SIGINT', 'numpy.savez', True),
+    ('SIGTERM', 'json.dump', False),
+  ]
+  cases = [
+    {
+      'argv': ['--workdir', str(drawn_run), '--out', str(tmp_path / str(i) / 'model')],
+      'cwd': repo,
+      'signal': {'name': name, 'after': after, 'in_finaliser': finaliser},
+    }
+    for i, (name, after, finaliser) in enumerate(points)
+  ]
   for i in range(len(cases)):
     (tmp_path / str(i)).mkdir()
   (tmp_path / 'cases.json').write_text(json.dumps(cases))
-  driver = subprocess.run([sys.executable, '-m', 'tests.forked_cli', 'dpjax.export',
-                           str(tmp_path / 'cases.json'), str(tmp_path / 'results.json')],
-                          cwd=repo, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  driver = subprocess.run(
+    [
+      sys.executable,
+      '-m',
+      'tests.forked_cli',
+      'dpjax.export',
+      str(tmp_path / 'cases.json'),
+      str(tmp_path / 'results.json'),
+    ],
+    cwd=repo,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=dict(os.environ, JAX_PLATFORMS='cpu'),
+  )
   assert driver.returncode == 0, driver.stderr
   results = json.loads((tmp_path / 'results.json').read_text())
   for i, ((name, _, _), result) in enumerate(zip(points, results)):
     what = 'interrupted (Ctrl-C)' if name == 'SIGINT' else 'stopped by SIGTERM'
     assert result['returncode'] == 128 + getattr(signal, name), (i, result)
-    assert result['stderr'] == (f'python -m dpjax.export: {what}: --out holds the whole export '
-                                'or nothing, never a part.\n'), (i, result)
+    assert result['stderr'] == (
+      f'python -m dpjax.export: {what}: --out holds the whole export or nothing, never a part.\n'
+    ), (i, result)
     assert os.listdir(tmp_path / str(i)) == [], i  # No output, no staging directory.

@@ -66,10 +66,12 @@ def test_noise_is_gaussian_with_std_sigma_c(impl):
 
 
 def test_bad_arguments_are_refused_naming_them():
-  for kwargs, name in (({'noise_multiplier': 0.0}, 'noise_multiplier'),
-                       ({'clip_norm': math.inf}, 'clip_norm'),
-                       ({'clip_norm': 0.0}, 'clip_norm'),
-                       ({'expected_batch_size': 0}, 'expected_batch_size')):
+  for kwargs, name in (
+    ({'noise_multiplier': 0.0}, 'noise_multiplier'),
+    ({'clip_norm': math.inf}, 'clip_norm'),
+    ({'clip_norm': 0.0}, 'clip_norm'),
+    ({'expected_batch_size': 0}, 'expected_batch_size'),
+  ):
     args = dict(noise_multiplier=1.0, clip_norm=1.0, expected_batch_size=10, seed=0) | kwargs
     with pytest.raises(ValueError, match=name):
       dpjax.gaussian_privatizer(**args)
@@ -98,8 +100,12 @@ def test_neighbouring_sums_differ_by_at_most_c(method):
   without = np.ones(16, np.float32)
   without[5] = 0
   absent, _ = grad_fn(params, {'x': x, 'y': y}, without)
-  diff = math.sqrt(sum(float(jnp.sum((a - b) ** 2)) for a, b in
-                       zip(jax.tree.leaves(with_outlier), jax.tree.leaves(absent))))
+  diff = math.sqrt(
+    sum(
+      float(jnp.sum((a - b) ** 2))
+      for a, b in zip(jax.tree.leaves(with_outlier), jax.tree.leaves(absent))
+    )
+  )
   assert diff <= c * (1 + rounding.eta(16, precision.matmul_format('default')))
   assert diff > 0.99 * c  # The outlier was clipped to the bound, not dropped.
   assert float(rows.norm[5]) > 1e3 * c
@@ -107,6 +113,7 @@ def test_neighbouring_sums_differ_by_at_most_c(method):
 
 def test_ghost_clipped_grad_of_a_linen_model_equals_vmap():
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
   model = nn.Dense(4)
   rng = np.random.default_rng(1)
   x = rng.normal(size=(8, 3)).astype(np.float32)
@@ -124,12 +131,16 @@ def test_ghost_clipped_grad_of_a_linen_model_equals_vmap():
 
 def test_plan_pieces_share_its_sigma_c_cap_and_seed():
   sampler = dpjax.PoissonSampler(num_examples=1000, batch_size=50, seed=123)
-  plan = dpjax.PrivacyPlan.create(sampler, num_steps=40, clip_norm=0.8, noise_multiplier=1.1,
-                                  delta=1e-5)
+  plan = dpjax.PrivacyPlan.create(
+    sampler, num_steps=40, clip_norm=0.8, noise_multiplier=1.1, delta=1e-5
+  )
   grad_fn = plan.clipped_grad(_loss)
   assert grad_fn.clip_bound == 0.8  # C itself; its float rounding η is in ε:
-  assert plan.accountant.sensitivity == 1 + plan.rounding.eta == 1 + rounding.eta(
-      plan.max_batch_size, precision.matmul_format('default'))
+  assert (
+    plan.accountant.sensitivity
+    == 1 + plan.rounding.eta
+    == 1 + rounding.eta(plan.max_batch_size, precision.matmul_format('default'))
+  )
   tx = plan.privatizer()
   out, _ = tx.update({'v': jnp.zeros(5)}, tx.init({'v': jnp.zeros(5)}), step=0)
   z = optax.tree.random_like(prng.noise_key(123, 0), {'v': jnp.zeros(5)}, jax.random.normal)
@@ -138,11 +149,9 @@ def test_plan_pieces_share_its_sigma_c_cap_and_seed():
   report = plan.epsilon_at(40)
   assert report.bound == 'upper' and 0 < report.epsilon < 10
   with pytest.raises(ValueError, match='noise_multiplier'):
-    dpjax.PrivacyPlan.create(sampler, num_steps=40, clip_norm=0.8, noise_multiplier=0.0,
-                             delta=1e-5)
+    dpjax.PrivacyPlan.create(sampler, num_steps=40, clip_norm=0.8, noise_multiplier=0.0, delta=1e-5)
   with pytest.raises(ValueError, match='delta'):
-    dpjax.PrivacyPlan.create(sampler, num_steps=40, clip_norm=0.8, noise_multiplier=1.0,
-                             delta=0.01)
+    dpjax.PrivacyPlan.create(sampler, num_steps=40, clip_norm=0.8, noise_multiplier=1.0, delta=0.01)
 
 
 def test_the_privatizer_noises_each_step_once_in_order_and_only_its_plans_state():
@@ -154,8 +163,9 @@ def test_the_privatizer_noises_each_step_once_in_order_and_only_its_plans_state(
   call cannot raise), the state stays refused, and the host check says so in one line.
   """
   sampler = dpjax.PoissonSampler(num_examples=1000, batch_size=50, seed=1)
-  plan = dpjax.PrivacyPlan.create(sampler, num_steps=10, clip_norm=1.0, noise_multiplier=1.0,
-                                  delta=1e-5)
+  plan = dpjax.PrivacyPlan.create(
+    sampler, num_steps=10, clip_norm=1.0, noise_multiplier=1.0, delta=1e-5
+  )
   tx = optax.chain(plan.privatizer(), optax.sgd(1.0))
   update = jax.jit(lambda g, s, t: tx.update(g, s, None, step=t))
   zero, one = {'v': jnp.zeros(4)}, {'v': jnp.ones(4)}
@@ -170,12 +180,20 @@ def test_the_privatizer_noises_each_step_once_in_order_and_only_its_plans_state(
     plan.batcher(16, refused)
   skipped, _ = update(one, state, 2)
   assert np.isnan(skipped['v']).all()
-  other = dpjax.PrivacyPlan.create(dataclasses.replace(sampler, seed=2), num_steps=10,
-                                   clip_norm=1.0, noise_multiplier=1.0, delta=1e-5)
+  other = dpjax.PrivacyPlan.create(
+    dataclasses.replace(sampler, seed=2),
+    num_steps=10,
+    clip_norm=1.0,
+    noise_multiplier=1.0,
+    delta=1e-5,
+  )
   foreign, _ = update(one, optax.chain(other.privatizer(), optax.sgd(1.0)).init(zero), 0)
   assert np.isnan(foreign['v']).all()
-  with pytest.raises(ValueError, match=r'^the privatizer state was not made by the plan: the '
-                                       r'fingerprint \(sampler, N, b'):
+  with pytest.raises(
+    ValueError,
+    match=r'^the privatizer state was not made by the plan: the '
+    r'fingerprint \(sampler, N, b',
+  ):
     other.batcher(16, state)
   with pytest.raises(TypeError, match='needs step=t'):
     tx.update(one, state, None)

@@ -42,8 +42,9 @@ def test_run_writes_config_metrics_events_and_checkpoints_with_epsilon(reference
   assert json.load(open(tmp_path / 'config.json'))['num_steps'] == 6
   lines = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
   assert [line['step'] for line in lines] == [0, 2, 3, 4, 6]
-  assert {'nonprivate_train_loss', 'nonprivate_train_accuracy', 'epsilon',
-          'eval_accuracy'} <= set(lines[-1])
+  assert {'nonprivate_train_loss', 'nonprivate_train_accuracy', 'epsilon', 'eval_accuracy'} <= set(
+    lines[-1]
+  )
   assert glob.glob(str(tmp_path / 'tensorboard' / 'events.out.tfevents.*'))
   # The ε in metrics and checkpoints is the accountant's, for the same config.
   acct = plan_lib.make_accountant(config, 1437)
@@ -53,7 +54,9 @@ def test_run_writes_config_metrics_events_and_checkpoints_with_epsilon(reference
     expected = acct.epsilon_at(row['step'])
     assert row['privacy']['epsilon'] == pytest.approx(expected.epsilon, rel=1e-12)
     assert row['privacy']['bound'] == expected.bound == 'upper'
-    assert row['noise_multiplier'] == 1.0 and row['clip_norm'] == 1.0 and row['num_examples'] == 1437
+    assert (
+      row['noise_multiplier'] == 1.0 and row['clip_norm'] == 1.0 and row['num_examples'] == 1437
+    )
     assert row['sampler']['name'] == 'poisson' and 'seed' not in row
     assert row['fingerprint']['seed_sha256'] == privacy_plan.seed_digest(0)
     assert row['config']['privacy']['delta'] == 1e-5
@@ -63,7 +66,7 @@ def test_run_writes_config_metrics_events_and_checkpoints_with_epsilon(reference
   capsys.readouterr()
   assert checkpoints_cli.main([str(tmp_path)]) == 0
   listing = capsys.readouterr().out
-  assert 'upper' in listing and f"{rows[-1]['privacy']['epsilon']:.4f}" in listing
+  assert 'upper' in listing and f'{rows[-1]["privacy"]["epsilon"]:.4f}' in listing
 
 
 @pytest.mark.parametrize('sampler', ['poisson', 'balls_and_bins'])
@@ -98,17 +101,34 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(reference_run,
 def test_resume_after_sigkill_is_bit_identical(tmp_path):
   """SIGKILL mid-run and rerun (the seed drawn in secret, kept in the workdir); separately train
   uninterrupted with that seed: same params and ε."""
-  args = ['--config.num_steps=30', '--config.num_epochs=0', '--config.checkpoint_every_steps=10',
-          '--config.log_every_steps=15', '--config.eval_every_steps=15',
-          '--config.privacy.target_epsilon=0', '--config.privacy.noise_multiplier=1.0',
-          '--config.sampler.batch_size=64', '--config.sampler.physical_batch_size=16']
+  args = [
+    '--config.num_steps=30',
+    '--config.num_epochs=0',
+    '--config.checkpoint_every_steps=10',
+    '--config.log_every_steps=15',
+    '--config.eval_every_steps=15',
+    '--config.privacy.target_epsilon=0',
+    '--config.privacy.noise_multiplier=1.0',
+    '--config.sampler.batch_size=64',
+    '--config.sampler.physical_batch_size=16',
+  ]
+
   def command(workdir, *extra):
-    return [sys.executable, '-m', 'dpjax.train', f'--config={REPO}/configs/digits_mlp.py',
-            f'--workdir={workdir}', *args, *extra]
+    return [
+      sys.executable,
+      '-m',
+      'dpjax.train',
+      f'--config={REPO}/configs/digits_mlp.py',
+      f'--workdir={workdir}',
+      *args,
+      *extra,
+    ]
+
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   killed = tmp_path / 'killed'
-  proc = subprocess.Popen(command(killed), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL)
+  proc = subprocess.Popen(
+    command(killed), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+  )
   deadline = time.time() + 300
   while not os.path.isdir(killed / 'checkpoints' / '10') and time.time() < deadline:
     time.sleep(0.02)
@@ -119,8 +139,13 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
   assert 10 <= steps_at_kill < 30, 'the kill must land mid-run'
   subprocess.run(command(killed), check=True, cwd=REPO, env=env, capture_output=True)
   seed = json.load(open(killed / 'private' / 'seed.json'))['seed']
-  subprocess.run(command(tmp_path / 'full', f'--config.seed={seed}'), check=True, cwd=REPO,
-                 env=env, capture_output=True)
+  subprocess.run(
+    command(tmp_path / 'full', f'--config.seed={seed}'),
+    check=True,
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+  )
 
   full_meta = checkpoints.read_metadata(str(tmp_path / 'full'))[-1]
   resumed_meta = checkpoints.read_metadata(str(killed))[-1]
@@ -129,10 +154,15 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
   assert resumed_meta['num_truncated'] == full_meta['num_truncated']
   assert resumed_meta['fingerprint'] == full_meta['fingerprint']
   restore = lambda w: checkpoints.make_manager(str(w), 1, read_only=True).restore(
-      30, args=checkpoints.ocp.args.Composite(state=checkpoints.ocp.args.StandardRestore()))['state']
+    30, args=checkpoints.ocp.args.Composite(state=checkpoints.ocp.args.StandardRestore())
+  )['state']
   full_state, resumed_state = restore(tmp_path / 'full'), restore(killed)
-  np.testing.assert_array_equal(flat_params(resumed_state['params']), flat_params(full_state['params']))
-  np.testing.assert_array_equal(flat_params(resumed_state['opt_state']), flat_params(full_state['opt_state']))
+  np.testing.assert_array_equal(
+    flat_params(resumed_state['params']), flat_params(full_state['params'])
+  )
+  np.testing.assert_array_equal(
+    flat_params(resumed_state['opt_state']), flat_params(full_state['opt_state'])
+  )
   # Every logged step appears exactly once after the resume.
   steps = [json.loads(line)['step'] for line in open(killed / 'metrics.jsonl')]
   assert steps == sorted(set(steps)) and steps[-1] == 30
@@ -152,7 +182,9 @@ def test_target_epsilon_is_met_and_never_exceeded(tmp_path):
   assert not os.path.exists(tmp_path / 'b' / 'checkpoints')  # Refused before any step.
 
 
-@pytest.mark.parametrize('overrides,message', [
+@pytest.mark.parametrize(
+  'overrides,message',
+  [
     ({'sampler.name': 'poison'}, 'sampler.name'),
     ({'sampler.batch_size': 5000}, 'sampler.batch_size'),
     ({'sampler.physical_batch_size': -8}, 'physical_batch_size'),
@@ -166,7 +198,8 @@ def test_target_epsilon_is_met_and_never_exceeded(tmp_path):
     ({'model.name': 'resnet'}, 'model.name'),
     ({'data.source': 'imagenet'}, 'data.source'),
     ({'eval_every_steps': 0}, 'eval_every_steps'),
-])
+  ],
+)
 def test_bad_config_fails_before_any_compute(tmp_path, overrides, message):
   with pytest.raises(ValueError, match=message):
     train.train_and_evaluate(small_config(**overrides), str(tmp_path))
@@ -177,6 +210,7 @@ def test_mnist_cnn_config_trains_on_mock_tfds_data(tmp_path):
   """The MNIST config end to end on tfds.testing.mock_data (one real step)."""
   import tensorflow_datasets as tfds
   from dpjax.configs import mnist_cnn
+
   config = mnist_cnn.get_config('runlocal')
   config.num_steps = 1
   config.data.data_dir = str(tmp_path)
@@ -203,13 +237,18 @@ def test_ema_is_evaluated_and_checkpointed_beside_the_raw_parameters(tmp_path):
 
 def test_frozen_layer_is_not_trained_and_not_checkpointed_as_trainable(tmp_path):
   from dpjax.trainer import finetune  # pylint: disable=import-outside-toplevel
+
   reference = train.train_and_evaluate(small_config(num_steps=2), str(tmp_path / 'pre'))
   finetune.save_npz(str(tmp_path / 'pre.npz'), reference['params'])
-  result = train.train_and_evaluate(small_config(**{
-      'init_from': str(tmp_path / 'pre.npz'), 'freeze': ('Dense_0/.*',)}), str(tmp_path / 'ft'))
+  result = train.train_and_evaluate(
+    small_config(**{'init_from': str(tmp_path / 'pre.npz'), 'freeze': ('Dense_0/.*',)}),
+    str(tmp_path / 'ft'),
+  )
   assert set(result['params']) == {'Dense_1'}  # Only the trainable part is trained and saved.
-  assert not np.array_equal(np.asarray(result['params']['Dense_1']['kernel']),
-                            np.asarray(reference['params']['Dense_1']['kernel']))
+  assert not np.array_equal(
+    np.asarray(result['params']['Dense_1']['kernel']),
+    np.asarray(reference['params']['Dense_1']['kernel']),
+  )
 
 
 def test_automatic_physical_batch_size_keeps_b_independent_of_the_device(tmp_path, capsys):
@@ -218,19 +257,21 @@ def test_automatic_physical_batch_size_keeps_b_independent_of_the_device(tmp_pat
   >= B); the run equals one with that P given explicitly, and compiles once."""
   from dpjax.privacy import batching
   from dpjax.privacy import samplers  # pylint: disable=import-outside-toplevel
-  auto = train.train_and_evaluate(small_config(**{'sampler.physical_batch_size': 0}),
-                                  str(tmp_path / 'auto'))
+
+  auto = train.train_and_evaluate(
+    small_config(**{'sampler.physical_batch_size': 0}), str(tmp_path / 'auto')
+  )
   meta = checkpoints.read_metadata(str(tmp_path / 'auto'))[-1]
   cap = meta['fingerprint']['sampler.max_batch_size']
   chosen = meta['sampler']['physical_batch_size']
   config = small_config()
   sampler = plan_lib.make_sampler(config, meta['num_examples'])
-  assert cap == batching.resolve_max_batch_size(sampler, 0, num_steps=6,
-                                                delta=config.privacy.delta)
+  assert cap == batching.resolve_max_batch_size(sampler, 0, num_steps=6, delta=config.privacy.delta)
   assert chosen >= cap > chosen // 2 and chosen & (chosen - 1) == 0
   assert f'P = {chosen}' in capsys.readouterr().out
   assert auto['compilations'] == {'train_steps': 1}
-  explicit = train.train_and_evaluate(small_config(**{
-      'sampler.physical_batch_size': chosen, 'sampler.max_batch_size': chosen}),
-                                      str(tmp_path / 'explicit'))
+  explicit = train.train_and_evaluate(
+    small_config(**{'sampler.physical_batch_size': chosen, 'sampler.max_batch_size': chosen}),
+    str(tmp_path / 'explicit'),
+  )
   np.testing.assert_array_equal(flat_params(auto['params']), flat_params(explicit['params']))

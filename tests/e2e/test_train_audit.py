@@ -23,10 +23,17 @@ pytestmark = pytest.mark.slow  # Whole trainings or child processes (`make test-
 def audited_config(**overrides):
   """12 steps at σ = 0.3 (ε ≈ 34): enough signal that the audit finds ε_lower > 0 (at σ = 1
   it found 0, which no recomputation can tell from a broken audit)."""
-  return run_configs.small_config(**{
-      'num_steps': 12, 'log_every_steps': 6, 'eval_every_steps': 12,
-      'checkpoint_every_steps': 6, 'audit.num_canaries': 200,
-      'privacy.noise_multiplier': 0.3, **overrides})
+  return run_configs.small_config(
+    **{
+      'num_steps': 12,
+      'log_every_steps': 6,
+      'eval_every_steps': 12,
+      'checkpoint_every_steps': 6,
+      'audit.num_canaries': 200,
+      'privacy.noise_multiplier': 0.3,
+      **overrides,
+    }
+  )
 
 
 @pytest.fixture(scope='module')
@@ -45,7 +52,8 @@ def test_audit_bound_sits_beside_epsilon_and_below_it(audited_run, capsys):
   # Correct code: the empirical lower bound stays below the proven upper bound.
   assert 0 <= audit['audit_epsilon_lower'] <= meta['privacy']['epsilon']
   assert audit['audit_epsilon_lower'] <= one_run.max_epsilon_lower(
-      200, delta=1e-5, confidence=audit['audit_confidence'])
+    200, delta=1e-5, confidence=audit['audit_confidence']
+  )
   rows = [json.loads(line) for line in open(workdir / 'metrics.jsonl')]
   assert rows[-1]['audit_epsilon_lower'] == audit['audit_epsilon_lower']
   # The audit recomputed without dpjax's auditing code (see the test below).
@@ -62,11 +70,13 @@ def _independent_epsilon_lower(m: int, r: int, v: int, delta: float, level: floa
   """Steinke, Nasr & Jagielski (2023), "Privacy Auditing with One (1) Training Run",
   Theorem 3.1: under (ε, δ)-DP, Pr[W ≥ v] ≤ f(v) + 2mδ·max_{i=1..v} (f(v − i) − f(v))/i with
   f(w) = Pr[Binomial(r, e^ε/(1 + e^ε)) ≥ w]; the largest ε rejected at level `level`."""
+
   def p_value(epsilon):
     p = math.exp(epsilon) / (1 + math.exp(epsilon))
     f = lambda w: stats.binom.sf(w - 1, r, p)
     i = np.arange(1, v + 1)
     return f(v) + 2 * m * delta * np.max((f(v - i) - f(v)) / i)
+
   if p_value(0.0) > level:
     return 0.0
   return optimize.brentq(lambda e: p_value(e) - level, 0.0, 30.0, xtol=1e-9)
@@ -95,8 +105,13 @@ def test_the_audit_recomputed_from_the_checkpoint_and_the_coins(audited_run):
   rows = []
   for k in ks:
     correct = int(membership[order[-k:]].sum() + (~membership[order[:k]]).sum())
-    rows.append((_independent_epsilon_lower(m, 2 * k, correct, delta,
-                                            (1 - confidence) / len(ks)), 2 * k, correct))
+    rows.append(
+      (
+        _independent_epsilon_lower(m, 2 * k, correct, delta, (1 - confidence) / len(ks)),
+        2 * k,
+        correct,
+      )
+    )
   best, guesses, correct = max(rows)
   audit = meta['audit']
   assert (audit['audit_num_guesses'], audit['audit_num_correct']) == (guesses, correct)

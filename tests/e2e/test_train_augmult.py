@@ -31,8 +31,12 @@ def _model(name):
   cfg = models.default_model_config(name)
   if name == 'cnn':
     cfg.strides = (1, 2)
-    cfg.features, cfg.kernel_sizes, cfg.paddings, cfg.hidden_size = (3, 4), (3, 2), ('SAME',
-                                                                                 'SAME'), 5
+    cfg.features, cfg.kernel_sizes, cfg.paddings, cfg.hidden_size = (
+      (3, 4),
+      (3, 2),
+      ('SAME', 'SAME'),
+      5,
+    )
   elif name == 'wrn':
     cfg.depth, cfg.width, cfg.groups = 10, 1, 4
   elif name == 'vit':
@@ -47,7 +51,7 @@ def _buffer(k_max=2, p=4, real=6, seed=0):
   rng = np.random.default_rng(seed)
   x = rng.normal(size=(k_max, p, 6, 6, 2)).astype(np.float32)
   y = rng.integers(0, 4, size=(k_max, p)).astype(np.int32)
-  index = rng.permutation(100)[:k_max * p].reshape(k_max, p).astype(np.int32)
+  index = rng.permutation(100)[: k_max * p].reshape(k_max, p).astype(np.int32)
   weight = (np.arange(k_max * p) < real).reshape(k_max, p).astype(np.float32)
   return {'x': x, 'y': y, 'weight': weight, 'index': index}
 
@@ -65,10 +69,21 @@ def _reference_update(model, params, buffer, k, spec, clip_bound):
   total = jax.tree.map(lambda p: np.zeros(p.shape, np.float64), params)
   p64 = jax.tree.map(lambda p: np.asarray(p, np.float64), params)
   # The views as float32 programs draw them (under x64, randint draws other bits).
-  all_views = [np.asarray(augmult.make_views(
-      jnp.asarray(buffer['x'][i]), jnp.asarray(buffer['index'][i]), STEP, seed=SEED,
-      num_views=spec.num_views, crop_padding=spec.crop_padding, flip=spec.flip), np.float64)
-               for i in range(k)]
+  all_views = [
+    np.asarray(
+      augmult.make_views(
+        jnp.asarray(buffer['x'][i]),
+        jnp.asarray(buffer['index'][i]),
+        STEP,
+        seed=SEED,
+        num_views=spec.num_views,
+        crop_padding=spec.crop_padding,
+        flip=spec.flip,
+      ),
+      np.float64,
+    )
+    for i in range(k)
+  ]
   with jax.enable_x64(True), jax.default_matmul_precision('highest'):
     p64 = jax.tree.map(jnp.asarray, p64)
     for i, views in enumerate(all_views):
@@ -80,28 +95,52 @@ def _reference_update(model, params, buffer, k, spec, clip_bound):
         scale = min(1.0, clip_bound / norm)  # The step's C'' (precision and sum margins).
         total = jax.tree.map(lambda t, gi: t + scale * np.asarray(gi), total, g)
   noise = optax.tree.random_like(prng.noise_key(SEED, STEP), params, jax.random.normal)
-  return jax.tree.map(lambda p, s, z: np.asarray(p, np.float64) - 0.1 * (
-      s + SIGMA * C * np.asarray(z, np.float64)) / B, params, total, noise)
+  return jax.tree.map(
+    lambda p, s, z: (
+      np.asarray(p, np.float64) - 0.1 * (s + SIGMA * C * np.asarray(z, np.float64)) / B
+    ),
+    params,
+    total,
+    noise,
+  )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('name, clipping', [('mlp', 'vmap'), ('mlp', 'ghost'),
-                                            ('cnn', 'vmap'), ('cnn', 'ghost'),
-                                            ('wrn', 'ghost'), ('vit', 'ghost')])
+@pytest.mark.parametrize(
+  'name, clipping',
+  [
+    ('mlp', 'vmap'),
+    ('mlp', 'ghost'),
+    ('cnn', 'vmap'),
+    ('cnn', 'ghost'),
+    ('wrn', 'ghost'),
+    ('vit', 'ghost'),
+  ],
+)
 def test_train_step_clips_the_view_mean_once(name, clipping):
   """train_step with K = 3 views (crops + flips made in the program) equals the reference:
   each example's gradient averaged over its views, clipped once to C, summed, noised."""
   model = _model(name)
   spec = augmult.Augmult(3, crop_padding=1, flip=True)
-  step = dp_step.DPStep(model, optax.sgd(0.1), clip_norm=C, noise_multiplier=SIGMA,
-                        expected_batch_size=B, clipping=clipping, seed=SEED, augmult=spec,
-                        precision='highest', physical_loop='device',
-                        allow_repeated_steps=True)  # Steps compared under one noise.
+  step = dp_step.DPStep(
+    model,
+    optax.sgd(0.1),
+    clip_norm=C,
+    noise_multiplier=SIGMA,
+    expected_batch_size=B,
+    clipping=clipping,
+    seed=SEED,
+    augmult=spec,
+    precision='highest',
+    physical_loop='device',
+    allow_repeated_steps=True,
+  )  # Steps compared under one noise.
   params = prng.init_params(model, 0, (6, 6, 2))
   buffer = _buffer()
   expected = _reference_update(model, params, buffer, 2, spec, step.clip_bound)
-  new, _, metrics = step.train_step(params, optax.sgd(0.1).init(params), buffer, np.int32(2),
-                                    np.uint32(STEP))
+  new, _, metrics = step.train_step(
+    params, optax.sgd(0.1).init(params), buffer, np.int32(2), np.uint32(STEP)
+  )
   assert float(metrics['num_examples']) == 6
   for got, want in zip(jax.tree.leaves(new), jax.tree.leaves(expected)):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-5, atol=2e-6)
@@ -110,9 +149,15 @@ def test_train_step_clips_the_view_mean_once(name, clipping):
 @pytest.mark.slow
 def test_views_differ_from_identity_and_padded_rows_contribute_nothing():
   model = _model('mlp')
-  kw = dict(clip_norm=C, noise_multiplier=SIGMA, expected_batch_size=B, seed=SEED,
-            precision='highest', physical_loop='device',
-                        allow_repeated_steps=True)  # Steps compared under one noise.
+  kw = dict(
+    clip_norm=C,
+    noise_multiplier=SIGMA,
+    expected_batch_size=B,
+    seed=SEED,
+    precision='highest',
+    physical_loop='device',
+    allow_repeated_steps=True,
+  )  # Steps compared under one noise.
   params = prng.init_params(model, 0, (6, 6, 2))
   opt = optax.sgd(0.1)
   buffer = _buffer()
@@ -130,13 +175,18 @@ def test_views_differ_from_identity_and_padded_rows_contribute_nothing():
 @pytest.mark.slow
 def test_one_view_is_the_ordinary_step():
   model = _model('mlp')
-  kw = dict(clip_norm=C, noise_multiplier=SIGMA, expected_batch_size=B, seed=SEED,
-            physical_loop='device')
+  kw = dict(
+    clip_norm=C, noise_multiplier=SIGMA, expected_batch_size=B, seed=SEED, physical_loop='device'
+  )
   params = prng.init_params(model, 0, (6, 6, 2))
   opt = optax.sgd(0.1)
   buffer = _buffer()
-  one = dp_step.DPStep(model, opt, augmult=augmult.Augmult.from_config(
-      small_config(**{'augmult.num_views': 1}).augmult), **kw)
+  one = dp_step.DPStep(
+    model,
+    opt,
+    augmult=augmult.Augmult.from_config(small_config(**{'augmult.num_views': 1}).augmult),
+    **kw,
+  )
   assert one.augmult is None
   off = dp_step.DPStep(model, opt, **kw)
   a, b = _run(one, params, opt, buffer), _run(off, params, opt, buffer)
@@ -147,11 +197,16 @@ def test_one_view_is_the_ordinary_step():
 def test_host_buffer_carries_the_example_indices():
   from dpjax.privacy import batching
   from dpjax.data import sources as data  # pylint: disable=import-outside-toplevel
+
   config = small_config()
   source, _ = data.make_sources(config.data, seed=0)
-  logical = batching.LogicalBatch(indices=np.array([[3, 9], [4, 0]]),
-                                  weights=np.array([[1., 1.], [1., 0.]], np.float32), size=3,
-                                  truncated=False, step=0)
+  logical = batching.LogicalBatch(
+    indices=np.array([[3, 9], [4, 0]]),
+    weights=np.array([[1.0, 1.0], [1.0, 0.0]], np.float32),
+    size=3,
+    truncated=False,
+    step=0,
+  )
   buffer, k = device_data.host_buffer(source, logical, 3)
   assert int(k) == 2
   np.testing.assert_array_equal(buffer['index'][:2], [[3, 9], [4, 0]])
@@ -176,8 +231,9 @@ def test_trainer_with_augmult_reports_the_same_epsilon_and_compiles_once(augmult
   a = checkpoints.read_metadata(str(workdir))[-1]
   b = checkpoints.read_metadata(str(tmp_path / 'plain'))[-1]
   assert a['step'] == b['step'] == 6 and a['fingerprint'] == b['fingerprint']
-  assert not np.array_equal(jax.tree.leaves(result['params'])[0],
-                            jax.tree.leaves(plain['params'])[0])
+  assert not np.array_equal(
+    jax.tree.leaves(result['params'])[0], jax.tree.leaves(plain['params'])[0]
+  )
 
 
 @pytest.mark.slow

@@ -23,15 +23,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def small_config(**overrides):
-  return run_configs.small_config(**{'num_steps': 8, 'log_every_steps': 4,
-                                     'eval_every_steps': 4, **overrides})
+  return run_configs.small_config(
+    **{'num_steps': 8, 'log_every_steps': 4, 'eval_every_steps': 4, **overrides}
+  )
 
 
 def test_divergence_stops_with_the_step_range_and_keeps_the_last_good_checkpoint(tmp_path):
   work = tmp_path / 'w'
   train.train_and_evaluate(small_config(num_steps=4), str(work))  # Good checkpoints 2 and 4.
   # Resume with an absurd learning rate (allowed: it does not enter ε): parameters overflow.
-  with pytest.raises(training_loop.TrainingDiverged, match=r'between steps 5 and 6.*last checkpoint'):
+  with pytest.raises(
+    training_loop.TrainingDiverged, match=r'between steps 5 and 6.*last checkpoint'
+  ):
     train.train_and_evaluate(small_config(**{'optimizer.learning_rate': 1e38}), str(work))
   assert [row['step'] for row in checkpoints.read_metadata(str(work))] == [2, 4]
   leftovers = [n for n in os.listdir(work / 'checkpoints') if not n.isdigit()]
@@ -43,28 +46,44 @@ def test_divergence_stops_with_the_step_range_and_keeps_the_last_good_checkpoint
 
 def test_start_states_plan_and_clipping_per_layer_and_progress_rate_eta_and_epsilon(tmp_path):
   proc = subprocess.run(
-      [sys.executable, '-m', 'dpjax.train', f'--config={REPO}/configs/digits_mlp.py:runlocal',
-       f'--workdir={tmp_path / "w"}', '--config.log_every_steps=2'],
-      cwd=REPO, capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS='cpu'),
-      timeout=300, check=True)
+    [
+      sys.executable,
+      '-m',
+      'dpjax.train',
+      f'--config={REPO}/configs/digits_mlp.py:runlocal',
+      f'--workdir={tmp_path / "w"}',
+      '--config.log_every_steps=2',
+    ],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    env=dict(os.environ, JAX_PLATFORMS='cpu'),
+    timeout=300,
+    check=True,
+  )
   lines = proc.stdout.strip().splitlines()
   assert lines[0].startswith('1 device(s) on 1 process(es)')
   assert lines[1].startswith('Model mlp with 4,810 parameters; poisson sampler, N = 1437, b = 256')
   assert 'σ = ' in lines[1] and '(calibrated)' in lines[1] and 'target ε = 3' in lines[1]
   # η, the float rounding ε pays for (its B is the plan's cap), and what it costs.
   cap = int(re.search(r'B = (\d+)', lines[1]).group(1))
-  eta = re.match(r'Float rounding: η = ([\d.e-]+) \(float rounding of the sum, B = (\d+), '
-                 r'float32 matmuls\) costs Δε = ([\d.e-]+) \(included in ε; examples are '
-                 r'clipped at C exactly\)\.$', lines[2])
+  eta = re.match(
+    r'Float rounding: η = ([\d.e-]+) \(float rounding of the sum, B = (\d+), '
+    r'float32 matmuls\) costs Δε = ([\d.e-]+) \(included in ε; examples are '
+    r'clipped at C exactly\)\.$',
+    lines[2],
+  )
   assert eta and int(eta.group(2)) == cap and 0 < float(eta.group(3)) < 0.01
   assert float(eta.group(1)) == pytest.approx(rounding.eta(cap, 'float32'), rel=0.05)
   assert lines[3].startswith('Seed: drawn from OS entropy, kept in ')
   assert lines[4].startswith('Data: digits, N = 1437, x = (raw / 16 − (0.5)) / (0.5)')
   # What the compiled step runs, per layer (an MLP: rank-1 ghost norms, Goodfellow 2015).
   assert lines[5:8] == [
-      'Clipping: ghost clipping, per layer (mixed rule of Bu et al. 2022: ghost where '
-      'S²(m + c) < S·m·c):', '  Dense_0: dense rank-1 (S=1, m=64, c=64)',
-      '  Dense_1: dense rank-1 (S=1, m=64, c=10)']
+    'Clipping: ghost clipping, per layer (mixed rule of Bu et al. 2022: ghost where '
+    'S²(m + c) < S·m·c):',
+    '  Dense_0: dense rank-1 (S=1, m=64, c=64)',
+    '  Dense_1: dense rank-1 (S=1, m=64, c=10)',
+  ]
   progress = [line for line in lines if line.startswith('step ')]
   assert [p.split(',')[0] for p in progress] == ['step 2/5', 'step 4/5', 'step 5/5']
   assert all(' ex/s, ETA ' in p and re.search(r'epsilon=[\d.]+ \(upper\)', p) for p in progress)
@@ -79,8 +98,9 @@ def test_start_states_plan_and_clipping_per_layer_and_progress_rate_eta_and_epsi
 
 
 def test_non_private_checkpoints_say_so(tmp_path):
-  result = train.train_and_evaluate(small_config(**{'privacy.enabled': False, 'num_steps': 2}),
-                                    str(tmp_path))
+  result = train.train_and_evaluate(
+    small_config(**{'privacy.enabled': False, 'num_steps': 2}), str(tmp_path)
+  )
   meta = checkpoints.read_metadata(str(tmp_path))[-1]
   assert meta['privacy']['epsilon'] is None and meta['fingerprint']['privacy.enabled'] is False
   assert meta['noise_multiplier'] is None and 'privacy' not in result
@@ -96,6 +116,7 @@ def test_kill_before_the_first_checkpoint_leaves_no_duplicate_rows(tmp_path, mon
 
   def killed_at_first_save(*args, **kwargs):
     raise _Killed()
+
   monkeypatch.setattr(checkpoints, 'save', killed_at_first_save)
   with pytest.raises(_Killed):
     train.train_and_evaluate(small_config(log_every_steps=2), str(work))
@@ -112,17 +133,33 @@ def test_kill_before_the_first_checkpoint_leaves_no_duplicate_rows(tmp_path, mon
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
 def test_signal_saves_a_checkpoint_and_exits_128_plus_signal(tmp_path, signum):
   work = tmp_path / 'w'
-  command = [sys.executable, '-m', 'dpjax.train', f'--config={REPO}/configs/digits_mlp.py',
-             f'--workdir={work}', '--config.num_epochs=0', '--config.num_steps=100000',
-             '--config.checkpoint_every_steps=50000', '--config.log_every_steps=5',
-             '--config.eval_every_steps=50000', '--config.privacy.target_epsilon=0',
-             '--config.privacy.noise_multiplier=1000.0']
-  proc = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'),
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  command = [
+    sys.executable,
+    '-m',
+    'dpjax.train',
+    f'--config={REPO}/configs/digits_mlp.py',
+    f'--workdir={work}',
+    '--config.num_epochs=0',
+    '--config.num_steps=100000',
+    '--config.checkpoint_every_steps=50000',
+    '--config.log_every_steps=5',
+    '--config.eval_every_steps=50000',
+    '--config.privacy.target_epsilon=0',
+    '--config.privacy.noise_multiplier=1000.0',
+  ]
+  proc = subprocess.Popen(
+    command,
+    cwd=REPO,
+    env=dict(os.environ, JAX_PLATFORMS='cpu'),
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   deadline = time.time() + 240
   while time.time() < deadline:  # Wait until it trains (some steps logged).
-    if (work / 'metrics.jsonl').exists() and len((work / 'metrics.jsonl').read_text()
-                                                 .splitlines()) >= 3:
+    if (work / 'metrics.jsonl').exists() and len(
+      (work / 'metrics.jsonl').read_text().splitlines()
+    ) >= 3:
       break
     time.sleep(0.05)
   proc.send_signal(signum)
@@ -145,6 +182,7 @@ def test_sigterm_while_the_first_call_compiles_stops_at_once(tmp_path, monkeypat
   failed."""
   from dpjax.privacy import multi_step  # pylint: disable=import-outside-toplevel
   import threading  # pylint: disable=import-outside-toplevel
+
   release, sent = threading.Event(), []
 
   def terminate():
@@ -155,11 +193,15 @@ def test_sigterm_while_the_first_call_compiles_stops_at_once(tmp_path, monkeypat
     threading.Timer(0.3, terminate).start()
     release.wait(10)
     raise RuntimeError('the stand-in compilation was released')
+
   monkeypatch.setattr(multi_step.MultiStep, '__call__', compiling)
   work = tmp_path / 'w'
   try:
-    with pytest.raises(training_loop.RunInterrupted, match=r'stopped by SIGTERM at step 0 of 8 '
-                       r'while XLA compiled .*; nothing was trained since the start') as info:
+    with pytest.raises(
+      training_loop.RunInterrupted,
+      match=r'stopped by SIGTERM at step 0 of 8 '
+      r'while XLA compiled .*; nothing was trained since the start',
+    ) as info:
       train.train_and_evaluate(small_config(), str(work))
     elapsed = time.monotonic() - sent[0]
   finally:
@@ -231,15 +273,32 @@ def test_sigterm_stops_a_slow_run_within_three_one_step_calls(tmp_path):
   queued: `dispatched` waits only once a third is queued), not the two the trainer claimed;
   its message said '0 steps after it arrived'."""
   work, record = tmp_path / 'w', tmp_path / 'finished.txt'
-  command = [sys.executable, '-c', TRAIN_RECORDING_FINISHED_STEPS, str(record),
-             f'--config={REPO}/configs/digits_mlp.py',
-             f'--workdir={work}', '--config.num_epochs=0', '--config.num_steps=10000',
-             '--config.checkpoint_every_steps=10000', '--config.log_every_steps=10000',
-             '--config.eval_every_steps=10000', '--config.privacy.target_epsilon=0',
-             '--config.privacy.noise_multiplier=1000.0', '--config.sampler.batch_size=1024',
-             '--config.sampler.physical_batch_size=1024', '--config.model.hidden_sizes=(2048,2048)']
-  proc = subprocess.Popen(command, cwd=REPO, env=dict(os.environ, JAX_PLATFORMS='cpu'),
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  command = [
+    sys.executable,
+    '-c',
+    TRAIN_RECORDING_FINISHED_STEPS,
+    str(record),
+    f'--config={REPO}/configs/digits_mlp.py',
+    f'--workdir={work}',
+    '--config.num_epochs=0',
+    '--config.num_steps=10000',
+    '--config.checkpoint_every_steps=10000',
+    '--config.log_every_steps=10000',
+    '--config.eval_every_steps=10000',
+    '--config.privacy.target_epsilon=0',
+    '--config.privacy.noise_multiplier=1000.0',
+    '--config.sampler.batch_size=1024',
+    '--config.sampler.physical_batch_size=1024',
+    '--config.model.hidden_sizes=(2048,2048)',
+  ]
+  proc = subprocess.Popen(
+    command,
+    cwd=REPO,
+    env=dict(os.environ, JAX_PLATFORMS='cpu'),
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   deadline = time.time() + 240
   while not record.exists() or len(_finished_steps(record)) < 4:  # A few calls have run.
     assert proc.poll() is None and time.time() < deadline, proc.poll()

@@ -38,6 +38,7 @@ def _numpy_init(model, input_shape, seed):
       return np.zeros(s.shape, np.float32)
     fan_in = 1 if name == 'embedding' else int(np.prod(s.shape[:-1]))
     return (rng.normal(size=s.shape) / np.sqrt(fan_in)).astype(np.float32)
+
   shapes = _param_shapes(model, input_shape)['params']
   return jax.tree_util.tree_map_with_path(leaf, shapes)
 
@@ -48,24 +49,25 @@ def _num_params(tree):
 
 # Small instances of every model, with an input shape they accept.
 SMALL = {
-    'mlp': (_config('mlp', hidden_sizes=(16, 8)), (6, 6, 1)),
-    'cnn': (_config('cnn', paddings=('SAME', 'SAME')), (8, 8, 1)),
-    'wrn': (_config('wrn', depth=10, width=1, groups=4), (8, 8, 3)),
-    'transformer_tokens': (_config('transformer', vocab_size=20, num_layers=1,
-                                   model_dim=16, num_heads=2, mlp_dim=32),
-                           (7,)),
-    'transformer_features': (_config('transformer', num_layers=1, model_dim=16,
-                                     num_heads=2, mlp_dim=32), (7, 5)),
-    'vit': (_config('vit', patch_size=2, num_layers=1, num_heads=2, width=8, mlp_dim=16),
-            (4, 6, 3)),
+  'mlp': (_config('mlp', hidden_sizes=(16, 8)), (6, 6, 1)),
+  'cnn': (_config('cnn', paddings=('SAME', 'SAME')), (8, 8, 1)),
+  'wrn': (_config('wrn', depth=10, width=1, groups=4), (8, 8, 3)),
+  'transformer_tokens': (
+    _config('transformer', vocab_size=20, num_layers=1, model_dim=16, num_heads=2, mlp_dim=32),
+    (7,),
+  ),
+  'transformer_features': (
+    _config('transformer', num_layers=1, model_dim=16, num_heads=2, mlp_dim=32),
+    (7, 5),
+  ),
+  'vit': (_config('vit', patch_size=2, num_layers=1, num_heads=2, width=8, mlp_dim=16), (4, 6, 3)),
 }
 
 
 def _inputs(model, input_shape, n, seed=0):
   rng = np.random.default_rng(seed)
   if models.input_dtype(model) == jnp.int32:
-    return rng.integers(0, model.vocab_size, size=(n, *input_shape)).astype(
-        np.int32)
+    return rng.integers(0, model.vocab_size, size=(n, *input_shape)).astype(np.int32)
   return rng.normal(size=(n, *input_shape)).astype(np.float32)
 
 
@@ -75,10 +77,10 @@ def test_cnn_is_the_papernot_mnist_architecture():
   p = _param_shapes(model, (28, 28, 1))['params']
   shapes = {k: (v['kernel'].shape, v['bias'].shape) for k, v in p.items()}
   assert shapes == {
-      'Conv_0': ((8, 8, 1, 16), (16,)),
-      'Conv_1': ((4, 4, 16, 32), (32,)),
-      'Dense_0': ((4 * 4 * 32, 32), (32,)),  # 28 -> 14 -> 13 -> 5 -> 4.
-      'Dense_1': ((32, 10), (10,)),
+    'Conv_0': ((8, 8, 1, 16), (16,)),
+    'Conv_1': ((4, 4, 16, 32), (32,)),
+    'Dense_0': ((4 * 4 * 32, 32), (32,)),  # 28 -> 14 -> 13 -> 5 -> 4.
+    'Dense_1': ((32, 10), (10,)),
   }
   assert _num_params(p) == 26_010
 
@@ -100,8 +102,7 @@ def _wrn_num_params(depth, k, num_classes, in_ch=3):
 
 @pytest.mark.parametrize('depth,width', [(16, 4), (10, 1), (22, 2)])
 def test_wrn_parameter_count_matches_closed_form(depth, width):
-  model = models.make_model(_config('wrn', depth=depth, width=width), 10,
-                            (32, 32, 3))
+  model = models.make_model(_config('wrn', depth=depth, width=width), 10, (32, 32, 3))
   v = _param_shapes(model, (32, 32, 3))
   assert set(v) == {'params'}  # No batch statistics collection.
   assert _num_params(v['params']) == _wrn_num_params(depth, width, 10)
@@ -184,9 +185,15 @@ def test_transformer_features_use_dense_projection():
   assert 'Embed_0' not in p
 
 
-@pytest.mark.parametrize('field,value', [
-    ('normalization', 'batchnorm'), ('normalization', 'BatchNorm'),
-    ('normalization', 'batch_norm'), ('use_batchnorm', True)])
+@pytest.mark.parametrize(
+  'field,value',
+  [
+    ('normalization', 'batchnorm'),
+    ('normalization', 'BatchNorm'),
+    ('normalization', 'batch_norm'),
+    ('use_batchnorm', True),
+  ],
+)
 @pytest.mark.parametrize('name', models.MODEL_NAMES)
 def test_batchnorm_is_rejected_with_reason(name, field, value):
   c = models.default_model_config(name)
@@ -200,8 +207,7 @@ def test_bad_configs_raise_clear_errors():
   with pytest.raises(ValueError, match="valid: \\('mlp', 'cnn', 'wrn'"):
     models.default_model_config('resnet50')
   with pytest.raises(ValueError, match='unknown field'):
-    models.make_model(ml_collections.ConfigDict(
-        {'name': 'mlp', 'hiden_sizes': (3,)}), 10, (4,))
+    models.make_model(ml_collections.ConfigDict({'name': 'mlp', 'hiden_sizes': (3,)}), 10, (4,))
   with pytest.raises(ValueError, match='normalization'):
     models.make_model(_config('wrn', normalization='layernorm'), 10, (8, 8, 3))
   with pytest.raises(ValueError, match='depth'):
@@ -222,14 +228,20 @@ def test_partial_config_takes_defaults():
   model = models.make_model(c, 10, (8, 8, 1))
   assert model.activation == models.default_model_config('mlp').activation
   assert _num_params(_param_shapes(model, (8, 8, 1))) == (
-      64 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10)
+    64 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10
+  )
 
 
 def _vit_num_params(depth, width, mlp, patch, channels, tokens, classes):
   """Closed form: patch conv, positions, per block 2 LN + attention + MLP, final LN, head."""
   block = 2 * 2 * width + 4 * (width * width + width) + (width * mlp + mlp) + (mlp * width + width)
-  return ((patch * patch * channels * width + width) + tokens * width + depth * block
-          + 2 * width + (width * classes + classes))
+  return (
+    (patch * patch * channels * width + width)
+    + tokens * width
+    + depth * block
+    + 2 * width
+    + (width * classes + classes)
+  )
 
 
 def test_vit_s4_parameter_count_matches_closed_form():

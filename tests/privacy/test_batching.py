@@ -42,7 +42,9 @@ def test_empty_poisson_batch_has_no_physical_batches():
 
 
 def test_truncation_keeps_a_uniform_subset_of_the_sampled_batch():
-  sampler = make_sampler('poisson', 200, 100, seed=3)  # n ~ Binomial(200, 0.5) > 64 always in practice.
+  sampler = make_sampler(
+    'poisson', 200, 100, seed=3
+  )  # n ~ Binomial(200, 0.5) > 64 always in practice.
   batcher = batching.Batcher(sampler, physical_batch_size=16, max_batch_size=64)
   kept_rank = np.zeros(10)
   for step in range(400):
@@ -64,7 +66,8 @@ def test_log_truncation_probability_matches_scipy_and_survives_large_n():
   sampler = make_sampler('poisson', 10_000, 100)
   for cap in (100, 130, 150):
     assert batching.truncation_probability(sampler, cap) == pytest.approx(
-        stats.binom.sf(cap, 10_000, 0.01), rel=1e-9)
+      stats.binom.sf(cap, 10_000, 0.01), rel=1e-9
+    )
   big = make_sampler('poisson', 10**7, 256)
   log_p = batching.log_truncation_probability(big, 1024)
   assert math.isfinite(log_p) and log_p < -300  # sf itself underflows to 0 here.
@@ -88,6 +91,7 @@ def test_automatic_cap_keeps_the_deterministic_balls_and_bins_bound_finite():
   # Regression (experiments/06_truncation): with τ <= δ/1000 the TV penalty (1 + e^ε)·τ of
   # the deterministic bound (ε ≈ 11.5 at σ = 1, 5 epochs) exceeded δ, so ε was ∞.
   from dpjax.privacy.accounting import balls_and_bins
+
   sampler = make_sampler('balls_and_bins', 60_000, 256)
   steps, delta = 5 * sampler.steps_per_epoch, 1e-5
   cap = batching.resolve_max_batch_size(sampler, 64, 0, num_steps=steps, delta=delta)
@@ -108,11 +112,14 @@ def test_cap_for_fixed_size_samplers_and_overrides():
   assert batching.resolve_max_batch_size(poisson, 32, 4096) == 1024  # B > N + 1: no truncation.
 
 
-@pytest.mark.parametrize('kwargs,message', [
+@pytest.mark.parametrize(
+  'kwargs,message',
+  [
     (dict(physical_batch_size=-1), 'physical_batch_size'),
     (dict(physical_batch_size=32, requested=100), 'multiple of'),
     (dict(physical_batch_size=32, requested=-32), 'max_batch_size'),
-])
+  ],
+)
 def test_bad_caps_name_the_field(kwargs, message):
   with pytest.raises(ValueError, match=message):
     batching.resolve_max_batch_size(make_sampler('poisson', 1000, 100), **kwargs)

@@ -32,34 +32,44 @@ SAMPLER = samplers.make('poisson', 1000, 50, seed=0)
 
 
 def _plan(**kw):
-  args = dict(sampler=SAMPLER, num_steps=10, clip_norm=1.0, noise_multiplier=1.0, delta=1e-5,
-              physical_batch_size=25, max_batch_size=100)
+  args = dict(
+    sampler=SAMPLER,
+    num_steps=10,
+    clip_norm=1.0,
+    noise_multiplier=1.0,
+    delta=1e-5,
+    physical_batch_size=25,
+    max_batch_size=100,
+  )
   args.update(kw)
   return privacy_plan.PrivacyPlan.create(**args)
 
 
 SIGMA_ENTRIES = {
-    'gaussian_privatizer': lambda s: noise.gaussian_privatizer(s, 1.0, 10.0, seed=0),
-    'PrivacyPlan.create': lambda s: _plan(noise_multiplier=s),
-    'Accountant': lambda s: accountant_lib.Accountant(SAMPLER, s, 1e-5, max_batch_size=100,
-                                                      num_steps=10),
-    'fixed_size_rdp_epsilon': lambda s: fixed_size_rdp.fixed_size_rdp_epsilon(0.1, s, 10, 1e-5),
-    'balls_and_bins.deterministic_epsilon': lambda s: balls_and_bins.deterministic_epsilon(
-        s, 1, 1e-5),
-    'white_box.effective_sigma': lambda s: white_box.effective_sigma(
-        jnp.zeros(4), jnp.zeros(4), jnp.ones(4), jnp.ones(4, bool), clip_norm=1.0,
-        noise_multiplier=s),
+  'gaussian_privatizer': lambda s: noise.gaussian_privatizer(s, 1.0, 10.0, seed=0),
+  'PrivacyPlan.create': lambda s: _plan(noise_multiplier=s),
+  'Accountant': lambda s: accountant_lib.Accountant(
+    SAMPLER, s, 1e-5, max_batch_size=100, num_steps=10
+  ),
+  'fixed_size_rdp_epsilon': lambda s: fixed_size_rdp.fixed_size_rdp_epsilon(0.1, s, 10, 1e-5),
+  'balls_and_bins.deterministic_epsilon': lambda s: balls_and_bins.deterministic_epsilon(
+    s, 1, 1e-5
+  ),
+  'white_box.effective_sigma': lambda s: white_box.effective_sigma(
+    jnp.zeros(4), jnp.zeros(4), jnp.ones(4), jnp.ones(4, bool), clip_norm=1.0, noise_multiplier=s
+  ),
 }
 DELTA_ENTRIES = {
-    'PrivacyPlan.create': lambda d: _plan(delta=d),
-    'Accountant': lambda d: accountant_lib.Accountant(SAMPLER, 1.0, d, max_batch_size=100,
-                                                      num_steps=10),
-    'fixed_size_rdp_epsilon': lambda d: fixed_size_rdp.fixed_size_rdp_epsilon(0.1, 1.0, 10, d),
-    'balls_and_bins.deterministic_epsilon': lambda d: balls_and_bins.deterministic_epsilon(
-        1.0, 1, d),
-    'max_test.balls_and_bins_lower_bound_epsilon':
-        lambda d: max_test.balls_and_bins_lower_bound_epsilon(1.0, 10, d),
-    'monte_carlo.balls_and_bins_epsilon': lambda d: search.balls_and_bins_epsilon(1.0, 10, d),
+  'PrivacyPlan.create': lambda d: _plan(delta=d),
+  'Accountant': lambda d: accountant_lib.Accountant(
+    SAMPLER, 1.0, d, max_batch_size=100, num_steps=10
+  ),
+  'fixed_size_rdp_epsilon': lambda d: fixed_size_rdp.fixed_size_rdp_epsilon(0.1, 1.0, 10, d),
+  'balls_and_bins.deterministic_epsilon': lambda d: balls_and_bins.deterministic_epsilon(1.0, 1, d),
+  'max_test.balls_and_bins_lower_bound_epsilon': lambda d: (
+    max_test.balls_and_bins_lower_bound_epsilon(1.0, 10, d)
+  ),
+  'monte_carlo.balls_and_bins_epsilon': lambda d: search.balls_and_bins_epsilon(1.0, 10, d),
 }
 
 
@@ -82,8 +92,10 @@ def test_what_is_noised_refuses_c_infinite_while_computing_norms_takes_it(clip_n
   """C = ∞ is refused wherever the sum is noised (σ·C = ∞: no guarantee) and accepted by the
   clipped sum alone (norms and gradients without clipping); the rest is refused everywhere."""
   loss_fn = lambda p, x: jnp.sum(p * x)
-  for entry in (lambda c: noise.gaussian_privatizer(1.0, c, 10.0, seed=0),
-                lambda c: _plan(clip_norm=c)):
+  for entry in (
+    lambda c: noise.gaussian_privatizer(1.0, c, 10.0, seed=0),
+    lambda c: _plan(clip_norm=c),
+  ):
     with pytest.raises(ValueError, match=r'^clip_norm must be a finite number > 0, got'):
       entry(clip_norm)
   if clip_norm == math.inf:
@@ -103,17 +115,27 @@ def test_delta_below_one_over_n_is_one_rule_named_by_its_caller():
 
 
 def _defined_functions(path: pathlib.Path) -> set[str]:
-  return {node.name for node in ast.walk(ast.parse(path.read_text()))
-          if isinstance(node, ast.FunctionDef)}
+  return {
+    node.name for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.FunctionDef)
+  }
 
 
 def test_no_module_of_the_core_defines_its_own_check_of_sigma_c_b_or_delta():
   """The validators exist once, in checks.py: a copy elsewhere could disagree again."""
-  names = {'check_delta', '_check_delta', 'check_noise_multiplier', 'check_clip_norm',
-           'validate_clip_norm', 'check_expected_batch_size'}
-  copies = sorted(f'{path.relative_to(PRIVACY)}: {name}'
-                  for path in PRIVACY.rglob('*.py') if path.name != 'checks.py'
-                  for name in _defined_functions(path) & names)
+  names = {
+    'check_delta',
+    '_check_delta',
+    'check_noise_multiplier',
+    'check_clip_norm',
+    'validate_clip_norm',
+    'check_expected_batch_size',
+  }
+  copies = sorted(
+    f'{path.relative_to(PRIVACY)}: {name}'
+    for path in PRIVACY.rglob('*.py')
+    if path.name != 'checks.py'
+    for name in _defined_functions(path) & names
+  )
   assert copies == []
   texts = {path: path.read_text() for path in PRIVACY.rglob('*.py') if path.name != 'checks.py'}
-  assert [str(p) for p, t in texts.items() if "delta must be in" in t] == []
+  assert [str(p) for p, t in texts.items() if 'delta must be in' in t] == []

@@ -41,17 +41,15 @@ def _float32_matmuls():
 def _params(model=MODEL, d=D, seed=0):
   """Fan-in scaled numpy parameters (avoids compiling jax.random in init)."""
   rng = np.random.default_rng(seed)
-  shapes = jax.eval_shape(
-      lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, d))))['params']
+  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, d))))['params']
   return jax.tree.map(
-      lambda s: (rng.normal(size=s.shape) / np.sqrt(s.shape[0])).astype(
-          np.float32), shapes)
+    lambda s: (rng.normal(size=s.shape) / np.sqrt(s.shape[0])).astype(np.float32), shapes
+  )
 
 
 def _rows(n, seed=1):
   rng = np.random.default_rng(seed)
-  return (rng.normal(size=(n, D)).astype(np.float32) * 2,
-          rng.integers(0, K, n).astype(np.int32))
+  return (rng.normal(size=(n, D)).astype(np.float32) * 2, rng.integers(0, K, n).astype(np.int32))
 
 
 def _physical_batches(x, y, p, garbage=False):
@@ -63,8 +61,10 @@ def _physical_batches(x, y, p, garbage=False):
   xs = np.r_[x, np.full((pad, D), fill, np.float32)]
   ys = np.r_[y, np.full(pad, K - 1, np.int32)]
   ws = np.r_[np.ones(n), np.zeros(pad)].astype(np.float32)
-  return [{'x': xs[i * p:(i + 1) * p], 'y': ys[i * p:(i + 1) * p],
-           'weight': ws[i * p:(i + 1) * p]} for i in range(num)]
+  return [
+    {'x': xs[i * p : (i + 1) * p], 'y': ys[i * p : (i + 1) * p], 'weight': ws[i * p : (i + 1) * p]}
+    for i in range(num)
+  ]
 
 
 @functools.cache
@@ -72,15 +72,20 @@ def _standard_step(label_format='int'):
   """One DPStep shared by tests (each instance costs an XLA compile), which compare updates
   under one noise: it may apply a step again (`test_apply_refuses_a_repeated_step` says why
   nothing else may)."""
-  return dp_step.DPStep(MODEL, optax.sgd(0.5), clip_norm=0.5,
-                        noise_multiplier=1.0, expected_batch_size=10,
-                        label_format=label_format, allow_repeated_steps=True)
+  return dp_step.DPStep(
+    MODEL,
+    optax.sgd(0.5),
+    clip_norm=0.5,
+    noise_multiplier=1.0,
+    expected_batch_size=10,
+    label_format=label_format,
+    allow_repeated_steps=True,
+  )
 
 
 def _run_step(step, params, batches, t=0, optimizer_state=None):
   """init_accumulator, accumulate each batch, apply with the noise of (step.seed, t)."""
-  opt_state = (step.optimizer.init(params) if optimizer_state is None
-               else optimizer_state)
+  opt_state = step.optimizer.init(params) if optimizer_state is None else optimizer_state
   acc = step.init_accumulator(params)
   for b in batches:
     acc = step.accumulate(params, acc, b)
@@ -90,9 +95,11 @@ def _run_step(step, params, batches, t=0, optimizer_state=None):
 @jax.jit
 def _mean_loss_grad(params, x, y):
   """∇ of the mean loss by one batched pass: the non-private reference."""
+
   def mean_loss(p):
     logits = MODEL.apply({'params': p}, x)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
   return jax.grad(mean_loss)(params)
 
 
@@ -107,17 +114,23 @@ def test_unclipped_sums_are_the_gradient_sum_and_the_divisor_is_b():
   lr = 0.3
   g = _mean_loss_grad(params, x, y)  # Σ_i g_i / 10.
   batches = _physical_batches(x, y, 4)  # K = 3, two padding rows.
-  private = dp_step.DPStep(MODEL, optax.sgd(lr), clip_norm=1e6, noise_multiplier=1.0,
-                           expected_batch_size=10)
+  private = dp_step.DPStep(
+    MODEL, optax.sgd(lr), clip_norm=1e6, noise_multiplier=1.0, expected_batch_size=10
+  )
   acc = private.init_accumulator(params)
   for batch in batches:
     acc = private.accumulate(params, acc, batch)
   _assert_trees_close(acc.grad_sum, jax.tree.map(lambda v: 10 * v, g), rtol=1e-5, atol=1e-6)
   assert int(acc.stats.num_clipped) == 0
   # Non-private, b = 16 != 10 rows: the divisor is the expected batch size.
-  nonprivate = dp_step.DPStep(MODEL, optax.sgd(lr), clip_norm=None,
-                              noise_multiplier=None, expected_batch_size=16,
-                              private=False)
+  nonprivate = dp_step.DPStep(
+    MODEL,
+    optax.sgd(lr),
+    clip_norm=None,
+    noise_multiplier=None,
+    expected_batch_size=16,
+    private=False,
+  )
   new, _, metrics = _run_step(nonprivate, params, batches)
   want = jax.tree.map(lambda p, g: p - lr * g * 10 / 16, params, g)
   _assert_trees_close(new, want, rtol=1e-5, atol=1e-6)
@@ -129,8 +142,12 @@ def test_padded_batches_give_the_same_update():
   params, (x, y) = _params(), _rows(5, seed=2)
   step = _standard_step()  # clipping='auto': ghost clipping for the MLP.
   a, _, ma = _run_step(step, params, _physical_batches(x, y, 8), t=3)
-  b, _, mb = _run_step(step, params,  # P = 8: three NaN padding rows.
-                       _physical_batches(x, y, 8, garbage=True), t=3)
+  b, _, mb = _run_step(
+    step,
+    params,  # P = 8: three NaN padding rows.
+    _physical_batches(x, y, 8, garbage=True),
+    t=3,
+  )
   jax.tree.map(np.testing.assert_array_equal, a, b)  # Bit-exact.
   for k in ma:
     np.testing.assert_array_equal(ma[k], mb[k])
@@ -148,12 +165,12 @@ def test_accumulating_k_batches_equals_the_one_shot_clipped_sum():
   for b in _physical_batches(x, y, 4):
     acc = step.accumulate(params, acc, b)
   one_shot = jax.jit(clipping.per_example_clipped_sum, static_argnums=(0, 3))
-  want, want_stats = one_shot(losses.make_loss_fn(MODEL), params,
-                              _physical_batches(x, y, 12)[0], step.clip_bound)
+  want, want_stats = one_shot(
+    losses.make_loss_fn(MODEL), params, _physical_batches(x, y, 12)[0], step.clip_bound
+  )
   _assert_trees_close(acc.grad_sum, want, rtol=1e-6, atol=1e-7)
   for field in clipping.ClipStats._fields:
-    np.testing.assert_allclose(getattr(acc.stats, field),
-                               getattr(want_stats, field), rtol=1e-6)
+    np.testing.assert_allclose(getattr(acc.stats, field), getattr(want_stats, field), rtol=1e-6)
   assert int(acc.stats.num_clipped) > 0
 
 
@@ -169,8 +186,7 @@ def test_noise_is_added_once_and_signal_scaled_by_one_over_b():
   for batch in batches:
     acc = step.accumulate(params, acc, batch)
   diff = jax.tree.map(lambda u, v: u - v, with_data, noise_only)
-  _assert_trees_close(diff, jax.tree.map(lambda s: -lr * s / b, acc.grad_sum),
-                      rtol=1e-4, atol=1e-6)
+  _assert_trees_close(diff, jax.tree.map(lambda s: -lr * s / b, acc.grad_sum), rtol=1e-4, atol=1e-6)
   assert float(metrics['num_examples']) == 0
   assert float(metrics['loss']) == 0 and float(metrics['grad_norm']) == 0
 
@@ -180,18 +196,25 @@ def test_noise_std_is_sigma_c_over_b():
   model = mlp.MLP(num_classes=10, hidden_sizes=(128,))
   params = _params(model, d=784)
   sigma, c, b = 1.3, 0.7, 50.0
-  steps = [dp_step.DPStep(model, optax.sgd(1.0), clip_norm=c, noise_multiplier=sigma,
-                          expected_batch_size=b, seed=seed, allow_repeated_steps=True)
-           for seed in (0, 1)]
+  steps = [
+    dp_step.DPStep(
+      model,
+      optax.sgd(1.0),
+      clip_norm=c,
+      noise_multiplier=sigma,
+      expected_batch_size=b,
+      seed=seed,
+      allow_repeated_steps=True,
+    )
+    for seed in (0, 1)
+  ]
   step = steps[0]
   opt_state = step.optimizer.init(params)
 
   def z(t, seed=0):
-    new, _, _ = steps[seed].apply(params, opt_state, step.init_accumulator(params),
-                                  np.uint32(t))
+    new, _, _ = steps[seed].apply(params, opt_state, step.init_accumulator(params), np.uint32(t))
     leaves = jax.tree.map(lambda p, q: (p - q) / (-sigma * c / b), new, params)
-    return leaves, np.concatenate([np.ravel(l) for l in jax.tree.leaves(
-        leaves)]).astype(np.float64)
+    return leaves, np.concatenate([np.ravel(l) for l in jax.tree.leaves(leaves)]).astype(np.float64)
 
   leaves, z0 = z(0)
   n = z0.size
@@ -216,8 +239,9 @@ def test_compiles_once_across_steps_with_varying_k():
   params, (x, y) = _params(), _rows(40, seed=5)
   opt = optax.sgd(0.1, momentum=0.9)
   for private in (True, False):
-    step = dp_step.DPStep(MODEL, opt, clip_norm=1.0, noise_multiplier=1.0,
-                          expected_batch_size=8, private=private)
+    step = dp_step.DPStep(
+      MODEL, opt, clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8, private=private
+    )
     opt_state, p = opt.init(params), params
     start = 0
     for t, k in enumerate((0, 1, 3, 0, 2, 1)):
@@ -225,8 +249,11 @@ def test_compiles_once_across_steps_with_varying_k():
       for _ in range(k):
         rows = slice(start % 36, start % 36 + 4)
         start += 4
-        batch = {'x': x[rows], 'y': y[rows],
-                 'weight': np.r_[np.ones(3), np.zeros(1)].astype(np.float32)}
+        batch = {
+          'x': x[rows],
+          'y': y[rows],
+          'weight': np.r_[np.ones(3), np.zeros(1)].astype(np.float32),
+        }
         acc = step.accumulate(p, acc, batch)
       p, opt_state, metrics = step.apply(p, opt_state, acc, np.uint32(t))
       assert float(metrics['num_examples']) == 3 * k
@@ -244,22 +271,19 @@ def test_metrics_match_direct_computation():
   logits = MODEL.apply({'params': params}, x)
   example_losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
   loss_fn = losses.make_loss_fn(MODEL)
-  grads = jax.vmap(jax.grad(lambda p, xi, yi: loss_fn(p, {'x': xi, 'y': yi})[0]),
-                   in_axes=(None, 0, 0))(params, x, y)
-  norms = np.sqrt(sum(np.sum(np.reshape(g, (10, -1))**2, axis=1)
-                      for g in jax.tree.leaves(grads)))
-  clipped = jax.tree.map(
-      lambda g: np.tensordot(np.minimum(1, c / norms), g, axes=1), grads)
+  grads = jax.vmap(
+    jax.grad(lambda p, xi, yi: loss_fn(p, {'x': xi, 'y': yi})[0]), in_axes=(None, 0, 0)
+  )(params, x, y)
+  norms = np.sqrt(sum(np.sum(np.reshape(g, (10, -1)) ** 2, axis=1) for g in jax.tree.leaves(grads)))
+  clipped = jax.tree.map(lambda g: np.tensordot(np.minimum(1, c / norms), g, axes=1), grads)
   np.testing.assert_allclose(m['loss'], np.mean(example_losses), rtol=1e-5)
   np.testing.assert_allclose(m['accuracy'], np.mean(logits.argmax(1) == y))
   assert int(m['num_clipped']) == int(np.sum(norms > c)) > 0
   np.testing.assert_allclose(m['example_grad_norm'], norms.mean(), rtol=1e-5)
-  np.testing.assert_allclose(m['grad_norm'], optax.tree.norm(clipped) / b,
-                             rtol=1e-5)
+  np.testing.assert_allclose(m['grad_norm'], optax.tree.norm(clipped) / b, rtol=1e-5)
   # SGD: the update is −lr · ĝ, so ‖Δparams‖ / lr is the noisy gradient norm.
   delta = jax.tree.map(lambda u, v: u - v, new, params)
-  np.testing.assert_allclose(m['noisy_grad_norm'], optax.tree.norm(delta) / lr,
-                             rtol=1e-4)
+  np.testing.assert_allclose(m['noisy_grad_norm'], optax.tree.norm(delta) / lr, rtol=1e-4)
   # ĝ = (Σclip + σC·z_0)/b exactly, z_0 the normals of prng.noise_key(seed, 0) (σ off by
   # 1e-4 fails; the noise's distribution: tests/privacy/test_noise.py).
   z = optax.tree.random_like(prng.noise_key(step.seed, 0), params, jax.random.normal)
@@ -311,8 +335,11 @@ def test_keys_and_init_are_pure_functions_of_seed():
   data = jax.random.key_data
   k = data(prng.noise_key(3, 7))
   np.testing.assert_array_equal(k, data(prng.noise_key(3, 7)))
-  others = [data(prng.noise_key(3, 8)), data(prng.noise_key(4, 7)),
-            data(jax.random.fold_in(jax.random.PRNGKey(3), prng.INIT_STREAM))]
+  others = [
+    data(prng.noise_key(3, 8)),
+    data(prng.noise_key(4, 7)),
+    data(jax.random.fold_in(jax.random.PRNGKey(3), prng.INIT_STREAM)),
+  ]
   assert all(not np.array_equal(k, o) for o in others)
   p1 = prng.init_params(MODEL, 3, (D,))
   p2 = prng.init_params(MODEL, 3, (D,))
@@ -327,7 +354,9 @@ def test_keys_and_init_are_pure_functions_of_seed():
     prng.noise_key(0, -1)
 
 
-@pytest.mark.parametrize('kwargs,error,match', [
+@pytest.mark.parametrize(
+  'kwargs,error,match',
+  [
     (dict(expected_batch_size=0), ValueError, 'expected_batch_size'),
     (dict(expected_batch_size=math.inf), ValueError, 'expected_batch_size'),
     (dict(noise_multiplier=-1.0), ValueError, 'noise_multiplier'),
@@ -340,7 +369,8 @@ def test_keys_and_init_are_pure_functions_of_seed():
     (dict(label_format='onehot'), ValueError, 'label_format'),
     (dict(clipping='opacus'), ValueError, 'clipping'),
     (dict(clipping='opacus', private=False), ValueError, 'clipping'),
-])
+  ],
+)
 def test_bad_arguments_raise_before_compute(kwargs, error, match):
   args = dict(clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8)
   args.update(kwargs)
@@ -358,12 +388,16 @@ class _Scaled(nn.Module):
 
 def test_ghost_on_an_uncovered_model_raises_before_compute():
   model = nn.Sequential([nn.Dense(4), _Scaled(), nn.Dense(K)])
-  params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
-                                             jnp.zeros((1, D))))['params']
+  params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, D))))['params']
   params = jax.tree.map(lambda s: np.ones(s.shape, np.float32), params)
-  step = dp_step.DPStep(model, optax.sgd(0.1), clip_norm=1.0,
-                        noise_multiplier=1.0, expected_batch_size=8,
-                        clipping='ghost')
+  step = dp_step.DPStep(
+    model,
+    optax.sgd(0.1),
+    clip_norm=1.0,
+    noise_multiplier=1.0,
+    expected_batch_size=8,
+    clipping='ghost',
+  )
   batch = _physical_batches(*_rows(4), 4)[0]
   with pytest.raises(ValueError, match='layers_1/gain'):
     step.accumulate(params, step.init_accumulator(params), batch)
@@ -374,8 +408,10 @@ def test_ghost_on_an_uncovered_model_raises_before_compute():
 
 def _buffer(batches, k_max):
   """Stack physical batches into the [K_max, P, ...] buffer (zero-filled)."""
-  buf = {name: np.zeros((k_max,) + np.shape(value), np.asarray(value).dtype)
-         for name, value in batches[0].items()}
+  buf = {
+    name: np.zeros((k_max,) + np.shape(value), np.asarray(value).dtype)
+    for name, value in batches[0].items()
+  }
   for i, batch in enumerate(batches):
     for name, value in batch.items():
       buf[name][i] = value
@@ -386,31 +422,44 @@ def _copy(tree):
   return jax.tree.map(np.array, tree)  # train_step donates its inputs.
 
 
-@pytest.mark.parametrize('clipping_method,private,mesh,loop', [
-    ('vmap', True, False, 'device'), ('ghost', True, False, 'device'),
-    ('ghost', True, True, 'device'), ('vmap', False, False, 'device'),
-    ('ghost', True, False, 'host'), ('ghost', True, True, 'host')])
+@pytest.mark.parametrize(
+  'clipping_method,private,mesh,loop',
+  [
+    ('vmap', True, False, 'device'),
+    ('ghost', True, False, 'device'),
+    ('ghost', True, True, 'device'),
+    ('vmap', False, False, 'device'),
+    ('ghost', True, False, 'host'),
+    ('ghost', True, True, 'host'),
+  ],
+)
 def test_train_step_equals_the_three_call_path(clipping_method, private, mesh, loop):
   params, (x, y) = _params(), _rows(10, seed=11)
   opt = optax.sgd(0.3, momentum=0.9)
   step = dp_step.DPStep(
-      MODEL, opt, clip_norm=0.5, noise_multiplier=1.0, expected_batch_size=10,
-      private=private, clipping=clipping_method, seed=5,
-      mesh=sharding.make_mesh(1) if mesh else None, physical_loop=loop,
-      allow_repeated_steps=True)  # The two paths of one step, under one noise.
+    MODEL,
+    opt,
+    clip_norm=0.5,
+    noise_multiplier=1.0,
+    expected_batch_size=10,
+    private=private,
+    clipping=clipping_method,
+    seed=5,
+    mesh=sharding.make_mesh(1) if mesh else None,
+    physical_loop=loop,
+    allow_repeated_steps=True,
+  )  # The two paths of one step, under one noise.
   batches = _physical_batches(x, y, 4)  # K = 3 of K_max = 4.
   opt_state = opt.init(params)
   for k, t in ((3, 0), (0, 1), (2, 7)):
     want = _run_step(step, params, batches[:k], t=t, optimizer_state=_copy(opt_state))
     buf = _buffer(batches, 4)
     buf['weight'][k:] = 0  # Batches K.. must not be read: make them real.
-    got = step.train_step(_copy(params), _copy(opt_state), buf, np.int32(k),
-                          np.uint32(t))
+    got = step.train_step(_copy(params), _copy(opt_state), buf, np.int32(k), np.uint32(t))
     for a, b in zip(jax.tree.leaves(got[:2]), jax.tree.leaves(want[:2])):
       np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     for name in want[2]:
-      np.testing.assert_allclose(got[2][name], want[2][name], rtol=1e-5,
-                                 err_msg=name)
+      np.testing.assert_allclose(got[2][name], want[2][name], rtol=1e-5, err_msg=name)
     assert float(got[2]['num_examples']) == min(10, 4 * k)
   assert step.compile_count('train_step') == (1 if loop == 'device' else 2)
 
@@ -424,26 +473,35 @@ def test_auto_loop_runs_convolutions_from_the_host_on_the_cpu():
   assert step.loop_mode(_params()) == 'device'
   assert step.loop_mode(cnn) == ('host' if cpu else 'device')
   with pytest.raises(ValueError, match="physical_loop='gpu'; valid"):
-    dp_step.DPStep(MODEL, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0,
-                   expected_batch_size=8, physical_loop='gpu')
+    dp_step.DPStep(
+      MODEL,
+      optax.sgd(0.1),
+      clip_norm=1.0,
+      noise_multiplier=1.0,
+      expected_batch_size=8,
+      physical_loop='gpu',
+    )
 
 
 def test_train_step_draws_noise_key_seed_step_bit_for_bit():
   """K = 0, SGD(lr=1): the update is exactly −σC/b · normal(noise_key(seed, t))."""
   params = _params()
-  step = dp_step.DPStep(MODEL, optax.sgd(1.0), clip_norm=0.5,
-                        noise_multiplier=1.0, expected_batch_size=10, seed=9,
-                        allow_repeated_steps=True)  # Steps out of order: only the keys.
+  step = dp_step.DPStep(
+    MODEL,
+    optax.sgd(1.0),
+    clip_norm=0.5,
+    noise_multiplier=1.0,
+    expected_batch_size=10,
+    seed=9,
+    allow_repeated_steps=True,
+  )  # Steps out of order: only the keys.
   buf = _buffer(_physical_batches(*_rows(4), 4), 2)
   opt_state = step.optimizer.init(params)
   for t in (0, 3, 2**31 + 5):
-    fused, _, _ = step.train_step(_copy(params), _copy(opt_state), buf,
-                                  np.int32(0), np.uint32(t))
-    three, _, _ = step.apply(params, opt_state, step.init_accumulator(params),
-                             np.uint32(t))
+    fused, _, _ = step.train_step(_copy(params), _copy(opt_state), buf, np.int32(0), np.uint32(t))
+    three, _, _ = step.apply(params, opt_state, step.init_accumulator(params), np.uint32(t))
     jax.tree.map(np.testing.assert_array_equal, fused, three)
-  other, _, _ = step.train_step(_copy(params), _copy(opt_state), buf,
-                                np.int32(0), np.uint32(4))
+  other, _, _ = step.train_step(_copy(params), _copy(opt_state), buf, np.int32(0), np.uint32(4))
   assert not np.array_equal(other['Dense_0']['kernel'], fused['Dense_0']['kernel'])
 
 
@@ -456,34 +514,42 @@ def test_one_compilation_and_one_dispatch_per_logical_step(sampler_name, monkeyp
   could not fail): a step that runs a second program is seen (planted: an eager
   `jnp.asarray(step) + 0` in `train_step`: 36 executions for 12 steps; the old count passed)."""
   from dpjax.configs import digits_mlp  # pylint: disable=g-import-not-at-top
+
   config = digits_mlp.get_config()
   config.sampler.name = sampler_name
   train, _ = data.make_sources(config.data)
   dataset = device_data.put_on_device(train)
   sampler = plan_lib.make_sampler(config, len(train))
-  cap = batching.resolve_max_batch_size(sampler, 64, 0, num_steps=2 * sampler.steps_per_epoch,
-                                        delta=1e-5)
+  cap = batching.resolve_max_batch_size(
+    sampler, 64, 0, num_steps=2 * sampler.steps_per_epoch, delta=1e-5
+  )
   batcher = batching.Batcher(sampler, 64, cap)
   model = models.make_model(config.model, train.num_classes, train.input_shape)
-  step = dp_step.DPStep(model, optax.sgd(0.5), clip_norm=1.0,
-                        noise_multiplier=1.0,
-                        expected_batch_size=sampler.expected_batch_size)
+  step = dp_step.DPStep(
+    model,
+    optax.sgd(0.5),
+    clip_norm=1.0,
+    noise_multiplier=1.0,
+    expected_batch_size=sampler.expected_batch_size,
+  )
   params = prng.init_params(model, 0, train.input_shape)
   opt_state = step.optimizer.init(params)
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
-      lambda name, secs, **kw: compiles.append(name)
-      if name == '/jax/core/compile/backend_compile_duration' else None)
+    lambda name, secs, **kw: (
+      compiles.append(name) if name == '/jax/core/compile/backend_compile_duration' else None
+    )
+  )
   ks, num_steps = set(), 2 * sampler.steps_per_epoch
   counts = executions.count_executions(monkeypatch)
   for t in range(num_steps):
-    buf, k = device_data.index_buffer(batcher.logical_batch(t),
-                                      batcher.max_physical_batches, num_rows=len(dataset))
+    buf, k = device_data.index_buffer(
+      batcher.logical_batch(t), batcher.max_physical_batches, num_rows=len(dataset)
+    )
     ks.add(int(k))
     if t == 1:
       compiles.clear()  # Step 0 compiled the program (and nothing after).
-    params, opt_state, metrics = step.train_step(params, opt_state, buf, k,
-                                                 np.uint32(t), dataset)
+    params, opt_state, metrics = step.train_step(params, opt_state, buf, k, np.uint32(t), dataset)
   jax.block_until_ready(metrics)
   if sampler_name == 'poisson':
     assert len(ks) > 1  # K really varied.
@@ -495,34 +561,55 @@ def test_one_compilation_and_one_dispatch_per_logical_step(sampler_name, monkeyp
 
 @pytest.mark.slow
 def test_choose_physical_batch_size_is_the_largest_that_fits():
-  step = dp_step.DPStep(MODEL, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0,
-                        expected_batch_size=64, clipping='vmap')
+  step = dp_step.DPStep(
+    MODEL,
+    optax.sgd(0.1),
+    clip_norm=1.0,
+    noise_multiplier=1.0,
+    expected_batch_size=64,
+    clipping='vmap',
+  )
   params = _params()
   opt_state = step.optimizer.init(params)
   example = {'x': np.zeros(D, np.float32), 'y': np.int32(0)}
-  used = {p: physical_batch.compiled_step_bytes(step, params, opt_state, example, p, 256)
-          for p in (4, 8, 16)}
+  used = {
+    p: physical_batch.compiled_step_bytes(step, params, opt_state, example, p, 256)
+    for p in (4, 8, 16)
+  }
   assert used[4] < used[8] < used[16]  # vmap: P per-example gradients.
   lines = []
   limit = (used[8] + used[16]) / 2
-  chosen = physical_batch.choose_physical_batch_size(step, params, opt_state, example, 256,
-                                              num_devices=4, memory_bytes=limit, fraction=1.0,
-                                              log=lines.append)
+  chosen = physical_batch.choose_physical_batch_size(
+    step,
+    params,
+    opt_state,
+    example,
+    256,
+    num_devices=4,
+    memory_bytes=limit,
+    fraction=1.0,
+    log=lines.append,
+  )
   assert chosen == 8 and lines[-1].endswith('chose P = 8.')
   assert [l.split(':')[0] for l in lines[:-1]] == [f'physical batch size {p}' for p in (4, 8, 16)]
   # Everything fits: stops at the first power-of-two multiple of D >= B (B = 100 -> 128).
   lines = []
-  assert physical_batch.choose_physical_batch_size(step, params, opt_state, example, 100, num_devices=128,
-                                            memory_bytes=2**40, log=lines.append) == 128
+  assert (
+    physical_batch.choose_physical_batch_size(
+      step, params, opt_state, example, 100, num_devices=128, memory_bytes=2**40, log=lines.append
+    )
+    == 128
+  )
   assert len(lines) == 2
   with pytest.raises(ValueError, match='physical_batch_size = 4 .* needs'):
-    physical_batch.choose_physical_batch_size(step, params, opt_state, example, 256, num_devices=4,
-                                       memory_bytes=1, log=lambda _: None)
+    physical_batch.choose_physical_batch_size(
+      step, params, opt_state, example, 256, num_devices=4, memory_bytes=1, log=lambda _: None
+    )
   with pytest.raises(ValueError, match='max_batch_size must be an int >= 1'):
     physical_batch.choose_physical_batch_size(step, params, opt_state, example, 0)
 
 
-_FOUR_DEVICES = '''
+_FOUR_DEVICES = """
 import json, sys
 import jax, numpy as np, optax
 from dpjax.configs import digits_mlp
@@ -559,7 +646,7 @@ for name, mesh in (('one', None), ('four', sharding.make_mesh(4))):
     if mesh is not None:
       assert all(l.sharding.is_fully_replicated for l in leaves)
 print(json.dumps(out))
-'''
+"""
 
 
 @pytest.mark.slow
@@ -569,18 +656,31 @@ def test_train_step_on_four_devices_equals_one_device():
   import os  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
+
   repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env = dict(os.environ, JAX_PLATFORMS='cpu',  # 4 host devices, also where the suite runs on a GPU.
-             XLA_FLAGS=os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=4')
-  proc = subprocess.run([sys.executable, '-c', _FOUR_DEVICES], cwd=repo, env=env,
-                        capture_output=True, text=True, timeout=300, check=False)
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS='cpu',  # 4 host devices, also where the suite runs on a GPU.
+    XLA_FLAGS=os.environ.get('XLA_FLAGS', '') + ' --xla_force_host_platform_device_count=4',
+  )
+  proc = subprocess.run(
+    [sys.executable, '-c', _FOUR_DEVICES],
+    cwd=repo,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
   assert proc.returncode == 0, proc.stderr[-2000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])
   ref = out['one_device']
   assert set(out) == {'one_device', 'four_device', 'four_host'}
   for name in ('four_device', 'four_host'):
     for a, b in zip(out[name], ref):
-      np.testing.assert_allclose(a, b, atol=1e-5, err_msg=name)  # As tests/privacy/test_sharding.py.
+      np.testing.assert_allclose(
+        a, b, atol=1e-5, err_msg=name
+      )  # As tests/privacy/test_sharding.py.
 
 
 def test_apply_refuses_a_repeated_step():
@@ -588,13 +688,17 @@ def test_apply_refuses_a_repeated_step():
   under the noise of one (seed, t) differ by exactly lr·(S − S')/b, noise-free, so an observer
   of both updates reads the difference of the clipped sums (here, whether a row was in)."""
   params, (x, y) = _params(), _rows(6, seed=3)
-  step = dp_step.DPStep(MODEL, optax.sgd(1.0), clip_norm=0.5, noise_multiplier=1.0,
-                        expected_batch_size=4)
+  step = dp_step.DPStep(
+    MODEL, optax.sgd(1.0), clip_norm=0.5, noise_multiplier=1.0, expected_batch_size=4
+  )
   opt_state, acc = step.optimizer.init(params), step.init_accumulator(params)
   first, _, _ = step.apply(params, opt_state, step.init_accumulator(params), np.uint32(2))
   for t in (2, 1):  # The same step, then an earlier one: refused before any compute.
-    with pytest.raises(ValueError, match=rf'^DPStep: step {t} is not after step 2, the '
-                                         'last one noised'):
+    with pytest.raises(
+      ValueError,
+      match=rf'^DPStep: step {t} is not after step 2, the '
+      'last one noised',
+    ):
       step.apply(params, opt_state, acc, np.uint32(t))
   later, _, _ = step.apply(params, opt_state, acc, np.uint32(3))  # acc was not donated.
   assert not np.allclose(first['Dense_0']['kernel'], later['Dense_0']['kernel'])
@@ -609,8 +713,12 @@ def test_apply_refuses_a_repeated_step():
     for batch in batches:
       acc = replay.accumulate(params, acc, batch)
     sums.append(acc.grad_sum)
-  _assert_trees_close(jax.tree.map(lambda u, v: u - v, b, a),
-                      jax.tree.map(lambda s, r: 0.5 * (s - r) / 10, *sums), rtol=1e-4, atol=1e-6)
+  _assert_trees_close(
+    jax.tree.map(lambda u, v: u - v, b, a),
+    jax.tree.map(lambda s, r: 0.5 * (s - r) / 10, *sums),
+    rtol=1e-4,
+    atol=1e-6,
+  )
 
 
 def test_train_step_refuses_a_step_it_already_noised():
@@ -619,8 +727,9 @@ def test_train_step_refuses_a_step_it_already_noised():
   differed by lr·clip(g_r)/b within 4.5e-8 (attacks/a3 on the branch `attack`). Now it keeps
   the same order as `apply`: each step once, forward only, in one DPStep."""
   params = _params()
-  step = dp_step.DPStep(MODEL, optax.sgd(1.0), clip_norm=0.5, noise_multiplier=1.0,
-                        expected_batch_size=10, seed=9)
+  step = dp_step.DPStep(
+    MODEL, optax.sgd(1.0), clip_norm=0.5, noise_multiplier=1.0, expected_batch_size=10, seed=9
+  )
   buf = _buffer(_physical_batches(*_rows(4), 4), 2)
   opt_state = step.optimizer.init(params)
   step.train_step(params, opt_state, buf, np.int32(1), np.uint32(0))

@@ -20,8 +20,9 @@ def test_each_loss_equals_its_closed_form():
   np.testing.assert_allclose(value, _softmax_ce(logits, label), rtol=1e-5)
   assert float(correct) == float(np.argmax(logits) == label)
   one_hot = np.eye(7, dtype=np.float32)[label]
-  value, _ = losses.output_loss('softmax_cross_entropy', 'one_hot')(logits.astype(np.float32),
-                                                                    one_hot)
+  value, _ = losses.output_loss('softmax_cross_entropy', 'one_hot')(
+    logits.astype(np.float32), one_hot
+  )
   np.testing.assert_allclose(value, _softmax_ce(logits, label), rtol=1e-5)
 
   out, target = rng.normal(size=3), rng.normal(size=3)
@@ -32,7 +33,8 @@ def test_each_loss_equals_its_closed_form():
   seq_logits = rng.normal(size=(5, 4))
   tokens = np.array([1, 0, 3, -1, -1])  # Two padding positions: not counted.
   value, correct = losses.output_loss('sequence_cross_entropy')(
-      seq_logits.astype(np.float32), tokens)
+    seq_logits.astype(np.float32), tokens
+  )
   want = np.mean([_softmax_ce(seq_logits[i], tokens[i]) for i in range(3)])
   np.testing.assert_allclose(value, want, rtol=1e-5)
   hits = np.mean([np.argmax(seq_logits[i]) == tokens[i] for i in range(3)])
@@ -42,8 +44,12 @@ def test_each_loss_equals_its_closed_form():
 
 
 # One physical batch per step, and evaluation and checkpoints only at the end.
-_QUIET = {'sampler.physical_batch_size': 256, 'eval_every_steps': 1000,
-          'checkpoint_every_steps': 1000, 'log_every_steps': 1000}
+_QUIET = {
+  'sampler.physical_batch_size': 256,
+  'eval_every_steps': 1000,
+  'checkpoint_every_steps': 1000,
+  'log_every_steps': 1000,
+}
 
 
 def _regression_npz(path, n=1200, d=8, seed=0):
@@ -58,11 +64,21 @@ def _regression_npz(path, n=1200, d=8, seed=0):
 @pytest.mark.slow
 def test_trainer_mse_learns_a_linear_map(tmp_path, capsys):
   variance = _regression_npz(tmp_path / 'reg.npz')
-  config = small_config(**{'loss': 'mse', 'data.source': 'npz', 'data.path': str(tmp_path / 'reg.npz'),
-                           'data.scale': 1.0, 'data.mean': (0.0,), 'data.std': (1.0,),
-                           'num_steps': 30, 'optimizer.learning_rate': 0.2,
-                           'privacy.noise_multiplier': 0.5, 'privacy.clip_norm': 5.0,
-                           **_QUIET})
+  config = small_config(
+    **{
+      'loss': 'mse',
+      'data.source': 'npz',
+      'data.path': str(tmp_path / 'reg.npz'),
+      'data.scale': 1.0,
+      'data.mean': (0.0,),
+      'data.std': (1.0,),
+      'num_steps': 30,
+      'optimizer.learning_rate': 0.2,
+      'privacy.noise_multiplier': 0.5,
+      'privacy.clip_norm': 5.0,
+      **_QUIET,
+    }
+  )
   config.model.hidden_sizes = (16,)
   config.privacy.delta = 1e-4
   result = train.train_and_evaluate(config, str(tmp_path / 'w'))
@@ -85,15 +101,31 @@ def _sequence_npz(path, n=1200, length=12, vocab=6, seed=0):
 @pytest.mark.slow
 def test_trainer_sequence_cross_entropy_learns_next_tokens(tmp_path, capsys):
   vocab = _sequence_npz(tmp_path / 'seq.npz')
-  config = small_config(**{'loss': 'sequence_cross_entropy', 'data.source': 'npz',
-                           'data.path': str(tmp_path / 'seq.npz'), 'data.num_classes': vocab,
-                           'num_steps': 30,
-                           'optimizer.name': 'adam', 'optimizer.learning_rate': 0.01,
-                           'privacy.noise_multiplier': 0.5, **_QUIET})
-  config.model = config.model.__class__({'name': 'transformer', 'vocab_size': vocab,
-                                         'num_layers': 1, 'num_heads': 2, 'model_dim': 16,
-                                         'mlp_dim': 32, 'causal': True,
-                                         'normalization': 'layernorm'})
+  config = small_config(
+    **{
+      'loss': 'sequence_cross_entropy',
+      'data.source': 'npz',
+      'data.path': str(tmp_path / 'seq.npz'),
+      'data.num_classes': vocab,
+      'num_steps': 30,
+      'optimizer.name': 'adam',
+      'optimizer.learning_rate': 0.01,
+      'privacy.noise_multiplier': 0.5,
+      **_QUIET,
+    }
+  )
+  config.model = config.model.__class__(
+    {
+      'name': 'transformer',
+      'vocab_size': vocab,
+      'num_layers': 1,
+      'num_heads': 2,
+      'model_dim': 16,
+      'mlp_dim': 32,
+      'causal': True,
+      'normalization': 'layernorm',
+    }
+  )
   config.privacy.delta = 1e-4
   result = train.train_and_evaluate(config, str(tmp_path / 'w'))
   assert result['eval_loss'] < 0.5 * np.log(vocab), result['eval_loss']
@@ -114,19 +146,26 @@ def test_targets_and_tokens_reach_the_step_unchanged_host_and_device(tmp_path):
   """Float targets are not cast to int labels, tokens are not scaled (both data paths)."""
   from dpjax.data import sources as data
   from dpjax.data import device as device_data  # pylint: disable=g-import-not-at-top
+
   _regression_npz(tmp_path / 'reg.npz', n=50)
   vocab = _sequence_npz(tmp_path / 'seq.npz', n=50)
   for loss, path in (('mse', 'reg.npz'), ('sequence_cross_entropy', 'seq.npz')):
-    config = small_config(**{'data.source': 'npz', 'data.path': str(tmp_path / path),
-                             'data.num_classes': vocab if path == 'seq.npz' else 0})
+    config = small_config(
+      **{
+        'data.source': 'npz',
+        'data.path': str(tmp_path / path),
+        'data.num_classes': vocab if path == 'seq.npz' else 0,
+      }
+    )
     train_source, _ = data.make_sources(config.data, loss=loss)
     raw = np.load(tmp_path / path)
     idx = np.array([3, 1, 4, 1, 5])
     host = train_source.gather(idx)
     device = device_data.put_on_device(train_source).gather(idx)
     for batch in (host, device):
-      np.testing.assert_array_equal(np.asarray(batch['y']).reshape(len(idx), -1),
-                                    raw['y_train'][idx].reshape(len(idx), -1))
+      np.testing.assert_array_equal(
+        np.asarray(batch['y']).reshape(len(idx), -1), raw['y_train'][idx].reshape(len(idx), -1)
+      )
       if loss == 'sequence_cross_entropy':
         np.testing.assert_array_equal(np.asarray(batch['x']), raw['x_train'][idx])
         assert np.asarray(batch['x']).dtype == np.int32

@@ -30,8 +30,9 @@ def _setup(sampler_name='poisson'):
   config.sampler.name = sampler_name
   train, _ = data.make_sources(config.data)
   sampler = plan_lib.make_sampler(config, len(train))
-  cap = batching.resolve_max_batch_size(sampler, 64, 0, num_steps=2 * sampler.steps_per_epoch,
-                                        delta=1e-5)
+  cap = batching.resolve_max_batch_size(
+    sampler, 64, 0, num_steps=2 * sampler.steps_per_epoch, delta=1e-5
+  )
   batcher = batching.Batcher(sampler, 64, cap)
   model = models.make_model(config.model, train.num_classes, train.input_shape)
   params = prng.init_params(model, 0, train.input_shape)
@@ -42,29 +43,42 @@ def _prepared(batcher, first, count):
   out = []
   for t in range(first, first + count):
     logical = batcher.logical_batch(t)
-    buffer, k = device_data.index_buffer(logical, batcher.max_physical_batches,
-                                         num_rows=batcher.sampler.rows)
+    buffer, k = device_data.index_buffer(
+      logical, batcher.max_physical_batches, num_rows=batcher.sampler.rows
+    )
     out.append((logical, buffer, k))
   return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('loop,ema_decay,mesh', [
-    ('device', 0.0, False), ('device', 0.9, False), ('device', 0.9, True), ('host', 0.9, False)])
+@pytest.mark.parametrize(
+  'loop,ema_decay,mesh',
+  [('device', 0.0, False), ('device', 0.9, False), ('device', 0.9, True), ('host', 0.9, False)],
+)
 def test_a_call_of_s_steps_equals_s_train_steps(loop, ema_decay, mesh):
   train, sampler, batcher, model, params = _setup()
   dataset = device_data.put_on_device(train)
   mesh = sharding.make_mesh(1) if mesh else None
-  step = dp_step.DPStep(model, optax.sgd(0.5, momentum=0.9), clip_norm=1.0,
-                        noise_multiplier=1.0, expected_batch_size=sampler.expected_batch_size,
-                        seed=3, physical_loop=loop, mesh=mesh,
-                        allow_repeated_steps=True)  # Both paths run the same steps.
+  step = dp_step.DPStep(
+    model,
+    optax.sgd(0.5, momentum=0.9),
+    clip_norm=1.0,
+    noise_multiplier=1.0,
+    expected_batch_size=sampler.expected_batch_size,
+    seed=3,
+    physical_loop=loop,
+    mesh=mesh,
+    allow_repeated_steps=True,
+  )  # Both paths run the same steps.
   runner = multi_step.MultiStep(step, 4, ema_decay=ema_decay, mesh=mesh)
   opt_state = step.optimizer.init(params)
   ema0 = ema_lib.init(params) if ema_decay else None
   # On a mesh the trainer replicates its state first (the programs' output sharding).
-  _copy = (lambda tree: tree if tree is None else sharding.replicate(mesh, jax.tree.map(
-      np.array, tree))) if mesh is not None else globals()['_copy']
+  _copy = (
+    (lambda tree: tree if tree is None else sharding.replicate(mesh, jax.tree.map(np.array, tree)))
+    if mesh is not None
+    else globals()['_copy']
+  )
   # Reference: one train_step (and one EMA update) per logical step, steps 5..10.
   want_p, want_o, want_e, want_m = _copy(params), _copy(opt_state), _copy(ema0), []
   for _, buffer, k in _prepared(batcher, 5, 6):
@@ -82,7 +96,9 @@ def test_a_call_of_s_steps_equals_s_train_steps(loop, ema_decay, mesh):
     for name, value in m.items():  # Slots past count stay zero.
       assert np.all(value[count:] == 0), name
     got_m += multi_step.rows_of(m, count)
-  for a, b in zip(jax.tree.leaves((got_p, got_o, got_e)), jax.tree.leaves((want_p, want_o, want_e))):
+  for a, b in zip(
+    jax.tree.leaves((got_p, got_o, got_e)), jax.tree.leaves((want_p, want_o, want_e))
+  ):
     np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
   assert len(got_m) == len(want_m) == 6
   for g, w in zip(got_m, want_m):
@@ -96,13 +112,19 @@ def test_a_call_of_s_steps_equals_s_train_steps(loop, ema_decay, mesh):
 
 def test_count_zero_changes_nothing():
   train, sampler, batcher, model, params = _setup()
-  step = dp_step.DPStep(model, optax.sgd(0.5), clip_norm=1.0, noise_multiplier=1.0,
-                        expected_batch_size=sampler.expected_batch_size)
+  step = dp_step.DPStep(
+    model,
+    optax.sgd(0.5),
+    clip_norm=1.0,
+    noise_multiplier=1.0,
+    expected_batch_size=sampler.expected_batch_size,
+  )
   runner = multi_step.MultiStep(step, 3)
   chunk = multi_step.stack(0, _prepared(batcher, 0, 1), 3)
   chunk.count = np.int32(0)
-  got, _, ema, metrics = runner(_copy(params), step.optimizer.init(params), None, chunk,
-                                device_data.put_on_device(train))
+  got, _, ema, metrics = runner(
+    _copy(params), step.optimizer.init(params), None, chunk, device_data.put_on_device(train)
+  )
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(got), params)
   assert ema is None and all(np.all(np.asarray(v) == 0) for v in metrics.values())
 
@@ -138,15 +160,22 @@ def test_schedule_ends_calls_at_boundaries_and_the_first_step():
   assert next(calls) == (4, 1)
   assert list(multi_step.schedule(0, 3, 1, ())) == [(0, 1), (1, 1), (2, 1)]
   assert list(multi_step.schedule(5, 5, 4, (5,))) == []
-  for start, stop, size, periods in ((2, 100, 7, (10, 25, 0)), (0, 50, 16, (1,)),
-                                     (13, 200, 5, (9, 30)), (0, 1, 3, (7,))):
+  for start, stop, size, periods in (
+    (2, 100, 7, (10, 25, 0)),
+    (0, 50, 16, (1,)),
+    (13, 200, 5, (9, 30)),
+    (0, 1, 3, (7,)),
+  ):
     calls = list(multi_step.schedule(start, stop, size, periods))
     steps = [t for first, count in calls for t in range(first, first + count)]
     assert steps == list(range(start, stop)) and all(1 <= c <= size for _, c in calls)
     # Brute force: every step count a periodic action fires at ends a call.
     ends = {first + count for first, count in calls}
-    assert {s for s in range(start + 1, stop + 1)
-            if s == stop or s == start + 1 or any(p and s % p == 0 for p in periods)} <= ends
+    assert {
+      s
+      for s in range(start + 1, stop + 1)
+      if s == stop or s == start + 1 or any(p and s % p == 0 for p in periods)
+    } <= ends
 
 
 def test_steps_per_call_auto():
@@ -159,19 +188,25 @@ def test_steps_per_call_auto():
 @pytest.mark.slow
 @pytest.mark.parametrize('steps_per_call,extra', [(1, 6), (4, 1)])
 def test_trainer_executes_one_program_per_call_and_nothing_else_per_step(
-    tmp_path, monkeypatch, steps_per_call, extra):
+  tmp_path, monkeypatch, steps_per_call, extra
+):
   """Two runs, 6 and 12 steps, periodic actions only at the last step: the 6 more steps cost
   exactly `extra` executions of compiled programs (6 with one step a call; 1 with four: calls
   1+4+1 vs 1+4+4+3), all of the multi-step program. Nothing else runs per step."""
   from dpjax import train  # pylint: disable=import-outside-toplevel
   from tests.run_configs import small_config  # pylint: disable=import-outside-toplevel
+
   counts = executions.count_executions(monkeypatch)
   totals = []
   for num_steps in (6, 12):
     counts.clear()
-    config = small_config(num_steps=num_steps, steps_per_call=steps_per_call,
-                          log_every_steps=1000, eval_every_steps=1000,
-                          checkpoint_every_steps=1000)
+    config = small_config(
+      num_steps=num_steps,
+      steps_per_call=steps_per_call,
+      log_every_steps=1000,
+      eval_every_steps=1000,
+      checkpoint_every_steps=1000,
+    )
     result = train.train_and_evaluate(config, str(tmp_path / str(num_steps)))
     assert result['compilations'] == {'train_steps': 1}
     totals.append(dict(counts))
@@ -185,15 +220,22 @@ def test_two_epochs_of_every_sampler_compile_the_multi_step_program_once(sampler
   """K varies per step and the count per call (calls cut at a period of 5): one program, no
   backend compilation after the first call."""
   train, sampler, batcher, model, params = _setup(sampler_name)
-  step = dp_step.DPStep(model, optax.sgd(0.5), clip_norm=1.0, noise_multiplier=1.0,
-                        expected_batch_size=sampler.expected_batch_size)
+  step = dp_step.DPStep(
+    model,
+    optax.sgd(0.5),
+    clip_norm=1.0,
+    noise_multiplier=1.0,
+    expected_batch_size=sampler.expected_batch_size,
+  )
   runner = multi_step.MultiStep(step, 4)
   dataset = device_data.put_on_device(train)
   opt_state = step.optimizer.init(params)
   compiles = []
   jax.monitoring.register_event_duration_secs_listener(
-      lambda name, secs, **kw: compiles.append(name)
-      if name == '/jax/core/compile/backend_compile_duration' else None)
+    lambda name, secs, **kw: (
+      compiles.append(name) if name == '/jax/core/compile/backend_compile_duration' else None
+    )
+  )
   calls = list(multi_step.schedule(0, 2 * sampler.steps_per_epoch, 4, (5,)))
   assert len({count for _, count in calls}) > 1  # The count really varied.
   for i, (first, count) in enumerate(calls):

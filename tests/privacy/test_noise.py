@@ -43,7 +43,7 @@ def _flat(tree):
 
 def _chi2_accepts(z, scale=1.0):
   """The two-sided χ²_n test at ALPHA of 'Σ (scale·z)² ~ χ²_n', i.e. std(z) = 1/scale."""
-  t, n = np.sum((scale * z)**2), z.size
+  t, n = np.sum((scale * z) ** 2), z.size
   return min(stats.chi2.cdf(t, n), stats.chi2.sf(t, n)) > ALPHA / 2
 
 
@@ -81,7 +81,7 @@ def test_no_two_leaves_or_neighbouring_coordinates_share_noise():
   for i, u in enumerate(leaves):
     assert _chi2_accepts(u), i
     assert abs(np.corrcoef(u[:-1], u[1:])[0, 1]) < _corr_bound(u.size)
-    for v in leaves[i + 1:]:
+    for v in leaves[i + 1 :]:
       assert abs(np.corrcoef(u[:m], v[:m])[0, 1]) < _corr_bound(m)
 
 
@@ -127,8 +127,9 @@ def test_a_run_resumed_from_a_checkpoint_after_t_draws_the_straight_runs_noise(t
 
 
 def _stats(rows):
-  return clipping.ClipStats(jnp.float32(rows), jnp.int32(0), jnp.int32(0), jnp.float32(0),
-                            jnp.float32(0), jnp.float32(0))
+  return clipping.ClipStats(
+    jnp.float32(rows), jnp.int32(0), jnp.int32(0), jnp.float32(0), jnp.float32(0), jnp.float32(0)
+  )
 
 
 def _release(grad_sum, rows, t=0, seed=5):
@@ -136,8 +137,9 @@ def _release(grad_sum, rows, t=0, seed=5):
   acc = accumulator.add(accumulator.zeros(grad_sum), grad_sum, _stats(rows))
   params = jax.tree.map(jnp.zeros_like, grad_sum)
   opt = optax.sgd(1.0)
-  new, _, _ = accumulator.release(params, opt.init(params), acc, prng.noise_key(seed, t), opt,
-                                  SIGMA * C, B)
+  new, _, _ = accumulator.release(
+    params, opt.init(params), acc, prng.noise_key(seed, t), opt, SIGMA * C, B
+  )
   return jax.tree.map(lambda v: -np.asarray(v, np.float64), new)
 
 
@@ -159,9 +161,10 @@ def test_divides_by_the_expected_batch_size_not_the_rows_present(release):
   rng = np.random.default_rng(0)
   shapes = {'w': (100, 100), 'b': (100,)}
   rows = {k: rng.normal(size=(10, *s)) for k, s in shapes.items()}
-  norms = np.sqrt(sum(np.sum(r.reshape(10, -1)**2, 1) for r in rows.values()))
-  clipped = {k: r * np.minimum(1, C / norms).reshape(-1, *[1] * (r.ndim - 1))
-             for k, r in rows.items()}
+  norms = np.sqrt(sum(np.sum(r.reshape(10, -1) ** 2, 1) for r in rows.values()))
+  clipped = {
+    k: r * np.minimum(1, C / norms).reshape(-1, *[1] * (r.ndim - 1)) for k, r in rows.items()
+  }
   total = {k: jnp.asarray(v.sum(0), jnp.float32) for k, v in clipped.items()}
   minus_j = {k: jnp.asarray(v[1:].sum(0), jnp.float32) for k, v in clipped.items()}
   args = ((total, 10), (minus_j, 9)) if release is _release else ((total,), (minus_j,))

@@ -31,8 +31,9 @@ def _float32_matmuls():
 def _params():
   rng = np.random.default_rng(0)
   shapes = jax.eval_shape(lambda: MODEL.init(jax.random.PRNGKey(0), jnp.zeros((1, D))))
-  return jax.tree.map(lambda s: (rng.normal(size=s.shape) / np.sqrt(s.shape[0])).astype(
-      np.float32), shapes['params'])
+  return jax.tree.map(
+    lambda s: (rng.normal(size=s.shape) / np.sqrt(s.shape[0])).astype(np.float32), shapes['params']
+  )
 
 
 def _logical_batches(num_steps: int):
@@ -51,8 +52,15 @@ def _logical_batches(num_steps: int):
 @pytest.mark.parametrize('method', ['vmap', 'ghost'])
 def test_the_trainers_step_and_the_library_give_the_same_update(method):
   sampler = dpjax.PoissonSampler(num_examples=400, batch_size=8, seed=2**40 + 3)
-  plan = dpjax.PrivacyPlan.create(sampler, num_steps=3, clip_norm=0.4, noise_multiplier=1.3,
-                                  delta=1e-5, physical_batch_size=P, max_batch_size=3 * P)
+  plan = dpjax.PrivacyPlan.create(
+    sampler,
+    num_steps=3,
+    clip_norm=0.4,
+    noise_multiplier=1.3,
+    delta=1e-5,
+    physical_batch_size=P,
+    max_batch_size=3 * P,
+  )
   opt = optax.sgd(0.7, momentum=0.5)
   step = dp_step.DPStep.from_plan(MODEL, opt, plan, clipping=method, physical_loop='device')
   params, opt_state = _params(), opt.init(_params())
@@ -61,8 +69,9 @@ def test_the_trainers_step_and_the_library_give_the_same_update(method):
   tx = optax.chain(plan.privatizer(), opt)
   lib_params, lib_state = _params(), tx.init(_params())
   for t, (buffer, k) in enumerate(_logical_batches(3)):
-    params, opt_state, _ = step.train_step(params, opt_state, jax.tree.map(np.copy, buffer),
-                                           np.int32(k), np.uint32(t))
+    params, opt_state, _ = step.train_step(
+      params, opt_state, jax.tree.map(np.copy, buffer), np.int32(k), np.uint32(t)
+    )
     total = accumulator.GradSum.zeros(lib_params)
     for i in range(k):
       rows = {'x': buffer['x'][i], 'y': buffer['y'][i]}
@@ -72,8 +81,9 @@ def test_the_trainers_step_and_the_library_give_the_same_update(method):
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(lib_params)):
       np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
   assert int(lib_state[0].step) == 3
-  moved = sum(float(jnp.abs(a - b).sum()) for a, b in
-              zip(jax.tree.leaves(params), jax.tree.leaves(_params())))
+  moved = sum(
+    float(jnp.abs(a - b).sum()) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(_params()))
+  )
   assert moved > 0.1  # The comparison is of updates that happened.
 
 
@@ -82,7 +92,7 @@ def test_the_mechanism_is_one_function():
   total = {'v': jnp.arange(4.0)}
   key = jax.random.key(7)
   z = optax.tree.random_like(key, total, jax.random.normal)['v']
-  np.testing.assert_allclose(noise.noisy_mean(total, key, 0.6, 8.0)['v'],
-                             (jnp.arange(4.0) + 0.6 * z) / 8.0, rtol=1e-6)
-  np.testing.assert_array_equal(noise.noisy_mean(total, key, None, 2.0)['v'],
-                                jnp.arange(4.0) / 2.0)
+  np.testing.assert_allclose(
+    noise.noisy_mean(total, key, 0.6, 8.0)['v'], (jnp.arange(4.0) + 0.6 * z) / 8.0, rtol=1e-6
+  )
+  np.testing.assert_array_equal(noise.noisy_mean(total, key, None, 2.0)['v'], jnp.arange(4.0) / 2.0)

@@ -23,21 +23,35 @@ def test_margins_are_the_closed_form():
   assert precision.clip_margin('default', 'cpu') == precision.clip_margin('highest', 'cpu')
   assert precision.clip_margin('default', 'gpu') == pytest.approx(16 * 2**-11 / (1 - 2**-8))
   assert precision.clip_margin('default', 'tpu') == precision.clip_margin('bfloat16', 'cpu')
-  assert precision.clip_margin('bfloat16') == precision.format_margin('bfloat16') == pytest.approx(
-      16 * 2**-8 / (1 - 2**-5))
+  assert (
+    precision.clip_margin('bfloat16')
+    == precision.format_margin('bfloat16')
+    == pytest.approx(16 * 2**-8 / (1 - 2**-5))
+  )
   with pytest.raises(ValueError, match="config.precision = 'fp16'; valid: default, highest"):
     precision.check_precision('fp16')
   with pytest.raises(ValueError, match='config.precision'):
-    dp_step.DPStep(mlp.MLP(3, (4,)), optax.sgd(1.0), clip_norm=1.0, noise_multiplier=1.0,
-                   expected_batch_size=4, precision='fp16')
+    dp_step.DPStep(
+      mlp.MLP(3, (4,)),
+      optax.sgd(1.0),
+      clip_norm=1.0,
+      noise_multiplier=1.0,
+      expected_batch_size=4,
+      precision='fp16',
+    )
 
 
 def test_traced_matmul_format_reads_the_dtype_and_the_precision_setting():
   assert precision.traced_matmul_format(jnp.bfloat16) == 'bfloat16'
   assert precision.traced_matmul_format(jnp.float16) == 'bfloat16'
-  for setting, want in (('highest', 'float32'), ('float32', 'float32'), ('F32_F32_F32', 'float32'),
-                        ('tensorfloat32', 'tf32'), ('high', 'tf32'),
-                        ('BF16_BF16_F32', 'bfloat16')):
+  for setting, want in (
+    ('highest', 'float32'),
+    ('float32', 'float32'),
+    ('F32_F32_F32', 'float32'),
+    ('tensorfloat32', 'tf32'),
+    ('high', 'tf32'),
+    ('BF16_BF16_F32', 'bfloat16'),
+  ):
     with jax.default_matmul_precision(setting):
       assert precision.traced_matmul_format(jnp.float32, 'gpu') == want, setting
       assert precision.traced_matmul_format(jnp.bfloat16, 'gpu') == 'bfloat16'
@@ -65,8 +79,9 @@ def _model_and_rows(name, n):
     model = models.make_model(_config('wrn', depth=10, width=1), 10, shape)
   elif name == 'transformer':  # LayerNorm, attention, a per-example positional embedding.
     shape = (6, 8)
-    model = models.make_model(_config('transformer', num_layers=1, model_dim=16, mlp_dim=32,
-                                      num_heads=2), 10, shape)
+    model = models.make_model(
+      _config('transformer', num_layers=1, model_dim=16, mlp_dim=32, num_heads=2), 10, shape
+    )
   else:  # 'all_layers': every rule (RMSNorm, Embed, DenseGeneral, ...).
     model, shape, classes = AllLayers(), (6, 6, 3), 3
   x = rng.normal(size=(n, *shape)).astype(np.float32) * 2
@@ -75,9 +90,17 @@ def _model_and_rows(name, n):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('name,method', [('mlp', 'ghost'), ('mlp', 'vmap'), ('cnn', 'ghost'),
-                                         ('wrn', 'ghost'), ('transformer', 'ghost'),
-                                         ('all_layers', 'ghost')])
+@pytest.mark.parametrize(
+  'name,method',
+  [
+    ('mlp', 'ghost'),
+    ('mlp', 'vmap'),
+    ('cnn', 'ghost'),
+    ('wrn', 'ghost'),
+    ('transformer', 'ghost'),
+    ('all_layers', 'ghost'),
+  ],
+)
 def test_each_contribution_as_summed_in_bfloat16_has_norm_at_most_c(name, method):
   """One-hot weights materialise example i's contribution exactly as the weighted pass sums it.
 
@@ -88,26 +111,43 @@ def test_each_contribution_as_summed_in_bfloat16_has_norm_at_most_c(name, method
   n, c = 16, 0.05  # C far below every ‖g_i‖: every example is clipped.
   model, shape, x, y = _model_and_rows(name, n)
   params = prng.init_params(model, 0, shape)
-  step = dp_step.DPStep(model, optax.sgd(1.0), clip_norm=c, noise_multiplier=1.0,
-                        expected_batch_size=n, clipping=method, precision='bfloat16')
+  step = dp_step.DPStep(
+    model,
+    optax.sgd(1.0),
+    clip_norm=c,
+    noise_multiplier=1.0,
+    expected_batch_size=n,
+    clipping=method,
+    precision='bfloat16',
+  )
   margin = precision.clip_margin('bfloat16')
   assert step.clip_bound == c  # Clipped at C itself: the margin is in η, paid in ε.
   reference = name in ('mlp', 'cnn')
-  f32 = dp_step.DPStep(model, optax.sgd(1.0), clip_norm=c, noise_multiplier=1.0,
-                       expected_batch_size=n, clipping=method, precision='highest')
+  f32 = dp_step.DPStep(
+    model,
+    optax.sgd(1.0),
+    clip_norm=c,
+    noise_multiplier=1.0,
+    expected_batch_size=n,
+    clipping=method,
+    precision='highest',
+  )
   ratios, differs = [], []
   for i in range(n):
     batch = {'x': x, 'y': y, 'weight': np.eye(n, dtype=np.float32)[i]}
     acc = step.accumulate(params, step.init_accumulator(params), batch)
-    contribution = np.concatenate([np.ravel(np.asarray(g, np.float64))
-                                   for g in jax.tree.leaves(acc.grad_sum)])
+    contribution = np.concatenate(
+      [np.ravel(np.asarray(g, np.float64)) for g in jax.tree.leaves(acc.grad_sum)]
+    )
     norm = np.linalg.norm(contribution)
     assert norm <= c * (1 + margin), (i, norm)  # The guarantee: the margin η counts.
     ratios.append(norm / step.clip_bound)
     if not reference:
       continue
     ref = f32.accumulate(params, f32.init_accumulator(params), batch)
-    ref = np.concatenate([np.ravel(np.asarray(g, np.float64)) for g in jax.tree.leaves(ref.grad_sum)])
+    ref = np.concatenate(
+      [np.ravel(np.asarray(g, np.float64)) for g in jax.tree.leaves(ref.grad_sum)]
+    )
     differs.append(np.linalg.norm(contribution / norm - ref / np.linalg.norm(ref)))
   assert int(acc.stats.num_clipped) == 1
   # The computation really ran in bfloat16 (directions differ by ~u = 4e-3, not float32's 1e-7),
@@ -122,18 +162,28 @@ def test_highest_matches_a_float64_reference():
   n, c = 8, 0.3
   model, shape, x, y = _model_and_rows('mlp', n)
   params = prng.init_params(model, 0, shape)
-  step = dp_step.DPStep(model, optax.sgd(1.0), clip_norm=c, noise_multiplier=1.0,
-                        expected_batch_size=n, clipping='ghost', precision='highest')
-  acc = step.accumulate(params, step.init_accumulator(params),
-                        {'x': x, 'y': y, 'weight': np.ones(n, np.float32)})
+  step = dp_step.DPStep(
+    model,
+    optax.sgd(1.0),
+    clip_norm=c,
+    noise_multiplier=1.0,
+    expected_batch_size=n,
+    clipping='ghost',
+    precision='highest',
+  )
+  acc = step.accumulate(
+    params, step.init_accumulator(params), {'x': x, 'y': y, 'weight': np.ones(n, np.float32)}
+  )
   with jax.enable_x64(True):
     p64 = jax.tree.map(lambda v: jnp.asarray(v, jnp.float64), params)
     loss = lambda p, xi, yi: optax.softmax_cross_entropy_with_integer_labels(
-        model.apply({'params': p}, xi[None])[0], yi)
+      model.apply({'params': p}, xi[None])[0], yi
+    )
     grads = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(p64, jnp.asarray(x, jnp.float64), y)
-    norms = np.sqrt(sum(np.sum(np.reshape(g, (n, -1))**2, 1) for g in jax.tree.leaves(grads)))
+    norms = np.sqrt(sum(np.sum(np.reshape(g, (n, -1)) ** 2, 1) for g in jax.tree.leaves(grads)))
     bound = step.clip_bound  # C.
     want = jax.tree.map(lambda g: np.tensordot(np.minimum(1, bound / norms), g, axes=1), grads)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7),
-               acc.grad_sum, want)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), acc.grad_sum, want
+  )
   assert step.clip_bound == c

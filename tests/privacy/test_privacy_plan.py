@@ -40,8 +40,15 @@ def test_the_plan_binds_the_cap_the_batcher_and_the_accountant_use():
   # Both on a 10x coarser PLD grid than the default: the exact truncated event (N and N + 1)
   # costs 13 s on the default one and 0.9 s here, with the same ε to 6 digits (16.2994 vs 5.1483).
   grid = {'value_discretization_interval': 1e-3}
-  plan = privacy_plan.PrivacyPlan.create(sampler, num_steps=50, clip_norm=1.0, delta=1e-5,
-                                         noise_multiplier=1.0, max_batch_size=104, **grid)
+  plan = privacy_plan.PrivacyPlan.create(
+    sampler,
+    num_steps=50,
+    clip_norm=1.0,
+    delta=1e-5,
+    noise_multiplier=1.0,
+    max_batch_size=104,
+    **grid,
+  )
   batcher = plan.batcher(8, plan.privatizer().init({}))
   assert batcher.max_batch_size == plan.accountant.max_batch_size == plan.max_batch_size == 104
   assert any(batch.truncated for batch in batcher)
@@ -55,30 +62,43 @@ def test_an_accountant_needs_the_cap_of_a_sampler_whose_batcher_truncates(name):
   """Fails on da06065: `Accountant(sampler, σ, δ)` of a Poisson sampler answered as if no batch
   were truncated (4.07 where the batcher's cap made it 16.39, test above)."""
   sampler = samplers.make(name, 1000, 100, 3)
-  with pytest.raises(ValueError, match=r'^max_batch_size is required for the '
-                                       rf'{name} sampler: its batch sizes are Binomial'):
+  with pytest.raises(
+    ValueError,
+    match=r'^max_batch_size is required for the '
+    rf'{name} sampler: its batch sizes are Binomial',
+  ):
     accountant_lib.Accountant(sampler, 1.0, 1e-5)
   assert accountant_lib.Accountant(sampler, 1.0, 1e-5, max_batch_size=104).max_batch_size == 104
   assert accountant_lib.Accountant(sampler, 1.0, 1e-5, max_batch_size=None).max_batch_size is None
   # Fixed-size batches are never larger than b: nothing to truncate, nothing to say.
-  assert accountant_lib.Accountant(samplers.make('shuffle', 1000, 100, 3), 1.0,
-                                   1e-5).max_batch_size is None
+  assert (
+    accountant_lib.Accountant(samplers.make('shuffle', 1000, 100, 3), 1.0, 1e-5).max_batch_size
+    is None
+  )
 
 
 def test_the_step_made_from_the_plan_has_its_sigma_c_b_seed_and_precision():
-  plan = privacy_plan.PrivacyPlan.create(_sampler(), num_steps=10, clip_norm=0.5, delta=1e-5,
-                                         noise_multiplier=1.3, precision='highest')
+  plan = privacy_plan.PrivacyPlan.create(
+    _sampler(), num_steps=10, clip_norm=0.5, delta=1e-5, noise_multiplier=1.3, precision='highest'
+  )
   model = nn.Dense(3)
   step = dp_step.DPStep.from_plan(model, optax.sgd(0.1), plan)
-  assert (step.noise_multiplier, step.clip_norm, step.expected_batch_size, step.seed,
-          step.precision) == (1.3, 0.5, 100.0, 3, 'highest')
+  assert (
+    step.noise_multiplier,
+    step.clip_norm,
+    step.expected_batch_size,
+    step.seed,
+    step.precision,
+  ) == (1.3, 0.5, 100.0, 3, 'highest')
   with pytest.raises(TypeError, match='noise_multiplier come from the plan'):
     dp_step.DPStep.from_plan(model, optax.sgd(0.1), plan, noise_multiplier=0.1)
   with pytest.raises(TypeError, match='precision come from the plan'):  # Its η is accounted.
     dp_step.DPStep.from_plan(model, optax.sgd(0.1), plan, precision='bfloat16')
 
 
-@pytest.mark.parametrize('kwargs,match', [
+@pytest.mark.parametrize(
+  'kwargs,match',
+  [
     (dict(noise_multiplier=0.0), 'noise_multiplier must be a finite number > 0'),
     (dict(noise_multiplier=-1.0), 'noise_multiplier must be a finite number > 0'),
     (dict(noise_multiplier=math.inf), 'noise_multiplier must be a finite number > 0'),
@@ -88,7 +108,8 @@ def test_the_step_made_from_the_plan_has_its_sigma_c_b_seed_and_precision():
     (dict(delta=1e-3), r'delta = 0.001 is >= 1/N'),
     (dict(delta=0.0), 'delta must be a finite number > 0'),
     (dict(noise_multiplier=None), 'noise_multiplier or target_epsilon'),
-])
+  ],
+)
 def test_the_plan_and_the_step_refuse_what_has_no_guarantee(kwargs, match):
   args = dict(num_steps=10, clip_norm=1.0, delta=1e-5, noise_multiplier=1.0)
   args.update(kwargs)
@@ -103,33 +124,43 @@ def test_the_plan_and_the_step_refuse_what_has_no_guarantee(kwargs, match):
 
 def test_large_delta_needs_the_flag_and_a_warning_above_a_tenth_of_one_over_n():
   with pytest.warns(checks.LargeDeltaWarning, match='exceeds 1/'):
-    privacy_plan.PrivacyPlan.create(_sampler(), num_steps=10, clip_norm=1.0, delta=5e-4,
-                                    noise_multiplier=1.0)
-  plan = privacy_plan.PrivacyPlan.create(_sampler(), num_steps=10, clip_norm=1.0, delta=0.5,
-                                         noise_multiplier=1.0, allow_large_delta=True)
+    privacy_plan.PrivacyPlan.create(
+      _sampler(), num_steps=10, clip_norm=1.0, delta=5e-4, noise_multiplier=1.0
+    )
+  plan = privacy_plan.PrivacyPlan.create(
+    _sampler(), num_steps=10, clip_norm=1.0, delta=0.5, noise_multiplier=1.0, allow_large_delta=True
+  )
   assert plan.delta == 0.5
   with warnings.catch_warnings():
     warnings.simplefilter('error')
-    privacy_plan.PrivacyPlan.create(_sampler(), num_steps=10, clip_norm=1.0, delta=1e-5,
-                                    noise_multiplier=1.0)
+    privacy_plan.PrivacyPlan.create(
+      _sampler(), num_steps=10, clip_norm=1.0, delta=1e-5, noise_multiplier=1.0
+    )
 
 
 @pytest.mark.slow
 def test_calibration_and_the_budget():
-  plan = privacy_plan.PrivacyPlan.create(_sampler(), num_steps=20, clip_norm=1.0, delta=1e-5,
-                                         target_epsilon=2.0)
+  plan = privacy_plan.PrivacyPlan.create(
+    _sampler(), num_steps=20, clip_norm=1.0, delta=1e-5, target_epsilon=2.0
+  )
   assert plan.noise_multiplier_source == 'calibrated'
   assert 0.99 * 2.0 <= plan.final_report(estimates=False).epsilon <= 2.0
   with pytest.raises(privacy_plan.BudgetExceededError, match='above target_epsilon = 2'):
-    privacy_plan.PrivacyPlan.create(_sampler(), num_steps=20, clip_norm=1.0, delta=1e-5,
-                                    target_epsilon=2.0,
-                                    noise_multiplier=0.95 * plan.noise_multiplier)
+    privacy_plan.PrivacyPlan.create(
+      _sampler(),
+      num_steps=20,
+      clip_norm=1.0,
+      delta=1e-5,
+      target_epsilon=2.0,
+      noise_multiplier=0.95 * plan.noise_multiplier,
+    )
 
 
 def test_the_noise_of_a_step_is_keyed_by_the_steps_own_seed_and_step():
   """`apply` takes the step t, not a key: the noise is that of (the step's seed, t)."""
-  plan = privacy_plan.PrivacyPlan.create(_sampler(seed=9), num_steps=10, clip_norm=1.0,
-                                         delta=1e-5, noise_multiplier=2.0)
+  plan = privacy_plan.PrivacyPlan.create(
+    _sampler(seed=9), num_steps=10, clip_norm=1.0, delta=1e-5, noise_multiplier=2.0
+  )
   model = nn.Dense(2)
   params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 3)))['params']
   step = dp_step.DPStep.from_plan(model, optax.sgd(1.0), plan)
@@ -159,15 +190,19 @@ def test_a_loop_restarting_t_each_epoch_is_refused():
   at σ/√5 composed 10 times, ε = 15.5, while the plan's ε for 50 steps is 5.15.
   """
   sampler, epochs = samplers.make('poisson', 1000, 100, 7), 5
-  plan = privacy_plan.PrivacyPlan.create(sampler, num_steps=50, clip_norm=1.0, delta=1e-5,
-                                         noise_multiplier=1.0, **COARSE)
+  plan = privacy_plan.PrivacyPlan.create(
+    sampler, num_steps=50, clip_norm=1.0, delta=1e-5, noise_multiplier=1.0, **COARSE
+  )
   pure = batching.Batcher(sampler, 16, plan.max_batch_size)  # What the loop drew, per epoch.
   np.testing.assert_array_equal(pure.logical_batch(3).indices, pure.logical_batch(3).indices)
   batcher = plan.batcher(16, plan.privatizer().init({}))
   first_epoch = [batcher.logical_batch(t) for t in range(10)]
   assert [b.step for b in first_epoch] == list(range(10))
-  with pytest.raises(ValueError, match=r'^logical_batch\(0\): step 0 was drawn already \(the '
-                                       r'next is 10, of num_steps = 50\)'):
+  with pytest.raises(
+    ValueError,
+    match=r'^logical_batch\(0\): step 0 was drawn already \(the '
+    r'next is 10, of num_steps = 50\)',
+  ):
     batcher.logical_batch(0)  # Epoch 2, t restarted.
   with pytest.raises(ValueError, match=r'logical_batch\(11\) skips steps'):
     batcher.logical_batch(11)
@@ -175,8 +210,9 @@ def test_a_loop_restarting_t_each_epoch_is_refused():
   assert [b.step for b in rest] == list(range(10, 50)) and list(batcher) == []
   np.testing.assert_array_equal(rest[0].indices, pure.logical_batch(10).indices)
   claim = plan.epsilon_at(50).epsilon
-  reused = _epsilon((dp_event.PoissonSampledDpEvent(
-      0.1, dp_event.GaussianDpEvent(1.0 / math.sqrt(epochs))), 10))
+  reused = _epsilon(
+    (dp_event.PoissonSampledDpEvent(0.1, dp_event.GaussianDpEvent(1.0 / math.sqrt(epochs))), 10)
+  )
   assert claim == pytest.approx(5.148, abs=1e-2) and reused == pytest.approx(15.51, abs=1e-2)
 
 
@@ -189,38 +225,72 @@ def test_resuming_with_another_num_steps_keeps_sigma_or_is_refused():
   whole run's ε, 4.69 at 40 steps, must meet the budget).
   """
   sampler = samplers.make('poisson', 1000, 100, 5)
-  first = privacy_plan.PrivacyPlan.create(sampler, num_steps=20, clip_norm=1.0, delta=1e-5,
-                                          noise_multiplier=1.0, **COARSE)
+  first = privacy_plan.PrivacyPlan.create(
+    sampler, num_steps=20, clip_norm=1.0, delta=1e-5, noise_multiplier=1.0, **COARSE
+  )
   tx = optax.chain(first.privatizer(), optax.sgd(0.1))
   state = tx.init({'w': jnp.zeros(2)})
   state = (state[0]._replace(step=jnp.uint32(20)), *state[1:])  # As after 20 updates.
-  again = privacy_plan.PrivacyPlan.create(sampler, num_steps=40, clip_norm=1.0, delta=1e-5,
-                                          noise_multiplier=1.3, **COARSE)
-  with pytest.raises(ValueError, match=r"noise_multiplier: the state's 1.0 \(what ran\) vs "
-                                       r"the plan's 1.3.*resume_from=opt_state"):
+  again = privacy_plan.PrivacyPlan.create(
+    sampler, num_steps=40, clip_norm=1.0, delta=1e-5, noise_multiplier=1.3, **COARSE
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"noise_multiplier: the state's 1.0 \(what ran\) vs "
+    r"the plan's 1.3.*resume_from=opt_state",
+  ):
     again.batcher(16, state)
   poisson = lambda sigma: dp_event.PoissonSampledDpEvent(0.1, dp_event.GaussianDpEvent(sigma))
   claim, ran = again.epsilon_at(40).epsilon, _epsilon((poisson(1.0), 20), (poisson(1.3), 20))
   assert claim == pytest.approx(2.90, abs=0.01) and ran == pytest.approx(4.01, abs=0.01)
-  with pytest.raises(ValueError, match=r'noise_multiplier = 1.3 differs from the 1.0 of the '
-                                       'state to resume'):
-    privacy_plan.PrivacyPlan.create(sampler, num_steps=40, clip_norm=1.0, delta=1e-5,
-                                    noise_multiplier=1.3, resume_from=state)
+  with pytest.raises(
+    ValueError,
+    match=r'noise_multiplier = 1.3 differs from the 1.0 of the '
+    'state to resume',
+  ):
+    privacy_plan.PrivacyPlan.create(
+      sampler, num_steps=40, clip_norm=1.0, delta=1e-5, noise_multiplier=1.3, resume_from=state
+    )
   with pytest.raises(privacy_plan.BudgetExceededError, match='noise_multiplier = 1 over 40'):
-    privacy_plan.PrivacyPlan.create(sampler, num_steps=40, clip_norm=1.0, delta=1e-5,
-                                    target_epsilon=4.0, resume_from=state, **COARSE)
-  resumed = privacy_plan.PrivacyPlan.create(sampler, num_steps=40, clip_norm=1.0, delta=1e-5,
-                                            target_epsilon=5.0, resume_from=state, **COARSE)
-  assert (resumed.noise_multiplier, resumed.noise_multiplier_source,
-          resumed.max_batch_size) == (1.0, 'checkpoint', first.max_batch_size)
+    privacy_plan.PrivacyPlan.create(
+      sampler,
+      num_steps=40,
+      clip_norm=1.0,
+      delta=1e-5,
+      target_epsilon=4.0,
+      resume_from=state,
+      **COARSE,
+    )
+  resumed = privacy_plan.PrivacyPlan.create(
+    sampler,
+    num_steps=40,
+    clip_norm=1.0,
+    delta=1e-5,
+    target_epsilon=5.0,
+    resume_from=state,
+    **COARSE,
+  )
+  assert (resumed.noise_multiplier, resumed.noise_multiplier_source, resumed.max_batch_size) == (
+    1.0,
+    'checkpoint',
+    first.max_batch_size,
+  )
   assert resumed.batcher(16, state).next_step == 20
-  with pytest.raises(ValueError, match=r"clip_norm: the state's 1.0 \(what ran\) vs the "
-                                       r"resumed plan's 0.5"):
-    privacy_plan.PrivacyPlan.create(sampler, num_steps=40, clip_norm=0.5, delta=1e-5,
-                                    resume_from=state)
+  with pytest.raises(
+    ValueError,
+    match=r"clip_norm: the state's 1.0 \(what ran\) vs the "
+    r"resumed plan's 0.5",
+  ):
+    privacy_plan.PrivacyPlan.create(
+      sampler, num_steps=40, clip_norm=0.5, delta=1e-5, resume_from=state
+    )
   # On another platform (GPU: TF32 matmuls) η differs, and so does the fingerprint: the
   # refusal names what a user can change (the message named only sampler, N, b, δ, ...).
-  with pytest.raises(ValueError, match=r'the fingerprint \(.*matmul format and η of the '
-                                       r'precision and platform'):
-    privacy_plan.PrivacyPlan.create(sampler, num_steps=40, clip_norm=1.0, delta=1e-5,
-                                    resume_from=state, platform='gpu', **COARSE)
+  with pytest.raises(
+    ValueError,
+    match=r'the fingerprint \(.*matmul format and η of the '
+    r'precision and platform',
+  ):
+    privacy_plan.PrivacyPlan.create(
+      sampler, num_steps=40, clip_norm=1.0, delta=1e-5, resume_from=state, platform='gpu', **COARSE
+    )

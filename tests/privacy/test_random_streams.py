@@ -46,7 +46,6 @@ def built_seed_sequences(monkeypatch):
   made = []
 
   class Recorded(np.random.SeedSequence):
-
     def __init__(self, *args, **kwargs):
       super().__init__(*args, **kwargs)
       made.append(self)
@@ -57,6 +56,7 @@ def built_seed_sequences(monkeypatch):
     del made[:]
     call()
     return list(made)
+
   return record
 
 
@@ -79,8 +79,9 @@ def _host_streams(record, seed) -> dict[str, list]:
     streams['sampling'] += [_one(record, lambda: sampler.indices(t), name) for t in STEPS]
   for name in PER_EPOCH:  # Epoch e starts at step e·T.
     sampler = samplers.make(name, 20, 10, seed)
-    streams['sampling'] += [_one(record, lambda: sampler.indices(e * sampler.steps_per_epoch),
-                                 name) for e in STEPS]
+    streams['sampling'] += [
+      _one(record, lambda: sampler.indices(e * sampler.steps_per_epoch), name) for e in STEPS
+    ]
   # q = 0.9 over 100 rows and a cap of 10: every step is truncated.
   batcher = batching.Batcher(samplers.make('poisson', 100, 90, seed), 1, 10)
   for t in STEPS:
@@ -100,7 +101,9 @@ def test_host_streams_are_derived_from_the_seed_and_their_own_id(built_seed_sequ
   for consumer, built in _host_streams(built_seed_sequences, seed).items():
     for seed_sequence in built:
       assert list(seed_sequence.entropy)[:2] == [seed, ids[consumer]], (
-          consumer, seed_sequence.entropy)
+        consumer,
+        seed_sequence.entropy,
+      )
 
 
 @pytest.mark.parametrize('seed', SEEDS)
@@ -109,14 +112,15 @@ def test_sampling_truncation_and_audit_streams_are_pairwise_distinct(built_seed_
   streams = {k: {_bits(s) for s in v} for k, v in _host_streams(built_seed_sequences, seed).items()}
   names = sorted(streams)
   for i, a in enumerate(names):
-    for b in names[i + 1:]:
+    for b in names[i + 1 :]:
       assert not streams[a] & streams[b], f'{a} and {b} draw the same stream for seed {seed}'
 
 
 def _reference_stream(seed: int, stream: Stream) -> jax.Array:
   """fold_in(threefry key of the 64 seed bits, id), written with jax.random alone."""
-  root = jax.random.wrap_key_data(np.asarray([seed >> 32, seed & 0xFFFFFFFF], np.uint32),
-                                  impl='threefry2x32')
+  root = jax.random.wrap_key_data(
+    np.asarray([seed >> 32, seed & 0xFFFFFFFF], np.uint32), impl='threefry2x32'
+  )
   return jax.random.fold_in(root, int(stream))
 
 
@@ -150,8 +154,9 @@ class _KeyRecorder:
 def _lora_a(seed: int) -> np.ndarray:
   """The LoRA adapter A that `make_finetune` draws for one 3x2 kernel (unscaled)."""
   params = {'dense': {'kernel': np.zeros((3, 2), np.float32), 'bias': np.zeros(2, np.float32)}}
-  _, trainable = finetune.make_finetune(None, params, lora_rank=1, lora_alpha=1.0,
-                                        lora_targets=('kernel',), seed=seed)
+  _, trainable = finetune.make_finetune(
+    None, params, lora_rank=1, lora_alpha=1.0, lora_targets=('kernel',), seed=seed
+  )
   (a,) = [v for k, v in finetune.flatten(trainable).items() if k.endswith(finetune.LORA_A)]
   return np.asarray(a) * np.sqrt(3.0)
 
@@ -168,7 +173,8 @@ def test_device_streams_are_derived_from_the_seed_and_their_own_id(seed):
   prng.init_params(model, seed, (1,))
   assert _data(model.keys[0]) == _data(_reference_stream(seed, Stream.INIT))
   assert tuple(np.asarray(augmult.stream_data(seed)).ravel()) == _data(
-      _reference_stream(seed, Stream.VIEWS))
+    _reference_stream(seed, Stream.VIEWS)
+  )
   a = jax.random.normal(jax.random.fold_in(_reference_stream(seed, Stream.LORA), 0), (3, 1))
   np.testing.assert_allclose(_lora_a(seed), a, rtol=1e-6)
 
@@ -179,9 +185,11 @@ def test_noise_keys_are_distinct_from_the_other_device_streams(seed):
   step 2 with the initial parameters' key (and step 3 with the views' stream)."""
   model = _KeyRecorder()
   prng.init_params(model, seed, (1,))
-  others = {'init': _data(model.keys[0]),
-            'views': tuple(int(w) for w in np.asarray(augmult.stream_data(seed)).ravel()),
-            'lora': _data(prng.stream_key(seed, Stream.LORA))}
+  others = {
+    'init': _data(model.keys[0]),
+    'views': tuple(int(w) for w in np.asarray(augmult.stream_data(seed)).ravel()),
+    'lora': _data(prng.stream_key(seed, Stream.LORA)),
+  }
   assert len(set(others.values())) == len(others), others
   stream = prng.noise_stream_data(seed)
   noise_keys = {_data(prng.step_noise_key(stream, t)): t for t in STEPS}
@@ -189,8 +197,9 @@ def test_noise_keys_are_distinct_from_the_other_device_streams(seed):
     assert key not in noise_keys, f'noise of step {noise_keys.get(key)} is keyed like {name}'
   # The keys above are the ones the privatizer draws with (bits, not just key names).
   for t, z in enumerate(_noise_of_steps(seed, 3)):
-    expected = optax.tree.random_like(prng.step_noise_key(stream, t), {'w': np.zeros(6, np.float32)},
-                                      jax.random.normal)['w']
+    expected = optax.tree.random_like(
+      prng.step_noise_key(stream, t), {'w': np.zeros(6, np.float32)}, jax.random.normal
+    )['w']
     np.testing.assert_array_equal(z, np.asarray(expected, np.float32))
 
 
@@ -199,8 +208,9 @@ def test_every_stream_id_is_named_once_in_the_registry():
   assert len({int(s) for s in Stream}) == len(Stream)
   assert set(random_streams.HOST_STREAMS) == {Stream.SAMPLER, Stream.TRUNCATION, Stream.AUDIT}
   for module in (samplers, batching, canaries, augmult, finetune, prng):
-    own = [n for n in vars(module) if n.endswith('_STREAM') and n not in ('NOISE_STREAM',
-                                                                          'INIT_STREAM')]
+    own = [
+      n for n in vars(module) if n.endswith('_STREAM') and n not in ('NOISE_STREAM', 'INIT_STREAM')
+    ]
     assert not own, f'{module.__name__} defines its own stream ids {own}'
   assert prng.NOISE_STREAM is Stream.NOISE and prng.INIT_STREAM is Stream.INIT
   with pytest.raises(ValueError, match='JAX stream'):

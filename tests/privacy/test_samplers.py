@@ -23,7 +23,9 @@ P_MIN = 1e-4
 
 
 def make(name, num_examples, batch_size, seed=0):
-  config = ml_collections.ConfigDict({'seed': seed, 'sampler': {'name': name, 'batch_size': batch_size}})
+  config = ml_collections.ConfigDict(
+    {'seed': seed, 'sampler': {'name': name, 'batch_size': batch_size}}
+  )
   return plan_lib.make_sampler(config, num_examples)
 
 
@@ -32,9 +34,12 @@ def binomial_chi2_pvalue(sizes, n, p):
   sizes = np.asarray(sizes)
   lo, hi = stats.binom.ppf([1e-3, 1 - 1e-3], n, p).astype(int)
   edges = np.arange(lo, hi + 2)
-  observed = np.array([(sizes < lo).sum()] + [np.sum(sizes == k) for k in edges[:-1]] + [(sizes > hi).sum()])
-  probs = np.concatenate([[stats.binom.cdf(lo - 1, n, p)], stats.binom.pmf(edges[:-1], n, p),
-                          [stats.binom.sf(hi, n, p)]])
+  observed = np.array(
+    [(sizes < lo).sum()] + [np.sum(sizes == k) for k in edges[:-1]] + [(sizes > hi).sum()]
+  )
+  probs = np.concatenate(
+    [[stats.binom.cdf(lo - 1, n, p)], stats.binom.pmf(edges[:-1], n, p), [stats.binom.sf(hi, n, p)]]
+  )
   expected = probs * len(sizes)
   # Merge bins with expected count < 5 into neighbours.
   obs_m, exp_m, acc_o, acc_e = [], [], 0.0, 0.0
@@ -104,11 +109,13 @@ def test_poisson_rejects_a_biased_sampler():
 
 def test_poisson_cost_does_not_grow_with_dataset_size():
   small, large = make('poisson', 10_000, 256), make('poisson', 10**9, 256)
+
   def per_step(s):
     start = time.perf_counter()
     for t in range(200):
       s.indices(t)
     return time.perf_counter() - start
+
   per_step(small)
   assert per_step(large) < 5 * per_step(small) + 0.05
 
@@ -128,7 +135,12 @@ def test_epoch_samplers_use_every_example_exactly_once_per_epoch(name):
 
 def test_deterministic_is_dataset_order():
   s = make('deterministic', 10, 4)
-  assert [s.indices(t).tolist() for t in range(4)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [0, 1, 2, 3]]
+  assert [s.indices(t).tolist() for t in range(4)] == [
+    [0, 1, 2, 3],
+    [4, 5, 6, 7],
+    [8, 9],
+    [0, 1, 2, 3],
+  ]
 
 
 def test_balls_and_bins_sizes_are_binomial_and_bins_uniform():
@@ -200,12 +212,15 @@ def test_expected_batch_sizes_and_probabilities():
   assert make('shuffle', 1000, 64).expected_batch_size == 64
 
 
-@pytest.mark.parametrize('name,batch_size,message', [
+@pytest.mark.parametrize(
+  'name,batch_size,message',
+  [
     ('bogus', 10, 'sampler.name'),
     ('poisson', 2000, 'sampler.batch_size'),
     ('shuffle', 0, 'sampler.batch_size'),
     ('fixed_size', 2.5, 'sampler.batch_size'),
-])
+  ],
+)
 def test_bad_input_names_the_field(name, batch_size, message):
   with pytest.raises(ValueError, match=message):
     make(name, 1000, batch_size)
@@ -235,8 +250,9 @@ def traced_peak_bytes(fn):
     tracemalloc.stop()
 
 
-@pytest.mark.parametrize('name', ['poisson', 'fixed_size', 'fixed_size_with_replacement',
-                                  'deterministic'])
+@pytest.mark.parametrize(
+  'name', ['poisson', 'fixed_size', 'fixed_size_with_replacement', 'deterministic']
+)
 def test_per_step_samplers_allocate_o_of_b_at_n_1e8(name):
   s = make(name, 10**8, 256, seed=1)
   for step in (0, 390_626):  # Also past the first epoch.
@@ -275,24 +291,33 @@ def test_no_module_outside_samplers_branches_on_a_sampler_name():
   equal to samplers.SAMPLER_NAMES)."""
   import ast  # pylint: disable=import-outside-toplevel
   import pathlib  # pylint: disable=import-outside-toplevel
+
   root = pathlib.Path(samplers.__file__).parent
   found = []
   for path in sorted(root.rglob('*.py')):
     if path.name in ('samplers.py', 'names.py', 'config_fields.py') or 'configs' in path.parts:
       continue
     tree = ast.parse(path.read_text())
-    defaults = {id(d) for node in ast.walk(tree) if isinstance(
-        node, (ast.FunctionDef, ast.AsyncFunctionDef)) for d in
-                node.args.defaults + [d for d in node.args.kw_defaults if d is not None]}
-    found += [f'{path.relative_to(root)}:{node.lineno}: {node.value!r}'
-              for node in ast.walk(tree) if isinstance(node, ast.Constant)
-              and node.value in samplers.SAMPLER_NAMES and id(node) not in defaults]
+    defaults = {
+      id(d)
+      for node in ast.walk(tree)
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+      for d in node.args.defaults + [d for d in node.args.kw_defaults if d is not None]
+    }
+    found += [
+      f'{path.relative_to(root)}:{node.lineno}: {node.value!r}'
+      for node in ast.walk(tree)
+      if isinstance(node, ast.Constant)
+      and node.value in samplers.SAMPLER_NAMES
+      and id(node) not in defaults
+    ]
   assert not found, found
 
 
 @pytest.mark.parametrize('name', samplers.SAMPLER_NAMES)
 def test_every_sampler_names_an_analysis_the_accountant_has(name):
   from dpjax.privacy.accounting import analyses  # pylint: disable=import-outside-toplevel
+
   cls = samplers.sampler_class(name)
   assert cls.analysis in analyses.ANALYSES
   assert set(cls.group_accountants) <= set(cls.accountants) | {'pld'}
@@ -303,6 +328,7 @@ def test_the_names_the_flags_offer_are_the_registries():
   from dpjax.privacy import names  # pylint: disable=import-outside-toplevel
   from dpjax.privacy import samplers  # pylint: disable=import-outside-toplevel
   from dpjax.privacy.accounting import accountant  # pylint: disable=import-outside-toplevel
+
   assert names.SAMPLER_NAMES == samplers.SAMPLER_NAMES  # The registry's keys, in its order.
   assert all(samplers.sampler_class(name).name == name for name in names.SAMPLER_NAMES)
   assert accountant.ACCOUNTANTS is names.ACCOUNTANTS

@@ -41,19 +41,27 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 NUM_DEVICES = 4
 NUM_STEPS = 6
 PARITY_ATOL = 1e-5
-GLOO_LINE = ('[Gloo] Rank 1 is connected to 1 peer ranks. '  # What process 1 may print.
-             'Expected number of connected peer ranks is : 1')
+GLOO_LINE = (
+  '[Gloo] Rank 1 is connected to 1 peer ranks. '  # What process 1 may print.
+  'Expected number of connected peer ranks is : 1'
+)
 RUN = {  # configs/digits_mlp.py with these fields, for every run here.
-    'seed': 0,  # Fixed: runs on different device counts are compared bit for bit.
-    'num_epochs': 0, 'num_steps': NUM_STEPS, 'sampler.batch_size': 128,
-    'sampler.physical_batch_size': 32,  # 8 rows per device on 4 devices.
-    'privacy.target_epsilon': 0.0, 'privacy.noise_multiplier': 1.0, 'log_every_steps': 3,
-    'eval_every_steps': 100,  # Evaluated at steps 0 and 6 only.
-    'checkpoint_every_steps': 3}
+  'seed': 0,  # Fixed: runs on different device counts are compared bit for bit.
+  'num_epochs': 0,
+  'num_steps': NUM_STEPS,
+  'sampler.batch_size': 128,
+  'sampler.physical_batch_size': 32,  # 8 rows per device on 4 devices.
+  'privacy.target_epsilon': 0.0,
+  'privacy.noise_multiplier': 1.0,
+  'log_every_steps': 3,
+  'eval_every_steps': 100,  # Evaluated at steps 0 and 6 only.
+  'checkpoint_every_steps': 3,
+}
 
 
 def _config(**overrides):
   from dpjax.configs import digits_mlp  # pylint: disable=g-import-not-at-top
+
   config = digits_mlp.get_config()
   config.update_from_flattened_dict({**RUN, **overrides})
   return config
@@ -61,6 +69,7 @@ def _config(**overrides):
 
 def _flat(tree):
   import jax  # pylint: disable=g-import-not-at-top
+
   return np.concatenate([np.asarray(x, np.float64).ravel() for x in jax.tree.leaves(tree)])
 
 
@@ -91,8 +100,10 @@ def _worker(outdir):
   # dp_accounting by the tests (a shared accountant made a resume compare ε with itself).
   out = {'device_count': jax.device_count()}
   # (b) Bad P or device count: a clear error before anything is written.
-  for name, overrides in (('bad_p', {'sampler.physical_batch_size': 30}),
-                          ('bad_devices', {'num_devices': 5})):
+  for name, overrides in (
+    ('bad_p', {'sampler.physical_batch_size': 30}),
+    ('bad_devices', {'num_devices': 5}),
+  ):
     try:
       train.train_and_evaluate(_config(**overrides), os.path.join(outdir, name))
       out[name] = None
@@ -105,8 +116,9 @@ def _worker(outdir):
   config = _config()
   source, _ = data.make_sources(config.data)
   model = models.make_model(config.model, source.num_classes, source.input_shape)
-  step = dp_step.DPStep(model, optax.sgd(1.0), clip_norm=1.0, noise_multiplier=1.0,
-                        expected_batch_size=128, mesh=mesh)
+  step = dp_step.DPStep(
+    model, optax.sgd(1.0), clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=128, mesh=mesh
+  )
   host_params = jax.device_get(prng.init_params(model, 0, source.input_shape))
   host_batch = source.gather(np.arange(32))
   host_batch['weight'] = np.ones(32, np.float32)
@@ -118,10 +130,19 @@ def _worker(outdir):
   # The per-example-gradient clipping (the runs below use ghost clipping) gives the same sums.
   sums = {}
   one_device = lambda tree: jax.device_put(tree, jax.devices()[0])
-  for name, mesh_, p, b in (('vmap4', mesh, params, batch),
-                            ('vmap1', None, one_device(host_params), one_device(host_batch))):
-    vmap_step = dp_step.DPStep(model, optax.sgd(1.0), clip_norm=0.1, noise_multiplier=1.0,
-                               expected_batch_size=128, clipping='vmap', mesh=mesh_)
+  for name, mesh_, p, b in (
+    ('vmap4', mesh, params, batch),
+    ('vmap1', None, one_device(host_params), one_device(host_batch)),
+  ):
+    vmap_step = dp_step.DPStep(
+      model,
+      optax.sgd(1.0),
+      clip_norm=0.1,
+      noise_multiplier=1.0,
+      expected_batch_size=128,
+      clipping='vmap',
+      mesh=mesh_,
+    )
     acc = vmap_step.accumulate(p, vmap_step.init_accumulator(p), b)
     out[name + '_devices'] = len(jax.tree.leaves(acc.grad_sum)[0].sharding.device_set)
     sums[name] = _flat(acc.grad_sum)
@@ -133,8 +154,11 @@ def _worker(outdir):
   for name, num_devices in (('full4', 0), ('full1', 1)):
     result = train.train_and_evaluate(_config(num_devices=num_devices), os.path.join(outdir, name))
     arrays[name] = _flat(result['params'])
-    out[name] = {'epsilon': result['privacy']['epsilon'], 'compilations': result['compilations'],
-                 'param_devices': len(jax.tree.leaves(result['params'])[0].sharding.device_set)}
+    out[name] = {
+      'epsilon': result['privacy']['epsilon'],
+      'compilations': result['compilations'],
+      'param_devices': len(jax.tree.leaves(result['params'])[0].sharding.device_set),
+    }
 
   # (c) Resume a 4-device checkpoint on 4 devices (exact) and on 1 device.
   for name, num_devices in (('resume4', 0), ('resume1', 1)):
@@ -142,22 +166,33 @@ def _worker(outdir):
     with contextlib.redirect_stdout(stdout):
       result = _resume_from_step_3(outdir, 'full4', name, num_devices, train)
     arrays[name] = _flat(result['params'])
-    out[name] = {'epsilon': result['privacy']['epsilon'],
-                 'resumed_from_3': 'Resuming from step 3' in stdout.getvalue(),
-                 'checkpoint_epsilons': [
-                     row['privacy']['epsilon']
-                     for row in checkpoints.read_metadata(os.path.join(outdir, name))]}
+    out[name] = {
+      'epsilon': result['privacy']['epsilon'],
+      'resumed_from_3': 'Resuming from step 3' in stdout.getvalue(),
+      'checkpoint_epsilons': [
+        row['privacy']['epsilon'] for row in checkpoints.read_metadata(os.path.join(outdir, name))
+      ],
+    }
   out['full4_checkpoint_epsilons'] = [
-      row['privacy']['epsilon'] for row in checkpoints.read_metadata(os.path.join(outdir, 'full4'))]
+    row['privacy']['epsilon'] for row in checkpoints.read_metadata(os.path.join(outdir, 'full4'))
+  ]
   # The saved step-3 state restores bit for bit onto a 1-device mesh.
   optimizer = optimizers.make_optimizer(config.optimizer, config.num_steps)
   manager = checkpoints.make_manager(os.path.join(outdir, 'full4'), 3, read_only=True)
   for name, mesh_ in (('restored_on_1', sharding.make_mesh(1)), ('restored_on_4', mesh)):
-    target = sharding.replicate(mesh_, training_loop.TrainState(
-        step=np.int32(0), params=host_params, opt_state=optimizer.init(host_params),
-        num_truncated=np.int32(0), ema=ema_lib.init(host_params)))
-    state = manager.restore(3, args=checkpoints.ocp.args.Composite(
-        state=checkpoints.ocp.args.StandardRestore(target)))['state']
+    target = sharding.replicate(
+      mesh_,
+      training_loop.TrainState(
+        step=np.int32(0),
+        params=host_params,
+        opt_state=optimizer.init(host_params),
+        num_truncated=np.int32(0),
+        ema=ema_lib.init(host_params),
+      ),
+    )
+    state = manager.restore(
+      3, args=checkpoints.ocp.args.Composite(state=checkpoints.ocp.args.StandardRestore(target))
+    )['state']
     arrays[name] = _flat(state.params)
     out[name + '_devices'] = len(jax.tree.leaves(state.params)[0].sharding.device_set)
   np.savez(os.path.join(outdir, 'params.npz'), **arrays)
@@ -172,9 +207,11 @@ def _free_port() -> int:
 
 
 def _devices_env(count: int) -> dict:
-  return dict(os.environ, JAX_PLATFORMS='cpu',
-              XLA_FLAGS=f'{os.environ.get("XLA_FLAGS", "")} '
-                       f'--xla_force_host_platform_device_count={count}')
+  return dict(
+    os.environ,
+    JAX_PLATFORMS='cpu',
+    XLA_FLAGS=f'{os.environ.get("XLA_FLAGS", "")} --xla_force_host_platform_device_count={count}',
+  )
 
 
 def _run_both(outdir):
@@ -182,16 +219,37 @@ def _run_both(outdir):
   outdir = pathlib.Path(outdir)
   port = _free_port()
   flags_ = [f'--config.{key}={value}' for key, value in RUN.items()]
-  hosts = [subprocess.Popen(
-      [sys.executable, '-m', 'dpjax.train', f'--config={REPO}/configs/digits_mlp.py',
-       f'--workdir={outdir / "multihost"}', *flags_, '--distributed',
-       f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}'],
-      cwd=REPO, env=dict(_devices_env(2), PYTHONFAULTHANDLER='1'), stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True) for i in range(2)]
+  hosts = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        '-m',
+        'dpjax.train',
+        f'--config={REPO}/configs/digits_mlp.py',
+        f'--workdir={outdir / "multihost"}',
+        *flags_,
+        '--distributed',
+        f'--coordinator_address=localhost:{port}',
+        '--num_processes=2',
+        f'--process_id={i}',
+      ],
+      cwd=REPO,
+      env=dict(_devices_env(2), PYTHONFAULTHANDLER='1'),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for i in range(2)
+  ]
   try:
-    proc = subprocess.run([sys.executable, '-m', 'tests.privacy.test_sharding', str(outdir)], cwd=REPO,
-                          env=_devices_env(NUM_DEVICES), capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+      [sys.executable, '-m', 'tests.privacy.test_sharding', str(outdir)],
+      cwd=REPO,
+      env=_devices_env(NUM_DEVICES),
+      capture_output=True,
+      text=True,
+      timeout=600,
+    )
     host_out = [host.communicate(timeout=300) for host in hosts]
   except subprocess.TimeoutExpired:  # A hang: every thread's Python stack, then fail.
     for host in hosts:
@@ -233,7 +291,9 @@ def test_four_devices_match_one_device_and_report_the_same_epsilon(worker):
   assert results['accumulate_has_all_reduce']
   assert results['full4']['param_devices'] == NUM_DEVICES and results['full1']['param_devices'] == 1
   np.testing.assert_allclose(params['full4'], params['full1'], rtol=0, atol=PARITY_ATOL)
-  assert not np.allclose(params['full4'], params['restored_on_1'], atol=1e-3)  # Training moved them.
+  assert not np.allclose(
+    params['full4'], params['restored_on_1'], atol=1e-3
+  )  # Training moved them.
   assert results['full4']['epsilon'] == results['full1']['epsilon']
   assert results['full4']['compilations'] == {'train_steps': 1}
 
@@ -247,6 +307,7 @@ def test_vmap_clipping_sums_match_across_device_counts(worker):
 
 def test_two_hosts_train_like_one_and_only_process_0_writes(runs):
   from dpjax.trainer import checkpoints  # pylint: disable=g-import-not-at-top
+
   results, params, outdir = runs
   workdir = str(outdir / 'multihost')
   process0, process1 = results['host_stdout']
@@ -293,6 +354,7 @@ def test_every_run_and_resume_reports_the_epsilon_of_dp_accounting(runs):
   even refused by the run's own fingerprint check once each run built its own).
   """
   from dpjax.trainer import checkpoints  # pylint: disable=g-import-not-at-top
+
   _, _, outdir = runs
   q = RUN['sampler.batch_size'] / 1437  # sklearn's digits: 1,437 training rows.
   expected = {}
@@ -303,7 +365,8 @@ def test_every_run_and_resume_reports_the_epsilon_of_dp_accounting(runs):
       fp = row['fingerprint']
       assert (fp['sampler.num_examples'], fp['privacy.noise_multiplier']) == (1437, 1.0)
       assert fp['privacy.rounding_eta'] == pytest.approx(
-          independent.float32_eta(fp['sampler.max_batch_size']), rel=1e-9)
+        independent.float32_eta(fp['sampler.max_batch_size']), rel=1e-9
+      )
       key = (row['step'], fp['privacy.delta'], fp['privacy.rounding_eta'])
       if key not in expected:
         expected[key] = independent.poisson_gaussian_epsilon(q, 1.0, *key)

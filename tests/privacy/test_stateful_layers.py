@@ -23,8 +23,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def _example():
   """examples/own_loop_dropout.py as a module (its MLP, loss and dropout_keys)."""
-  spec = importlib.util.spec_from_file_location('own_loop_dropout',
-                                                ROOT / 'examples' / 'own_loop_dropout.py')
+  spec = importlib.util.spec_from_file_location(
+    'own_loop_dropout', ROOT / 'examples' / 'own_loop_dropout.py'
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -56,14 +57,20 @@ def test_per_example_dropout_follows_each_examples_key():
     one_loss = jax.jit(fm.loss(ex.loss))  # No vmap, no clipping: the model on one example.
     direct = [one_loss(fm.params, jax.tree.map(lambda l, i=i: l[i], batch)) for i in range(4)]
     reference = jax.jit(dpjax.clipped_grad(fm.loss(ex.loss), clip_norm=1e6, method='vmap'))(
-        fm.params, batch, jnp.ones(4))[0]
+      fm.params, batch, jnp.ones(4)
+    )[0]
   np.testing.assert_allclose(rows.loss, np.array(direct), rtol=1e-6)
   assert rows.loss[0] == rows.loss[2] and rows.norm[0] == rows.norm[2]
   assert abs(rows.loss[0] - rows.loss[1]) > 1e-3 and abs(rows.norm[0] - rows.norm[1]) > 1e-3
   for a, b in zip(jax.tree.leaves(alone[0]), jax.tree.leaves(alone[2])):
     np.testing.assert_array_equal(a, b)
-  assert max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
-      jax.tree.leaves(alone[0]), jax.tree.leaves(alone[1]))) > 1e-3
+  assert (
+    max(
+      float(jnp.max(jnp.abs(a - b)))
+      for a, b in zip(jax.tree.leaves(alone[0]), jax.tree.leaves(alone[1]))
+    )
+    > 1e-3
+  )
   without = ex.loss(model, {**jax.tree.map(lambda l: l[0], batch), 'dropout_key': None})
   assert abs(float(without) - float(rows.loss[0])) > 1e-3  # The mask drops units.
   for a, b in zip(jax.tree.leaves(total), jax.tree.leaves(reference)):
@@ -73,8 +80,9 @@ def test_per_example_dropout_follows_each_examples_key():
 class _NNXNet(nnx.Module):
   def __init__(self, layer: str, rngs: nnx.Rngs):
     self.hidden = nnx.Linear(8, 16, rngs=rngs)
-    self.layer = (nnx.BatchNorm(16, rngs=rngs) if layer == 'batch_norm' else
-                  nnx.Dropout(0.5, rngs=rngs))
+    self.layer = (
+      nnx.BatchNorm(16, rngs=rngs) if layer == 'batch_norm' else nnx.Dropout(0.5, rngs=rngs)
+    )
     self.head = nnx.Linear(16, 3, rngs=rngs)
 
   def __call__(self, x):
@@ -87,8 +95,11 @@ class _LinenNet(nn.Module):
   @nn.compact
   def __call__(self, x):
     h = nn.relu(nn.Dense(16)(x))
-    h = (nn.BatchNorm(use_running_average=False)(h) if self.layer == 'batch_norm' else
-         nn.Dropout(0.5, deterministic=False)(h))
+    h = (
+      nn.BatchNorm(use_running_average=False)(h)
+      if self.layer == 'batch_norm'
+      else nn.Dropout(0.5, deterministic=False)(h)
+    )
     return nn.Dense(3)(h)
 
 
@@ -97,12 +108,22 @@ def _loss(logits, y):
 
 
 @pytest.mark.parametrize('framework', ['nnx', 'linen'])
-@pytest.mark.parametrize('layer, fix', [
-    ('batch_norm', r'BatchNorm normalises with statistics of the batch.*not DP-compatible across '
-                   r'examples\. Use GroupNorm or LayerNorm.*use_running_average=True'),
-    ('dropout', r"Dropout.*its own key in the batch.*'dropout_key'.*README, \"Dropout and "
-                r'BatchNorm in your own loop\"'),
-], ids=['batch_norm', 'dropout'])
+@pytest.mark.parametrize(
+  'layer, fix',
+  [
+    (
+      'batch_norm',
+      r'BatchNorm normalises with statistics of the batch.*not DP-compatible across '
+      r'examples\. Use GroupNorm or LayerNorm.*use_running_average=True',
+    ),
+    (
+      'dropout',
+      r"Dropout.*its own key in the batch.*'dropout_key'.*README, \"Dropout and "
+      r'BatchNorm in your own loop\"',
+    ),
+  ],
+  ids=['batch_norm', 'dropout'],
+)
 def test_batch_norm_and_dropout_state_in_the_loss_name_the_fix(framework, layer, fix):
   """Fails on da06065: Flax's TraceContextError ("Cannot mutate BatchStat / RngCount from a
   different trace level") for NNX, its missing batch_stats collection or dropout RNG for
@@ -125,6 +146,7 @@ def test_batch_norm_and_dropout_state_in_the_loss_name_the_fix(framework, layer,
 def test_a_frozen_batch_norm_is_per_example_and_allowed():
   """BatchNorm(use_running_average=True) reads fixed statistics: a per-example affine map, which
   the refusal above must let through (it passes on da06065 too)."""
+
   class Frozen(nnx.Module):
     def __init__(self, rngs):
       self.hidden, self.head = nnx.Linear(8, 16, rngs=rngs), nnx.Linear(16, 3, rngs=rngs)
@@ -135,7 +157,8 @@ def test_a_frozen_batch_norm_is_per_example_and_allowed():
 
   fm = dpjax.NNXFunctional(Frozen(nnx.Rngs(0)))
   x = np.random.RandomState(0).randn(4, 8).astype(np.float32)
-  grad_fn = dpjax.clipped_grad(fm.loss(lambda m, ex: _loss(m(ex['x'][None])[0], ex['y'])),
-                               clip_norm=1.0)
+  grad_fn = dpjax.clipped_grad(
+    fm.loss(lambda m, ex: _loss(m(ex['x'][None])[0], ex['y'])), clip_norm=1.0
+  )
   _, rows = jax.jit(grad_fn)(fm.params, {'x': x, 'y': np.arange(4) % 3}, jnp.ones(4))
   assert bool(jnp.all(rows.finite))

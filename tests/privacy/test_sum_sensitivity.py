@@ -24,7 +24,6 @@ D, N, P, C = 64, 4096, 256, 1.0
 
 
 class _Linear(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     return nn.Dense(10)(x)
@@ -41,15 +40,17 @@ def _sum(step, params, x, y, p=P):
   """Σ_i w_i clip(g_i) over the rows of x as the DP step accumulates them (K batches of p)."""
   m = len(x)
   k = -(-m // p)
-  xp, yp, w = (np.zeros((k * p, *x.shape[1:]), np.float32), np.zeros(k * p, np.int32),
-               np.zeros(k * p, np.float32))
+  xp, yp, w = (
+    np.zeros((k * p, *x.shape[1:]), np.float32),
+    np.zeros(k * p, np.int32),
+    np.zeros(k * p, np.float32),
+  )
   xp[:m], yp[:m], w[:m] = x, y, 1
   acc = step.init_accumulator(params)
   for j in range(k):
     rows = slice(j * p, (j + 1) * p)
     acc = step.accumulate(params, acc, {'x': xp[rows], 'y': yp[rows], 'weight': w[rows]})
-  return np.concatenate([np.asarray(l, np.float64).ravel()
-                         for l in jax.tree.leaves(acc.grad_sum)])
+  return np.concatenate([np.asarray(l, np.float64).ravel() for l in jax.tree.leaves(acc.grad_sum)])
 
 
 @pytest.mark.parametrize('clipping', ['vmap', 'ghost'])
@@ -59,13 +60,21 @@ def test_neighbouring_float32_sums_differ_by_at_most_c_one_plus_eta(clipping):
   x, y = _data()
   model = _Linear()
   params = model.init(jax.random.PRNGKey(0), x[:1])['params']
-  step = dp_step.DPStep(model, optax.sgd(0.1), clip_norm=C, noise_multiplier=1.0,
-                        expected_batch_size=N, clipping=clipping)
+  step = dp_step.DPStep(
+    model,
+    optax.sgd(0.1),
+    clip_norm=C,
+    noise_multiplier=1.0,
+    expected_batch_size=N,
+    clipping=clipping,
+  )
   assert step.clip_bound == C
   with jax.default_matmul_precision('highest'):  # The same on GPUs (TF32 otherwise).
     full = _sum(step, params, x, y)
-    worst = max(np.linalg.norm(full - _sum(step, params, np.delete(x, i, 0), np.delete(y, i, 0)))
-                for i in (0, 1, 1000, 2047, 3000, N - 2, N - 1))
+    worst = max(
+      np.linalg.norm(full - _sum(step, params, np.delete(x, i, 0), np.delete(y, i, 0)))
+      for i in (0, 1, 1000, 2047, 3000, N - 2, N - 1)
+    )
   eta = rounding.eta(N, precision.matmul_format('highest'))
   assert worst <= C * (1 + eta)
   # Every example is clipped (‖g_i‖ ≫ C), so the exact difference is C: what floating point
@@ -106,20 +115,23 @@ def test_neighbouring_sums_over_512_physical_batches_differ_by_at_most_c_one_plu
   y = np.zeros(len(x), np.int32)
   model = _Zero()
   params = model.init(jax.random.PRNGKey(0), x[:1])['params']
-  step = dp_step.DPStep(model, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0,
-                        expected_batch_size=len(x))
+  step = dp_step.DPStep(
+    model, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=len(x)
+  )
   full = _sum(step, params, x, y, p=2)
   drop = [_sum(step, params, np.delete(x, i, 0), y[1:], p=2) for i in (0, 511)]
   worst = max(np.linalg.norm(full - d) for d in drop)
   eta = rounding.eta(len(x), precision.matmul_format('default'))
   assert 1.0 <= worst <= 1 + eta
+
   # The same batches summed without compensation (the batch sums are exact here: pairs of
   # halves of dyadic numbers): the sensitivity would exceed C(1 + η).
   def plain(rows):
     grads = np.zeros((-(-len(rows) // 2) * 2, 4), np.float32)  # A zero padding row if odd.
-    grads[:len(rows)] = np.concatenate([-rows / 2, rows / 2, 0 * rows - 0.5, 0 * rows + 0.5], 1)
+    grads[: len(rows)] = np.concatenate([-rows / 2, rows / 2, 0 * rows - 0.5, 0 * rows + 0.5], 1)
     sums = grads.reshape(-1, 2, 4).sum(1)
     return np.cumsum(sums, axis=0, dtype=np.float32)[-1].astype(np.float64)
+
   # η of the sum alone (float32 rows: on a GPU the 'default' η also holds TF32's matmul margin,
   # which this model has no matmul to need).
   eta_sum = rounding.eta(len(x), 'float32')
@@ -140,8 +152,9 @@ def test_ten_thousand_rows_summed_as_a_step_sums_them_are_within_the_bound_eta_a
   grad_fn = jax.jit(dpjax.clipped_grad(lambda w, row: jnp.dot(w, row['x']), 2.0, method='vmap'))
   total = compensation = np.zeros(3, np.float32)
   for j in range(k):
-    g, _ = grad_fn(np.zeros(3, np.float32), {'x': rows[j * p:(j + 1) * p]},
-                   np.ones(p, np.float32))
+    g, _ = grad_fn(
+      np.zeros(3, np.float32), {'x': rows[j * p : (j + 1) * p]}, np.ones(p, np.float32)
+    )
     total, compensation = rounding.kahan_add(total, compensation, g)
   exact = np.sum(rows.astype(np.float64), axis=0)
   gamma = 8 * u / (1 - 8 * u)  # ⌈log₂ 100⌉ = 7 levels and the product f_i·g_i.
@@ -157,8 +170,13 @@ def test_eta_is_the_closed_form():
   """1 + η = (1 + m)(1 + α(2B − 1)), α = γ_{⌈log₂B⌉+1} + (2u + 8Bu²)(1 + γ_{⌈log₂B⌉+1}).
   η is new (an ImportError on da06065)."""
   u = 2.0**-24
-  for b, fmt in ((1, 'float32'), (1000, 'float32'), (4096, 'float32'), (4096, 'tf32'),
-                 (512, 'bfloat16')):
+  for b, fmt in (
+    (1, 'float32'),
+    (1000, 'float32'),
+    (4096, 'float32'),
+    (4096, 'tf32'),
+    (512, 'bfloat16'),
+  ):
     h = int(np.ceil(np.log2(b))) + 1
     gamma = h * u / (1 - h * u)
     alpha = gamma + (2 * u + 8 * b * u**2) * (1 + gamma)

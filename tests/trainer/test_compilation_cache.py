@@ -28,7 +28,7 @@ def test_resolve_cache_dir(monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_second_process_reads_the_programs_the_first_wrote(tmp_path):
   """Two fresh processes compile the same program: the second is a cache hit."""
-  script = textwrap.dedent(f'''
+  script = textwrap.dedent(f"""
       import jax, jax.numpy as jnp
       from dpjax.trainer import compilation_cache
       hits = []
@@ -38,10 +38,20 @@ def test_second_process_reads_the_programs_the_first_wrote(tmp_path):
       f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum() * 3.0)
       value = float(f(jnp.ones((64, 64))))
       print(len(hits), value)
-  ''')
+  """)
   env = {k: v for k, v in os.environ.items() if not k.startswith('JAX_')}
-  outs = [subprocess.run([sys.executable, '-c', script], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=120, check=True).stdout.split() for _ in range(2)]
+  outs = [
+    subprocess.run(
+      [sys.executable, '-c', script],
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=120,
+      check=True,
+    ).stdout.split()
+    for _ in range(2)
+  ]
   assert outs[0][0] == '0' and int(outs[1][0]) >= 1, outs  # Cold, then warm.
   assert outs[0][1] == outs[1][1]  # The same program, the same result.
   assert os.listdir(tmp_path / 'cache')

@@ -22,15 +22,23 @@ def _params(seed=0):
 
 def _batch(seed=1, n=16):
   rng = np.random.default_rng(seed)
-  return {'x': jnp.asarray(rng.normal(size=(n, 5)), jnp.float32),
-          'y': jnp.asarray(rng.integers(0, 3, n), jnp.int32),
-          'weight': jnp.asarray(np.r_[np.ones(n - 3), np.zeros(3)], jnp.float32)}
+  return {
+    'x': jnp.asarray(rng.normal(size=(n, 5)), jnp.float32),
+    'y': jnp.asarray(rng.integers(0, 3, n), jnp.int32),
+    'weight': jnp.asarray(np.r_[np.ones(n - 3), np.zeros(3)], jnp.float32),
+  }
 
 
 def _train(model, trainable, steps=3):
   """A few DP-SGD steps (σ = 1, C = 0.5, vmap clipping) on the trainable parameters."""
-  step = dp_step.DPStep(model, optax.sgd(0.5), clip_norm=0.5, noise_multiplier=1.0,
-                        expected_batch_size=13.0, clipping='vmap')
+  step = dp_step.DPStep(
+    model,
+    optax.sgd(0.5),
+    clip_norm=0.5,
+    noise_multiplier=1.0,
+    expected_batch_size=13.0,
+    clipping='vmap',
+  )
   opt_state = step.optimizer.init(trainable)
   for t in range(steps):
     acc = step.accumulate(trainable, step.init_accumulator(trainable), _batch(t))
@@ -42,8 +50,14 @@ def test_npz_round_trip(tmp_path):
   params = _params()
   path = str(tmp_path / 'p.npz')
   finetune.save_npz(path, params)
-  assert set(np.load(path).files) == {'Dense_0/kernel', 'Dense_0/bias', 'Dense_1/kernel',
-                                       'Dense_1/bias', 'Dense_2/kernel', 'Dense_2/bias'}
+  assert set(np.load(path).files) == {
+    'Dense_0/kernel',
+    'Dense_0/bias',
+    'Dense_1/kernel',
+    'Dense_1/bias',
+    'Dense_2/kernel',
+    'Dense_2/bias',
+  }
   loaded = finetune.load_pretrained(path, _params(seed=1))
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -53,8 +67,7 @@ def test_loads_a_dpjax_workdir(tmp_path):
   params = _params(seed=3)
   manager = checkpoints.make_manager(str(tmp_path), keep=2)
   for step in (1, 2):
-    state = {'step': np.int32(step),
-             'params': jax.tree.map(lambda p: p * step, params)}
+    state = {'step': np.int32(step), 'params': jax.tree.map(lambda p: p * step, params)}
     checkpoints.save(manager, step, state, {'step': step})
   manager.wait_until_finished()
   manager.close()
@@ -62,15 +75,17 @@ def test_loads_a_dpjax_workdir(tmp_path):
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):
     np.testing.assert_array_equal(2 * np.asarray(a), np.asarray(b))
   step1 = finetune.load_pretrained(str(tmp_path / 'checkpoints' / '1'), _params())
-  np.testing.assert_array_equal(np.asarray(step1['Dense_0']['kernel']),
-                                np.asarray(params['Dense_0']['kernel']))
+  np.testing.assert_array_equal(
+    np.asarray(step1['Dense_0']['kernel']), np.asarray(params['Dense_0']['kernel'])
+  )
 
 
 def test_loading_errors_are_one_clear_line(tmp_path):
   path = str(tmp_path / 'p.npz')
   other = mlp.MLP(num_classes=4, hidden_sizes=(8,), activation='tanh')
-  finetune.save_npz(path, {'encoder': other.init(jax.random.PRNGKey(0),
-                                                 jnp.zeros((1, 5)))['params']})
+  finetune.save_npz(
+    path, {'encoder': other.init(jax.random.PRNGKey(0), jnp.zeros((1, 5)))['params']}
+  )
   with pytest.raises(ValueError) as e:
     finetune.load_pretrained(path, _params())
   msg = str(e.value)
@@ -78,9 +93,12 @@ def test_loading_errors_are_one_clear_line(tmp_path):
   assert 'missing keys [Dense_0/bias, Dense_0/kernel, Dense_1/bias' in msg
   assert 'unexpected keys [encoder/Dense_0/bias' in msg
   # Renamed, the keys match but the shapes of the head (4 classes vs 3) and Dense_1 do not.
-  with pytest.raises(ValueError, match=r'missing keys \[Dense_2/bias, Dense_2/kernel\]; shape '
-                     r'mismatches \[Dense_1/bias \(4,\) vs model \(8,\), Dense_1/kernel \(8, 4\) '
-                     r'vs model \(8, 8\)\]'):
+  with pytest.raises(
+    ValueError,
+    match=r'missing keys \[Dense_2/bias, Dense_2/kernel\]; shape '
+    r'mismatches \[Dense_1/bias \(4,\) vs model \(8,\), Dense_1/kernel \(8, 4\) '
+    r'vs model \(8, 8\)\]',
+  ):
     finetune.load_pretrained(path, _params(), rules=[('^encoder/', '')])
   with pytest.raises(ValueError, match='init_from = .*not found'):
     finetune.load_pretrained(str(tmp_path / 'nope'), _params())
@@ -103,14 +121,27 @@ def test_frozen_parameters_are_bit_identical_after_dp_training():
 @pytest.mark.slow
 def test_lora_only_the_adapters_change_and_start_at_the_pretrained_model():
   params = _params()
-  model, trainable = finetune.make_finetune(MODEL, params, freeze=('Dense_2/',), lora_rank=2,
-                                            lora_alpha=4.0, lora_targets=('Dense_[01]/kernel',))
+  model, trainable = finetune.make_finetune(
+    MODEL,
+    params,
+    freeze=('Dense_2/',),
+    lora_rank=2,
+    lora_alpha=4.0,
+    lora_targets=('Dense_[01]/kernel',),
+  )
   assert set(finetune.flatten(trainable)) == {
-      'Dense_0/bias', 'Dense_1/bias', 'Dense_0/kernel_lora_a', 'Dense_0/kernel_lora_b',
-      'Dense_1/kernel_lora_a', 'Dense_1/kernel_lora_b'}
+    'Dense_0/bias',
+    'Dense_1/bias',
+    'Dense_0/kernel_lora_a',
+    'Dense_0/kernel_lora_b',
+    'Dense_1/kernel_lora_a',
+    'Dense_1/kernel_lora_b',
+  }
   x = _batch()['x']
-  np.testing.assert_array_equal(np.asarray(model.apply({'params': trainable}, x)),
-                                np.asarray(MODEL.apply({'params': params}, x)))
+  np.testing.assert_array_equal(
+    np.asarray(model.apply({'params': trainable}, x)),
+    np.asarray(MODEL.apply({'params': params}, x)),
+  )
   trained = finetune.flatten(_train(model, trainable))
   start = finetune.flatten(trainable)
   for k in ('Dense_0/kernel_lora_b', 'Dense_1/kernel_lora_b', 'Dense_0/bias'):
@@ -126,8 +157,14 @@ def test_lora_only_the_adapters_change_and_start_at_the_pretrained_model():
   b = np.asarray(trained['Dense_0/kernel_lora_b'], np.float64)
   expected = np.asarray(before['Dense_0/kernel'], np.float64) + 2.0 * a @ b
   np.testing.assert_allclose(np.asarray(full['Dense_0/kernel']), expected, rtol=1e-5, atol=1e-6)
-  assert np.linalg.matrix_rank(np.asarray(full['Dense_0/kernel'], np.float64)
-                               - np.asarray(before['Dense_0/kernel'], np.float64), tol=1e-5) <= 2
+  assert (
+    np.linalg.matrix_rank(
+      np.asarray(full['Dense_0/kernel'], np.float64)
+      - np.asarray(before['Dense_0/kernel'], np.float64),
+      tol=1e-5,
+    )
+    <= 2
+  )
 
 
 @pytest.mark.slow
@@ -135,22 +172,31 @@ def test_attention_kernels_are_viewed_as_in_by_out_matrices():
   assert finetune.matrix_split('MultiHeadDotProductAttention_0/query/kernel', (64, 4, 16)) == 1
   assert finetune.matrix_split('MultiHeadDotProductAttention_0/out/kernel', (4, 16, 64)) == 2
   assert finetune.matrix_split('Conv_0/kernel', (3, 3, 8, 16)) == 3
-  model = transformer.Transformer(num_classes=3, max_length=4, num_layers=1, num_heads=2,
-                             model_dim=8, mlp_dim=8)
+  model = transformer.Transformer(
+    num_classes=3, max_length=4, num_layers=1, num_heads=2, model_dim=8, mlp_dim=8
+  )
   params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4, 5)))['params']
-  wrapped, trainable = finetune.make_finetune(model, params, freeze=('.',), lora_rank=2,
-                                              lora_targets=('query|value',))
+  wrapped, trainable = finetune.make_finetune(
+    model, params, freeze=('.',), lora_rank=2, lora_targets=('query|value',)
+  )
   flat = finetune.flatten(trainable)
-  assert set(flat) == {f'MultiHeadDotProductAttention_0/{n}/kernel{s}'
-                       for n in ('query', 'value') for s in ('_lora_a', '_lora_b')}
+  assert set(flat) == {
+    f'MultiHeadDotProductAttention_0/{n}/kernel{s}'
+    for n in ('query', 'value')
+    for s in ('_lora_a', '_lora_b')
+  }
   assert flat['MultiHeadDotProductAttention_0/query/kernel_lora_a'].shape == (8, 2)
   assert flat['MultiHeadDotProductAttention_0/query/kernel_lora_b'].shape == (2, 8)
   x = jnp.ones((2, 4, 5))
-  np.testing.assert_array_equal(np.asarray(wrapped.apply({'params': trainable}, x)),
-                                np.asarray(model.apply({'params': params}, x)))
+  np.testing.assert_array_equal(
+    np.asarray(wrapped.apply({'params': trainable}, x)),
+    np.asarray(model.apply({'params': params}, x)),
+  )
 
 
-@pytest.mark.parametrize('kwargs, match', [
+@pytest.mark.parametrize(
+  'kwargs, match',
+  [
     (dict(freeze=('Conv',)), "freeze regex 'Conv' matches no parameter"),
     (dict(freeze=('.',)), 'freezes every parameter'),
     (dict(freeze='Dense_0'), 'must be a tuple'),
@@ -159,7 +205,8 @@ def test_attention_kernels_are_viewed_as_in_by_out_matrices():
     (dict(lora_rank=2, lora_targets=()), 'lora.targets'),
     (dict(lora_rank=2, lora_alpha=0.0, lora_targets=('Dense_0',)), 'lora.alpha'),
     (dict(lora_rank=-1), 'lora.rank'),
-])
+  ],
+)
 def test_bad_freeze_and_lora_settings(kwargs, match):
   with pytest.raises(ValueError, match=match):
     finetune.make_finetune(MODEL, _params(), **kwargs)
@@ -171,15 +218,28 @@ def test_ghost_clipping_with_frozen_layers_equals_vmap_and_lora_falls_back():
   frozen_model, trainable = finetune.make_finetune(MODEL, _params(), freeze=('Dense_0/',))
   sums = {}
   for method in ('vmap', 'ghost'):
-    step = dp_step.DPStep(frozen_model, optax.sgd(0.1), clip_norm=0.3, noise_multiplier=1.0,
-                          expected_batch_size=8.0, clipping=method,
-                          precision='highest')  # GPUs default to TF32 (~5e-4 relative).
+    step = dp_step.DPStep(
+      frozen_model,
+      optax.sgd(0.1),
+      clip_norm=0.3,
+      noise_multiplier=1.0,
+      expected_batch_size=8.0,
+      clipping=method,
+      precision='highest',
+    )  # GPUs default to TF32 (~5e-4 relative).
     sums[method] = step.accumulate(trainable, step.init_accumulator(trainable), batch).grad_sum
   for a, b in zip(jax.tree.leaves(sums['vmap']), jax.tree.leaves(sums['ghost'])):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-  lora_model, adapters = finetune.make_finetune(MODEL, _params(), lora_rank=2,
-                                                lora_targets=('Dense_0/kernel',))
-  step = dp_step.DPStep(lora_model, optax.sgd(0.1), clip_norm=0.3, noise_multiplier=1.0,
-                        expected_batch_size=8.0, clipping='ghost')
+  lora_model, adapters = finetune.make_finetune(
+    MODEL, _params(), lora_rank=2, lora_targets=('Dense_0/kernel',)
+  )
+  step = dp_step.DPStep(
+    lora_model,
+    optax.sgd(0.1),
+    clip_norm=0.3,
+    noise_multiplier=1.0,
+    expected_batch_size=8.0,
+    clipping='ghost',
+  )
   with pytest.raises(ValueError, match='kernel_lora_a'):
     step.accumulate(adapters, step.init_accumulator(adapters), batch)

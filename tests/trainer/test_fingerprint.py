@@ -31,12 +31,12 @@ pytestmark = pytest.mark.slow  # Whole trainings or child processes (`make test-
 
 def _configs(root):
   return {
-      'given': small_config(),
-      'calibrated': small_config(**{'privacy.noise_multiplier': None,
-                                    'privacy.target_epsilon': 2.0}),
-      'non_private': small_config(**{'privacy.enabled': False}),
-      'npz': small_config(**{'data.source': 'npz', 'data.path': str(root / 'digits.npz'),
-                             'data.num_classes': 10}),
+    'given': small_config(),
+    'calibrated': small_config(**{'privacy.noise_multiplier': None, 'privacy.target_epsilon': 2.0}),
+    'non_private': small_config(**{'privacy.enabled': False}),
+    'npz': small_config(
+      **{'data.source': 'npz', 'data.path': str(root / 'digits.npz'), 'data.num_classes': 10}
+    ),
   }
 
 
@@ -73,7 +73,9 @@ def restart_on_copy(finished_runs, tmp_path, run, overrides):
     raise e
 
 
-@pytest.mark.parametrize('overrides, field', [
+@pytest.mark.parametrize(
+  'overrides, field',
+  [
     ({'sampler.name': 'balls_and_bins'}, 'sampler.name'),
     ({'sampler.name': 'shuffle'}, 'sampler.name'),
     ({'sampler.batch_size': 64}, 'sampler.batch_size'),
@@ -85,11 +87,15 @@ def restart_on_copy(finished_runs, tmp_path, run, overrides):
     ({'privacy.accountant': 'rdp'}, 'privacy.accountant'),
     ({'privacy.group_size': 2}, 'privacy.group_size'),
     ({'privacy.enabled': False}, 'privacy.enabled'),
-    ({'data.source': 'synthetic', 'data.num_examples': 1437, 'data.num_classes': 10},
-     'data.source'),
-])
-def test_changing_a_fingerprint_field_is_refused_and_changes_nothing(finished_runs, tmp_path,
-                                                                     overrides, field):
+    (
+      {'data.source': 'synthetic', 'data.num_examples': 1437, 'data.num_classes': 10},
+      'data.source',
+    ),
+  ],
+)
+def test_changing_a_fingerprint_field_is_refused_and_changes_nothing(
+  finished_runs, tmp_path, overrides, field
+):
   with pytest.raises(ValueError, match=f'Changed: .*{field}(: .* → |)') as info:
     restart_on_copy(finished_runs, tmp_path, 'given', overrides)
   assert 'new --workdir' in str(info.value)
@@ -111,28 +117,35 @@ def _changed_npz(finished_runs, tmp_path, change):
 def test_other_labels_in_the_same_file_are_refused(finished_runs, tmp_path):
   def one_label(arrays):
     arrays['y_train'][700] = (arrays['y_train'][700] + 1) % 10  # One label of 1437.
+
   with pytest.raises(ValueError, match='data.content_sha256'):
-    restart_on_copy(finished_runs, tmp_path, 'npz', _changed_npz(finished_runs, tmp_path,
-                                                                 one_label))
+    restart_on_copy(
+      finished_runs, tmp_path, 'npz', _changed_npz(finished_runs, tmp_path, one_label)
+    )
 
 
 def test_one_changed_feature_value_is_refused(finished_runs, tmp_path):
   """Issue 24 item 2: the fingerprint hashed shapes and at most 4,096 labels, so a changed
   feature (here one pixel of one image) resumed silently on the main before this change."""
+
   def one_pixel(arrays):
     arrays['x_train'][321, 4, 4, 0] += 1.0
+
   with pytest.raises(ValueError, match='data.content_sha256'):
-    restart_on_copy(finished_runs, tmp_path, 'npz', _changed_npz(finished_runs, tmp_path,
-                                                                 one_pixel))
+    restart_on_copy(
+      finished_runs, tmp_path, 'npz', _changed_npz(finished_runs, tmp_path, one_pixel)
+    )
 
 
 def test_swapping_the_features_of_two_same_label_rows_is_refused(finished_runs, tmp_path):
   """The attack of issue 24 item 2: a swap mid-epoch made the shuffle and deterministic
   samplers use one record twice in an epoch (claimed ε 2.94, true 3.71)."""
+
   def swap(arrays):
     y = arrays['y_train']
     i, j = np.flatnonzero(y == y[0])[:2]
     arrays['x_train'][[i, j]] = arrays['x_train'][[j, i]]
+
   with pytest.raises(ValueError, match='data.content_sha256'):
     restart_on_copy(finished_runs, tmp_path, 'npz', _changed_npz(finished_runs, tmp_path, swap))
 
@@ -143,17 +156,28 @@ def test_the_same_content_at_another_path_resumes(finished_runs, tmp_path):
 
 
 def test_a_calibrated_run_refuses_a_change_of_any_calibration_input(finished_runs, tmp_path):
-  for overrides, field in (({'sampler.batch_size': 64}, 'sampler.batch_size'),
-                           ({'privacy.delta': 1e-6}, 'privacy.delta'),
-                           ({'privacy.noise_multiplier': 1.0}, 'privacy.noise_multiplier')):
+  for overrides, field in (
+    ({'sampler.batch_size': 64}, 'sampler.batch_size'),
+    ({'privacy.delta': 1e-6}, 'privacy.delta'),
+    ({'privacy.noise_multiplier': 1.0}, 'privacy.noise_multiplier'),
+  ):
     with pytest.raises(ValueError, match=field):
       restart_on_copy(finished_runs, tmp_path / field, 'calibrated', overrides)
 
 
 def test_non_privacy_fields_may_change(finished_runs, tmp_path):
-  result, _, _ = restart_on_copy(finished_runs, tmp_path, 'given', {
-      'optimizer.learning_rate': 0.5, 'log_every_steps': 3, 'eval_every_steps': 2,
-      'keep_checkpoints': 5, 'sampler.physical_batch_size': 16})
+  result, _, _ = restart_on_copy(
+    finished_runs,
+    tmp_path,
+    'given',
+    {
+      'optimizer.learning_rate': 0.5,
+      'log_every_steps': 3,
+      'eval_every_steps': 2,
+      'keep_checkpoints': 5,
+      'sampler.physical_batch_size': 16,
+    },
+  )
   assert result['step'] == 6  # Nothing left to do, and no refusal.
 
 
@@ -174,8 +198,9 @@ def test_extension_recomputes_epsilon_and_respects_the_budget(finished_runs, tmp
   with pytest.raises(ValueError, match=r'extending the run to 10 steps would reach ε = 2\.\d+'):
     restart_on_copy(finished_runs, tmp_path / 'a', 'calibrated', {'num_steps': 10})
   # Raising the budget allows it; σ is the checkpoint's (never re-calibrated), ε is recomputed.
-  result, _, _ = restart_on_copy(finished_runs, tmp_path / 'b', 'calibrated',
-                                 {'num_steps': 10, 'privacy.target_epsilon': 3.0})
+  result, _, _ = restart_on_copy(
+    finished_runs, tmp_path / 'b', 'calibrated', {'num_steps': 10, 'privacy.target_epsilon': 3.0}
+  )
   rows = checkpoints.read_metadata(str(tmp_path / 'b' / 'calibrated'))
   assert rows[-1]['step'] == 10 and rows[-1]['noise_multiplier'] == sigma
   assert rows[-1]['noise_multiplier_source'] == 'checkpoint'
@@ -184,8 +209,9 @@ def test_extension_recomputes_epsilon_and_respects_the_budget(finished_runs, tmp
   assert rows[-1]['fingerprint']['sampler.max_batch_size'] == cap
   eta = old['fingerprint']['privacy.rounding_eta']  # The float rounding ε pays for, kept.
   assert rows[-1]['fingerprint']['privacy.rounding_eta'] == eta > 0
-  expected = accounting.Accountant(sampler, sigma, 1e-5, max_batch_size=cap,
-                                   sensitivity=1 + eta).epsilon(10)
+  expected = accounting.Accountant(
+    sampler, sigma, 1e-5, max_batch_size=cap, sensitivity=1 + eta
+  ).epsilon(10)
   assert result['privacy']['epsilon'] == pytest.approx(expected, rel=1e-9)
   assert 2.0 < result['privacy']['epsilon'] <= 3.0
 
@@ -211,14 +237,17 @@ def test_checkpoint_without_fingerprint_is_refused(finished_runs, tmp_path):
 
 def test_sigma_zero_and_infinite_clip_norm_are_refused_before_anything(tmp_path):
   """Regression: σ = 0 used to train without noise and report the ε of a calibrated σ."""
-  for overrides, field in (({'privacy.noise_multiplier': 0.0}, 'privacy.noise_multiplier'),
-                           ({'privacy.noise_multiplier': -1.0}, 'privacy.noise_multiplier'),
-                           ({'privacy.clip_norm': float('inf')}, 'privacy.clip_norm'),
-                           ({'privacy.clip_norm': float('nan')}, 'privacy.clip_norm'),
-                           ({'privacy.clip_norm': 0.0}, 'privacy.clip_norm')):
+  for overrides, field in (
+    ({'privacy.noise_multiplier': 0.0}, 'privacy.noise_multiplier'),
+    ({'privacy.noise_multiplier': -1.0}, 'privacy.noise_multiplier'),
+    ({'privacy.clip_norm': float('inf')}, 'privacy.clip_norm'),
+    ({'privacy.clip_norm': float('nan')}, 'privacy.clip_norm'),
+    ({'privacy.clip_norm': 0.0}, 'privacy.clip_norm'),
+  ):
     with pytest.raises(ValueError, match=f'{field} = .*privacy.enabled=False'):
-      train.train_and_evaluate(small_config(**overrides, **{'privacy.target_epsilon': 3.0}),
-                               str(tmp_path / 'w'))
+      train.train_and_evaluate(
+        small_config(**overrides, **{'privacy.target_epsilon': 3.0}), str(tmp_path / 'w')
+      )
     assert not os.path.exists(tmp_path / 'w')
 
 
@@ -240,18 +269,33 @@ def test_every_fingerprint_field_matches_an_independent_derivation(finished_runs
   q = config.sampler.batch_size / num_examples
   for row in rows:
     fp = row['fingerprint']
-    cap, sigma, eta = (fp['sampler.max_batch_size'], fp['privacy.noise_multiplier'],
-                       fp['privacy.rounding_eta'])
+    cap, sigma, eta = (
+      fp['sampler.max_batch_size'],
+      fp['privacy.noise_multiplier'],
+      fp['privacy.rounding_eta'],
+    )
     assert fp == {
-        'fingerprint_version': 3, 'privacy.enabled': True, 'sampler.name': 'poisson',
-        'sampler.num_examples': num_examples, 'sampler.batch_size': 128,
-        'sampler.max_batch_size': cap, 'privacy.group_size': 1,
-        'privacy.noise_multiplier': sigma, 'privacy.clip_norm': config.privacy.clip_norm,
-        'privacy.delta': config.privacy.delta, 'privacy.accountant': 'pld',
-        'privacy.matmul_format': 'float32', 'privacy.rounding_eta': eta,
-        'seed_sha256': seed_digest, 'audit.num_canaries': 0, 'audit.kind': None,
-        'data.source': 'digits', 'data.split': 'train', 'data.num_examples': num_examples,
-        'data.content_sha256': fp['data.content_sha256']}
+      'fingerprint_version': 3,
+      'privacy.enabled': True,
+      'sampler.name': 'poisson',
+      'sampler.num_examples': num_examples,
+      'sampler.batch_size': 128,
+      'sampler.max_batch_size': cap,
+      'privacy.group_size': 1,
+      'privacy.noise_multiplier': sigma,
+      'privacy.clip_norm': config.privacy.clip_norm,
+      'privacy.delta': config.privacy.delta,
+      'privacy.accountant': 'pld',
+      'privacy.matmul_format': 'float32',
+      'privacy.rounding_eta': eta,
+      'seed_sha256': seed_digest,
+      'audit.num_canaries': 0,
+      'audit.kind': None,
+      'data.source': 'digits',
+      'data.split': 'train',
+      'data.num_examples': num_examples,
+      'data.content_sha256': fp['data.content_sha256'],
+    }
     # σ, C and B reported are those of the fingerprint (what ran), not re-resolved.
     assert row['noise_multiplier'] == sigma == row['privacy']['noise_multiplier']
     assert row['clip_norm'] == fp['privacy.clip_norm'] == 1.0
@@ -266,12 +310,13 @@ def test_every_fingerprint_field_matches_an_independent_derivation(finished_runs
     assert tail <= row['privacy']['details']['truncation_mass'] <= 2 * tail and tail < 1e-30
     # ε: dp_accounting with the sensitivity C(1 + η), i.e. σ/(1 + η), at the step's T.
     assert row['privacy']['epsilon'] == pytest.approx(
-        independent.poisson_gaussian_epsilon(q, sigma, steps, config.privacy.delta, eta),
-        rel=1e-3)
+      independent.poisson_gaussian_epsilon(q, sigma, steps, config.privacy.delta, eta), rel=1e-3
+    )
     if run == 'calibrated' and steps == config.num_steps:
       assert row['privacy']['epsilon'] <= config.privacy.target_epsilon  # The target is met ...
-      tighter = independent.poisson_gaussian_epsilon(q, 0.98 * sigma, config.num_steps,
-                                                     config.privacy.delta, eta)
+      tighter = independent.poisson_gaussian_epsilon(
+        q, 0.98 * sigma, config.num_steps, config.privacy.delta, eta
+      )
       assert tighter > config.privacy.target_epsilon  # ... with σ no larger than needed.
     elif run == 'given':
       assert sigma == config.privacy.noise_multiplier

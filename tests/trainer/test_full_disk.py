@@ -30,8 +30,12 @@ def disk(tmp_path):
   """A mounted 1 MiB tmpfs (unmounted afterwards)."""
   mount = tmp_path / 'disk'
   mount.mkdir()
-  proc = subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=1m', 'tmpfs', str(mount)],
-                        capture_output=True, text=True, check=False)
+  proc = subprocess.run(
+    ['mount', '-t', 'tmpfs', '-o', 'size=1m', 'tmpfs', str(mount)],
+    capture_output=True,
+    text=True,
+    check=False,
+  )
   if proc.returncode:
     pytest.skip(f'cannot mount a tmpfs here: {proc.stderr.strip()}')
   try:
@@ -66,6 +70,7 @@ def test_small_files_lock_and_seed_keep_their_old_content(disk):
   kept, no temporary file left. Fails on da06065: a bare OSError (a traceback from the
   command line) on each."""
   from dpjax.trainer.atomic_write import write_text_atomically  # pylint: disable=import-outside-toplevel
+
   work = disk / 'w'
   work.mkdir()
   (work / 'config.json').write_text('{"old": 1}')
@@ -106,6 +111,7 @@ def test_metrics_are_cut_back_to_the_last_flush(disk):
   assert [os.path.getsize(f) for f in files] == sizes
   assert [row['step'] for row in metrics.read_rows(str(files[0]))] == [0, 1, 2]
   from tests.trainer.test_metrics import tb_scalars  # pylint: disable=import-outside-toplevel
+
   assert [s for s, tag, _ in tb_scalars(disk)[0] if tag == 'epsilon'] == [0, 1, 2]
   writer.write(7, {'epsilon': 1.0})
   writer.close()  # No-ops after the failure.
@@ -123,14 +129,12 @@ def test_a_checkpoint_on_a_full_disk_keeps_the_previous_one(disk):
   one_line_write_error(info.value, 'checkpoint at step 2 could not be written')
   assert sorted(os.listdir(checkpoints.checkpoint_dir(str(disk)))) == ['1']
   os.remove(disk / 'filler')  # Space freed: the rerun (a new manager) restores checkpoint 1.
-  step, state, _ = checkpoints.restore_latest(checkpoints.make_manager(str(disk), 3),
-                                              state_at(0))
+  step, state, _ = checkpoints.restore_latest(checkpoints.make_manager(str(disk), 3), state_at(0))
   assert step == 1
   assert_state(state, 1)
 
 
-def test_a_run_whose_disk_fills_up_ends_in_one_line_and_its_export_too(disk, tmp_path,
-                                                                      monkeypatch):
+def test_a_run_whose_disk_fills_up_ends_in_one_line_and_its_export_too(disk, tmp_path, monkeypatch):
   """`python -m dpjax.train` with 200 KiB free (one checkpoint of this run is ~130 KiB): exit 1
   and one line on stderr (besides the accountant's warnings), checkpoint 2 intact, no
   temporary files, every metrics row whole; exporting onto the full disk then fails in one
@@ -138,17 +142,34 @@ def test_a_run_whose_disk_fills_up_ends_in_one_line_and_its_export_too(disk, tmp
   tensorstore's 'Event loop is closed' tracebacks, dozens of lines, in some runs (a race)."""
   import sys  # pylint: disable=import-outside-toplevel
   from dpjax import export  # pylint: disable=import-outside-toplevel
+
   fill(disk, leave=200 << 10)
   repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   work = disk / 'w'
   proc = subprocess.run(
-      [sys.executable, '-m', 'dpjax.train', '--config=digits_mlp', f'--workdir={work}',
-       '--config.seed=0', '--config.num_epochs=0', '--config.num_steps=4',
-       '--config.sampler.batch_size=128', '--config.sampler.physical_batch_size=32',
-       '--config.privacy.target_epsilon=0', '--config.privacy.noise_multiplier=1',
-       '--config.checkpoint_every_steps=2', '--config.eval_every_steps=100'],
-      cwd=repo, capture_output=True, text=True, timeout=300, check=False,
-      env=dict(os.environ, JAX_PLATFORMS='cpu'))
+    [
+      sys.executable,
+      '-m',
+      'dpjax.train',
+      '--config=digits_mlp',
+      f'--workdir={work}',
+      '--config.seed=0',
+      '--config.num_epochs=0',
+      '--config.num_steps=4',
+      '--config.sampler.batch_size=128',
+      '--config.sampler.physical_batch_size=32',
+      '--config.privacy.target_epsilon=0',
+      '--config.privacy.noise_multiplier=1',
+      '--config.checkpoint_every_steps=2',
+      '--config.eval_every_steps=100',
+    ],
+    cwd=repo,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+    env=dict(os.environ, JAX_PLATFORMS='cpu'),
+  )
   lines = [line for line in proc.stderr.splitlines() if not line.startswith('WARNING')]
   assert proc.returncode == 1 and len(lines) == 1, proc.stderr
   assert lines[0].startswith('dpjax.train: error: ') and 'no space left on device' in lines[0]
@@ -171,10 +192,25 @@ def test_the_planners_json_on_a_full_disk_is_one_line(disk, capsys):
   table printed and no file left. Failed after the merges: d-userrors made the write atomic
   (a WriteError), which the planner did not catch (a traceback)."""
   from dpjax import planner  # pylint: disable=import-outside-toplevel
+
   fill(disk)
   with pytest.raises(SystemExit) as info:
-    planner.main(['--num_examples', '1000', '--epsilon', '2', '--delta', '1e-5', '--epochs', '1',
-                  '--batch_sizes', '1000', '--json', str(disk / 'plan.json')])
+    planner.main(
+      [
+        '--num_examples',
+        '1000',
+        '--epsilon',
+        '2',
+        '--delta',
+        '1e-5',
+        '--epochs',
+        '1',
+        '--batch_sizes',
+        '1000',
+        '--json',
+        str(disk / 'plan.json'),
+      ]
+    )
   assert info.value.code == 1
   out, err = capsys.readouterr()
   assert 'σ·C/b' in out

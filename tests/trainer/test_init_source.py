@@ -42,7 +42,8 @@ def runs(shared_setup):
 def _step(n, sigma, interval):
   """dp_accounting's PLD of one Poisson step (rate b/N, σ), built once per test session."""
   return privacy_loss_distribution.from_gaussian_mechanism(
-      sigma, sampling_prob=B / n, value_discretization_interval=interval)
+    sigma, sampling_prob=B / n, value_discretization_interval=interval
+  )
 
 
 def _independent(*runs, interval=1e-4):
@@ -100,7 +101,8 @@ def test_b_from_a_on_d_permuted_or_d_minus_one_reports_the_composition(runs, tmp
 
 @pytest.mark.slow
 def test_a_run_from_an_export_reports_the_composition_everywhere_and_a_chain_composes_all(
-    runs, tmp_path, capsys):
+  runs, tmp_path, capsys
+):
   """An export's params.npz (its card beside it) was taken as public on da06065: B reported its
   own ε (1.78 after 2 steps, where A ∘ B is 2.45). Now B (2 steps from A's export) reports
   A ∘ B on its start and Final lines ("composed with" the source), in metrics.jsonl, in every
@@ -109,8 +111,16 @@ def test_a_run_from_an_export_reports_the_composition_everywhere_and_a_chain_com
   a_export = tmp_path / 'a_export'
   export.export(str(runs / 'given'), str(a_export))
   source = str(a_export / 'params.npz')
-  config = small_config(**{'init_from': source, 'num_steps': 2, 'seed': 1, 'log_every_steps': 1,
-                           'checkpoint_every_steps': 1, 'eval_every_steps': 2})
+  config = small_config(
+    **{
+      'init_from': source,
+      'num_steps': 2,
+      'seed': 1,
+      'log_every_steps': 1,
+      'checkpoint_every_steps': 1,
+      'eval_every_steps': 2,
+    }
+  )
   train.train_and_evaluate(config, str(tmp_path / 'b'))
   out = capsys.readouterr().out
   metas = checkpoints.read_metadata(str(tmp_path / 'b'))
@@ -122,7 +132,8 @@ def test_a_run_from_an_export_reports_the_composition_everywhere_and_a_chain_com
   assert f'Init: {source}: a dpjax export (6 steps, ε = ' in out
   logged = [json.loads(line) for line in open(tmp_path / 'b' / 'metrics.jsonl')]
   assert {r['step']: r['epsilon'] for r in logged if 'epsilon' in r} == pytest.approx(
-      expected, abs=1e-6)
+    expected, abs=1e-6
+  )
   assert {m['step']: m['privacy']['epsilon'] for m in metas} == pytest.approx(expected, abs=1e-6)
   card = export.export(str(tmp_path / 'b'), str(tmp_path / 'b_export'))
   assert card['epsilon'] == pytest.approx(expected[2], abs=1e-6)
@@ -132,12 +143,14 @@ def test_a_run_from_an_export_reports_the_composition_everywhere_and_a_chain_com
   plan = _plan(tmp_path / 'b_export', num_steps=2, options=COARSE)
   c = _sigma(1.0, plan.fingerprint)
   assert plan.accountant.epsilon(2) == pytest.approx(
-      _independent((N, a, STEPS), (N, b, 2), (N, c, 2), interval=1e-3), abs=1e-6)
+    _independent((N, a, STEPS), (N, b, 2), (N, c, 2), interval=1e-3), abs=1e-6
+  )
 
 
 @pytest.mark.slow
 def test_declared_disjoint_data_is_this_run_alone_and_a_resume_cannot_change_the_sources(
-    runs, tmp_path):
+  runs, tmp_path
+):
   """init_from_disjoint_data = True (recorded in the fingerprint): ε is B's alone; a resume
   that drops the declaration or starts from other weights is refused; the declaration is
   refused when the source trained on content identical to B's. Fails on da06065 (the field did
@@ -146,7 +159,8 @@ def test_declared_disjoint_data_is_this_run_alone_and_a_resume_cannot_change_the
   plan = _plan(runs / 'given', minus_one, options=COARSE, init_from_disjoint_data=True)
   assert plan.accountant.prior_runs == ()
   assert plan.accountant.epsilon(STEPS) == pytest.approx(
-      _independent((N - 1, _sigma(1.0, plan.fingerprint), STEPS), interval=1e-3), abs=1e-6)
+    _independent((N - 1, _sigma(1.0, plan.fingerprint), STEPS), interval=1e-3), abs=1e-6
+  )
   assert plan.fingerprint['init_from_disjoint_data'] is True
   with pytest.raises(plan_lib.PlanError, match='init_from_disjoint_data: True → False'):
     _plan(runs / 'given', minus_one, previous=plan.fingerprint)
@@ -166,22 +180,33 @@ def test_calibration_meets_the_composed_target_or_refuses_a_spent_budget(runs, t
   > 3 at 0.99σ); on da06065 it was calibrated for B alone (σ = 0.878), and A ∘ B reached 3.29
   (checked). A target that A alone already spends is refused in one line."""
   permuted = _digits_npz(tmp_path / 'permuted.npz', np.random.default_rng(0).permutation(N))
-  plan = _plan(runs / 'given', permuted, options=COARSE, **{'privacy.noise_multiplier': None,
-                                                            'privacy.target_epsilon': 3.0})
+  plan = _plan(
+    runs / 'given',
+    permuted,
+    options=COARSE,
+    **{'privacy.noise_multiplier': None, 'privacy.target_epsilon': 3.0},
+  )
   a, sigma = _a_sigma(runs), _sigma(plan.noise_multiplier, plan.fingerprint)
   assert _independent((N, a, STEPS), (N, sigma, STEPS), interval=1e-3) <= 3.0
   assert _independent((N, a, STEPS), (N, 0.99 * sigma, STEPS), interval=1e-3) > 3.0
   a_alone = plan.accountant.prior_runs[0].accountant.epsilon_at(STEPS, estimates=False)
-  spent = (f'already reach ε = '
-           f'{_independent((N, a, STEPS), interval=a_alone.details["pld_grid"]):.4g} at δ = 1e-05')
+  spent = (
+    f'already reach ε = '
+    f'{_independent((N, a, STEPS), interval=a_alone.details["pld_grid"]):.4g} at δ = 1e-05'
+  )
   with pytest.raises(plan_lib.PlanError, match=spent):
-    _plan(runs / 'given', permuted, options=COARSE, **{'privacy.noise_multiplier': None,
-                                                       'privacy.target_epsilon': 1.5})
+    _plan(
+      runs / 'given',
+      permuted,
+      options=COARSE,
+      **{'privacy.noise_multiplier': None, 'privacy.target_epsilon': 1.5},
+    )
 
 
 @pytest.mark.slow
 def test_weights_without_a_card_are_public_and_runs_that_cannot_be_composed_are_refused(
-    runs, tmp_path):
+  runs, tmp_path
+):
   """An .npz with no card and no dpjax workdir is assumed public, and said so; a non-private
   source, or a checkpoint without accounting inputs (an older dpjax), or one recording an input
   this dpjax cannot rebuild, is refused in one line. Fails on da06065 (no InitSource; checked)."""
@@ -195,9 +220,13 @@ def test_weights_without_a_card_are_public_and_runs_that_cannot_be_composed_are_
   assert '\n' not in str(e.value)
   source = init_source.read_source(str(runs / 'given'))
   record = source.chain[0]
-  for accounting, match in ((None, 'records no accounting inputs'),
-                            ({**record['accounting'], 'privacy.new_input': 1.0},
-                             r"cannot rebuild \(\['privacy.new_input'\]\)")):
+  for accounting, match in (
+    (None, 'records no accounting inputs'),
+    (
+      {**record['accounting'], 'privacy.new_input': 1.0},
+      r"cannot rebuild \(\['privacy.new_input'\]\)",
+    ),
+  ):
     changed = init_source.InitSource(source.path, 'run', ({**record, 'accounting': accounting},))
     with pytest.raises(ValueError, match=match):
       changed.prior_runs(1)
@@ -209,13 +238,23 @@ def test_a_group_privacy_run_composes_a_source_accounted_with_rdp_through_its_pl
   source's PLD, but after the merges the rebuilt source accountant kept 'rdp' and was refused
   ("accountant rdp supports group_size = 1 only. Use accountant pld."), a fix naming this run's
   privacy.accountant for what was the source's. It is rebuilt with the PLD."""
-  inputs = {'privacy.enabled': True, 'sampler.name': 'poisson', 'sampler.num_examples': 1000,
-            'sampler.batch_size': 100, 'sampler.max_batch_size': 200, 'privacy.group_size': 1,
-            'privacy.noise_multiplier': 2.0, 'privacy.clip_norm': 1.0, 'privacy.delta': 1e-5,
-            'privacy.accountant': 'rdp', 'privacy.matmul_format': 'float32',
-            'privacy.rounding_eta': 1e-4}
-  source = init_source.InitSource('/w/a', 'run', ({'name': '/w/a', 'steps': 10,
-                                                   'accounting': inputs},))
+  inputs = {
+    'privacy.enabled': True,
+    'sampler.name': 'poisson',
+    'sampler.num_examples': 1000,
+    'sampler.batch_size': 100,
+    'sampler.max_batch_size': 200,
+    'privacy.group_size': 1,
+    'privacy.noise_multiplier': 2.0,
+    'privacy.clip_norm': 1.0,
+    'privacy.delta': 1e-5,
+    'privacy.accountant': 'rdp',
+    'privacy.matmul_format': 'float32',
+    'privacy.rounding_eta': 1e-4,
+  }
+  source = init_source.InitSource(
+    '/w/a', 'run', ({'name': '/w/a', 'steps': 10, 'accounting': inputs},)
+  )
   (one,) = source.prior_runs(1)
   (two,) = source.prior_runs(2)
   assert (one.accountant.accountant, two.accountant.accountant) == ('rdp', 'pld')
@@ -254,7 +293,8 @@ def test_a_link_or_a_copy_of_an_exports_weights_composes_as_the_export_does(runs
 
 @pytest.mark.slow
 def test_the_card_inside_the_weights_changes_no_parameter_and_only_its_removal_makes_them_public(
-    runs, tmp_path):
+  runs, tmp_path
+):
   """A's export carries its card inside params.npz (the reserved entry), equal to the
   privacy_card.json beside it; the parameters read from the file are exactly A's (the entry is
   skipped). Re-saving the arrays without the entry (the user's declaration) makes the weights
@@ -288,8 +328,7 @@ def test_the_card_inside_the_weights_changes_no_parameter_and_only_its_removal_m
 
 
 @pytest.mark.slow
-def test_a_fine_tuned_run_exports_and_resumes_only_with_the_weights_it_started_from(
-    runs, tmp_path):
+def test_a_fine_tuned_run_exports_and_resumes_only_with_the_weights_it_started_from(runs, tmp_path):
   """The attack on the frozen weights: B starts from A's export X with Dense_0 frozen; X's
   weights are then replaced (the pretraining re-run and exported to the same path). On the
   branch's start commit B's export re-read X and released the new Dense_0 beside a Dense_1
@@ -299,8 +338,16 @@ def test_a_fine_tuned_run_exports_and_resumes_only_with_the_weights_it_started_f
   Failed on the branch's start commit (the export succeeded; checked)."""
   x = tmp_path / 'x'
   _export_a(runs, x)
-  config = small_config(**{'init_from': str(x), 'freeze': ('Dense_0',), 'num_steps': 1,
-                           'seed': 2, 'checkpoint_every_steps': 1, 'eval_every_steps': 1})
+  config = small_config(
+    **{
+      'init_from': str(x),
+      'freeze': ('Dense_0',),
+      'num_steps': 1,
+      'seed': 2,
+      'checkpoint_every_steps': 1,
+      'eval_every_steps': 1,
+    }
+  )
   train.train_and_evaluate(config, str(tmp_path / 'b'))
   export.export(str(tmp_path / 'b'), str(tmp_path / 'b_export'))
   with np.load(x / 'params.npz') as f:
@@ -314,7 +361,9 @@ def test_a_fine_tuned_run_exports_and_resumes_only_with_the_weights_it_started_f
   assert '\n' not in str(e.value) and not os.path.exists(tmp_path / 'b_export2')
   before = tree_digest(tmp_path / 'b')
   config.num_steps = 2
-  with pytest.raises(ValueError, match=re.escape(f"init_from = '{x}': these weights are not those")):
+  with pytest.raises(
+    ValueError, match=re.escape(f"init_from = '{x}': these weights are not those")
+  ):
     train.train_and_evaluate(config, str(tmp_path / 'b'))
   assert tree_digest(tmp_path / 'b') == before
   meta = checkpoints.read_metadata(str(tmp_path / 'b'))[-1]  # Recorded at the start.

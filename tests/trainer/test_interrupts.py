@@ -62,17 +62,19 @@ def test_sigterm_then_sigint_aborts_and_reports_the_first():
 
 def test_outside_the_main_thread_nothing_is_installed():
   seen = {}
+
   def body():
     with interrupts.GracefulStop() as stop:
       seen['handler'] = signal.getsignal(signal.SIGTERM)
       seen['requested'] = stop.requested
+
   thread = threading.Thread(target=body)
   thread.start()
   thread.join()
   assert seen == {'handler': signal.getsignal(signal.SIGTERM), 'requested': False}
 
 
-CHILD = '''
+CHILD = """
 import signal, sys, time
 from dpjax.privacy.child_env import child_env
 from dpjax.trainer import interrupts
@@ -82,13 +84,18 @@ with interrupts.GracefulStop() as stop:
     time.sleep(0.01)  # One training step.
   print('checkpoint saved', flush=True)
 sys.exit(stop.exit_code)
-'''
+"""
 
 
 @pytest.mark.slow
 def test_a_child_process_saves_and_exits_with_128_plus_signal():
-  proc = subprocess.Popen([sys.executable, '-c', CHILD], cwd=REPO, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(
+    [sys.executable, '-c', CHILD],
+    cwd=REPO,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   assert proc.stdout.readline() == 'ready\n'
   proc.send_signal(signal.SIGTERM)
   out, err = proc.communicate(timeout=60)
@@ -116,8 +123,13 @@ with interrupts.GracefulStop():
 
 @pytest.mark.slow
 def test_a_third_ctrl_c_kills_a_stuck_process():
-  proc = subprocess.Popen([sys.executable, '-c', STUCK], cwd=REPO, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(
+    [sys.executable, '-c', STUCK],
+    cwd=REPO,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   assert proc.stdout.readline() == 'ready\n'
   proc.send_signal(signal.SIGINT)
   assert proc.stderr.readline().startswith('SIGINT received: finishing this step')
@@ -128,7 +140,8 @@ def test_a_third_ctrl_c_kills_a_stuck_process():
 
 
 def test_a_ctrl_c_that_python_drops_before_the_loop_is_raised_when_the_loop_starts(
-    monkeypatch, capsys):
+  monkeypatch, capsys
+):
   """A KeyboardInterrupt raised inside a __del__ or gc callback is dropped by Python: a Ctrl-C
   that landed in XLA's gc callback during σ calibration was lost, the run trained to the end
   and exited 0 (seen in test_bad_inputs' Ctrl-C case under load). Remembered, it is raised
@@ -152,7 +165,7 @@ def test_a_ctrl_c_that_python_drops_before_the_loop_is_raised_when_the_loop_star
     assert not stop.requested
 
 
-DROPPED_IN_A_GC_CALLBACK = '''
+DROPPED_IN_A_GC_CALLBACK = """
 import gc, os, signal, sys, time
 from dpjax.privacy.child_env import child_env
 from dpjax.trainer import interrupts
@@ -173,7 +186,7 @@ try:
   print('not interrupted')
 except KeyboardInterrupt:
   print(f'interrupted after {time.monotonic() - start:.2f} s')
-'''
+"""
 
 
 def test_a_ctrl_c_dropped_in_a_gc_callback_stops_start_up_at_once():
@@ -181,12 +194,18 @@ def test_a_ctrl_c_dropped_in_a_gc_callback_stops_start_up_at_once():
   stops start-up within a second. Before, it waited for the loop's start: under the cold suite
   test_bad_inputs' Ctrl-C 6 s into a balls-and-bins calibration took effect after three ~9 s
   random-allocation builds (the child here prints 'not interrupted' after 10 s)."""
-  out = subprocess.run([sys.executable, '-c', DROPPED_IN_A_GC_CALLBACK], capture_output=True,
-                       text=True, timeout=60, env=child_env(), check=True).stdout
+  out = subprocess.run(
+    [sys.executable, '-c', DROPPED_IN_A_GC_CALLBACK],
+    capture_output=True,
+    text=True,
+    timeout=60,
+    env=child_env(),
+    check=True,
+  ).stdout
   assert out.startswith('interrupted after ') and float(out.split()[2]) < 1.0, out
 
 
-ONE_SHOT_COMMAND = '''
+ONE_SHOT_COMMAND = """
 import os, signal, subprocess, sys
 from dpjax.privacy.child_env import child_env
 from dpjax.trainer import interrupts
@@ -200,7 +219,7 @@ with interrupts.partial_output(sys.argv[1]) as staging:
   for _ in range(1000):
     pass
   os.rename(staging, sys.argv[2])
-'''
+"""
 
 
 @pytest.mark.slow
@@ -209,9 +228,13 @@ def test_exit_on_signals_removes_partial_output_ends_children_and_says_one_line(
   is ended (it would outlive a process that exits at once), one line, exit 143. Fails on
   da06065: exit_on_signals and partial_output did not exist (the CLIs died of the signal and
   left `.dpjax-export-*` behind)."""
-  proc = subprocess.run([sys.executable, '-c', ONE_SHOT_COMMAND, str(tmp_path / 'staging'),
-                         str(tmp_path / 'out')], cwd=REPO, capture_output=True, text=True,
-                        timeout=60)
+  proc = subprocess.run(
+    [sys.executable, '-c', ONE_SHOT_COMMAND, str(tmp_path / 'staging'), str(tmp_path / 'out')],
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
   assert (proc.returncode, proc.stderr) == (143, 'cmd: stopped by SIGTERM (a detail).\n')
   assert os.listdir(tmp_path) == []
   child = int(proc.stdout)
@@ -246,6 +269,7 @@ def test_a_signal_during_a_long_native_call_is_handled_at_once():
   no such call (the first training call compiled in the main thread, where a Python handler
   waits for the compilation: 150 s with P = 2^20)."""
   import time  # pylint: disable=import-outside-toplevel
+
   release = threading.Event()
   with interrupts.GracefulStop(log=lambda _: None) as stop:
     assert stop.run(lambda: 7) == 7

@@ -55,8 +55,17 @@ class FakeSteps:
   def __call__(self, params, opt_state, ema, chunk):
     self.clock.now += 0 if self.calls else COMPILE_SECONDS
     self.calls.append((chunk.first_step, int(chunk.count)))
-    metrics = {k: np.zeros(self.size, np.float32) for k in (
-        'loss', 'accuracy', 'num_nonfinite', 'num_examples', 'num_clipped', 'example_grad_norm')}
+    metrics = {
+      k: np.zeros(self.size, np.float32)
+      for k in (
+        'loss',
+        'accuracy',
+        'num_nonfinite',
+        'num_examples',
+        'num_clipped',
+        'example_grad_norm',
+      )
+    }
     w = np.array(params['w'])
     for j in range(int(chunk.count)):
       t = chunk.first_step + j
@@ -116,16 +125,39 @@ class FakeAccountant:
 
   def epsilon_at(self, step, *, estimates=True):
     self.queries.append((step, estimates, threading.current_thread().name))
-    return PrivacyReport(epsilon=epsilon_of(step), delta=1e-5, bound='upper', accountant='fake',
-                         sampler='poisson', noise_multiplier=1.0, steps=step, steps_per_epoch=10)
+    return PrivacyReport(
+      epsilon=epsilon_of(step),
+      delta=1e-5,
+      bound='upper',
+      accountant='fake',
+      sampler='poisson',
+      noise_multiplier=1.0,
+      steps=step,
+      steps_per_epoch=10,
+    )
 
 
 class Run:
   """One loop over the fakes, in `workdir`; `.train(state)` runs it."""
 
-  def __init__(self, workdir, *, num_steps, log=0, evaluation=0, checkpoint=0, size=1,
-               steps_per_call=None, restored_step=None, private=True, serial=False,
-               checkpoints=None, auditor=None, writer=metrics_lib.MetricWriter, **step_options):
+  def __init__(
+    self,
+    workdir,
+    *,
+    num_steps,
+    log=0,
+    evaluation=0,
+    checkpoint=0,
+    size=1,
+    steps_per_call=None,
+    restored_step=None,
+    private=True,
+    serial=False,
+    checkpoints=None,
+    auditor=None,
+    writer=metrics_lib.MetricWriter,
+    **step_options,
+  ):
     self.clock = Clock()
     self.steps = FakeSteps(size, self.clock, **step_options)
     self.checkpoints = checkpoints or MemoryCheckpoints(self.clock)
@@ -135,14 +167,28 @@ class Run:
     self.workdir = str(workdir)
     os.makedirs(self.workdir, exist_ok=True)
     settings = loop_parts.LoopSettings(
-        num_steps=num_steps, log_every=log, eval_every=evaluation, checkpoint_every=checkpoint,
-        steps_per_call=size if steps_per_call is None else steps_per_call,
-        max_batch_size=BATCH, clip_norm=1.0 if private else None, private=private,
-        serial=serial)
+      num_steps=num_steps,
+      log_every=log,
+      eval_every=evaluation,
+      checkpoint_every=checkpoint,
+      steps_per_call=size if steps_per_call is None else steps_per_call,
+      max_batch_size=BATCH,
+      clip_norm=1.0 if private else None,
+      private=private,
+      serial=serial,
+    )
     self.loop = loop_lib.Loop(
-        settings, self.steps, fake_chunks(size), self.evaluate,
-        writer(self.workdir, restored_step), self.checkpoints, self.accountant, auditor,
-        clock=self.clock, log=lambda *args: None)
+      settings,
+      self.steps,
+      fake_chunks(size),
+      self.evaluate,
+      writer(self.workdir, restored_step),
+      self.checkpoints,
+      self.accountant,
+      auditor,
+      clock=self.clock,
+      log=lambda *args: None,
+    )
 
   def evaluate(self, state) -> dict:
     self.evaluated.append(state.step)
@@ -150,8 +196,12 @@ class Run:
     return {'eval_loss': float(state.params['w'][0]), 'eval_accuracy': 0.5}
 
   def train(self, state=None):
-    return self.loop.run(state or loop_lib.TrainState(
-        step=0, params={'w': np.zeros(2, np.float32)}, opt_state=(), num_truncated=0, ema=None))
+    return self.loop.run(
+      state
+      or loop_lib.TrainState(
+        step=0, params={'w': np.zeros(2, np.float32)}, opt_state=(), num_truncated=0, ema=None
+      )
+    )
 
   def rows(self) -> list[dict]:
     with open(os.path.join(self.workdir, metrics_lib.METRICS_FILE)) as f:
@@ -169,12 +219,22 @@ def test_eval_checkpoint_and_log_fire_every_k_steps_and_at_the_last(tmp_path):
   assert state.num_truncated == 3  # Steps 2, 5 and 8.
   rows = run.rows()
   assert [(r['step'], 'nonprivate_train_loss' in r, 'eval_loss' in r) for r in rows] == [
-      (0, False, True), (3, True, False), (4, False, True), (6, True, False), (8, False, True),
-      (9, True, False), (10, True, True)]
+    (0, False, True),
+    (3, True, False),
+    (4, False, True),
+    (6, True, False),
+    (8, False, True),
+    (9, True, False),
+    (10, True, True),
+  ]
   # A row's train loss is the mean over its window: steps t = 0..2 (loss t) → 1.0, ...
   trained = [r for r in rows if 'nonprivate_train_loss' in r]
   assert [(r['nonprivate_train_loss'], r['train_window_steps']) for r in trained] == [
-      (1.0, 3), (4.0, 3), (7.0, 3), (9.0, 1)]
+    (1.0, 3),
+    (4.0, 3),
+    (7.0, 3),
+    (9.0, 1),
+  ]
   assert [r['eval_loss'] for r in rows if 'eval_loss' in r] == [0.0, 4.0, 8.0, 10.0]
   assert all(r['nonprivate_clip_fraction'] == 1.0 for r in trained)
   assert run.checkpoints.waited >= 1  # The save in flight finished before the loop returned.
@@ -210,8 +270,9 @@ def test_rates_come_from_the_clock_with_compilation_evals_and_saves_apart(tmp_pa
   assert trained[0]['nonprivate_compile_seconds'] == COMPILE_SECONDS + STEP_SECONDS
   assert [r['nonprivate_steps_per_second'] for r in trained] == [1 / STEP_SECONDS] * 3
   assert [r['nonprivate_examples_per_second'] for r in trained] == [BATCH / STEP_SECONDS] * 3
-  assert [(r['step'], r['nonprivate_eval_seconds']) for r in run.rows()
-          if 'eval_loss' in r and r['step']] == [(s, EVAL_SECONDS) for s in (2, 4, 6, 8, 9)]
+  assert [
+    (r['step'], r['nonprivate_eval_seconds']) for r in run.rows() if 'eval_loss' in r and r['step']
+  ] == [(s, EVAL_SECONDS) for s in (2, 4, 6, 8, 9)]
   assert [r['nonprivate_checkpoint_seconds'] for r in trained] == [SAVE_SECONDS] * 3
 
 
@@ -224,8 +285,11 @@ def test_a_signal_mid_run_saves_the_step_reached_and_exits_128_plus_signal(tmp_p
     run.train()
   name = signal.Signals(signum).name
   assert info.value.exit_code == 128 + signum and not info.value.abandoned
-  assert re.match(rf'stopped by {name} after step 7 of 100 \(1 steps dispatched after it arrived\); '
-                  r'checkpoint 7 saved', str(info.value))
+  assert re.match(
+    rf'stopped by {name} after step 7 of 100 \(1 steps dispatched after it arrived\); '
+    r'checkpoint 7 saved',
+    str(info.value),
+  )
   assert run.steps.calls[-1] == (6, 1)  # Nothing dispatched after the step it arrived in.
   state, report, _ = run.checkpoints.saved[7]
   assert sorted(run.checkpoints.saved) == [7] and state.params['w'].tolist() == [7.0, 7.0]
@@ -241,11 +305,14 @@ def test_epsilon_of_each_row_and_checkpoint_is_the_accountants_for_that_step(tmp
   assert [r['step'] for r in rows] == [2, 4, 6, 8, 10, 12]
   with_epsilon = [r for r in rows if 'epsilon' in r]
   assert {6, 12} <= {r['step'] for r in with_epsilon}  # A saved step waits for its ε.
-  assert all(r['epsilon'] == epsilon_of(r['step']) and r['epsilon_bound'] == 'upper'
-             for r in with_epsilon)
+  assert all(
+    r['epsilon'] == epsilon_of(r['step']) and r['epsilon_bound'] == 'upper' for r in with_epsilon
+  )
   reports = {step: saved[1] for step, saved in run.checkpoints.saved.items()}
   assert {step: (r.steps, r.epsilon) for step, r in reports.items()} == {
-      6: (6, epsilon_of(6)), 12: (12, epsilon_of(12))}
+    6: (6, epsilon_of(6)),
+    12: (12, epsilon_of(12)),
+  }
   # Side estimates at the last step only; every query on the thread ahead, never the loop's.
   assert [(s, e) for s, e, _ in run.accountant.queries if e] == [(12, True)]
   assert all(thread.startswith('dpjax-epsilon') for _, _, thread in run.accountant.queries)
@@ -256,7 +323,8 @@ def test_serial_dispatch_logs_epsilon_at_every_row_and_a_non_private_run_none(tm
   run = Run(tmp_path / 'serial', num_steps=6, log=2, checkpoint=6, serial=True)
   run.train()
   assert [(r['step'], r.get('epsilon')) for r in run.rows() if 'nonprivate_train_loss' in r] == [
-      (s, epsilon_of(s)) for s in (2, 4, 6)]
+    (s, epsilon_of(s)) for s in (2, 4, 6)
+  ]
   plain = Run(tmp_path / 'plain', num_steps=4, log=2, checkpoint=2, private=False)
   plain.train()
   assert not [r for r in plain.rows() if 'epsilon' in r]
@@ -265,8 +333,11 @@ def test_serial_dispatch_logs_epsilon_at_every_row_and_a_non_private_run_none(tm
 
 def test_non_finite_parameters_stop_the_run_and_keep_the_last_finite_checkpoint(tmp_path):
   run = Run(tmp_path, num_steps=12, log=4, checkpoint=4, nan_at=5)
-  with pytest.raises(loop_lib.TrainingDiverged, match=r'between steps 5 and 8; the last '
-                     r'checkpoint before step 5 is intact'):
+  with pytest.raises(
+    loop_lib.TrainingDiverged,
+    match=r'between steps 5 and 8; the last '
+    r'checkpoint before step 5 is intact',
+  ):
     run.train()
   assert sorted(run.checkpoints.saved) == [4]
   assert run.checkpoints.saved[4][0].params['w'].tolist() == [4.0, 4.0]
@@ -283,26 +354,46 @@ def test_a_non_finite_loss_alone_does_not_change_what_is_released(tmp_path):
   released = []
   for run in (with_record, without):
     assert run.train().step == 8
-    released.append({step: (saved[0].params['w'].tolist(), saved[1].epsilon)
-                     for step, saved in run.checkpoints.saved.items()})
-  assert released[0] == released[1] == {4: ([4.0, 4.0], epsilon_of(4)),
-                                        8: ([8.0, 8.0], epsilon_of(8))}
-  counts = [[r.get('nonprivate_num_nonfinite_examples') for r in run.rows()]
-            for run in (with_record, without)]
+    released.append(
+      {
+        step: (saved[0].params['w'].tolist(), saved[1].epsilon)
+        for step, saved in run.checkpoints.saved.items()
+      }
+    )
+  assert (
+    released[0] == released[1] == {4: ([4.0, 4.0], epsilon_of(4)), 8: ([8.0, 8.0], epsilon_of(8))}
+  )
+  counts = [
+    [r.get('nonprivate_num_nonfinite_examples') for r in run.rows()]
+    for run in (with_record, without)
+  ]
   assert counts == [[None, 0, 1], [None, 0, 0]]  # The record was seen, and changed nothing.
 
 
 def test_resume_continues_at_the_saved_step_and_ends_where_the_whole_run_ends(tmp_path):
   whole = Run(tmp_path / 'whole', num_steps=10, log=4, evaluation=4, checkpoint=3)
   final = whole.train()
-  first = Run(tmp_path / 'resumed', num_steps=10, log=4, evaluation=4, checkpoint=3,
-              on_step=lambda t: os.kill(os.getpid(), signal.SIGTERM) if t == 4 else None)
+  first = Run(
+    tmp_path / 'resumed',
+    num_steps=10,
+    log=4,
+    evaluation=4,
+    checkpoint=3,
+    on_step=lambda t: os.kill(os.getpid(), signal.SIGTERM) if t == 4 else None,
+  )
   with pytest.raises(loop_lib.RunInterrupted):
     first.train()
   assert sorted(first.checkpoints.saved) == [3, 5]
   saved = first.checkpoints.saved[5][0]
-  second = Run(tmp_path / 'resumed', num_steps=10, log=4, evaluation=4, checkpoint=3,
-               restored_step=5, checkpoints=first.checkpoints)
+  second = Run(
+    tmp_path / 'resumed',
+    num_steps=10,
+    log=4,
+    evaluation=4,
+    checkpoint=3,
+    restored_step=5,
+    checkpoints=first.checkpoints,
+  )
   resumed = second.train(saved)
   assert second.steps.calls[0] == (5, 1) and second.evaluated == [8, 10]  # No step-0 eval.
   assert resumed.step == final.step == 10
@@ -334,10 +425,13 @@ def test_the_audit_runs_at_the_checkpoints_it_is_asked_for(tmp_path, every_check
   run.train()
   assert auditor.at == audited
   assert {step: saved[2] is not None for step, saved in run.checkpoints.saved.items()} == {
-      3: every_checkpoint, 6: True}
+    3: every_checkpoint,
+    6: True,
+  }
   # Beside ε: the bound and its confidence, in the step's row (its own row at step 3).
-  assert [(r['step'], r['audit_epsilon_lower']) for r in run.rows()
-          if 'audit_epsilon_lower' in r] == [(s, s / 100) for s in audited]
+  assert [
+    (r['step'], r['audit_epsilon_lower']) for r in run.rows() if 'audit_epsilon_lower' in r
+  ] == [(s, s / 100) for s in audited]
 
 
 class DiskFullAt6(metrics_lib.MetricWriter):

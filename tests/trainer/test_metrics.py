@@ -24,8 +24,8 @@ def tb_scalars(workdir):
     data = open(path, 'rb').read()
     offset = 0
     while offset + 12 <= len(data):
-      (length,) = struct.unpack('<Q', data[offset:offset + 8])
-      event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+      (length,) = struct.unpack('<Q', data[offset : offset + 8])
+      event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
       offset += 12 + length + 4
       if event.HasField('session_log'):
         purges.append(event.step)
@@ -91,7 +91,12 @@ def test_train_window_after_resume_covers_only_the_steps_since_the_resume(tmp_pa
   writer.write(40, {'nonprivate_train_loss': 0.4})
   writer.close()
   assert [(row['step'], row.get('train_window_steps')) for row in rows(tmp_path)] == [
-      (0, None), (10, 10), (20, 10), (30, 5), (40, 10)]
+    (0, None),
+    (10, 10),
+    (20, 10),
+    (30, 5),
+    (40, 10),
+  ]
   # A resume from a checkpoint before the last logged row starts the window there instead.
   writer = metrics.MetricWriter(str(tmp_path), 20)
   assert writer.train_window(30) == {'train_window_steps': 10}
@@ -102,8 +107,10 @@ def test_flush_writes_tensorboard_events_and_rows_to_disk(tmp_path):
   writer.write(3, {'nonprivate_train_loss': 0.25})
   assert tb_scalars(tmp_path)[0] == []  # Buffered (flush_secs = 120) ...
   writer.flush()  # ... until the checkpoint flush.
-  assert tb_scalars(tmp_path)[0] == [(3, 'nonprivate/train_loss', 0.25),
-                                     (3, 'train_window_steps', 3.0)]
+  assert tb_scalars(tmp_path)[0] == [
+    (3, 'nonprivate/train_loss', 0.25),
+    (3, 'train_window_steps', 3.0),
+  ]
   assert rows(tmp_path) == [{'step': 3, 'nonprivate_train_loss': 0.25, 'train_window_steps': 3}]
   writer.close()
 
@@ -128,5 +135,6 @@ def test_every_name_is_covered_by_epsilon_or_labelled_nonprivate(tmp_path):
       writer.write(1, {name: 1.0})
   writer.write(1, {'epsilon': 1.0, 'eval_accuracy': 0.5, 'nonprivate_num_truncated': 0})
   writer.close()
-  assert rows(tmp_path) == [{'step': 1, 'epsilon': 1.0, 'eval_accuracy': 0.5,
-                             'nonprivate_num_truncated': 0}]
+  assert rows(tmp_path) == [
+    {'step': 1, 'epsilon': 1.0, 'eval_accuracy': 0.5, 'nonprivate_num_truncated': 0}
+  ]

@@ -11,9 +11,17 @@ from dpjax.trainer import optimizers
 
 
 def _config(**fields):
-  c = ml_collections.ConfigDict(dict(name='sgd', learning_rate=0.5, momentum=0.0,
-                                     schedule='constant', warmup_steps=0, decay_steps=(),
-                                     decay_factor=0.1))
+  c = ml_collections.ConfigDict(
+    dict(
+      name='sgd',
+      learning_rate=0.5,
+      momentum=0.0,
+      schedule='constant',
+      warmup_steps=0,
+      decay_steps=(),
+      decay_factor=0.1,
+    )
+  )
   c.update(fields)
   return c
 
@@ -42,6 +50,7 @@ def test_cosine_with_warmup_matches_closed_form():
     if t < warmup:
       return lr * t / warmup
     return lr * 0.5 * (1 + math.cos(math.pi * (t - warmup) / (total - warmup)))
+
   got = _applied_rates(_config(schedule='cosine', warmup_steps=warmup), total, steps)
   np.testing.assert_allclose(got, [closed(t) for t in steps], rtol=1e-5, atol=1e-7)
 
@@ -64,13 +73,16 @@ def test_adam_uses_the_schedule():
   assert float(u1) == pytest.approx(-0.05, rel=1e-5)
 
 
-@pytest.mark.parametrize('fields, match', [
+@pytest.mark.parametrize(
+  'fields, match',
+  [
     (dict(schedule='linear'), 'optimizer.schedule'),
     (dict(schedule='cosine', warmup_steps=10), 'optimizer.warmup_steps'),
     (dict(schedule='step', decay_steps=(5, 3)), 'optimizer.decay_steps'),
     (dict(schedule='step', decay_steps=(3,), decay_factor=0.0), 'optimizer.decay_factor'),
     (dict(name='rmsprop'), 'optimizer.name'),
-])
+  ],
+)
 def test_bad_fields_name_the_field(fields, match):
   with pytest.raises(ValueError, match=match):
     optimizers.make_optimizer(_config(**fields), 10)

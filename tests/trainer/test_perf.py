@@ -14,8 +14,13 @@ from dpjax.trainer import plan as plan_lib
 
 N = 1000
 # One other valid value of each Perf field (B stays a multiple of the new P).
-OTHER = {'physical_batch_size': 16, 'steps_per_call': 4, 'num_devices': 1,
-         'compilation_cache_dir': 'none', 'clipping_forms': 'measured'}
+OTHER = {
+  'physical_batch_size': 16,
+  'steps_per_call': 4,
+  'num_devices': 1,
+  'compilation_cache_dir': 'none',
+  'clipping_forms': 'measured',
+}
 
 
 def _config(**overrides):
@@ -46,8 +51,9 @@ def test_changing_any_perf_field_keeps_the_fingerprint_and_resumes():
   base = plan_lib.make_plan(_config(), N, seed=7)
   assert base.perf == perf_lib.Perf.from_config(_config())
   for name, value in OTHER.items():
-    other = plan_lib.make_plan(_config(**{name: value}), N, base.fingerprint, seed=7,
-                               resumed_step=10)
+    other = plan_lib.make_plan(
+      _config(**{name: value}), N, base.fingerprint, seed=7, resumed_step=10
+    )
     assert getattr(other.perf, name) == value != getattr(base.perf, name), name
     assert other.fingerprint == base.fingerprint, name
     assert other.noise_multiplier == base.noise_multiplier

@@ -7,8 +7,9 @@ from dpjax.trainer import provenance
 
 
 def test_git_state_is_the_checkouts_head():
-  head = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=provenance.REPO, capture_output=True,
-                        text=True, check=False).stdout.strip()
+  head = subprocess.run(
+    ['git', 'rev-parse', 'HEAD'], cwd=provenance.REPO, capture_output=True, text=True, check=False
+  ).stdout.strip()
   state = provenance.git_state()
   assert state['head'] == (head or None)
   assert isinstance(state['dpjax_uncommitted_changes'], list)

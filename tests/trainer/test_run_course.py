@@ -41,15 +41,30 @@ def _course(tmp_path, name, capsys, outlier_target=None):
   work = tmp_path / name
   # Two steps, b = 256 of N = 800 (the record is sampled at step 2 with seed 0); vmap clipping
   # traces faster than the default ghost clipping, and the course does not depend on it.
-  result = train.train_and_evaluate(small_config(**{
-      'loss': 'mse', 'data.source': 'npz', 'data.path': path, 'num_steps': 2,
-      'sampler.batch_size': 256, 'log_every_steps': 1, 'eval_every_steps': 1000,
-      'privacy.clipping': 'vmap'}), str(work))
+  result = train.train_and_evaluate(
+    small_config(
+      **{
+        'loss': 'mse',
+        'data.source': 'npz',
+        'data.path': path,
+        'num_steps': 2,
+        'sampler.batch_size': 256,
+        'log_every_steps': 1,
+        'eval_every_steps': 1000,
+        'privacy.clipping': 'vmap',
+      }
+    ),
+    str(work),
+  )
   rows = [json.loads(line) for line in open(work / 'metrics.jsonl')]
   printed = capsys.readouterr()
-  return (result['step'], [m['step'] for m in checkpoints.read_metadata(str(work))],
-          [row['step'] for row in rows], printed.out + printed.err,
-          sum(row.get('nonprivate_num_nonfinite_examples', 0) for row in rows))
+  return (
+    result['step'],
+    [m['step'] for m in checkpoints.read_metadata(str(work))],
+    [row['step'] for row in rows],
+    printed.out + printed.err,
+    sum(row.get('nonprivate_num_nonfinite_examples', 0) for row in rows),
+  )
 
 
 @pytest.mark.slow
@@ -77,18 +92,25 @@ def test_an_absurd_feature_is_refused_before_training(tmp_path):
   without it trains (above). Fails on da06065: the run trained, and stopped at step 2 on the
   count of non-finite gradients, printing it ("1 of 242 examples ...")."""
   from dpjax.data import digits  # pylint: disable=import-outside-toplevel
+
   x_train, y_train, x_test, y_test = digits.load_digits_arrays()
   x_train = np.concatenate([x_train[:NUM_ROWS], x_train[:1] * 1e30]).astype(np.float32)
   y_train = np.concatenate([y_train[:NUM_ROWS], y_train[:1]])
   path = str(tmp_path / 'outlier.npz')
   np.savez(path, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
   work = tmp_path / 'w'
-  with pytest.raises(ValueError, match=rf'x_train: example {NUM_ROWS} has the feature value '
-                                       r'.*beyond the public bound ±1e\+06 '
-                                       r'\(data.max_abs_feature\)') as info:
-    train.train_and_evaluate(small_config(**{'data.source': 'npz', 'data.path': path,
-                                             'data.num_classes': 10, 'num_steps': 20}),
-                             str(work))
+  with pytest.raises(
+    ValueError,
+    match=rf'x_train: example {NUM_ROWS} has the feature value '
+    r'.*beyond the public bound ±1e\+06 '
+    r'\(data.max_abs_feature\)',
+  ) as info:
+    train.train_and_evaluate(
+      small_config(
+        **{'data.source': 'npz', 'data.path': path, 'data.num_classes': 10, 'num_steps': 20}
+      ),
+      str(work),
+    )
   assert '\n' not in str(info.value) and not work.exists()
 
 
@@ -112,9 +134,15 @@ def test_the_run_stops_on_the_parameters_alone():
   da06065: the rule read the training loss (and the count) and had no such function."""
   from dpjax.trainer import stops  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
   tree = lambda v: {'w': jnp.ones((3,), jnp.float32), 'b': jnp.float32([v])}
-  assert [bool(stops.parameters_diverged(tree(v))) for v in (1.0, 1e19, 2e19, np.nan, -np.inf)
-          ] == [False, False, True, True, True]
+  assert [bool(stops.parameters_diverged(tree(v))) for v in (1.0, 1e19, 2e19, np.nan, -np.inf)] == [
+    False,
+    False,
+    True,
+    True,
+    True,
+  ]
 
 
 def test_max_nonfinite_fraction_is_refused_naming_what_replaced_it():
@@ -123,10 +151,15 @@ def test_max_nonfinite_fraction_is_refused_naming_what_replaced_it():
   the field existed and stopped runs on the count."""
   config = config_fields.default_config()
   config.max_nonfinite_fraction = 0.01
-  with pytest.raises(config_fields.ConfigError, match=r'max_nonfinite_fraction: this field was '
-                                                      r'removed: .*data.max_abs_feature') as info:
+  with pytest.raises(
+    config_fields.ConfigError,
+    match=r'max_nonfinite_fraction: this field was '
+    r'removed: .*data.max_abs_feature',
+  ) as info:
     config_fields.validate(config)
   assert '\n' not in str(info.value)
-  message = cli.config_override_error(['--config=digits_mlp', '--config.max_nonfinite_fraction=0.1'])
+  message = cli.config_override_error(
+    ['--config=digits_mlp', '--config.max_nonfinite_fraction=0.1']
+  )
   assert message is not None and 'this field was removed' in message
   assert 'stops only on non-finite parameters' in message

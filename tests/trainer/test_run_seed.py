@@ -87,15 +87,16 @@ def test_the_seed_is_stored_privately_and_nowhere_else(default_runs):
 
 
 @pytest.mark.slow
-def test_a_resume_reuses_the_stored_seed_and_a_missing_or_other_seed_is_refused(default_runs,
-                                                                               tmp_path):
+def test_a_resume_reuses_the_stored_seed_and_a_missing_or_other_seed_is_refused(
+  default_runs, tmp_path
+):
   workdir = str(tmp_path / 'run')
   shutil.copytree(default_runs[0] / 'victim', workdir)  # A finished run of _default().
   seed = run_seed.stored_seed(workdir).value
   longer = train.train_and_evaluate(_default(num_steps=4), workdir)  # Resumes, same seed.
-  reference = train.train_and_evaluate(small_config(seed=seed, num_steps=4,
-                                                    checkpoint_every_steps=3),
-                                       str(tmp_path / 'given'))
+  reference = train.train_and_evaluate(
+    small_config(seed=seed, num_steps=4, checkpoint_every_steps=3), str(tmp_path / 'given')
+  )
   np.testing.assert_array_equal(_flat(longer['params']), _flat(reference['params']))
   with pytest.raises(plan_lib.PlanError, match='seed: another seed'):
     train.train_and_evaluate(_default(num_steps=5, seed=seed + 1), workdir)
@@ -108,7 +109,9 @@ def test_a_resume_reuses_the_stored_seed_and_a_missing_or_other_seed_is_refused(
 def test_a_given_seed_is_used_and_labelled_on_the_start_and_final_lines(tmp_path, capsys):
   train.train_and_evaluate(_default(seed=7), str(tmp_path / 'run'))
   out = capsys.readouterr().out
-  assert 'Seed: 7, given by the config: the privacy guarantee holds only if this seed is secret' in out
+  assert (
+    'Seed: 7, given by the config: the privacy guarantee holds only if this seed is secret' in out
+  )
   final = [line for line in out.splitlines() if line.startswith('Final:')][0]
   assert 'ε holds only if that seed is secret' in final
   assert run_seed.stored_seed(str(tmp_path / 'run')) == run_seed.RunSeed(7, 'config')
@@ -117,10 +120,12 @@ def test_a_given_seed_is_used_and_labelled_on_the_start_and_final_lines(tmp_path
 def test_drawn_seeds_use_all_64_bits_of_the_prng_key():
   """jax.random.PRNGKey keeps 32 bits without x64; the root key must keep all of them."""
   from dpjax.privacy import prng  # pylint: disable=import-outside-toplevel
+
   a, b = prng.noise_key(5, 0), prng.noise_key(5 + 2**40, 0)
   assert not np.array_equal(jax.random.key_data(a), jax.random.key_data(b))
-  assert np.array_equal(jax.random.key_data(prng.root_key(5)),
-                        jax.random.key_data(jax.random.PRNGKey(5)))
+  assert np.array_equal(
+    jax.random.key_data(prng.root_key(5)), jax.random.key_data(jax.random.PRNGKey(5))
+  )
 
 
 @pytest.mark.slow
@@ -129,6 +134,7 @@ def test_each_run_gets_its_own_run_id_and_drawn_seeds_are_not_recorded(default_r
   the seed record stays empty (drawn seeds are 63 secret bits: no other run has them). Fails on
   467e31c (checked): there was no run id."""
   from dpjax.trainer import run_identity  # pylint: disable=import-outside-toplevel
+
   root, _ = default_runs
   ids = [run_identity.stored(str(root / name)) for name in ('victim', 'attacker_d')]
   assert all(re.fullmatch('[0-9a-f]{32}', i.run_id) and i.earlier == () for i in ids)
@@ -142,6 +148,7 @@ def test_a_run_id_is_drawn_at_each_start_from_scratch_and_read_back_otherwise(tm
   or an export reads it back; a workdir from before run ids gets one, kept; a damaged file is
   one line. New module: on 467e31c this failed on its import (checked)."""
   from dpjax.trainer import run_identity  # pylint: disable=import-outside-toplevel
+
   workdir = str(tmp_path / 'run')
   assert run_identity.stored(workdir) is None
   first = run_identity.fresh(workdir)
@@ -155,14 +162,18 @@ def test_a_run_id_is_drawn_at_each_start_from_scratch_and_read_back_otherwise(tm
   assert run_identity.kept(older) == run_identity.kept(older) != first
   with open(run_identity.run_path(workdir), 'w') as f:
     f.write('{"run_id": "../etc"}')
-  with pytest.raises(ValueError, match=r'private/run.json: unreadable run id \(ValueError\); '
-                     'remove it'):
+  with pytest.raises(
+    ValueError,
+    match=r'private/run.json: unreadable run id \(ValueError\); '
+    'remove it',
+  ):
     run_identity.stored(workdir)
   assert run_identity.fresh(workdir).earlier == ()  # A fresh start replaces it.
 
 
-def test_the_seed_record_tells_runs_apart_by_their_run_id_never_by_their_path(tmp_path,
-                                                                             monkeypatch):
+def test_the_seed_record_tells_runs_apart_by_their_run_id_never_by_their_path(
+  tmp_path, monkeypatch
+):
   """Issue 34 item 8, the functions that decide (`seed_record.start_warnings`,
   `exported_by_another_run`): a given seed's digest used by another run gives one line naming
   its workdir, whatever the path: a workdir deleted and trained again in the same path is
@@ -171,6 +182,7 @@ def test_the_seed_record_tells_runs_apart_by_their_run_id_never_by_their_path(tm
   never the seed; a record that cannot be written gives one warning line, never an error.
   Fails on 467e31c (checked): the same path was exempt, whatever the run."""
   from dpjax.trainer import seed_record  # pylint: disable=import-outside-toplevel
+
   monkeypatch.setenv('DPJAX_STATE_DIR', str(tmp_path / 'state'))
   a, b, c, d = (letter * 32 for letter in 'abcd')
   digest = privacy_plan.seed_digest(1234567)
@@ -182,8 +194,10 @@ def test_the_seed_record_tells_runs_apart_by_their_run_id_never_by_their_path(tm
   assert seed_record.start_warnings(privacy_plan.seed_digest(7), second, b) == []  # Other seed.
   seed_record.append(digest, seed_record.EXPORT, first, a, '/release/a')
   (line,) = seed_record.start_warnings(digest, first, c)  # `first` deleted, trained again.
-  assert line.startswith(f'seed: an earlier run in this same workdir {first} (deleted, or '
-                         f'started again from scratch) (and 1 more){reuse}')
+  assert line.startswith(
+    f'seed: an earlier run in this same workdir {first} (deleted, or '
+    f'started again from scratch) (and 1 more){reuse}'
+  )
   assert seed_record.exported_by_another_run(digest, a) is None  # Its own export.
   for other in (c, None):  # Another run in the same path; a workdir older than run ids.
     assert seed_record.exported_by_another_run(digest, other)['out'] == '/release/a'
@@ -193,8 +207,9 @@ def test_the_seed_record_tells_runs_apart_by_their_run_id_never_by_their_path(tm
   with open(tmp_path / 'state' / 'seeds.jsonl', 'a') as f:  # An older dpjax's row, same path.
     f.write(json.dumps({'seed_sha256': alone, 'event': 'train', 'workdir': first}) + '\n')
   (line,) = seed_record.start_warnings(alone, first, 'e' * 32, (d, c))
-  assert line.startswith(f'seed: the run in {first} (recorded by an older dpjax, without a run '
-                         f'id){reuse}')
+  assert line.startswith(
+    f'seed: the run in {first} (recorded by an older dpjax, without a run id){reuse}'
+  )
   text = (tmp_path / 'state' / 'seeds.jsonl').read_text()
   assert '1234567' not in text and digest in text
   (tmp_path / 'file').write_text('')

@@ -31,19 +31,26 @@ def _release(tmp_path, rows: int, bound: int):
   x_train, y_train, x_test, y_test = digits.load_digits_arrays()
   path = tmp_path / f'd{rows}.npz'
   np.savez(path, x_train=x_train[:rows], y_train=y_train[:rows], x_test=x_test, y_test=y_test)
-  config = small_config(**{'data.source': 'npz', 'data.path': str(path),
-                           'data.num_classes': 10, 'data.public_num_examples': bound,
-                           'privacy.accountant': 'rdp'})  # 3x faster than pld here.
+  config = small_config(
+    **{
+      'data.source': 'npz',
+      'data.path': str(path),
+      'data.num_classes': 10,
+      'data.public_num_examples': bound,
+      'privacy.accountant': 'rdp',
+    }
+  )  # 3x faster than pld here.
   train_source, _ = plan_lib.make_training_sources(config)
   plan = plan_lib.make_plan(config, train_source, seed=0)
   lines = []
-  run_report.announce(plan, str(tmp_path), train_source, sharding.make_mesh(1),
-                      {'w': np.zeros(3)}, log=lines.append)
-  step_fns = types.SimpleNamespace(noise_multiplier=plan.noise_multiplier,
-                                   clip_norm=plan.clip_norm)
+  run_report.announce(
+    plan, str(tmp_path), train_source, sharding.make_mesh(1), {'w': np.zeros(3)}, log=lines.append
+  )
+  step_fns = types.SimpleNamespace(noise_multiplier=plan.noise_multiplier, clip_norm=plan.clip_norm)
   report = plan.accountant.epsilon_at(plan.num_steps, estimates=False)
-  meta = privacy_metadata.privacy_metadata(plan.num_steps, report, plan, step_fns,
-                                   chunks.make_batcher(plan), 0)
+  meta = privacy_metadata.privacy_metadata(
+    plan.num_steps, report, plan, step_fns, chunks.make_batcher(plan), 0
+  )
   return export.privacy_card(meta), [line.replace(str(path), '<data>') for line in lines]
 
 
@@ -58,13 +65,18 @@ def test_with_a_public_bound_the_card_of_d_and_d_minus_one_row_are_identical(tmp
   """
   card, _ = _release(tmp_path, 1437, 0)
   card_minus, _ = _release(tmp_path, 1436, 0)
-  assert {k for k in card if card[k] != card_minus[k]} == {'num_examples', 'epsilon',
-                                                           'guarantee', 'accounting',
-                                                           'float_rounding'}
+  assert {k for k in card if card[k] != card_minus[k]} == {
+    'num_examples',
+    'epsilon',
+    'guarantee',
+    'accounting',
+    'float_rounding',
+  }
   assert (card['num_examples'], card_minus['num_examples']) == (1437, 1436)
   assert card['exact_num_examples_is_public'] is True
-  assert card['num_examples_note'].startswith('num_examples is the exact number of training '
-                                              'examples and is treated as public')
+  assert card['num_examples_note'].startswith(
+    'num_examples is the exact number of training examples and is treated as public'
+  )
   card, lines = _release(tmp_path, 1437, 1500)
   card_minus, lines_minus = _release(tmp_path, 1436, 1500)
   assert card == card_minus and lines == lines_minus
@@ -93,8 +105,11 @@ def test_a_bounded_poisson_sampler_draws_each_present_row_at_rate_b_over_the_bou
   eps = []
   for present in (1, bound):
     acct = accountant_lib.Accountant(
-        samplers.PoissonSampler(num_examples=bound, batch_size=b, num_rows=present), 2.0,
-        1e-6, max_batch_size=4000)
+      samplers.PoissonSampler(num_examples=bound, batch_size=b, num_rows=present),
+      2.0,
+      1e-6,
+      max_batch_size=4000,
+    )
     assert acct.exact_truncation is False
     eps.append(acct.epsilon(10))
   assert eps[0] == eps[1]
@@ -106,10 +121,14 @@ def test_a_bounded_poisson_sampler_draws_each_present_row_at_rate_b_over_the_bou
 
 @pytest.mark.parametrize('sampler', ['shuffle', 'balls_and_bins', 'fixed_size'])
 def test_samplers_whose_batches_depend_on_n_refuse_a_bound(sampler):
-  with pytest.raises(ValueError, match=rf"^data.public_num_examples = 2000 needs sampler.name = "
-                                       rf"'poisson': the {sampler} sampler's batches depend on"):
-    plan_lib.make_plan(small_config(**{'data.public_num_examples': 2000,
-                                       'sampler.name': sampler}), 1437)
+  with pytest.raises(
+    ValueError,
+    match=rf'^data.public_num_examples = 2000 needs sampler.name = '
+    rf"'poisson': the {sampler} sampler's batches depend on",
+  ):
+    plan_lib.make_plan(
+      small_config(**{'data.public_num_examples': 2000, 'sampler.name': sampler}), 1437
+    )
 
 
 def _config(**overrides):
@@ -123,10 +142,17 @@ def test_the_bound_sets_the_epochs_enters_the_fingerprint_and_must_cover_the_row
   assert plan.fingerprint['data.public_num_examples'] == 2560
   assert plan.fingerprint['sampler.num_examples'] == 2560
   with pytest.raises(ValueError, match=r'data.public_num_examples: 2560 → 3000'):
-    plan_lib.make_plan(_config(**{'data.public_num_examples': 3000, 'num_steps': 0,
-                                  'num_epochs': 2}), 1437, plan.fingerprint, resumed_step=1)
+    plan_lib.make_plan(
+      _config(**{'data.public_num_examples': 3000, 'num_steps': 0, 'num_epochs': 2}),
+      1437,
+      plan.fingerprint,
+      resumed_step=1,
+    )
   exact = plan_lib.make_plan(_config(), 1437)
   assert 'data.public_num_examples' not in exact.fingerprint  # As in older checkpoints.
-  with pytest.raises(ValueError, match=r'^data.public_num_examples = 1436: the training set has '
-                                       r'more examples'):
+  with pytest.raises(
+    ValueError,
+    match=r'^data.public_num_examples = 1436: the training set has '
+    r'more examples',
+  ):
     plan_lib.make_plan(small_config(**{'data.public_num_examples': 1436}), 1437)

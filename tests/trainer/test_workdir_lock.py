@@ -12,17 +12,23 @@ import pytest
 from dpjax.trainer import workdir_lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HOLD = ('import sys, time\n'
-        'from dpjax.trainer import workdir_lock\n'
-        'with workdir_lock.WorkdirLock(sys.argv[1]):\n'
-        '  print("locked", flush=True)\n'
-        '  time.sleep(float(sys.argv[2]))\n')
+HOLD = (
+  'import sys, time\n'
+  'from dpjax.trainer import workdir_lock\n'
+  'with workdir_lock.WorkdirLock(sys.argv[1]):\n'
+  '  print("locked", flush=True)\n'
+  '  time.sleep(float(sys.argv[2]))\n'
+)
 
 
 def start_holder(workdir, seconds=120):
   """A process that takes the lock, says so, then sleeps holding it."""
-  proc = subprocess.Popen([sys.executable, '-c', HOLD, str(workdir), str(seconds)], cwd=REPO,
-                          stdout=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(
+    [sys.executable, '-c', HOLD, str(workdir), str(seconds)],
+    cwd=REPO,
+    stdout=subprocess.PIPE,
+    text=True,
+  )
   assert proc.stdout.readline().strip() == 'locked'
   return proc
 
@@ -37,8 +43,9 @@ def test_second_run_is_refused_naming_host_and_pid_then_stale_lock_is_taken_over
     assert f'PID {holder.pid} on host {socket.gethostname()}' in message
     assert '\n' not in message and isinstance(refused.value, ValueError)
     # Another process is refused too (flock is per open file, across processes).
-    other = subprocess.run([sys.executable, '-c', HOLD, str(tmp_path), '0'], cwd=REPO,
-                           capture_output=True, text=True)
+    other = subprocess.run(
+      [sys.executable, '-c', HOLD, str(tmp_path), '0'], cwd=REPO, capture_output=True, text=True
+    )
     assert other.returncode != 0 and f'PID {holder.pid}' in other.stderr
     assert 'locked' not in other.stdout
   finally:
@@ -80,8 +87,10 @@ def test_only_the_primary_process_locks(tmp_path):
 def test_lock_left_by_another_host_is_not_taken_over(tmp_path):
   path = tmp_path / workdir_lock.LOCK_FILE
   path.write_text(json.dumps({'host': 'node-17.cluster', 'pid': 4242, 'start_time': 0}))
-  with pytest.raises(workdir_lock.WorkdirInUseError,
-                     match=r'PID 4242 on host node-17.cluster since 1970-01-01.*delete'):
+  with pytest.raises(
+    workdir_lock.WorkdirInUseError,
+    match=r'PID 4242 on host node-17.cluster since 1970-01-01.*delete',
+  ):
     workdir_lock.WorkdirLock(str(tmp_path)).acquire()
   assert json.loads(path.read_text())['pid'] == 4242  # Untouched.
 

@@ -15,14 +15,16 @@ from dpjax.privacy.lazy_exports import lazy_exports
 
 # Imported on first use: a Monte Carlo worker process imports one submodule, not every accountant.
 _EXPORTS = {
-    'ACCOUNTANTS': ('dpjax.privacy.accounting.accountant', 'ACCOUNTANTS'),
-    'Accountant': ('dpjax.privacy.accounting.accountant', 'Accountant'),
-    'BOUNDS': ('dpjax.privacy.accounting.report', 'BOUNDS'),
-    'PrivacyReport': ('dpjax.privacy.accounting.report', 'PrivacyReport'),
-    'resolve_accountant': ('dpjax.privacy.accounting.accountant', 'resolve_accountant'),
-    'calibrate_noise_multiplier': ('dpjax.privacy.accounting.calibration',
-                                   'calibrate_noise_multiplier'),
-    'max_num_steps': ('dpjax.privacy.accounting.calibration', 'max_num_steps'),
+  'ACCOUNTANTS': ('dpjax.privacy.accounting.accountant', 'ACCOUNTANTS'),
+  'Accountant': ('dpjax.privacy.accounting.accountant', 'Accountant'),
+  'BOUNDS': ('dpjax.privacy.accounting.report', 'BOUNDS'),
+  'PrivacyReport': ('dpjax.privacy.accounting.report', 'PrivacyReport'),
+  'resolve_accountant': ('dpjax.privacy.accounting.accountant', 'resolve_accountant'),
+  'calibrate_noise_multiplier': (
+    'dpjax.privacy.accounting.calibration',
+    'calibrate_noise_multiplier',
+  ),
+  'max_num_steps': ('dpjax.privacy.accounting.calibration', 'max_num_steps'),
 }
 __all__ = tuple(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

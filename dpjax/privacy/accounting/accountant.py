@@ -81,22 +81,29 @@ def resolve_accountant(sampler_name: str, accountant: str, group_size: int = 1) 
   """
   sampler = samplers_lib.sampler_class(sampler_name)  # ValueError names the valid samplers.
   if accountant not in ACCOUNTANTS:
-    raise ValueError(f'privacy.accountant = {accountant!r} is unknown; valid: '
-                     f'{", ".join(ACCOUNTANTS)}.')
+    raise ValueError(
+      f'privacy.accountant = {accountant!r} is unknown; valid: {", ".join(ACCOUNTANTS)}.'
+    )
   supported = sampler.accountants
   if accountant == 'auto':
     return supported[0]
   if accountant not in supported:
-    raise ValueError(f'privacy.accountant = {accountant!r} is not supported for sampler '
-                     f'{sampler_name!r} ({sampler.unsupported_accountant_reason}); valid: '
-                     f'{", ".join(("auto",) + supported)}.')
+    raise ValueError(
+      f'privacy.accountant = {accountant!r} is not supported for sampler '
+      f'{sampler_name!r} ({sampler.unsupported_accountant_reason}); valid: '
+      f'{", ".join(("auto",) + supported)}.'
+    )
   if group_size > 1 and accountant not in sampler.group_accountants:
     if accountant == 'monte_carlo':
-      raise ValueError(f'privacy.group_size = {group_size} > 1: the Monte-Carlo accountant '
-                       'covers single examples only (group_size = 1). Use accountant pld.')
-    raise ValueError(f'privacy.group_size = {group_size} > 1 needs the mixture-of-Gaussians PLD '
-                     f'for sampler {sampler_name!r}; accountant {accountant} supports '
-                     'group_size = 1 only. Use accountant pld.')
+      raise ValueError(
+        f'privacy.group_size = {group_size} > 1: the Monte-Carlo accountant '
+        'covers single examples only (group_size = 1). Use accountant pld.'
+      )
+    raise ValueError(
+      f'privacy.group_size = {group_size} > 1 needs the mixture-of-Gaussians PLD '
+      f'for sampler {sampler_name!r}; accountant {accountant} supports '
+      'group_size = 1 only. Use accountant pld.'
+    )
   return accountant
 
 
@@ -118,18 +125,24 @@ def _check_beta(beta) -> float:
   return float(beta)
 
 
-def _check_pld_options(random_allocation_timeout, value_discretization_interval,
-                       pld_coarsening) -> None:
+def _check_pld_options(
+  random_allocation_timeout, value_discretization_interval, pld_coarsening
+) -> None:
   """Timeout None or > 0; discretisation None or a float in (0, 0.1]; coarsening in [1, 100]."""
   if random_allocation_timeout is not None and not (
-      isinstance(random_allocation_timeout, (int, float)) and random_allocation_timeout > 0):
-    raise ValueError(f'random_allocation_timeout must be None (no limit) or seconds > 0, got '
-                     f'{random_allocation_timeout!r}.')
+    isinstance(random_allocation_timeout, (int, float)) and random_allocation_timeout > 0
+  ):
+    raise ValueError(
+      f'random_allocation_timeout must be None (no limit) or seconds > 0, got '
+      f'{random_allocation_timeout!r}.'
+    )
   if value_discretization_interval is not None and not (
-      isinstance(value_discretization_interval, float) and
-      0 < value_discretization_interval <= 0.1):
-    raise ValueError('value_discretization_interval must be None or a float in (0, 0.1], '
-                     f'got {value_discretization_interval!r}.')
+    isinstance(value_discretization_interval, float) and 0 < value_discretization_interval <= 0.1
+  ):
+    raise ValueError(
+      'value_discretization_interval must be None or a float in (0, 0.1], '
+      f'got {value_discretization_interval!r}.'
+    )
   if not (isinstance(pld_coarsening, (int, float)) and 1 <= pld_coarsening <= 100):
     raise ValueError(f'pld_coarsening must be in [1, 100], got {pld_coarsening!r}.')
 
@@ -146,19 +159,31 @@ class Accountant:
   constructor is for callers that already hold a sampler (the CLI, tests).
   """
 
-  def __init__(self, sampler: samplers_lib.Sampler, noise_multiplier: float, delta: float, *,
-               accountant: str = 'auto', max_batch_size: int | None = cap.CAP_NOT_GIVEN,
-               group_size: int = 1, num_steps: int | None = None,
-               monte_carlo_samples: int | None = None, beta: float = 1e-3,
-               monte_carlo_seed: int = 0, monte_carlo_workers: int | None = None,
-               monte_carlo_estimate: bool = False,
-               random_allocation: bool | None = None,
-               value_discretization_interval: float | None = None,
-               pld_coarsening: float = 1.0,
-               exact_truncation: bool = True,
-               random_allocation_timeout: float | None = balls_and_bins.RANDOM_ALLOCATION_TIMEOUT,
-               max_grid_points: int = MAX_GRID_POINTS, allow_large_delta: bool = False,
-               prior_runs: Sequence[composition.PriorRun] = (), sensitivity: float = 1.0):
+  def __init__(
+    self,
+    sampler: samplers_lib.Sampler,
+    noise_multiplier: float,
+    delta: float,
+    *,
+    accountant: str = 'auto',
+    max_batch_size: int | None = cap.CAP_NOT_GIVEN,
+    group_size: int = 1,
+    num_steps: int | None = None,
+    monte_carlo_samples: int | None = None,
+    beta: float = 1e-3,
+    monte_carlo_seed: int = 0,
+    monte_carlo_workers: int | None = None,
+    monte_carlo_estimate: bool = False,
+    random_allocation: bool | None = None,
+    value_discretization_interval: float | None = None,
+    pld_coarsening: float = 1.0,
+    exact_truncation: bool = True,
+    random_allocation_timeout: float | None = balls_and_bins.RANDOM_ALLOCATION_TIMEOUT,
+    max_grid_points: int = MAX_GRID_POINTS,
+    allow_large_delta: bool = False,
+    prior_runs: Sequence[composition.PriorRun] = (),
+    sensitivity: float = 1.0,
+  ):
     """Validates everything before any computation.
 
     Args:
@@ -200,9 +225,13 @@ class Accountant:
     self.noise_multiplier = checks.check_noise_multiplier(noise_multiplier)
     self.sensitivity = sampler_events.check_sensitivity(sensitivity)
     self.accounted_noise_multiplier = self.noise_multiplier / self.sensitivity
-    self.delta = checks.check_delta(delta, num_examples=sampler.num_examples,
-                                    allow_large_delta=allow_large_delta, warn=False,
-                                    flag='allow_large_delta=True (--allow-large-delta)')
+    self.delta = checks.check_delta(
+      delta,
+      num_examples=sampler.num_examples,
+      allow_large_delta=allow_large_delta,
+      warn=False,
+      flag='allow_large_delta=True (--allow-large-delta)',
+    )
     self.allow_large_delta = bool(allow_large_delta)
     self.group_size = _check_group_size(group_size, sampler.num_examples)
     self.accountant = resolve_accountant(sampler.name, accountant, self.group_size)
@@ -230,9 +259,14 @@ class Accountant:
   @functools.cached_property
   def compositions(self) -> StepCompositions:
     """This accountant's composed step PLDs, at the grid that follows ε."""
-    return StepCompositions(self.noise_multiplier, self.delta, self.max_grid_points,
-                            self.value_discretization_interval, self.pld_coarsening,
-                            describe=self._grid_too_large)
+    return StepCompositions(
+      self.noise_multiplier,
+      self.delta,
+      self.max_grid_points,
+      self.value_discretization_interval,
+      self.pld_coarsening,
+      describe=self._grid_too_large,
+    )
 
   @property
   def steps_per_epoch(self) -> int:
@@ -255,11 +289,16 @@ class Accountant:
     if self.max_batch_size is None or not self.sampler.binomial_batch_size:
       return -math.inf
     return balls_and_bins.log_truncation_mass(
-        self.sampler.num_examples, self.sampling_probability, self.max_batch_size, num_steps,
-        group_size=self.group_size)
+      self.sampler.num_examples,
+      self.sampling_probability,
+      self.max_batch_size,
+      num_steps,
+      group_size=self.group_size,
+    )
 
-  def composed_pld(self, event: dp_event.DpEvent, count: int,
-                   interval: float | None = None) -> pld_lib.PrivacyLossDistribution:
+  def composed_pld(
+    self, event: dp_event.DpEvent, count: int, interval: float | None = None
+  ) -> pld_lib.PrivacyLossDistribution:
     """`count` steps of `event` at the grid that gives the smallest ε(δ) (`pld_grid.refine`,
     chosen once per (event, count)), or at `value_discretization_interval` when one is set,
     or at `interval` when given (composing with other runs on a common grid)."""
@@ -279,11 +318,13 @@ class Accountant:
     if self.sampler.grid_too_large_hint:
       hints.append(self.sampler.grid_too_large_hint)
     hints.append(f'coarsen value_discretization_interval (now {interval:g})')
-    return (f'the privacy-loss distribution of one {self.sampler.name} step (σ = '
-            f'{self.noise_multiplier:.4g}, {len(sensitivities)} mixture components, sensitivity '
-            f'up to {max(sensitivities):g}) needs ~{points:.3g} grid points × components, more '
-            f'than the {self.max_grid_points:.3g} allowed (minutes and GBs of memory). To fix: '
-            f'{"; ".join(hints)}; or raise max_grid_points.')
+    return (
+      f'the privacy-loss distribution of one {self.sampler.name} step (σ = '
+      f'{self.noise_multiplier:.4g}, {len(sensitivities)} mixture components, sensitivity '
+      f'up to {max(sensitivities):g}) needs ~{points:.3g} grid points × components, more '
+      f'than the {self.max_grid_points:.3g} allowed (minutes and GBs of memory). To fix: '
+      f'{"; ".join(hints)}; or raise max_grid_points.'
+    )
 
   # --- public API -----------------------------------------------------------------------------
 
@@ -319,21 +360,32 @@ class Accountant:
 
   def report(self, unit: int, epsilon: float, details: dict, **kwargs) -> PrivacyReport:
     details = dict(details)
-    for key, value in (('group_size', self.group_size), ('num_examples', self.sampler.num_examples),
-                       ('batch_size', self.sampler.batch_size),
-                       ('sampling_probability', self.sampling_probability)):
+    for key, value in (
+      ('group_size', self.group_size),
+      ('num_examples', self.sampler.num_examples),
+      ('batch_size', self.sampler.batch_size),
+      ('sampling_probability', self.sampling_probability),
+    ):
       details.setdefault(key, value)
     details['max_batch_size'] = self.max_batch_size
     if self.sensitivity != 1:  # 1 + η, and the σ/(1 + η) every number here is of.
-      details.update(sensitivity=self.sensitivity,
-                     accounted_noise_multiplier=self.accounted_noise_multiplier)
+      details.update(
+        sensitivity=self.sensitivity, accounted_noise_multiplier=self.accounted_noise_multiplier
+      )
     if self.is_epoch_based:
       details['epochs_accounted'] = unit
     kwargs.setdefault('bound', 'upper')
     return PrivacyReport(
-        epsilon=float(epsilon), delta=self.delta, accountant=self.accountant,
-        sampler=self.sampler.name, noise_multiplier=self.noise_multiplier,
-        steps=unit, steps_per_epoch=self.steps_per_epoch, details=details, **kwargs)
+      epsilon=float(epsilon),
+      delta=self.delta,
+      accountant=self.accountant,
+      sampler=self.sampler.name,
+      noise_multiplier=self.noise_multiplier,
+      steps=unit,
+      steps_per_epoch=self.steps_per_epoch,
+      details=details,
+      **kwargs,
+    )
 
   def _compute(self, unit: int, estimates: bool) -> PrivacyReport:
     if self.prior_runs:
@@ -346,8 +398,13 @@ class Accountant:
     key = (epochs, delta0)
     if key not in self._monte_carlo:
       self._monte_carlo[key] = monte_carlo.balls_and_bins_epsilon(
-          self.accounted_noise_multiplier, self.steps_per_epoch, delta0, num_epochs=epochs,
-          num_samples=self.monte_carlo_samples, beta=self.beta, seed=self.monte_carlo_seed,
-          workers=self._chosen_workers)
+        self.accounted_noise_multiplier,
+        self.steps_per_epoch,
+        delta0,
+        num_epochs=epochs,
+        num_samples=self.monte_carlo_samples,
+        beta=self.beta,
+        seed=self.monte_carlo_seed,
+        workers=self._chosen_workers,
+      )
     return self._monte_carlo[key]
-

@@ -39,8 +39,9 @@ class EpsilonAhead:
       queries ahead of time.
   """
 
-  def __init__(self, accountant: Accountant, steps: Iterable[int], depth: int = 2,
-               busy_fraction: float = 0.1):
+  def __init__(
+    self, accountant: Accountant, steps: Iterable[int], depth: int = 2, busy_fraction: float = 0.1
+  ):
     if not 0 < busy_fraction <= 1:
       raise ValueError(f'busy_fraction must be in (0, 1], got {busy_fraction!r}.')
     self._busy_fraction = busy_fraction
@@ -80,8 +81,10 @@ class EpsilonAhead:
 
   def _fill(self) -> None:
     while len(self._ahead) < self._depth:
-      step, self._held = (self._held if self._held is not None
-                          else next(self._upcoming, None)), None
+      step, self._held = (
+        (self._held if self._held is not None else next(self._upcoming, None)),
+        None,
+      )
       if step is None:
         return
       if step not in self._ahead and step > self._passed and not self._submit_ahead(step):

@@ -38,10 +38,10 @@ from dpjax.privacy.accounting import sampler_events
 from dpjax.privacy.accounting.report import PrivacyReport
 
 
-
 class Accountant(Protocol):
   """What an analysis (and `composition`) reads of `accountant.Accountant`, which imports
   both modules: they name its interface here rather than import it back."""
+
   sampler: Any
   noise_multiplier: float
   prior_runs: tuple
@@ -67,6 +67,7 @@ class Accountant(Protocol):
   def report(self, unit: int, epsilon: float, details: dict, **kwargs) -> PrivacyReport: ...
   def monte_carlo_epsilon(self, epochs: int, delta0: float) -> Any: ...
 
+
 # Poisson truncation whose TV penalty costs less than this fraction of δ is accounted by the
 # TV argument alone; above it the exact truncated event is computed too.
 _NEGLIGIBLE_PENALTY = 1e-3
@@ -86,26 +87,33 @@ def _group_conversion_epsilon(delta_one: callable, group_size: int, delta: float
 
 
 def _poisson_event(acct: Accountant):
-  return sampler_events.poisson_step_event(acct.sampling_probability,
-                                           acct.accounted_noise_multiplier,
-                                           group_size=acct.group_size)
+  return sampler_events.poisson_step_event(
+    acct.sampling_probability, acct.accounted_noise_multiplier, group_size=acct.group_size
+  )
 
 
 def _fixed_size_event(acct: Accountant):
-  return sampler_events.fixed_size_step_event(acct.sampler.num_examples, acct.sampler.batch_size,
-                                              acct.accounted_noise_multiplier,
-                                              group_size=acct.group_size)
+  return sampler_events.fixed_size_step_event(
+    acct.sampler.num_examples,
+    acct.sampler.batch_size,
+    acct.accounted_noise_multiplier,
+    group_size=acct.group_size,
+  )
 
 
 def _with_replacement_event(acct: Accountant):
   return sampler_events.fixed_size_with_replacement_step_event(
-      acct.sampler.num_examples, acct.sampler.batch_size, acct.accounted_noise_multiplier,
-      group_size=acct.group_size)
+    acct.sampler.num_examples,
+    acct.sampler.batch_size,
+    acct.accounted_noise_multiplier,
+    group_size=acct.group_size,
+  )
 
 
 def _epoch_event(acct: Accountant):
-  return sampler_events.epoch_gaussian_event(acct.accounted_noise_multiplier,
-                                             group_size=acct.group_size)
+  return sampler_events.epoch_gaussian_event(
+    acct.accounted_noise_multiplier, group_size=acct.group_size
+  )
 
 
 def poisson_subsampling(acct: Accountant, steps: int, estimates: bool) -> PrivacyReport:
@@ -135,13 +143,16 @@ def poisson_subsampling(acct: Accountant, steps: int, estimates: bool) -> Privac
     if k == 1:
       rdp = rdp_privacy_accountant.RdpAccountant()
       rdp.compose(event, steps)
-      details['rdp_epsilon'] = balls_and_bins.smallest_epsilon(rdp.get_delta, delta,
-                                                               penalty_mass=tau)
+      details['rdp_epsilon'] = balls_and_bins.smallest_epsilon(
+        rdp.get_delta, delta, penalty_mass=tau
+      )
     else:
       one = acct.composed_pld(sampler_events.poisson_step_event(q, sigma), steps)
       details['group_conversion_epsilon_comparison_only'] = _group_conversion_epsilon(
-          one.get_delta_for_epsilon, k, delta)
+        one.get_delta_for_epsilon, k, delta
+      )
   return acct.report(steps, eps, details)
+
 
 def _poisson_pld(acct: Accountant, event, steps: int, tau: float) -> tuple[float, str, dict]:
   delta = acct.delta
@@ -149,8 +160,7 @@ def _poisson_pld(acct: Accountant, event, steps: int, tau: float) -> tuple[float
   extra = acct.pld_grid(event, steps)
   if tau == 0:
     return float(composed.get_epsilon_for_delta(delta)), 'pld', extra
-  eps_tv = balls_and_bins.smallest_epsilon(composed.get_delta_for_epsilon, delta,
-                                           penalty_mass=tau)
+  eps_tv = balls_and_bins.smallest_epsilon(composed.get_delta_for_epsilon, delta, penalty_mass=tau)
   extra['tv_truncation_epsilon'] = eps_tv
   penalty = (1 + math.exp(eps_tv)) * tau if math.isfinite(eps_tv) else math.inf
   if acct.group_size > 1 or not acct.exact_truncation or penalty <= _NEGLIGIBLE_PENALTY * delta:
@@ -158,18 +168,30 @@ def _poisson_pld(acct: Accountant, event, steps: int, tau: float) -> tuple[float
   # The exact truncated event, for the dataset holding the sensitive example: N (remove)
   # and N + 1 (add); the worse of the two covers both directions.
   exact = max(
-      float(acct.composed_pld(sampler_events.truncated_poisson_step_event(
-          n, acct.sampling_probability, acct.max_batch_size, acct.accounted_noise_multiplier),
-                      steps).get_epsilon_for_delta(delta))
-      for n in (acct.sampler.num_examples, acct.sampler.num_examples + 1))
+    float(
+      acct.composed_pld(
+        sampler_events.truncated_poisson_step_event(
+          n, acct.sampling_probability, acct.max_batch_size, acct.accounted_noise_multiplier
+        ),
+        steps,
+      ).get_epsilon_for_delta(delta)
+    )
+    for n in (acct.sampler.num_examples, acct.sampler.num_examples + 1)
+  )
   extra['truncated_event_epsilon'] = exact
   if exact <= eps_tv:
     return exact, 'pld(truncated_subsampled_gaussian)', extra
   return eps_tv, 'pld + tv_truncation_penalty', extra
 
+
 def fixed_size_subsampling(acct: Accountant, steps: int, estimates: bool) -> PrivacyReport:
-  n, b, sigma, k, delta = (acct.sampler.num_examples, acct.sampler.batch_size,
-                           acct.accounted_noise_multiplier, acct.group_size, acct.delta)
+  n, b, sigma, k, delta = (
+    acct.sampler.num_examples,
+    acct.sampler.batch_size,
+    acct.accounted_noise_multiplier,
+    acct.group_size,
+    acct.delta,
+  )
   details: dict[str, Any] = {}
   pld_eps = fs_rdp_eps = None
   if acct.accountant == 'pld' or estimates:
@@ -183,8 +205,11 @@ def fixed_size_subsampling(acct: Accountant, steps: int, estimates: bool) -> Pri
     raise ValueError(f'FS-RDP needs q = b/N < 1, got b = N = {n}; use accountant pld.')
   if acct.accountant == 'pld':
     eps = pld_eps
-    details['method'] = 'pld(mixture_of_gaussians[0,2])' if k == 1 else \
-        'pld(mixture_of_gaussians, hypergeometric group)'
+    details['method'] = (
+      'pld(mixture_of_gaussians[0,2])'
+      if k == 1
+      else 'pld(mixture_of_gaussians, hypergeometric group)'
+    )
     if fs_rdp_eps is not None:
       details['fs_rdp_epsilon'] = fs_rdp_eps
   else:
@@ -194,93 +219,136 @@ def fixed_size_subsampling(acct: Accountant, steps: int, estimates: bool) -> Pri
       details['pld_epsilon'] = pld_eps
   if estimates and k == 1:
     wor = rdp_privacy_accountant.RdpAccountant(
-        neighboring_relation=rdp_privacy_accountant.NeighborRel.REPLACE_ONE)
+      neighboring_relation=rdp_privacy_accountant.NeighborRel.REPLACE_ONE
+    )
     wor.compose(sampler_events.sampled_without_replacement_rdp_event(n, b, sigma), steps)
     details['wang_et_al_rdp_replace_one_epsilon'] = float(wor.get_epsilon(delta))
   if estimates and k > 1:
     one = acct.composed_pld(sampler_events.fixed_size_step_event(n, b, sigma), steps)
     details['group_conversion_epsilon_comparison_only'] = _group_conversion_epsilon(
-        one.get_delta_for_epsilon, k, delta)
+      one.get_delta_for_epsilon, k, delta
+    )
   return acct.report(steps, eps, details)
 
+
 def subsampling_with_replacement(acct: Accountant, steps: int, estimates: bool) -> PrivacyReport:
-  n, b, sigma, k, delta = (acct.sampler.num_examples, acct.sampler.batch_size,
-                           acct.accounted_noise_multiplier, acct.group_size, acct.delta)
+  n, b, sigma, k, delta = (
+    acct.sampler.num_examples,
+    acct.sampler.batch_size,
+    acct.accounted_noise_multiplier,
+    acct.group_size,
+    acct.delta,
+  )
   event = _with_replacement_event(acct)
   eps = float(acct.composed_pld(event, steps).get_epsilon_for_delta(delta))
   details: dict[str, Any] = {
-      'method': 'pld(mixture_of_gaussians[0,2,...,2b], binomial(b, k/N))',
-      **acct.pld_grid(event, steps)}
+    'method': 'pld(mixture_of_gaussians[0,2,...,2b], binomial(b, k/N))',
+    **acct.pld_grid(event, steps),
+  }
   if estimates and k > 1:
-    one = acct.composed_pld(sampler_events.fixed_size_with_replacement_step_event(n, b, sigma), steps)
+    one = acct.composed_pld(
+      sampler_events.fixed_size_with_replacement_step_event(n, b, sigma), steps
+    )
     details['group_conversion_epsilon_comparison_only'] = _group_conversion_epsilon(
-        one.get_delta_for_epsilon, k, delta)
+      one.get_delta_for_epsilon, k, delta
+    )
   return acct.report(steps, eps, details)
+
 
 def _epoch_gaussian_epsilon(acct: Accountant, epochs: int) -> tuple[float, str]:
   """Deterministic-order ε of `epochs` epochs (exact with 'pld', RDP with 'rdp')."""
   if acct.accountant == 'rdp':
     rdp = rdp_privacy_accountant.RdpAccountant()
-    rdp.compose(sampler_events.epoch_gaussian_event(acct.accounted_noise_multiplier,
-                                                    group_size=acct.group_size), epochs)
+    rdp.compose(
+      sampler_events.epoch_gaussian_event(
+        acct.accounted_noise_multiplier, group_size=acct.group_size
+      ),
+      epochs,
+    )
     return float(rdp.get_epsilon(acct.delta)), 'rdp(gaussian per epoch)'
-  return (balls_and_bins.deterministic_epsilon(acct.accounted_noise_multiplier, epochs, acct.delta,
-                                               group_size=acct.group_size),
-          'gaussian per epoch (exact)')
+  return (
+    balls_and_bins.deterministic_epsilon(
+      acct.accounted_noise_multiplier, epochs, acct.delta, group_size=acct.group_size
+    ),
+    'gaussian per epoch (exact)',
+  )
+
 
 def gaussian_per_epoch(acct: Accountant, epochs: int, estimates: bool) -> PrivacyReport:
   del estimates  # Exact: nothing to report beside ε.
   eps, method = _epoch_gaussian_epsilon(acct, epochs)
   return acct.report(epochs, eps, {'method': method})
 
+
 def shuffled_epochs(acct: Accountant, epochs: int, estimates: bool) -> PrivacyReport:
   eps, method = _epoch_gaussian_epsilon(acct, epochs)
   details: dict[str, Any] = {
-      'method': f'deterministic upper bound: {method} (joint convexity; no tight shuffle '
-                f'accountant is known)'}
+    'method': f'deterministic upper bound: {method} (joint convexity; no tight shuffle '
+    f'accountant is known)'
+  }
   lower = None
   if estimates:
     lower = max_test.shuffle_lower_bound_epsilon(
-        acct.accounted_noise_multiplier, acct.steps_per_epoch, acct.delta, num_epochs=epochs)
+      acct.accounted_noise_multiplier, acct.steps_per_epoch, acct.delta, num_epochs=epochs
+    )
     details['lower_bound_method'] = 'max test on the Chua et al. 2024a shuffle pair'
-    poisson = acct.composed_pld(sampler_events.poisson_step_event(
-        acct.sampler.batch_size / acct.sampler.num_examples, acct.accounted_noise_multiplier,
-        group_size=acct.group_size), epochs * acct.steps_per_epoch)
+    poisson = acct.composed_pld(
+      sampler_events.poisson_step_event(
+        acct.sampler.batch_size / acct.sampler.num_examples,
+        acct.accounted_noise_multiplier,
+        group_size=acct.group_size,
+      ),
+      epochs * acct.steps_per_epoch,
+    )
     details['as_if_poisson_not_a_guarantee'] = float(poisson.get_epsilon_for_delta(acct.delta))
   return acct.report(epochs, eps, details, epsilon_lower=lower)
 
+
 def random_allocation(acct: Accountant, epochs: int, estimates: bool) -> PrivacyReport:
-  sigma, steps_per_epoch, delta, k = (acct.accounted_noise_multiplier, acct.steps_per_epoch,
-                                      acct.delta, acct.group_size)
+  sigma, steps_per_epoch, delta, k = (
+    acct.accounted_noise_multiplier,
+    acct.steps_per_epoch,
+    acct.delta,
+    acct.group_size,
+  )
   log_tau = acct.log_truncation_mass(epochs * steps_per_epoch)
   tau = math.exp(log_tau)
   # The Monte-Carlo accountant's ε needs only the deterministic bound (for δ₀); the costly
   # random-allocation PLD is then computed only when the estimates beside ε are asked for.
   skip_ra = acct.accountant == 'monte_carlo' and not estimates
   provable = balls_and_bins.provable_epsilon(
-      sigma, steps_per_epoch, delta, num_epochs=epochs, group_size=k, log_penalty_mass=log_tau,
-      random_allocation=False if skip_ra else acct.random_allocation,
-      timeout=acct.random_allocation_timeout, lower=estimates)
+    sigma,
+    steps_per_epoch,
+    delta,
+    num_epochs=epochs,
+    group_size=k,
+    log_penalty_mass=log_tau,
+    random_allocation=False if skip_ra else acct.random_allocation,
+    timeout=acct.random_allocation_timeout,
+    lower=estimates,
+  )
   details: dict[str, Any] = {
-      'provable_epsilon': provable.epsilon,
-      'provable_method': provable.method,
-      'deterministic_epsilon': provable.deterministic_epsilon,
-      'random_allocation_upper': provable.random_allocation_upper,
-      'random_allocation_lower': provable.random_allocation_lower,
-      'random_allocation_grid': provable.discretization,
-      'truncation_mass': tau,
+    'provable_epsilon': provable.epsilon,
+    'provable_method': provable.method,
+    'deterministic_epsilon': provable.deterministic_epsilon,
+    'random_allocation_upper': provable.random_allocation_upper,
+    'random_allocation_lower': provable.random_allocation_lower,
+    'random_allocation_grid': provable.discretization,
+    'truncation_mass': tau,
   }
   if acct.max_batch_size is None:
     details['truncation'] = 'none (no max_batch_size)'
   mc = _monte_carlo(acct, epochs, estimates, provable, tau, details)
   lower = None
   if estimates:
-    delta_low = delta + (1 + math.exp(provable.epsilon)) * tau if math.isfinite(
-        provable.epsilon) else 1.0
+    delta_low = (
+      delta + (1 + math.exp(provable.epsilon)) * tau if math.isfinite(provable.epsilon) else 1.0
+    )
     lower = 0.0
     if delta_low < 1:
-      lower = max_test.balls_and_bins_lower_bound_epsilon(sigma, steps_per_epoch, delta_low,
-                                                          num_epochs=epochs)
+      lower = max_test.balls_and_bins_lower_bound_epsilon(
+        sigma, steps_per_epoch, delta_low, num_epochs=epochs
+      )
     details['max_test_lower_bound'] = lower
     if tau == 0 and provable.random_allocation_lower is not None and k == 1:
       lower = max(lower, provable.random_allocation_lower)
@@ -290,21 +358,34 @@ def random_allocation(acct: Accountant, epochs: int, estimates: bool) -> Privacy
   if acct.accountant == 'monte_carlo':
     details['method'] = 'monte_carlo (Chua et al. 2025, Algorithms 4-6)'
     # No δ left for the estimate (truncation penalty ≥ δ): ε = ∞, still a valid bound.
-    return acct.report(epochs, details.get('monte_carlo_epsilon_high_probability', math.inf),
-                       details, bound='high_probability_upper' if mc is not None else 'upper',
-                       **extra)
+    return acct.report(
+      epochs,
+      details.get('monte_carlo_epsilon_high_probability', math.inf),
+      details,
+      bound='high_probability_upper' if mc is not None else 'upper',
+      **extra,
+    )
   details['method'] = provable.method
   return acct.report(epochs, provable.epsilon, details, **extra)
 
 
-def _monte_carlo(acct: Accountant, epochs: int, estimates: bool,
-                 provable: balls_and_bins.ProvableBound, tau: float, details: dict) -> monte_carlo.MonteCarloResult | None:
+def _monte_carlo(
+  acct: Accountant,
+  epochs: int,
+  estimates: bool,
+  provable: balls_and_bins.ProvableBound,
+  tau: float,
+  details: dict,
+) -> monte_carlo.MonteCarloResult | None:
   """The Monte-Carlo ε of balls-and-bins at δ₀ (`provable.delta0`), if asked for and possible;
   `details` gets it, or why it was not computed (and its cost when it is opt-in)."""
-  sigma, steps_per_epoch, delta, k = (acct.accounted_noise_multiplier, acct.steps_per_epoch,
-                                      acct.delta, acct.group_size)
-  want_mc = acct.accountant == 'monte_carlo' or (
-      estimates and acct.monte_carlo_estimate and k == 1)
+  sigma, steps_per_epoch, delta, k = (
+    acct.accounted_noise_multiplier,
+    acct.steps_per_epoch,
+    acct.delta,
+    acct.group_size,
+  )
+  want_mc = acct.accountant == 'monte_carlo' or (estimates and acct.monte_carlo_estimate and k == 1)
   mc = None
   if want_mc and provable.delta0 > 0:
     try:
@@ -316,30 +397,34 @@ def _monte_carlo(acct: Accountant, epochs: int, estimates: bool,
   if mc is not None:
     # With truncation, δ₀ assumed ε ≤ ε_det; the deterministic bound is valid regardless.
     mc_eps = min(mc.epsilon, provable.deterministic_epsilon)
-    details.update({
+    details.update(
+      {
         'monte_carlo_epsilon_high_probability': mc_eps,
         'monte_carlo_label': f'high-probability upper bound (holds with probability >= '
-                             f'{mc.confidence} over the sampling), not a proof',
+        f'{mc.confidence} over the sampling), not a proof',
         'monte_carlo_epsilon_point_estimate_not_a_guarantee': mc.epsilon_point,
         'monte_carlo_method': mc.method,
         'monte_carlo_seed': mc.seed,
-    })
+      }
+    )
   elif k > 1:
     details['monte_carlo'] = 'not computed: it covers group_size = 1 only'
   elif provable.delta0 <= 0:  # (1 + e^ε)·τ ≥ δ at every finite ε: ε = ∞ (a valid bound).
     details['monte_carlo'] = 'not computed: the truncation penalty leaves no δ'
     details['truncation_note'] = (
-        f'the cap B = {acct.max_batch_size} truncates with probability {tau:.3g} over the run, '
-        f'which alone exceeds δ = {delta:g}: ε is infinite; raise max_batch_size (0 = automatic)')
+      f'the cap B = {acct.max_batch_size} truncates with probability {tau:.3g} over the run, '
+      f'which alone exceeds δ = {delta:g}: ε is infinite; raise max_batch_size (0 = automatic)'
+    )
   elif estimates and not want_mc:
-    m = monte_carlo.default_num_samples(sigma, steps_per_epoch, provable.delta0, acct.beta,
-                                        num_epochs=epochs)
-    seconds = monte_carlo.estimated_seconds(m, steps_per_epoch, epochs,
-                                            acct.monte_carlo_workers)
+    m = monte_carlo.default_num_samples(
+      sigma, steps_per_epoch, provable.delta0, acct.beta, num_epochs=epochs
+    )
+    seconds = monte_carlo.estimated_seconds(m, steps_per_epoch, epochs, acct.monte_carlo_workers)
     details['monte_carlo'] = (
-        f'not computed (opt-in: Accountant(monte_carlo_estimate=True) or python -m dpjax.account '
-        f'--monte-carlo): it would draw {m} samples per direction, about {seconds:.0f} s on '
-        f'{acct.monte_carlo_workers} core(s)')
+      f'not computed (opt-in: Accountant(monte_carlo_estimate=True) or python -m dpjax.account '
+      f'--monte-carlo): it would draw {m} samples per direction, about {seconds:.0f} s on '
+      f'{acct.monte_carlo_workers} core(s)'
+    )
   return mc
 
 
@@ -347,19 +432,19 @@ def _monte_carlo(acct: Accountant, epochs: int, estimates: bool,
 # PLD composes; for the epoch-based samplers the deterministic-order Gaussian, their always-valid
 # bound. `composition` composes runs in sequence through these.
 PLD_EVENTS = {
-    'poisson_subsampling': _poisson_event,
-    'fixed_size_subsampling': _fixed_size_event,
-    'subsampling_with_replacement': _with_replacement_event,
-    'gaussian_per_epoch': _epoch_event,
-    'shuffled_epochs': _epoch_event,
-    'random_allocation': _epoch_event,
+  'poisson_subsampling': _poisson_event,
+  'fixed_size_subsampling': _fixed_size_event,
+  'subsampling_with_replacement': _with_replacement_event,
+  'gaussian_per_epoch': _epoch_event,
+  'shuffled_epochs': _epoch_event,
+  'random_allocation': _epoch_event,
 }
 
 ANALYSES = {
-    'poisson_subsampling': poisson_subsampling,
-    'fixed_size_subsampling': fixed_size_subsampling,
-    'subsampling_with_replacement': subsampling_with_replacement,
-    'gaussian_per_epoch': gaussian_per_epoch,
-    'shuffled_epochs': shuffled_epochs,
-    'random_allocation': random_allocation,
+  'poisson_subsampling': poisson_subsampling,
+  'fixed_size_subsampling': fixed_size_subsampling,
+  'subsampling_with_replacement': subsampling_with_replacement,
+  'gaussian_per_epoch': gaussian_per_epoch,
+  'shuffled_epochs': shuffled_epochs,
+  'random_allocation': random_allocation,
 }

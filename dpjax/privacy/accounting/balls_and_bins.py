@@ -68,8 +68,13 @@ EPOCH_PLD_TAIL_TRUNCATION = 1e-8
 # ---------------------------------------------------------------------------------------------
 
 
-def smallest_epsilon(delta_at: Callable[[float], float], delta: float, *,
-                     penalty_mass: float = 0.0, rel_tol: float = 1e-9) -> float:
+def smallest_epsilon(
+  delta_at: Callable[[float], float],
+  delta: float,
+  *,
+  penalty_mass: float = 0.0,
+  rel_tol: float = 1e-9,
+) -> float:
   """An ε with δ(ε) + (1 + e^ε)·τ ≤ δ, as small as bisection finds (inf if none).
 
   `delta_at` must be non-increasing. Doubling brackets the answer below the ε where
@@ -77,6 +82,7 @@ def smallest_epsilon(delta_at: Callable[[float], float], delta: float, *,
   upper end, where the inequality holds, so the answer is always valid (rounded up,
   never down). With τ = 0 it is the smallest such ε to `rel_tol`·max(1, ε).
   """
+
   def ok(eps):
     penalty = (1.0 + math.exp(eps)) * penalty_mass if penalty_mass > 0 else 0.0
     return delta_at(eps) + penalty <= delta
@@ -100,12 +106,21 @@ def smallest_epsilon(delta_at: Callable[[float], float], delta: float, *,
 
 def gaussian_delta(noise_multiplier: float, epsilon: float) -> float:
   """δ(ε) of the Gaussian mechanism, sensitivity 1 (dp_accounting's closed form)."""
-  return float(privacy_loss_mechanism.GaussianPrivacyLoss(
-      noise_multiplier, sensitivity=1.0).get_delta_for_epsilon(epsilon))
+  return float(
+    privacy_loss_mechanism.GaussianPrivacyLoss(
+      noise_multiplier, sensitivity=1.0
+    ).get_delta_for_epsilon(epsilon)
+  )
 
 
-def deterministic_epsilon(noise_multiplier: float, num_epochs: int, delta: float, *,
-                          group_size: int = 1, penalty_mass: float = 0.0) -> float:
+def deterministic_epsilon(
+  noise_multiplier: float,
+  num_epochs: int,
+  delta: float,
+  *,
+  group_size: int = 1,
+  penalty_mass: float = 0.0,
+) -> float:
   """Exact ε of E epochs in a fixed order: `GaussianDpEvent(σ/k)` composed E times.
 
   E Gaussian releases of sensitivity k compose to one of sensitivity k√E, so
@@ -118,8 +133,9 @@ def deterministic_epsilon(noise_multiplier: float, num_epochs: int, delta: float
   k = sampler_events.check_positive_int('group_size k', group_size)
   checks.check_delta(delta)
   effective = sigma / (k * math.sqrt(epochs))
-  return smallest_epsilon(lambda eps: gaussian_delta(effective, eps), delta,
-                          penalty_mass=penalty_mass)
+  return smallest_epsilon(
+    lambda eps: gaussian_delta(effective, eps), delta, penalty_mass=penalty_mass
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,8 +143,14 @@ def deterministic_epsilon(noise_multiplier: float, num_epochs: int, delta: float
 # ---------------------------------------------------------------------------------------------
 
 
-def log_truncation_mass(num_examples: int, sampling_probability: float, max_batch_size: int,
-                        num_steps: int, *, group_size: int = 1) -> float:
+def log_truncation_mass(
+  num_examples: int,
+  sampling_probability: float,
+  max_batch_size: int,
+  num_steps: int,
+  *,
+  group_size: int = 1,
+) -> float:
   """log τ, τ = T·Pr[n_t > B] with n_t ~ Binomial(N + k, p): the TV penalty's mass.
 
   Batch sizes of Poisson (p = q) and balls-and-bins (p = 1/T) are binomial.
@@ -136,8 +158,7 @@ def log_truncation_mass(num_examples: int, sampling_probability: float, max_batc
   bounds both directions. Log-space (scipy.stats.binom.logsf): no underflow
   or overflow at N = 1e7.
   """
-  log_sf = float(stats.binom.logsf(max_batch_size, num_examples + group_size,
-                                   sampling_probability))
+  log_sf = float(stats.binom.logsf(max_batch_size, num_examples + group_size, sampling_probability))
   return math.log(num_steps) + log_sf
 
 
@@ -146,11 +167,15 @@ def log_truncation_mass(num_examples: int, sampling_probability: float, max_batc
 # ---------------------------------------------------------------------------------------------
 
 
-def random_allocation_epoch_pld(noise_multiplier: float, num_steps: int, *,
-                                discretization: float = EPOCH_PLD_DISCRETIZATION,
-                                tail_truncation: float = EPOCH_PLD_TAIL_TRUNCATION,
-                                bound: str = 'upper',
-                                timeout: float | None = RANDOM_ALLOCATION_TIMEOUT):
+def random_allocation_epoch_pld(
+  noise_multiplier: float,
+  num_steps: int,
+  *,
+  discretization: float = EPOCH_PLD_DISCRETIZATION,
+  tail_truncation: float = EPOCH_PLD_TAIL_TRUNCATION,
+  bound: str = 'upper',
+  timeout: float | None = RANDOM_ALLOCATION_TIMEOUT,
+):
   """A dominating ('upper') or dominated ('lower') PLD of *one* balls-and-bins epoch, or None.
 
   `random_allocation.epoch_pld` (a cached build in a child process killed after `timeout`
@@ -160,15 +185,25 @@ def random_allocation_epoch_pld(noise_multiplier: float, num_steps: int, *,
   """
   sigma = checks.check_noise_multiplier(noise_multiplier)
   steps = sampler_events.check_positive_int('num_steps T', num_steps)
-  return random_allocation_lib.epoch_pld(sigma, steps, discretization=discretization,
-                                         tail_truncation=tail_truncation, bound=bound,
-                                         timeout=timeout)
+  return random_allocation_lib.epoch_pld(
+    sigma,
+    steps,
+    discretization=discretization,
+    tail_truncation=tail_truncation,
+    bound=bound,
+    timeout=timeout,
+  )
 
 
-def random_allocation_epsilon_range(noise_multiplier: float, num_steps: int, delta: float, *,
-                                    num_epochs: int = 1, discretization: float | None = None,
-                                    timeout: float | None = RANDOM_ALLOCATION_TIMEOUT
-                                    ) -> tuple[float, float] | None:
+def random_allocation_epsilon_range(
+  noise_multiplier: float,
+  num_steps: int,
+  delta: float,
+  *,
+  num_epochs: int = 1,
+  discretization: float | None = None,
+  timeout: float | None = RANDOM_ALLOCATION_TIMEOUT,
+) -> tuple[float, float] | None:
   """(upper, lower) ε of E balls-and-bins epochs by random-allocation PLD, or None on timeout.
 
   Feldman & Shenfeld 2025. `upper` from the dominating one-epoch PLD composed E times (a
@@ -179,13 +214,13 @@ def random_allocation_epsilon_range(noise_multiplier: float, num_steps: int, del
   steps = sampler_events.check_positive_int('num_steps T', num_steps)
   epochs = sampler_events.check_positive_int('num_epochs', num_epochs)
   checks.check_delta(delta)
-  grid = discretization or random_allocation_lib.epochs_discretization(sigma, steps, delta,
-                                                                      epochs)
+  grid = discretization or random_allocation_lib.epochs_discretization(sigma, steps, delta, epochs)
   tail = random_allocation_lib.default_tail_truncation(delta)
   values = []
   for bound, scale in (('upper', 1.0), ('lower', 2.0)):
-    pld = random_allocation_epoch_pld(sigma, steps, discretization=grid * scale,
-                                      tail_truncation=tail, bound=bound, timeout=timeout)
+    pld = random_allocation_epoch_pld(
+      sigma, steps, discretization=grid * scale, tail_truncation=tail, bound=bound, timeout=timeout
+    )
     if pld is None:
       return None
     values.append(float(_compose(pld, epochs).get_epsilon_for_delta(delta)))
@@ -225,12 +260,19 @@ class ProvableBound:
   discretization: float | None = None
 
 
-def provable_epsilon(noise_multiplier: float, num_steps: int, delta: float, *,
-                     num_epochs: int = 1, group_size: int = 1, log_penalty_mass: float = -math.inf,
-                     random_allocation: bool | None = None,
-                     timeout: float | None = RANDOM_ALLOCATION_TIMEOUT,
-                     lower: bool = False,
-                     refine_seconds: float = RANDOM_ALLOCATION_REFINE_SECONDS) -> ProvableBound:
+def provable_epsilon(
+  noise_multiplier: float,
+  num_steps: int,
+  delta: float,
+  *,
+  num_epochs: int = 1,
+  group_size: int = 1,
+  log_penalty_mass: float = -math.inf,
+  random_allocation: bool | None = None,
+  timeout: float | None = RANDOM_ALLOCATION_TIMEOUT,
+  lower: bool = False,
+  refine_seconds: float = RANDOM_ALLOCATION_REFINE_SECONDS,
+) -> ProvableBound:
   """Provable ε(δ) of E epochs of balls-and-bins with T steps each.
 
   The dominating one-epoch random-allocation PLD (grid from σ, T, δ, E:
@@ -256,8 +298,9 @@ def provable_epsilon(noise_multiplier: float, num_steps: int, delta: float, *,
       0 (the default): the grid above, unrefined.
   """
   tau = math.exp(log_penalty_mass)
-  det = deterministic_epsilon(noise_multiplier, num_epochs, delta, group_size=group_size,
-                              penalty_mass=tau)
+  det = deterministic_epsilon(
+    noise_multiplier, num_epochs, delta, group_size=group_size, penalty_mass=tau
+  )
   # The deterministic bound's δ₀ = δ − (1 + e^{ε_det})·τ (independent of the answer).
   delta0 = delta - (1.0 + math.exp(det)) * tau if math.isfinite(det) else 0.0
   if group_size != 1 or random_allocation is False:
@@ -265,42 +308,61 @@ def provable_epsilon(noise_multiplier: float, num_steps: int, delta: float, *,
     return ProvableBound(det, f'deterministic ({why})', det, None, None, delta0)
   budget = None if random_allocation else timeout
   coarse = random_allocation_lib.default_discretization(noise_multiplier, num_steps, delta)
-  grid = random_allocation_lib.epochs_discretization(noise_multiplier, num_steps, delta,
-                                                     num_epochs)
+  grid = random_allocation_lib.epochs_discretization(noise_multiplier, num_steps, delta, num_epochs)
   tail = random_allocation_lib.default_tail_truncation(delta)
-  pld = random_allocation_epoch_pld(noise_multiplier, num_steps, discretization=grid,
-                                    tail_truncation=tail, timeout=budget)
+  pld = random_allocation_epoch_pld(
+    noise_multiplier, num_steps, discretization=grid, tail_truncation=tail, timeout=budget
+  )
   note = ''
   if pld is None and grid < coarse:  # The one-epoch grid: looser after E epochs, but cheaper.
     grid, note = coarse, '; the finer grid for E epochs missed the time budget'
-    pld = random_allocation_epoch_pld(noise_multiplier, num_steps, discretization=grid,
-                                      tail_truncation=tail, timeout=budget)
+    pld = random_allocation_epoch_pld(
+      noise_multiplier, num_steps, discretization=grid, tail_truncation=tail, timeout=budget
+    )
   if pld is None:
     return ProvableBound(
-        det, f'deterministic FALLBACK: the random-allocation PLD did not finish within the '
-        f'time budget of {budget} s (raise it: config privacy.random_allocation_timeout, '
-        f'Accountant(random_allocation_timeout=...) or python -m dpjax.account '
-        f'--random-allocation-timeout SECONDS)', det, None, None,
-        delta0, grid)
-  refined = _refined_upper(noise_multiplier, num_steps, num_epochs, delta, tau, tail, grid, pld,
-                           refine_seconds, budget)
+      det,
+      f'deterministic FALLBACK: the random-allocation PLD did not finish within the '
+      f'time budget of {budget} s (raise it: config privacy.random_allocation_timeout, '
+      f'Accountant(random_allocation_timeout=...) or python -m dpjax.account '
+      f'--random-allocation-timeout SECONDS)',
+      det,
+      None,
+      None,
+      delta0,
+      grid,
+    )
+  refined = _refined_upper(
+    noise_multiplier, num_steps, num_epochs, delta, tau, tail, grid, pld, refine_seconds, budget
+  )
   upper, grid = refined.epsilon, refined.grid
-  method = 'random_allocation_pld (one-epoch dominating PLD' + (
-      ', composed E times' if num_epochs > 1 else '') + note + ')'
+  method = (
+    'random_allocation_pld (one-epoch dominating PLD'
+    + (', composed E times' if num_epochs > 1 else '')
+    + note
+    + ')'
+  )
   spent = delta
   if tau > 0:
     method += ' + tv_truncation_penalty at its own ε'
     spent = delta - (1.0 + math.exp(upper)) * tau if math.isfinite(upper) else 0.0
   low = None
   if lower and tau == 0:  # a side number: on the cheap one-epoch grid, doubled
-    dominated = random_allocation_epoch_pld(noise_multiplier, num_steps, discretization=2 * coarse,
-                                            tail_truncation=tail, bound='lower', timeout=budget)
+    dominated = random_allocation_epoch_pld(
+      noise_multiplier,
+      num_steps,
+      discretization=2 * coarse,
+      tail_truncation=tail,
+      bound='lower',
+      timeout=budget,
+    )
     if dominated is not None:
       low = float(_compose(dominated, num_epochs).get_epsilon_for_delta(delta))
   if upper < det:
     return ProvableBound(upper, method, det, upper, low, spent, grid)
-  return ProvableBound(det, 'deterministic (below the random-allocation bound here)', det, upper,
-                       low, delta0, grid)
+  return ProvableBound(
+    det, 'deterministic (below the random-allocation bound here)', det, upper, low, delta0, grid
+  )
 
 
 def _upper(composed, delta: float, tau: float) -> float:
@@ -310,8 +372,18 @@ def _upper(composed, delta: float, tau: float) -> float:
   return float(composed.get_epsilon_for_delta(delta))
 
 
-def _refined_upper(sigma: float, steps: int, epochs: int, delta: float, tau: float, tail: float,
-                   grid: float, pld, refine_seconds: float, timeout: float | None):
+def _refined_upper(
+  sigma: float,
+  steps: int,
+  epochs: int,
+  delta: float,
+  tau: float,
+  tail: float,
+  grid: float,
+  pld,
+  refine_seconds: float,
+  timeout: float | None,
+):
   """The upper bound on `pld` (built at `grid`), refined by halving the grid (`pld_grid`:
   the smallest bound kept, each a dominating PLD's) while ε moves by >= 0.1 % and the next
   build, predicted at REFINE_COST_FACTOR × the last one's recorded seconds, fits in what is
@@ -325,13 +397,12 @@ def _refined_upper(sigma: float, steps: int, epochs: int, delta: float, tau: flo
       if last is None or REFINE_COST_FACTOR * last > left[0]:
         return None
       limit = left[0] if timeout is None else min(timeout, left[0])
-      built = random_allocation_epoch_pld(sigma, steps, discretization=g, tail_truncation=tail,
-                                          timeout=limit)
+      built = random_allocation_epoch_pld(
+        sigma, steps, discretization=g, tail_truncation=tail, timeout=limit
+      )
       left[0] -= random_allocation_lib.build_seconds(sigma, steps, g, tail) or limit
       if built is None:
         return None
     return _upper(_compose(built, epochs), delta, tau), built
 
   return pld_grid.refine(evaluate, grid, next_grid=pld_grid.halve)
-
-

@@ -44,18 +44,25 @@ _SEARCH_SEED_OFFSET = 0x5EED
 
 
 def _check_target(target_epsilon) -> float:
-  if isinstance(target_epsilon, bool) or not isinstance(target_epsilon, (int, float)) or not (
-      math.isfinite(target_epsilon) and target_epsilon > 0):
-    raise ValueError(f'privacy.target_epsilon must be a finite number > 0, got '
-                     f'{target_epsilon!r}.')
+  if (
+    isinstance(target_epsilon, bool)
+    or not isinstance(target_epsilon, (int, float))
+    or not (math.isfinite(target_epsilon) and target_epsilon > 0)
+  ):
+    raise ValueError(f'privacy.target_epsilon must be a finite number > 0, got {target_epsilon!r}.')
   return float(target_epsilon)
 
 
-def smallest_noise_multiplier(epsilon_of_sigma: Callable[[float], float], target_epsilon: float,
-                              *, initial: float = 1.0, lower: float | None = None,
-                              bracket: tuple[float, float] | None = None,
-                              epsilon_rtol: float = DEFAULT_EPSILON_RTOL,
-                              sigma_rtol: float = 1e-6) -> float:
+def smallest_noise_multiplier(
+  epsilon_of_sigma: Callable[[float], float],
+  target_epsilon: float,
+  *,
+  initial: float = 1.0,
+  lower: float | None = None,
+  bracket: tuple[float, float] | None = None,
+  epsilon_rtol: float = DEFAULT_EPSILON_RTOL,
+  sigma_rtol: float = 1e-6,
+) -> float:
   """The smallest σ (to tolerance) with ε(σ) <= target, by bracketing and bisection.
 
   Stops when target·(1 − epsilon_rtol) <= ε(σ) <= target or when the bracket is
@@ -95,9 +102,11 @@ def smallest_noise_multiplier(epsilon_of_sigma: Callable[[float], float], target
     while eps(hi) > target:
       lo, hi = hi, hi * 2
       if hi > _MAX_SIGMA:
-        raise ValueError(f'target ε = {target} is not reached even with σ = {_MAX_SIGMA:g} (or '
-                         'its privacy loss cannot be composed in memory): shorten the run, raise '
-                         'the target or the batch size.')
+        raise ValueError(
+          f'target ε = {target} is not reached even with σ = {_MAX_SIGMA:g} (or '
+          'its privacy loss cannot be composed in memory): shorten the run, raise '
+          'the target or the batch size.'
+        )
   # Invariant: ε(lo) > target >= ε(hi).
   while not close_enough(hi) and hi - lo > sigma_rtol * hi:
     mid = math.sqrt(lo * hi)
@@ -108,17 +117,18 @@ def smallest_noise_multiplier(epsilon_of_sigma: Callable[[float], float], target
   return hi
 
 
-def largest_count(epsilon_of_count: Callable[[int], float], target_epsilon: float, *,
-                  max_count: int = 10**9) -> int:
+def largest_count(
+  epsilon_of_count: Callable[[int], float], target_epsilon: float, *, max_count: int = 10**9
+) -> int:
   """The largest integer n >= 0 (<= max_count) with ε(n) <= target (0 if ε(1) > target)."""
   target = _check_target(target_epsilon)
-  found = monotone.largest_integer(epsilon_of_count, target, lower=1, upper=max_count,
-                                   first_guess=2)
+  found = monotone.largest_integer(
+    epsilon_of_count, target, lower=1, upper=max_count, first_guess=2
+  )
   return 0 if found is None else found
 
 
-def _coarse_search_is_safe(sampler: samplers_lib.Sampler, accountant: str,
-                           group_size: int) -> bool:
+def _coarse_search_is_safe(sampler: samplers_lib.Sampler, accountant: str, group_size: int) -> bool:
   """PLD accountants refine their grid until ε moves by < 0.1 % (`pld_grid`); with coarsening
   10 they stop at the first jump, unconfirmed: every search value is a valid bound within a
   few 0.1 % of the reported one, whatever the mixture."""
@@ -126,9 +136,15 @@ def _coarse_search_is_safe(sampler: samplers_lib.Sampler, accountant: str,
   return accountant_lib.resolve_accountant(sampler.name, accountant) == 'pld'
 
 
-def calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: float,
-                               delta: float, num_steps: int, *, sensitivity: float = 1.0,
-                               **kwargs) -> float:
+def calibrate_noise_multiplier(
+  sampler: samplers_lib.Sampler,
+  target_epsilon: float,
+  delta: float,
+  num_steps: int,
+  *,
+  sensitivity: float = 1.0,
+  **kwargs,
+) -> float:
   """`_calibrate_noise_multiplier` with a progress bar (stderr, a terminal, after 10 s).
 
   sensitivity: 1 + η (`Accountant(sensitivity=...)`). Every analysis sees σ/(1 + η) only, so
@@ -137,24 +153,38 @@ def calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: fl
   point than σ₀).
   """
   with step_pld.progress_bar(
-      None, f'calibrating σ for ε = {target_epsilon} ({sampler.name})') as bar:
-    sigma = _calibrate_noise_multiplier(sampler, target_epsilon, delta, num_steps, bar=bar,
-                                        **kwargs)
+    None, f'calibrating σ for ε = {target_epsilon} ({sampler.name})'
+  ) as bar:
+    sigma = _calibrate_noise_multiplier(
+      sampler, target_epsilon, delta, num_steps, bar=bar, **kwargs
+    )
   if sensitivity == 1:
     return sigma
   options = {k: v for k, v in kwargs.items() if k not in ('num_steps', 'pld_coarsening')}
   sigma *= sensitivity
   for _ in range(100):
-    if accountant_lib.Accountant(sampler, sigma, delta, sensitivity=sensitivity,
-                                 **options).epsilon(num_steps) <= target_epsilon:
+    if (
+      accountant_lib.Accountant(sampler, sigma, delta, sensitivity=sensitivity, **options).epsilon(
+        num_steps
+      )
+      <= target_epsilon
+    ):
       return sigma
     sigma *= 1.0005
   raise RuntimeError(f'calibration at sensitivity {sensitivity} did not meet the target.')
 
 
-def _calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: float,
-                                delta: float, num_steps: int, *, bar, accountant: str = 'auto',
-                                monte_carlo_seed: int = 0, **kwargs) -> float:
+def _calibrate_noise_multiplier(
+  sampler: samplers_lib.Sampler,
+  target_epsilon: float,
+  delta: float,
+  num_steps: int,
+  *,
+  bar,
+  accountant: str = 'auto',
+  monte_carlo_seed: int = 0,
+  **kwargs,
+) -> float:
   """The smallest σ whose attached ε after `num_steps` steps is <= target_epsilon.
 
   Args:
@@ -176,17 +206,28 @@ def _calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: f
   kwargs.pop('pld_coarsening', None)
   exact_truncation = kwargs.pop('exact_truncation', True)
   # Validates every argument once, before any search.
-  accountant_lib.Accountant(sampler, 1.0, delta, accountant=accountant,
-                            monte_carlo_seed=monte_carlo_seed, **kwargs)
-  resolved = accountant_lib.resolve_accountant(sampler.name, accountant,
-                                               kwargs.get('group_size', 1))
-  _check_truncation_cap(sampler, target, delta, steps, kwargs.get('max_batch_size'),
-                        kwargs.get('group_size', 1))
+  accountant_lib.Accountant(
+    sampler, 1.0, delta, accountant=accountant, monte_carlo_seed=monte_carlo_seed, **kwargs
+  )
+  resolved = accountant_lib.resolve_accountant(
+    sampler.name, accountant, kwargs.get('group_size', 1)
+  )
+  _check_truncation_cap(
+    sampler, target, delta, steps, kwargs.get('max_batch_size'), kwargs.get('group_size', 1)
+  )
 
   def epsilon_fn(coarsening, seed, exact):
-    return _epsilon_of_sigma(sampler, delta, steps, bar, accountant=accountant,
-                             monte_carlo_seed=seed, pld_coarsening=coarsening,
-                             exact_truncation=exact, **kwargs)
+    return _epsilon_of_sigma(
+      sampler,
+      delta,
+      steps,
+      bar,
+      accountant=accountant,
+      monte_carlo_seed=seed,
+      pld_coarsening=coarsening,
+      exact_truncation=exact,
+      **kwargs,
+    )
 
   # Search stage: cheap and still valid upper bounds (coarser PLD, truncation by the TV
   # penalty alone, a search seed for Monte Carlo).
@@ -196,8 +237,16 @@ def _calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: f
     search = epsilon_fn(10.0, monte_carlo_seed, False)
   else:
     search = epsilon_fn(1.0, monte_carlo_seed, False)
-  search, bracket = _search_bracket(search, sampler, resolved, target, delta, steps,
-                                    kwargs.get('group_size', 1), kwargs.get('random_allocation'))
+  search, bracket = _search_bracket(
+    search,
+    sampler,
+    resolved,
+    target,
+    delta,
+    steps,
+    kwargs.get('group_size', 1),
+    kwargs.get('random_allocation'),
+  )
   initial = _initial_sigma(sampler, resolved, target, delta, steps, accountant, kwargs)
   sigma = smallest_noise_multiplier(search, target, initial=initial, bracket=bracket)
   # Final stage: the accountant exactly as it will report.
@@ -211,9 +260,11 @@ def _calibrate_noise_multiplier(sampler: samplers_lib.Sampler, target_epsilon: f
   return smallest_noise_multiplier(report_fn, target, initial=sigma, lower=sigma * 0.995)
 
 
-def _epsilon_of_sigma(sampler, delta: float, steps: int, bar,
-                      **accountant_kwargs) -> Callable[[float], float]:
+def _epsilon_of_sigma(
+  sampler, delta: float, steps: int, bar, **accountant_kwargs
+) -> Callable[[float], float]:
   """σ -> the ε after `steps` steps of `Accountant(sampler, σ, delta, **accountant_kwargs)`."""
+
   def epsilon_of_sigma(sigma):
     acct = accountant_lib.Accountant(sampler, sigma, delta, **accountant_kwargs)
     try:
@@ -225,28 +276,44 @@ def _epsilon_of_sigma(sampler, delta: float, steps: int, bar,
     bar.set_postfix_str(f'σ = {sigma:.4g}: ε = {eps:.4g}', refresh=False)
     bar.update()
     return eps
+
   return epsilon_of_sigma
 
 
-def _search_bracket(search, sampler, resolved: str, target: float, delta: float, steps: int,
-                    group_size: int, random_allocation):
+def _search_bracket(
+  search,
+  sampler,
+  resolved: str,
+  target: float,
+  delta: float,
+  steps: int,
+  group_size: int,
+  random_allocation,
+):
   """(search, provable (lo, hi) or None) for samplers with a random-allocation bracket.
 
   The exact deterministic σ is an upper end (ε_det ≥ ε), the σ where the max-test lower
   bound meets the target a lower end; random allocation and Monte Carlo are then evaluated
   only inside it (random allocation in a narrower bracket, on a memoised `search`).
   """
-  if not (sampler.random_allocation_bracket and group_size == 1 and
-          (resolved == 'monte_carlo' or random_allocation is not False)):
+  if not (
+    sampler.random_allocation_bracket
+    and group_size == 1
+    and (resolved == 'monte_carlo' or random_allocation is not False)
+  ):
     return search, None
   steps_per_epoch, epochs = sampler.steps_per_epoch, -(-steps // sampler.steps_per_epoch)
   hi = smallest_noise_multiplier(
-      lambda s: balls_and_bins.deterministic_epsilon(s, epochs, delta), target,
-      epsilon_rtol=1e-6)
+    lambda s: balls_and_bins.deterministic_epsilon(s, epochs, delta), target, epsilon_rtol=1e-6
+  )
   lo = smallest_noise_multiplier(
-      lambda s: max_test.balls_and_bins_lower_bound_epsilon(s, steps_per_epoch, delta,
-                                                            num_epochs=epochs), target,
-      initial=hi, epsilon_rtol=1e-2)
+    lambda s: max_test.balls_and_bins_lower_bound_epsilon(
+      s, steps_per_epoch, delta, num_epochs=epochs
+    ),
+    target,
+    initial=hi,
+    epsilon_rtol=1e-2,
+  )
   bracket = (lo * 0.99, hi)
   if resolved != 'monte_carlo':
     search = _memoised(search)
@@ -254,18 +321,21 @@ def _search_bracket(search, sampler, resolved: str, target: float, delta: float,
   return search, bracket
 
 
-def _initial_sigma(sampler, resolved: str, target: float, delta: float, steps: int,
-                   accountant: str, kwargs: dict) -> float:
+def _initial_sigma(
+  sampler, resolved: str, target: float, delta: float, steps: int, accountant: str, kwargs: dict
+) -> float:
   """Where the σ search starts: 1, except for PLDs of many-Gaussian mixtures (slow to build at
   small σ), whose ε is at least that of the example-level / without-replacement event
   (`sampler.calibration_base()`): its σ, found fast."""
   group_size = kwargs.get('group_size', 1)
-  if resolved == 'pld' and (sampler.many_component_pld or (
-      group_size > 1 and sampler.coarse_pld_search)):
+  if resolved == 'pld' and (
+    sampler.many_component_pld or (group_size > 1 and sampler.coarse_pld_search)
+  ):
     base = sampler.calibration_base()
     base_kwargs = dict(kwargs, group_size=1)
-    return calibrate_noise_multiplier(base, target, delta, steps, accountant=accountant,
-                                      **base_kwargs)
+    return calibrate_noise_multiplier(
+      base, target, delta, steps, accountant=accountant, **base_kwargs
+    )
   return 1.0
 
 
@@ -276,13 +346,20 @@ def _memoised(fn: Callable[[float], float]) -> Callable[[float], float]:
     if x not in cache:
       cache[x] = fn(x)
     return cache[x]
+
   return wrapped
 
 
-def _random_allocation_bracket(epsilon_of_sigma, sampler, target: float, delta: float,
-                               epochs: int, bracket: tuple[float, float],
-                               epsilon_rtol: float = DEFAULT_EPSILON_RTOL,
-                               max_evaluations: int = 12) -> tuple[float, float]:
+def _random_allocation_bracket(
+  epsilon_of_sigma,
+  sampler,
+  target: float,
+  delta: float,
+  epochs: int,
+  bracket: tuple[float, float],
+  epsilon_rtol: float = DEFAULT_EPSILON_RTOL,
+  max_evaluations: int = 12,
+) -> tuple[float, float]:
   """(lo, hi) with ε(lo) > target ≥ ε(hi), hi close to the answer, for balls-and-bins.
 
   Each ε(σ) builds a one-epoch random-allocation PLD (costly), so the search starts from the
@@ -294,10 +371,12 @@ def _random_allocation_bracket(epsilon_of_sigma, sampler, target: float, delta: 
   provable `bracket` (deterministic σ above, max-test σ below).
   """
   lo, hi = bracket  # ε(lo) > target ≥ ε(hi) (provable)
-  poisson = samplers_lib.PoissonSampler(num_examples=sampler.num_examples,
-                                       batch_size=sampler.batch_size)
-  sigma = calibrate_noise_multiplier(poisson, target, delta, epochs * sampler.steps_per_epoch,
-                                     max_batch_size=None)
+  poisson = samplers_lib.PoissonSampler(
+    num_examples=sampler.num_examples, batch_size=sampler.batch_size
+  )
+  sigma = calibrate_noise_multiplier(
+    poisson, target, delta, epochs * sampler.steps_per_epoch, max_batch_size=None
+  )
   sigma = min(max(sigma, lo * 1.001), hi)
   aim, slope, last = target * (1 - epsilon_rtol / 2), -1.0, None
   for _ in range(max_evaluations):
@@ -312,8 +391,9 @@ def _random_allocation_bracket(epsilon_of_sigma, sampler, target: float, delta: 
       fitted = math.log(eps / last[1]) / math.log(sigma / last[0])
       slope = fitted if fitted < -0.05 else slope
     last = (sigma, eps)
-    step = math.exp((math.log(aim) - math.log(eps)) / slope) if math.isfinite(eps) and eps > 0 \
-        else 2.0
+    step = (
+      math.exp((math.log(aim) - math.log(eps)) / slope) if math.isfinite(eps) and eps > 0 else 2.0
+    )
     proposal = sigma * step
     if not lo < proposal < hi:
       proposal = math.sqrt(lo * hi)
@@ -323,10 +403,10 @@ def _random_allocation_bracket(epsilon_of_sigma, sampler, target: float, delta: 
 
 def _truncation_penalty(sampler, delta, steps, cap, group_size, target) -> float:
   """(1 + e^ε)·τ / δ: the share of δ the TV truncation penalty takes at ε = target."""
-  log_tau = balls_and_bins.log_truncation_mass(sampler.num_examples, sampler.sampling_probability,
-                                               cap, steps, group_size=group_size)
-  return math.exp(min(700.0, log_tau + math.log1p(math.exp(min(target, 700.0))) -
-                      math.log(delta)))
+  log_tau = balls_and_bins.log_truncation_mass(
+    sampler.num_examples, sampler.sampling_probability, cap, steps, group_size=group_size
+  )
+  return math.exp(min(700.0, log_tau + math.log1p(math.exp(min(target, 700.0))) - math.log(delta)))
 
 
 def _check_truncation_cap(sampler, target: float, delta: float, steps: int, cap, group_size: int):
@@ -342,19 +422,33 @@ def _check_truncation_cap(sampler, target: float, delta: float, steps: int, cap,
   if _truncation_penalty(sampler, delta, steps, cap, group_size, target) < 1:
     return
   needed = monotone.smallest_integer(  # penalty(cap) >= 1 > 1/2: the cap is below the answer.
-      lambda b: _truncation_penalty(sampler, delta, steps, b, group_size, target), 0.5,
-      above=cap, first_guess=max(cap + 1, 2 * cap))
-  tau = math.exp(balls_and_bins.log_truncation_mass(
-      sampler.num_examples, sampler.sampling_probability, cap, steps, group_size=group_size))
+    lambda b: _truncation_penalty(sampler, delta, steps, b, group_size, target),
+    0.5,
+    above=cap,
+    first_guess=max(cap + 1, 2 * cap),
+  )
+  tau = math.exp(
+    balls_and_bins.log_truncation_mass(
+      sampler.num_examples, sampler.sampling_probability, cap, steps, group_size=group_size
+    )
+  )
   raise ValueError(
-      f'sampler.max_batch_size B = {cap} is too small for target ε = {target}: over {steps} '
-      f'steps of the {sampler.name} sampler, τ = T·Pr[batch > B] = {tau:.3g}, and the '
-      f'truncation penalty (1 + e^ε)·τ alone is above δ = {delta:g} whatever σ. Needed: '
-      f'B >= {needed} (penalty <= δ/2), or no max_batch_size (no truncation).')
+    f'sampler.max_batch_size B = {cap} is too small for target ε = {target}: over {steps} '
+    f'steps of the {sampler.name} sampler, τ = T·Pr[batch > B] = {tau:.3g}, and the '
+    f'truncation penalty (1 + e^ε)·τ alone is above δ = {delta:g} whatever σ. Needed: '
+    f'B >= {needed} (penalty <= δ/2), or no max_batch_size (no truncation).'
+  )
 
 
-def max_num_steps(sampler: samplers_lib.Sampler, noise_multiplier: float, target_epsilon: float,
-                  delta: float, *, max_steps: int = 10**7, **kwargs) -> int:
+def max_num_steps(
+  sampler: samplers_lib.Sampler,
+  noise_multiplier: float,
+  target_epsilon: float,
+  delta: float,
+  *,
+  max_steps: int = 10**7,
+  **kwargs,
+) -> int:
   """The largest number of steps whose attached ε stays <= target_epsilon.
 
   Epoch-based samplers are accounted per epoch started, so the answer is a
@@ -365,7 +459,8 @@ def max_num_steps(sampler: samplers_lib.Sampler, noise_multiplier: float, target
   acct = accountant_lib.Accountant(sampler, noise_multiplier, delta, **kwargs)
   if acct.is_epoch_based:
     per_epoch = acct.steps_per_epoch
-    epochs = largest_count(lambda e: acct.epsilon(e * per_epoch), target,
-                           max_count=max(1, max_steps // per_epoch))
+    epochs = largest_count(
+      lambda e: acct.epsilon(e * per_epoch), target, max_count=max(1, max_steps // per_epoch)
+    )
     return epochs * per_epoch
   return largest_count(acct.epsilon, target, max_count=max_steps)

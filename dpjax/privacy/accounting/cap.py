@@ -29,16 +29,18 @@ def check_max_batch_size(sampler: samplers_lib.Sampler, max_batch_size) -> int |
   if max_batch_size is CAP_NOT_GIVEN:
     if sampler.binomial_batch_size:
       raise ValueError(
-          f'max_batch_size is required for the {sampler.name} sampler: its batch sizes are '
-          'Binomial(N, q), a batcher truncates them at its cap B, and truncation raises ε. '
-          "Pass the batcher's cap (plan.max_batch_size, batcher.max_batch_size), or None if "
-          'no batch is ever truncated.')
+        f'max_batch_size is required for the {sampler.name} sampler: its batch sizes are '
+        'Binomial(N, q), a batcher truncates them at its cap B, and truncation raises ε. '
+        "Pass the batcher's cap (plan.max_batch_size, batcher.max_batch_size), or None if "
+        'no batch is ever truncated.'
+      )
     return None
   if max_batch_size is not None:
     sampler_events.check_positive_int('sampler.max_batch_size', max_batch_size)
     if not sampler.binomial_batch_size and max_batch_size < sampler.batch_size:
       raise ValueError(
-          f'sampler.max_batch_size = {max_batch_size} must be >= sampler.batch_size = '
-          f'{sampler.batch_size} for the {sampler.name} sampler (its batches are never '
-          f'larger than b, and truncating every batch is not accounted).')
+        f'sampler.max_batch_size = {max_batch_size} must be >= sampler.batch_size = '
+        f'{sampler.batch_size} for the {sampler.name} sampler (its batches are never '
+        f'larger than b, and truncating every batch is not accounted).'
+      )
   return max_batch_size

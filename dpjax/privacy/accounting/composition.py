@@ -43,6 +43,7 @@ FINGERPRINT_FIELD = 'privacy.prior_runs'
 @dataclasses.dataclass(frozen=True)
 class PrivacyLoss:
   """One run's privacy loss: a pessimistic PLD and the truncation mass τ paid in δ."""
+
   pld: pld_lib.PrivacyLossDistribution
   truncation_mass: float
   interval: float
@@ -58,6 +59,7 @@ class PriorRun:
     num_steps: the steps of the release this run starts from.
     name: how reports name it (e.g. its workdir).
   """
+
   accountant: Accountant
   num_steps: int
   name: str
@@ -66,11 +68,17 @@ class PriorRun:
   def fingerprint(self) -> dict[str, Any]:
     """What of it enters ε (JSON-ready): sampler, N, b, B, k, σ, δ, accountant, steps."""
     acct = self.accountant
-    return {'sampler.name': acct.sampler.name, 'sampler.num_examples': acct.sampler.num_examples,
-            'sampler.batch_size': acct.sampler.batch_size,
-            'sampler.max_batch_size': acct.max_batch_size, 'privacy.group_size': acct.group_size,
-            'privacy.noise_multiplier': acct.noise_multiplier, 'privacy.delta': acct.delta,
-            'privacy.accountant': acct.accountant, 'steps': self.num_steps}
+    return {
+      'sampler.name': acct.sampler.name,
+      'sampler.num_examples': acct.sampler.num_examples,
+      'sampler.batch_size': acct.sampler.batch_size,
+      'sampler.max_batch_size': acct.max_batch_size,
+      'privacy.group_size': acct.group_size,
+      'privacy.noise_multiplier': acct.noise_multiplier,
+      'privacy.delta': acct.delta,
+      'privacy.accountant': acct.accountant,
+      'steps': self.num_steps,
+    }
 
 
 def check_prior_runs(prior_runs) -> tuple[PriorRun, ...]:
@@ -80,8 +88,9 @@ def check_prior_runs(prior_runs) -> tuple[PriorRun, ...]:
     if not isinstance(run, PriorRun):
       raise TypeError(f'prior_runs must hold composition.PriorRun, got {type(run).__name__}.')
     if isinstance(run.num_steps, bool) or not isinstance(run.num_steps, int) or run.num_steps < 1:
-      raise ValueError(f'prior run {run.name!r}: num_steps must be an integer >= 1, got '
-                       f'{run.num_steps!r}.')
+      raise ValueError(
+        f'prior run {run.name!r}: num_steps must be an integer >= 1, got {run.num_steps!r}.'
+      )
   return runs
 
 
@@ -104,22 +113,27 @@ def composed_epsilon(losses: list[tuple[Accountant, int]], delta: float) -> floa
   return composed_epsilon_and_grid(losses, delta)[0]
 
 
-def composed_epsilon_and_grid(losses: list[tuple[Accountant, int]],
-                              delta: float) -> tuple[float, float]:
+def composed_epsilon_and_grid(
+  losses: list[tuple[Accountant, int]], delta: float
+) -> tuple[float, float]:
   """`composed_epsilon` and the common grid: the coarsest of the runs' own grids (every run's
   pessimistic PLD on any grid is an upper bound, so the composition is one too)."""
   parts = [privacy_loss(acct, steps) for acct, steps in losses]
   interval = max(p.interval for p in parts)
-  parts = [p if p.interval == interval else privacy_loss(acct, steps, interval)
-           for p, (acct, steps) in zip(parts, losses)]
+  parts = [
+    p if p.interval == interval else privacy_loss(acct, steps, interval)
+    for p, (acct, steps) in zip(parts, losses)
+  ]
   pld = parts[0].pld
   for part in parts[1:]:
     pld = pld.compose(part.pld)
   tau = sum(p.truncation_mass for p in parts)
   if tau == 0:
     return float(pld.get_epsilon_for_delta(delta)), interval
-  return (balls_and_bins.smallest_epsilon(pld.get_delta_for_epsilon, delta, penalty_mass=tau),
-          interval)
+  return (
+    balls_and_bins.smallest_epsilon(pld.get_delta_for_epsilon, delta, penalty_mass=tau),
+    interval,
+  )
 
 
 def prior_epsilon(prior_runs: tuple[PriorRun, ...], delta: float) -> float:
@@ -139,15 +153,17 @@ def composed_report(acct: Accountant, unit: int, estimates: bool) -> PrivacyRepo
     losses.append((acct, unit * acct.steps_per_epoch if acct.is_epoch_based else unit))
   eps, grid = composed_epsilon_and_grid(losses, acct.delta)
   details: dict[str, Any] = {
-      'method': 'pld composition with the runs this one starts from (init_from)',
-      'pld_grid': grid,
-      'composed_with': [r.name for r in runs],
-      'prior_runs': [r.fingerprint for r in runs]}
+    'method': 'pld composition with the runs this one starts from (init_from)',
+    'pld_grid': grid,
+    'composed_with': [r.name for r in runs],
+    'prior_runs': [r.fingerprint for r in runs],
+  }
   if estimates:
     alone = analyses.ANALYSES[acct.sampler.analysis](acct, unit, False) if unit else None
     details['epsilon_this_run_alone'] = alone.epsilon if alone else 0.0
     details['this_run_alone_method'] = alone.details.get('method') if alone else None
-    details['prior_run_epsilons'] = [composed_epsilon([pair], acct.delta) for pair in losses[
-        :len(runs)]]
+    details['prior_run_epsilons'] = [
+      composed_epsilon([pair], acct.delta) for pair in losses[: len(runs)]
+    ]
   # The composition is a PLD whatever each run's own accountant.
   return dataclasses.replace(acct.report(unit, eps, details), accountant='pld')

@@ -37,14 +37,16 @@ def _check(sampling_probability: float, noise_multiplier: float, orders) -> np.n
     raise ValueError(f'sampling probability q = b/N must be in (0, 1) for FS-RDP, got {q!r}.')
   checks.check_noise_multiplier(noise_multiplier)
   orders = np.asarray(orders)
-  if (orders.ndim != 1 or orders.size == 0 or np.any(orders < 2) or
-      np.any(orders != np.round(orders))):
+  if (
+    orders.ndim != 1 or orders.size == 0 or np.any(orders < 2) or np.any(orders != np.round(orders))
+  ):
     raise ValueError(f'FS-RDP orders must be integers >= 2, got {orders!r}.')
   return orders.astype(np.int64)
 
 
-def fixed_size_rdp(sampling_probability: float, noise_multiplier: float,
-                   orders=DEFAULT_ORDERS) -> np.ndarray:
+def fixed_size_rdp(
+  sampling_probability: float, noise_multiplier: float, orders=DEFAULT_ORDERS
+) -> np.ndarray:
   """Per-step FS-RDP ε_step(α) at integer orders (Birrell et al. 2024, Thm 3.1).
 
   Args:
@@ -67,9 +69,13 @@ def fixed_size_rdp(sampling_probability: float, noise_multiplier: float,
   return out
 
 
-def fixed_size_rdp_epsilon(sampling_probability: float, noise_multiplier: float,
-                           num_steps: int, delta: float,
-                           orders=DEFAULT_ORDERS) -> tuple[float, int]:
+def fixed_size_rdp_epsilon(
+  sampling_probability: float,
+  noise_multiplier: float,
+  num_steps: int,
+  delta: float,
+  orders=DEFAULT_ORDERS,
+) -> tuple[float, int]:
   """(ε, optimal order) of T-step fixed-size DP-SGD by FS-RDP, add/remove adjacency.
 
   Reproduces Birrell et al.'s setting σ = 6, b = 120, N = 50000, 416 steps per

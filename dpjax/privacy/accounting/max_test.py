@@ -90,26 +90,34 @@ class MaxOfGaussians:
     u, counts = self._standardized(z)
     log_ndtr = special.log_ndtr(u)
     log_phi = -0.5 * u**2 - 0.5 * math.log(2 * math.pi)
-    return (np.sum(counts * log_ndtr, axis=-1) - math.log(self.sigma)
-            + special.logsumexp(np.log(counts) + log_phi - log_ndtr, axis=-1))
+    return (
+      np.sum(counts * log_ndtr, axis=-1)
+      - math.log(self.sigma)
+      + special.logsumexp(np.log(counts) + log_phi - log_ndtr, axis=-1)
+    )
 
 
 def _max_of_gaussians(means_counts, sigma) -> MaxOfGaussians:
   kept = [(m, c) for m, c in means_counts if c > 0]
-  return MaxOfGaussians(tuple(float(m) for m, _ in kept), tuple(int(c) for _, c in kept),
-                        float(sigma))
+  return MaxOfGaussians(
+    tuple(float(m) for m, _ in kept), tuple(int(c) for _, c in kept), float(sigma)
+  )
 
 
 def balls_and_bins_max_pair(sigma: float, num_steps: int) -> tuple[MaxOfGaussians, MaxOfGaussians]:
   """(P', Q') of Eq. 6 (seed 000): the laws of max_t x_t under P and Q."""
-  return (_max_of_gaussians([(1.0, 1), (0.0, num_steps - 1)], sigma),
-          _max_of_gaussians([(0.0, num_steps)], sigma))
+  return (
+    _max_of_gaussians([(1.0, 1), (0.0, num_steps - 1)], sigma),
+    _max_of_gaussians([(0.0, num_steps)], sigma),
+  )
 
 
 def shuffle_max_pair(sigma: float, num_steps: int) -> tuple[MaxOfGaussians, MaxOfGaussians]:
   """(P', Q') for shuffle (Chua et al. 2024a): one batch has mean 2 vs 1, the rest 0."""
-  return (_max_of_gaussians([(2.0, 1), (0.0, num_steps - 1)], sigma),
-          _max_of_gaussians([(1.0, 1), (0.0, num_steps - 1)], sigma))
+  return (
+    _max_of_gaussians([(2.0, 1), (0.0, num_steps - 1)], sigma),
+    _max_of_gaussians([(1.0, 1), (0.0, num_steps - 1)], sigma),
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,8 +126,9 @@ def shuffle_max_pair(sigma: float, num_steps: int) -> tuple[MaxOfGaussians, MaxO
 
 
 def _check_args(sigma, num_steps, num_epochs):
-  if not (isinstance(sigma, (int, float, np.floating, np.integer)) and math.isfinite(sigma)
-          and sigma > 0):
+  if not (
+    isinstance(sigma, (int, float, np.floating, np.integer)) and math.isfinite(sigma) and sigma > 0
+  ):
     raise ValueError(f'sigma (noise multiplier) must be a finite number > 0, got {sigma!r}.')
   for name, value in (('num_steps', num_steps), ('num_epochs', num_epochs)):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
@@ -127,8 +136,11 @@ def _check_args(sigma, num_steps, num_epochs):
 
 
 def _check_epsilon(epsilon):
-  if not (isinstance(epsilon, (int, float, np.floating, np.integer)) and math.isfinite(epsilon)
-          and epsilon >= 0):
+  if not (
+    isinstance(epsilon, (int, float, np.floating, np.integer))
+    and math.isfinite(epsilon)
+    and epsilon >= 0
+  ):
     raise ValueError(f'epsilon must be a finite number >= 0, got {epsilon!r}.')
 
 
@@ -164,8 +176,9 @@ def _grid_edges(p_law: MaxOfGaussians, q_law: MaxOfGaussians, num_bins: int) -> 
   return np.linspace(min(lows), max(highs), num_bins + 1)
 
 
-def binned_max_pair(p_law: MaxOfGaussians, q_law: MaxOfGaussians,
-                    num_bins: int = _NUM_BINS) -> tuple[np.ndarray, np.ndarray]:
+def binned_max_pair(
+  p_law: MaxOfGaussians, q_law: MaxOfGaussians, num_bins: int = _NUM_BINS
+) -> tuple[np.ndarray, np.ndarray]:
   """log pmfs (log p_i, log q_i) of the max binned on a fine grid (a post-processing)."""
   edges = _grid_edges(p_law, q_law, num_bins)
   return _binned_log_pmf(p_law, edges), _binned_log_pmf(q_law, edges)
@@ -202,8 +215,14 @@ def _composed_pld(log_p, log_q, num_epochs) -> pld_lib.PrivacyLossDistribution:
   remove, inf_remove = _rounded_down_pmf(log_p, log_q, _VALUE_DISCRETIZATION)
   add, inf_add = _rounded_down_pmf(log_q, log_p, _VALUE_DISCRETIZATION)
   pld = pld_lib.PrivacyLossDistribution.create_from_rounded_probability(
-      remove, inf_remove, _VALUE_DISCRETIZATION, pessimistic_estimate=False,
-      rounded_probability_mass_function_add=add, infinity_mass_add=inf_add, symmetric=False)
+    remove,
+    inf_remove,
+    _VALUE_DISCRETIZATION,
+    pessimistic_estimate=False,
+    rounded_probability_mass_function_add=add,
+    infinity_mass_add=inf_add,
+    symmetric=False,
+  )
   return pld.self_compose(num_epochs, tail_mass_truncation=_TAIL_MASS_TRUNCATION)
 
 
@@ -260,8 +279,9 @@ def _lower_bound_epsilon(pair, sigma, num_steps, delta, num_epochs) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def balls_and_bins_lower_bound_delta(sigma: float, num_steps: int, epsilon: float, *,
-                                     num_epochs: int = 1) -> float:
+def balls_and_bins_lower_bound_delta(
+  sigma: float, num_steps: int, epsilon: float, *, num_epochs: int = 1
+) -> float:
   """Lower bound on δ(ε) of balls-and-bins DP-SGD (max test, Eq. 6 of seed 000).
 
   Args:
@@ -276,14 +296,16 @@ def balls_and_bins_lower_bound_delta(sigma: float, num_steps: int, epsilon: floa
   return _lower_bound_delta(balls_and_bins_max_pair, sigma, num_steps, epsilon, num_epochs)
 
 
-def balls_and_bins_lower_bound_epsilon(sigma: float, num_steps: int, delta: float, *,
-                                       num_epochs: int = 1) -> float:
+def balls_and_bins_lower_bound_epsilon(
+  sigma: float, num_steps: int, delta: float, *, num_epochs: int = 1
+) -> float:
   """Lower bound on ε(δ) of balls-and-bins DP-SGD: no valid ε at this δ is smaller."""
   return _lower_bound_epsilon(balls_and_bins_max_pair, sigma, num_steps, delta, num_epochs)
 
 
-def shuffle_lower_bound_delta(sigma: float, num_steps: int, epsilon: float, *,
-                              num_epochs: int = 1) -> float:
+def shuffle_lower_bound_delta(
+  sigma: float, num_steps: int, epsilon: float, *, num_epochs: int = 1
+) -> float:
   """Lower bound on δ(ε) of shuffled DP-SGD (max test on the Chua et al. 2024a pair).
 
   E epochs with fresh permutations: E-fold composition of the 1-d pair (still a lower bound).
@@ -292,14 +314,16 @@ def shuffle_lower_bound_delta(sigma: float, num_steps: int, epsilon: float, *,
   return _lower_bound_delta(shuffle_max_pair, sigma, num_steps, epsilon, num_epochs)
 
 
-def shuffle_lower_bound_epsilon(sigma: float, num_steps: int, delta: float, *,
-                                num_epochs: int = 1) -> float:
+def shuffle_lower_bound_epsilon(
+  sigma: float, num_steps: int, delta: float, *, num_epochs: int = 1
+) -> float:
   """Lower bound on ε(δ) of shuffled DP-SGD: no valid ε at this δ is smaller."""
   return _lower_bound_epsilon(shuffle_max_pair, sigma, num_steps, delta, num_epochs)
 
 
-def max_test_delta_by_quadrature(p_law: MaxOfGaussians, q_law: MaxOfGaussians,
-                                 epsilon: float) -> float:
+def max_test_delta_by_quadrature(
+  p_law: MaxOfGaussians, q_law: MaxOfGaussians, epsilon: float
+) -> float:
   """One-epoch cross-check: max over directions of ∫ (p'(z) − e^ε q'(z))₊ dz by `quad`.
 
   The integrand's support is split at the roots of log(p'/q') = ε (bracketed on a fine grid,
@@ -310,16 +334,19 @@ def max_test_delta_by_quadrature(p_law: MaxOfGaussians, q_law: MaxOfGaussians,
   for upper, lower in ((p_law, q_law), (q_law, p_law)):
     diff = lambda z, u=upper, l=lower: float(np.exp(u.log_pdf(z)) - np.exp(epsilon + l.log_pdf(z)))
     log_ratio = lambda z, u=upper, l=lower: float(u.log_pdf(z) - l.log_pdf(z)) - epsilon
-    sign = (upper.log_pdf(edges) - lower.log_pdf(edges) > epsilon)
-    cuts = [optimize.brentq(log_ratio, edges[i], edges[i + 1], xtol=1e-15)
-            for i in np.flatnonzero(sign[1:] != sign[:-1])]
+    sign = upper.log_pdf(edges) - lower.log_pdf(edges) > epsilon
+    cuts = [
+      optimize.brentq(log_ratio, edges[i], edges[i + 1], xtol=1e-15)
+      for i in np.flatnonzero(sign[1:] != sign[:-1])
+    ]
     points = np.concatenate([edges[:1], cuts, edges[-1:]])
     total = 0.0
     for a, b in zip(points[:-1], points[1:]):
       mid = 0.5 * (a + b)
       if upper.log_pdf(mid) - lower.log_pdf(mid) > epsilon:
-        value, _ = integrate.quad(lambda z: max(diff(z), 0.0), a, b, limit=500,
-                                  epsabs=1e-14, epsrel=1e-10)
+        value, _ = integrate.quad(
+          lambda z: max(diff(z), 0.0), a, b, limit=500, epsabs=1e-14, epsrel=1e-10
+        )
         total += value
     deltas.append(total)
   return max(deltas)

@@ -21,8 +21,9 @@ from typing import Callable
 from dp_accounting.pld import common
 
 
-def largest_integer(fn: Callable[[int], float], value: float, *, lower: int, upper: int,
-                    first_guess: int) -> int | None:
+def largest_integer(
+  fn: Callable[[int], float], value: float, *, lower: int, upper: int, first_guess: int
+) -> int | None:
   """The largest integer n in [lower, upper] with fn(n) <= value, fn non-decreasing.
 
   None if fn(lower) > value. Doubling from `first_guess` brackets the answer; fn(upper)
@@ -30,8 +31,11 @@ def largest_integer(fn: Callable[[int], float], value: float, *, lower: int, upp
   """
   fn = functools.lru_cache(maxsize=None)(fn)
   found = common.inverse_monotone_function(
-      fn, value, common.BinarySearchParameters(lower, upper, initial_guess=first_guess,
-                                               discrete=True), increasing=True)
+    fn,
+    value,
+    common.BinarySearchParameters(lower, upper, initial_guess=first_guess, discrete=True),
+    increasing=True,
+  )
   if found is None:
     return None
   if found == upper - 1 and fn(upper) <= value:  # The library never tries its upper bound.
@@ -39,24 +43,27 @@ def largest_integer(fn: Callable[[int], float], value: float, *, lower: int, upp
   return int(found)
 
 
-def smallest_integer(fn: Callable[[int], float], value: float, *, above: int,
-                     first_guess: int) -> int:
+def smallest_integer(
+  fn: Callable[[int], float], value: float, *, above: int, first_guess: int
+) -> int:
   """The smallest integer n > above with fn(n) <= value, fn non-increasing, fn(above) > value."""
   found = common.inverse_monotone_function(
-      functools.lru_cache(maxsize=None)(fn), value,
-      common.BinarySearchParameters(above, math.inf, initial_guess=first_guess, discrete=True))
+    functools.lru_cache(maxsize=None)(fn),
+    value,
+    common.BinarySearchParameters(above, math.inf, initial_guess=first_guess, discrete=True),
+  )
   return int(found)
 
 
-def smallest_passing(ok: Callable[[float], bool], lo: float, hi: float,
-                     tolerance: float) -> float:
+def smallest_passing(ok: Callable[[float], bool], lo: float, hi: float, tolerance: float) -> float:
   """Bisects [lo, hi] (ok(lo) false, ok(hi) true, ok monotone there) to `tolerance`.
 
   Returns the upper end of the final bracket: ok holds there (checked, not assumed).
   """
   failing = functools.lru_cache(maxsize=None)(lambda x: 0.0 if ok(x) else 1.0)
   found = common.inverse_monotone_function(
-      failing, 0.5, common.BinarySearchParameters(lo, hi, tolerance=tolerance))
+    failing, 0.5, common.BinarySearchParameters(lo, hi, tolerance=tolerance)
+  )
   if found is None:
     raise ValueError(f'the condition does not hold at the upper end {hi!r} of the bracket.')
   return float(found)

@@ -66,8 +66,11 @@ class Refined:
 
   def details(self, prefix: str = 'pld') -> dict:
     """What a report carries about the grid."""
-    return {f'{prefix}_grid': self.grid, f'{prefix}_grid_converged': self.converged,
-            f'{prefix}_grids_tried': len(self.tried)}
+    return {
+      f'{prefix}_grid': self.grid,
+      f'{prefix}_grid_converged': self.converged,
+      f'{prefix}_grids_tried': len(self.tried),
+    }
 
 
 def on_ladder(value: float) -> float:
@@ -95,11 +98,15 @@ def moved_less_than(before: float, after: float, rel_tol: float) -> bool:
   return abs(before - after) < rel_tol * after
 
 
-def refine(evaluate: Callable[[float], tuple[float, Any] | None], start: float, *,
-           rel_tol: float = REL_TOL,
-           next_grid: Callable[[float, float], float] = next_ladder_grid,
-           coarsest_compared: Callable[[float], float] | None = None,
-           max_grids: int = MAX_GRIDS) -> Refined:
+def refine(
+  evaluate: Callable[[float], tuple[float, Any] | None],
+  start: float,
+  *,
+  rel_tol: float = REL_TOL,
+  next_grid: Callable[[float, float], float] = next_ladder_grid,
+  coarsest_compared: Callable[[float], float] | None = None,
+  max_grids: int = MAX_GRIDS,
+) -> Refined:
   """The smallest ε over grids from `start`, refined until it moves by less than rel_tol.
 
   Args:

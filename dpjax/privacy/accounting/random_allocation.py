@@ -91,16 +91,19 @@ def default_discretization(noise_multiplier: float, num_steps: int, delta: float
   `balls_and_bins.provable_epsilon(refine_seconds=...)` buys, by halving, within a budget.
   """
   poisson = pld_lib.from_gaussian_mechanism(
-      standard_deviation=noise_multiplier, sampling_prob=1.0 / num_steps,
-      value_discretization_interval=1e-3).self_compose(num_steps)
+    standard_deviation=noise_multiplier,
+    sampling_prob=1.0 / num_steps,
+    value_discretization_interval=1e-3,
+  ).self_compose(num_steps)
   grid = float(poisson.get_epsilon_for_delta(delta)) / GRID_FRACTION
   grid = min(MAX_GRID, max(MIN_GRID, grid))
   digits = 10.0 ** (math.floor(math.log10(grid)) - 1)
   return math.floor(grid / digits) * digits
 
 
-def epochs_discretization(noise_multiplier: float, num_steps: int, delta: float,
-                          num_epochs: int) -> float:
+def epochs_discretization(
+  noise_multiplier: float, num_steps: int, delta: float, num_epochs: int
+) -> float:
   """Grid for a one-epoch PLD that will be composed E times: the one-epoch grid / 2^⌊log₂√E⌋.
 
   Pessimistic rounding adds up over the composition (linearly in E·grid), while ε grows like
@@ -122,19 +125,30 @@ def default_tail_truncation(delta: float) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def build_epoch_pld(noise_multiplier: float, num_steps: int, discretization: float,
-                    tail_truncation: float,
-                    bound: str = 'upper') -> pld_lib.PrivacyLossDistribution:
+def build_epoch_pld(
+  noise_multiplier: float,
+  num_steps: int,
+  discretization: float,
+  tail_truncation: float,
+  bound: str = 'upper',
+) -> pld_lib.PrivacyLossDistribution:
   """One epoch's random-allocation PLD by `PLD_accounting` (no time limit; see `epoch_pld`)."""
   import PLD_accounting  # pylint: disable=g-import-not-at-top
-  bound_type = (PLD_accounting.BoundType.DOMINATES if bound == 'upper'
-                else PLD_accounting.BoundType.IS_DOMINATED)
+
+  bound_type = (
+    PLD_accounting.BoundType.DOMINATES
+    if bound == 'upper'
+    else PLD_accounting.BoundType.IS_DOMINATED
+  )
   return PLD_accounting.gaussian_allocation_pld(
-      params=PLD_accounting.PrivacyParams(sigma=noise_multiplier, num_steps=num_steps,
-                                          num_selected=1, num_epochs=1),
-      config=PLD_accounting.AllocationSchemeConfig(loss_discretization=discretization,
-                                                   tail_truncation=tail_truncation),
-      bound_type=bound_type)
+    params=PLD_accounting.PrivacyParams(
+      sigma=noise_multiplier, num_steps=num_steps, num_selected=1, num_epochs=1
+    ),
+    config=PLD_accounting.AllocationSchemeConfig(
+      loss_discretization=discretization, tail_truncation=tail_truncation
+    ),
+    bound_type=bound_type,
+  )
 
 
 def save_pld(pld: pld_lib.PrivacyLossDistribution, path: os.PathLike) -> None:
@@ -144,8 +158,14 @@ def save_pld(pld: pld_lib.PrivacyLossDistribution, path: os.PathLike) -> None:
   for name, pmf in (('remove', pld._pmf_remove), ('add', pld._pmf_add)):
     dense = pmf.to_dense_pmf()
     arrays[name + '_probs'] = np.asarray(dense._probs, dtype=np.float64)
-    arrays[name + '_meta'] = np.array([dense._discretization, dense._lower_loss,
-                                       dense._infinity_mass, float(dense._pessimistic_estimate)])
+    arrays[name + '_meta'] = np.array(
+      [
+        dense._discretization,
+        dense._lower_loss,
+        dense._infinity_mass,
+        float(dense._pessimistic_estimate),
+      ]
+    )
   # pylint: enable=protected-access
   path = pathlib.Path(path)
   with tempfile.NamedTemporaryFile(dir=path.parent, suffix='.npz', delete=False) as f:
@@ -158,8 +178,11 @@ def load_pld(path: os.PathLike) -> pld_lib.PrivacyLossDistribution:
     pmfs = []
     for name in ('remove', 'add'):
       disc, lower, inf_mass, pessimistic = data[name + '_meta']
-      pmfs.append(pld_pmf.DensePLDPmf(float(disc), int(lower), data[name + '_probs'],
-                                      float(inf_mass), bool(pessimistic)))
+      pmfs.append(
+        pld_pmf.DensePLDPmf(
+          float(disc), int(lower), data[name + '_probs'], float(inf_mass), bool(pessimistic)
+        )
+      )
   return pld_lib.PrivacyLossDistribution(pmfs[0], pmfs[1])
 
 
@@ -173,8 +196,9 @@ def main(argv=None) -> int:
   p.add_argument('bound', choices=BOUNDS)
   p.add_argument('out')
   a = p.parse_args(argv)
-  save_pld(build_epoch_pld(a.sigma, a.num_steps, a.discretization, a.tail_truncation, a.bound),
-           a.out)
+  save_pld(
+    build_epoch_pld(a.sigma, a.num_steps, a.discretization, a.tail_truncation, a.bound), a.out
+  )
   return 0
 
 
@@ -185,15 +209,19 @@ def main(argv=None) -> int:
 
 def cache_dir() -> pathlib.Path:
   root = os.environ.get(_CACHE_ENV) or os.path.join(
-      os.environ.get('XDG_CACHE_HOME') or os.path.expanduser('~/.cache'), 'dpjax')
+    os.environ.get('XDG_CACHE_HOME') or os.path.expanduser('~/.cache'), 'dpjax'
+  )
   return pathlib.Path(root)
 
 
-def cache_key(noise_multiplier: float, num_steps: int, discretization: float,
-              tail_truncation: float, bound: str) -> str:
+def cache_key(
+  noise_multiplier: float, num_steps: int, discretization: float, tail_truncation: float, bound: str
+) -> str:
   """Everything the PLD depends on, the library version included."""
-  return (f'pld-accounting={library_version()}|sigma={noise_multiplier!r}|T={num_steps}|'
-          f'grid={discretization!r}|tail={tail_truncation!r}|bound={bound}')
+  return (
+    f'pld-accounting={library_version()}|sigma={noise_multiplier!r}|T={num_steps}|'
+    f'grid={discretization!r}|tail={tail_truncation!r}|bound={bound}'
+  )
 
 
 def _read_index() -> dict:
@@ -221,11 +249,17 @@ def _remember(key: str, entry: dict) -> None:
     pass  # A cache that cannot be written only costs time.
 
 
-def build_seconds(noise_multiplier: float, num_steps: int, discretization: float,
-                  tail_truncation: float, bound: str = 'upper') -> float | None:
+def build_seconds(
+  noise_multiplier: float,
+  num_steps: int,
+  discretization: float,
+  tail_truncation: float,
+  bound: str = 'upper',
+) -> float | None:
   """How long this PLD took to build (recorded beside the cache), None if unknown."""
-  key = cache_key(float(noise_multiplier), int(num_steps), float(discretization),
-                  float(tail_truncation), bound)
+  key = cache_key(
+    float(noise_multiplier), int(num_steps), float(discretization), float(tail_truncation), bound
+  )
   if key not in _seconds:
     entry = _read_index().get(key)
     if not (isinstance(entry, dict) and 'seconds' in entry):
@@ -238,10 +272,16 @@ def _npz_path(key: str) -> pathlib.Path:
   return cache_dir() / ('ra_pld_' + hashlib.sha256(key.encode()).hexdigest()[:24] + '.npz')
 
 
-def epoch_pld(noise_multiplier: float, num_steps: int, *, discretization: float,
-              tail_truncation: float = 1e-8, bound: str = 'upper',
-              timeout: float | None = RANDOM_ALLOCATION_TIMEOUT,
-              progress: bool = True) -> pld_lib.PrivacyLossDistribution | None:
+def epoch_pld(
+  noise_multiplier: float,
+  num_steps: int,
+  *,
+  discretization: float,
+  tail_truncation: float = 1e-8,
+  bound: str = 'upper',
+  timeout: float | None = RANDOM_ALLOCATION_TIMEOUT,
+  progress: bool = True,
+) -> pld_lib.PrivacyLossDistribution | None:
   """One epoch's random-allocation PLD (`bound`: 'upper' dominating, 'lower' dominated).
 
   From the in-process memo or the disk cache if there; else built in a child process killed
@@ -251,8 +291,9 @@ def epoch_pld(noise_multiplier: float, num_steps: int, *, discretization: float,
   """
   if bound not in BOUNDS:
     raise ValueError(f'bound must be one of {BOUNDS}, got {bound!r}.')
-  key = cache_key(float(noise_multiplier), int(num_steps), float(discretization),
-                  float(tail_truncation), bound)
+  key = cache_key(
+    float(noise_multiplier), int(num_steps), float(discretization), float(tail_truncation), bound
+  )
   budget = math.inf if timeout is None else float(timeout)
   cached = _memo.get(key)
   if isinstance(cached, pld_lib.PrivacyLossDistribution):
@@ -272,22 +313,42 @@ def epoch_pld(noise_multiplier: float, num_steps: int, *, discretization: float,
     probe = tempfile.NamedTemporaryFile(dir=path.parent, delete=True)
     probe.close()
   except OSError:  # HOME or $DPJAX_CACHE_DIR not writable: build it uncached.
-    print(f'dpjax: the cache {path.parent} is not writable; the PLD is built without caching.',
-          file=sys.stderr, flush=True)
+    print(
+      f'dpjax: the cache {path.parent} is not writable; the PLD is built without caching.',
+      file=sys.stderr,
+      flush=True,
+    )
     path = pathlib.Path(tempfile.mkdtemp(prefix='dpjax-ra-')) / path.name
-  what = (f'random-allocation PLD ({bound} bound) of one epoch, σ = {noise_multiplier:g}, '
-          f'T = {num_steps}, grid {discretization:g}')
+  what = (
+    f'random-allocation PLD ({bound} bound) of one epoch, σ = {noise_multiplier:g}, '
+    f'T = {num_steps}, grid {discretization:g}'
+  )
   if progress:
     limit = 'no time limit' if timeout is None else f'time budget {budget:g} s'
-    print(f'dpjax: building the {what} ({limit}; cached afterwards)...', file=sys.stderr,
-          flush=True)
+    print(
+      f'dpjax: building the {what} ({limit}; cached afterwards)...', file=sys.stderr, flush=True
+    )
   start = time.monotonic()
-  argv = [sys.executable, '-m', 'dpjax.privacy.accounting.random_allocation',
-          repr(float(noise_multiplier)), str(int(num_steps)), repr(float(discretization)), repr(float(tail_truncation)), bound,
-          str(path)]
+  argv = [
+    sys.executable,
+    '-m',
+    'dpjax.privacy.accounting.random_allocation',
+    repr(float(noise_multiplier)),
+    str(int(num_steps)),
+    repr(float(discretization)),
+    repr(float(tail_truncation)),
+    bound,
+    str(path),
+  ]
   try:  # The child imports this very copy of dpjax, installed or not.
-    subprocess.run(argv, capture_output=True, text=True, check=True, env=child_env(),
-                   timeout=None if timeout is None else budget)
+    subprocess.run(
+      argv,
+      capture_output=True,
+      text=True,
+      check=True,
+      env=child_env(),
+      timeout=None if timeout is None else budget,
+    )
   except subprocess.TimeoutExpired:
     _remember(key, {'timeout': budget})
     if progress:

@@ -72,9 +72,9 @@ def _check_sizes(num_examples, batch_size) -> tuple[int, int]:
   return n, b
 
 
-def mixture_of_gaussians_event(noise_multiplier: float, sensitivities, pmf, *,
-                               tail_mass: float = MOG_TAIL_MASS
-                               ) -> dp_event.MixtureOfGaussiansDpEvent:
+def mixture_of_gaussians_event(
+  noise_multiplier: float, sensitivities, pmf, *, tail_mass: float = MOG_TAIL_MASS
+) -> dp_event.MixtureOfGaussiansDpEvent:
   """MoG event from a pmf over increasing sensitivities, trimmed so that it still dominates.
 
   Let K be the component index, T(j) = Pr[K >= j] its tail sums. The event
@@ -117,8 +117,9 @@ def mixture_of_gaussians_event(noise_multiplier: float, sensitivities, pmf, *,
   return dp_event.MixtureOfGaussiansDpEvent(float(noise_multiplier), sens, probs)
 
 
-def poisson_step_event(sampling_probability: float, noise_multiplier: float, *,
-                       group_size: int = 1) -> dp_event.DpEvent:
+def poisson_step_event(
+  sampling_probability: float, noise_multiplier: float, *, group_size: int = 1
+) -> dp_event.DpEvent:
   """One step of Poisson-subsampled DP-SGD (rate q), untruncated.
 
   k = 1: `PoissonSampledDpEvent(q, GaussianDpEvent(σ))`. k > 1: MoG with
@@ -133,9 +134,9 @@ def poisson_step_event(sampling_probability: float, noise_multiplier: float, *,
   return mixture_of_gaussians_event(sigma, counts, stats.binom.pmf(counts, k, q))
 
 
-def truncated_poisson_step_event(dataset_size: int, sampling_probability: float,
-                                 max_batch_size: int,
-                                 noise_multiplier: float) -> dp_event.DpEvent:
+def truncated_poisson_step_event(
+  dataset_size: int, sampling_probability: float, max_batch_size: int, noise_multiplier: float
+) -> dp_event.DpEvent:
   """One step of Poisson sampling truncated to B (a uniform B kept if n > B).
 
   dp_accounting's `TruncatedSubsampledGaussianDpEvent` (arXiv 2508.15089),
@@ -146,12 +147,16 @@ def truncated_poisson_step_event(dataset_size: int, sampling_probability: float,
   n = check_positive_int('dataset_size', dataset_size)
   b_max = check_positive_int('max_batch_size B', max_batch_size)
   return dp_event.TruncatedSubsampledGaussianDpEvent(
-      dataset_size=n, sampling_probability=check_sampling_probability(sampling_probability),
-      truncated_batch_size=b_max, noise_multiplier=checks.check_noise_multiplier(noise_multiplier))
+    dataset_size=n,
+    sampling_probability=check_sampling_probability(sampling_probability),
+    truncated_batch_size=b_max,
+    noise_multiplier=checks.check_noise_multiplier(noise_multiplier),
+  )
 
 
-def fixed_size_step_event(num_examples: int, batch_size: int, noise_multiplier: float, *,
-                          group_size: int = 1) -> dp_event.MixtureOfGaussiansDpEvent:
+def fixed_size_step_event(
+  num_examples: int, batch_size: int, noise_multiplier: float, *, group_size: int = 1
+) -> dp_event.MixtureOfGaussiansDpEvent:
   """One step of fixed-size sampling without replacement (Ganesh, seed 004, Thm 3.3).
 
   MoG with sensitivities [0, 2, …, 2k] and probabilities Hypergeometric(N, k, b)
@@ -169,8 +174,8 @@ def fixed_size_step_event(num_examples: int, batch_size: int, noise_multiplier: 
 
 
 def fixed_size_with_replacement_step_event(
-    num_examples: int, batch_size: int, noise_multiplier: float, *,
-    group_size: int = 1) -> dp_event.MixtureOfGaussiansDpEvent:
+  num_examples: int, batch_size: int, noise_multiplier: float, *, group_size: int = 1
+) -> dp_event.MixtureOfGaussiansDpEvent:
   """One step of b uniform draws with replacement: MoG [0, 2, …, 2b], Binomial(b, k/N).
 
   Why this dominates (add/remove up to k, the argument of Ganesh's Thm 3.3):
@@ -196,8 +201,9 @@ def fixed_size_with_replacement_step_event(
   return mixture_of_gaussians_event(sigma, 2 * counts, stats.binom.pmf(counts, b, k / n))
 
 
-def sampled_without_replacement_rdp_event(num_examples: int, batch_size: int,
-                                          noise_multiplier: float) -> dp_event.DpEvent:
+def sampled_without_replacement_rdp_event(
+  num_examples: int, batch_size: int, noise_multiplier: float
+) -> dp_event.DpEvent:
   """Wang-Balle-Kasiviswanathan 2019 baseline (RDP, *replace-one* adjacency).
 
   Replace-one moves the sum by up to 2C, hence the Gaussian noise multiplier
@@ -208,8 +214,9 @@ def sampled_without_replacement_rdp_event(num_examples: int, batch_size: int,
   return dp_event.SampledWithoutReplacementDpEvent(n, b, dp_event.GaussianDpEvent(sigma / 2))
 
 
-def epoch_gaussian_event(noise_multiplier: float, *,
-                         group_size: int = 1) -> dp_event.GaussianDpEvent:
+def epoch_gaussian_event(
+  noise_multiplier: float, *, group_size: int = 1
+) -> dp_event.GaussianDpEvent:
   """One epoch in a fixed (deterministic) order: the Gaussian mechanism, sensitivity k.
 
   Each example is in exactly one batch per epoch; k zeroed examples move the

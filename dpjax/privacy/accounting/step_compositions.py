@@ -47,8 +47,9 @@ def cost_twin(event: dp_event.DpEvent) -> dp_event.DpEvent:
   """The event whose grid estimate stands for `event`'s: dp_accounting builds a truncated
   Poisson step from the Poisson-subsampled Gaussian of the same rate and σ."""
   if isinstance(event, dp_event.TruncatedSubsampledGaussianDpEvent):
-    return dp_event.PoissonSampledDpEvent(event.sampling_probability,
-                                          dp_event.GaussianDpEvent(event.noise_multiplier))
+    return dp_event.PoissonSampledDpEvent(
+      event.sampling_probability, dp_event.GaussianDpEvent(event.noise_multiplier)
+    )
   return event
 
 
@@ -65,8 +66,15 @@ class StepCompositions:
     describe: (event, points, interval) -> the message of a `GridTooLargeError` for a step grid.
   """
 
-  def __init__(self, noise_multiplier: float, delta: float, max_grid_points: int,
-               fixed_interval: float | None, coarsening: float, describe):
+  def __init__(
+    self,
+    noise_multiplier: float,
+    delta: float,
+    max_grid_points: int,
+    fixed_interval: float | None,
+    coarsening: float,
+    describe,
+  ):
     self.noise_multiplier = noise_multiplier
     self.delta = delta
     self.max_grid_points = max_grid_points
@@ -76,8 +84,9 @@ class StepCompositions:
     self.step_plds: dict[tuple[str, float], pld_lib.PrivacyLossDistribution] = {}
     self.grids: dict[tuple[str, int], pld_grid.Refined] = {}
 
-  def composed(self, event: dp_event.DpEvent, count: int, what: str
-               ) -> pld_lib.PrivacyLossDistribution:
+  def composed(
+    self, event: dp_event.DpEvent, count: int, what: str
+  ) -> pld_lib.PrivacyLossDistribution:
     """`count` steps of `event` at the grid with the smallest ε(δ) (`what` names the sampler
     on the progress bar)."""
     key = (repr(event), int(count))
@@ -101,9 +110,11 @@ class StepCompositions:
 
     def affordable(interval):
       points = estimate_pld_grid_points(cost_twin(event), interval) or 0
-      return (points <= self.max_grid_points and
-              spent['points'] + points <= REFINEMENT_GRID_POINTS and
-              2 * spent['composed'] <= MAX_REFINED_COMPOSED_POINTS)
+      return (
+        points <= self.max_grid_points
+        and spent['points'] + points <= REFINEMENT_GRID_POINTS
+        and 2 * spent['composed'] <= MAX_REFINED_COMPOSED_POINTS
+      )
 
     scale = loss_scale(cost_twin(event)) * LOSS_SCALE_FRACTION
 
@@ -134,20 +145,25 @@ class StepCompositions:
     if fixed is not None:
       eps, pld = evaluate(start)
       return pld_grid.Refined(eps, start, pld, ((start, eps),), False)
-    return pld_grid.refine(evaluate, start, rel_tol=pld_grid.REL_TOL * self.coarsening,
-                           next_grid=next_grid, coarsest_compared=pld_grid.trusted_ladder_grid,
-                           max_grids=pld_grid.MAX_GRIDS if self.coarsening == 1 else 2)
+    return pld_grid.refine(
+      evaluate,
+      start,
+      rel_tol=pld_grid.REL_TOL * self.coarsening,
+      next_grid=next_grid,
+      coarsest_compared=pld_grid.trusted_ladder_grid,
+      max_grids=pld_grid.MAX_GRIDS if self.coarsening == 1 else 2,
+    )
 
-  def at_grid(self, event: dp_event.DpEvent, interval: float,
-              count: int) -> pld_lib.PrivacyLossDistribution:
+  def at_grid(
+    self, event: dp_event.DpEvent, interval: float, count: int
+  ) -> pld_lib.PrivacyLossDistribution:
     """`count` steps of `event` at this grid; the step PLD is kept here whatever the process
     cache has evicted since."""
     key = (repr(event), float(interval))
     if key not in self.step_plds:
       self.check_grid(event, interval)
       self.step_plds[key] = dense_step_pld(event, interval)
-    return composed_step_pld(self.step_plds[key], event, interval, count,
-                             self.check_composition)
+    return composed_step_pld(self.step_plds[key], event, interval, count, self.check_composition)
 
   def check_grid(self, event: dp_event.DpEvent, interval: float) -> None:
     """GridTooLargeError before building a step PLD above max_grid_points."""
@@ -165,6 +181,7 @@ class StepCompositions:
       low, high = pld_common.compute_self_convolve_bounds(probs, count, 1e-15)
       if high - low + 1 > MAX_COMPOSED_POINTS:
         raise GridTooLargeError(
-            f'num_steps = {count}: composing the privacy loss of {count:.3g} steps needs '
-            f'~{high - low + 1:.3g} grid points, beyond the {MAX_COMPOSED_POINTS:.0e} that fit '
-            f'in memory (σ = {self.noise_multiplier:.4g}). Shorten the run, or raise σ.')
+          f'num_steps = {count}: composing the privacy loss of {count:.3g} steps needs '
+          f'~{high - low + 1:.3g} grid points, beyond the {MAX_COMPOSED_POINTS:.0e} that fit '
+          f'in memory (σ = {self.noise_multiplier:.4g}). Shorten the run, or raise σ.'
+        )

@@ -33,27 +33,39 @@ def step_pld(event: dp_event.DpEvent, interval: float) -> pld_lib.PrivacyLossDis
   """The PLD of one step, built as dp_accounting's PLDAccountant builds it."""
   if isinstance(event, dp_event.PoissonSampledDpEvent):
     return pld_lib.from_gaussian_mechanism(
-        standard_deviation=event.event.noise_multiplier, value_discretization_interval=interval,
-        sampling_prob=event.sampling_probability)
+      standard_deviation=event.event.noise_multiplier,
+      value_discretization_interval=interval,
+      sampling_prob=event.sampling_probability,
+    )
   if isinstance(event, dp_event.MixtureOfGaussiansDpEvent):
     if len(event.sensitivities) == 2 and event.sensitivities[0] == 0:
       # MoG [0, s] with probabilities [1 − p, p] *is* the Poisson-subsampled Gaussian pair
       # with sensitivity s and rate p (both directions); dp_accounting builds that one faster,
       # with the same ε (tests/privacy/accounting/test_accounting_events.py).
       return pld_lib.from_gaussian_mechanism(
-          standard_deviation=event.standard_deviation, sensitivity=event.sensitivities[1],
-          value_discretization_interval=interval, sampling_prob=event.sampling_probs[1])
+        standard_deviation=event.standard_deviation,
+        sensitivity=event.sensitivities[1],
+        value_discretization_interval=interval,
+        sampling_prob=event.sampling_probs[1],
+      )
     return pld_lib.from_mixture_gaussian_mechanism(
-        standard_deviation=event.standard_deviation, sensitivities=event.sensitivities,
-        sampling_probs=event.sampling_probs, value_discretization_interval=interval)
+      standard_deviation=event.standard_deviation,
+      sensitivities=event.sensitivities,
+      sampling_probs=event.sampling_probs,
+      value_discretization_interval=interval,
+    )
   if isinstance(event, dp_event.TruncatedSubsampledGaussianDpEvent):
     return pld_lib.from_truncated_subsampled_gaussian_mechanism(
-        dataset_size=event.dataset_size, sampling_probability=event.sampling_probability,
-        truncated_batch_size=event.truncated_batch_size,
-        noise_multiplier=event.noise_multiplier, value_discretization_interval=interval)
+      dataset_size=event.dataset_size,
+      sampling_probability=event.sampling_probability,
+      truncated_batch_size=event.truncated_batch_size,
+      noise_multiplier=event.noise_multiplier,
+      value_discretization_interval=interval,
+    )
   if isinstance(event, dp_event.GaussianDpEvent):  # One epoch in a fixed order (sensitivity 1).
     return pld_lib.from_gaussian_mechanism(
-        standard_deviation=event.noise_multiplier, value_discretization_interval=interval)
+      standard_deviation=event.noise_multiplier, value_discretization_interval=interval
+    )
   raise TypeError(f'no per-step PLD for {event!r}')
 
 
@@ -67,7 +79,8 @@ class KeptPLDs:
   def __init__(self, size: int):
     self.size = size
     self._plds: collections.OrderedDict[tuple, pld_lib.PrivacyLossDistribution] = (
-        collections.OrderedDict())
+      collections.OrderedDict()
+    )
     self._lock = threading.Lock()
 
   def get(self, key: tuple) -> pld_lib.PrivacyLossDistribution | None:
@@ -103,10 +116,13 @@ def dense_step_pld(event: dp_event.DpEvent, interval: float) -> pld_lib.PrivacyL
   return pld
 
 
-def composed_step_pld(step: pld_lib.PrivacyLossDistribution, event: dp_event.DpEvent,
-                      interval: float, count: int,
-                      check: Callable[[pld_lib.PrivacyLossDistribution, int], None]
-                      ) -> pld_lib.PrivacyLossDistribution:
+def composed_step_pld(
+  step: pld_lib.PrivacyLossDistribution,
+  event: dp_event.DpEvent,
+  interval: float,
+  count: int,
+  check: Callable[[pld_lib.PrivacyLossDistribution, int], None],
+) -> pld_lib.PrivacyLossDistribution:
   """`count` steps of `step` = `dense_step_pld(event, interval)` (dp_accounting's self_compose),
   kept per process when small; `check(step, count)` runs before a composition is computed."""
   key = (repr(event), float(interval), int(count))
@@ -122,8 +138,15 @@ def composed_step_pld(step: pld_lib.PrivacyLossDistribution, event: dp_event.DpE
 def progress_bar(total: int | None, desc: str) -> tqdm.tqdm:
   """A tqdm bar on stderr that appears only after 10 s, and only on a terminal (quiet in tests
   and logs)."""
-  return tqdm.tqdm(total=total, desc=f'dpjax.privacy.accounting: {desc}', delay=10, disable=None,
-                   file=sys.stderr, leave=False, dynamic_ncols=True)
+  return tqdm.tqdm(
+    total=total,
+    desc=f'dpjax.privacy.accounting: {desc}',
+    delay=10,
+    disable=None,
+    file=sys.stderr,
+    leave=False,
+    dynamic_ncols=True,
+  )
 
 
 class GridTooLargeError(ValueError):
@@ -152,8 +175,12 @@ def loss_scale(event: dp_event.DpEvent) -> float:
   if parts is None:
     return math.inf
   sigma, sensitivities, probs = parts
-  logs = [math.log(p) + math.log(r) + s * t / sigma**2 for s, p in zip(sensitivities, probs)
-          for t, r in zip(sensitivities, probs) if p > 0 and r > 0]
+  logs = [
+    math.log(p) + math.log(r) + s * t / sigma**2
+    for s, p in zip(sensitivities, probs)
+    for t, r in zip(sensitivities, probs)
+    if p > 0 and r > 0
+  ]
   top = max(logs)
   log_one_plus = top + math.log(sum(math.exp(v - top) for v in logs))
   return math.sqrt(max(0.0, math.expm1(log_one_plus))) if log_one_plus < 700 else math.inf
@@ -175,14 +202,18 @@ def estimate_pld_grid_points(event: dp_event.DpEvent, interval: float) -> int | 
   sigma, sensitivities, probs = parts
   points = 0.0
   closed_form = len(sensitivities) == 2 and sensitivities[0] == 0  # As `step_pld` builds it.
-  for adjacency in (privacy_loss_mechanism.AdjacencyType.ADD,
-                    privacy_loss_mechanism.AdjacencyType.REMOVE):
+  for adjacency in (
+    privacy_loss_mechanism.AdjacencyType.ADD,
+    privacy_loss_mechanism.AdjacencyType.REMOVE,
+  ):
     if closed_form:
       loss = privacy_loss_mechanism.GaussianPrivacyLoss(
-          sigma, sensitivity=sensitivities[1], sampling_prob=probs[1], adjacency_type=adjacency)
+        sigma, sensitivity=sensitivities[1], sampling_prob=probs[1], adjacency_type=adjacency
+      )
     else:
       loss = privacy_loss_mechanism.MixtureGaussianPrivacyLoss(
-          sigma, sensitivities, probs, adjacency_type=adjacency)
+        sigma, sensitivities, probs, adjacency_type=adjacency
+      )
     bounds = loss.connect_dots_bounds()
     points = max(points, (bounds.epsilon_upper - bounds.epsilon_lower) / interval + 1)
   return int(math.ceil(points * (1 if closed_form else len(sensitivities))))

@@ -9,5 +9,11 @@ rows), `gradient_canary` (their injection into the clipped sum, projections),
 
 from dpjax.privacy.auditing.canaries import CanarySet, CanarySource, check_audit, make_canaries
 from dpjax.privacy.auditing.gradient_canary import project, with_gradient_canaries
-from dpjax.privacy.auditing.one_run import OneRunAudit, audit, epsilon_lower_bound, max_epsilon_lower, p_value
+from dpjax.privacy.auditing.one_run import (
+  OneRunAudit,
+  audit,
+  epsilon_lower_bound,
+  max_epsilon_lower,
+  p_value,
+)
 from dpjax.privacy.auditing.white_box import EffectiveSigma, effective_sigma

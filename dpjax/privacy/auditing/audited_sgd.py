@@ -58,6 +58,7 @@ PLANTED_BUGS = ('noise_tenth', 'skip_clipping', 'count_twice', 'skip_noise_every
 @dataclasses.dataclass
 class AuditedRun:
   """What an audited run released and what its auditor recorded."""
+
   canaries: canaries_lib.CanarySet
   params: object  # final parameters (pytree)
   released: np.ndarray  # [T, m] ⟨s_t, u_j⟩
@@ -78,6 +79,7 @@ class AuditedRun:
 @dataclasses.dataclass(frozen=True)
 class AuditSettings:
   """The audited run: sampler, sizes, C, σ, δ, learning rate, length and seed."""
+
   sampler: str  # A `samplers.SAMPLER_NAMES` name.
   batch_size: int  # b.
   physical_batch_size: int  # P.
@@ -93,9 +95,13 @@ class AuditSettings:
 def _release_transform(plan, bug: str | None) -> optax.GradientTransformationExtraArgs:
   """The plan's privatizer, or its planted-bug wrapper."""
   if bug == 'noise_tenth':
-    return noise.gaussian_privatizer(plan.noise_multiplier / 10, plan.clip_norm,
-                                     plan.expected_batch_size, plan.seed,
-                                     max_batch_size=plan.max_batch_size)
+    return noise.gaussian_privatizer(
+      plan.noise_multiplier / 10,
+      plan.clip_norm,
+      plan.expected_batch_size,
+      plan.seed,
+      max_batch_size=plan.max_batch_size,
+    )
   inner = plan.privatizer()
   if bug != 'skip_noise_every_4th':
     return inner
@@ -105,19 +111,31 @@ def _release_transform(plan, bug: str | None) -> optax.GradientTransformationExt
     plain = noise.noisy_mean(updates, None, None, plan.expected_batch_size)
     released = jax.tree.map(lambda r, g: jnp.where(step % 4 == 3, g, r), released, plain)
     return released, state
+
   return optax.GradientTransformationExtraArgs(inner.init, update)
 
 
 def _plan(settings: AuditSettings, sampler) -> privacy_plan.PrivacyPlan:
   return privacy_plan.PrivacyPlan.create(
-      sampler, num_steps=settings.num_steps, clip_norm=settings.clip_norm,
-      noise_multiplier=settings.noise_multiplier, delta=settings.delta,
-      physical_batch_size=settings.physical_batch_size,
-      max_batch_size=settings.max_batch_size)
+    sampler,
+    num_steps=settings.num_steps,
+    clip_norm=settings.clip_norm,
+    noise_multiplier=settings.noise_multiplier,
+    delta=settings.delta,
+    physical_batch_size=settings.physical_batch_size,
+    max_batch_size=settings.max_batch_size,
+  )
 
 
-def train(settings: AuditSettings, model, base_source, *, num_canaries: int,
-          private: bool = True, _bug: str | None = None) -> AuditedRun:
+def train(
+  settings: AuditSettings,
+  model,
+  base_source,
+  *,
+  num_canaries: int,
+  private: bool = True,
+  _bug: str | None = None,
+) -> AuditedRun:
   """Trains `model` for `settings.num_steps` steps on `base_source` plus m canaries."""
   if _bug is not None and _bug not in PLANTED_BUGS:
     raise ValueError(f'_bug = {_bug!r}; valid: {PLANTED_BUGS}.')
@@ -140,15 +158,21 @@ def train(settings: AuditSettings, model, base_source, *, num_canaries: int,
   else:
     clip_norm, sigma, applied_clip = 1.0, 0.0, math.inf
     tx = optax.GradientTransformationExtraArgs(
-        lambda p: optax.EmptyState(),
-        lambda g, s, p=None, *, step=None: (noise.noisy_mean(g, None, None, b), s))
+      lambda p: optax.EmptyState(),
+      lambda g, s, p=None, *, step=None: (noise.noisy_mean(g, None, None, b), s),
+    )
     max_batch_size = batching.resolve_max_batch_size(
-        sampler, settings.physical_batch_size, settings.max_batch_size, num_steps=num_steps,
-        delta=settings.delta)
+      sampler,
+      settings.physical_batch_size,
+      settings.max_batch_size,
+      num_steps=num_steps,
+      delta=settings.delta,
+    )
     batcher = batching.Batcher(sampler, settings.physical_batch_size, max_batch_size)
     base = functools.partial(clipping.grad_sum, loss_fn)
   step_sum = gradient_canary.with_gradient_canaries(
-      base, canaries, canary_norm=canaries.gradient_scale * clip_norm, clip_norm=applied_clip)
+    base, canaries, canary_norm=canaries.gradient_scale * clip_norm, clip_norm=applied_clip
+  )
   coordinates, signs = jnp.asarray(canaries.coordinates), jnp.asarray(canaries.signs)
 
   def project(tree):
@@ -193,5 +217,4 @@ def train(settings: AuditSettings, model, base_source, *, num_canaries: int,
     params, state, projected = release(params, state, total.total, np.uint32(step))
     released[step] = np.asarray(projected)
     ordinary_rec[step] = np.asarray(ref_sum)
-  return AuditedRun(canaries, params, released, ordinary_rec, counts, clip_norm,
-                    sigma, len(source))
+  return AuditedRun(canaries, params, released, ordinary_rec, counts, clip_norm, sigma, len(source))

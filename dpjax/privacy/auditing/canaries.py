@@ -59,37 +59,57 @@ class CanarySet:
 
   def to_dict(self) -> dict:
     """What audit.json stores: enough to redraw and check the canaries."""
-    return {'kind': 'gradient', 'num_canaries': self.num_canaries, 'seed': self.seed,
-            'num_params': self.num_params, 'gradient_scale': self.gradient_scale,
-            'membership': self.membership.astype(int).tolist()}
+    return {
+      'kind': 'gradient',
+      'num_canaries': self.num_canaries,
+      'seed': self.seed,
+      'num_params': self.num_params,
+      'gradient_scale': self.gradient_scale,
+      'membership': self.membership.astype(int).tolist(),
+    }
 
   @classmethod
   def from_dict(cls, d: dict) -> 'CanarySet':
-    canaries = make_canaries(d['seed'], d['num_canaries'], d['num_params'],
-                             gradient_scale=d.get('gradient_scale', DEFAULT_GRADIENT_SCALE))
-    if 'membership' in d and not np.array_equal(np.asarray(d['membership'], bool),
-                                                canaries.membership):
-      raise ValueError('audit.json: the recorded membership differs from the one redrawn from '
-                       f"seed {d['seed']}; the record is damaged or from other code.")
+    canaries = make_canaries(
+      d['seed'],
+      d['num_canaries'],
+      d['num_params'],
+      gradient_scale=d.get('gradient_scale', DEFAULT_GRADIENT_SCALE),
+    )
+    if 'membership' in d and not np.array_equal(
+      np.asarray(d['membership'], bool), canaries.membership
+    ):
+      raise ValueError(
+        'audit.json: the recorded membership differs from the one redrawn from '
+        f'seed {d["seed"]}; the record is damaged or from other code.'
+      )
     return canaries
 
 
-def make_canaries(seed: int, num_canaries: int, num_params: int, *,
-                  gradient_scale: float = DEFAULT_GRADIENT_SCALE) -> CanarySet:
+def make_canaries(
+  seed: int, num_canaries: int, num_params: int, *, gradient_scale: float = DEFAULT_GRADIENT_SCALE
+) -> CanarySet:
   """Draws the coins, the distinct coordinates and the signs from (seed, Stream.AUDIT)."""
-  if isinstance(num_canaries, bool) or not isinstance(num_canaries, (int, np.integer)) or not (
-      1 <= num_canaries <= num_params):
-    raise ValueError(f'audit.num_canaries must be an integer in [1, #parameters = {num_params}] '
-                     f'(one coordinate each), got {num_canaries!r}.')
+  if (
+    isinstance(num_canaries, bool)
+    or not isinstance(num_canaries, (int, np.integer))
+    or not (1 <= num_canaries <= num_params)
+  ):
+    raise ValueError(
+      f'audit.num_canaries must be an integer in [1, #parameters = {num_params}] '
+      f'(one coordinate each), got {num_canaries!r}.'
+    )
   if not gradient_scale >= 1:
-    raise ValueError(f'gradient_scale must be >= 1 (the raw canary gradient is λ = scale·C), '
-                     f'got {gradient_scale}.')
+    raise ValueError(
+      f'gradient_scale must be >= 1 (the raw canary gradient is λ = scale·C), got {gradient_scale}.'
+    )
   rng = random_streams.host_generator(seed, random_streams.Stream.AUDIT)
   membership = rng.random(num_canaries) < 0.5
   coordinates = np.sort(rng.choice(num_params, size=num_canaries, replace=False)).astype(np.int64)
   signs = np.where(rng.random(num_canaries) < 0.5, -1.0, 1.0).astype(np.float32)
-  return CanarySet(membership, coordinates, signs, int(num_params), int(seed),
-                   float(gradient_scale))
+  return CanarySet(
+    membership, coordinates, signs, int(num_params), int(seed), float(gradient_scale)
+  )
 
 
 class CanarySource:
@@ -121,8 +141,7 @@ class CanarySource:
     return batch
 
 
-def check_audit(num_canaries, kind, confidence, every_checkpoint, *,
-                prefix: str = '') -> int:
+def check_audit(num_canaries, kind, confidence, every_checkpoint, *, prefix: str = '') -> int:
   """Validates an audit's settings before any compute (ValueError naming the argument, with
   `prefix`, e.g. 'audit.'); returns m = num_canaries."""
   m = num_canaries

@@ -27,8 +27,9 @@ import numpy as np
 from dpjax.privacy.auditing import canaries as canaries_lib
 
 
-def with_gradient_canaries(clipped_sum_fn, canaries: canaries_lib.CanarySet, *,
-                           canary_norm: float, clip_norm: float):
+def with_gradient_canaries(
+  clipped_sum_fn, canaries: canaries_lib.CanarySet, *, canary_norm: float, clip_norm: float
+):
   """`clipped_sum_fn` with canary rows' gradients replaced by clip_C(λ·u_j), times their coin.
 
   Args:
@@ -57,6 +58,7 @@ def with_gradient_canaries(clipped_sum_fn, canaries: canaries_lib.CanarySet, *,
     amount = jnp.where(is_canary, w, 0.0) * member[j] * signs[j] * contribution
     flat, unravel = jax.flatten_util.ravel_pytree(grad_sum)
     return unravel(flat.at[coordinates[j]].add(amount.astype(flat.dtype))), stats
+
   return fn
 
 
@@ -64,8 +66,10 @@ def project(tree, canaries: canaries_lib.CanarySet) -> np.ndarray:
   """⟨tree, u_j⟩ for every canary: s_j · (flattened tree)[c_j], float64 [m]."""
   flat = np.asarray(jax.flatten_util.ravel_pytree(tree)[0], np.float64)
   if flat.size != canaries.num_params:
-    raise ValueError(f'the parameters have {flat.size} entries, the canaries were drawn for '
-                     f'{canaries.num_params}; not the run that drew them.')
+    raise ValueError(
+      f'the parameters have {flat.size} entries, the canaries were drawn for '
+      f'{canaries.num_params}; not the run that drew them.'
+    )
   return canaries.signs.astype(np.float64) * flat[canaries.coordinates]
 
 

@@ -88,6 +88,7 @@ def epsilon_lower_bound(m: int, r: int, v: int, delta: float, confidence: float)
 @dataclasses.dataclass(frozen=True)
 class OneRunAudit:
   """The best guess count's bound; every count was tested at level β / len(guess_counts)."""
+
   epsilon_lower: float
   confidence: float
   delta: float
@@ -110,11 +111,17 @@ def guess_counts(m: int, fractions: Sequence[float] = DEFAULT_GUESS_FRACTIONS) -
 def count_correct(scores: np.ndarray, membership: np.ndarray, k: int) -> int:
   """Correct guesses when the top k scores are guessed 'in' and the bottom k 'out'."""
   order = np.argsort(scores, kind='stable')
-  return int(np.sum(membership[order[len(scores) - k:]]) + np.sum(~membership[order[:k]]))
+  return int(np.sum(membership[order[len(scores) - k :]]) + np.sum(~membership[order[:k]]))
 
 
-def audit(scores: np.ndarray, membership: np.ndarray, *, delta: float, confidence: float,
-          fractions: Sequence[float] = DEFAULT_GUESS_FRACTIONS) -> OneRunAudit:
+def audit(
+  scores: np.ndarray,
+  membership: np.ndarray,
+  *,
+  delta: float,
+  confidence: float,
+  fractions: Sequence[float] = DEFAULT_GUESS_FRACTIONS,
+) -> OneRunAudit:
   """ε lower bound from canary scores (higher = more likely included) and their coins.
 
   Args:
@@ -138,12 +145,20 @@ def audit(scores: np.ndarray, membership: np.ndarray, *, delta: float, confidenc
     v = count_correct(scores, membership, k)
     rows.append((2 * k, v, epsilon_lower_bound(m, 2 * k, v, delta, level)))
   r, v, best = max(rows, key=lambda row: row[2])
-  return OneRunAudit(epsilon_lower=best, confidence=confidence, delta=delta, num_canaries=m,
-                     num_guesses=r, num_correct=v, guess_counts=tuple(rows))
+  return OneRunAudit(
+    epsilon_lower=best,
+    confidence=confidence,
+    delta=delta,
+    num_canaries=m,
+    num_guesses=r,
+    num_correct=v,
+    guess_counts=tuple(rows),
+  )
 
 
-def max_epsilon_lower(m: int, *, delta: float, confidence: float,
-                      fractions: Sequence[float] = DEFAULT_GUESS_FRACTIONS) -> float:
+def max_epsilon_lower(
+  m: int, *, delta: float, confidence: float, fractions: Sequence[float] = DEFAULT_GUESS_FRACTIONS
+) -> float:
   """The largest bound `audit` can return with m canaries: every guess correct."""
   ks = [k for k in guess_counts(m, fractions) if 2 * k <= m]
   level = 1.0 - (1.0 - confidence) / len(ks)

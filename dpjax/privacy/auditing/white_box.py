@@ -57,9 +57,16 @@ class EffectiveSigma:
     return d
 
 
-def effective_sigma(released: np.ndarray, ordinary: np.ndarray, counts: np.ndarray,
-                    membership: np.ndarray, *, clip_norm: float, noise_multiplier: float,
-                    confidence: float = DEFAULT_CONFIDENCE) -> EffectiveSigma:
+def effective_sigma(
+  released: np.ndarray,
+  ordinary: np.ndarray,
+  counts: np.ndarray,
+  membership: np.ndarray,
+  *,
+  clip_norm: float,
+  noise_multiplier: float,
+  confidence: float = DEFAULT_CONFIDENCE,
+) -> EffectiveSigma:
   """The white-box test of one run.
 
   Args:
@@ -81,7 +88,7 @@ def effective_sigma(released: np.ndarray, ordinary: np.ndarray, counts: np.ndarr
   if dof == 0 or not np.any(n > 0):
     raise ValueError('the white-box test needs steps with and without member canaries.')
   sigma_hat = math.sqrt(float(np.sum(z[noise_rows] ** 2)) / dof)
-  sum_n2 = float(np.sum(n ** 2))
+  sum_n2 = float(np.sum(n**2))
   signal = float(np.sum(n * z)) / sum_n2
   # σ̂ interval (χ²) and â interval (normal), each at α/4 per side.
   lo_chi, hi_chi = stats.chi2.ppf([alpha / 4, 1 - alpha / 4], dof)
@@ -98,11 +105,18 @@ def effective_sigma(released: np.ndarray, ordinary: np.ndarray, counts: np.ndarr
     k = int(rows.sum())
     if k == 0:
       continue
-    q = float(np.sum(z[t, rows] ** 2)) / noise_multiplier ** 2
+    q = float(np.sum(z[t, rows] ** 2)) / noise_multiplier**2
     p = 2 * min(stats.chi2.cdf(q, k), stats.chi2.sf(q, k))
     if p < alpha / (2 * num_steps):
       flagged_steps.append(t)
   flagged = not (low <= noise_multiplier <= high) or bool(flagged_steps)
-  return EffectiveSigma(float(noise_multiplier), sigma_hat, signal, sigma_hat / signal
-                        if signal > 0 else math.inf, (low, high), tuple(flagged_steps),
-                        confidence, flagged)
+  return EffectiveSigma(
+    float(noise_multiplier),
+    sigma_hat,
+    signal,
+    sigma_hat / signal if signal > 0 else math.inf,
+    (low, high),
+    tuple(flagged_steps),
+    confidence,
+    flagged,
+  )

@@ -42,8 +42,9 @@ def layer_norms(layer: Layer, theta: dict, a: jax.Array, d: jax.Array):
     return layer.rule.sq_norms(layer, theta, a, d.astype(jnp.float32))
 
 
-def layer_weighted_sum(layer: Layer, theta: dict, a: jax.Array, d: jax.Array, part,
-                       factor: jax.Array, keep: jax.Array) -> dict:
+def layer_weighted_sum(
+  layer: Layer, theta: dict, a: jax.Array, d: jax.Array, part, factor: jax.Array, keep: jax.Array
+) -> dict:
   """Σ_i factor_i · g_i {param name: sum} of one layer (rows with keep_i False add exactly
   zero), from its captured (a, δ) and `part` = its `layer_norms` (Bu et al. 2023)."""
   _, grads, operands = part
@@ -62,8 +63,9 @@ def layer_weighted_sum(layer: Layer, theta: dict, a: jax.Array, d: jax.Array, pa
   if jnp.issubdtype(a.dtype, jnp.floating):  # Not Embed's tokens.
     a = a.astype(jnp.promote_types(a.dtype, jnp.float32))
   ct = jnp.where(rows(d), factor.reshape(rows(d).shape) * d, 0.0)
-  out_, layer_vjp = jax.vjp(lambda t: jax.vmap(
-      lambda a_i: layer.module.apply({'params': t}, a_i))(a), theta)
+  out_, layer_vjp = jax.vjp(
+    lambda t: jax.vmap(lambda a_i: layer.module.apply({'params': t}, a_i))(a), theta
+  )
   # theta is the float32 master copy: under bfloat16 compute the captured input is cast to
   # float32 too (layers that do not promote dtypes, e.g. WSConv's lax.conv, reject mixed
   # ones), so the re-applied layer's output (hence its cotangent) is float32.
@@ -75,8 +77,9 @@ def layer_weighted_sum(layer: Layer, theta: dict, a: jax.Array, d: jax.Array, pa
 # ----------------------------------------------------------------------------
 
 
-class GhostPass(collections.namedtuple(
-    'GhostPass', 'losses aux sq_norms sq_norms_by_path weighted_sum')):
+class GhostPass(
+  collections.namedtuple('GhostPass', 'losses aux sq_norms sq_norms_by_path weighted_sum')
+):
   """Per-example losses, the loss's aux, ‖g_i‖², and `weighted_sum(factor, keep)`.
 
   `sq_norms_by_path` maps 'module/path' (a covered layer) or
@@ -89,8 +92,9 @@ class GhostPass(collections.namedtuple(
   """
 
 
-def ghost_pass(loss_fn: LossFn, params: Params, examples,
-               coverage: Coverage | None = None) -> GhostPass:
+def ghost_pass(
+  loss_fn: LossFn, params: Params, examples, coverage: Coverage | None = None
+) -> GhostPass:
   """One forward and one activation-backward pass over a batch of examples.
 
   Args:
@@ -106,17 +110,14 @@ def ghost_pass(loss_fn: LossFn, params: Params, examples,
   if coverage is None:
     coverage = analyse_coverage(loss_fn, params, jax.tree.map(lambda l: l[0], examples))
   if not coverage.complete:
-    raise ValueError('ghost clipping does not cover these parameters: '
-                     + coverage.describe())
+    raise ValueError('ghost clipping does not cover these parameters: ' + coverage.describe())
   flat = dict(zip(leaf_paths(params), jax.tree.leaves(params)))
   losses, aux, inputs, deltas, copy_grads = _capture(loss_fn, params, flat, examples, coverage)
   layers = coverage.layers
   thetas = [subtree(params, l.param_path) for l in layers]
-  parts = [layer_norms(l, t, a, d)
-           for l, t, a, d in zip(layers, thetas, inputs, deltas)]
+  parts = [layer_norms(l, t, a, d) for l, t, a, d in zip(layers, thetas, inputs, deltas)]
   by_path = {'/'.join(l.param_path): sq for l, (sq, _, _) in zip(layers, parts)}
-  by_path.update({'/'.join(p): tree_sq_norms(g)
-                  for p, g in zip(coverage.materialised, copy_grads)})
+  by_path.update({'/'.join(p): tree_sq_norms(g) for p, g in zip(coverage.materialised, copy_grads)})
   sq_norms = sum(by_path.values())
   weighted_sum = _book_keeping(params, flat, coverage, thetas, inputs, deltas, parts, copy_grads)
   return GhostPass(losses, aux, sq_norms, by_path, weighted_sum)
@@ -132,15 +133,14 @@ def _capture(loss_fn: LossFn, params: Params, flat: dict, examples, coverage: Co
   n = jax.tree.leaves(examples)[0].shape[0]
   layers = coverage.layers
   index = {l.key: j for j, l in enumerate(layers)}
-  copies = [jnp.broadcast_to(flat[p], (n, *jnp.shape(flat[p])))
-            for p in coverage.materialised]
+  copies = [jnp.broadcast_to(flat[p], (n, *jnp.shape(flat[p]))) for p in coverage.materialised]
   zeros = [jnp.zeros((n, *l.out_aval.shape), l.out_aval.dtype) for l in layers]
 
   def one(copies_i, perturbations_i, example):
     replace = dict(zip(coverage.materialised, copies_i))
     p = jax.tree_util.tree_unflatten(
-        jax.tree.structure(params),
-        [replace.get(path, leaf) for path, leaf in flat.items()])
+      jax.tree.structure(params), [replace.get(path, leaf) for path, leaf in flat.items()]
+    )
     inputs = [None] * len(layers)
 
     def capture(key, next_fun, args, kwargs, ctx):
@@ -150,20 +150,21 @@ def _capture(loss_fn: LossFn, params: Params, flat: dict, examples, coverage: Co
         return next_fun(*args, **kwargs)
       inputs[j] = args[0]
       return next_fun(*args, **kwargs) + perturbations_i[j]
+
     loss, aux = run_intercepted(loss_fn, Interceptor(capture), p, example)
     return loss, (aux, inputs)
 
   def batched(copies, perturbations):
     return jax.vmap(one)(copies, perturbations, examples)
 
-  losses, vjp, (aux, inputs) = jax.vjp(batched, copies, zeros,
-                                          has_aux=True)
+  losses, vjp, (aux, inputs) = jax.vjp(batched, copies, zeros, has_aux=True)
   copy_grads, deltas = vjp(jnp.ones_like(losses))
   return losses, aux, inputs, deltas, copy_grads
 
 
-def _book_keeping(params: Params, flat: dict, coverage: Coverage, thetas, inputs, deltas,
-                  parts, copy_grads):
+def _book_keeping(
+  params: Params, flat: dict, coverage: Coverage, thetas, inputs, deltas, parts, copy_grads
+):
   """`weighted_sum(factor, keep)` = Σ_i factor_i·g_i from the captured (a, δ) (Bu et al. 2023)."""
 
   def weighted_sum(factor: jax.Array, keep: jax.Array) -> Params:
@@ -171,12 +172,12 @@ def _book_keeping(params: Params, flat: dict, coverage: Coverage, thetas, inputs
     for l, theta, a, d, part in zip(coverage.layers, thetas, inputs, deltas, parts):
       grads = layer_weighted_sum(l, theta, a, d, part, factor, keep)
       for name in l.param_names:
-        out[l.param_path + (name,)] = grads[name].astype(
-            theta[name].dtype).reshape(theta[name].shape)
+        out[l.param_path + (name,)] = (
+          grads[name].astype(theta[name].dtype).reshape(theta[name].shape)
+        )
     for path, g in zip(coverage.materialised, copy_grads):
       out[path] = weighted_row_sum(factor, g, keep)
-    return jax.tree_util.tree_unflatten(jax.tree.structure(params),
-                                        [out[p] for p in flat])
+    return jax.tree_util.tree_unflatten(jax.tree.structure(params), [out[p] for p in flat])
 
   return weighted_sum
 

@@ -44,13 +44,19 @@ WS_CONV_PARAMS = ({'kernel', 'gain', 'bias'}, {'kernel', 'gain', 'bias'})
 def _conv_check(module: nn.Module) -> str:
   rank = len(module.kernel_size) if not isinstance(module.kernel_size, int) else 1
   padding = nn_linear.canonicalize_padding(module.padding, rank)
-  if (module.feature_group_count != 1 or module.mask is not None or
-      module.conv_general_dilated is not None or
-      module.conv_general_dilated_cls is not None or
-      isinstance(padding, str) and padding not in ('SAME', 'VALID') or
-      any(d != 1 for d in _broadcast(module.input_dilation, rank))):
-    return ('Conv with feature groups, a mask, input dilation, a '
-            f'custom conv or padding {module.padding!r}')
+  if (
+    module.feature_group_count != 1
+    or module.mask is not None
+    or module.conv_general_dilated is not None
+    or module.conv_general_dilated_cls is not None
+    or isinstance(padding, str)
+    and padding not in ('SAME', 'VALID')
+    or any(d != 1 for d in _broadcast(module.input_dilation, rank))
+  ):
+    return (
+      'Conv with feature groups, a mask, input dilation, a '
+      f'custom conv or padding {module.padding!r}'
+    )
   return ''
 
 
@@ -94,8 +100,9 @@ class _WSNorms(NamedTuple):
   grads: dict | None  # Per-example {kernel, gain} when kept for the sum.
 
 
-def _ws_norms(module: nn.Module, theta: dict, blocks: Blocks, d: jax.Array,
-              keep_grads: bool) -> _WSNorms:
+def _ws_norms(
+  module: nn.Module, theta: dict, blocks: Blocks, d: jax.Array, keep_grads: bool
+) -> _WSNorms:
   """The per-example norms of a `dpjax.models.layers.WSConv` call's kernel and gain.
 
   dpjax.models.layers.WSConv uses W'_o = gain_o · (w_o − μ_o) · r_o per output channel o,
@@ -142,11 +149,15 @@ def _ws_norms(module: nn.Module, theta: dict, blocks: Blocks, d: jax.Array,
 
   def body(carry, b, k):
     gram, total, proj = carry
-    return (gram + jnp.einsum('nsm,ntm->nst', b, b, precision=HIGHEST),
-            total + jnp.sum(b, axis=-1),
-            proj + jnp.einsum('nsm,mc->nsc', b, z[k], precision=HIGHEST)), None
+    return (
+      gram + jnp.einsum('nsm,ntm->nst', b, b, precision=HIGHEST),
+      total + jnp.sum(b, axis=-1),
+      proj + jnp.einsum('nsm,mc->nsc', b, z[k], precision=HIGHEST),
+    ), None
+
   (gram, total, proj), _ = scan_blocks(
-      blocks, body, (jnp.zeros((n, s, s)), jnp.zeros((n, s)), jnp.zeros((n, s, c))))
+    blocks, body, (jnp.zeros((n, s, s)), jnp.zeros((n, s)), jnp.zeros((n, s, c)))
+  )
   g_sq = jnp.sum(d * jnp.einsum('nst,ntc->nsc', gram, d, precision=HIGHEST), axis=1)
   ones = jnp.einsum('ns,nsc->nc', total, d, precision=HIGHEST)  # 1·g_o.
   gain = jnp.sum(proj * d, axis=1)  # z_o·g_o.
@@ -167,19 +178,27 @@ def _ws_kernel_grad(module: nn.Module, theta: dict):
   _, t_vjp = jax.vjp(lambda k, gn: ws_standardise(k, gn, module.eps), w, theta['gain'])
 
   def kernel_grad(x, ct):
-    conv = lambda k: jax.lax.conv_general_dilated(x, k, strides, 'SAME',
-                                                   dimension_numbers=numbers)
+    conv = lambda k: jax.lax.conv_general_dilated(x, k, strides, 'SAME', dimension_numbers=numbers)
     return t_vjp(jax.vjp(conv, jnp.zeros_like(w))[1](ct)[0])[0]
+
   return kernel_grad
 
 
 def _rows(v: jax.Array, rank: int) -> jax.Array:
   """[n, *lead, *spatial, C] -> [n·lead, *spatial, C] (leading axes join the batch)."""
-  return v.reshape(-1, *v.shape[v.ndim - rank - 1:])
+  return v.reshape(-1, *v.shape[v.ndim - rank - 1 :])
 
 
-def _ws_weighted_sum(kernel_grad, theta: dict, a: jax.Array, d: jax.Array, gain: jax.Array,
-                     bias: jax.Array, loose: jax.Array, loose_kernel_sq: jax.Array):
+def _ws_weighted_sum(
+  kernel_grad,
+  theta: dict,
+  a: jax.Array,
+  d: jax.Array,
+  gain: jax.Array,
+  bias: jax.Array,
+  loose: jax.Array,
+  loose_kernel_sq: jax.Array,
+):
   """`weighted_sum(factor, keep)` of a WS conv: the kernel by its vjp at the book-kept rows'
   cotangents plus the loose rows' per-example gradients (`mixed.exact_rows`), each scaled to
   at most the norm that clipped it (`loose_kernel_sq`: the recomputation may round otherwise);
@@ -188,8 +207,10 @@ def _ws_weighted_sum(kernel_grad, theta: dict, a: jax.Array, d: jax.Array, gain:
   per_row = lambda v, on: on.reshape((-1,) + (1,) * (v.ndim - 1))
 
   def example(i):
-    g = kernel_grad(_rows(jax.lax.dynamic_index_in_dim(a, i), rank),
-                    _rows(jax.lax.dynamic_index_in_dim(d, i), rank))
+    g = kernel_grad(
+      _rows(jax.lax.dynamic_index_in_dim(a, i), rank),
+      _rows(jax.lax.dynamic_index_in_dim(d, i), rank),
+    )
     norm = jnp.sqrt(jnp.sum(jnp.square(g)))
     return g * jnp.where(norm > 0, jnp.minimum(1.0, jnp.sqrt(loose_kernel_sq[i]) / norm), 1.0)
 
@@ -203,14 +224,16 @@ def _ws_weighted_sum(kernel_grad, theta: dict, a: jax.Array, d: jax.Array, gain:
     if 'bias' in theta:
       out['bias'] = rounding.weighted_row_sum(factor, bias, keep)
     return out
+
   return weighted_sum
 
 
 def _conv_blocks(layer, a: jax.Array) -> Blocks:
   """The input blocks of a (WS)conv call; a: [n, *lead, *spatial, C]."""
   module = layer.module
-  kernel_size = _broadcast(module.kernel_size, 1 if isinstance(
-      module.kernel_size, int) else len(module.kernel_size))
+  kernel_size = _broadcast(
+    module.kernel_size, 1 if isinstance(module.kernel_size, int) else len(module.kernel_size)
+  )
   rank = len(kernel_size)
   if layer.rule.name == 'wsconv':
     padding, dilation = 'SAME', (1,) * rank
@@ -219,44 +242,44 @@ def _conv_blocks(layer, a: jax.Array) -> Blocks:
     dilation = _broadcast(module.kernel_dilation, rank)
   strides = _broadcast(module.strides, rank)
   n = a.shape[0]
-  x = a.reshape(-1, *a.shape[a.ndim - rank - 1:])  # Leading axes -> batch.
+  x = a.reshape(-1, *a.shape[a.ndim - rank - 1 :])  # Leading axes -> batch.
   spatial = x.shape[1:-1]
   dilated = [(k - 1) * d + 1 for k, d in zip(kernel_size, dilation)]
   if isinstance(padding, str):
     pads = jax.lax.padtype_to_pads(spatial, dilated, strides, padding)
   else:
     pads = list(padding)
-  x = jax.lax.pad(x, jnp.zeros((), x.dtype),  # Negative pads crop, as in lax.
-                  [(0, 0, 0)] + [(lo, hi, 0) for lo, hi in pads] + [(0, 0, 0)])
-  out = [(size - k) // s + 1 for size, k, s in zip(x.shape[1:-1], dilated,
-                                                   strides)]
+  x = jax.lax.pad(
+    x,
+    jnp.zeros((), x.dtype),  # Negative pads crop, as in lax.
+    [(0, 0, 0)] + [(lo, hi, 0) for lo, hi in pads] + [(0, 0, 0)],
+  )
+  out = [(size - k) // s + 1 for size, k, s in zip(x.shape[1:-1], dilated, strides)]
   span = [(o - 1) * s + 1 for o, s in zip(out, strides)]
-  offsets = np.asarray(list(itertools.product(*(range(k)
-                                                for k in kernel_size))),
-                       np.int32) * np.asarray(dilation, np.int32)
+  offsets = np.asarray(
+    list(itertools.product(*(range(k) for k in kernel_size))), np.int32
+  ) * np.asarray(dilation, np.int32)
 
   def get(k):
     offset = offsets[k] if isinstance(k, int) else jnp.asarray(offsets)[k]
     start = [0] + list(offset) + [0]
     window = jax.lax.dynamic_slice(x, start, [x.shape[0], *span, x.shape[-1]])
-    block = jax.lax.slice(window, [0] * window.ndim, window.shape,
-                          [1, *strides, 1])
+    block = jax.lax.slice(window, [0] * window.ndim, window.shape, [1, *strides, 1])
     return block.reshape(n, -1, block.shape[-1])
+
   patches_bytes = 4 * x.shape[0] * math.prod(out) * len(offsets) * x.shape[-1]
-  return Blocks(get, len(offsets), x.shape[-1],
-                unroll=patches_bytes <= _UNROLL_BYTES)
+  return Blocks(get, len(offsets), x.shape[-1], unroll=patches_bytes <= _UNROLL_BYTES)
 
 
-def patches(x: jax.Array, kernel_size: Sequence[int],
-            strides: Sequence[int], padding,
-            dilation: Sequence[int]) -> jax.Array:
+def patches(
+  x: jax.Array, kernel_size: Sequence[int], strides: Sequence[int], padding, dilation: Sequence[int]
+) -> jax.Array:
   """Input patches [N, S, prod(kernel_size)·C] of x [N, *spatial, C] (tests)."""
-  module = nn.Conv(1, tuple(kernel_size), tuple(strides), padding,
-                   kernel_dilation=tuple(dilation))
+  module = nn.Conv(1, tuple(kernel_size), tuple(strides), padding, kernel_dilation=tuple(dilation))
   from dpjax.privacy.ghost_clipping.coverage import Layer  # pylint: disable=import-outside-toplevel
   from dpjax.privacy.ghost_clipping.registry import RULES  # pylint: disable=import-outside-toplevel
-  blocks = _conv_blocks(Layer(None, RULES[nn.Conv], module, (), (), None, None),
-                        x[:, None])
+
+  blocks = _conv_blocks(Layer(None, RULES[nn.Conv], module, (), (), None, None), x[:, None])
   return jnp.concatenate([blocks.get(k) for k in range(blocks.count)], -1)
 
 
@@ -290,8 +313,9 @@ def ws_conv_form(layer) -> str:
   return mixed.linear_form(*_shapes(layer), rank_one=False)
 
 
-@register_norm_rule(nn.Conv, name='conv', params=({'kernel'}, {'kernel', 'bias'}),
-                    check=_conv_check, form=_conv_form)
+@register_norm_rule(
+  nn.Conv, name='conv', params=({'kernel'}, {'kernel', 'bias'}), check=_conv_check, form=_conv_form
+)
 def conv_sq_norms(layer, theta: dict, a, d):
   """a [n, *lead, *spatial, C]: the leading axes (e.g. augmult views) join the positions."""
   a = a.astype(jnp.float32)
@@ -331,10 +355,18 @@ def ws_conv_sq_norms(layer, theta: dict, a, d):
     return sq, grads, None
   loose = norms.bound > LOOSE_RATIO * sq  # False for NaN: the row is dropped anyway.
   kernel_grad, rank = _ws_kernel_grad(layer.module, theta), theta['kernel'].ndim - 2
-  kernel_sq = norms.kernel_sq if norms.exact else mixed.exact_rows(
-      loose, lambda i: kernel_grad(_rows(jax.lax.dynamic_index_in_dim(a, i), rank),
-                                   _rows(jax.lax.dynamic_index_in_dim(d, i), rank)),
-      theta['kernel'].shape)
+  kernel_sq = (
+    norms.kernel_sq
+    if norms.exact
+    else mixed.exact_rows(
+      loose,
+      lambda i: kernel_grad(
+        _rows(jax.lax.dynamic_index_in_dim(a, i), rank),
+        _rows(jax.lax.dynamic_index_in_dim(d, i), rank),
+      ),
+      theta['kernel'].shape,
+    )
+  )
   weighted_sum = _ws_weighted_sum(kernel_grad, theta, a, d, norms.gain, bias, loose, kernel_sq)
   sq = jnp.where(loose, other + kernel_sq, sq + ws_allowance() * norms.bound)
   return sq, None, weighted_sum

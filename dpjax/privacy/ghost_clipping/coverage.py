@@ -35,6 +35,7 @@ LossFn = Callable[[Params, Any], tuple[jax.Array, Any]]  # (params, example) -> 
 @dataclasses.dataclass(frozen=True)
 class Layer:
   """One call of a covered layer."""
+
   key: CallKey
   rule: NormRule  # Its registered rule (registry.RULES).
   module: nn.Module  # Unbound clone: attributes, and re-application.
@@ -53,6 +54,7 @@ def layer_form(layer: Layer) -> str:
 @dataclasses.dataclass(frozen=True)
 class Coverage:
   """How each parameter's per-example norm is obtained (static)."""
+
   layers: tuple[Layer, ...]
   materialised: tuple[LeafPath, ...]  # One copy per example.
   uncovered: tuple[tuple[str, str], ...]  # ('a/b/leaf', reason).
@@ -63,14 +65,14 @@ class Coverage:
 
   def describe(self) -> str:
     rules = collections.Counter(l.rule.name for l in self.layers)
-    text = (f'{len(self.layers)} layers by ghost/book-keeping '
-            f'({", ".join(f"{r} {k}" for r, k in sorted(rules.items()))})')
+    text = (
+      f'{len(self.layers)} layers by ghost/book-keeping '
+      f'({", ".join(f"{r} {k}" for r, k in sorted(rules.items()))})'
+    )
     if self.materialised:
-      text += ('; per-example copies of '
-               + ', '.join('/'.join(p) for p in self.materialised))
+      text += '; per-example copies of ' + ', '.join('/'.join(p) for p in self.materialised)
     if self.uncovered:
-      text += '; UNCOVERED: ' + '; '.join(
-          f'{p} ({why})' for p, why in self.uncovered)
+      text += '; UNCOVERED: ' + '; '.join(f'{p} ({why})' for p, why in self.uncovered)
     return text
 
   def layer_forms(self) -> list[str]:
@@ -80,9 +82,12 @@ class Coverage:
     al. 2022 for linear maps): e.g. 'Conv_0: conv materialised (S=256, m=27,
     c=16)'; parameters with per-example copies are listed last.
     """
-    lines = [f"{'/'.join(l.param_path) or '(root)'}: {l.rule.name}"
-             + (f' {layer_form(l)}' if l.rule.form else '') for l in self.layers]
-    return lines + [f"{'/'.join(p)}: per-example copy" for p in self.materialised]
+    lines = [
+      f'{"/".join(l.param_path) or "(root)"}: {l.rule.name}'
+      + (f' {layer_form(l)}' if l.rule.form else '')
+      for l in self.layers
+    ]
+    return lines + [f'{"/".join(p)}: per-example copy' for p in self.materialised]
 
 
 class Interceptor:
@@ -115,13 +120,14 @@ class Interceptor:
 
 def leaf_paths(tree) -> list[LeafPath]:
   """Each leaf's path as strings (dict keys, attribute names, indices), in tree order."""
+
   def name(k):
     for attr in ('key', 'name', 'idx'):
       if hasattr(k, attr):
         return str(getattr(k, attr))
     return str(k)
-  return [tuple(name(k) for k in path)
-          for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+  return [tuple(name(k) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def subtree(params, path):
@@ -171,8 +177,7 @@ def _dependencies(closed_jaxpr, num_params: int) -> list[int]:
     if d:
       for v in eqn.outvars:
         deps[v] = d
-  return [0 if isinstance(v, jax_core.Literal) else deps.get(v, 0)
-          for v in jaxpr.outvars]
+  return [0 if isinstance(v, jax_core.Literal) else deps.get(v, 0) for v in jaxpr.outvars]
 
 
 def analyse_coverage(loss_fn: LossFn, params: Params, example) -> Coverage:
@@ -210,8 +215,9 @@ def _record_calls(loss_fn: LossFn, params, example) -> tuple[list[tuple], set]:
 
   def record(key, next_fun, args, kwargs, ctx):
     reason = getattr(ctx, 'reason', '')  # An NNX layer dpjax cannot see as a linen one.
-    rule, reason = ((None, reason) if reason else
-                    _rule_for(ctx.module, ctx.method_name, args, kwargs))
+    rule, reason = (
+      (None, reason) if reason else _rule_for(ctx.module, ctx.method_name, args, kwargs)
+    )
     if any(in_rule):
       rule, reason = None, 'called inside another covered layer'
     in_rule.append(rule is not None)
@@ -221,9 +227,16 @@ def _record_calls(loss_fn: LossFn, params, example) -> tuple[list[tuple], set]:
       in_rule.pop()
     if rule and not hasattr(out, 'shape'):
       rule, reason = None, 'output is not one array'
-    calls.append((key, ctx.module.clone(parent=None) if ctx.module else None, rule, reason,
-                  _aval(args[0]) if rule else None,
-                  _aval(out) if rule else None))
+    calls.append(
+      (
+        key,
+        ctx.module.clone(parent=None) if ctx.module else None,
+        rule,
+        reason,
+        _aval(args[0]) if rule else None,
+        _aval(out) if rule else None,
+      )
+    )
     return out
 
   recorder = Interceptor(record)
@@ -238,25 +251,27 @@ def _candidates(calls: list[tuple], paths: list[LeafPath]) -> tuple[list[Layer],
   candidates = []
   for key, module, rule, reason, in_aval, out_aval in calls:
     path = key[0]
-    own = [p for p in paths if p[:len(path)] == path]
+    own = [p for p in paths if p[: len(path)] == path]
     names = {p[-1] for p in own}
-    required, allowed = ((rule.required, rule.allowed) if rule and rule.required is not None
-                         else (set(), names))
+    required, allowed = (
+      (rule.required, rule.allowed) if rule and rule.required is not None else (set(), names)
+    )
     if not rule:
       reasons.setdefault(path, reason)
     elif uses[path] > 1:
       reasons[path] = f'{type(module).__name__} called {uses[path]} times'
-    elif any(len(p) != len(path) + 1 for p in own) or not (
-        required <= names <= allowed):
+    elif any(len(p) != len(path) + 1 for p in own) or not (required <= names <= allowed):
       reasons[path] = f'unexpected parameters {sorted(names)}'
     elif own:
-      candidates.append(Layer(key, rule, module, path,
-                              tuple(p[-1] for p in own), in_aval, out_aval))
+      candidates.append(
+        Layer(key, rule, module, path, tuple(p[-1] for p in own), in_aval, out_aval)
+      )
   return candidates, reasons
 
 
-def _proved(loss_fn: LossFn, params, example, candidates: list[Layer],
-            paths: list[LeafPath], reasons: dict) -> list[Layer]:
+def _proved(
+  loss_fn: LossFn, params, example, candidates: list[Layer], paths: list[LeafPath], reasons: dict
+) -> list[Layer]:
   """The candidates whose coverage the jaxpr's dependencies prove; `reasons` gets the others'.
 
   Every candidate call gets a fresh input and a fresh output; its output must
@@ -274,12 +289,13 @@ def _proved(loss_fn: LossFn, params, example, candidates: list[Layer],
         return next_fun(*args, **kwargs)
       outs[j] = next_fun(fresh_in[j])
       return fresh_out[j]
+
     loss, _ = run_intercepted(loss_fn, Interceptor(swap), p, example)
     return loss, outs
 
   jaxpr = jax.make_jaxpr(substituted)(
-      params, [c.in_aval for c in candidates],
-      [c.out_aval for c in candidates], example)
+    params, [c.in_aval for c in candidates], [c.out_aval for c in candidates], example
+  )
   deps = _dependencies(jaxpr, len(paths))
   loss_deps, out_deps = deps[0], deps[1:]
   bit = {p: 1 << i for i, p in enumerate(paths)}
@@ -289,15 +305,17 @@ def _proved(loss_fn: LossFn, params, example, candidates: list[Layer],
     if d != own:
       reasons[c.param_path] = 'output depends on other parameters'
     elif loss_deps & own:
-      reasons[c.param_path] = ('parameters also used outside the layer call '
-                               '(e.g. tied weights or a loss term)')
+      reasons[c.param_path] = (
+        'parameters also used outside the layer call (e.g. tied weights or a loss term)'
+      )
     else:
       layers.append(c)
   return layers
 
 
-def _leftover_leaves(paths: list[LeafPath], layers: list[Layer], calls: list[tuple],
-                     containers: set, reasons: dict) -> tuple[list, list]:
+def _leftover_leaves(
+  paths: list[LeafPath], layers: list[Layer], calls: list[tuple], containers: set, reasons: dict
+) -> tuple[list, list]:
   """(materialised, uncovered) among the leaves no proved layer covers.
 
   A leaf declared directly in a module that calls other modules (e.g. a
@@ -311,13 +329,10 @@ def _leftover_leaves(paths: list[LeafPath], layers: list[Layer], calls: list[tup
     if p in covered:
       continue
     owner = p[:-1]
-    has_children = any(len(q) > len(owner) and q[:len(owner)] == owner
-                       for q in uses)
-    container = ((owner in kinds and rule_for(kinds[owner])[0] is None)
-                 or owner in containers)
+    has_children = any(len(q) > len(owner) and q[: len(owner)] == owner for q in uses)
+    container = (owner in kinds and rule_for(kinds[owner])[0] is None) or owner in containers
     if container and has_children:
       materialised.append(p)  # Declared in a model body, e.g. pos_embedding.
     else:
-      uncovered.append(('/'.join(p), reasons.get(
-          owner, 'not read by a covered layer call')))
+      uncovered.append(('/'.join(p), reasons.get(owner, 'not read by a covered layer call')))
   return materialised, uncovered

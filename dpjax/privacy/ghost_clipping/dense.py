@@ -44,8 +44,9 @@ def _dense_general_form(layer) -> str:
   return mixed.linear_form(s, m, math.prod(layer.out_aval.shape) // s)
 
 
-@register_norm_rule(nn.Dense, name='dense', params=_KERNEL_AND_BIAS, check=_plain_dot,
-                    form=_dense_form)
+@register_norm_rule(
+  nn.Dense, name='dense', params=_KERNEL_AND_BIAS, check=_plain_dot, form=_dense_form
+)
 def dense_sq_norms(layer, theta: dict, a, d):
   """a [n, *lead, m], d [n, *lead, c]: the leading axes are the S positions."""
   n = a.shape[0]
@@ -54,8 +55,13 @@ def dense_sq_norms(layer, theta: dict, a, d):
   return mixed.linear_norms(theta, a, d, mixed.Blocks(lambda k: a2, 1, a2.shape[-1]), d2)
 
 
-@register_norm_rule(nn.DenseGeneral, name='dense_general', params=_KERNEL_AND_BIAS,
-                    check=_dense_general_check, form=_dense_general_form)
+@register_norm_rule(
+  nn.DenseGeneral,
+  name='dense_general',
+  params=_KERNEL_AND_BIAS,
+  check=_dense_general_check,
+  form=_dense_general_form,
+)
 def dense_general_sq_norms(layer, theta: dict, a, d):
   """Contracts the layer's `axis` (sorted, as flax does); the other axes are positions."""
   n = a.shape[0]

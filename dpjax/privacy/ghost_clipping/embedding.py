@@ -22,12 +22,13 @@ def materialise(vocab: int, num_tokens: int) -> bool:
 
 def _embed_form(layer) -> str:
   vocab, tokens = layer.module.num_embeddings, math.prod(layer.in_aval.shape)
-  return (f"{'materialised' if materialise(vocab, tokens) else 'ghost'} "
-          f'(T={tokens} tokens, V={vocab}, D={layer.module.features})')
+  return (
+    f'{"materialised" if materialise(vocab, tokens) else "ghost"} '
+    f'(T={tokens} tokens, V={vocab}, D={layer.module.features})'
+  )
 
 
-@register_norm_rule(nn.Embed, name='embed', params=({'embedding'}, {'embedding'}),
-                    form=_embed_form)
+@register_norm_rule(nn.Embed, name='embed', params=({'embedding'}, {'embedding'}), form=_embed_form)
 def embed_sq_norms(layer, theta: dict, a, d):
   """Materialised [n, V, D] when V <= the token count (kept for the sum), else the ghost form
   over tokens, with `mixed.with_allowance` for cancelling output gradients."""

@@ -60,6 +60,7 @@ class FormChoice:
   """The measured forms: `ghost` {layer key: True (ghost) / False}, for `mixed.chosen_forms`;
   `lines` say what was chosen from which times; `timed` is False when the decisions were read
   from a cache (or nothing needed timing); `seconds`: what timing took (compiling included)."""
+
   ghost: dict
   lines: tuple[str, ...]
   timed: bool
@@ -91,20 +92,28 @@ def flops_ghost(layer: Layer) -> bool:
 
 def signature(layer: Layer, theta: dict) -> str:
   """The layer's rule, class, input, output and parameter shapes and dtypes, as text."""
+
   def aval(v) -> str:
     return f'{jax.numpy.dtype(v.dtype).name}{list(v.shape)}'
+
   params = ','.join(f'{k}:{aval(v)}' for k, v in sorted(theta.items()))
-  return (f'{layer.rule.name}/{type(layer.module).__name__} in {aval(layer.in_aval)} '
-          f'out {aval(layer.out_aval)} {params}')
+  return (
+    f'{layer.rule.name}/{type(layer.module).__name__} in {aval(layer.in_aval)} '
+    f'out {aval(layer.out_aval)} {params}'
+  )
 
 
 def cache_key(signatures: list[str], batch_size: int) -> dict:
   """What the decisions depend on besides the code: device, precision, P, layer shapes."""
   device = jax.devices()[0]
-  return {'backend': jax.default_backend(), 'device_kind': device.device_kind,
-          'jax': jax.__version__,
-          'matmul_precision': str(jax.config.jax_default_matmul_precision),
-          'physical_batch_size': int(batch_size), 'layers': sorted(set(signatures))}
+  return {
+    'backend': jax.default_backend(),
+    'device_kind': device.device_kind,
+    'jax': jax.__version__,
+    'matmul_precision': str(jax.config.jax_default_matmul_precision),
+    'physical_batch_size': int(batch_size),
+    'layers': sorted(set(signatures)),
+  }
 
 
 def cache_dir() -> str | None:
@@ -124,9 +133,13 @@ def _random_inputs(layer: Layer, theta: dict, n: int):
     a = rng.integers(0, getattr(layer.module, 'num_embeddings', 2), shape).astype(dtype)
   else:
     a = normal(shape, dtype)
-  return ({k: normal(v.shape, np.dtype(v.dtype)) for k, v in theta.items()}, a,
-          normal((n, *layer.out_aval.shape), np.dtype(layer.out_aval.dtype)),
-          rng.uniform(size=n).astype(np.float32), np.ones(n, bool))
+  return (
+    {k: normal(v.shape, np.dtype(v.dtype)) for k, v in theta.items()},
+    a,
+    normal((n, *layer.out_aval.shape), np.dtype(layer.out_aval.dtype)),
+    rng.uniform(size=n).astype(np.float32),
+    np.ones(n, bool),
+  )
 
 
 def time_layer(layer: Layer, theta: dict, n: int, repeats: int = REPEATS) -> dict[str, float]:
@@ -193,13 +206,17 @@ def _time_all(layers: list[tuple[Layer, dict]], sigs: list[str], batch_size: int
   for (l, t), sig in zip(layers, sigs):
     if sig not in decisions:
       seconds = time_layer(l, t, batch_size)
-      decisions[sig] = {'ghost': decide(seconds, flops_ghost(l)), 'seconds': seconds,
-                        'flops_ghost': flops_ghost(l)}
+      decisions[sig] = {
+        'ghost': decide(seconds, flops_ghost(l)),
+        'seconds': seconds,
+        'flops_ghost': flops_ghost(l),
+      }
   return decisions
 
 
-def choose_forms(coverage: Coverage, thetas: list[dict], batch_size: int,
-                 directory: str | None = None) -> FormChoice:
+def choose_forms(
+  coverage: Coverage, thetas: list[dict], batch_size: int, directory: str | None = None
+) -> FormChoice:
   """Each layer's form, timed on this device (see the module doc).
 
   Args:
@@ -223,15 +240,22 @@ def choose_forms(coverage: Coverage, thetas: list[dict], batch_size: int,
     try:
       decisions = _time_all(layers, sigs, batch_size)
     except Exception as e:  # pylint: disable=broad-except  # Any failure: the FLOP rule.
-      return FormChoice({}, (f'timing the forms failed ({type(e).__name__}: {e}); the FLOP '
-                             'rule decides',), False)
+      return FormChoice(
+        {}, (f'timing the forms failed ({type(e).__name__}: {e}); the FLOP rule decides',), False
+      )
     if path:
       _write(path, key, decisions)
   _MEMO[digest] = decisions
-  lines = [f"{'/'.join(l.param_path)}: {'ghost' if decisions[s]['ghost'] else 'materialised'} "
-           f"(measured: ghost {decisions[s]['seconds']['ghost'] * 1e3:.3g} ms, materialised "
-           f"{decisions[s]['seconds']['materialised'] * 1e3:.3g} ms; FLOP rule: "
-           f"{'ghost' if decisions[s]['flops_ghost'] else 'materialised'})"
-           for (l, _), s in zip(layers, sigs)]
-  return FormChoice({l.key: decisions[s]['ghost'] for (l, _), s in zip(layers, sigs)},
-                    tuple(lines), timed, time.perf_counter() - start)
+  lines = [
+    f'{"/".join(l.param_path)}: {"ghost" if decisions[s]["ghost"] else "materialised"} '
+    f'(measured: ghost {decisions[s]["seconds"]["ghost"] * 1e3:.3g} ms, materialised '
+    f'{decisions[s]["seconds"]["materialised"] * 1e3:.3g} ms; FLOP rule: '
+    f'{"ghost" if decisions[s]["flops_ghost"] else "materialised"})'
+    for (l, _), s in zip(layers, sigs)
+  ]
+  return FormChoice(
+    {l.key: decisions[s]['ghost'] for (l, _), s in zip(layers, sigs)},
+    tuple(lines),
+    timed,
+    time.perf_counter() - start,
+  )

@@ -78,8 +78,7 @@ def use_ghost(s: int, m: int, c: int) -> bool:
 def linear_form(s: int, m: int, c: int, rank_one: bool = True) -> str:
   """The form `linear_sq_norm` takes for S positions, m inputs, c outputs (for logs);
   rank_one=False for rules without the S = 1 shortcut."""
-  form = ('rank-1' if rank_one and s == 1 else 'ghost' if use_ghost(s, m, c)
-          else 'materialised')
+  form = 'rank-1' if rank_one and s == 1 else 'ghost' if use_ghost(s, m, c) else 'materialised'
   return f'{form} (S={s}, m={m}, c={c})'
 
 
@@ -92,6 +91,7 @@ class Blocks(NamedTuple):
   block k [n, S, width] for a traced k, so the blocks are visited by a scan
   and the patches (prod(kernel) x the input) never exist in memory.
   """
+
   get: Callable[[jax.Array | int], jax.Array]
   count: int
   width: int
@@ -106,8 +106,7 @@ def scan_blocks(blocks: Blocks, body, init):
       carry, y = body(carry, blocks.get(k), k)
       ys.append(y)
     return carry, jax.tree.map(lambda *v: jnp.stack(v), *ys)
-  return jax.lax.scan(lambda c, k: body(c, blocks.get(k), k), init,
-                      jnp.arange(blocks.count))
+  return jax.lax.scan(lambda c, k: body(c, blocks.get(k), k), init, jnp.arange(blocks.count))
 
 
 def _stack_rows(ys: jax.Array) -> jax.Array:
@@ -125,13 +124,16 @@ def linear_sq_norm(blocks: Blocks, d: jax.Array):
   n, s, c = d.shape
   m = blocks.count * blocks.width
   if s == 1:
-    a_sq, _ = scan_blocks(blocks, lambda t, b, k: (
-        t + jnp.sum(jnp.square(b), axis=(1, 2)), None), jnp.zeros(n))
+    a_sq, _ = scan_blocks(
+      blocks, lambda t, b, k: (t + jnp.sum(jnp.square(b), axis=(1, 2)), None), jnp.zeros(n)
+    )
     return a_sq * jnp.sum(jnp.square(d), axis=(1, 2)), None
   if use_ghost(s, m, c):
-    gram, _ = scan_blocks(blocks, lambda t, b, k: (
-        t + jnp.einsum('nsm,ntm->nst', b, b, precision=HIGHEST), None),
-                           jnp.zeros((n, s, s)))
+    gram, _ = scan_blocks(
+      blocks,
+      lambda t, b, k: (t + jnp.einsum('nsm,ntm->nst', b, b, precision=HIGHEST), None),
+      jnp.zeros((n, s, s)),
+    )
     gd = jnp.einsum('nsc,ntc->nst', d, d, precision=HIGHEST)
     return jnp.sum(gram * gd, axis=(1, 2)), None
   g = per_example_grads(blocks, d)
@@ -147,8 +149,9 @@ def per_example_grads(blocks: Blocks, d: jax.Array) -> jax.Array:
     a3 = jnp.stack([blocks.get(k) for k in range(blocks.count)], axis=1)
     g = jnp.einsum('nksw,nsc->nkwc', a3, d, precision=HIGHEST)
     return g.reshape(d.shape[0], -1, d.shape[-1])
-  _, gs = scan_blocks(blocks, lambda t, b, k: (
-      t, jnp.einsum('nsm,nsc->nmc', b, d, precision=HIGHEST)), 0)
+  _, gs = scan_blocks(
+    blocks, lambda t, b, k: (t, jnp.einsum('nsm,nsc->nmc', b, d, precision=HIGHEST)), 0
+  )
   return _stack_rows(gs)
 
 
@@ -186,27 +189,40 @@ def exact_rows(mask: jax.Array, row_value, shape, sum_factor: jax.Array | None =
   """
   n, zero = mask.shape[0], jnp.zeros(shape, jnp.float32)
   if sum_factor is None:
-    step = lambda carry, i: (carry, jax.lax.cond(
-        mask[i], lambda: jnp.sum(jnp.square(row_value(i))), lambda: jnp.zeros(())))
+    step = lambda carry, i: (
+      carry,
+      jax.lax.cond(mask[i], lambda: jnp.sum(jnp.square(row_value(i))), lambda: jnp.zeros(())),
+    )
     run = lambda: jax.lax.scan(step, 0, jnp.arange(n))[1]
     return jax.lax.cond(jnp.any(mask), run, lambda: jnp.zeros((n,)))
   take = mask & (sum_factor != 0)
-  step = lambda carry, i: (jax.lax.cond(
-      take[i], lambda: rounding.kahan_add(*carry, sum_factor[i] * row_value(i)),
-      lambda: carry), None)
+  step = lambda carry, i: (
+    jax.lax.cond(
+      take[i], lambda: rounding.kahan_add(*carry, sum_factor[i] * row_value(i)), lambda: carry
+    ),
+    None,
+  )
   run = lambda: jax.lax.scan(step, (zero, zero), jnp.arange(n))[0][0]
   return jax.lax.cond(jnp.any(take), run, lambda: zero)
 
 
 def _position_norms(blocks: Blocks, n: int, s: int) -> jax.Array:
   """‖a_s‖ [n, S] of the input rows (over every block)."""
-  a_sq, _ = scan_blocks(blocks, lambda t, b, k: (t + jnp.sum(jnp.square(b), axis=-1), None),
-                         jnp.zeros((n, s)))
+  a_sq, _ = scan_blocks(
+    blocks, lambda t, b, k: (t + jnp.sum(jnp.square(b), axis=-1), None), jnp.zeros((n, s))
+  )
   return a_sq
 
 
-def linear_norms(theta: dict, a: jax.Array, d: jax.Array, blocks: Blocks, d2: jax.Array, *,
-                 keep_small_grads: bool = False):
+def linear_norms(
+  theta: dict,
+  a: jax.Array,
+  d: jax.Array,
+  blocks: Blocks,
+  d2: jax.Array,
+  *,
+  keep_small_grads: bool = False,
+):
   """(‖g_i‖² [n], grads, operands) of a linear layer with input blocks and d2 [n, S, c].
 
   keep_small_grads: return materialised per-example gradients for the clipped

@@ -45,6 +45,7 @@ _ORIGINAL_CALLS: dict[type, Callable] = {}
 @dataclasses.dataclass(frozen=True)
 class CallContext:
   """What the coverage interceptor reads of one call (linen's InterceptorContext, for NNX)."""
+
   module: nn.Module | None  # The linen twin (None when reason is set).
   method_name: str
   path: tuple[str, ...]
@@ -53,10 +54,12 @@ class CallContext:
 
 def register_nnx_layer(*nnx_types: type):
   """Decorator registering `translate(module) -> linen twin | reason` for NNX layer types."""
+
   def register(fn):
     for t in nnx_types:
       TRANSLATORS[t] = fn
     return fn
+
   return register
 
 
@@ -91,8 +94,8 @@ def _plain(module, cls: type, *names: str) -> str:
 @register_nnx_layer(nnx.Linear)
 def _linear(m) -> nn.Module | str:
   return _plain(m, nnx.Linear, 'dot_general', 'promote_dtype') or nn.Dense(
-      features=m.out_features, use_bias=m.use_bias, dtype=m.dtype, precision=m.precision,
-      parent=None)
+    features=m.out_features, use_bias=m.use_bias, dtype=m.dtype, precision=m.precision, parent=None
+  )
 
 
 @register_nnx_layer(nnx.LinearGeneral)
@@ -103,23 +106,38 @@ def _linear_general(m) -> nn.Module | str:
   if m.batch_axis:
     reason = 'LinearGeneral with batch_axis'
   return reason or nn.DenseGeneral(
-      features=tuple(m.out_features), axis=m.axis, use_bias=m.use_bias, dtype=m.dtype,
-      precision=m.precision, parent=None)
+    features=tuple(m.out_features),
+    axis=m.axis,
+    use_bias=m.use_bias,
+    dtype=m.dtype,
+    precision=m.precision,
+    parent=None,
+  )
 
 
 @register_nnx_layer(nnx.Conv)
 def _conv(m) -> nn.Module | str:
   return _plain(m, nnx.Conv, 'conv_general_dilated', 'promote_dtype') or nn.Conv(
-      features=m.out_features, kernel_size=tuple(m.kernel_size), strides=m.strides,
-      padding=m.padding, input_dilation=m.input_dilation, kernel_dilation=m.kernel_dilation,
-      feature_group_count=m.feature_group_count, use_bias=m.use_bias, mask=m.mask,
-      dtype=m.dtype, precision=m.precision, parent=None)
+    features=m.out_features,
+    kernel_size=tuple(m.kernel_size),
+    strides=m.strides,
+    padding=m.padding,
+    input_dilation=m.input_dilation,
+    kernel_dilation=m.kernel_dilation,
+    feature_group_count=m.feature_group_count,
+    use_bias=m.use_bias,
+    mask=m.mask,
+    dtype=m.dtype,
+    precision=m.precision,
+    parent=None,
+  )
 
 
 @register_nnx_layer(nnx.Embed)
 def _embed(m) -> nn.Module | str:
   return _plain(m, nnx.Embed, 'promote_dtype') or nn.Embed(
-      num_embeddings=m.num_embeddings, features=m.features, dtype=m.dtype, parent=None)
+    num_embeddings=m.num_embeddings, features=m.features, dtype=m.dtype, parent=None
+  )
 
 
 def _norm_reason(m, cls: type) -> str:
@@ -130,19 +148,41 @@ def _norm_reason(m, cls: type) -> str:
 
 # Each NNX norm layer -> its linen twin and the hyper-parameters the two share.
 _NORM_TWINS = {
-    nnx.LayerNorm: (nn.LayerNorm, ('epsilon', 'dtype', 'use_bias', 'use_scale', 'reduction_axes',
-                                   'feature_axes', 'use_fast_variance')),
-    nnx.GroupNorm: (nn.GroupNorm, ('num_groups', 'epsilon', 'dtype', 'use_bias', 'use_scale',
-                                   'reduction_axes', 'use_fast_variance')),
-    nnx.RMSNorm: (nn.RMSNorm, ('epsilon', 'dtype', 'use_scale', 'reduction_axes', 'feature_axes',
-                               'use_fast_variance')),
+  nnx.LayerNorm: (
+    nn.LayerNorm,
+    (
+      'epsilon',
+      'dtype',
+      'use_bias',
+      'use_scale',
+      'reduction_axes',
+      'feature_axes',
+      'use_fast_variance',
+    ),
+  ),
+  nnx.GroupNorm: (
+    nn.GroupNorm,
+    (
+      'num_groups',
+      'epsilon',
+      'dtype',
+      'use_bias',
+      'use_scale',
+      'reduction_axes',
+      'use_fast_variance',
+    ),
+  ),
+  nnx.RMSNorm: (
+    nn.RMSNorm,
+    ('epsilon', 'dtype', 'use_scale', 'reduction_axes', 'feature_axes', 'use_fast_variance'),
+  ),
 }
 
 
 def _norm_translator(nnx_type: type, linen_type: type, names: tuple[str, ...]):
   def translate(m) -> nn.Module | str:
-    return _norm_reason(m, nnx_type) or linen_type(**{n: getattr(m, n) for n in names},
-                                                   parent=None)
+    return _norm_reason(m, nnx_type) or linen_type(**{n: getattr(m, n) for n in names}, parent=None)
+
   return translate
 
 
@@ -151,8 +191,11 @@ for _nnx_type, (_linen_type, _names) in _NORM_TWINS.items():
 
 
 def _patched(original: Callable) -> Callable:
-  defaults = {name: p.default for name, p in inspect.signature(original).parameters.items()
-              if p.default is not inspect.Parameter.empty}
+  defaults = {
+    name: p.default
+    for name, p in inspect.signature(original).parameters.items()
+    if p.default is not inspect.Parameter.empty
+  }
 
   def __call__(self, *args, **kwargs):  # pylint: disable=invalid-name
     interceptor, paths = _ACTIVE.get(), _PATHS.get()
@@ -166,6 +209,7 @@ def _patched(original: Callable) -> Callable:
     reason = twin if isinstance(twin, str) else ''
     ctx = CallContext(None if reason else twin, '__call__', path, reason)
     return interceptor(lambda *a, **k: original(self, *a, **k), args, kwargs, ctx)
+
   __call__.dpjax_original = original
   return __call__
 

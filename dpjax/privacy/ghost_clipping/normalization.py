@@ -16,8 +16,14 @@ def _local_statistics(module: nn.Module) -> str:
   return ''
 
 
-@register_norm_rule(nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, name='norm',
-                    check=_local_statistics, form=lambda layer: 'per-example vjp')
+@register_norm_rule(
+  nn.LayerNorm,
+  nn.GroupNorm,
+  nn.RMSNorm,
+  name='norm',
+  check=_local_statistics,
+  form=lambda layer: 'per-example vjp',
+)
 def norm_sq_norms(layer, theta: dict, a, d):
   """Per-example gradients by the layer's vjp, kept: the clipped sum adds these tensors.
 
@@ -30,11 +36,14 @@ def norm_sq_norms(layer, theta: dict, a, d):
   def one(a_i, d_i):
     out, vjp = jax.vjp(lambda t: layer.module.apply({'params': t}, a_i), theta)
     return vjp(d_i.astype(out.dtype))[0]
+
   grads = jax.vmap(one)(a, d)
   return tree_sq_norms(grads), grads, None
 
 
 def tree_sq_norms(grads) -> jax.Array:
   """Σ over the leaves of each example's squared norm [n]."""
-  return sum(jax.numpy.sum(jax.numpy.square(g.reshape(g.shape[0], -1)), axis=1)
-             for g in jax.tree.leaves(grads))
+  return sum(
+    jax.numpy.sum(jax.numpy.square(g.reshape(g.shape[0], -1)), axis=1)
+    for g in jax.tree.leaves(grads)
+  )

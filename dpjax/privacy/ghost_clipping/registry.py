@@ -27,6 +27,7 @@ import flax.linen as nn
 @dataclasses.dataclass(frozen=True)
 class NormRule:
   """How one layer family's per-example squared gradient norms are computed."""
+
   name: str
   sq_norms: Callable[..., tuple[Any, Any, Any]]  # (layer, theta, a, d) -> (sq, grads, operands).
   required: frozenset[str] | None = None  # Parameter names a call must read (None: any).
@@ -39,10 +40,13 @@ class NormRule:
 RULES: dict[type, NormRule] = {}
 
 
-def register_norm_rule(*layer_types: type, name: str,
-                       params: tuple[set[str], set[str]] | None = None,
-                       check: Callable[[nn.Module], str] | None = None,
-                       form: Callable[[Any], str] | None = None):
+def register_norm_rule(
+  *layer_types: type,
+  name: str,
+  params: tuple[set[str], set[str]] | None = None,
+  check: Callable[[nn.Module], str] | None = None,
+  form: Callable[[Any], str] | None = None,
+):
   """Decorator registering `fn(layer, theta, a, d)` as the norm rule of `layer_types`.
 
   Args:
@@ -55,12 +59,20 @@ def register_norm_rule(*layer_types: type, name: str,
     form: `layer -> text`, the form the rule takes for this call's static
       shapes (e.g. 'ghost (S=64, m=144, c=32)'), logged per layer at start.
   """
+
   def register(fn):
-    rule = NormRule(name, fn, None if params is None else frozenset(params[0]),
-                    None if params is None else frozenset(params[1]), check, form)
+    rule = NormRule(
+      name,
+      fn,
+      None if params is None else frozenset(params[0]),
+      None if params is None else frozenset(params[1]),
+      check,
+      form,
+    )
     for layer_type in layer_types:
       RULES[layer_type] = rule
     return fn
+
   return register
 
 
@@ -72,6 +84,8 @@ def rule_for(layer_type: type) -> tuple[NormRule | None, str]:
     if base in RULES:
       if layer_type.__call__ is base.__call__:
         return RULES[base], ''
-      return None, (f'{layer_type.__name__} subclasses {base.__name__} but overrides '
-                    '__call__ (it may compute something else)')
+      return None, (
+        f'{layer_type.__name__} subclasses {base.__name__} but overrides '
+        '__call__ (it may compute something else)'
+      )
   return None, f'{layer_type.__name__} has no ghost rule'

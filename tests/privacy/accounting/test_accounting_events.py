@@ -48,11 +48,11 @@ def test_poisson_pld_and_rdp_match_dp_accounting():
   q = 256 / 60_000
   event = dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(1.1))
   pld = accountant_lib.Accountant(sampler, 1.1, DELTA, max_batch_size=None).epsilon_at(3000)
-  rdp = accountant_lib.Accountant(sampler, 1.1, DELTA, accountant='rdp',
-                                  max_batch_size=None).epsilon_at(3000)
+  rdp = accountant_lib.Accountant(
+    sampler, 1.1, DELTA, accountant='rdp', max_batch_size=None
+  ).epsilon_at(3000)
   # dp_accounting at the grid the report names (the grid follows ε: test_pld_grid.py).
-  assert pld.epsilon == pytest.approx(_pld_epsilon(event, 3000, pld.details['pld_grid']),
-                                      rel=1e-9)
+  assert pld.epsilon == pytest.approx(_pld_epsilon(event, 3000, pld.details['pld_grid']), rel=1e-9)
   assert rdp.epsilon == pytest.approx(_rdp_epsilon(event, 3000), rel=1e-9)
   assert (pld.accountant, rdp.accountant, pld.bound) == ('pld', 'rdp', 'upper')
   assert pld.epsilon < rdp.epsilon
@@ -64,17 +64,21 @@ def test_poisson_exact_truncated_event_reference():
   # docs/accounting.md §1: N = 1e4, q = 0.01, σ = 1, 5000 steps, δ = 1e-5: ≈4.20 untruncated,
   # ≈5.60 at B = 130 (the penalty is large, so the exact truncated event decides).
   sampler = _sampler('poisson', 10_000, 100)
-  plain = accountant_lib.Accountant(sampler, 1.0, DELTA, value_discretization_interval=COARSE,
-                                    max_batch_size=None)
-  capped = accountant_lib.Accountant(sampler, 1.0, DELTA, max_batch_size=130,
-                                     value_discretization_interval=COARSE)
+  plain = accountant_lib.Accountant(
+    sampler, 1.0, DELTA, value_discretization_interval=COARSE, max_batch_size=None
+  )
+  capped = accountant_lib.Accountant(
+    sampler, 1.0, DELTA, max_batch_size=130, value_discretization_interval=COARSE
+  )
   assert plain.epsilon(5000) == pytest.approx(4.20, rel=0.01)
   report = capped.epsilon_at(5000, estimates=False)
   assert report.epsilon == pytest.approx(5.60, rel=0.01)
   assert report.details['method'] == 'pld(truncated_subsampled_gaussian)'
   # Both neighbouring dataset sizes are evaluated; the report is the worse.
-  direct = max(_pld_epsilon(dp_event.TruncatedSubsampledGaussianDpEvent(n, 0.01, 130, 1.0), 5000,
-                            COARSE) for n in (10_000, 10_001))
+  direct = max(
+    _pld_epsilon(dp_event.TruncatedSubsampledGaussianDpEvent(n, 0.01, 130, 1.0), 5000, COARSE)
+    for n in (10_000, 10_001)
+  )
   assert report.epsilon == pytest.approx(direct, rel=1e-9)
 
 
@@ -148,8 +152,9 @@ def test_fixed_size_mog_matches_dp_accounting():
   acct = accountant_lib.Accountant(sampler, 6.0, DELTA)
   mog = dp_event.MixtureOfGaussiansDpEvent(6.0, [0, 2], [1 - 120 / 50_000, 120 / 50_000])
   report = acct.epsilon_at(steps)
-  assert report.epsilon == pytest.approx(_pld_epsilon(mog, steps, report.details['pld_grid']),
-                                         rel=1e-6)
+  assert report.epsilon == pytest.approx(
+    _pld_epsilon(mog, steps, report.details['pld_grid']), rel=1e-6
+  )
   # PLD (tight) <= FS-RDP (add/remove) < Wang et al. (replace-one, a different adjacency).
   assert report.epsilon < report.details['fs_rdp_epsilon']
   assert report.details['fs_rdp_epsilon'] < report.details['wang_et_al_rdp_replace_one_epsilon']
@@ -160,13 +165,19 @@ def test_fixed_size_mog_matches_dp_accounting():
 @pytest.mark.slow
 def test_fixed_size_with_replacement_dominates_without():
   n, b, sigma, steps = 1000, 10, 3.0, 500
-  wr = accountant_lib.Accountant(_sampler('fixed_size_with_replacement', n, b), sigma, DELTA,
-                                 value_discretization_interval=COARSE).epsilon(steps)
-  wor = accountant_lib.Accountant(_sampler('fixed_size', n, b), sigma, DELTA,
-                                  value_discretization_interval=COARSE).epsilon(steps)
+  wr = accountant_lib.Accountant(
+    _sampler('fixed_size_with_replacement', n, b),
+    sigma,
+    DELTA,
+    value_discretization_interval=COARSE,
+  ).epsilon(steps)
+  wor = accountant_lib.Accountant(
+    _sampler('fixed_size', n, b), sigma, DELTA, value_discretization_interval=COARSE
+  ).epsilon(steps)
   counts = np.arange(b + 1)
-  mog = dp_event.MixtureOfGaussiansDpEvent(sigma, list(2 * counts),
-                                           list(stats.binom.pmf(counts, b, 1 / n)))
+  mog = dp_event.MixtureOfGaussiansDpEvent(
+    sigma, list(2 * counts), list(stats.binom.pmf(counts, b, 1 / n))
+  )
   assert wr == pytest.approx(_pld_epsilon(mog, steps, COARSE), rel=1e-3)
   assert wor < wr < wor * 1.05  # Repeats (K >= 2) are rare at b/N = 1%.
 
@@ -185,12 +196,13 @@ def test_mixture_trimming_is_pessimistic():
 def test_group_poisson_is_binomial_mog():
   sampler = _sampler('poisson', 10_000, 100)
   k, steps = 3, 500
-  report = accountant_lib.Accountant(sampler, 1.5, DELTA, group_size=k,
-                                     value_discretization_interval=COARSE,
-                                     max_batch_size=None).epsilon_at(steps)
+  report = accountant_lib.Accountant(
+    sampler, 1.5, DELTA, group_size=k, value_discretization_interval=COARSE, max_batch_size=None
+  ).epsilon_at(steps)
   counts = np.arange(k + 1)
-  mog = dp_event.MixtureOfGaussiansDpEvent(1.5, list(counts),
-                                           list(stats.binom.pmf(counts, k, 0.01)))
+  mog = dp_event.MixtureOfGaussiansDpEvent(
+    1.5, list(counts), list(stats.binom.pmf(counts, k, 0.01))
+  )
   assert report.epsilon == pytest.approx(_pld_epsilon(mog, steps, COARSE), rel=1e-6)
   one = accountant_lib.Accountant(sampler, 1.5, DELTA, max_batch_size=None).epsilon(steps)
   assert one < report.epsilon < report.details['group_conversion_epsilon_comparison_only']
@@ -200,11 +212,13 @@ def test_group_poisson_is_binomial_mog():
 def test_group_fixed_size_is_hypergeometric_mog():
   sampler = _sampler('fixed_size', 5000, 50)
   k, steps = 2, 300
-  report = accountant_lib.Accountant(sampler, 3.0, DELTA, group_size=k,
-                                     value_discretization_interval=COARSE).epsilon_at(steps)
+  report = accountant_lib.Accountant(
+    sampler, 3.0, DELTA, group_size=k, value_discretization_interval=COARSE
+  ).epsilon_at(steps)
   counts = np.arange(k + 1)
-  mog = dp_event.MixtureOfGaussiansDpEvent(3.0, list(2 * counts),
-                                           list(stats.hypergeom.pmf(counts, 5000, k, 50)))
+  mog = dp_event.MixtureOfGaussiansDpEvent(
+    3.0, list(2 * counts), list(stats.hypergeom.pmf(counts, 5000, k, 50))
+  )
   assert report.epsilon == pytest.approx(_pld_epsilon(mog, steps, COARSE), rel=1e-6)
   assert report.epsilon < report.details['group_conversion_epsilon_comparison_only']
 
@@ -219,7 +233,9 @@ def test_group_deterministic_has_sensitivity_k():
 # --- validation -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize('name, kwargs, field', [
+@pytest.mark.parametrize(
+  'name, kwargs, field',
+  [
     ('poisson', dict(noise_multiplier=0.0), 'noise_multiplier'),
     ('poisson', dict(noise_multiplier=-1.0), 'noise_multiplier'),
     ('poisson', dict(delta=0.0), 'delta'),
@@ -234,7 +250,8 @@ def test_group_deterministic_has_sensitivity_k():
     ('fixed_size_with_replacement', dict(accountant='rdp'), 'rdp'),
     ('shuffle', dict(max_batch_size=50), 'max_batch_size'),
     ('fixed_size', dict(max_batch_size=0), 'max_batch_size'),
-])
+  ],
+)
 def test_bad_input_is_rejected_before_compute(name, kwargs, field):
   args = dict(noise_multiplier=1.0, delta=DELTA)
   args.update(kwargs)
@@ -249,5 +266,6 @@ def test_event_level_validation():
   with pytest.raises(ValueError, match='batch_size'):
     sampler_events.fixed_size_step_event(10, 11, 1.0)
   with pytest.raises(ValueError, match='step'):
-    accountant_lib.Accountant(_sampler('poisson', 100, 10), 1.0, DELTA,
-                              max_batch_size=None).epsilon_at(-1)
+    accountant_lib.Accountant(
+      _sampler('poisson', 100, 10), 1.0, DELTA, max_batch_size=None
+    ).epsilon_at(-1)

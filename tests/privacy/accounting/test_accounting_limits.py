@@ -49,14 +49,17 @@ def test_trimming_is_pessimistic_and_close_to_the_untrimmed_event():
   untrimmed = dp_event.MixtureOfGaussiansDpEvent(sigma, list(2.0 * counts), list(pmf))
   exact = _direct_epsilon(untrimmed, steps, interval)
   for tail_mass, components in ((1e-30, b + 1), (1e-8, 6)):  # 1e-8: K >= 5 merged into 2b.
-    trimmed = sampler_events.mixture_of_gaussians_event(sigma, 2 * counts, pmf,
-                                                        tail_mass=tail_mass)
+    trimmed = sampler_events.mixture_of_gaussians_event(sigma, 2 * counts, pmf, tail_mass=tail_mass)
     assert len(trimmed.sensitivities) == components and trimmed.sensitivities[-1] == 2 * b
     got = _direct_epsilon(trimmed, steps, interval)
     assert exact <= got <= exact * (1 + 1e-3)
   # The accountant uses the default trimming.
-  acct = accountant_lib.Accountant(_sampler('fixed_size_with_replacement', n, b), sigma, DELTA,
-                                   value_discretization_interval=interval)
+  acct = accountant_lib.Accountant(
+    _sampler('fixed_size_with_replacement', n, b),
+    sigma,
+    DELTA,
+    value_discretization_interval=interval,
+  )
   assert acct.epsilon(steps) == pytest.approx(exact, rel=1e-6)
 
 
@@ -68,18 +71,23 @@ def test_with_replacement_b1_is_the_poisson_gaussian_with_sensitivity_2():
   poisson = dp_event.PoissonSampledDpEvent(1 / n, dp_event.GaussianDpEvent(sigma / 2))
   report = acct.epsilon_at(steps, estimates=False)  # At the grid it names (test_pld_grid.py).
   assert report.epsilon == pytest.approx(
-      _direct_epsilon(poisson, steps, report.details['pld_grid']), rel=1e-6)
+    _direct_epsilon(poisson, steps, report.details['pld_grid']), rel=1e-6
+  )
 
 
-@pytest.mark.parametrize('name, b, k', [('poisson', 256, 1024), ('fixed_size', 256, 1024),
-                                        ('fixed_size_with_replacement', 256, 1024)])
+@pytest.mark.parametrize(
+  'name, b, k',
+  [('poisson', 256, 1024), ('fixed_size', 256, 1024), ('fixed_size_with_replacement', 256, 1024)],
+)
 def test_group_size_above_batch_size_fails_fast_with_what_to_change(name, b, k):
   """k = 1024 > b = 256 hung for minutes with no output on 05e2da3."""
-  acct = accountant_lib.Accountant(_sampler(name, 50_000, b), 1.0, DELTA, group_size=k,
-                                   max_batch_size=None)
+  acct = accountant_lib.Accountant(
+    _sampler(name, 50_000, b), 1.0, DELTA, group_size=k, max_batch_size=None
+  )
   start = time.perf_counter()
-  with pytest.raises(step_pld.GridTooLargeError,
-                     match=r'more than the .* allowed .*lower privacy.group_size = 1024'):
+  with pytest.raises(
+    step_pld.GridTooLargeError, match=r'more than the .* allowed .*lower privacy.group_size = 1024'
+  ):
     acct.epsilon(100)
   assert time.perf_counter() - start < 5
 
@@ -92,10 +100,12 @@ def test_group_size_above_batch_size_fixed_size_is_capped_by_b():
   event = sampler_events.fixed_size_step_event(n, b, sigma, group_size=k)
   assert max(event.sensitivities) == 2 * b
   counts = np.arange(b + 1)
-  exact = dp_event.MixtureOfGaussiansDpEvent(sigma, list(2.0 * counts),
-                                             list(stats.hypergeom.pmf(counts, n, k, b)))
-  acct = accountant_lib.Accountant(_sampler('fixed_size', n, b), sigma, DELTA, group_size=k,
-                                   value_discretization_interval=interval)
+  exact = dp_event.MixtureOfGaussiansDpEvent(
+    sigma, list(2.0 * counts), list(stats.hypergeom.pmf(counts, n, k, b))
+  )
+  acct = accountant_lib.Accountant(
+    _sampler('fixed_size', n, b), sigma, DELTA, group_size=k, value_discretization_interval=interval
+  )
   assert acct.epsilon(steps) == pytest.approx(_direct_epsilon(exact, steps, interval), rel=1e-3)
 
 
@@ -111,10 +121,13 @@ def test_max_grid_points_is_configurable_and_checked_before_building():
     accountant_lib.Accountant(sampler, 4.0, DELTA, max_grid_points=0)
 
 
-@pytest.mark.parametrize('event, interval, components', [
+@pytest.mark.parametrize(
+  'event, interval, components',
+  [
     (sampler_events.fixed_size_with_replacement_step_event(1000, 10, 4.0), 1e-2, 11),
     (sampler_events.poisson_step_event(0.01, 0.8), 1e-4, 1),  # Closed form: points once.
-])
+  ],
+)
 def test_grid_estimate_matches_the_grid_dp_accounting_builds(event, interval, components):
   estimate = step_pld.estimate_pld_grid_points(event, interval)
   pld = step_pld.step_pld(event, interval)

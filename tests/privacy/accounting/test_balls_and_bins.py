@@ -42,11 +42,10 @@ def cache(tmp_path_factory):
 
 def _library_pld(sigma, steps, grid, tail, bound_type):
   return PLD_accounting.gaussian_allocation_pld(
-      params=PLD_accounting.PrivacyParams(sigma=sigma, num_steps=steps, num_selected=1,
-                                          num_epochs=1),
-      config=PLD_accounting.AllocationSchemeConfig(loss_discretization=grid,
-                                                   tail_truncation=tail),
-      bound_type=bound_type)
+    params=PLD_accounting.PrivacyParams(sigma=sigma, num_steps=steps, num_selected=1, num_epochs=1),
+    config=PLD_accounting.AllocationSchemeConfig(loss_discretization=grid, tail_truncation=tail),
+    bound_type=bound_type,
+  )
 
 
 def test_one_step_is_the_gaussian_mechanism(cache, in_process_pld_builds):
@@ -63,13 +62,15 @@ def test_one_step_is_the_gaussian_mechanism(cache, in_process_pld_builds):
 @pytest.mark.slow
 def test_epoch_pld_is_the_library_pld_and_inside_its_adaptive_range(cache):
   sigma, steps, grid, tail = 1.0, 10, 0.02, 1e-8
-  ours = balls_and_bins.random_allocation_epoch_pld(sigma, steps, discretization=grid,
-                                                    tail_truncation=tail)
+  ours = balls_and_bins.random_allocation_epoch_pld(
+    sigma, steps, discretization=grid, tail_truncation=tail
+  )
   direct = _library_pld(sigma, steps, grid, tail, PLD_accounting.BoundType.DOMINATES)
   for eps in (0.5, 1.0, 2.0, 3.0):  # the (real) child's build, saved and loaded, is the same PLD
     assert ours.get_delta_for_epsilon(eps) == direct.get_delta_for_epsilon(eps)
   upper, lower = PLD_accounting.gaussian_allocation_epsilon_range(
-      delta=DELTA, sigma=sigma, num_steps=steps, num_selected=1, num_epochs=1)
+    delta=DELTA, sigma=sigma, num_steps=steps, num_selected=1, num_epochs=1
+  )
   mine_upper, mine_lower = balls_and_bins.random_allocation_epsilon_range(sigma, steps, DELTA)
   # Both ours and the library's are valid bounds on one true ε: the intervals intersect.
   assert mine_lower <= upper and lower <= mine_upper
@@ -84,13 +85,19 @@ def test_epochs_compose_the_one_epoch_pld(cache, in_process_pld_builds):
   assert bounds[0].discretization == bounds[1].discretization == 2 * bounds[2].discretization
   for epochs, bound in zip((1, 3, 4), bounds):
     pld = balls_and_bins.random_allocation_epoch_pld(
-        sigma, steps, discretization=bound.discretization,
-        tail_truncation=random_allocation.default_tail_truncation(DELTA))
+      sigma,
+      steps,
+      discretization=bound.discretization,
+      tail_truncation=random_allocation.default_tail_truncation(DELTA),
+    )
     composed = pld.self_compose(epochs) if epochs > 1 else pld
     assert bound.epsilon == composed.get_epsilon_for_delta(DELTA)
     assert bound.method.startswith('random_allocation_pld')
-    assert (max_test.balls_and_bins_lower_bound_epsilon(sigma, steps, DELTA, num_epochs=epochs)
-            <= bound.epsilon < balls_and_bins.deterministic_epsilon(sigma, epochs, DELTA))
+    assert (
+      max_test.balls_and_bins_lower_bound_epsilon(sigma, steps, DELTA, num_epochs=epochs)
+      <= bound.epsilon
+      < balls_and_bins.deterministic_epsilon(sigma, epochs, DELTA)
+    )
   assert bounds[0].epsilon < bounds[1].epsilon < bounds[2].epsilon
 
 
@@ -109,11 +116,17 @@ def test_cache_returns_identical_numbers_without_a_child(cache, monkeypatch):
 
 
 def test_cache_key_names_everything_the_pld_depends_on(monkeypatch):
-  base = dict(noise_multiplier=1.0, num_steps=10, discretization=0.02, tail_truncation=1e-8,
-              bound='upper')
+  base = dict(
+    noise_multiplier=1.0, num_steps=10, discretization=0.02, tail_truncation=1e-8, bound='upper'
+  )
   keys = {random_allocation.cache_key(**base)}
-  for change in (dict(noise_multiplier=1.0 + 1e-12), dict(num_steps=11),
-                 dict(discretization=0.01), dict(tail_truncation=1e-9), dict(bound='lower')):
+  for change in (
+    dict(noise_multiplier=1.0 + 1e-12),
+    dict(num_steps=11),
+    dict(discretization=0.01),
+    dict(tail_truncation=1e-9),
+    dict(bound='lower'),
+  ):
     keys.add(random_allocation.cache_key(**dict(base, **change)))
   monkeypatch.setattr(random_allocation, 'library_version', lambda: '9.9')
   keys.add(random_allocation.cache_key(**base))
@@ -127,7 +140,11 @@ def test_npz_round_trip_is_exact(tmp_path):
   for a, b in ((pld._pmf_remove, back._pmf_remove), (pld._pmf_add, back._pmf_add)):
     a = a.to_dense_pmf()
     assert (a._lower_loss, a._infinity_mass, a._pessimistic_estimate, a._discretization) == (
-        b._lower_loss, b._infinity_mass, b._pessimistic_estimate, b._discretization)
+      b._lower_loss,
+      b._infinity_mass,
+      b._pessimistic_estimate,
+      b._discretization,
+    )
     np.testing.assert_array_equal(a._probs, b._probs)
 
 
@@ -143,14 +160,18 @@ def test_timeout_falls_back_to_the_labelled_deterministic_bound(tmp_path, monkey
 
   monkeypatch.setattr(random_allocation.subprocess, 'run', times_out)
   bound = balls_and_bins.provable_epsilon(1.0, 20, DELTA, timeout=5.0)
-  assert bound.epsilon == bound.deterministic_epsilon == balls_and_bins.deterministic_epsilon(
-      1.0, 1, DELTA)
+  assert (
+    bound.epsilon
+    == bound.deterministic_epsilon
+    == balls_and_bins.deterministic_epsilon(1.0, 1, DELTA)
+  )
   assert bound.method.startswith('deterministic FALLBACK')
   assert '5.0 s' in bound.method and '--random-allocation-timeout' in bound.method
   assert 'privacy.random_allocation_timeout' in bound.method
   # Remembered with its budget, in-process and on disk: no larger budget is not tried again.
-  assert balls_and_bins.provable_epsilon(1.0, 20, DELTA, timeout=4.0).random_allocation_upper \
-      is None
+  assert (
+    balls_and_bins.provable_epsilon(1.0, 20, DELTA, timeout=4.0).random_allocation_upper is None
+  )
   monkeypatch.setattr(random_allocation, '_memo', {})
   balls_and_bins.provable_epsilon(1.0, 20, DELTA, timeout=5.0)
   assert calls == [5.0]
@@ -158,8 +179,9 @@ def test_timeout_falls_back_to_the_labelled_deterministic_bound(tmp_path, monkey
   assert calls == [5.0, 6.0]
   # The accountant carries the label into its report.
   sampler = samplers.sampler_class('balls_and_bins')(num_examples=1000, batch_size=50)
-  report = accountant_lib.Accountant(sampler, 1.0, DELTA, random_allocation_timeout=6.0
-                                     , max_batch_size=None).epsilon_at(20, estimates=False)
+  report = accountant_lib.Accountant(
+    sampler, 1.0, DELTA, random_allocation_timeout=6.0, max_batch_size=None
+  ).epsilon_at(20, estimates=False)
   assert report.bound == 'upper' and report.details['method'].startswith('deterministic FALLBACK')
 
 
@@ -199,8 +221,9 @@ def test_accountant_reports_monte_carlo_as_opt_in(cache, in_process_pld_builds):
   assert report.details['monte_carlo'].startswith('not computed (opt-in')
   assert f'{m} samples per direction' in report.details['monte_carlo']
   assert report.confidence is None and report.bound == 'upper'
-  assert report.epsilon_lower == max(report.details['max_test_lower_bound'],
-                                     report.details['random_allocation_lower'])
+  assert report.epsilon_lower == max(
+    report.details['max_test_lower_bound'], report.details['random_allocation_lower']
+  )
   assert report.epsilon_lower <= report.epsilon
 
 
@@ -214,8 +237,9 @@ def test_monte_carlo_workers_default_to_the_available_cores():
 def test_bad_budget_is_one_clear_error():
   sampler = samplers.sampler_class('balls_and_bins')(num_examples=1000, batch_size=100)
   with pytest.raises(ValueError, match='random_allocation_timeout must be'):
-    accountant_lib.Accountant(sampler, 1.0, DELTA, random_allocation_timeout=-1,
-                              max_batch_size=None)
+    accountant_lib.Accountant(
+      sampler, 1.0, DELTA, random_allocation_timeout=-1, max_batch_size=None
+    )
   with pytest.raises(ValueError, match='bound must be one of'):
     random_allocation.epoch_pld(1.0, 10, discretization=0.02, bound='middle')
 
@@ -229,6 +253,7 @@ def test_group_size_uses_the_deterministic_bound():
 @pytest.mark.slow
 def test_calibration_meets_the_target_in_few_builds(cache, monkeypatch, in_process_pld_builds):
   from dpjax.privacy.accounting import calibration  # pylint: disable=g-import-not-at-top
+
   builds = []
   real = random_allocation.subprocess.run
 
@@ -245,13 +270,15 @@ def test_calibration_meets_the_target_in_few_builds(cache, monkeypatch, in_proce
   assert eps(0.99 * sigma) > target
   assert builds.count('upper') <= 7 and 'lower' not in builds  # estimates are not needed
   # Inside the provable bracket: below the deterministic σ.
-  det = calibration.calibrate_noise_multiplier(sampler, target, DELTA, 10, random_allocation=False,
-                                               max_batch_size=None)
+  det = calibration.calibrate_noise_multiplier(
+    sampler, target, DELTA, 10, random_allocation=False, max_batch_size=None
+  )
   assert sigma < det
 
 
-def test_finer_epochs_grid_over_budget_falls_back_to_the_one_epoch_grid(tmp_path, monkeypatch,
-                                                                      in_process_pld_builds):
+def test_finer_epochs_grid_over_budget_falls_back_to_the_one_epoch_grid(
+  tmp_path, monkeypatch, in_process_pld_builds
+):
   monkeypatch.setenv('DPJAX_CACHE_DIR', str(tmp_path))  # nothing built yet
   monkeypatch.setattr(random_allocation, '_memo', {})
   real = random_allocation.subprocess.run
@@ -274,6 +301,7 @@ def test_finer_epochs_grid_over_budget_falls_back_to_the_one_epoch_grid(tmp_path
 
 def test_config_field_sets_the_budget(cache, in_process_pld_builds):
   from dpjax.configs import digits_mlp  # pylint: disable=g-import-not-at-top
+
   config = digits_mlp.get_config()
   config.sampler.name = 'balls_and_bins'
   config.privacy.noise_multiplier, config.privacy.target_epsilon = 1.0, 0.0  # nothing to compute
@@ -283,8 +311,9 @@ def test_config_field_sets_the_budget(cache, in_process_pld_builds):
   assert plan_lib.make_accountant(config, 1000).random_allocation_timeout == 7.5
 
 
-def test_grid_refinement_within_a_budget_keeps_a_dominating_bound(cache, in_process_pld_builds,
-                                                                  monkeypatch):
+def test_grid_refinement_within_a_budget_keeps_a_dominating_bound(
+  cache, in_process_pld_builds, monkeypatch
+):
   """Issue 34, item 9: with a refinement budget the random-allocation grid is halved while the
   next build (6× the last one's recorded seconds) fits: ε falls, and is the library's own
   dominating PLD at the grid reported (an upper bound), never below its dominated one. No
@@ -297,9 +326,11 @@ def test_grid_refinement_within_a_budget_keeps_a_dominating_bound(cache, in_proc
   assert refined.discretization == plain.discretization / 2  # 6 s fit once in 6.5 s.
   assert refined.epsilon < plain.epsilon
   tail = random_allocation.default_tail_truncation(DELTA)
-  upper = _library_pld(sigma, steps, refined.discretization, tail,
-                       PLD_accounting.BoundType.DOMINATES).get_epsilon_for_delta(DELTA)
-  lower = _library_pld(sigma, steps, refined.discretization, tail,
-                       PLD_accounting.BoundType.IS_DOMINATED).get_epsilon_for_delta(DELTA)
+  upper = _library_pld(
+    sigma, steps, refined.discretization, tail, PLD_accounting.BoundType.DOMINATES
+  ).get_epsilon_for_delta(DELTA)
+  lower = _library_pld(
+    sigma, steps, refined.discretization, tail, PLD_accounting.BoundType.IS_DOMINATED
+  ).get_epsilon_for_delta(DELTA)
   assert refined.epsilon == pytest.approx(upper, rel=1e-9) and lower <= refined.epsilon
   assert balls_and_bins.provable_epsilon(sigma, steps, DELTA) == plain  # Budget 0: unrefined.

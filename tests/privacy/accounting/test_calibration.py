@@ -29,9 +29,18 @@ def _round_trip(sampler, target, steps, delta=DELTA, **kwargs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('name, accountant', [
-    ('poisson', 'pld'), ('poisson', 'rdp'), ('fixed_size', 'pld'), ('fixed_size', 'rdp'),
-    ('deterministic', 'auto'), ('shuffle', 'auto'), ('shuffle', 'rdp')])
+@pytest.mark.parametrize(
+  'name, accountant',
+  [
+    ('poisson', 'pld'),
+    ('poisson', 'rdp'),
+    ('fixed_size', 'pld'),
+    ('fixed_size', 'rdp'),
+    ('deterministic', 'auto'),
+    ('shuffle', 'auto'),
+    ('shuffle', 'rdp'),
+  ],
+)
 def test_round_trip(name, accountant):
   _round_trip(_sampler(name, 10_000, 100), 2.0, 1000, accountant=accountant)
 
@@ -44,16 +53,18 @@ def test_round_trip_fixed_size_with_replacement():
 @pytest.mark.slow
 def test_round_trip_group_poisson():
   sigma_group = _round_trip(_sampler('poisson', 10_000, 100), 0.5, 500, group_size=2)
-  sigma_one = calibration.calibrate_noise_multiplier(_sampler('poisson', 10_000, 100), 0.5, DELTA,
-                                                     500, max_batch_size=None)
+  sigma_one = calibration.calibrate_noise_multiplier(
+    _sampler('poisson', 10_000, 100), 0.5, DELTA, 500, max_batch_size=None
+  )
   assert sigma_group > sigma_one
 
 
 def test_round_trip_balls_and_bins_deterministic_fallback():
   sampler = _sampler('balls_and_bins', 10_000, 100)
   sigma = _round_trip(sampler, 3.0, 300, random_allocation=False)
-  shuffle = calibration.calibrate_noise_multiplier(_sampler('shuffle', 10_000, 100), 3.0, DELTA,
-                                                   300)
+  shuffle = calibration.calibrate_noise_multiplier(
+    _sampler('shuffle', 10_000, 100), 3.0, DELTA, 300
+  )
   assert sigma == pytest.approx(shuffle, rel=0.01)  # Both are the deterministic bound here.
 
 
@@ -62,17 +73,24 @@ def test_round_trip_balls_and_bins_monte_carlo():
   sampler = _sampler('balls_and_bins', 500, 50)  # T = 10; δ = 1e-3 < 1/N.
   # One process draws the samples: the estimate does not depend on the worker count
   # (test_accountant.py), and the ~20 evaluations of the search would each start a pool.
-  options = dict(accountant='monte_carlo', monte_carlo_samples=20_000, beta=1e-2,
-                 monte_carlo_seed=3, monte_carlo_workers=1)
+  options = dict(
+    accountant='monte_carlo',
+    monte_carlo_samples=20_000,
+    beta=1e-2,
+    monte_carlo_seed=3,
+    monte_carlo_workers=1,
+  )
   sigma = _round_trip(sampler, 1.5, 10, delta=1e-3, **options)
-  det = calibration.calibrate_noise_multiplier(sampler, 1.5, 1e-3, 10, random_allocation=False,
-                                               max_batch_size=None)
+  det = calibration.calibrate_noise_multiplier(
+    sampler, 1.5, 1e-3, 10, random_allocation=False, max_batch_size=None
+  )
   assert sigma < det
 
 
 @pytest.mark.slow
 def test_pld_calibration_is_fast():
   import time  # pylint: disable=g-import-not-at-top
+
   start = time.perf_counter()
   _round_trip(_sampler('poisson', 60_000, 256), 3.0, 20_000)
   assert time.perf_counter() - start < 30  # < 10 s on an idle core; CI machines are shared.

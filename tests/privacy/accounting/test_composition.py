@@ -19,8 +19,14 @@ COARSE = 1e-2  # Both sides discretise at this interval (cheap; any interval giv
 
 def _accountant(name, n, b, sigma, prior=(), **kwargs):
   kwargs.setdefault('max_batch_size', None)  # Never truncated, unless a test gives the cap.
-  return accountant_lib.Accountant(samplers.make(name, n, b), sigma, DELTA,
-                                   value_discretization_interval=COARSE, prior_runs=prior, **kwargs)
+  return accountant_lib.Accountant(
+    samplers.make(name, n, b),
+    sigma,
+    DELTA,
+    value_discretization_interval=COARSE,
+    prior_runs=prior,
+    **kwargs,
+  )
 
 
 def _dp_accounting(*events):
@@ -43,13 +49,19 @@ def test_a_run_after_others_reports_the_pld_composition_of_their_mechanisms():
   [1 − b/N, b/N], which is the Poisson pair at rate b/N with σ/2. The prior runs also enter
   the privacy plan's fingerprint. New API: on da06065 the module `composition` and
   `prior_runs` did not exist (this file failed there on its import, checked)."""
-  ball = accountant_lib.Accountant(samplers.make('balls_and_bins', 1000, 100), 1.5, DELTA,
-                                   accountant='monte_carlo', max_batch_size=None)
+  ball = accountant_lib.Accountant(
+    samplers.make('balls_and_bins', 1000, 100),
+    1.5,
+    DELTA,
+    accountant='monte_carlo',
+    max_batch_size=None,
+  )
   poisson = _accountant('poisson', 1000, 50, 1.2, accountant='rdp')
   prior = (composition.PriorRun(ball, 20, 'b&b'), composition.PriorRun(poisson, 8, 'poisson'))
   run = _accountant('fixed_size', 2000, 100, 1.0, prior)
-  expected = _dp_accounting((dp_event.GaussianDpEvent(1.5), 2), (_poisson(0.05, 1.2), 8),
-                            (_poisson(100 / 2000, 0.5), 5))
+  expected = _dp_accounting(
+    (dp_event.GaussianDpEvent(1.5), 2), (_poisson(0.05, 1.2), 8), (_poisson(100 / 2000, 0.5), 5)
+  )
   report = run.epsilon_at(5)
   assert math.isclose(report.epsilon, expected, rel_tol=1e-5)  # Tails truncated in other orders.
   assert report.bound == 'upper' and report.accountant == 'pld'
@@ -60,8 +72,14 @@ def test_a_run_after_others_reports_the_pld_composition_of_their_mechanisms():
   # Step 0: the initial parameters are the prior runs' release.
   assert run.epsilon(0) == pytest.approx(composition.prior_epsilon(prior, DELTA), abs=1e-9)
   plan = privacy_plan.PrivacyPlan.create(
-      samplers.make('fixed_size', 2000, 100), num_steps=5, clip_norm=1.0, noise_multiplier=1.0,
-      delta=DELTA, prior_runs=prior, value_discretization_interval=COARSE)
+    samplers.make('fixed_size', 2000, 100),
+    num_steps=5,
+    clip_norm=1.0,
+    noise_multiplier=1.0,
+    delta=DELTA,
+    prior_runs=prior,
+    value_discretization_interval=COARSE,
+  )
   assert plan.fingerprint[composition.FINGERPRINT_FIELD] == [r.fingerprint for r in prior]
   same = _accountant('fixed_size', 2000, 100, 1.0, prior, sensitivity=plan.rounding.sensitivity)
   assert plan.epsilon_at(5).epsilon == same.epsilon_at(5).epsilon  # The plan's η accounted.
@@ -80,14 +98,21 @@ def test_truncation_masses_add_and_calibration_meets_the_composed_target():
   run = _accountant('poisson', 1000, 50, 1.0, prior, max_batch_size=95)
   tau = tau_prior + math.exp(run.log_truncation_mass(10))
   pld = privacy_loss_distribution.from_gaussian_mechanism(
-      1.0, sampling_prob=0.05, value_discretization_interval=COARSE).self_compose(20)
+    1.0, sampling_prob=0.05, value_discretization_interval=COARSE
+  ).self_compose(20)
   eps = run.epsilon(10)
   assert pld.get_delta_for_epsilon(eps) + (1 + math.exp(eps)) * tau <= DELTA
   assert pld.get_delta_for_epsilon(eps - 1e-3) + (1 + math.exp(eps - 1e-3)) * tau > DELTA
   uncapped = (composition.PriorRun(_accountant('poisson', 1000, 50, 1.0), 10, 'uncapped'),)
   plan = privacy_plan.PrivacyPlan.create(
-      samplers.make('poisson', 1000, 50), num_steps=10, clip_norm=1.0, target_epsilon=3.0,
-      delta=DELTA, prior_runs=uncapped, value_discretization_interval=COARSE)
+    samplers.make('poisson', 1000, 50),
+    num_steps=10,
+    clip_norm=1.0,
+    target_epsilon=3.0,
+    delta=DELTA,
+    prior_runs=uncapped,
+    value_discretization_interval=COARSE,
+  )
   sigma = plan.noise_multiplier
   assert _dp_accounting((_poisson(0.05, 1.0), 10), (_poisson(0.05, sigma), 10)) <= 3.0
   assert _dp_accounting((_poisson(0.05, 1.0), 10), (_poisson(0.05, sigma * 0.99), 10)) > 3.0

@@ -35,8 +35,7 @@ def test_equals_renyi_divergence_of_the_mog_pair():
   acct = rdp_privacy_accountant.RdpAccountant(orders=list(orders))
   acct.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma / 2)), 1)
   reference = acct._rdp  # pylint: disable=protected-access
-  np.testing.assert_allclose(fixed_size_rdp.fixed_size_rdp(q, sigma, orders), reference,
-                             rtol=1e-9)
+  np.testing.assert_allclose(fixed_size_rdp.fixed_size_rdp(q, sigma, orders), reference, rtol=1e-9)
 
 
 def test_tighter_than_the_replace_one_baseline():
@@ -44,9 +43,11 @@ def test_tighter_than_the_replace_one_baseline():
   steps = STEPS_PER_EPOCH * 250
   eps, _ = fixed_size_rdp.fixed_size_rdp_epsilon(B / N, SIGMA, steps, DELTA)
   acct = rdp_privacy_accountant.RdpAccountant(
-      neighboring_relation=rdp_privacy_accountant.NeighborRel.REPLACE_ONE)
-  acct.compose(dp_event.SampledWithoutReplacementDpEvent(
-      N, B, dp_event.GaussianDpEvent(SIGMA / 2)), steps)
+    neighboring_relation=rdp_privacy_accountant.NeighborRel.REPLACE_ONE
+  )
+  acct.compose(
+    dp_event.SampledWithoutReplacementDpEvent(N, B, dp_event.GaussianDpEvent(SIGMA / 2)), steps
+  )
   wang = acct.get_epsilon(DELTA)
   assert wang == pytest.approx(2.3, rel=0.02)
   assert eps < wang / 2
@@ -65,14 +66,17 @@ def test_small_sigma_does_not_overflow():
   assert np.all(np.isfinite(rdp)) and np.all(np.diff(rdp) > 0)
 
 
-@pytest.mark.parametrize('kwargs, field', [
+@pytest.mark.parametrize(
+  'kwargs, field',
+  [
     (dict(sampling_probability=1.0), 'sampling probability'),
     (dict(sampling_probability=0.0), 'sampling probability'),
     (dict(noise_multiplier=0.0), 'noise_multiplier'),
     (dict(num_steps=0), 'num_steps'),
     (dict(delta=1.0), 'delta'),
     (dict(orders=[1.5, 2]), 'orders'),
-])
+  ],
+)
 def test_bad_input(kwargs, field):
   args = dict(sampling_probability=0.01, noise_multiplier=1.0, num_steps=10, delta=1e-5)
   args.update(kwargs)

@@ -14,14 +14,16 @@ from dpjax.privacy.accounting import max_test
 
 def gaussian_delta(epsilon, sigma):
   """Exact δ(ε) of the Gaussian mechanism with sensitivity 1 and noise σ."""
-  return (stats.norm.cdf(-epsilon * sigma + 1 / (2 * sigma))
-          - math.exp(epsilon) * stats.norm.cdf(-epsilon * sigma - 1 / (2 * sigma)))
+  return stats.norm.cdf(-epsilon * sigma + 1 / (2 * sigma)) - math.exp(epsilon) * stats.norm.cdf(
+    -epsilon * sigma - 1 / (2 * sigma)
+  )
 
 
 def poisson_pld_delta(sigma, q, num_steps, epsilon):
   accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
-  accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)),
-                     num_steps)
+  accountant.compose(
+    dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), num_steps
+  )
   return accountant.get_delta(epsilon)
 
 
@@ -50,8 +52,11 @@ def test_one_step_many_epochs_is_the_gaussian_with_sensitivity_sqrt_epochs():
 @pytest.mark.parametrize('num_steps', [10, 100])
 def test_binned_divergence_matches_quadrature_of_the_densities(pair, num_steps):
   p_law, q_law = pair(1.0, num_steps)
-  lower = (max_test.balls_and_bins_lower_bound_delta if pair is max_test.balls_and_bins_max_pair
-           else max_test.shuffle_lower_bound_delta)
+  lower = (
+    max_test.balls_and_bins_lower_bound_delta
+    if pair is max_test.balls_and_bins_max_pair
+    else max_test.shuffle_lower_bound_delta
+  )
   for epsilon in (0.3, 1.0, 2.5):
     integral = max_test.max_test_delta_by_quadrature(p_law, q_law, epsilon)
     binned = lower(1.0, num_steps, epsilon)
@@ -107,18 +112,22 @@ def test_shuffle_lower_bound_is_below_deterministic(epochs):
 
 @pytest.mark.slow
 def test_more_epochs_give_larger_lower_bounds():
-  deltas = [max_test.balls_and_bins_lower_bound_delta(1.0, 50, 1.0, num_epochs=e)
-            for e in (1, 2, 4)]
+  deltas = [
+    max_test.balls_and_bins_lower_bound_delta(1.0, 50, 1.0, num_epochs=e) for e in (1, 2, 4)
+  ]
   assert deltas[0] < deltas[1] < deltas[2]
   epsilons = [max_test.shuffle_lower_bound_epsilon(1.0, 50, 1e-5, num_epochs=e) for e in (1, 2, 4)]
   assert epsilons[0] < epsilons[1] < epsilons[2]
 
 
-@pytest.mark.parametrize('lower_delta,lower_epsilon,epochs', [
+@pytest.mark.parametrize(
+  'lower_delta,lower_epsilon,epochs',
+  [
     (max_test.balls_and_bins_lower_bound_delta, max_test.balls_and_bins_lower_bound_epsilon, 1),
     (max_test.balls_and_bins_lower_bound_delta, max_test.balls_and_bins_lower_bound_epsilon, 2),
     (max_test.shuffle_lower_bound_delta, max_test.shuffle_lower_bound_epsilon, 1),
-])
+  ],
+)
 def test_epsilon_inverts_delta_from_below(lower_delta, lower_epsilon, epochs):
   for delta in (1e-3, 1e-6):
     epsilon = lower_epsilon(1.0, 30, delta, num_epochs=epochs)
@@ -136,20 +145,25 @@ def test_epsilon_is_zero_when_delta_is_above_the_zero_epsilon_divergence():
 def test_lower_bound_epsilon_is_below_random_allocation_upper_bound():
   # pld-accounting's provable upper bound for random allocation (Feldman & Shenfeld).
   import PLD_accounting  # pylint: disable=g-import-not-at-top
+
   upper, _ = PLD_accounting.gaussian_allocation_epsilon_range(
-      delta=1e-5, sigma=1.0, num_steps=10, num_selected=1, num_epochs=1)
+    delta=1e-5, sigma=1.0, num_steps=10, num_selected=1, num_epochs=1
+  )
   lower = max_test.balls_and_bins_lower_bound_epsilon(1.0, 10, 1e-5)
   assert 0.9 * upper < lower <= upper
 
 
-@pytest.mark.parametrize('kwargs,field', [
+@pytest.mark.parametrize(
+  'kwargs,field',
+  [
     (dict(sigma=0.0, num_steps=10, epsilon=1.0), 'sigma'),
     (dict(sigma=float('nan'), num_steps=10, epsilon=1.0), 'sigma'),
     (dict(sigma=1.0, num_steps=0, epsilon=1.0), 'num_steps'),
     (dict(sigma=1.0, num_steps=2.5, epsilon=1.0), 'num_steps'),
     (dict(sigma=1.0, num_steps=10, epsilon=-1.0), 'epsilon'),
     (dict(sigma=1.0, num_steps=10, epsilon=1.0, num_epochs=0), 'num_epochs'),
-])
+  ],
+)
 def test_bad_arguments_raise_value_errors_naming_the_field(kwargs, field):
   for fn in (max_test.balls_and_bins_lower_bound_delta, max_test.shuffle_lower_bound_delta):
     with pytest.raises(ValueError, match=field):

@@ -15,6 +15,7 @@ def test_largest_integer_is_the_brute_force_answer(threshold):
   def fn(n):
     calls.append(n)
     return n / 10  # Non-decreasing; fn(n) <= t / 10 iff n <= t.
+
   found = monotone.largest_integer(fn, threshold / 10, lower=1, upper=1000, first_guess=2)
   brute = [n for n in range(1, 1001) if n / 10 <= threshold / 10]
   assert found == (max(brute) if brute else None)

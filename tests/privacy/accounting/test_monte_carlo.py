@@ -25,8 +25,9 @@ BETA = 1e-3
 
 def gaussian_delta(epsilon, sigma):
   """Exact δ(ε) of the Gaussian mechanism, sensitivity 1, noise σ."""
-  return (stats.norm.cdf(-epsilon * sigma + 1 / (2 * sigma))
-          - math.exp(epsilon) * stats.norm.cdf(-epsilon * sigma - 1 / (2 * sigma)))
+  return stats.norm.cdf(-epsilon * sigma + 1 / (2 * sigma)) - math.exp(epsilon) * stats.norm.cdf(
+    -epsilon * sigma - 1 / (2 * sigma)
+  )
 
 
 def confidence_interval(remove, add, beta=BETA):
@@ -47,7 +48,7 @@ def test_kl_bounds_solve_the_chernoff_equation_and_cover():
     upper = mc.kl_upper_confidence_bound(mean, m, beta)[0]
     assert upper > mean
     assert m * bounds.bernoulli_kl(mean, upper) == pytest.approx(math.log(1 / beta), rel=1e-8)
-  assert mc.kl_upper_confidence_bound(0.0, m, beta)[0] == pytest.approx(1 - beta**(1 / m))
+  assert mc.kl_upper_confidence_bound(0.0, m, beta)[0] == pytest.approx(1 - beta ** (1 / m))
   assert mc.kl_lower_confidence_bound(0.0, m, beta)[0] == 0.0
   lower = mc.kl_lower_confidence_bound(0.2, m, beta)[0]
   assert lower < 0.2 and m * bounds.bernoulli_kl(0.2, lower) == pytest.approx(math.log(1 / beta))
@@ -68,8 +69,9 @@ def test_poisson_pair_reproduces_dp_accounting_pld(sigma, q, num_steps):
   # with dp_accounting, lies in the Monte-Carlo interval and below the UCB.
   epsilons = np.array([0.0, 0.5, 1.0, 1.5])
   accountant = pld_privacy_accountant.PLDAccountant(value_discretization_interval=1e-4)
-  accountant.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)),
-                     num_steps)
+  accountant.compose(
+    dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), num_steps
+  )
   truth = np.array([accountant.get_delta(e) for e in epsilons])
   remove, add = mc.poisson_sums(sigma, q, num_steps, epsilons, num_samples=100_000, seed=7)
   point, ucb = mc.delta_from_sums(remove, add, BETA)
@@ -84,23 +86,26 @@ def test_poisson_pair_reproduces_dp_accounting_pld(sigma, q, num_steps):
 def test_one_step_is_the_gaussian_mechanism(method):
   sigma, epsilons = 1.0, np.array([0.0, 0.5, 1.0, 2.0])
   exact = np.array([gaussian_delta(e, sigma) for e in epsilons])
-  remove, add = mc.balls_and_bins_sums(sigma, 1, epsilons, num_samples=50_000, method=method,
-                                       seed=3)
+  remove, add = mc.balls_and_bins_sums(
+    sigma, 1, epsilons, num_samples=50_000, method=method, seed=3
+  )
   lower, upper = confidence_interval(remove, add)
   assert np.all(lower <= exact) and np.all(exact <= upper)
   assert np.all(upper - lower < 0.25 * exact + 2e-3)  # and the interval is informative
 
 
-@pytest.mark.parametrize('method', ['naive', 'importance', 'order_statistics',
-                                    'importance_order_statistics'])
+@pytest.mark.parametrize(
+  'method', ['naive', 'importance', 'order_statistics', 'importance_order_statistics']
+)
 def test_many_epochs_of_one_step_are_the_gaussian_with_sensitivity_sqrt_epochs(method):
   # E = 3, T = 1: Gaussian with noise σ/√3. Multi-epoch importance sampling conditions epoch 1
   # and weights by 1/N (N = epochs in their event); without the weight it is biased upwards.
   sigma, epochs = 1.5, 3
   epsilons = np.array([1.0, 2.0, 3.0])
   exact = np.array([gaussian_delta(e, sigma / math.sqrt(epochs)) for e in epsilons])
-  remove, add = mc.balls_and_bins_sums(sigma, 1, epsilons, num_epochs=epochs,
-                                       num_samples=50_000, method=method, seed=4)
+  remove, add = mc.balls_and_bins_sums(
+    sigma, 1, epsilons, num_epochs=epochs, num_samples=50_000, method=method, seed=4
+  )
   lower, upper = confidence_interval(remove, add)
   assert np.all(lower <= exact) and np.all(exact <= upper)
   if 'importance' in method:
@@ -138,18 +143,28 @@ def test_conditioned_top_order_statistic():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('num_steps,epochs,epsilons', [
+@pytest.mark.parametrize(
+  'num_steps,epochs,epsilons',
+  [
     (10, 1, [0.5, 1.0, 2.0]),
     (100, 1, [0.0, 0.3]),
     (10, 2, [1.0, 2.0]),
-])
+  ],
+)
 def test_samplers_agree_within_confidence_intervals(num_steps, epochs, epsilons):
   epsilons = np.asarray(epsilons)
   intervals, points = {}, {}
   for method in ('naive', 'importance', 'order_statistics', 'importance_order_statistics'):
     remove, add = mc.balls_and_bins_sums(
-        1.0, num_steps, epsilons, num_epochs=epochs, num_samples=40_000, method=method, seed=8,
-        conditioning_epsilon=float(epsilons.min()))
+      1.0,
+      num_steps,
+      epsilons,
+      num_epochs=epochs,
+      num_samples=40_000,
+      method=method,
+      seed=8,
+      conditioning_epsilon=float(epsilons.min()),
+    )
     intervals[method] = confidence_interval(remove, add)
     points[method] = mc.delta_from_sums(remove, add, BETA)[0]
   # The truth lies in every interval (w.p. ≥ 1 − 4β), so they must share a common point.
@@ -176,9 +191,16 @@ def test_coarse_order_statistics_stay_pessimistic_in_each_direction():
   # for P‖Q, lower bound on L for Q‖P), never fall below the exact estimate.
   epsilons = np.array([0.0, 0.2])
   exact = mc.balls_and_bins_sums(1.0, 100, epsilons, num_samples=40_000, method='naive', seed=9)
-  coarse = mc.balls_and_bins_sums(1.0, 100, epsilons, num_samples=40_000,
-                                  method='order_statistics', seed=10, num_exact_ranks=3,
-                                  rank_growth=2.0)
+  coarse = mc.balls_and_bins_sums(
+    1.0,
+    100,
+    epsilons,
+    num_samples=40_000,
+    method='order_statistics',
+    seed=10,
+    num_exact_ranks=3,
+    rank_growth=2.0,
+  )
   for exact_sums, coarse_sums in zip(exact, coarse):
     # Visibly pessimistic with 9 of 100 ranks: above the exact estimate's upper bound.
     assert np.all(coarse_sums.point_estimate() > exact_sums.upper_confidence_bound(BETA / 4))
@@ -194,8 +216,9 @@ def test_coarse_order_statistics_stay_pessimistic_in_each_direction():
 def test_lower_bound_below_estimate_below_ucb_below_deterministic(epochs):
   sigma, num_steps = 0.6, 100
   epsilons = np.array([0.25, 0.5, 1.0])
-  point, ucb = mc.balls_and_bins_delta(sigma, num_steps, epsilons, num_epochs=epochs,
-                                       num_samples=40_000, seed=11)
+  point, ucb = mc.balls_and_bins_delta(
+    sigma, num_steps, epsilons, num_epochs=epochs, num_samples=40_000, seed=11
+  )
   for e, p, u in zip(epsilons, point, ucb):
     lower = max_test.balls_and_bins_lower_bound_delta(sigma, num_steps, e, num_epochs=epochs)
     deterministic = gaussian_delta(e, sigma / math.sqrt(epochs))
@@ -205,14 +228,17 @@ def test_lower_bound_below_estimate_below_ucb_below_deterministic(epochs):
 
 def test_epsilon_is_the_bisection_root_of_the_ucb():
   sigma, num_steps, delta = 0.8, 20, 1e-3
-  result = mc.balls_and_bins_epsilon(sigma, num_steps, delta, num_samples=50_000,
-                                     method='naive', seed=12)
+  result = mc.balls_and_bins_epsilon(
+    sigma, num_steps, delta, num_samples=50_000, method='naive', seed=12
+  )
   # Same seed and method: the same sample set, so δ⁺ at the returned ε is ≤ δ and just below
   # it is > δ.
-  _, at = mc.balls_and_bins_delta(sigma, num_steps, [result.epsilon], num_samples=50_000,
-                                  method='naive', seed=12)
-  _, below = mc.balls_and_bins_delta(sigma, num_steps, [result.epsilon * (1 - 1e-6)],
-                                     num_samples=50_000, method='naive', seed=12)
+  _, at = mc.balls_and_bins_delta(
+    sigma, num_steps, [result.epsilon], num_samples=50_000, method='naive', seed=12
+  )
+  _, below = mc.balls_and_bins_delta(
+    sigma, num_steps, [result.epsilon * (1 - 1e-6)], num_samples=50_000, method='naive', seed=12
+  )
   assert at[0] <= delta < below[0]
   assert result.epsilon_point < result.epsilon
   assert result.confidence == 1 - 1e-3 and result.num_samples == 50_000
@@ -221,8 +247,9 @@ def test_epsilon_is_the_bisection_root_of_the_ucb():
 @pytest.mark.parametrize('method', ['auto', 'importance_order_statistics', 'order_statistics'])
 def test_epsilon_between_lower_bound_and_deterministic(method):
   sigma, num_steps, delta = 0.8, 20, 2e-4
-  result = mc.balls_and_bins_epsilon(sigma, num_steps, delta, num_samples=50_000, method=method,
-                                     seed=13)
+  result = mc.balls_and_bins_epsilon(
+    sigma, num_steps, delta, num_samples=50_000, method=method, seed=13
+  )
   lower = max_test.balls_and_bins_lower_bound_epsilon(sigma, num_steps, delta)
   deterministic = search.gaussian_epsilon(sigma, delta)
   assert lower <= result.epsilon and result.epsilon_point <= result.epsilon < deterministic
@@ -239,8 +266,10 @@ def test_epsilon_between_lower_bound_and_deterministic(method):
 def test_epsilon_brackets_random_allocation_pld_range():
   # pld-accounting (Feldman & Shenfeld) proves ε ∈ [lower, upper] for random allocation.
   import PLD_accounting  # pylint: disable=g-import-not-at-top
+
   upper, lower = PLD_accounting.gaussian_allocation_epsilon_range(
-      delta=1e-3, sigma=1.0, num_steps=10, num_selected=1, num_epochs=1)
+    delta=1e-3, sigma=1.0, num_steps=10, num_selected=1, num_epochs=1
+  )
   result = mc.balls_and_bins_epsilon(1.0, 10, 1e-3, num_samples=100_000, seed=14)
   assert result.epsilon >= lower
   assert lower - 0.02 <= result.epsilon_point <= upper + 0.02
@@ -260,8 +289,10 @@ def test_shuffle_lower_bound_exceeds_balls_and_bins_upper_confidence_bound():
 
 def test_merged_sums_equal_pooled_sums_and_refuse_mismatches():
   epsilons = np.array([0.5, 1.0])
-  parts = [mc.balls_and_bins_sums(1.0, 1, epsilons, num_samples=20_000, method='naive',
-                                  seed=(16, worker)) for worker in range(3)]
+  parts = [
+    mc.balls_and_bins_sums(1.0, 1, epsilons, num_samples=20_000, method='naive', seed=(16, worker))
+    for worker in range(3)
+  ]
   remove = parts[0][0].merge(parts[1][0]).merge(parts[2][0])
   add = parts[0][1].merge(parts[1][1]).merge(parts[2][1])
   assert remove.num_samples == 60_000
@@ -285,8 +316,9 @@ def test_chunk_streams_merge_to_the_serial_sums_exactly():
   sigma, num_steps, seed, epsilons = 1.0, 20, 17, np.array([0.2, 0.5])
   chunk = mc.SAMPLES_PER_CHUNK
   sizes = [chunk, chunk, 1000]
-  serial = mc.balls_and_bins_sums(sigma, num_steps, epsilons, num_samples=sum(sizes),
-                                  method='naive', seed=seed)
+  serial = mc.balls_and_bins_sums(
+    sigma, num_steps, epsilons, num_samples=sum(sizes), method='naive', seed=seed
+  )
   merged = []
   for d, direction in enumerate(('remove', 'add')):
     plan = sampling.make_plan(direction, sigma, num_steps, 1, 'naive', 0.0, 100, 1.05)
@@ -300,12 +332,14 @@ def test_chunk_streams_merge_to_the_serial_sums_exactly():
     np.testing.assert_array_equal(merged[-1].sum_f, serial[d].sum_f)
     assert merged[-1].num_samples == serial[d].num_samples == sum(sizes)
   _, ucb = mc.delta_from_sums(*merged, BETA)
-  pooled = np.maximum(*[mc.kl_upper_confidence_bound(m.sum_f / sum(sizes), sum(sizes), BETA / 2)
-                        for m in merged])
+  pooled = np.maximum(
+    *[mc.kl_upper_confidence_bound(m.sum_f / sum(sizes), sum(sizes), BETA / 2) for m in merged]
+  )
   np.testing.assert_array_equal(ucb, pooled)
   # Averaging the chunks' bounds instead would be looser (each rests on fewer samples).
-  averaged = np.mean([mc.kl_upper_confidence_bound(p.mean(), p.num_samples, BETA / 2)
-                      for p in parts], axis=0)
+  averaged = np.mean(
+    [mc.kl_upper_confidence_bound(p.mean(), p.num_samples, BETA / 2) for p in parts], axis=0
+  )
   assert np.all(merged[1].upper_confidence_bound(BETA / 2) < averaged)
 
 
@@ -339,14 +373,16 @@ def test_two_workers_give_the_serial_numbers():
   # Per-ε importance conditioning: 2 directions x 2 groups x 3 chunks of tasks.
   args = (1.0, 10, [1.0, 2.0])
   kwargs = dict(num_samples=2 * mc.SAMPLES_PER_CHUNK + 10, method='importance', seed=18)
-  for a, b in zip(mc.balls_and_bins_sums(*args, **kwargs),
-                  mc.balls_and_bins_sums(*args, **kwargs, workers=2)):
+  for a, b in zip(
+    mc.balls_and_bins_sums(*args, **kwargs), mc.balls_and_bins_sums(*args, **kwargs, workers=2)
+  ):
     np.testing.assert_array_equal(a.sum_f, b.sum_f)
     np.testing.assert_array_equal(a.log_scale, b.log_scale)
   # The ε search stores the same chunks: the same ε for any number of workers.
   epsilon_args = dict(num_samples=3 * mc.SAMPLES_PER_CHUNK, seed=19)
-  assert (mc.balls_and_bins_epsilon(0.8, 20, 1e-3, **epsilon_args, workers=2)
-          == mc.balls_and_bins_epsilon(0.8, 20, 1e-3, **epsilon_args))
+  assert mc.balls_and_bins_epsilon(
+    0.8, 20, 1e-3, **epsilon_args, workers=2
+  ) == mc.balls_and_bins_epsilon(0.8, 20, 1e-3, **epsilon_args)
 
 
 def test_same_seed_same_numbers_different_seed_different_numbers():
@@ -359,7 +395,9 @@ def test_same_seed_same_numbers_different_seed_different_numbers():
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize('kwargs,field', [
+@pytest.mark.parametrize(
+  'kwargs,field',
+  [
     (dict(sigma=0.0), 'sigma'),
     (dict(sigma=-1.0), 'sigma'),
     (dict(num_steps=0), 'num_steps'),
@@ -379,7 +417,8 @@ def test_same_seed_same_numbers_different_seed_different_numbers():
     (dict(seed=1.5), 'seed'),
     (dict(workers=0), 'workers'),
     (dict(workers=2.0), 'workers'),
-])
+  ],
+)
 def test_bad_delta_arguments_raise_value_errors_naming_the_field(kwargs, field):
   args = dict(sigma=1.0, num_steps=10, epsilons=[1.0], num_samples=100)
   args.update(kwargs)
@@ -388,14 +427,17 @@ def test_bad_delta_arguments_raise_value_errors_naming_the_field(kwargs, field):
     mc.balls_and_bins_delta(sigma, num_steps, epsilons, **args)
 
 
-@pytest.mark.parametrize('kwargs,field', [
+@pytest.mark.parametrize(
+  'kwargs,field',
+  [
     (dict(delta=0.0), 'delta'),
     (dict(delta=1.0), 'delta'),
     (dict(delta=1e-6, num_samples=1000, method='naive'), 'num_samples'),
     (dict(beta=2.0), 'beta'),
     (dict(method='exact'), 'method'),
     (dict(workers=0), 'workers'),
-])
+  ],
+)
 def test_bad_epsilon_arguments_raise_value_errors_naming_the_field(kwargs, field):
   args = dict(delta=1e-3, num_samples=100)
   args.update(kwargs)
@@ -426,13 +468,15 @@ def test_default_sample_count_is_ten_times_the_least_that_gives_an_estimate():
     mc.balls_and_bins_epsilon(1.0, 10, delta, beta=beta, method='naive', num_samples=7000)
   # Importance sampling needs fewer, never more.
   assert mc.default_num_samples(0.5, 10, 1e-5, beta) < mc.default_num_samples(
-      0.5, 10, 1e-5, beta, method='naive')
+    0.5, 10, 1e-5, beta, method='naive'
+  )
 
 
 def test_importance_conditions_below_the_max_test_bound():
   sigma, steps, delta = 0.8, 20, 2e-4
-  result = mc.balls_and_bins_epsilon(sigma, steps, delta, num_samples=20_000, seed=1,
-                                     method='importance')
+  result = mc.balls_and_bins_epsilon(
+    sigma, steps, delta, num_samples=20_000, seed=1, method='importance'
+  )
   lower = max_test.balls_and_bins_lower_bound_epsilon(sigma, steps, delta)
   assert result.conditioning_epsilon == pytest.approx(mc.CONDITIONING_FRACTION * lower, rel=1e-12)
   assert result.conditioning_epsilon < lower  # the point estimate is free to fall below it
@@ -452,8 +496,9 @@ def test_workers_default_to_the_cores_that_the_samples_keep_busy(monkeypatch):
   monkeypatch.setattr(parallel, 'run', spy)  # Callers reach it through the module.
   monkeypatch.setattr(parallel, 'available_cores', lambda: 3)
   start = parallel.WORKER_START_SECONDS
-  assert [parallel.default_workers(s) for s in (0.0, start - 1e-9, start, 2 * start, 3 * start,
-                                                1e9)] == [1, 1, 1, 2, 3, 3]
+  assert [
+    parallel.default_workers(s) for s in (0.0, start - 1e-9, start, 2 * start, 3 * start, 1e9)
+  ] == [1, 1, 1, 2, 3, 3]
   small = mc.estimated_seconds(2000, 10)
   assert small < start  # Too little work to pay for a second process.
   mc.balls_and_bins_epsilon(1.0, 10, 1e-2, num_samples=2000, seed=0)

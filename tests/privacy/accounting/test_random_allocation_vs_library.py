@@ -67,8 +67,9 @@ _REPORTS = {}
 def _dpjax_report(steps, sigma):
   """What training attaches: the accountant of a balls-and-bins sampler after one epoch."""
   if (steps, sigma) not in _REPORTS:
-    sampler = samplers.sampler_class('balls_and_bins')(num_examples=NUM_EXAMPLES,
-                                                       batch_size=NUM_EXAMPLES // steps)
+    sampler = samplers.sampler_class('balls_and_bins')(
+      num_examples=NUM_EXAMPLES, batch_size=NUM_EXAMPLES // steps
+    )
     acct = accountant_lib.Accountant(sampler, sigma, DELTA, max_batch_size=None)
     assert acct.steps_per_epoch == steps
     _REPORTS[steps, sigma] = acct.epsilon_at(steps, estimates=False)
@@ -76,16 +77,17 @@ def _dpjax_report(steps, sigma):
 
 
 def _params(steps, sigma):
-  return PLD_accounting.PrivacyParams(sigma=sigma, num_steps=steps, num_selected=1,
-                                      num_epochs=1, delta=DELTA)
+  return PLD_accounting.PrivacyParams(
+    sigma=sigma, num_steps=steps, num_selected=1, num_epochs=1, delta=DELTA
+  )
 
 
 def _library_epsilon(steps, sigma, grid, tail, bound_type):
   return PLD_accounting.gaussian_allocation_epsilon_configurable(
-      params=_params(steps, sigma),
-      config=PLD_accounting.AllocationSchemeConfig(loss_discretization=grid,
-                                                   tail_truncation=tail),
-      bound_type=bound_type)
+    params=_params(steps, sigma),
+    config=PLD_accounting.AllocationSchemeConfig(loss_discretization=grid, tail_truncation=tail),
+    bound_type=bound_type,
+  )
 
 
 @pytest.mark.slow
@@ -100,23 +102,30 @@ def test_dpjax_epsilon_is_the_library_dominating_pld_inside_its_range(cache, ste
   # What the range function computes by default: (upper, lower) of
   # `optimize_allocation_epsilon_range(target_accuracy=-1)`, with the setting it stopped at.
   default = adaptive_random_allocation.optimize_allocation_epsilon_range(
-      params=_params(steps, sigma), target_accuracy=-1.0,
-      pld_builder=PLD_accounting.gaussian_allocation_pld)
+    params=_params(steps, sigma),
+    target_accuracy=-1.0,
+    pld_builder=PLD_accounting.gaussian_allocation_pld,
+  )
   # The library's lower bound on a finer setting than dpjax's (half its grid, a tenth its tail).
-  fine_lower = _library_epsilon(steps, sigma, grid / 2, tail / 10,
-                                PLD_accounting.BoundType.IS_DOMINATED)
+  fine_lower = _library_epsilon(
+    steps, sigma, grid / 2, tail / 10, PLD_accounting.BoundType.IS_DOMINATED
+  )
   assert eps >= max(default.lower_bound, fine_lower)
 
   # dpjax's ε is the library's dominating PLD at dpjax's setting: the same remove and add PMFs
   # (pessimistic), ε the worse of the two.
-  ours = balls_and_bins.random_allocation_epoch_pld(sigma, steps, discretization=grid,
-                                                    tail_truncation=tail)
+  ours = balls_and_bins.random_allocation_epoch_pld(
+    sigma, steps, discretization=grid, tail_truncation=tail
+  )
   theirs = PLD_accounting.gaussian_allocation_pld(
-      params=_params(steps, sigma),
-      config=PLD_accounting.AllocationSchemeConfig(loss_discretization=grid, tail_truncation=tail),
-      bound_type=PLD_accounting.BoundType.DOMINATES)
-  directions = [[p.get_epsilon_for_delta(DELTA) for p in (pld._pmf_remove, pld._pmf_add)]
-                for pld in (ours, theirs)]
+    params=_params(steps, sigma),
+    config=PLD_accounting.AllocationSchemeConfig(loss_discretization=grid, tail_truncation=tail),
+    bound_type=PLD_accounting.BoundType.DOMINATES,
+  )
+  directions = [
+    [p.get_epsilon_for_delta(DELTA) for p in (pld._pmf_remove, pld._pmf_add)]
+    for pld in (ours, theirs)
+  ]
   assert directions[0] == directions[1]
   assert eps == max(directions[0]) == theirs.get_epsilon_for_delta(DELTA)
   assert not ours._symmetric and ours._pmf_remove._pessimistic_estimate
@@ -126,9 +135,13 @@ def test_dpjax_epsilon_is_the_library_dominating_pld_inside_its_range(cache, ste
 
   # The range's upper end is the same builder at the setting it stopped at (its first).
   assert default.iterations == 1
-  assert default.upper_bound == _library_epsilon(steps, sigma, default.discretization,
-                                                 default.tail_truncation,
-                                                 PLD_accounting.BoundType.DOMINATES)
+  assert default.upper_bound == _library_epsilon(
+    steps,
+    sigma,
+    default.discretization,
+    default.tail_truncation,
+    PLD_accounting.BoundType.DOMINATES,
+  )
   # Whenever dpjax is below it, dpjax's setting is the finer one: no coarser grid, 100x less
   # tail mass moved to the infinite loss (paid in δ).
   assert tail <= default.tail_truncation / 100
@@ -141,7 +154,8 @@ def test_issue_numbers(cache):
   """The case of the issue: dpjax 0.9972 inside the public range [0.9678, 1.0143]."""
   report = _dpjax_report(10, 1.4851)
   upper, lower = PLD_accounting.gaussian_allocation_epsilon_range(
-      delta=DELTA, sigma=1.4851, num_steps=10, num_selected=1, num_epochs=1)
+    delta=DELTA, sigma=1.4851, num_steps=10, num_selected=1, num_epochs=1
+  )
   assert (round(lower, 4), round(report.epsilon, 4), round(upper, 4)) == (0.9678, 0.9972, 1.0143)
 
 
@@ -156,9 +170,10 @@ def _exact_delta_two_steps(sigma, eps, direction):
   s2 = sigma * sigma
   mean = 1.0 if direction == 'remove' else 0.0
   norm = 1.0 / (sigma * math.sqrt(2 * math.pi))
-  pdf = lambda x, m: norm * math.exp(-(x - m) ** 2 / (2 * s2))
-  loss = lambda x1, x2: (math.log(0.5) + max(x1, x2) / s2 - 1 / (2 * s2)
-                         + math.log1p(math.exp(-abs(x1 - x2) / s2)))
+  pdf = lambda x, m: norm * math.exp(-((x - m) ** 2) / (2 * s2))
+  loss = lambda x1, x2: (
+    math.log(0.5) + max(x1, x2) / s2 - 1 / (2 * s2) + math.log1p(math.exp(-abs(x1 - x2) / s2))
+  )
   lo, hi = mean - 15 * sigma, mean + 15 * sigma
   sign = -1.0 if direction == 'remove' else 1.0
 
@@ -176,8 +191,14 @@ def _exact_delta_two_steps(sigma, eps, direction):
     f = lambda x1: -math.expm1(eps + sign * loss(x1, x2)) * pdf(x1, mean)
     return integrate.quad(f, a, b, epsabs=1e-15, epsrel=1e-11, limit=200)[0]
 
-  return integrate.quad(lambda x2: inner(x2) * pdf(x2, 0.0), -15 * sigma, 15 * sigma,
-                        epsabs=1e-15, epsrel=1e-10, limit=400)[0]
+  return integrate.quad(
+    lambda x2: inner(x2) * pdf(x2, 0.0),
+    -15 * sigma,
+    15 * sigma,
+    epsabs=1e-15,
+    epsrel=1e-10,
+    limit=400,
+  )[0]
 
 
 def test_two_steps_against_the_exact_pair(cache):

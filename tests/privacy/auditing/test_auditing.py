@@ -36,18 +36,26 @@ CONFIDENCE = 0.95
 def _direct_p_value(m, r, v, eps, delta):
   """Theorem 3.1 of Steinke et al. 2023 with exact binomial sums (math.comb, floats)."""
   p = math.exp(eps) / (1 + math.exp(eps))
-  pmf = [math.comb(r, w) * p**w * (1 - p)**(r - w) for w in range(r + 1)]
-  f = lambda u: sum(pmf[max(u, 0):])
+  pmf = [math.comb(r, w) * p**w * (1 - p) ** (r - w) for w in range(r + 1)]
+  f = lambda u: sum(pmf[max(u, 0) :])
   slack = max(((f(v - i) - f(v)) / i for i in range(1, v + 1)), default=0.0)
   return min(1.0, f(v) + 2 * m * delta * slack)
 
 
-@pytest.mark.parametrize('m,r,v,eps,delta', [
-    (100, 20, 18, 1.0, 1e-5), (1000, 100, 80, 0.5, 1e-5), (1000, 100, 80, 2.0, 1e-3),
-    (500, 400, 300, 0.3, 1e-4), (50, 10, 10, 3.0, 0.0)])
+@pytest.mark.parametrize(
+  'm,r,v,eps,delta',
+  [
+    (100, 20, 18, 1.0, 1e-5),
+    (1000, 100, 80, 0.5, 1e-5),
+    (1000, 100, 80, 2.0, 1e-3),
+    (500, 400, 300, 0.3, 1e-4),
+    (50, 10, 10, 3.0, 0.0),
+  ],
+)
 def test_p_value_matches_direct_binomial_sums(m, r, v, eps, delta):
   assert one_run.p_value(m, r, v, eps, delta) == pytest.approx(
-      _direct_p_value(m, r, v, eps, delta), rel=1e-9, abs=1e-15)
+    _direct_p_value(m, r, v, eps, delta), rel=1e-9, abs=1e-15
+  )
 
 
 @pytest.mark.parametrize('m,r,v', [(100, 20, 18), (1000, 100, 80), (1000, 800, 700)])
@@ -64,15 +72,19 @@ def test_max_bound_closed_form_without_delta():
   m, fractions = 1000, (0.1, 0.8)
   p = (0.05 / 2) ** (1 / 800)
   assert one_run.max_epsilon_lower(m, delta=0.0, confidence=0.95, fractions=fractions) == (
-      pytest.approx(math.log(p / (1 - p)), rel=1e-5))
+    pytest.approx(math.log(p / (1 - p)), rel=1e-5)
+  )
 
 
 @pytest.mark.slow
 def test_gaussian_mechanism_bound_is_valid_and_informative():
   """Scores S_j·μ + N(0, 1): each canary sees a Gaussian mechanism of sensitivity μ."""
   mu, m, trials = 1.0, 1000, 100
-  epsilon = dp_accounting.pld.PLDAccountant().compose(
-      dp_accounting.GaussianDpEvent(1 / mu)).get_epsilon(DELTA)
+  epsilon = (
+    dp_accounting.pld.PLDAccountant()
+    .compose(dp_accounting.GaussianDpEvent(1 / mu))
+    .get_epsilon(DELTA)
+  )
   # ε ≈ 4.38 is below the largest bound m = 1000 canaries allow (5.09): the check can fail.
   assert epsilon < one_run.max_epsilon_lower(m, delta=DELTA, confidence=CONFIDENCE)
   bounds = []
@@ -105,7 +117,7 @@ def test_bound_is_calibrated_on_randomized_response(confidence, low, high):
 
 
 def test_count_correct_and_guess_counts():
-  scores = np.array([5., 4., 3., 2., 1., 0.])
+  scores = np.array([5.0, 4.0, 3.0, 2.0, 1.0, 0.0])
   member = np.array([True, True, False, True, False, False])
   assert one_run.count_correct(scores, member, 2) == 4
   assert one_run.count_correct(scores, member, 3) == 4  # top 3: 2 right; bottom 3: 2 right
@@ -175,9 +187,14 @@ def _claim(config, run):
 
 def _audit(config, run):
   audit = one_run.audit(run.scores(), run.canaries.membership, delta=DELTA, confidence=CONFIDENCE)
-  test = white_box.effective_sigma(run.released, run.ordinary, run.counts, run.canaries.membership,
-                                   clip_norm=run.clip_norm,
-                                   noise_multiplier=config.privacy.noise_multiplier)
+  test = white_box.effective_sigma(
+    run.released,
+    run.ordinary,
+    run.counts,
+    run.canaries.membership,
+    clip_norm=run.clip_norm,
+    noise_multiplier=config.privacy.noise_multiplier,
+  )
   return audit, test
 
 
@@ -208,7 +225,9 @@ def test_planted_bugs_are_flagged_and_correct_code_is_not(digits, bug):
 
 def test_non_private_run_reaches_half_the_largest_bound(digits):
   config, model, train = digits
-  run = audited_sgd.train(plan_lib.audit_settings(config), model, train, num_canaries=M, private=False)
+  run = audited_sgd.train(
+    plan_lib.audit_settings(config), model, train, num_canaries=M, private=False
+  )
   audit = one_run.audit(run.scores(), run.canaries.membership, delta=DELTA, confidence=CONFIDENCE)
   largest = one_run.max_epsilon_lower(M, delta=DELTA, confidence=CONFIDENCE)
   assert largest == pytest.approx(3.52, abs=0.01)  # m = 200, β = 0.05, δ = 1e-5
@@ -218,7 +237,9 @@ def test_non_private_run_reaches_half_the_largest_bound(digits):
 @pytest.mark.slow
 def test_cli_recomputes_the_audit_of_a_saved_run(digits, tmp_path, capsys):
   config, model, train = digits
-  run = audited_sgd.train(plan_lib.audit_settings(config), model, train, num_canaries=M, _bug='noise_tenth')
+  run = audited_sgd.train(
+    plan_lib.audit_settings(config), model, train, num_canaries=M, _bug='noise_tenth'
+  )
   report = plan_lib.make_accountant(config, run.num_examples).epsilon_at(config.num_steps)
   record.save_run(str(tmp_path), run, report.to_dict(), config.num_steps, confidence=CONFIDENCE)
   assert audit_cli.main(['--workdir', str(tmp_path), '--json']) == 0
@@ -228,7 +249,8 @@ def test_cli_recomputes_the_audit_of_a_saved_run(digits, tmp_path, capsys):
   assert out['audit_epsilon_lower'] == pytest.approx(audit.epsilon_lower)
   assert out['confidence'] == CONFIDENCE and out['num_canaries'] == M
   assert out['white_box']['flagged'] and out['white_box']['effective'] == pytest.approx(
-      test.effective)
+    test.effective
+  )
   assert audit_cli.main(['--workdir', str(tmp_path)]) == 0
   assert 'FLAGS' in capsys.readouterr().out
   # Scores from the final parameters only (what a trainer without per-step records saves).
@@ -238,12 +260,18 @@ def test_cli_recomputes_the_audit_of_a_saved_run(digits, tmp_path, capsys):
   out = json.loads(capsys.readouterr().out)
   # SGD: θ_T − θ_0 = −η/b Σ_t s_t, so the final-model score is η/b times the summed releases.
   scale = config.optimizer.learning_rate / (config.sampler.batch_size)
-  direct = one_run.audit(scale * run.released.sum(0), run.canaries.membership, delta=DELTA,
-                         confidence=CONFIDENCE)
+  direct = one_run.audit(
+    scale * run.released.sum(0), run.canaries.membership, delta=DELTA, confidence=CONFIDENCE
+  )
   assert out['score'] == 'final_params' and 'white_box' not in out
   assert out['audit_epsilon_lower'] == pytest.approx(direct.epsilon_lower, abs=1e-3)
-  fields = record.audit_params(run.canaries, gradient_canary.project(params0, run.canaries),
-                               run.params, delta=DELTA, confidence=CONFIDENCE)
+  fields = record.audit_params(
+    run.canaries,
+    gradient_canary.project(params0, run.canaries),
+    run.params,
+    delta=DELTA,
+    confidence=CONFIDENCE,
+  )
   assert fields['audit_epsilon_lower'] == pytest.approx(out['audit_epsilon_lower'])
   assert fields['audit_num_canaries'] == M and fields['audit_confidence'] == CONFIDENCE
 
@@ -258,11 +286,16 @@ def test_cli_bad_workdir_is_one_line_exit_2(tmp_path, capsys):
 def test_audit_config_block_is_off_by_default_and_validated():
   config = cli.load_config_file(str(ROOT / 'configs' / 'digits_mlp.py'))
   config.seed = 0  # Reproducible audits (a real run draws a secret seed).
-  check = lambda a: canaries_lib.check_audit(a.num_canaries, a.kind, a.confidence,
-                                            a.every_checkpoint, prefix='audit.')
+  check = lambda a: canaries_lib.check_audit(
+    a.num_canaries, a.kind, a.confidence, a.every_checkpoint, prefix='audit.'
+  )
   assert check(config.audit) == 0
-  for field, value in (('num_canaries', -1), ('kind', 'input'), ('confidence', 1.0),
-                       ('every_checkpoint', 'yes')):
+  for field, value in (
+    ('num_canaries', -1),
+    ('kind', 'input'),
+    ('confidence', 1.0),
+    ('every_checkpoint', 'yes'),
+  ):
     bad = config.audit.copy_and_resolve_references()
     with bad.ignore_type():
       bad[field] = value

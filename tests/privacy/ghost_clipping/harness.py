@@ -1,7 +1,6 @@
 """The shared harness of the ghost-clipping tests: a model with every covered layer, inputs, and
 the comparison of ghost norms and clipped sums with per-example (vmap) gradients."""
 
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -31,20 +30,20 @@ class AllLayers(nn.Module):
     tokens = jnp.floor(jnp.abs(x[:, :, 0, 0]) * 2).astype(jnp.int32)  # Repeats.
     gn_in = nn.Conv(4, (3, 3), strides=2)(x)  # S=9, m=27, c=4: materialised.
     branches = [
-        nn.Dense(5)(x.reshape(n, -1)),  # One vector per example: S = 1.
-        nn.Dense(16)(seq),  # S=6, m=18, c=16: ghost.
-        nn.Dense(2)(seq),  # Materialised.
-        nn.DenseGeneral((4, 8))(seq),  # Ghost.
-        nn.DenseGeneral(5, axis=(-2, -1))(x),  # Two contracted axes.
-        nn.Conv(3, (2, 3), padding='VALID', kernel_dilation=(2, 1))(x),
-        nn.Conv(32, (3, 3), strides=3, padding=((1, 0), (2, 1)))(x),  # Ghost.
-        nn.Conv(3, (3,), use_bias=False)(seq),  # 1-D.
-        nn.Embed(50, 4)(tokens),  # V > S: ghost with [tok_s = tok_s'].
-        nn.Embed(3, 4)(tokens % 3),  # V <= S: one-hot, materialised.
-        nn.LayerNorm()(seq),
-        nn.RMSNorm()(seq),
-        nn.GroupNorm(num_groups=2)(gn_in),
-        layers.WSConv(4, (3, 3), (2, 2))(x),
+      nn.Dense(5)(x.reshape(n, -1)),  # One vector per example: S = 1.
+      nn.Dense(16)(seq),  # S=6, m=18, c=16: ghost.
+      nn.Dense(2)(seq),  # Materialised.
+      nn.DenseGeneral((4, 8))(seq),  # Ghost.
+      nn.DenseGeneral(5, axis=(-2, -1))(x),  # Two contracted axes.
+      nn.Conv(3, (2, 3), padding='VALID', kernel_dilation=(2, 1))(x),
+      nn.Conv(32, (3, 3), strides=3, padding=((1, 0), (2, 1)))(x),  # Ghost.
+      nn.Conv(3, (3,), use_bias=False)(seq),  # 1-D.
+      nn.Embed(50, 4)(tokens),  # V > S: ghost with [tok_s = tok_s'].
+      nn.Embed(3, 4)(tokens % 3),  # V <= S: one-hot, materialised.
+      nn.LayerNorm()(seq),
+      nn.RMSNorm()(seq),
+      nn.GroupNorm(num_groups=2)(gn_in),
+      layers.WSConv(4, (3, 3), (2, 2))(x),
     ]
     h = jnp.concatenate([jnp.tanh(b).reshape(n, -1) for b in branches], -1)
     return nn.Dense(K)(h)
@@ -56,17 +55,15 @@ def init(model, x, seed):
   Kernels N(0, 1/fan_in); scales and gains 1 + N(0, 0.09), so norm layers
   are not at their identity initialisation; other vectors N(0, 0.09).
   """
-  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
-                                             x[:1]))['params']
+  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), x[:1]))['params']
   rng = np.random.default_rng(seed)
 
   def draw(path, s):
     name = str(getattr(path[-1], 'key', path[-1]))
     if len(s.shape) >= 2:
-      return (rng.normal(size=s.shape) /
-              np.sqrt(np.prod(s.shape[:-1]))).astype(np.float32)
-    return (float(name in ('scale', 'gain')) +
-            0.3 * rng.normal(size=s.shape)).astype(np.float32)
+      return (rng.normal(size=s.shape) / np.sqrt(np.prod(s.shape[:-1]))).astype(np.float32)
+    return (float(name in ('scale', 'gain')) + 0.3 * rng.normal(size=s.shape)).astype(np.float32)
+
   return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
@@ -89,26 +86,35 @@ def compare(loss_fn, params, batch):
   """
   examples, w = clipping.examples_of(batch), batch['weight']
   y = batch['y']
-  (losses, aux), grads = jax.vmap(
-      jax.value_and_grad(loss_fn, has_aux=True), in_axes=(None, 0))(params, examples)
+  (losses, aux), grads = jax.vmap(jax.value_and_grad(loss_fn, has_aux=True), in_axes=(None, 0))(
+    params, examples
+  )
   want = {}
   for path, g in zip(leaf_paths(grads), jax.tree.leaves(grads)):
     key = '/'.join(path if path[0] == 'pos_embedding' else path[:-1])
-    want[key] = want.get(key, 0.0) + jnp.sum(jnp.square(g.reshape(len(y), -1)),
-                                             axis=1)
+    want[key] = want.get(key, 0.0) + jnp.sum(jnp.square(g.reshape(len(y), -1)), axis=1)
   ghost = ghost_clipping.ghost_pass(loss_fn, params, examples)
   total = sum(want.values())
   finite = jnp.sort(jnp.where(jnp.isfinite(total), total, jnp.inf))
   m = jnp.sum(jnp.isfinite(total)) // 2
   clip = jnp.sqrt((finite[m - 1] + finite[m]) / 2)
   ref, ref_rows = clipping._clip_and_sum(
-      losses, aux, total,
-      lambda f, keep: jax.tree.map(lambda g: rounding.weighted_row_sum(f, g, keep), grads),
-      w, clip)
-  got, rows = clipping._clip_and_sum(ghost.losses, ghost.aux, ghost.sq_norms,
-                                     ghost.weighted_sum, w, clip)
-  return (want, ghost.sq_norms_by_path, (got, clipping.ClipStats.of(rows, w, clip)),
-          (ref, clipping.ClipStats.of(ref_rows, w, clip)))
+    losses,
+    aux,
+    total,
+    lambda f, keep: jax.tree.map(lambda g: rounding.weighted_row_sum(f, g, keep), grads),
+    w,
+    clip,
+  )
+  got, rows = clipping._clip_and_sum(
+    ghost.losses, ghost.aux, ghost.sq_norms, ghost.weighted_sum, w, clip
+  )
+  return (
+    want,
+    ghost.sq_norms_by_path,
+    (got, clipping.ClipStats.of(rows, w, clip)),
+    (ref, clipping.ClipStats.of(ref_rows, w, clip)),
+  )
 
 
 def assert_matches_vmap(model, x, y, num_pad=3):
@@ -123,10 +129,14 @@ def assert_matches_vmap(model, x, y, num_pad=3):
   floats = x.dtype == np.float32
   if floats:  # Real rows 1, 2 and the first padding row become non-finite.
     x[1].flat[3], x[2].flat[0], x[n].flat[5] = np.nan, np.inf, np.nan
-  batch = {'x': x, 'y': np.concatenate([y, y[:num_pad]]),
-           'weight': np.r_[np.ones(n), np.zeros(num_pad)].astype(np.float32)}
-  want, got, (ghost, stats), (ref, ref_stats) = jax.jit(
-      compare, static_argnums=0)(loss_fn, params, batch)
+  batch = {
+    'x': x,
+    'y': np.concatenate([y, y[:num_pad]]),
+    'weight': np.r_[np.ones(n), np.zeros(num_pad)].astype(np.float32),
+  }
+  want, got, (ghost, stats), (ref, ref_stats) = jax.jit(compare, static_argnums=0)(
+    loss_fn, params, batch
+  )
   assert set(got) == set(want)
   ok = np.isfinite(sum(want.values()))
   assert np.sum(ok) == n + num_pad - 3 * floats
@@ -138,11 +148,11 @@ def assert_matches_vmap(model, x, y, num_pad=3):
   assert not np.isfinite(sum(got.values())[~ok]).any()
   assert all(np.isfinite(l).all() for l in jax.tree.leaves(ghost))
   scale = max(float(np.max(np.abs(l))) for l in jax.tree.leaves(ref))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(
-      a, b, rtol=1e-4, atol=1e-5 * scale), ghost, ref)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale), ghost, ref
+  )
   for field in clipping.ClipStats._fields:
-    np.testing.assert_allclose(getattr(stats, field),
-                               getattr(ref_stats, field), rtol=1e-5)
+    np.testing.assert_allclose(getattr(stats, field), getattr(ref_stats, field), rtol=1e-5)
   assert 0 < int(stats.num_clipped) < n
   assert int(stats.num_nonfinite) == 2 * floats  # Padding is not counted.
   return coverage
@@ -182,11 +192,12 @@ def float64_grads(module, theta, a, d):
     def one(a_i, d_i):
       _, vjp = jax.vjp(lambda t: module.apply({'params': t}, a_i), theta64)
       return vjp(d_i)[0]
+
     with jax.default_matmul_precision('highest'):
       grads = jax.jit(jax.vmap(one))(a64, np.asarray(d, np.float64))
     grads = jax.tree.map(np.asarray, grads)
   n = len(a)
-  return grads, sum(np.sum(g.reshape(n, -1)**2, axis=1) for g in jax.tree.leaves(grads))
+  return grads, sum(np.sum(g.reshape(n, -1) ** 2, axis=1) for g in jax.tree.leaves(grads))
 
 
 def assert_rule_matches_float64(module, theta, a, d, scale=None, rtol=2e-5, reference=None):
@@ -204,13 +215,18 @@ def assert_rule_matches_float64(module, theta, a, d, scale=None, rtol=2e-5, refe
   np.testing.assert_array_less(np.sqrt(got), np.sqrt(want) * (1 + rtol) + slack + 1e-30)
   if grads is not None:
     for name, g in grads.items():
-      np.testing.assert_allclose(g, want_grads[name], rtol=1e-5, atol=1e-6 * np.max(
-          np.abs(want_grads[name])), err_msg=name)
+      np.testing.assert_allclose(
+        g, want_grads[name], rtol=1e-5, atol=1e-6 * np.max(np.abs(want_grads[name])), err_msg=name
+      )
   if operands is not None:  # The clipped sum Σ_i f_i g_i of the kernel from the operands.
     a2, d2 = (np.asarray(o, np.float64) for o in operands)
     f = np.linspace(0.1, 1.0, len(a))
     kernel = want_grads['kernel']
     want_sum = np.tensordot(f, kernel.reshape(len(a), a2.shape[-1], -1), axes=1)
-    np.testing.assert_allclose(np.einsum('n,nsm,nsc->mc', f, a2, d2), want_sum, rtol=1e-5,
-                               atol=1e-6 * np.max(np.abs(want_sum)))
+    np.testing.assert_allclose(
+      np.einsum('n,nsm,nsc->mc', f, a2, d2),
+      want_sum,
+      rtol=1e-5,
+      atol=1e-6 * np.max(np.abs(want_sum)),
+    )
   return got, want

@@ -1,6 +1,5 @@
 """Coverage: what ghost clipping proves it covers, and what it names as uncovered."""
 
-
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -29,16 +28,17 @@ class Shared(nn.Module):
 
 
 def test_coverage_reports_what_it_cannot_prove():
-  cases = [(harness.Uncovered(), (5,), 0,
-            {'Scaled_0/gain': 'Scaled has no ghost rule'}),
-           (Tied(), (4,), harness.K, {'Embed_0/embedding': 'called 2 times'}),
-           (Shared(), (5,), 0, {'Dense_0/kernel': 'called 2 times',
-                                'Dense_0/bias': 'called 2 times'})]
+  cases = [
+    (harness.Uncovered(), (5,), 0, {'Scaled_0/gain': 'Scaled has no ghost rule'}),
+    (Tied(), (4,), harness.K, {'Embed_0/embedding': 'called 2 times'}),
+    (Shared(), (5,), 0, {'Dense_0/kernel': 'called 2 times', 'Dense_0/bias': 'called 2 times'}),
+  ]
   for model, shape, vocab, want in cases:
     x, y = harness.inputs(shape, 2, seed=4, vocab=vocab)
     params = harness.init(model, x, seed=4)
-    cov = ghost_clipping.analyse_coverage(losses.make_loss_fn(model),
-                                          params, {'x': x[0], 'y': y[0]})
+    cov = ghost_clipping.analyse_coverage(
+      losses.make_loss_fn(model), params, {'x': x[0], 'y': y[0]}
+    )
     got = dict(cov.uncovered)
     assert set(got) == set(want), cov.describe()
     for path, reason in want.items():
@@ -53,7 +53,8 @@ def test_parameter_used_outside_its_layer_is_uncovered():
 
   def loss_fn(p, example):
     loss, aux = losses.make_loss_fn(model)(p, example)
-    return loss + 0.1 * jnp.sum(p['Dense_1']['kernel']**2), aux
+    return loss + 0.1 * jnp.sum(p['Dense_1']['kernel'] ** 2), aux
+
   cov = ghost_clipping.analyse_coverage(loss_fn, params, {'x': x[0], 'y': y[0]})
   assert {p for p, _ in cov.uncovered} == {'Dense_1/kernel', 'Dense_1/bias'}
   assert 'outside the layer call' in dict(cov.uncovered)['Dense_1/kernel']
@@ -62,6 +63,7 @@ def test_parameter_used_outside_its_layer_is_uncovered():
 
 class QuietDense(nn.Dense):
   """A user's Dense that changes only a default: same __call__, so the Dense rule applies."""
+
   use_bias: bool = False
 
 

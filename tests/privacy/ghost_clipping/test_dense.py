@@ -24,15 +24,19 @@ def _case(module, in_shape, n=5, seed=0):
 
 def _scale(a2, d2, bias=True):
   """M = Σ_s ‖(a_s, 1)‖‖δ_s‖ per example (a2 [n, S, m], d2 [n, S, c]), float64."""
-  a_norms = np.sqrt(np.sum(np.float64(a2)**2, -1) + bias)
+  a_norms = np.sqrt(np.sum(np.float64(a2) ** 2, -1) + bias)
   return np.sum(a_norms * np.linalg.norm(np.float64(d2), axis=-1), axis=1)
 
 
 def test_dense_at_random_states():
   """S = 1 (rank-1), S = 6 with m·c large (ghost by the mixed rule) and small (materialised),
   without bias over two position axes (materialised)."""
-  cases = [(nn.Dense(5), (12,)), (nn.Dense(16), (6, 18)), (nn.Dense(2), (6, 18)),
-           (nn.Dense(7, use_bias=False), (2, 3, 9))]
+  cases = [
+    (nn.Dense(5), (12,)),
+    (nn.Dense(16), (6, 18)),
+    (nn.Dense(2), (6, 18)),
+    (nn.Dense(7, use_bias=False), (2, 3, 9)),
+  ]
   for module, shape in cases:
     theta, a, d = _case(module, shape)
     a2, d2 = a.reshape(len(a), -1, shape[-1]), d.reshape(len(a), -1, module.features)
@@ -50,9 +54,11 @@ def _positions(a, axes):
 def test_dense_general_contracting_trailing_and_inner_axes():
   """axis=(-2, -1) into features (4, 2); axis=-2 of a [4, 5, 3] input and axes (-3, -1) (positions
   on both sides of a contracted axis: the rule moves them last, as flax orders the kernel)."""
-  for module, shape in ((nn.DenseGeneral((4, 2), axis=(-2, -1)), (3, 6)),
-                        (nn.DenseGeneral(6, axis=-2), (4, 5, 3)),
-                        (nn.DenseGeneral((3, 2), axis=(-3, -1), use_bias=False), (4, 5, 3))):
+  for module, shape in (
+    (nn.DenseGeneral((4, 2), axis=(-2, -1)), (3, 6)),
+    (nn.DenseGeneral(6, axis=-2), (4, 5, 3)),
+    (nn.DenseGeneral((3, 2), axis=(-3, -1), use_bias=False), (4, 5, 3)),
+  ):
     theta, a, d = _case(module, shape, seed=3)
     axes = module.axis if isinstance(module.axis, tuple) else (module.axis,)
     a2 = _positions(a, axes)
@@ -76,9 +82,9 @@ def test_crafted_states_cancellation_padding_and_scale():
   reference = harness.float64_grads(module, theta, a, d)
   for form in (True, False):
     with ghost_clipping.mixed.forced_form(form):
-      got, want = harness.assert_rule_matches_float64(module, theta, a, d, _scale(a, d),
-                                                      reference=reference)
-    assert want[0] < 1e-9 and got[0] < (1e-3 * _scale(a, d)[0])**2, got[0]
+      got, want = harness.assert_rule_matches_float64(
+        module, theta, a, d, _scale(a, d), reference=reference
+      )
+    assert want[0] < 1e-9 and got[0] < (1e-3 * _scale(a, d)[0]) ** 2, got[0]
     assert got[1] == 0
     np.testing.assert_allclose(got[2:], want[2:], rtol=2e-5)  # No cancellation in these.
-

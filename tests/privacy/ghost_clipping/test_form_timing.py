@@ -24,6 +24,7 @@ C = 1.0
 class ThreeChoices(nn.Module):
   """A conv (materialised by the FLOP rule), a dense over positions (ghost) and an embedding
   (ghost), each with two forms; a rank-1 head with one."""
+
   width: int = 16
 
   @nn.compact
@@ -41,8 +42,7 @@ def _setup(model=None, n=8):
   model = model or ThreeChoices()
   x, y = harness.inputs((6, 6, 3), n, seed=3)
   params = harness.init(model, x, seed=4)
-  loss_fn = lambda p, ex: -jax.nn.log_softmax(model.apply({'params': p}, ex['x'][None])[0])[
-      ex['y']]
+  loss_fn = lambda p, ex: -jax.nn.log_softmax(model.apply({'params': p}, ex['x'][None])[0])[ex['y']]
   return loss_fn, params, {'x': x, 'y': y}
 
 
@@ -63,6 +63,7 @@ def _fake_timing(monkeypatch, against_flops: bool = False, seconds=None):
       return dict(seconds)
     ghost_wins = form_timing.flops_ghost(layer) != against_flops
     return {'ghost': 1e-3 if ghost_wins else 2e-3, 'materialised': 2e-3 if ghost_wins else 1e-3}
+
   monkeypatch.setattr(form_timing, 'time_layer', fake)
   monkeypatch.setattr(form_timing, '_MEMO', {})
   return calls
@@ -70,7 +71,8 @@ def _fake_timing(monkeypatch, against_flops: bool = False, seconds=None):
 
 @pytest.mark.slow  # Compiles a four-layer convnet three ways (12-17 s cold).
 def test_forms_opposite_to_the_flop_rule_give_the_same_clipped_sum_and_bound_a_neighbour(
-    monkeypatch, tmp_path):
+  monkeypatch, tmp_path
+):
   """Measurement that makes every layer take the form the FLOP rule would not: the step runs
   those forms (its log says so), its clipped sum equals per-example gradients' (vmap) to float
   rounding, and removing one record moves the sum by at most C(1 + η)."""
@@ -85,7 +87,7 @@ def test_forms_opposite_to_the_flop_rule_give_the_same_clipped_sum_and_bound_a_n
   (got, _), (neighbour, _) = run(params, examples, w), run(params, examples, without)
   want, rows = jax.jit(reference)(params, examples, w)
   norms = rows.norm
-  forms = measured.choice[measured.choice.index('all layers:') + 1:]
+  forms = measured.choice[measured.choice.index('all layers:') + 1 :]
   flop_forms = _coverage(loss_fn, params, examples).layer_forms()  # The FLOP rule's.
   assert len(forms) == len(flop_forms) == 4
   assert sum(l not in flop_forms for l in forms) == 3, measured.choice
@@ -93,10 +95,15 @@ def test_forms_opposite_to_the_flop_rule_give_the_same_clipped_sum_and_bound_a_n
   assert any('Dense_0: dense materialised' in l for l in forms)  # The FLOP rule: ghost.
   assert any('Embed_0: embed materialised' in l for l in forms)
   scale = max(float(np.max(np.abs(l))) for l in jax.tree.leaves(want))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * scale),
-               got, want)
-  diff = np.sqrt(sum(np.sum(np.square(np.float64(a) - np.float64(b)))
-                     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(neighbour))))
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * scale), got, want
+  )
+  diff = np.sqrt(
+    sum(
+      np.sum(np.square(np.float64(a) - np.float64(b)))
+      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(neighbour))
+    )
+  )
   assert norms[5] > C and C * (1 - 1e-5) < diff <= C * (1 + 1e-5), (norms, diff)
 
 
@@ -136,6 +143,7 @@ def test_a_tie_keeps_the_flop_rule_and_a_clear_winner_takes_it():
 def test_a_failed_timing_falls_back_to_the_flop_rule_and_says_so(monkeypatch, tmp_path):
   def broken(*args, **kwargs):
     raise RuntimeError('out of memory')
+
   monkeypatch.setattr(form_timing, 'time_layer', broken)
   monkeypatch.setattr(form_timing, '_MEMO', {})
   loss_fn, params, examples = _setup()
@@ -143,8 +151,9 @@ def test_a_failed_timing_falls_back_to_the_flop_rule_and_says_so(monkeypatch, tm
   thetas = [ghost_clipping.coverage.subtree(params, l.param_path) for l in coverage.layers]
   choice = form_timing.choose_forms(coverage, thetas, 8, str(tmp_path))
   assert choice.ghost == {} and not choice.timed
-  assert choice.lines == ('timing the forms failed (RuntimeError: out of memory); the FLOP '
-                          'rule decides',)
+  assert choice.lines == (
+    'timing the forms failed (RuntimeError: out of memory); the FLOP rule decides',
+  )
   assert not list(tmp_path.iterdir())  # Nothing cached: the next run times again.
 
 
@@ -154,8 +163,9 @@ def test_timing_runs_both_forms_of_a_layer_on_this_device():
   loss_fn, params, examples = _setup(n=4)
   coverage = _coverage(loss_fn, params, examples)
   (dense,) = [l for l in coverage.layers if l.param_path == ('Dense_0',)]
-  seconds = form_timing.time_layer(dense, ghost_clipping.coverage.subtree(params, ('Dense_0',)),
-                                   4, repeats=2)
+  seconds = form_timing.time_layer(
+    dense, ghost_clipping.coverage.subtree(params, ('Dense_0',)), 4, repeats=2
+  )
   assert set(seconds) == {'ghost', 'materialised'} and min(seconds.values()) > 0
   assert form_timing.has_choice(dense)
   (head,) = [l for l in coverage.layers if l.param_path == ('Dense_1',)]
@@ -170,16 +180,32 @@ def test_the_step_logs_the_measured_choice_and_times(monkeypatch, tmp_path):
   model = ThreeChoices()
   x, y = harness.inputs((6, 6, 3), 4, seed=3)
   params = harness.init(model, x, seed=4)
-  step = dp_step.DPStep(model, optax.sgd(0.1), clip_norm=C, noise_multiplier=1.0,
-                        expected_batch_size=4, clipping_forms='measured')
+  step = dp_step.DPStep(
+    model,
+    optax.sgd(0.1),
+    clip_norm=C,
+    noise_multiplier=1.0,
+    expected_batch_size=4,
+    clipping_forms='measured',
+  )
   batch = {'x': x, 'y': y, 'weight': np.ones(4, np.float32)}
   step.accumulate.lower(params, step.init_accumulator(params), batch)  # Traced, not compiled.
   lines = step.clipping_choice
-  assert re.fullmatch(r'ghost clipping, per layer, forms measured on this device \(timed now '
-                      r'in \d+\.\d s\):', lines[0]), lines[0]
-  assert ('Dense_0: materialised (measured: ghost 3 ms, materialised 1 ms; FLOP rule: ghost)'
-          in lines), lines
+  assert re.fullmatch(
+    r'ghost clipping, per layer, forms measured on this device \(timed now '
+    r'in \d+\.\d s\):',
+    lines[0],
+  ), lines[0]
+  assert (
+    'Dense_0: materialised (measured: ghost 3 ms, materialised 1 ms; FLOP rule: ghost)' in lines
+  ), lines
   assert 'Dense_0: dense materialised (S=6, m=18, c=16)' in lines
   with pytest.raises(ValueError, match=r"forms='fast'; valid: \('flops', 'measured'\)"):
-    dp_step.DPStep(model, optax.sgd(0.1), clip_norm=C, noise_multiplier=1.0,
-                   expected_batch_size=4, clipping_forms='fast')
+    dp_step.DPStep(
+      model,
+      optax.sgd(0.1),
+      clip_norm=C,
+      noise_multiplier=1.0,
+      expected_batch_size=4,
+      clipping_forms='fast',
+    )

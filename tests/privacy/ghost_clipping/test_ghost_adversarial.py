@@ -118,9 +118,15 @@ class CentredDense(nn.Module):
     return _head(h - jnp.mean(h, axis=1, keepdims=True))
 
 
-MODELS = {'dense': DenseLayers, 'dense_general': DenseGeneralLayers, 'conv': ConvLayers,
-          'wsconv': WSConvLayers, 'embed': EmbedLayers, 'norm': NormLayers,
-          'centred_dense': CentredDense}
+MODELS = {
+  'dense': DenseLayers,
+  'dense_general': DenseGeneralLayers,
+  'conv': ConvLayers,
+  'wsconv': WSConvLayers,
+  'embed': EmbedLayers,
+  'norm': NormLayers,
+  'centred_dense': CentredDense,
+}
 
 # (bias, gain, bias exactly constant across channels) of the norm layers; None: as drawn.
 STATES = [None, (1e3, 10.0, False), (1e3, 100.0, True), (1e4, 10.0, True), (1e4, 100.0, False)]
@@ -134,14 +140,17 @@ def _init(model, x, seed=0):
   def draw(path, s):
     if len(s.shape) >= 2:
       return (rng.normal(size=s.shape) / np.sqrt(np.prod(s.shape[:-1]))).astype(np.float32)
-    return (float(path[-1].key in ('scale', 'gain')) +
-            0.3 * rng.normal(size=s.shape)).astype(np.float32)
+    return (float(path[-1].key in ('scale', 'gain')) + 0.3 * rng.normal(size=s.shape)).astype(
+      np.float32
+    )
+
   return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
 def _set_norms(params, state, rng, table_scale=1.0):
   """The norm layers' bias β (times 1 + N(0, 1e-4) unless exact) and scale γ; embedding
   tables times table_scale."""
+
   def set_leaf(path, v):
     v = np.array(v)
     names = [p.key for p in path]
@@ -153,6 +162,7 @@ def _set_norms(params, state, rng, table_scale=1.0):
     if names[-1] == 'bias':
       return (beta * (1 + (0 if exact else 0.01) * rng.normal(size=v.shape))).astype(np.float32)
     return np.full_like(v, gamma)  # scale.
+
   return jax.tree_util.tree_map_with_path(set_leaf, params)
 
 
@@ -186,6 +196,7 @@ def _ghost_sum(name, ghost):
   def traced_in_form(params, batch):
     with mixed.forced_form(ghost):  # Read when first traced.
       return fn(params, batch)
+
   return traced_in_form
 
 

@@ -53,39 +53,45 @@ def _build(make, seed: int) -> nnx.Module:
     if len(s.shape) >= 2:
       return jnp.asarray(rng.normal(size=s.shape) / np.sqrt(np.prod(s.shape[:-1])), s.dtype)
     return jnp.asarray(float(name == 'scale') + 0.3 * rng.normal(size=s.shape), s.dtype)
+
   nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(draw, state.to_pure_dict()))
   nnx.update(model, state)
   assert all(isinstance(l, jax.Array) for l in jax.tree.leaves(nnx.state(model)))
   return model
 
 
-
 def _xent(model, example):
   """One example's cross-entropy and whether it is classified correctly."""
   logits = model(example['x'][None])[0]
-  return (optax.softmax_cross_entropy_with_integer_labels(logits, example['y']),
-          {'correct': (jnp.argmax(logits) == example['y']).astype(jnp.float32)})
+  return (
+    optax.softmax_cross_entropy_with_integer_labels(logits, example['y']),
+    {'correct': (jnp.argmax(logits) == example['y']).astype(jnp.float32)},
+  )
 
 
 def _jit(fn, *args):
   """fn(*args), jitted and compiled once with XLA's backend (LLVM) optimisation off: these
   small programs compile about twice as fast, and what they compute is the same."""
-  compiled = jax.jit(fn).lower(*args).compile(
-      compiler_options={'xla_backend_optimization_level': 0})
+  compiled = (
+    jax.jit(fn).lower(*args).compile(compiler_options={'xla_backend_optimization_level': 0})
+  )
   return compiled(*args)
 
 
 def _leaf_sq_norms(grads, n):
   """{'a/b/leaf': ‖g_i‖² [n]} of per-example gradients."""
-  return {'/'.join(p): jnp.sum(jnp.square(g.reshape(n, -1)), axis=1)
-          for p, g in zip(leaf_paths(grads), jax.tree.leaves(grads))}
+  return {
+    '/'.join(p): jnp.sum(jnp.square(g.reshape(n, -1)), axis=1)
+    for p, g in zip(leaf_paths(grads), jax.tree.leaves(grads))
+  }
 
 
 def _tree_allclose(got, want, rtol):
   assert jax.tree.structure(got) == jax.tree.structure(want)
   scale = max(float(np.max(np.abs(l))) for l in jax.tree.leaves(want))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale),
-               got, want)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale), got, want
+  )
 
 
 # ----------------------------------------------------------------------------
@@ -106,8 +112,9 @@ def _compare(loss_fn, materialised, exact_norms, params, batch):
   """
   examples, w = clipping.examples_of(batch), batch['weight']
   n = w.shape[0]
-  (losses, aux), grads = jax.vmap(
-      jax.value_and_grad(loss_fn, has_aux=True), in_axes=(None, 0))(params, examples)
+  (losses, aux), grads = jax.vmap(jax.value_and_grad(loss_fn, has_aux=True), in_axes=(None, 0))(
+    params, examples
+  )
   want = {}  # Per layer (its parameters' parent path), or per leaf for per-example copies.
   for path, sq in _leaf_sq_norms(grads, n).items():
     key = path if tuple(path.split('/')) in materialised else path.rsplit('/', 1)[0]
@@ -115,26 +122,41 @@ def _compare(loss_fn, materialised, exact_norms, params, batch):
   ghost = ghost_clipping.ghost_pass(loss_fn, params, examples)
   exact = None
   if exact_norms:
-    with mock.patch.object(ghost_clipping.mixed, 'cancellation_allowance',
-                           lambda: (0.0, 0.0)):
+    with mock.patch.object(ghost_clipping.mixed, 'cancellation_allowance', lambda: (0.0, 0.0)):
       exact = ghost_clipping.ghost_pass(loss_fn, params, examples).sq_norms_by_path
   total = sum(want.values())
   finite = jnp.sort(jnp.where(jnp.isfinite(total), total, jnp.inf))
   m = jnp.sum(jnp.isfinite(total)) // 2
   clip = jnp.sqrt((finite[m - 1] + finite[m]) / 2)
   ref, ref_rows = clipping._clip_and_sum(
-      losses, aux, total,
-      lambda f, keep: jax.tree.map(lambda g: rounding.weighted_row_sum(f, g, keep), grads),
-      w, clip)
-  got, rows = clipping._clip_and_sum(ghost.losses, ghost.aux, ghost.sq_norms,
-                                     ghost.weighted_sum, w, clip)
+    losses,
+    aux,
+    total,
+    lambda f, keep: jax.tree.map(lambda g: rounding.weighted_row_sum(f, g, keep), grads),
+    w,
+    clip,
+  )
+  got, rows = clipping._clip_and_sum(
+    ghost.losses, ghost.aux, ghost.sq_norms, ghost.weighted_sum, w, clip
+  )
   # The same ghost sum with every finite real row's weight set to 0: only padding rows and
   # non-finite rows are left, and they must add exactly zero.
-  bad_only, _ = clipping._clip_and_sum(ghost.losses, ghost.aux, ghost.sq_norms,
-                                       ghost.weighted_sum,
-                                       jnp.where(jnp.isfinite(total), 0.0, w), clip)
-  return (want, ghost.sq_norms_by_path, exact, (got, clipping.ClipStats.of(rows, w, clip)),
-          (ref, clipping.ClipStats.of(ref_rows, w, clip)), bad_only)
+  bad_only, _ = clipping._clip_and_sum(
+    ghost.losses,
+    ghost.aux,
+    ghost.sq_norms,
+    ghost.weighted_sum,
+    jnp.where(jnp.isfinite(total), 0.0, w),
+    clip,
+  )
+  return (
+    want,
+    ghost.sq_norms_by_path,
+    exact,
+    (got, clipping.ClipStats.of(rows, w, clip)),
+    (ref, clipping.ClipStats.of(ref_rows, w, clip)),
+    bad_only,
+  )
 
 
 def _assert_matches_vmap(model, shape, seed, vocab=0, n=6, num_pad=3, exact_norms=True):
@@ -152,11 +174,14 @@ def _assert_matches_vmap(model, shape, seed, vocab=0, n=6, num_pad=3, exact_norm
     x[1].flat[3], x[2].flat[0], x[n].flat[5] = vocab + 2, vocab, vocab + 7
   else:
     x[1].flat[3], x[2].flat[0], x[n].flat[5] = np.nan, np.inf, np.nan
-  batch = {'x': x, 'y': np.concatenate([y, y[:num_pad]]),
-           'weight': np.r_[np.ones(n), np.zeros(num_pad)].astype(np.float32)}
+  batch = {
+    'x': x,
+    'y': np.concatenate([y, y[:num_pad]]),
+    'weight': np.r_[np.ones(n), np.zeros(num_pad)].astype(np.float32),
+  }
   want, got, exact, (ghost, stats), (ref, ref_stats), bad_only = _jit(
-      lambda p, b: _compare(loss_fn, coverage.materialised, exact_norms, p, b),
-      fm.params, batch)
+    lambda p, b: _compare(loss_fn, coverage.materialised, exact_norms, p, b), fm.params, batch
+  )
   assert set(got) == set(want)
   ok = np.isfinite(sum(want.values()))
   assert list(np.flatnonzero(~ok)) == [1, 2, n]
@@ -172,8 +197,9 @@ def _assert_matches_vmap(model, shape, seed, vocab=0, n=6, num_pad=3, exact_norm
   assert all((np.asarray(l) == 0).all() for l in jax.tree.leaves(bad_only))
   _tree_allclose(ghost, ref, rtol=1e-4)
   for field in clipping.ClipStats._fields:
-    np.testing.assert_allclose(getattr(stats, field), getattr(ref_stats, field), rtol=1e-5,
-                               err_msg=field)
+    np.testing.assert_allclose(
+      getattr(stats, field), getattr(ref_stats, field), rtol=1e-5, err_msg=field
+    )
   assert 0 < int(stats.num_clipped) < n
   assert int(stats.num_nonfinite) == 2  # Padding is not counted.
   assert float(stats.num_rows) == n
@@ -200,25 +226,38 @@ class Tiny(nnx.Module):
 
 # name: (layer(rngs), per-example input shape, vocabulary (0: float inputs), its rule).
 LAYERS = {
-    'linear': (lambda r: nnx.Linear(16, 16, rngs=r), (3, 16), 0, 'dense'),  # S=3: ghost.
-    'linear_general_multi_in_out': (
-        lambda r: nnx.LinearGeneral((4, 6), (2, 5), axis=(-2, -1), rngs=r), (3, 4, 6), 0,
-        'dense_general'),
-    'conv_strided_padded': (
-        lambda r: nnx.Conv(3, 5, (3, 3), strides=2, padding=((1, 0), (2, 1)), rngs=r),
-        (6, 6, 3), 0, 'conv'),
-    'conv_1d_dilated_valid_no_bias': (
-        lambda r: nnx.Conv(6, 8, (3,), padding='VALID', kernel_dilation=(2,), use_bias=False,
-                           rngs=r), (7, 6), 0, 'conv'),
-    'embed': (lambda r: nnx.Embed(11, 4, rngs=r), (7,), 11, 'embed'),  # V > T: ghost form.
-    'layer_norm': (lambda r: nnx.LayerNorm(6, rngs=r), (4, 6), 0, 'norm'),
-    'group_norm': (lambda r: nnx.GroupNorm(6, num_groups=2, rngs=r), (3, 3, 6), 0, 'norm'),
-    'rms_norm': (lambda r: nnx.RMSNorm(6, rngs=r), (4, 6), 0, 'norm'),
-    # Its query, key and value are LinearGeneral(4, (2, 2)): multi-axis outputs.
-    'multi_head_attention': (
-        lambda r: nnx.MultiHeadAttention(num_heads=2, in_features=4, qkv_features=4,
-                                         decode=False, deterministic=True, rngs=r),
-        (5, 4), 0, 'dense_general'),
+  'linear': (lambda r: nnx.Linear(16, 16, rngs=r), (3, 16), 0, 'dense'),  # S=3: ghost.
+  'linear_general_multi_in_out': (
+    lambda r: nnx.LinearGeneral((4, 6), (2, 5), axis=(-2, -1), rngs=r),
+    (3, 4, 6),
+    0,
+    'dense_general',
+  ),
+  'conv_strided_padded': (
+    lambda r: nnx.Conv(3, 5, (3, 3), strides=2, padding=((1, 0), (2, 1)), rngs=r),
+    (6, 6, 3),
+    0,
+    'conv',
+  ),
+  'conv_1d_dilated_valid_no_bias': (
+    lambda r: nnx.Conv(6, 8, (3,), padding='VALID', kernel_dilation=(2,), use_bias=False, rngs=r),
+    (7, 6),
+    0,
+    'conv',
+  ),
+  'embed': (lambda r: nnx.Embed(11, 4, rngs=r), (7,), 11, 'embed'),  # V > T: ghost form.
+  'layer_norm': (lambda r: nnx.LayerNorm(6, rngs=r), (4, 6), 0, 'norm'),
+  'group_norm': (lambda r: nnx.GroupNorm(6, num_groups=2, rngs=r), (3, 3, 6), 0, 'norm'),
+  'rms_norm': (lambda r: nnx.RMSNorm(6, rngs=r), (4, 6), 0, 'norm'),
+  # Its query, key and value are LinearGeneral(4, (2, 2)): multi-axis outputs.
+  'multi_head_attention': (
+    lambda r: nnx.MultiHeadAttention(
+      num_heads=2, in_features=4, qkv_features=4, decode=False, deterministic=True, rngs=r
+    ),
+    (5, 4),
+    0,
+    'dense_general',
+  ),
 }
 
 
@@ -227,10 +266,10 @@ LAYERS = {
 def test_each_nnx_layer_matches_per_example_gradients(name):
   make_layer, shape, vocab, rule = LAYERS[name]
   dtype = jnp.int32 if vocab else jnp.float32
-  model = _build(lambda r: Tiny(make_layer(r), shape, dtype, rngs=r),
-                 seed=10 + sorted(LAYERS).index(name))
-  coverage = _assert_matches_vmap(model, shape, seed=100 + sorted(LAYERS).index(name),
-                                  vocab=vocab)
+  model = _build(
+    lambda r: Tiny(make_layer(r), shape, dtype, rngs=r), seed=10 + sorted(LAYERS).index(name)
+  )
+  coverage = _assert_matches_vmap(model, shape, seed=100 + sorted(LAYERS).index(name), vocab=vocab)
   rules = {'/'.join(l.param_path): l.rule.name for l in coverage.layers}
   head = {'head': 'dense'}
   if name == 'multi_head_attention':
@@ -247,29 +286,34 @@ def test_each_nnx_layer_matches_per_example_gradients(name):
 
 
 NETWORKS = {
-    # name: (nnx model(input shape, rngs), linen twin, input shape).
-    'mlp': (lambda s, r: mlp.NNXMLP(s, K, (16, 8), rngs=r),
-            mlp.MLP(K, (16, 8)), (6, 6, 1)),
-    # The paper CNN's structure at a small size (its default size: below).
-    'cnn': (lambda s, r: cnn.NNXCNN(s, K, features=(4, 8), kernel_sizes=(3, 2),
-                                          hidden_size=8, rngs=r),
-            cnn.CNN(K, features=(4, 8), kernel_sizes=(3, 2), hidden_size=8),
-            (10, 10, 1)),
-    'vit': (lambda s, r: vit.NNXViT(s, K, patch_size=2, num_layers=1, num_heads=2,
-                                          width=8, mlp_dim=16, rngs=r),
-            vit.ViT(K, patch_size=2, num_layers=1, num_heads=2, width=8, mlp_dim=16),
-            (4, 6, 3)),
+  # name: (nnx model(input shape, rngs), linen twin, input shape).
+  'mlp': (lambda s, r: mlp.NNXMLP(s, K, (16, 8), rngs=r), mlp.MLP(K, (16, 8)), (6, 6, 1)),
+  # The paper CNN's structure at a small size (its default size: below).
+  'cnn': (
+    lambda s, r: cnn.NNXCNN(s, K, features=(4, 8), kernel_sizes=(3, 2), hidden_size=8, rngs=r),
+    cnn.CNN(K, features=(4, 8), kernel_sizes=(3, 2), hidden_size=8),
+    (10, 10, 1),
+  ),
+  'vit': (
+    lambda s, r: vit.NNXViT(
+      s, K, patch_size=2, num_layers=1, num_heads=2, width=8, mlp_dim=16, rngs=r
+    ),
+    vit.ViT(K, patch_size=2, num_layers=1, num_heads=2, width=8, mlp_dim=16),
+    (4, 6, 3),
+  ),
 }
 # Two blocks, for the order of the linen ViT's numbered layers.
-VIT_2 = (lambda s, r: vit.NNXViT(s, K, patch_size=2, num_layers=2, num_heads=2,
-                                       width=8, mlp_dim=16, rngs=r),
-         vit.ViT(K, patch_size=2, num_layers=2, num_heads=2, width=8, mlp_dim=16),
-         (4, 6, 3))
+VIT_2 = (
+  lambda s, r: vit.NNXViT(
+    s, K, patch_size=2, num_layers=2, num_heads=2, width=8, mlp_dim=16, rngs=r
+  ),
+  vit.ViT(K, patch_size=2, num_layers=2, num_heads=2, width=8, mlp_dim=16),
+  (4, 6, 3),
+)
 
 
 def _linen_shapes(model: nn.Module, shape):
-  return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
-                                           jnp.zeros((1, *shape))))['params']
+  return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, *shape))))['params']
 
 
 def _size(tree) -> int:
@@ -284,18 +328,30 @@ def _to_nnx(name: str, p: dict) -> dict:
     return {'hidden': {str(i): p[k] for i, k in enumerate(dense[:-1])}, 'head': p[dense[-1]]}
   if name == 'cnn':
     convs = sorted(k for k in p if k.startswith('Conv_'))
-    return {'convs': {str(i): p[k] for i, k in enumerate(convs)}, 'hidden': p['Dense_0'],
-            'head': p['Dense_1']}
+    return {
+      'convs': {str(i): p[k] for i, k in enumerate(convs)},
+      'hidden': p['Dense_0'],
+      'head': p['Dense_1'],
+    }
   num_layers = sum(k.startswith('MultiHeadDotProductAttention_') for k in p)
-  blocks = {str(i): {'attention_norm': p[f'LayerNorm_{2 * i}'],
-                     'attention': p[f'MultiHeadDotProductAttention_{i}'],
-                     'mlp_norm': p[f'LayerNorm_{2 * i + 1}'],
-                     # nn.Dense(width)(gelu(nn.Dense(mlp_dim)(y))): the outer one is made first.
-                     'mlp_out': p[f'Dense_{2 * i}'], 'mlp_in': p[f'Dense_{2 * i + 1}']}
-            for i in range(num_layers)}
-  return {'patch_embedding': p['Conv_0'], 'pos_embedding': p['pos_embedding'],
-          'blocks': blocks, 'norm': p[f'LayerNorm_{2 * num_layers}'],
-          'head': p[f'Dense_{2 * num_layers}']}
+  blocks = {
+    str(i): {
+      'attention_norm': p[f'LayerNorm_{2 * i}'],
+      'attention': p[f'MultiHeadDotProductAttention_{i}'],
+      'mlp_norm': p[f'LayerNorm_{2 * i + 1}'],
+      # nn.Dense(width)(gelu(nn.Dense(mlp_dim)(y))): the outer one is made first.
+      'mlp_out': p[f'Dense_{2 * i}'],
+      'mlp_in': p[f'Dense_{2 * i + 1}'],
+    }
+    for i in range(num_layers)
+  }
+  return {
+    'patch_embedding': p['Conv_0'],
+    'pos_embedding': p['pos_embedding'],
+    'blocks': blocks,
+    'norm': p[f'LayerNorm_{2 * num_layers}'],
+    'head': p[f'Dense_{2 * num_layers}'],
+  }
 
 
 @pytest.mark.parametrize('name', ['mlp', 'cnn', 'vit_2'])
@@ -309,12 +365,14 @@ def test_nnx_network_is_its_linen_twin(name):
   assert _size(fm.params) == _size(shapes)
   rng = np.random.default_rng(21)
   linen_params = jax.tree.map(
-      lambda s: rng.normal(size=s.shape).astype(np.float32) / np.sqrt(s.shape[0]), shapes)
+    lambda s: rng.normal(size=s.shape).astype(np.float32) / np.sqrt(s.shape[0]), shapes
+  )
   mapped = _to_nnx(name[:3], linen_params)
   assert jax.tree.map(jnp.shape, mapped) == jax.tree.map(jnp.shape, fm.params), name
   x, _ = harness.inputs(shape, 4, seed=22)
-  got, want = _jit(lambda p, q, x: (fm.apply(p, x), linen_model.apply({'params': q}, x)),
-                   mapped, linen_params, x)
+  got, want = _jit(
+    lambda p, q, x: (fm.apply(p, x), linen_model.apply({'params': q}, x)), mapped, linen_params, x
+  )
   assert got.shape == (4, K)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
@@ -324,15 +382,23 @@ def test_default_hyper_parameters_have_the_linen_parameter_counts():
   """Abstractly (no initialisation): the paper CNN (26,010 on 28x28x1), the default ViT on
   32x32x3 and an MLP."""
   for nnx_make, linen_model, shape in (
-      (lambda r: cnn.NNXCNN((28, 28, 1), 10, rngs=r), cnn.CNN(10), (28, 28, 1)),
-      (lambda r: vit.NNXViT((32, 32, 3), 10, rngs=r), vit.ViT(10), (32, 32, 3)),
-      (lambda r: mlp.NNXMLP((28, 28, 1), 10, (256, 128), activation='relu', rngs=r),
-       mlp.MLP(10, (256, 128), activation='relu'), (28, 28, 1))):
+    (lambda r: cnn.NNXCNN((28, 28, 1), 10, rngs=r), cnn.CNN(10), (28, 28, 1)),
+    (lambda r: vit.NNXViT((32, 32, 3), 10, rngs=r), vit.ViT(10), (32, 32, 3)),
+    (
+      lambda r: mlp.NNXMLP((28, 28, 1), 10, (256, 128), activation='relu', rngs=r),
+      mlp.MLP(10, (256, 128), activation='relu'),
+      (28, 28, 1),
+    ),
+  ):
     model = nnx.eval_shape(lambda: nnx_make(nnx.Rngs(0)))
     count = _size(nnx.state(model, nnx.Param))
     assert count == _size(_linen_shapes(linen_model, shape))
-  assert _size(nnx.state(nnx.eval_shape(
-      lambda: cnn.NNXCNN((28, 28, 1), 10, rngs=nnx.Rngs(0))), nnx.Param)) == 26010
+  assert (
+    _size(
+      nnx.state(nnx.eval_shape(lambda: cnn.NNXCNN((28, 28, 1), 10, rngs=nnx.Rngs(0))), nnx.Param)
+    )
+    == 26010
+  )
 
 
 @pytest.mark.slow
@@ -341,8 +407,9 @@ def test_nnx_network_ghost_clipping_matches_per_example_gradients(name):
   make, _, shape = NETWORKS[name]
   model = _build(lambda r: make(shape, r), seed=30 + sorted(NETWORKS).index(name))
   # The norms as clipping uses them only (the layer rules' exact norms are tested above).
-  coverage = _assert_matches_vmap(model, shape, seed=300 + sorted(NETWORKS).index(name),
-                                  exact_norms=False)
+  coverage = _assert_matches_vmap(
+    model, shape, seed=300 + sorted(NETWORKS).index(name), exact_norms=False
+  )
   if name == 'vit':  # Declared in the model body: per-example copies.
     assert coverage.materialised == (('pos_embedding',),)
     assert len(coverage.layers) == 1 + 8 + 2  # Conv; 2 LN, 4 attention, 2 Linear; LN, head.
@@ -391,27 +458,46 @@ def _kernel_penalty(model, example):
 
 # name: (model(rngs), loss, input shape, vocabulary, {uncovered path: words of its reason}).
 UNCOVERED = {
-    'custom_dot_general': (
-        lambda r: Body(nnx.Linear(5, 4, dot_general=_custom_dot, rngs=r), 4, rngs=r),
-        _xent, (5,), 0,
-        {'layer/kernel': 'custom dot_general', 'layer/bias': 'custom dot_general'}),
-    'lora': (
-        lambda r: Body(nnx.LoRALinear(5, 4, lora_rank=2, rngs=r), 4, rngs=r),
-        _xent, (5,), 0, {'layer/kernel': 'unexpected parameters',
-                         'layer/bias': 'unexpected parameters',
-                         'layer/lora/lora_a': 'not read by a covered layer call',
-                         'layer/lora/lora_b': 'not read by a covered layer call'}),
-    'feature_groups': (
-        lambda r: Body(nnx.Conv(4, 6, (3, 3), feature_group_count=2, rngs=r), 4 * 4 * 6,
-                       rngs=r),
-        _xent, (4, 4, 4), 0,
-        {'layer/kernel': 'feature groups', 'layer/bias': 'feature groups'}),
-    'loss_term': (
-        lambda r: Body(nnx.Linear(5, 4, rngs=r), 4, rngs=r), _kernel_penalty, (5,), 0,
-        {'layer/kernel': 'outside the layer call', 'layer/bias': 'outside the layer call'}),
-    'tied_embedding': (
-        lambda r: TiedEmbed(rngs=r), _xent, (4,), K,
-        {'embed/embedding': 'outside the layer call'}),
+  'custom_dot_general': (
+    lambda r: Body(nnx.Linear(5, 4, dot_general=_custom_dot, rngs=r), 4, rngs=r),
+    _xent,
+    (5,),
+    0,
+    {'layer/kernel': 'custom dot_general', 'layer/bias': 'custom dot_general'},
+  ),
+  'lora': (
+    lambda r: Body(nnx.LoRALinear(5, 4, lora_rank=2, rngs=r), 4, rngs=r),
+    _xent,
+    (5,),
+    0,
+    {
+      'layer/kernel': 'unexpected parameters',
+      'layer/bias': 'unexpected parameters',
+      'layer/lora/lora_a': 'not read by a covered layer call',
+      'layer/lora/lora_b': 'not read by a covered layer call',
+    },
+  ),
+  'feature_groups': (
+    lambda r: Body(nnx.Conv(4, 6, (3, 3), feature_group_count=2, rngs=r), 4 * 4 * 6, rngs=r),
+    _xent,
+    (4, 4, 4),
+    0,
+    {'layer/kernel': 'feature groups', 'layer/bias': 'feature groups'},
+  ),
+  'loss_term': (
+    lambda r: Body(nnx.Linear(5, 4, rngs=r), 4, rngs=r),
+    _kernel_penalty,
+    (5,),
+    0,
+    {'layer/kernel': 'outside the layer call', 'layer/bias': 'outside the layer call'},
+  ),
+  'tied_embedding': (
+    lambda r: TiedEmbed(rngs=r),
+    _xent,
+    (4,),
+    K,
+    {'embed/embedding': 'outside the layer call'},
+  ),
 }
 
 
@@ -434,18 +520,23 @@ def test_uncovered_parameters_are_named_auto_is_vmap_and_ghost_raises(name):
   weights = np.array([1, 1, 1, 0], np.float32)
   auto = clipping.clipped_grad(loss_fn, 0.1, has_aux=True, method='auto', precision='highest')
   vmap = clipping.clipped_grad(loss_fn, 0.1, has_aux=True, method='vmap', precision='highest')
-  (g_auto, rows_auto), (g_vmap, rows_vmap), grads = _jit(lambda p, e, w: (
-      auto(p, e, w), vmap(p, e, w),
-      jax.vmap(jax.grad(lambda p, e: loss_fn(p, e)[0]), in_axes=(None, 0))(p, e)),
-      fm.params, examples, weights)
+  (g_auto, rows_auto), (g_vmap, rows_vmap), grads = _jit(
+    lambda p, e, w: (
+      auto(p, e, w),
+      vmap(p, e, w),
+      jax.vmap(jax.grad(lambda p, e: loss_fn(p, e)[0]), in_axes=(None, 0))(p, e),
+    ),
+    fm.params,
+    examples,
+    weights,
+  )
   assert 'vmap' in auto.choice[0] and all(p in auto.choice[0] for p in want)
   _tree_allclose(g_auto, g_vmap, rtol=1e-6)
   np.testing.assert_allclose(rows_auto.norm, rows_vmap.norm, rtol=1e-6)
   # Against per-example gradients clipped here.
   sq = sum(_leaf_sq_norms(grads, 4).values())
   factor = weights * np.minimum(1.0, auto.clip_bound / np.sqrt(sq))
-  _tree_allclose(g_auto, jax.tree.map(lambda g: np.tensordot(factor, g, axes=1), grads),
-                 rtol=1e-5)
+  _tree_allclose(g_auto, jax.tree.map(lambda g: np.tensordot(factor, g, axes=1), grads), rtol=1e-5)
   ghost = clipping.clipped_grad(loss_fn, 0.1, has_aux=True, method='ghost')
   with pytest.raises(ValueError, match=sorted(want)[0]):
     _jit(ghost, fm.params, examples, weights)
@@ -470,11 +561,11 @@ def _reference_clipped_sum(model, loss, trainable, examples, weights, clip_norm)
   gradients of EVERY nnx.Param of the model (jax.vmap(jax.grad)), clipped here."""
   full = nnx_model.Functional(model)  # All nnx.Param (LoRAParam included).
   loss_fn = full.loss(loss)
-  grads = _jit(jax.vmap(jax.grad(lambda p, e: loss_fn(p, e)[0]), in_axes=(None, 0)),
-               full.params, examples)
+  grads = _jit(
+    jax.vmap(jax.grad(lambda p, e: loss_fn(p, e)[0]), in_axes=(None, 0)), full.params, examples
+  )
   n = len(weights)
-  flat = {'/'.join(p): np.asarray(g) for p, g in
-          zip(leaf_paths(grads), jax.tree.leaves(grads))}
+  flat = {'/'.join(p): np.asarray(g) for p, g in zip(leaf_paths(grads), jax.tree.leaves(grads))}
   assert trainable < set(flat)
   sq = sum(np.sum(np.square(flat[p].reshape(n, -1)), axis=1) for p in trainable)
   factor = weights * np.minimum(1.0, clip_norm / np.sqrt(sq))
@@ -482,8 +573,7 @@ def _reference_clipped_sum(model, loss, trainable, examples, weights, clip_norm)
 
 
 def _flat(tree):
-  return {'/'.join(p): np.asarray(l) for p, l in
-          zip(leaf_paths(tree), jax.tree.leaves(tree))}
+  return {'/'.join(p): np.asarray(l) for p, l in zip(leaf_paths(tree), jax.tree.leaves(tree))}
 
 
 def _assert_flat_allclose(got, want, rtol):
@@ -505,8 +595,11 @@ def test_training_only_lora_params():
   g, rows = _jit(grad_fn, fm.params, examples, weights)
   assert 'vmap' in grad_fn.choice[0]  # LoRA adapters have no ghost rule: 'auto' falls back.
   assert set(_flat(g)) == lora
-  _assert_flat_allclose(_flat(g), _reference_clipped_sum(
-      model, _xent, lora, examples, weights, grad_fn.clip_bound), rtol=1e-5)
+  _assert_flat_allclose(
+    _flat(g),
+    _reference_clipped_sum(model, _xent, lora, examples, weights, grad_fn.clip_bound),
+    rtol=1e-5,
+  )
   assert 0 < int(np.sum(rows.norm[:5] > grad_fn.clip_bound)) < 5
   # Training writes back the LoRA parameters only.
   fm.update(model, jax.tree.map(lambda p, d: p - d, fm.params, g))
@@ -531,12 +624,14 @@ def test_training_one_submodule_with_ghost_clipping():
   cov = ghost_clipping.analyse_coverage(loss_fn, fm.params, {'x': x[0], 'y': y[0]})
   assert cov.complete and [l.param_path for l in cov.layers] == [('head',)]
   examples, weights = {'x': x, 'y': y}, np.r_[np.ones(5), 0].astype(np.float32)
-  ghost = clipping.clipped_grad(loss_fn, 1.5, has_aux=True, method='ghost',
-                                precision='highest')
+  ghost = clipping.clipped_grad(loss_fn, 1.5, has_aux=True, method='ghost', precision='highest')
   g, rows = _jit(ghost, fm.params, examples, weights)
   assert 'ghost' in ghost.choice[0]
-  _assert_flat_allclose(_flat(g), _reference_clipped_sum(
-      model, _xent, head, examples, weights, ghost.clip_bound), rtol=1e-5)
+  _assert_flat_allclose(
+    _flat(g),
+    _reference_clipped_sum(model, _xent, head, examples, weights, ghost.clip_bound),
+    rtol=1e-5,
+  )
   assert 0 < int(np.sum(rows.norm[:5] > ghost.clip_bound)) < 5
 
 
@@ -549,10 +644,14 @@ def test_training_base_weights_under_frozen_lora_adapters_with_ghost_clipping():
   assert set(_flat(fm.params)) == base
   x, y = harness.inputs((5,), 6, seed=71)
   examples, weights = {'x': x, 'y': y}, np.r_[np.ones(5), 0].astype(np.float32)
-  ghost = clipping.clipped_grad(fm.loss(_xent), 2.0, has_aux=True, method='ghost',
-                                precision='highest')
+  ghost = clipping.clipped_grad(
+    fm.loss(_xent), 2.0, has_aux=True, method='ghost', precision='highest'
+  )
   g, rows = _jit(ghost, fm.params, examples, weights)
   assert 'ghost' in ghost.choice[0]
-  _assert_flat_allclose(_flat(g), _reference_clipped_sum(
-      model, _xent, base, examples, weights, ghost.clip_bound), rtol=1e-5)
+  _assert_flat_allclose(
+    _flat(g),
+    _reference_clipped_sum(model, _xent, base, examples, weights, ghost.clip_bound),
+    rtol=1e-5,
+  )
   assert 0 < int(np.sum(rows.norm[:5] > ghost.clip_bound)) < 5

@@ -25,22 +25,22 @@ def test_every_layer_type_matches_per_example_gradients():
 
 # The form each harness.AllLayers call takes by the mixed rule (its shapes; see the comments there).
 ALL_LAYERS_FORMS = [
-    'Conv_0: conv materialised (S=9, m=27, c=4)',
-    'Dense_0: dense rank-1 (S=1, m=108, c=5)',
-    'Dense_1: dense ghost (S=6, m=18, c=16)',
-    'Dense_2: dense materialised (S=6, m=18, c=2)',
-    'DenseGeneral_0: dense_general ghost (S=6, m=18, c=32)',
-    'DenseGeneral_1: dense_general materialised (S=6, m=18, c=5)',
-    'Conv_1: conv materialised (S=16, m=18, c=3)',
-    'Conv_2: conv ghost (S=6, m=27, c=32)',
-    'Conv_3: conv materialised (S=6, m=54, c=3)',
-    'Embed_0: embed ghost (T=6 tokens, V=50, D=4)',
-    'Embed_1: embed materialised (T=6 tokens, V=3, D=4)',
-    'LayerNorm_0: norm per-example vjp',
-    'RMSNorm_0: norm per-example vjp',
-    'GroupNorm_0: norm per-example vjp',
-    'WSConv_0: wsconv materialised (S=9, m=27, c=4)',
-    'Dense_3: dense rank-1 (S=1, m=929, c=3)',
+  'Conv_0: conv materialised (S=9, m=27, c=4)',
+  'Dense_0: dense rank-1 (S=1, m=108, c=5)',
+  'Dense_1: dense ghost (S=6, m=18, c=16)',
+  'Dense_2: dense materialised (S=6, m=18, c=2)',
+  'DenseGeneral_0: dense_general ghost (S=6, m=18, c=32)',
+  'DenseGeneral_1: dense_general materialised (S=6, m=18, c=5)',
+  'Conv_1: conv materialised (S=16, m=18, c=3)',
+  'Conv_2: conv ghost (S=6, m=27, c=32)',
+  'Conv_3: conv materialised (S=6, m=54, c=3)',
+  'Embed_0: embed ghost (T=6 tokens, V=50, D=4)',
+  'Embed_1: embed materialised (T=6 tokens, V=3, D=4)',
+  'LayerNorm_0: norm per-example vjp',
+  'RMSNorm_0: norm per-example vjp',
+  'GroupNorm_0: norm per-example vjp',
+  'WSConv_0: wsconv materialised (S=9, m=27, c=4)',
+  'Dense_3: dense rank-1 (S=1, m=929, c=3)',
 ]
 
 
@@ -48,7 +48,8 @@ def test_layer_forms_follow_the_mixed_rule_from_each_calls_shapes():
   x, y = harness.inputs((6, 6, 3), 7, seed=100)
   model = harness.AllLayers()
   coverage = ghost_clipping.analyse_coverage(
-      losses.make_loss_fn(model), harness.init(model, x, seed=1), {'x': x[0], 'y': y[0]})
+    losses.make_loss_fn(model), harness.init(model, x, seed=1), {'x': x[0], 'y': y[0]}
+  )
   assert coverage.layer_forms() == ALL_LAYERS_FORMS
   for line in ALL_LAYERS_FORMS:  # The logged choice is the rule's: S(m + c) < m·c.
     if match := re.search(r'(ghost|materialised) \(S=(\d+), m=(\d+), c=(\d+)\)', line):
@@ -83,8 +84,7 @@ def test_linear_rule_both_branches_equal_the_frobenius_norm():
     d = rng.normal(size=(4, s, c)).astype(np.float32)
     blocks = Blocks(lambda k: jnp.asarray(a), 1, m)
     sq, _ = linear_sq_norm(blocks, jnp.asarray(d))
-    want = np.sum(np.einsum('nsm,nsc->nmc', a.astype(np.float64), d)**2,
-                  axis=(1, 2))
+    want = np.sum(np.einsum('nsm,nsc->nmc', a.astype(np.float64), d) ** 2, axis=(1, 2))
     np.testing.assert_allclose(sq, want, rtol=1e-5)
     branches.add(use_ghost(s, m, c))
   assert branches == {True, False}

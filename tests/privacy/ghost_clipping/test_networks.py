@@ -1,6 +1,5 @@
 """Ghost clipping of dpjax's networks against per-example gradients."""
 
-
 import ml_collections
 import pytest
 
@@ -15,20 +14,27 @@ def _config(name, **kw):
 
 
 MODELS = {
-    'mlp': (ml_collections.ConfigDict({'name': 'mlp', 'hidden_sizes': (16,)}),
-            (6, 6, 1), 0),
-    'cnn': (models.default_model_config('cnn'), (28, 28, 1), 0),
-    # WRN structure (stem, 3 groups with projection shortcuts and strides
-    # 1, 2, 2, GroupNorm, weight standardisation) at depth 10, width 1 for
-    # compile time; scripts/bench_clipping.py checks WRN-16-4 itself.
-    'wrn_10_1': (_config('wrn', depth=10, width=1), (8, 8, 3), 0),
-    'transformer_features': (_config('transformer', num_layers=1, model_dim=16,
-                                     mlp_dim=32, num_heads=2), (5, 6), 0),
-    'transformer_tokens': (_config('transformer', vocab_size=11, num_layers=1,
-                                   model_dim=16, mlp_dim=32, num_heads=2),
-                           (7,), 11),
-    'vit': (_config('vit', patch_size=2, num_layers=1, num_heads=2, width=8, mlp_dim=16),
-            (4, 6, 3), 0),
+  'mlp': (ml_collections.ConfigDict({'name': 'mlp', 'hidden_sizes': (16,)}), (6, 6, 1), 0),
+  'cnn': (models.default_model_config('cnn'), (28, 28, 1), 0),
+  # WRN structure (stem, 3 groups with projection shortcuts and strides
+  # 1, 2, 2, GroupNorm, weight standardisation) at depth 10, width 1 for
+  # compile time; scripts/bench_clipping.py checks WRN-16-4 itself.
+  'wrn_10_1': (_config('wrn', depth=10, width=1), (8, 8, 3), 0),
+  'transformer_features': (
+    _config('transformer', num_layers=1, model_dim=16, mlp_dim=32, num_heads=2),
+    (5, 6),
+    0,
+  ),
+  'transformer_tokens': (
+    _config('transformer', vocab_size=11, num_layers=1, model_dim=16, mlp_dim=32, num_heads=2),
+    (7,),
+    11,
+  ),
+  'vit': (
+    _config('vit', patch_size=2, num_layers=1, num_heads=2, width=8, mlp_dim=16),
+    (4, 6, 3),
+    0,
+  ),
 }
 
 

@@ -38,16 +38,18 @@ def _closed_form_sq_norms(module, theta, x, d):
   sums = lambda v: v.reshape(n, -1, v.shape[-1]).sum(1)
   sq = 0.0
   if 'scale' in theta:
-    sq = sq + np.sum(sums(np.float64(d) * _normalised(module, x))**2, 1)
+    sq = sq + np.sum(sums(np.float64(d) * _normalised(module, x)) ** 2, 1)
   if 'bias' in theta:
-    sq = sq + np.sum(sums(np.float64(d))**2, 1)
+    sq = sq + np.sum(sums(np.float64(d)) ** 2, 1)
   return sq
 
 
-MODULES = {'layer_norm': (nn.LayerNorm(), (5, 8)),
-           'layer_norm_scale_only': (nn.LayerNorm(use_bias=False), (5, 8)),
-           'rms_norm': (nn.RMSNorm(), (5, 8)),
-           'group_norm': (nn.GroupNorm(num_groups=2), (1, 3, 3, 4))}
+MODULES = {
+  'layer_norm': (nn.LayerNorm(), (5, 8)),
+  'layer_norm_scale_only': (nn.LayerNorm(use_bias=False), (5, 8)),
+  'rms_norm': (nn.RMSNorm(), (5, 8)),
+  'group_norm': (nn.GroupNorm(num_groups=2), (1, 3, 3, 4)),
+}
 
 
 @pytest.mark.parametrize('name', MODULES)

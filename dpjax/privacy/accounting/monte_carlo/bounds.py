@@ -38,8 +38,7 @@ def kl_upper_confidence_bound(mean, num_samples: int, beta: float) -> np.ndarray
     if mu >= 1 or bernoulli_kl(mu, top) <= target:
       out.append(1.0)
       continue
-    root = optimize.brentq(lambda p: bernoulli_kl(mu, p) - target, mu, top,
-                           xtol=1e-300, rtol=_RTOL)
+    root = optimize.brentq(lambda p: bernoulli_kl(mu, p) - target, mu, top, xtol=1e-300, rtol=_RTOL)
     out.append(min(1.0, root * (1 + 4 * _RTOL) + 1e-300))
   return np.asarray(out)
 
@@ -55,8 +54,9 @@ def kl_lower_confidence_bound(mean, num_samples: int, beta: float) -> np.ndarray
       out.append(0.0)
       continue
     top = mu if mu < 1 else math.nextafter(1.0, 0.0)
-    root = optimize.brentq(lambda p: bernoulli_kl(mu, p) - target, bottom, top,
-                           xtol=1e-300, rtol=_RTOL)
+    root = optimize.brentq(
+      lambda p: bernoulli_kl(mu, p) - target, bottom, top, xtol=1e-300, rtol=_RTOL
+    )
     out.append(max(0.0, root * (1 - 4 * _RTOL)))
   return np.asarray(out)
 
@@ -83,12 +83,17 @@ class HockeyStickSums:
 
   def merge(self, other: 'HockeyStickSums') -> 'HockeyStickSums':
     """Pools two independent runs of the same estimator (same ε grid and conditioning)."""
-    if not (np.array_equal(self.epsilons, other.epsilons)
-            and np.array_equal(self.log_scale, other.log_scale)):
-      raise ValueError('Can only merge sums with the same epsilons and the same conditioning '
-                       '(log_scale); use the same arguments and a different seed.')
-    return HockeyStickSums(self.epsilons, self.sum_f + other.sum_f,
-                           self.num_samples + other.num_samples, self.log_scale)
+    if not (
+      np.array_equal(self.epsilons, other.epsilons)
+      and np.array_equal(self.log_scale, other.log_scale)
+    ):
+      raise ValueError(
+        'Can only merge sums with the same epsilons and the same conditioning '
+        '(log_scale); use the same arguments and a different seed.'
+      )
+    return HockeyStickSums(
+      self.epsilons, self.sum_f + other.sum_f, self.num_samples + other.num_samples, self.log_scale
+    )
 
   def mean(self) -> np.ndarray:
     return self.sum_f / self.num_samples
@@ -107,8 +112,9 @@ class HockeyStickSums:
     return np.minimum(1.0, np.exp(self.log_scale) * lcb)
 
 
-def delta_from_sums(remove: HockeyStickSums, add: HockeyStickSums,
-                    beta: float) -> tuple[np.ndarray, np.ndarray]:
+def delta_from_sums(
+  remove: HockeyStickSums, add: HockeyStickSums, beta: float
+) -> tuple[np.ndarray, np.ndarray]:
   """(point estimate, upper confidence bound) of δ(ε) = max(δ_{P‖Q}, δ_{Q‖P}).
 
   β is split β/2 per direction, so the UCB holds for both with probability ≥ 1 − β.

@@ -27,18 +27,22 @@ def chunk_tasks(plan: Plan, seed: Seed, key: tuple[int, int], num_samples: int) 
   if plan.log_scale < LOG_SCALE_TRIVIAL:
     return []
   size = plan.chunk_size()
-  return [(plan, np.random.SeedSequence(seed, spawn_key=(*key, c)), min(size, num_samples - start))
-          for c, start in enumerate(range(0, num_samples, size))]
+  return [
+    (plan, np.random.SeedSequence(seed, spawn_key=(*key, c)), min(size, num_samples - start))
+    for c, start in enumerate(range(0, num_samples, size))
+  ]
 
 
-def sample_chunk(plan: Plan, stream: np.random.SeedSequence,
-                 size: int) -> tuple[np.ndarray, np.ndarray]:
+def sample_chunk(
+  plan: Plan, stream: np.random.SeedSequence, size: int
+) -> tuple[np.ndarray, np.ndarray]:
   """(loss, weight) of one chunk (runs in a worker process)."""
   return plan.sample(np.random.default_rng(stream), size)
 
 
-def sum_chunk(plan: Plan, stream: np.random.SeedSequence, size: int,
-              epsilons: np.ndarray) -> np.ndarray:
+def sum_chunk(
+  plan: Plan, stream: np.random.SeedSequence, size: int, epsilons: np.ndarray
+) -> np.ndarray:
   """Σ_i f_i(ε_j) of one chunk (runs in a worker process)."""
   loss, weight = sample_chunk(plan, stream, size)
   return hockey_stick_sum(plan.direction, loss, weight, epsilons)
@@ -88,8 +92,9 @@ def run(fn, tasks: list[tuple], workers: int) -> list:
   context = multiprocessing.get_context('spawn')
   claims = context.Array('q', [0, len(tasks)])
   num_others = min(workers - 1, len(tasks) - 1)
-  pool = futures.ProcessPoolExecutor(num_others, mp_context=context, initializer=_init_worker,
-                                     initargs=(claims,))
+  pool = futures.ProcessPoolExecutor(
+    num_others, mp_context=context, initializer=_init_worker, initargs=(claims,)
+  )
   try:
     others = {pool.submit(_drain, fn, tasks) for _ in range(num_others)}
     for future in others:  # a late process unpickles `claims` at start: keep it alive until then
@@ -109,8 +114,10 @@ def run(fn, tasks: list[tuple], workers: int) -> list:
 def direction_rngs(seed: Seed, count: int = 1):
   """Independent generators per direction (and per conditioning level) from one seed (Poisson)."""
   remove, add = np.random.SeedSequence(seed).spawn(2)
-  return ([np.random.default_rng(s) for s in remove.spawn(count)],
-          [np.random.default_rng(s) for s in add.spawn(count)])
+  return (
+    [np.random.default_rng(s) for s in remove.spawn(count)],
+    [np.random.default_rng(s) for s in add.spawn(count)],
+  )
 
 
 def available_cores() -> int:

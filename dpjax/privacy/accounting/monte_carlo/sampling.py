@@ -25,8 +25,9 @@ SAMPLES_PER_CHUNK = 1 << 13
 LOG_SCALE_TRIVIAL = -600.0
 
 
-def order_statistic_ranks(n: int, num_exact_ranks: int = 100,
-                          rank_growth: float = 1.05) -> np.ndarray:
+def order_statistic_ranks(
+  n: int, num_exact_ranks: int = 100, rank_growth: float = 1.05
+) -> np.ndarray:
   """Default ranks: 1, …, num_exact_ranks, then ×rank_growth (rounded up) until n, n included."""
   ranks = list(range(1, min(n, num_exact_ranks) + 1))
   k = ranks[-1]
@@ -59,8 +60,7 @@ def _gamma(rng, shapes, size):
   unit = shapes == 1
   out[:, unit] = rng.standard_exponential((size, int(unit.sum())))
   if not unit.all():
-    out[:, ~unit] = rng.standard_gamma(shapes[~unit].astype(np.float64),
-                                       (size, int((~unit).sum())))
+    out[:, ~unit] = rng.standard_gamma(shapes[~unit].astype(np.float64), (size, int((~unit).sum())))
   return out
 
 
@@ -149,8 +149,9 @@ class _Epoch:
     if log_f0 == 0.0:  # Φ̄(C/σ) < 1e-308 while Pr(A) > 1e-260: case 2 has probability < 1e-40
       case1[:] = True
     e = rng.standard_exponential(size)
-    x1 = np.where(case1, 1 - sigma * special.ndtri_exp(log_s1 - e),
-                  1 + sigma * special.ndtri_exp(log_f1 - e))
+    x1 = np.where(
+      case1, 1 - sigma * special.ndtri_exp(log_s1 - e), 1 + sigma * special.ndtri_exp(log_f1 - e)
+    )
     log_top_min = np.where(case1, -np.inf, log_f0)
     return x1, log_top_min
 
@@ -165,14 +166,17 @@ class _Epoch:
       else:  # max first (conditioned), then the rest i.i.d. below it: the same law as Alg. 10
         log_top = log_top_uniform(rng, n, size, log_top_min)
         log_u = np.concatenate(
-            [log_top[:, None], log_top[:, None] - rng.standard_exponential((size, n - 1))], axis=1)
+          [log_top[:, None], log_top[:, None] - rng.standard_exponential((size, n - 1))], axis=1
+        )
         others = sigma * special.ndtri_exp(log_u)
       log_sum = np.logaddexp(x1 / sigma**2, special.logsumexp(others / sigma**2, axis=1))
       return self._loss(log_sum), np.maximum(x1, others.max(axis=1))
     others = sigma * special.ndtri_exp(
-        log_uniform_order_statistics(rng, n, self.ranks, size, log_top_min))
-    log_sum_others = _log_weighted_sum_exp(others / sigma**2,
-                                           np.log(_upper_block_weights(self.ranks, n)))
+      log_uniform_order_statistics(rng, n, self.ranks, size, log_top_min)
+    )
+    log_sum_others = _log_weighted_sum_exp(
+      others / sigma**2, np.log(_upper_block_weights(self.ranks, n))
+    )
     return self._loss(np.logaddexp(x1 / sigma**2, log_sum_others)), np.maximum(x1, others[:, 0])
 
   def _add(self, rng, size):
@@ -186,7 +190,8 @@ class _Epoch:
         x = sigma * special.ndtri_exp(log_scale - rng.standard_exponential((size, n)))
       return self._loss(special.logsumexp(x / sigma**2, axis=1)), x.max(axis=1)
     x = sigma * special.ndtri_exp(
-        log_scale + log_uniform_order_statistics(rng, n, self.ranks, size))
+      log_scale + log_uniform_order_statistics(rng, n, self.ranks, size)
+    )
     log_sum = _log_weighted_sum_exp(x / sigma**2, np.log(_lower_block_weights(self.ranks)))
     return self._loss(log_sum), x[:, 0]
 
@@ -240,8 +245,13 @@ class Plan:
     count = np.ones(size)
     for epoch in range(self.num_epochs):
       conditioned = self.threshold is not None and epoch == 0
-      sampler = _Epoch(self.direction, self.sigma, self.num_steps, self.ranks,
-                       self.threshold if conditioned else None)
+      sampler = _Epoch(
+        self.direction,
+        self.sigma,
+        self.num_steps,
+        self.ranks,
+        self.threshold if conditioned else None,
+      )
       loss, top = sampler.sample(rng, size)
       total += loss
       if self.threshold is not None and epoch > 0:
@@ -249,8 +259,16 @@ class Plan:
     return total, 1.0 / count
 
 
-def make_plan(direction, sigma, num_steps, num_epochs, method, conditioning_epsilon,
-              num_exact_ranks, rank_growth) -> Plan:
+def make_plan(
+  direction,
+  sigma,
+  num_steps,
+  num_epochs,
+  method,
+  conditioning_epsilon,
+  num_exact_ranks,
+  rank_growth,
+) -> Plan:
   """The Plan of one direction: ranks, importance event and scale ('auto': package docstring)."""
   use_os = method in ('auto', 'order_statistics', 'importance_order_statistics')
   n = num_steps - 1 if direction == REMOVE else num_steps
@@ -263,8 +281,7 @@ def make_plan(direction, sigma, num_steps, num_epochs, method, conditioning_epsi
     log_scale_c = math.log(num_epochs) + _log_event_probability(direction, sigma, num_steps, c)
     if method != 'auto' or log_scale_c <= math.log(0.5):
       threshold, log_scale = c, log_scale_c
-  return Plan(direction, float(sigma), int(num_steps), int(num_epochs), ranks, threshold,
-               log_scale)
+  return Plan(direction, float(sigma), int(num_steps), int(num_epochs), ranks, threshold, log_scale)
 
 
 def hockey_stick_terms(direction, loss, weight, epsilons):
@@ -279,8 +296,12 @@ def trivial_sums(plan: Plan, epsilons, num_samples) -> HockeyStickSums | None:
   """δ ≤ E·Pr(A_1) needs no samples: mean f := 1 when E·Pr(A_1) < e^{-600}."""
   if plan.log_scale >= LOG_SCALE_TRIVIAL:
     return None
-  return HockeyStickSums(epsilons, np.full_like(epsilons, float(num_samples)), num_samples,
-                         np.full_like(epsilons, plan.log_scale))
+  return HockeyStickSums(
+    epsilons,
+    np.full_like(epsilons, float(num_samples)),
+    num_samples,
+    np.full_like(epsilons, plan.log_scale),
+  )
 
 
 def hockey_stick_sum(direction, loss, weight, epsilons) -> np.ndarray:
@@ -288,8 +309,9 @@ def hockey_stick_sum(direction, loss, weight, epsilons) -> np.ndarray:
   rows = max(1, CHUNK_ELEMENTS // len(epsilons))
   total = np.zeros_like(epsilons)
   for start in range(0, len(loss), rows):
-    total += hockey_stick_terms(direction, loss[start:start + rows],
-                                weight[start:start + rows], epsilons).sum(axis=0)
+    total += hockey_stick_terms(
+      direction, loss[start : start + rows], weight[start : start + rows], epsilons
+    ).sum(axis=0)
   return total
 
 

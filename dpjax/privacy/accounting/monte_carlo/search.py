@@ -75,9 +75,14 @@ class MonteCarloResult:
 
 def gaussian_epsilon(sigma: float, delta: float) -> float:
   """ε(δ) of the Gaussian mechanism, sensitivity 1, noise σ (for a bisection bracket only)."""
+
   def excess(eps):
-    return (special.ndtr(-eps * sigma + 0.5 / sigma)
-            - math.exp(eps) * special.ndtr(-eps * sigma - 0.5 / sigma) - delta)
+    return (
+      special.ndtr(-eps * sigma + 0.5 / sigma)
+      - math.exp(eps) * special.ndtr(-eps * sigma - 0.5 / sigma)
+      - delta
+    )
+
   if excess(0.0) <= 0:
     return 0.0
   hi = 1.0
@@ -118,8 +123,7 @@ def _smallest_epsilon(value_at, delta, lo, start_hi) -> float:
     lo, hi = hi, 2 * hi
   else:
     raise RuntimeError('No epsilon found with the estimate below delta.')
-  return monotone.smallest_passing(lambda eps: value_at(eps) <= delta, lo, hi,
-                                  1e-9 * max(1.0, hi))
+  return monotone.smallest_passing(lambda eps: value_at(eps) <= delta, lo, hi, 1e-9 * max(1.0, hi))
 
 
 def _conditioning_level(sigma, num_steps, delta, num_epochs, method) -> float:
@@ -131,11 +135,19 @@ def _conditioning_level(sigma, num_steps, delta, num_epochs, method) -> float:
   if method not in ('auto', 'importance', 'importance_order_statistics'):
     return 0.0
   return CONDITIONING_FRACTION * max_test.balls_and_bins_lower_bound_epsilon(
-      sigma, num_steps, delta, num_epochs=num_epochs)
+    sigma, num_steps, delta, num_epochs=num_epochs
+  )
 
 
-def default_num_samples(sigma: float, num_steps: int, delta: float, beta: float = 1e-3, *,
-                        num_epochs: int = 1, method: Method = 'auto') -> int:
+def default_num_samples(
+  sigma: float,
+  num_steps: int,
+  delta: float,
+  beta: float = 1e-3,
+  *,
+  num_epochs: int = 1,
+  method: Method = 'auto',
+) -> int:
   """m per direction from δ and β: SAMPLES_PER_FLOOR × the least m for which an ε exists.
 
   With no positive sample the Chernoff bound of a direction is s·(1 − (β/2)^{1/m}) ≈
@@ -145,41 +157,53 @@ def default_num_samples(sigma: float, num_steps: int, delta: float, beta: float 
   """
   check_common(sigma, num_steps, num_epochs, 1, beta)
   level = _conditioning_level(sigma, num_steps, delta, num_epochs, method)
-  scale = max(math.exp(make_plan(direction, sigma, num_steps, num_epochs, method, level, 100,
-                                  1.05).log_scale) for direction in (REMOVE, ADD))
+  scale = max(
+    math.exp(make_plan(direction, sigma, num_steps, num_epochs, method, level, 100, 1.05).log_scale)
+    for direction in (REMOVE, ADD)
+  )
   return max(MIN_SAMPLES, math.ceil(SAMPLES_PER_FLOOR * scale * math.log(2 / beta) / delta))
 
 
-def estimated_seconds(num_samples: int, num_steps: int, num_epochs: int = 1,
-                      workers: int = 1) -> float:
+def estimated_seconds(
+  num_samples: int, num_steps: int, num_epochs: int = 1, workers: int = 1
+) -> float:
   """Rough wall time of `balls_and_bins_epsilon` ('auto'): m × width × E × 2 directions."""
-  width = num_steps if num_steps <= AUTO_EXACT_MAX_STEPS else len(
-      order_statistic_ranks(num_steps))
+  width = num_steps if num_steps <= AUTO_EXACT_MAX_STEPS else len(order_statistic_ranks(num_steps))
   return SECONDS_PER_COORDINATE * num_samples * width * num_epochs * 2 / max(1, workers)
 
 
-def balls_and_bins_epsilon(sigma: float, num_steps: int, delta: float, *, num_epochs: int = 1,
-                           num_samples: int | None = None, beta: float = 1e-3,
-                           method: Method = 'auto', seed: Seed = 0, num_exact_ranks: int = 100,
-                           rank_growth: float = 1.05,
-                           workers: int | None = None) -> MonteCarloResult:
+def balls_and_bins_epsilon(
+  sigma: float,
+  num_steps: int,
+  delta: float,
+  *,
+  num_epochs: int = 1,
+  num_samples: int | None = None,
+  beta: float = 1e-3,
+  method: Method = 'auto',
+  seed: Seed = 0,
+  num_exact_ranks: int = 100,
+  rank_growth: float = 1.05,
+  workers: int | None = None,
+) -> MonteCarloResult:
   """High-probability upper bound on ε(δ) of balls-and-bins DP-SGD (Algorithms 4-6, 11).
 
-  One sample set per direction; ε is found by bisection on the monotone δ⁺(ε). Importance
-  sampling conditions once at ε_c = CONDITIONING_FRACTION × the max-test lower bound on ε(δ)
-  (`max_test`), below every ε the bisection returns, so one conditioned sample set serves them
-  all. `workers` processes (None: the available cores, as many as the work pays to start,
-`parallel.default_workers`) draw the chunks, the bisection runs here
-  on the stored losses; the result does not depend on `workers`. num_samples None:
-  `default_num_samples(σ, T, δ, β)`.
+    One sample set per direction; ε is found by bisection on the monotone δ⁺(ε). Importance
+    sampling conditions once at ε_c = CONDITIONING_FRACTION × the max-test lower bound on ε(δ)
+    (`max_test`), below every ε the bisection returns, so one conditioned sample set serves them
+    all. `workers` processes (None: the available cores, as many as the work pays to start,
+  `parallel.default_workers`) draw the chunks, the bisection runs here
+    on the stored losses; the result does not depend on `workers`. num_samples None:
+    `default_num_samples(σ, T, δ, β)`.
 
-  Raises:
-    ValueError: bad arguments, or num_samples too small for delta (even p̂ = 0 leaves δ⁺ > δ).
+    Raises:
+      ValueError: bad arguments, or num_samples too small for delta (even p̂ = 0 leaves δ⁺ > δ).
   """
   checks.check_delta(delta)
   if num_samples is None:
-    num_samples = default_num_samples(sigma, num_steps, delta, beta, num_epochs=num_epochs,
-                                      method=method)
+    num_samples = default_num_samples(
+      sigma, num_steps, delta, beta, num_epochs=num_epochs, method=method
+    )
   check_common(sigma, num_steps, num_epochs, num_samples, beta)
   check_method(method)
   check_ranks(num_exact_ranks, rank_growth)
@@ -189,21 +213,28 @@ def balls_and_bins_epsilon(sigma: float, num_steps: int, delta: float, *, num_ep
   check_workers(workers)
   started = time.monotonic()
   conditioning = _conditioning_level(sigma, num_steps, delta, num_epochs, method)
-  plans = [make_plan(direction, sigma, num_steps, num_epochs, method, conditioning,
-                      num_exact_ranks, rank_growth) for direction in (REMOVE, ADD)]
+  plans = [
+    make_plan(
+      direction, sigma, num_steps, num_epochs, method, conditioning, num_exact_ranks, rank_growth
+    )
+    for direction in (REMOVE, ADD)
+  ]
   floor = kl_upper_confidence_bound(0.0, num_samples, beta / 2)[0]
   for plan in plans:
     if math.exp(plan.log_scale) * floor >= delta:
       raise ValueError(
-          f'num_samples = {num_samples} is too small for delta = {delta} at beta = {beta}: even '
-          f'with no positive sample the {plan.direction} upper confidence bound is '
-          f'{math.exp(plan.log_scale) * floor:.3g}; need num_samples > '
-          f'{math.ceil(math.exp(plan.log_scale) * math.log(2 / beta) / delta)} (default: '
-          f'{default_num_samples(sigma, num_steps, delta, beta, num_epochs=num_epochs)}).')
+        f'num_samples = {num_samples} is too small for delta = {delta} at beta = {beta}: even '
+        f'with no positive sample the {plan.direction} upper confidence bound is '
+        f'{math.exp(plan.log_scale) * floor:.3g}; need num_samples > '
+        f'{math.ceil(math.exp(plan.log_scale) * math.log(2 / beta) / delta)} (default: '
+        f'{default_num_samples(sigma, num_steps, delta, beta, num_epochs=num_epochs)}).'
+      )
   tasks = [chunk_tasks(plan, seed, (d, 0), num_samples) for d, plan in enumerate(plans)]
   chunks = parallel.run(sample_chunk, tasks[0] + tasks[1], workers)
-  samples = [_LossSamples(plans[0], num_samples, chunks[:len(tasks[0])]),
-             _LossSamples(plans[1], num_samples, chunks[len(tasks[0]):])]
+  samples = [
+    _LossSamples(plans[0], num_samples, chunks[: len(tasks[0])]),
+    _LossSamples(plans[1], num_samples, chunks[len(tasks[0]) :]),
+  ]
 
   def ucb(eps):
     return max(s.sums(eps).upper_confidence_bound(beta / 2)[0] for s in samples)
@@ -218,8 +249,13 @@ def balls_and_bins_epsilon(sigma: float, num_steps: int, delta: float, *, num_ep
   epsilon = _smallest_epsilon(ucb, delta, lo, start)
   epsilon_point = _smallest_epsilon(point, delta, lo, start)
   return MonteCarloResult(
-      epsilon=epsilon, epsilon_point=epsilon_point,
-      delta=float(delta), confidence=1 - beta, num_samples=num_samples,
-      method=f'{method}(P‖Q: {methods[REMOVE]}, Q‖P: {methods[ADD]})', seed=seed,
-      conditioning_epsilon=conditioning if used_importance else None,
-      seconds=time.monotonic() - started)
+    epsilon=epsilon,
+    epsilon_point=epsilon_point,
+    delta=float(delta),
+    confidence=1 - beta,
+    num_samples=num_samples,
+    method=f'{method}(P‖Q: {methods[REMOVE]}, Q‖P: {methods[ADD]})',
+    seed=seed,
+    conditioning_epsilon=conditioning if used_importance else None,
+    seconds=time.monotonic() - started,
+  )

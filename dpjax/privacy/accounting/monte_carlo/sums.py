@@ -29,11 +29,20 @@ from dpjax.privacy.accounting.monte_carlo.validation import check_workers
 from dpjax.privacy.accounting.monte_carlo.validation import is_finite_number
 
 
-def balls_and_bins_sums(sigma: float, num_steps: int, epsilons, *, num_epochs: int = 1,
-                        num_samples: int, method: Method = 'auto', seed: Seed = 0,
-                        conditioning_epsilon: float | None = None, num_exact_ranks: int = 100,
-                        rank_growth: float = 1.05,
-                        workers: int = 1) -> tuple[HockeyStickSums, HockeyStickSums]:
+def balls_and_bins_sums(
+  sigma: float,
+  num_steps: int,
+  epsilons,
+  *,
+  num_epochs: int = 1,
+  num_samples: int,
+  method: Method = 'auto',
+  seed: Seed = 0,
+  conditioning_epsilon: float | None = None,
+  num_exact_ranks: int = 100,
+  rank_growth: float = 1.05,
+  workers: int = 1,
+) -> tuple[HockeyStickSums, HockeyStickSums]:
   """Monte-Carlo sufficient statistics for balls-and-bins, (P‖Q "remove", Q‖P "add").
 
   Args:
@@ -64,40 +73,67 @@ def balls_and_bins_sums(sigma: float, num_steps: int, epsilons, *, num_epochs: i
   importance = method in ('auto', 'importance', 'importance_order_statistics')
   if conditioning_epsilon is not None:
     if not (is_finite_number(conditioning_epsilon) and 0 <= conditioning_epsilon <= eps.min()):
-      raise ValueError(f'conditioning_epsilon must be in [0, min(epsilons)] = [0, {eps.min()}], '
-                       f'got {conditioning_epsilon!r}.')
+      raise ValueError(
+        f'conditioning_epsilon must be in [0, min(epsilons)] = [0, {eps.min()}], '
+        f'got {conditioning_epsilon!r}.'
+      )
   per_epsilon = importance and conditioning_epsilon is None
   # One sample set per ε of the grid (each conditioned on its own event), or one for all.
-  groups = ([(float(e), eps[i:i + 1]) for i, e in enumerate(eps)] if per_epsilon
-            else [(conditioning_epsilon or 0.0, eps)])
-  plans = {(d, g): make_plan(direction, sigma, num_steps, num_epochs, method, level,
-                              num_exact_ranks, rank_growth)
-           for d, direction in enumerate((REMOVE, ADD)) for g, (level, _) in enumerate(groups)}
+  groups = (
+    [(float(e), eps[i : i + 1]) for i, e in enumerate(eps)]
+    if per_epsilon
+    else [(conditioning_epsilon or 0.0, eps)]
+  )
+  plans = {
+    (d, g): make_plan(
+      direction, sigma, num_steps, num_epochs, method, level, num_exact_ranks, rank_growth
+    )
+    for d, direction in enumerate((REMOVE, ADD))
+    for g, (level, _) in enumerate(groups)
+  }
   tasks, owners = [], []
   for key, plan in plans.items():
     for task in chunk_tasks(plan, seed, key, num_samples):
       tasks.append(task + (groups[key[1]][1],))
       owners.append(key)
   # A trivial plan has no chunks and mean f := 1 (`trivial_sums`).
-  sum_f = {key: np.full_like(groups[key[1]][1], float(num_samples)
-                             if plan.log_scale < LOG_SCALE_TRIVIAL else 0.0)
-           for key, plan in plans.items()}
+  sum_f = {
+    key: np.full_like(
+      groups[key[1]][1], float(num_samples) if plan.log_scale < LOG_SCALE_TRIVIAL else 0.0
+    )
+    for key, plan in plans.items()
+  }
   for key, chunk_sum in zip(owners, parallel.run(sum_chunk, tasks, workers)):
     sum_f[key] += chunk_sum  # in chunk order, whoever computed it
   results = []
   for d in range(2):
     keys = [(d, g) for g in range(len(groups))]
-    results.append(HockeyStickSums(
-        eps, np.concatenate([sum_f[key] for key in keys]), num_samples,
-        np.concatenate([np.full(len(groups[g][1]), plans[d, g].log_scale) for _, g in keys])))
+    results.append(
+      HockeyStickSums(
+        eps,
+        np.concatenate([sum_f[key] for key in keys]),
+        num_samples,
+        np.concatenate([np.full(len(groups[g][1]), plans[d, g].log_scale) for _, g in keys]),
+      )
+    )
   return results[0], results[1]
 
 
-def balls_and_bins_delta(sigma: float, num_steps: int, epsilons, *, num_epochs: int = 1,
-                         num_samples: int, beta: float = 1e-3, method: Method = 'auto',
-                         seed: Seed = 0, conditioning_epsilon: float | None = None,
-                         num_exact_ranks: int = 100, rank_growth: float = 1.05,
-                         workers: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def balls_and_bins_delta(
+  sigma: float,
+  num_steps: int,
+  epsilons,
+  *,
+  num_epochs: int = 1,
+  num_samples: int,
+  beta: float = 1e-3,
+  method: Method = 'auto',
+  seed: Seed = 0,
+  conditioning_epsilon: float | None = None,
+  num_exact_ranks: int = 100,
+  rank_growth: float = 1.05,
+  workers: int = 1,
+) -> tuple[np.ndarray, np.ndarray]:
   """Monte-Carlo δ(ε) of balls-and-bins DP-SGD: (point estimate, UCB at confidence 1 − β).
 
   The UCB is ≥ the true δ(ε) with probability ≥ 1 − β (for each ε of the grid); the point
@@ -105,14 +141,30 @@ def balls_and_bins_delta(sigma: float, num_steps: int, epsilons, *, num_epochs: 
   """
   check_common(sigma, num_steps, num_epochs, num_samples, beta)
   remove, add = balls_and_bins_sums(
-      sigma, num_steps, epsilons, num_epochs=num_epochs, num_samples=num_samples, method=method,
-      seed=seed, conditioning_epsilon=conditioning_epsilon, num_exact_ranks=num_exact_ranks,
-      rank_growth=rank_growth, workers=workers)
+    sigma,
+    num_steps,
+    epsilons,
+    num_epochs=num_epochs,
+    num_samples=num_samples,
+    method=method,
+    seed=seed,
+    conditioning_epsilon=conditioning_epsilon,
+    num_exact_ranks=num_exact_ranks,
+    rank_growth=rank_growth,
+    workers=workers,
+  )
   return delta_from_sums(remove, add, beta)
 
 
-def poisson_sums(sigma: float, sampling_probability: float, num_steps: int, epsilons, *,
-                 num_samples: int, seed: Seed = 0) -> tuple[HockeyStickSums, HockeyStickSums]:
+def poisson_sums(
+  sigma: float,
+  sampling_probability: float,
+  num_steps: int,
+  epsilons,
+  *,
+  num_samples: int,
+  seed: Seed = 0,
+) -> tuple[HockeyStickSums, HockeyStickSums]:
   """Naive Monte-Carlo sums for the Poisson pair, (P‖Q "remove", Q‖P "add").
 
   P = Π_t ((1 − q) N(0, σ²) + q N(1, σ²)), Q = N(0, σ² I_T); same estimator as balls-and-bins,
@@ -139,11 +191,19 @@ def poisson_sums(sigma: float, sampling_probability: float, num_steps: int, epsi
   return results[0], results[1]
 
 
-def poisson_delta(sigma: float, sampling_probability: float, num_steps: int, epsilons, *,
-                  num_samples: int, beta: float = 1e-3,
-                  seed: Seed = 0) -> tuple[np.ndarray, np.ndarray]:
+def poisson_delta(
+  sigma: float,
+  sampling_probability: float,
+  num_steps: int,
+  epsilons,
+  *,
+  num_samples: int,
+  beta: float = 1e-3,
+  seed: Seed = 0,
+) -> tuple[np.ndarray, np.ndarray]:
   """Monte-Carlo δ(ε) for Poisson-subsampled DP-SGD: (point estimate, UCB at 1 − β)."""
   check_common(sigma, num_steps, 1, num_samples, beta)
-  remove, add = poisson_sums(sigma, sampling_probability, num_steps, epsilons,
-                             num_samples=num_samples, seed=seed)
+  remove, add = poisson_sums(
+    sigma, sampling_probability, num_steps, epsilons, num_samples=num_samples, seed=seed
+  )
   return delta_from_sums(remove, add, beta)

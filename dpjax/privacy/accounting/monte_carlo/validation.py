@@ -37,8 +37,9 @@ def check_epsilons(epsilons) -> np.ndarray:
   """The ε grid as a non-empty 1-d float64 array of finite values ≥ 0."""
   eps = np.atleast_1d(np.asarray(epsilons, dtype=np.float64))
   if eps.ndim != 1 or eps.size == 0 or not np.all(np.isfinite(eps)) or np.any(eps < 0):
-    raise ValueError(f'epsilons must be a non-empty 1-d array of finite values >= 0, '
-                     f'got {epsilons!r}.')
+    raise ValueError(
+      f'epsilons must be a non-empty 1-d array of finite values >= 0, got {epsilons!r}.'
+    )
   return eps
 
 
@@ -47,7 +48,8 @@ def check_seed(seed):
   values = [seed] if isinstance(seed, (int, np.integer)) else seed
   try:
     ok = len(values) > 0 and all(
-        isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 for v in values)
+      isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0 for v in values
+    )
   except TypeError:
     ok = False
   if not ok:
