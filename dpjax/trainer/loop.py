@@ -424,10 +424,9 @@ def run(
 ) -> dict[str, Any]:
   """The run of a plan, in a locked workdir; returns the final metrics and parameters."""
   log = print if sharding.is_primary_process() else lambda *args, **kwargs: None
-  config = plan.config
-  optimizer = optimizers.make_optimizer(config.optimizer, plan.num_steps)
+  optimizer = optimizers.make_optimizer(plan.recipe.optimizer, plan.num_steps)
   model, params = build.init_params(plan, model, train_source.input_shape)
-  auditor = build.Auditor(plan, params, workdir) if config.audit.num_canaries else None
+  auditor = build.Auditor(plan, params, workdir) if plan.audit.num_canaries else None
   step_fns = build.build_step(plan, model, optimizer, mesh, auditor)
   state = sharding.replicate(
     mesh,
@@ -450,7 +449,7 @@ def run(
     plan, step_fns, state.params, state.opt_state, train_source, dataset, mesh, log
   )
   evaluate = build.make_evaluator(plan, model, test_source, mesh)
-  manager = checkpoints.make_manager(workdir, config.keep_checkpoints)
+  manager = checkpoints.make_manager(workdir, plan.schedule.keep_checkpoints)
   restored_step, state = build.restore_or_init(manager, state, plan, workdir, log)
   run_report.announce(plan, workdir, train_source, mesh, params, log)
   parts = loop_parts.from_plan(
@@ -463,7 +462,7 @@ def run(
     evaluate,
     parts.writer,
     parts.checkpointer,
-    plan.accountant,
+    plan.privacy.accountant if plan.private else None,
     auditor,
     log=log,
   )
