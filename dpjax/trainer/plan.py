@@ -248,11 +248,7 @@ def make_plan(
   config_fields.validate(config, accounting_only=isinstance(data, (int, np.integer)))
   if seed is None:
     seed = plan_blocks.declared(config, 'seed') or 0
-  if isinstance(data, (int, np.integer)):
-    num_examples, dataset = int(data), None
-  else:
-    num_examples = len(data)
-    dataset = fingerprint_lib.dataset_identity(config.data, data, fingerprint_lib.data_key(seed))
+  num_examples, dataset = _data_identity(config, data, seed)
   finetune = plan_blocks.Finetune.of(config)
   init = _init_source(finetune, previous)
   sampler = make_sampler(config, num_examples, seed=seed)
@@ -271,9 +267,7 @@ def make_plan(
     float(config.privacy.delta) if private else 1e-5,
     perf.physical_batch_size,
   )
-  resolved = ml_collections.ConfigDict(config.to_dict())
-  resolved.num_steps, resolved.num_epochs = num_steps, 0
-  resolved.sampler.max_batch_size = max_batch_size
+  resolved = _resolved_config(config, num_steps, max_batch_size)
   plan = RunPlan(
     config=resolved,
     sampler=sampler,
@@ -299,6 +293,25 @@ def make_plan(
   private_plan = privacy_resolution.resolve(config, plan, previous, accountant_options)
   resolved.privacy.noise_multiplier = private_plan.noise_multiplier
   return dataclasses.replace(plan, privacy=private_plan)
+
+
+def _data_identity(config: ml_collections.ConfigDict, data: Any, seed: int):
+  """(N, the dataset identity that enters the fingerprint; None when only N is given)."""
+  if isinstance(data, (int, np.integer)):
+    return int(data), None
+  return len(data), fingerprint_lib.dataset_identity(
+    config.data, data, fingerprint_lib.data_key(seed)
+  )
+
+
+def _resolved_config(
+  config: ml_collections.ConfigDict, num_steps: int, max_batch_size: int
+) -> ml_collections.ConfigDict:
+  """A copy of `config` with the run length in steps and the cap B filled in (config.json)."""
+  resolved = ml_collections.ConfigDict(config.to_dict())
+  resolved.num_steps, resolved.num_epochs = num_steps, 0
+  resolved.sampler.max_batch_size = max_batch_size
+  return resolved
 
 
 def _init_source(finetune: plan_blocks.Finetune, previous: dict[str, Any] | None):
