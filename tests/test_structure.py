@@ -123,7 +123,7 @@ def test_the_privacy_core_reads_no_config():
 
 
 # What runs a plan: it reads the plan's typed blocks (`trainer/plan_blocks.py`), never the config.
-BELOW_THE_PLAN = ('trainer.loop', 'trainer.loop_parts', 'trainer.build', 'trainer.run_report')
+BELOW_THE_PLAN = ('trainer.loop', 'trainer.build', 'trainer.run_report', 'trainer.loop_parts')
 
 
 def _config_reads(tree: ast.AST) -> list[str]:
@@ -152,6 +152,7 @@ def test_nothing_below_the_plan_reads_a_config():
     'line 1: imports ml_collections'
   )
   modules = _modules()
+  assert {f'dpjax.{name}' for name in BELOW_THE_PLAN} <= set(modules)
   found = {
     name: reads
     for name in BELOW_THE_PLAN

@@ -179,7 +179,12 @@ def make_sampler(
   if seed is None:
     seed = plan_blocks.declared(config, 'seed') or 0
   n, rows = training_set_size.sampler_sizes(config, num_examples)
-  return samplers_lib.make(config.sampler.name, n, config.sampler.batch_size, seed, num_rows=rows)
+  try:
+    return samplers_lib.make(config.sampler.name, n, config.sampler.batch_size, seed, num_rows=rows)
+  except ValueError as e:  # The core names its argument (b > N); the config, its field.
+    if str(e).startswith('batch_size '):
+      raise config_fields.ConfigError(f'sampler.{e}') from None
+    raise
 
 
 def make_accountant(
