@@ -384,7 +384,7 @@ def _from_workdir(workdir: str) -> tuple[accountant_lib.PrivacyReport, dict]:
     extra['planned_steps'] = planned
     extra['planned_final_epsilon'] = plan_lib.make_plan(
       config, meta['num_examples'], accountant_options=options
-    ).accountant.epsilon(planned)
+    ).privacy.accountant.epsilon(planned)
   return report, extra
 
 

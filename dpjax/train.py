@@ -141,25 +141,46 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   checkpoint is its CheckpointSaveError) while training.
   """
   # pylint: disable=import-outside-toplevel
-  from dpjax.models import factory as models
-  from dpjax.privacy import auditing, augmult as augmult_lib, sharding
-  from dpjax.trainer import (
-    checkpoints,
-    config_fields,
-    loop as training_loop,
-    perf as perf_lib,
-    plan as plan_lib,
-    run_identity,
-    run_seed,
-    seed_record,
-    workdir_lock,
-  )
+  from dpjax.privacy import sharding
+  from dpjax.trainer import checkpoints, training, workdir_lock
 
   # pylint: enable=import-outside-toplevel
   # ---------------------------------------------------------------------------
   # Config, workdir, data, model, devices: all validated before anything is
   # written or compiled.
   # ---------------------------------------------------------------------------
+  workdir, (train_source, test_source), model, perf, mesh = _validated_inputs(config, workdir)
+
+  # ---------------------------------------------------------------------------
+  # The plan: sampler, B, σ (given, the checkpoint's, or calibrated) and the
+  # accountant, resolved once. A resume must match the checkpoint's privacy
+  # fingerprint; a run that would exceed privacy.target_epsilon is refused.
+  # One run per workdir: process 0 holds its lock (a second run refuses).
+  # ---------------------------------------------------------------------------
+  lock = workdir_lock.WorkdirLock(workdir, primary=sharding.is_primary_process())
+  try:
+    if os.path.isdir(checkpoints.checkpoint_dir(workdir)):  # A run to resume: lock, then read.
+      lock.acquire()
+    plan, seed, resumed = _plan(config, workdir, train_source, perf)
+    lock.acquire()  # Creates a fresh workdir; a no-op if held.
+    if resume_point(workdir) != resumed:  # Another run wrote here meanwhile: plan again.
+      plan, seed, resumed = _plan(config, workdir, train_source, perf)
+    if sharding.is_primary_process():  # Before any compute: the resume needs it.
+      plan = _record_seed(plan, workdir, seed, resumed)
+    return training.run(plan, workdir, train_source, test_source, model, mesh)
+  finally:
+    lock.release()
+
+
+def _validated_inputs(config: ml_collections.ConfigDict, workdir: str) -> tuple:
+  """(workdir, (train, test) sources, model, `Perf`, mesh), each checked before anything is
+  written or compiled (ConfigError, one line, naming the field)."""
+  # pylint: disable=import-outside-toplevel
+  from dpjax.models import factory as models
+  from dpjax.privacy import auditing, augmult as augmult_lib, sharding
+  from dpjax.trainer import config_fields, perf as perf_lib, plan as plan_lib
+
+  # pylint: enable=import-outside-toplevel
   config_fields.validate(config)
   a = config.audit
   auditing.check_audit(a.num_canaries, a.kind, a.confidence, a.every_checkpoint, prefix='audit.')
@@ -176,57 +197,47 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   perf = perf_lib.Perf.from_config(config)
   mesh = sharding.make_mesh(perf.num_devices)
   sharding.check_physical_batch_size(perf.physical_batch_size, mesh)
+  return workdir, (train_source, test_source), model, perf, mesh
 
-  # ---------------------------------------------------------------------------
-  # The plan: sampler, B, σ (given, the checkpoint's, or calibrated) and the
-  # accountant, resolved once. A resume must match the checkpoint's privacy
-  # fingerprint; a run that would exceed privacy.target_epsilon is refused.
-  # One run per workdir: process 0 holds its lock (a second run refuses).
-  # ---------------------------------------------------------------------------
-  lock = workdir_lock.WorkdirLock(workdir, primary=sharding.is_primary_process())
-  try:
-    if os.path.isdir(checkpoints.checkpoint_dir(workdir)):  # A run to resume: lock, then read.
-      lock.acquire()
-    resumed = resume_point(workdir)
-    seed = run_seed.broadcast_seed(run_seed.resolve_seed(config.seed, workdir))
-    plan = plan_lib.make_plan(
-      config,
-      train_source,
-      resumed[1],
-      seed=seed.value,
-      seed_source=seed.source,
-      resumed_step=resumed[0],
-      perf=perf,
-    )
-    lock.acquire()  # Creates a fresh workdir; a no-op if held.
-    if resume_point(workdir) != resumed:  # Another run wrote here meanwhile: plan again.
-      resumed = resume_point(workdir)
-      seed = run_seed.broadcast_seed(run_seed.resolve_seed(config.seed, workdir))
-      plan = plan_lib.make_plan(
-        config,
-        train_source,
-        resumed[1],
-        seed=seed.value,
-        seed_source=seed.source,
-        resumed_step=resumed[0],
-        perf=perf,
-      )
-    if sharding.is_primary_process():  # Before any compute: the resume needs it.
-      run_seed.store_seed(workdir, seed)
-      # The seed record tells runs apart by their run id: a start from scratch is a new run
-      # whatever its path (a workdir deleted and trained again); a resume is the same run.
-      if resumed[0]:
-        run_identity.kept(workdir)  # A workdir from before run ids gets one.
-      else:
-        run = run_identity.fresh(workdir)
-        if seed.source == 'config':
-          reuse = seed_record.start_warnings(
-            plan.fingerprint['seed_sha256'], workdir, run.run_id, run.earlier
-          )
-          plan = dataclasses.replace(plan, warnings=plan.warnings + tuple(reuse))
-    return training_loop.run(plan, workdir, train_source, test_source, model, mesh)
-  finally:
-    lock.release()
+
+def _plan(config: ml_collections.ConfigDict, workdir: str, train_source, perf):
+  """(the plan, its seed, the resume point) of `config` in `workdir` as it is now."""
+  from dpjax.trainer import plan as plan_lib, run_seed  # pylint: disable=import-outside-toplevel
+
+  resumed = resume_point(workdir)
+  seed = run_seed.broadcast_seed(run_seed.resolve_seed(config.seed, workdir))
+  plan = plan_lib.make_plan(
+    config,
+    train_source,
+    resumed[1],
+    seed=seed.value,
+    seed_source=seed.source,
+    resumed_step=resumed[0],
+    perf=perf,
+  )
+  return plan, seed, resumed
+
+
+def _record_seed(plan, workdir: str, seed, resumed: tuple[int, dict | None]):
+  """Stores the seed (process 0) and the run's identity; `plan` with a warning if a given
+  seed was used by another run already."""
+  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer import run_identity, run_seed, seed_record
+
+  # pylint: enable=import-outside-toplevel
+  run_seed.store_seed(workdir, seed)
+  # The seed record tells runs apart by their run id: a start from scratch is a new run
+  # whatever its path (a workdir deleted and trained again); a resume is the same run.
+  if resumed[0]:
+    run_identity.kept(workdir)  # A workdir from before run ids gets one.
+    return plan
+  run = run_identity.fresh(workdir)
+  if seed.source != 'config':
+    return plan
+  reuse = seed_record.start_warnings(
+    plan.fingerprint['seed_sha256'], workdir, run.run_id, run.earlier
+  )
+  return dataclasses.replace(plan, warnings=plan.warnings + tuple(reuse))
 
 
 def parse_flags(argv: list[str]) -> list[str]:

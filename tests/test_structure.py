@@ -122,6 +122,45 @@ def test_the_privacy_core_reads_no_config():
     assert 'ml_collections' not in path.read_text(), path
 
 
+# What runs a plan: it reads the plan's typed blocks (`trainer/plan_blocks.py`), never the config.
+BELOW_THE_PLAN = ('trainer.loop', 'trainer.build', 'trainer.run_report', 'trainer.loop_parts')
+
+
+def _config_reads(tree: ast.AST) -> list[str]:
+  """Where a module reads a config: a `.config` attribute, a name `config` or `cfg`, an import
+  of ml_collections or of `config_fields`."""
+  found = []
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute) and node.attr == 'config':
+      found.append(f'line {node.lineno}: .config')
+    elif isinstance(node, ast.Name) and node.id in ('config', 'cfg'):
+      found.append(f'line {node.lineno}: {node.id}')
+    elif isinstance(node, (ast.Import, ast.ImportFrom)):
+      names = [a.name for a in node.names] + [getattr(node, 'module', None) or '']
+      if any('ml_collections' in n or n.endswith('config_fields') for n in names):
+        found.append(f'line {node.lineno}: imports {", ".join(names)}')
+  return found
+
+
+def test_nothing_below_the_plan_reads_a_config():
+  """Issue 35 item 2: the loop, its parts, `build` and `run_report` read the plan's typed blocks
+  only (`RunPlan.config` is written to config.json, by `RunPlan.config_json`). Fails on
+  da06065, where `build` read `plan.config` 19 times, `run_report` and `LoopSettings.of_plan`
+  too."""
+  assert _config_reads(ast.parse('x = plan.config.loss')) == ['line 1: .config']
+  assert _config_reads(ast.parse('import ml_collections\nconfig.get("a")'))[0].startswith(
+    'line 1: imports ml_collections'
+  )
+  modules = _modules()
+  assert {f'dpjax.{name}' for name in BELOW_THE_PLAN} <= set(modules)
+  found = {
+    name: reads
+    for name in BELOW_THE_PLAN
+    if (reads := _config_reads(ast.parse(modules[f'dpjax.{name}'].read_text())))
+  }
+  assert found == {}
+
+
 def _functions(tree):
   return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 

@@ -20,8 +20,9 @@ share one step counter, the privatizer state (`noise_state`): the batcher starts
 step and draws each step once, in order (`step_batcher`); the privatizer noises a step only
 when told its t and only from a state this plan made. Resuming a loop:
 `PrivacyPlan.create(..., resume_from=opt_state)` takes σ and B from the state (never
-re-calibrated: the steps that ran had that σ) and refuses a state made with another C, b
-or fingerprint.
+re-calibrated: the steps that ran had that σ; another `noise_multiplier` or `max_batch_size`
+is refused, and `target_epsilon` is then a budget the whole run must meet) and refuses a
+state made with another C, b or fingerprint.
 
 η is the float rounding of the noised sum (`rounding.Rounding`: a function of B, the
 precision mode and the platform): examples are clipped at C exactly and the accountant
@@ -52,18 +53,17 @@ import functools
 import hashlib
 from typing import Any
 
-from dpjax.privacy import checks as _checks
 from dpjax.privacy import batching
 from dpjax.privacy import clipping
 from dpjax.privacy import noise
 from dpjax.privacy import noise_state
-from dpjax.privacy import precision as precision_lib
+from dpjax.privacy import plan_inputs
 from dpjax.privacy import rounding as rounding_lib
 from dpjax.privacy import samplers as samplers_lib
 from dpjax.privacy import step_batcher
 from dpjax.privacy.accounting import accountant as accountant_lib
-from dpjax.privacy.accounting import calibration
 from dpjax.privacy.accounting import composition
+from dpjax.privacy.accounting.options import AccountingOptions
 
 
 def seed_digest(seed: int) -> str:
@@ -104,7 +104,6 @@ class PrivacyPlan:
   precision: str
   rounding: rounding_lib.Rounding
   accountant: accountant_lib.Accountant = dataclasses.field(compare=False, repr=False)
-  accountant_options: dict = dataclasses.field(compare=False, repr=False, default_factory=dict)
 
   @classmethod
   def create(
@@ -118,15 +117,13 @@ class PrivacyPlan:
     target_epsilon: float = 0.0,
     max_batch_size: int = 0,
     physical_batch_size: int = 0,
-    accountant: str = 'auto',
-    group_size: int = 1,
-    allow_large_delta: bool = False,
     noise_multiplier_source: str | None = None,
     check_budget: bool = True,
     resume_from: Any = None,
     precision: str = 'default',
     platform: str | None = None,
-    **accountant_options: Any,
+    accounting: AccountingOptions | None = None,
+    **accounting_fields: Any,
   ) -> PrivacyPlan:
     """Validates every argument, resolves B, calibrates σ if it is None, checks the budget.
 
@@ -134,89 +131,55 @@ class PrivacyPlan:
       sampler: the run's sampler (`dpjax.privacy.samplers`), seeded by the run's secret seed.
       num_steps: T, the number of logical steps.
       clip_norm: C, finite and > 0.
-      delta: δ in (0, 1), below 1/N unless `allow_large_delta`.
+      delta: δ in (0, 1), below 1/N unless `accounting.allow_large_delta`.
       noise_multiplier: σ > 0, or None to calibrate the smallest σ meeting `target_epsilon`.
       target_epsilon: the ε budget (0 = none; required when σ is None). With σ given, a run
         whose final ε would exceed it is refused (`check_budget`).
       max_batch_size: B; 0 = the automatic cap (`batching.resolve_max_batch_size`).
       physical_batch_size: P, if known (B is then a multiple of it); 0 = B to the row.
-      accountant: 'auto', 'pld', 'rdp' or 'monte_carlo' (the sampler's `accountants`).
-      group_size: k >= 1.
-      allow_large_delta: accept δ >= 1/N.
       noise_multiplier_source: how σ was obtained ('given' by default, 'checkpoint' on resume).
-      check_budget: refuse a given σ whose final ε exceeds `target_epsilon` (costs one
-        accounting query; False defers it to `check_budget`).
-      resume_from: the optimiser state of a loop to continue (holding this plan's privatizer
-        state): σ and B are the state's (σ's source 'checkpoint'; another `noise_multiplier`
-        or `max_batch_size` is refused, and `target_epsilon` is then a budget the whole run
-        must meet), and a state made with another C, b or fingerprint is refused.
+      check_budget: refuse a given σ whose final ε exceeds `target_epsilon` (one accounting
+        query; False defers it to `check_budget`).
+      resume_from: the optimiser state of a loop to continue: σ and B are its privatizer
+        state's (see the module docstring); a state of another C, b or fingerprint is refused.
       precision: 'default', 'highest' or 'bfloat16', the mode the gradients are computed in
         (`clipped_grad` and `DPStep.from_plan` use it): with B, it sets η.
       platform: the backend that computes them ('cpu', 'gpu', 'tpu'); None = this one.
-      **accountant_options: other `accounting.Accountant` options (random_allocation_timeout,
-        monte_carlo_workers, prior_runs: the runs this one starts from, composed in ε and
-        calibrated for, ...).
+      accounting: how the accountant accounts (`AccountingOptions`: accountant, k,
+        allow_large_delta, prior runs composed in ε and calibrated for, ...); B, T and
+        1 + η are this plan's. **accounting_fields replace some of its fields.
 
     Raises:
       ValueError (one line, naming the argument) for any invalid input or a budget overrun.
     """
     if not isinstance(sampler, samplers_lib.Sampler):
       raise TypeError(f'sampler must be a dpjax sampler, got {type(sampler).__name__}.')
+    options = (accounting or AccountingOptions()).replace(**accounting_fields)
     if resume_from is not None:
-      noise_multiplier, max_batch_size = resumed_settings(
+      noise_multiplier, max_batch_size = plan_inputs.resumed_settings(
         resume_from, noise_multiplier, max_batch_size
       )
       noise_multiplier_source = 'checkpoint'
-    num_steps = _checks.check_int('num_steps', num_steps, 1)
-    clip_norm = _checks.check_clip_norm(clip_norm)
-    delta = _checks.check_delta(
-      delta, num_examples=sampler.num_examples, allow_large_delta=allow_large_delta
+    num_steps, clip_norm, delta, target, options = plan_inputs.checked(
+      sampler, num_steps, clip_norm, delta, target_epsilon, options
     )
-    target = (
-      0.0 if not target_epsilon else _checks.check_number('target_epsilon', target_epsilon, low=0.0)
+    rounding, options = plan_inputs.cap_and_rounding(
+      sampler, max_batch_size, physical_batch_size, precision, platform, delta, options
     )
-    if noise_multiplier is None and not target:
-      raise ValueError(
-        'noise_multiplier or target_epsilon must be given (σ, or an ε to calibrate σ to).'
-      )
-    group_size = _checks.check_int('group_size', group_size, 1)
-    max_batch_size = batching.resolve_max_batch_size(
-      sampler, physical_batch_size, max_batch_size, num_steps=num_steps, delta=delta
-    )
-    rounding = rounding_lib.Rounding.of(
-      max_batch_size, precision_lib.check_precision(precision), platform
-    )
-    options = dict(
-      accountant_options,
-      max_batch_size=max_batch_size,
-      group_size=group_size,
-      allow_large_delta=allow_large_delta,
-      sensitivity=rounding.sensitivity,
-    )
-    if noise_multiplier is None:
-      sigma = calibration.calibrate_noise_multiplier(
-        sampler, target, delta, num_steps, accountant=accountant, **options
-      )
-      source = 'calibrated'
-    else:
-      sigma = _checks.check_noise_multiplier(noise_multiplier)
-      source = noise_multiplier_source or 'given'
-    options.update(accountant=accountant, num_steps=num_steps)
-    acct = accountant_lib.Accountant(sampler, sigma, delta, **options)
+    sigma, source = plan_inputs.resolve_sigma(sampler, noise_multiplier, target, delta, options)
     plan = cls(
       sampler=sampler,
       num_steps=num_steps,
       clip_norm=clip_norm,
       noise_multiplier=sigma,
-      noise_multiplier_source=source,
+      noise_multiplier_source=(noise_multiplier_source or source) if source == 'given' else source,
       delta=delta,
-      max_batch_size=max_batch_size,
-      group_size=group_size,
+      max_batch_size=rounding.max_batch_size,
+      group_size=options.group_size,
       target_epsilon=target,
       precision=precision,
       rounding=rounding,
-      accountant=acct,
-      accountant_options=options,
+      accountant=accountant_lib.Accountant(sampler, sigma, delta, options),
     )
     if resume_from is not None:
       noise_state.check(resume_from, plan.initial_noise_state, 'the resumed plan')
@@ -293,11 +256,11 @@ class PrivacyPlan:
     report = self.accountant.epsilon_at(step, estimates=False)
     grid = report.details.get('pld_grid')
     if grid not in self._ideal_accountants:
-      options = dict(self.accountant_options, sensitivity=1.0)
+      options = self.accountant.options.replace(sensitivity=1.0)
       if grid is not None:
-        options['value_discretization_interval'] = grid
+        options = options.replace(value_discretization_interval=grid)
       self._ideal_accountants[grid] = accountant_lib.Accountant(
-        self.sampler, self.noise_multiplier, self.delta, **options
+        self.sampler, self.noise_multiplier, self.delta, options
       )
     return report.epsilon - self._ideal_accountants[grid].epsilon(step)
 
@@ -357,25 +320,6 @@ class PrivacyPlan:
       'privacy.rounding_eta': self.rounding.eta,
       'seed_sha256': seed_digest(s.seed),
     }
-
-
-def resumed_settings(
-  opt_state: Any, noise_multiplier: float | None, max_batch_size: int
-) -> tuple[float, int]:
-  """(σ, B) of the privatizer state in `opt_state`, what ran; ValueError (one line) if the
-  caller gives another σ or B (0: none given). B is kept too: the automatic cap depends on
-  T, and the batches that ran were truncated at the state's."""
-  ran = noise_state.describe(noise_state.find(opt_state))
-  for name, given in (
-    ('noise_multiplier', noise_multiplier),
-    ('max_batch_size', max_batch_size or None),
-  ):
-    if given is not None and given != ran[name]:
-      raise ValueError(
-        f'{name} = {given!r} differs from the {ran[name]!r} of the state to '
-        f'resume (what ran): a resumed loop keeps it; leave {name} unset.'
-      )
-  return ran['noise_multiplier'], ran['max_batch_size']
 
 
 class BudgetExceededError(ValueError):

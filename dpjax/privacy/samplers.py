@@ -127,10 +127,10 @@ class Sampler(abc.ABC):
 
   def __post_init__(self):
     _checks.check_int('num_examples', self.num_examples, 1)
-    _checks.check_int('sampler.batch_size', self.batch_size, 1)
+    _checks.check_int('batch_size', self.batch_size, 1)
     if self.batch_size > self.num_examples:
       raise ValueError(
-        f'sampler.batch_size = {self.batch_size} must be in [1, N = '
+        f'batch_size = {self.batch_size} must be in [1, N = '
         f'{self.num_examples}] (the number of training examples).'
       )
     if self.num_rows is not None:

@@ -23,7 +23,6 @@ import optax
 
 from dpjax.data import sources as data
 from dpjax.privacy import auditing
-from dpjax.privacy import augmult as augmult_lib
 from dpjax.privacy import dp_step
 from dpjax.privacy import losses
 from dpjax.privacy import prng
@@ -44,20 +43,20 @@ def init_params(plan: plan_lib.RunPlan, model, input_shape) -> tuple[Any, Any]:
   it accounted for); `freeze` and `lora.rank` make frozen parameters, which get no gradient,
   noise or clipping, part of the returned model.
   """
-  config = plan.config
+  tune = plan.finetune
   params = prng.init_params(model, plan.seed, input_shape)
-  if config.init_from:
+  if tune.init_from:
     params = finetune.load_pretrained(
-      plan.init_source.weights, params, config.init_from_rules, plan.init_source.weights_sha256
+      plan.init_source.weights, params, tune.init_from_rules, plan.init_source.weights_sha256
     )
-  if config.freeze or config.lora.rank:
+  if tune.freeze or tune.lora_rank:
     model, params = finetune.make_finetune(
       model,
       params,
-      freeze=config.freeze,
-      lora_rank=config.lora.rank,
-      lora_alpha=config.lora.alpha,
-      lora_targets=config.lora.targets,
+      freeze=tune.freeze,
+      lora_rank=tune.lora_rank,
+      lora_alpha=tune.lora_alpha,
+      lora_targets=tune.lora_targets,
       seed=plan.seed,
     )
   return model, params
@@ -72,16 +71,16 @@ class Auditor:
   """
 
   def __init__(self, plan: plan_lib.RunPlan, params, workdir: str):
-    audit = plan.config.audit
+    audit = plan.audit
     self.canaries = auditing.make_canaries(
       plan.seed, audit.num_canaries, int(sum(np.size(x) for x in jax.tree.leaves(params)))
     )
     self.confidence, self.every_checkpoint = audit.confidence, audit.every_checkpoint
     self.num_canaries = audit.num_canaries
     # A non-private run (no δ in its plan) is audited at the config's δ.
-    self.delta = plan.delta if plan.private else plan.config.privacy.delta
-    self._clip_norm = plan.clip_norm if plan.private else math.inf
-    self._scale = plan.clip_norm if plan.private else 1.0
+    self.delta = plan.privacy.delta if plan.private else audit.delta
+    self._clip_norm = plan.privacy.clip_norm if plan.private else math.inf
+    self._scale = plan.privacy.clip_norm if plan.private else 1.0
     self._initial_projection = auditing.project(params, self.canaries)
     if sharding.is_primary_process() and not os.path.exists(
       os.path.join(workdir, audit_record.AUDIT_FILE)
@@ -118,15 +117,15 @@ def build_step(
   auditor: Auditor | None = None,
 ) -> dp_step.DPStep:
   """The DP step of the plan (σ, C, b, seed), or the non-private step."""
-  config = plan.config
+  recipe = plan.recipe
   options = dict(
-    clipping=config.privacy.clipping,
-    label_format=config.data.label_format,
-    loss=config.loss,
-    noise_impl=config.privacy.noise_prng,
+    clipping=recipe.clipping,
+    label_format=plan.data.label_format,
+    loss=recipe.loss,
+    noise_impl=recipe.noise_prng,
     mesh=mesh,
     sum_fn_wrapper=None if auditor is None else auditor.wrap,
-    augmult=augmult_lib.Augmult.from_config(config.augmult),
+    augmult=recipe.augmult,
     clipping_forms=plan.perf.clipping_forms,
   )
   if not plan.private:
@@ -138,15 +137,17 @@ def build_step(
       expected_batch_size=plan.sampler.expected_batch_size,
       private=False,
       seed=plan.seed,
-      precision=plan_lib.precision_of(config),
+      precision=recipe.precision,
       **options,
     )
   step = dp_step.DPStep.from_plan(model, optimizer, plan.privacy, **options)
   # What is reported is what runs (and its precision is the one whose η ε pays for); not an
   # assert, which `python -O` removes.
   if not (
-    step.noise_multiplier == plan.accountant.noise_multiplier == plan.noise_multiplier
-    and step.precision == plan.privacy.precision == plan_lib.precision_of(config)
+    step.noise_multiplier
+    == plan.privacy.accountant.noise_multiplier
+    == plan.privacy.noise_multiplier
+    and step.precision == plan.privacy.precision == recipe.precision
   ):
     raise RuntimeError('the DP step and the privacy plan disagree on σ or the precision.')
   return step
@@ -157,23 +158,25 @@ def make_evaluator(
 ) -> Callable[[Any], dict[str, float]]:
   """`evaluate(state)`: loss and accuracy of `state.params` on the test split (and of the
   EMA parameters, as `*_ema`, when `ema_decay` > 0), in batches of the plan's P."""
-  config = plan.config
+  label_format, loss, physical = (
+    plan.data.label_format,
+    plan.recipe.loss,
+    plan.perf.physical_batch_size,
+  )
   eval_fn = jax.jit(  # Sharded like training; the sums come back replicated.
-    lambda params, batch: losses.eval_step(
-      model, params, batch, config.data.label_format, config.loss
-    ),
+    lambda params, batch: losses.eval_step(model, params, batch, label_format, loss),
     in_shardings=(sharding.replicated(mesh), sharding.batch_sharding(mesh)),
     out_shardings=sharding.replicated(mesh),
   )
 
   def evaluate(state) -> dict[str, float]:
-    out = evaluation.evaluate(eval_fn, state.params, test_source, plan.physical_batch_size, mesh)
-    if config.ema_decay:
+    out = evaluation.evaluate(eval_fn, state.params, test_source, physical, mesh)
+    if plan.recipe.ema_decay:
       out.update(
         {
           f'{k}_ema': v
           for k, v in evaluation.evaluate(
-            eval_fn, state.ema.params, test_source, plan.physical_batch_size, mesh
+            eval_fn, state.ema.params, test_source, physical, mesh
           ).items()
         }
       )

@@ -35,7 +35,7 @@ def make_batcher(plan: plan_lib.RunPlan) -> batching.Batcher:
   """The batcher of the plan's sampler, B (the accountant's) and (resolved) P: the pure
   function of (seed, t), whose step counter is the loop's checkpointed step."""
   cap = plan.privacy.max_batch_size if plan.private else plan.max_batch_size
-  return batching.Batcher(plan.sampler, plan.physical_batch_size, cap)
+  return batching.Batcher(plan.sampler, plan.perf.physical_batch_size, cap)
 
 
 def make_chunks(

@@ -23,7 +23,7 @@ from dpjax.privacy import privacy_plan
 from dpjax.privacy import rounding as rounding_lib
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import composition
-from dpjax.trainer import training_set_size
+from dpjax.trainer import plan_blocks
 
 # The digest of the weights `init_from` names (`stored_params.sha256`), when it is set.
 INIT_WEIGHTS_FIELD = 'init_from.weights_sha256'
@@ -33,13 +33,19 @@ DATASET_FIELDS = ('source', 'split', 'num_examples', 'content_sha256')
 
 
 def run_fingerprint(
-  config, sampler, max_batch_size: int, privacy, dataset, init_weights_sha256: str | None = None
+  sampler,
+  max_batch_size: int,
+  privacy,
+  dataset,
+  audit: plan_blocks.AuditPlan,
+  finetune: plan_blocks.Finetune,
+  public_num_examples: int,
+  init_weights_sha256: str | None = None,
 ) -> dict[str, Any]:
   """The privacy fingerprint: the privacy plan's fields, the private flag, the starting
-  weights' digest, audit and data."""
+  weights' digest, audit and data (N̄ = `public_num_examples`, 0 when N is public)."""
   dataset = dataset or {}
-  audit = config.get('audit', {})
-  canaries = audit.get('num_canaries', 0)
+  canaries = audit.num_canaries
   if privacy is not None:
     fields = privacy.fingerprint
   else:
@@ -58,7 +64,7 @@ def run_fingerprint(
       'seed_sha256': privacy_plan.seed_digest(sampler.seed),
     }
   init = {
-    'init_from_disjoint_data': bool(config.get('init_from_disjoint_data')),
+    'init_from_disjoint_data': finetune.init_from_disjoint_data,
     INIT_WEIGHTS_FIELD: init_weights_sha256,
   }
   return {
@@ -66,18 +72,14 @@ def run_fingerprint(
     'privacy.enabled': privacy is not None,
     **fields,
     # Whether the starting weights' runs are composed (present when init_from is set).
-    **(init if config.get('init_from') else {}),
+    **(init if finetune.init_from else {}),
     # Audit canaries change the data (N + m rows) and what each canary contributes.
     'audit.num_canaries': canaries,
-    'audit.kind': audit.get('kind') if canaries else None,
+    'audit.kind': audit.kind if canaries else None,
     **{f'data.{key}': dataset.get(key) for key in DATASET_FIELDS},
     # A declared public bound on N (sampler.num_examples then holds it); absent when the
     # exact N is public, as in checkpoints written before the field existed.
-    **(
-      {'data.public_num_examples': bound}
-      if (bound := training_set_size.declared_bound(config))
-      else {}
-    ),
+    **({'data.public_num_examples': public_num_examples} if public_num_examples else {}),
   }
 
 

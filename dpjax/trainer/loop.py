@@ -1,10 +1,4 @@
-"""The training loop of a resolved plan: DP step, restore, log / eval / audit / checkpoint.
-
-`run(plan, ...)` is what `dpjax.train` calls once the config is validated, the
-plan resolved (`dpjax.trainer.plan`) and the workdir locked:
-
-  model, params → the DP step (`build`) → P resolved (`physical_batch`)
-  → `build.restore_or_init` → the start lines → `Loop(...).run(state)` → the final result.
+"""The training loop: compiled calls of S logical steps, then the periodic actions that are due.
 
 `Loop` runs calls of S logical steps (`dpjax.privacy.multi_step`) over chunks of
 logical batches (`chunks`) and after each call fires the periodic actions that
@@ -12,37 +6,28 @@ are due by `is_time`: log, eval, audit and checkpoint (all at the last step; a
 signal saves at once). Every checkpoint stores the ε of its step and the plan's
 privacy fingerprint (`privacy_metadata`). The loop receives what computes and writes
 (the step, the chunks, the evaluation, the writer, the checkpointer, the accountant and
-the clock: `loop_parts`), so its logic runs with fakes in tests/trainer/test_loop_logic.py.
+the clock: `loop_parts`), so its logic runs with fakes in tests/trainer/test_loop_logic.py;
+`dpjax.trainer.training.run` builds the real ones from a plan and runs it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import time
 from typing import Any, Callable
 
 import flax
 import jax
 import numpy as np
-import tqdm
 
-from dpjax.data import device as device_data
-from dpjax.data import sources as data
 from dpjax.privacy import ema as ema_lib
 from dpjax.privacy import multi_step
-from dpjax.privacy import sharding
 from dpjax.privacy.accounting import ahead as ahead_lib
 from dpjax.trainer import build
-from dpjax.trainer import checkpoints
 from dpjax.trainer import chrono as chrono_lib
+from dpjax.trainer import progress as progress_lib
 from dpjax.trainer import interrupts
 from dpjax.trainer import loop_parts
-from dpjax.trainer import optimizers
-from dpjax.trainer import physical_batch
-from dpjax.trainer import plan as plan_lib
-from dpjax.trainer import run_report
 from dpjax.trainer import run_warnings
 from dpjax.trainer import write_errors
 from dpjax.trainer.stops import RunInterrupted
@@ -130,14 +115,7 @@ class Loop:
 
   def _train(self, state: TrainState) -> TrainState:
     start, last_step = state.step, self.settings.num_steps
-    self.progress = tqdm.tqdm(
-      total=last_step,
-      initial=start,
-      desc='train',
-      dynamic_ncols=True,
-      disable=not self.primary
-      or (not sys.stderr.isatty() and os.environ.get('DPJAX_PROGRESS') != '1'),
-    )
+    self.progress = progress_lib.Progress(last_step, start, self.primary)
     self.chrono = chrono_lib.Chrono(self.clock)
     self._window_start = start + 1
     size = self.steps.size  # S logical steps a call; calls end where the host needs θ.
@@ -257,7 +235,8 @@ class Loop:
         row['nonprivate_checkpoint_seconds'] = self.chrono.checkpoint_seconds
       row.update(audit_row or {})  # Beside ε: an empirical lower bound, with its confidence.
       self.writer.write(done, row)
-      self._show(done, row)
+      query_seconds = 0.0 if self.ahead is None else self.ahead.mean_query_seconds
+      self.progress.show(done, row, self.every['checkpoint'], query_seconds)
       self.last = row
     else:
       for part in (audit_row, evaluated):
@@ -367,30 +346,6 @@ class Loop:
     self.writer.flush()
     self.chrono.checkpoint_seconds = self.chrono.pause(clock)
 
-  def _show(self, done: int, row: dict) -> None:
-    """The progress bar's postfix; without a terminal, one plain progress line."""
-    shown = {
-      k: f'{v:.4g}'
-      for k, v in row.items()
-      if k in ('nonprivate_train_loss', 'nonprivate_train_accuracy', 'eval_accuracy', 'epsilon')
-    }
-    if 'epsilon' in shown:  # The kind of bound beside the number.
-      shown['epsilon'] += f' ({row["epsilon_bound"]})'
-    self.progress.set_postfix(shown)
-    if not (self.progress.disable and self.primary):
-      return
-    # The steps left, and the ε each coming checkpoint (and the last step) waits for.
-    rate, left = row['nonprivate_steps_per_second'], self.settings.num_steps - done
-    saves_left = left // self.every['checkpoint'] + 1
-    query_seconds = 0.0 if self.ahead is None else self.ahead.mean_query_seconds
-    eta = left / rate + saves_left * query_seconds if rate else float('nan')
-    speed = f'{row["nonprivate_examples_per_second"]:.0f} ex/s' if rate else 'compiling'
-    print(
-      f'step {done}/{self.settings.num_steps}, {speed}, ETA {eta:.0f} s, '
-      + ' '.join(f'{k}={v}' for k, v in shown.items()),
-      flush=True,
-    )
-
   def _close(self, after_failed_write: bool = False) -> None:
     """Leaves the workdir consistent: earlier saves complete, metrics and events flushed
     (`after_failed_write`: a write failed already; later failures are not raised again)."""
@@ -412,60 +367,3 @@ class Loop:
   def compilations(self) -> dict[str, int]:
     """The programs the loop compiled, by name (those compiled at least once)."""
     return self.steps.compilations()
-
-
-def run(
-  plan: plan_lib.RunPlan,
-  workdir: str,
-  train_source: data.DataSource,
-  test_source: data.DataSource,
-  model,
-  mesh: jax.sharding.Mesh,
-) -> dict[str, Any]:
-  """The run of a plan, in a locked workdir; returns the final metrics and parameters."""
-  log = print if sharding.is_primary_process() else lambda *args, **kwargs: None
-  config = plan.config
-  optimizer = optimizers.make_optimizer(config.optimizer, plan.num_steps)
-  model, params = build.init_params(plan, model, train_source.input_shape)
-  auditor = build.Auditor(plan, params, workdir) if config.audit.num_canaries else None
-  step_fns = build.build_step(plan, model, optimizer, mesh, auditor)
-  state = sharding.replicate(
-    mesh,
-    TrainState(  # Same seed, same values on every host.
-      step=np.int32(0),
-      params=params,
-      opt_state=optimizer.init(params),
-      num_truncated=np.int32(0),
-      ema=ema_lib.init(params),
-    ),
-  )
-  # The training set on the device when it fits (the sampler sends indices only); else
-  # host-gathered rows, prefetched on a thread.
-  dataset = (
-    device_data.put_on_device(train_source, sharding.replicated(mesh))
-    if device_data.fits_on_device(train_source)
-    else None
-  )
-  plan = physical_batch.resolve_physical_batch_size(
-    plan, step_fns, state.params, state.opt_state, train_source, dataset, mesh, log
-  )
-  evaluate = build.make_evaluator(plan, model, test_source, mesh)
-  manager = checkpoints.make_manager(workdir, config.keep_checkpoints)
-  restored_step, state = build.restore_or_init(manager, state, plan, workdir, log)
-  run_report.announce(plan, workdir, train_source, mesh, params, log)
-  parts = loop_parts.from_plan(
-    plan, workdir, step_fns, state.params, train_source, dataset, mesh, manager, restored_step
-  )
-  loop = Loop(
-    parts.settings,
-    parts.steps,
-    parts.chunks,
-    evaluate,
-    parts.writer,
-    parts.checkpointer,
-    plan.accountant,
-    auditor,
-    log=log,
-  )
-  state = loop.run(state)
-  return run_report.finish(plan, state, loop.last, evaluate, auditor, loop.compilations(), log)

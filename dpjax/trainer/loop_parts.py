@@ -59,16 +59,15 @@ class LoopSettings:
 
   @classmethod
   def of_plan(cls, plan: plan_lib.RunPlan, mesh: jax.sharding.Mesh) -> LoopSettings:
-    config = plan.config
     return cls(
       num_steps=plan.num_steps,
-      log_every=config.log_every_steps,
-      eval_every=config.eval_every_steps,
-      checkpoint_every=config.checkpoint_every_steps,
+      log_every=plan.schedule.log_every,
+      eval_every=plan.schedule.eval_every,
+      checkpoint_every=plan.schedule.checkpoint_every,
       steps_per_call=plan.perf.steps_per_call,
-      ema_decay=config.ema_decay,
+      ema_decay=plan.recipe.ema_decay,
       max_batch_size=plan.max_batch_size,
-      clip_norm=plan.clip_norm,
+      clip_norm=plan.privacy.clip_norm if plan.private else None,
       private=plan.private,
       serial=chunks_lib.serial_dispatch(mesh),
       primary=sharding.is_primary_process(),

@@ -184,7 +184,7 @@ def resolve_physical_batch_size(
   the source's rows. B is already resolved (to the row, without P): P only
   sizes the [ceil(B/P), P] buffer. The choice is printed with `log`.
   """
-  if plan.physical_batch_size:
+  if plan.perf.physical_batch_size:
     return plan
   example = {'index': np.int32(0)}
   if dataset is None:

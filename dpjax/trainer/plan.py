@@ -35,33 +35,27 @@ and checked against `privacy.target_epsilon` as a budget.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
-import warnings
 
 import ml_collections
 import numpy as np
 
-from dpjax.privacy import checks
-from dpjax.trainer import accounting_refusals
-from dpjax.trainer import config_fields
-from dpjax.trainer import fingerprint as fingerprint_lib
-from dpjax.trainer import perf as perf_lib
-from dpjax.trainer import training_set_size
-from dpjax.privacy import batching
 from dpjax.data import sources as data_lib
+from dpjax.privacy import batching
 from dpjax.privacy import privacy_plan
 from dpjax.privacy import samplers as samplers_lib
 from dpjax.privacy.accounting import accountant as accountant_lib
-from dpjax.privacy.accounting import composition
-from dpjax.privacy.accounting import step_pld
 from dpjax.privacy.auditing import audited_sgd
 from dpjax.privacy.auditing import canaries as canaries_lib
-
-NEW_WORKDIR_HINT = 'Use a new --workdir for a run with these settings, or restore the old ones.'
-
-
-class PlanError(config_fields.ConfigError):
-  """The config cannot run as planned (or cannot resume this workdir); one line, names fields."""
+from dpjax.trainer import config_fields
+from dpjax.trainer import fingerprint as fingerprint_lib
+from dpjax.trainer import perf as perf_lib
+from dpjax.trainer import plan_blocks
+from dpjax.trainer import privacy_resolution
+from dpjax.trainer import training_set_size
+from dpjax.trainer.privacy_resolution import NEW_WORKDIR_HINT
+from dpjax.trainer.privacy_resolution import PlanError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +80,9 @@ class RunPlan:
       (given by the user: the guarantee then needs it to be secret).
     warnings: lines to print at start (e.g. δ above 1/(10·N)).
     init_source: what `init_from` names (`dpjax.trainer.init_source`): the runs whose privacy
-      loss the accountant composes with this run's, or weights assumed public; None without.
+    loss the accountant composes with this run's, or weights assumed public; None without.
+    schedule, recipe, finetune, audit, data: the config's other settings, typed
+      (`dpjax.trainer.plan_blocks`); what lies below the plan reads these, never `config`.
   """
 
   config: ml_collections.ConfigDict
@@ -97,6 +93,11 @@ class RunPlan:
   private: bool
   privacy: privacy_plan.PrivacyPlan | None
   dataset: dict[str, Any] | None
+  schedule: plan_blocks.Schedule
+  recipe: plan_blocks.Recipe
+  finetune: plan_blocks.Finetune
+  audit: plan_blocks.AuditPlan
+  data: plan_blocks.DataSettings
   seed_source: str = 'config'
   warnings: tuple[str, ...] = ()
   init_source: Any = None
@@ -110,55 +111,47 @@ class RunPlan:
     """False when the seed came from the config (known to the adversary unless kept secret)."""
     return self.seed_source != 'config'
 
-  physical_batch_size = property(lambda self: self.perf.physical_batch_size)  # P (0 = automatic)
-  # The privacy plan's values (None for a non-private run).
-  noise_multiplier = property(lambda self: _of(self.privacy, 'noise_multiplier'))
-  noise_multiplier_source = property(lambda self: _of(self.privacy, 'noise_multiplier_source'))
-  clip_norm = property(lambda self: _of(self.privacy, 'clip_norm'))
-  delta = property(lambda self: _of(self.privacy, 'delta'))
-  accountant = property(lambda self: _of(self.privacy, 'accountant'))
-  accountant_name = property(lambda self: _of(self.privacy, 'accountant_name'))
-  group_size = property(lambda self: _of(self.privacy, 'group_size') or 1)
-  target_epsilon = property(lambda self: _of(self.privacy, 'target_epsilon') or 0.0)
-
   @property
   def fingerprint(self) -> dict[str, Any]:
     """The flat dict of everything that enters ε (JSON-ready; compared on resume)."""
+    return self.fingerprint_of(self.privacy)
+
+  def fingerprint_of(self, privacy: Any) -> dict[str, Any]:
+    """The fingerprint with `privacy`'s fields (a `PrivacyPlan`, the fields of one before σ
+    is calibrated, `fingerprint.PendingFields`, or None for a non-private run)."""
     return fingerprint_lib.run_fingerprint(
-      self.config,
       self.sampler,
       self.max_batch_size,
-      self.privacy,
+      privacy,
       self.dataset,
+      self.audit,
+      self.finetune,
+      self.data.public_num_examples,
       getattr(self.init_source, 'weights_sha256', None),
     )
+
+  def config_json(self) -> str:
+    """The text of the run's `config.json` (the resolved config)."""
+    return json.dumps(self.config.to_dict(), indent=2)
 
   def summary(self) -> str:
     """One line: sampler, b, B, P, σ (and whether calibrated), C, target ε, steps."""
     s = self.sampler
     text = (
       f'{s.name} sampler, {training_set_size.describe(s)}, b = {s.batch_size}, '
-      f'B = {self.max_batch_size}, P = {self.physical_batch_size}, {self.num_steps} steps'
+      f'B = {self.max_batch_size}, P = {self.perf.physical_batch_size}, {self.num_steps} steps'
     )
-    if not self.private:
+    p = self.privacy
+    if p is None:
       return text + ', non-private (no clipping, no noise, ε = ∞)'
     source = {'given': 'given', 'calibrated': 'calibrated', 'checkpoint': "the checkpoint's"}[
-      self.noise_multiplier_source
+      p.noise_multiplier_source
     ]
-    target = f'target ε = {self.target_epsilon:g}' if self.target_epsilon else 'no target ε'
+    target = f'target ε = {p.target_epsilon:g}' if p.target_epsilon else 'no target ε'
     return (
-      text + f', σ = {self.noise_multiplier:.4f} ({source}), C = {self.clip_norm:g}, '
-      f'δ = {self.delta:g}, {target}'
+      text + f', σ = {p.noise_multiplier:.4f} ({source}), C = {p.clip_norm:g}, '
+      f'δ = {p.delta:g}, {target}'
     )
-
-
-def _of(privacy, name):
-  return None if privacy is None else getattr(privacy, name)
-
-
-def precision_of(config: ml_collections.ConfigDict) -> str:
-  """`config.precision` (its declared default in an accounting-only config that lacks it)."""
-  return config_fields.get(config, 'precision', config_fields.FIELDS_BY_PATH['precision'].default)
 
 
 def make_training_sources(config: ml_collections.ConfigDict):
@@ -167,8 +160,8 @@ def make_training_sources(config: ml_collections.ConfigDict):
   The one place that decides N for training, `dpjax.account` and `dpjax.planner` alike
   (canaries are sampled like any example: the run has N + m examples).
   """
-  train, test = data_lib.make_sources(config.data, loss=config.get('loss', 'softmax_cross_entropy'))
-  num_canaries = config.get('audit', {}).get('num_canaries', 0)
+  train, test = data_lib.make_sources(config.data, loss=plan_blocks.declared(config, 'loss'))
+  num_canaries = plan_blocks.declared(config, 'audit.num_canaries')
   if num_canaries:
     train = canaries_lib.CanarySource(train, num_canaries)
   return train, test
@@ -184,9 +177,14 @@ def make_sampler(
   enough for accounting, which does not depend on the seed).
   """
   if seed is None:
-    seed = config.get('seed') or 0
+    seed = plan_blocks.declared(config, 'seed') or 0
   n, rows = training_set_size.sampler_sizes(config, num_examples)
-  return samplers_lib.make(config.sampler.name, n, config.sampler.batch_size, seed, num_rows=rows)
+  try:
+    return samplers_lib.make(config.sampler.name, n, config.sampler.batch_size, seed, num_rows=rows)
+  except ValueError as e:  # The core names its argument (b > N); the config, its field.
+    if str(e).startswith('batch_size '):
+      raise config_fields.ConfigError(f'sampler.{e}') from None
+    raise
 
 
 def make_accountant(
@@ -200,7 +198,7 @@ def make_accountant(
   """
   if not config.privacy.enabled:
     raise ValueError('privacy.enabled is False: a non-private run has no ε to account.')
-  return make_plan(config, num_examples, accountant_options=kwargs).accountant
+  return make_plan(config, num_examples, accountant_options=kwargs).privacy.accountant
 
 
 def audit_settings(config: ml_collections.ConfigDict):
@@ -215,7 +213,7 @@ def audit_settings(config: ml_collections.ConfigDict):
     noise_multiplier=float(config.privacy.noise_multiplier or 0.0),
     delta=config.privacy.delta,
     learning_rate=config.optimizer.learning_rate,
-    seed=config.get('seed'),
+    seed=plan_blocks.declared(config, 'seed'),
   )
 
 
@@ -254,27 +252,15 @@ def make_plan(
   """
   config_fields.validate(config, accounting_only=isinstance(data, (int, np.integer)))
   if seed is None:
-    seed = config.get('seed') or 0
-  if isinstance(data, (int, np.integer)):
-    num_examples, dataset = int(data), None
-  else:
-    num_examples = len(data)
-    dataset = fingerprint_lib.dataset_identity(config.data, data, fingerprint_lib.data_key(seed))
-  init = None
-  if config.get('init_from'):
-    from dpjax.trainer import init_source  # pylint: disable=import-outside-toplevel
-    from dpjax.trainer import stored_params  # pylint: disable=import-outside-toplevel
-
-    init = init_source.read_source(config.init_from, bool(config.get('init_from_disjoint_data')))
-    if previous is not None:  # A resume continues from the weights it started from only.
-      stored_params.refuse_changed(
-        config.init_from, previous.get(fingerprint_lib.INIT_WEIGHTS_FIELD), init.weights_sha256
-      )
+    seed = plan_blocks.declared(config, 'seed') or 0
+  num_examples, dataset = _data_identity(config, data, seed)
+  finetune = plan_blocks.Finetune.of(config)
+  init = _init_source(finetune, previous)
   sampler = make_sampler(config, num_examples, seed=seed)
   num_steps = num_train_steps(config, sampler)
   _check_resumable(previous, resumed_step, num_steps)
   private = bool(config.privacy.enabled)
-  notes = _delta_warnings(config.privacy, sampler.num_examples) if private else []
+  notes = privacy_resolution.delta_warnings(config, sampler.num_examples) if private else []
   if init is not None and dataset is not None:
     notes += init.data_notes(dataset['content_sha256'])
   perf = perf or perf_lib.Perf.from_config(config)
@@ -286,9 +272,7 @@ def make_plan(
     float(config.privacy.delta) if private else 1e-5,
     perf.physical_batch_size,
   )
-  resolved = ml_collections.ConfigDict(config.to_dict())
-  resolved.num_steps, resolved.num_epochs = num_steps, 0
-  resolved.sampler.max_batch_size = max_batch_size
+  resolved = _resolved_config(config, num_steps, max_batch_size)
   plan = RunPlan(
     config=resolved,
     sampler=sampler,
@@ -298,17 +282,57 @@ def make_plan(
     private=private,
     privacy=None,
     dataset=dataset,
+    schedule=plan_blocks.Schedule.of(config),
+    recipe=plan_blocks.Recipe.of(config),
+    finetune=finetune,
+    audit=plan_blocks.AuditPlan.of(config),
+    data=plan_blocks.DataSettings.of(config),
     seed_source=seed_source,
     warnings=tuple(notes),
     init_source=init,
   )
   if not private:
     if previous is not None:
-      _refuse_changes(previous, plan.fingerprint)
+      privacy_resolution.refuse_changes(previous, plan.fingerprint)
     return plan
-  private_plan = _privacy_plan(config, plan, previous, accountant_options)
+  private_plan = privacy_resolution.resolve(config, plan, previous, accountant_options)
   resolved.privacy.noise_multiplier = private_plan.noise_multiplier
   return dataclasses.replace(plan, privacy=private_plan)
+
+
+def _data_identity(config: ml_collections.ConfigDict, data: Any, seed: int):
+  """(N, the dataset identity that enters the fingerprint; None when only N is given)."""
+  if isinstance(data, (int, np.integer)):
+    return int(data), None
+  return len(data), fingerprint_lib.dataset_identity(
+    config.data, data, fingerprint_lib.data_key(seed)
+  )
+
+
+def _resolved_config(
+  config: ml_collections.ConfigDict, num_steps: int, max_batch_size: int
+) -> ml_collections.ConfigDict:
+  """A copy of `config` with the run length in steps and the cap B filled in (config.json)."""
+  resolved = ml_collections.ConfigDict(config.to_dict())
+  resolved.num_steps, resolved.num_epochs = num_steps, 0
+  resolved.sampler.max_batch_size = max_batch_size
+  return resolved
+
+
+def _init_source(finetune: plan_blocks.Finetune, previous: dict[str, Any] | None):
+  """What `init_from` names (`init_source.read_source`), None without; on resume, refuses
+  weights other than those the run started from."""
+  if not finetune.init_from:
+    return None
+  from dpjax.trainer import init_source  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer import stored_params  # pylint: disable=import-outside-toplevel
+
+  init = init_source.read_source(finetune.init_from, finetune.init_from_disjoint_data)
+  if previous is not None:  # A resume continues from the weights it started from only.
+    stored_params.refuse_changed(
+      finetune.init_from, previous.get(fingerprint_lib.INIT_WEIGHTS_FIELD), init.weights_sha256
+    )
+  return init
 
 
 def _check_resumable(previous: dict[str, Any] | None, resumed_step: int, num_steps: int) -> None:
@@ -325,20 +349,6 @@ def _check_resumable(previous: dict[str, Any] | None, resumed_step: int, num_ste
       f'{num_steps} steps. Set num_steps/num_epochs to at least that, or use a new '
       '--workdir.'
     )
-
-
-def _delta_warnings(privacy: ml_collections.ConfigDict, num_examples: int) -> list[str]:
-  """Refuses δ >= 1/N (unless allowed); the warning lines for a δ above 1/(10·N)."""
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter('always', checks.LargeDeltaWarning)
-    checks.check_delta(
-      privacy.delta,
-      'privacy.delta',
-      num_examples=num_examples,
-      allow_large_delta=bool(privacy.get('allow_large_delta', False)),
-      flag='privacy.allow_large_delta = True',
-    )
-  return [str(w.message) for w in caught]
 
 
 def _resolve_max_batch_size(
@@ -372,110 +382,3 @@ def _resolve_max_batch_size(
       f'divides {max_batch_size}.'
     )
   return max_batch_size
-
-
-def _privacy_plan(
-  config: ml_collections.ConfigDict,
-  plan: RunPlan,
-  previous: dict[str, Any] | None,
-  accountant_options: dict | None,
-) -> privacy_plan.PrivacyPlan:
-  """σ (given, the checkpoint's, never re-calibrated, or calibrated once) bound with the
-  sampler, B, C, δ and the accountant; refuses a changed fingerprint before any accounting,
-  and a run whose final ε exceeds the target."""
-  privacy, sampler, num_steps = config.privacy, plan.sampler, plan.num_steps
-  sigma, source = privacy.noise_multiplier, 'given'
-  if sigma is None and previous is not None and previous.get('privacy.noise_multiplier'):
-    sigma, source = float(previous['privacy.noise_multiplier']), 'checkpoint'
-  options = dict(monte_carlo_workers=privacy.get('monte_carlo_workers'))
-  if privacy.get('random_allocation_timeout'):  # Seconds; the Accountant's default otherwise.
-    options['random_allocation_timeout'] = privacy.random_allocation_timeout
-  options.update(accountant_options or {})
-  pld_options = {k: v for k, v in options.items() if k == 'value_discretization_interval'}
-  prior = plan.init_source.prior_runs(privacy.group_size, **pld_options) if plan.init_source else ()
-  options['prior_runs'] = prior
-  if previous is not None:  # Refuse before any (costly) accounting.
-    _refuse_changes(
-      previous,
-      fingerprint_lib.run_fingerprint(
-        config,
-        sampler,
-        plan.max_batch_size,
-        fingerprint_lib.PendingFields(
-          sampler, plan.max_batch_size, privacy, sigma, precision_of(config), prior
-        ),
-        plan.dataset,
-        getattr(plan.init_source, 'weights_sha256', None),
-      ),
-    )
-  if prior and privacy.target_epsilon:
-    _check_prior_budget(prior, privacy, plan.init_source.path)
-  with warnings.catch_warnings():
-    warnings.simplefilter('ignore', checks.LargeDeltaWarning)  # Noted by make_plan.
-    private_plan = privacy_plan.PrivacyPlan.create(
-      sampler,
-      noise_multiplier=sigma,
-      noise_multiplier_source=source,
-      check_budget=False,
-      num_steps=num_steps,
-      clip_norm=privacy.clip_norm,
-      delta=privacy.delta,
-      target_epsilon=privacy.target_epsilon,
-      max_batch_size=plan.max_batch_size,
-      physical_batch_size=plan.physical_batch_size,
-      accountant=privacy.accountant,
-      group_size=privacy.group_size,
-      allow_large_delta=True,
-      precision=precision_of(config),
-      **options,
-    )
-  # The final ε now (memoised): a run whose privacy loss cannot be composed is refused here,
-  # before anything is written.
-  try:
-    private_plan.accountant.epsilon(num_steps)
-  except step_pld.GridTooLargeError as e:  # Its fixes as config fields.
-    raise PlanError(
-      accounting_refusals.grid_too_large(
-        e, private_plan.accountant, accounting_refusals.CONFIG_NAMES
-      )
-    ) from None
-  try:
-    private_plan.check_budget()
-  except privacy_plan.BudgetExceededError as e:
-    what = (
-      f'extending the run to {num_steps} steps'
-      if previous is not None
-      else f'privacy.noise_multiplier = {private_plan.noise_multiplier:g} over {num_steps} steps'
-    )
-    what += ', composed with the runs init_from starts from,' if prior else ''
-    raise PlanError(
-      f'{what} would reach ε = {e.final_epsilon:.4g} (δ = {private_plan.delta:g}), '
-      f'above privacy.target_epsilon = {private_plan.target_epsilon:g}. Raise '
-      'privacy.target_epsilon (the budget), raise σ, or shorten the run.'
-      + (
-        '' if previous is not None else ' Or unset privacy.noise_multiplier (None) to calibrate it.'
-      )
-    ) from None
-  return private_plan
-
-
-def _check_prior_budget(prior, privacy, init_from: str) -> None:
-  """PlanError when the runs init_from starts from already spend privacy.target_epsilon."""
-  eps = composition.prior_epsilon(prior, float(privacy.delta))
-  if eps >= privacy.target_epsilon:
-    raise PlanError(
-      f'privacy.target_epsilon = {privacy.target_epsilon:g}: the run(s) init_from = '
-      f'{init_from!r} starts from already reach ε = {eps:.4g} at δ = '
-      f'{privacy.delta:g}, and this run can only add to it. Raise the target, or '
-      'set init_from_disjoint_data = True if this data shares no individual with '
-      'theirs.'
-    )
-
-
-def _refuse_changes(previous: dict[str, Any], current: dict[str, Any]) -> None:
-  changes = fingerprint_lib.fingerprint_changes(previous, current)
-  if changes:
-    raise PlanError(
-      'this workdir holds a run with other privacy settings; resuming it would '
-      'make its ε wrong. Changed: ' + '; '.join(changes) + '. ' + NEW_WORKDIR_HINT
-    )

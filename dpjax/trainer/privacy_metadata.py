@@ -26,7 +26,7 @@ def privacy_metadata(
     else {'epsilon': None, 'bound': 'none (non-private run)', 'accountant': None, 'delta': None},
     'fingerprint': plan.fingerprint,
     'noise_multiplier': step_fns.noise_multiplier if plan.private else None,
-    'noise_multiplier_source': plan.noise_multiplier_source,
+    'noise_multiplier_source': plan.privacy.noise_multiplier_source if plan.private else None,
     'clip_norm': step_fns.clip_norm if plan.private else None,
     # η, the float rounding ε pays for, and its cost Δε at this step.
     'rounding': plan.privacy.rounding_record(step) if plan.private else None,
@@ -40,7 +40,7 @@ def privacy_metadata(
       'max_batch_size': batcher.max_batch_size,
       'physical_batch_size': batcher.physical_batch_size,
     },
-    'group_size': plan.group_size if plan.private else None,
+    'group_size': plan.privacy.group_size if plan.private else None,
     'num_truncated': num_truncated,  # Not covered by ε (a count of the private batch sizes).
     'seed_source': plan.seed_source,  # The seed itself is in private/seed.json only.
     'dataset': plan.dataset,

@@ -6,7 +6,6 @@ goes to `<workdir>/config.json`.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Callable
 
@@ -34,23 +33,21 @@ def announce(
 ) -> None:
   """Writes config.json (process 0), then the start lines: devices, model and plan (with the
   final ε), seed, a large-ε warning, the data's preprocessing and the plan's warnings."""
-  config = plan.config
   if sharding.is_primary_process():
     write_text_atomically(
-      os.path.join(workdir, 'config.json'),
-      json.dumps(config.to_dict(), indent=2),
-      what='the run config',
+      os.path.join(workdir, 'config.json'), plan.config_json(), what='the run config'
     )
-  rows = sharding.local_rows(mesh, plan.physical_batch_size)
+  rows = sharding.local_rows(mesh, plan.perf.physical_batch_size)
   log(
     f'{mesh.devices.size} device(s) on {jax.process_count()} process(es), {len(rows)} rows of '
     f'each physical batch gathered here ({jax.devices()[0].device_kind}).'
   )
   num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-  final_epsilon = plan.accountant.epsilon(plan.num_steps) if plan.private else None
+  accountant = plan.privacy.accountant if plan.private else None
+  final_epsilon = accountant.epsilon(plan.num_steps) if plan.private else None
   log(
-    f'Model {config.model.name} with {num_params:,} parameters; {plan.summary()}'
-    + (f'; final ε = {final_epsilon:.4f}{composed_with(plan.accountant)}' if plan.private else '')
+    f'Model {plan.recipe.model_name} with {num_params:,} parameters; {plan.summary()}'
+    + (f'; final ε = {final_epsilon:.4f}{composed_with(accountant)}' if plan.private else '')
     + '.'
   )
   if plan.init_source is not None:
@@ -59,12 +56,12 @@ def announce(
     log(f'Float rounding: {plan.privacy.rounding_record()["statement"]}.')
   log(run_seed.RunSeed(plan.seed, plan.seed_source).describe(workdir))
   if plan.private:
-    for line in run_warnings.RunWarnings().epsilon(final_epsilon, plan.target_epsilon):
+    for line in run_warnings.RunWarnings().epsilon(final_epsilon, plan.privacy.target_epsilon):
       log(f'WARNING: {line}')
   preprocess = getattr(getattr(train_source, 'base', train_source), 'preprocess', None)
   if preprocess is not None:  # Where the scale came from: derived or data.scale.
     log(
-      f'Data: {config.data.source}, {training_set_size.describe(plan.sampler)}, '
+      f'Data: {plan.data.source}, {training_set_size.describe(plan.sampler)}, '
       f'{preprocess.describe()}.'
     )
   for line in plan.warnings:
@@ -89,7 +86,7 @@ def finish(
   """The result of a finished run: the last log row (evaluated if it was not), the
   parameters, the compiled programs, ε with its side estimates and the audit; prints the
   truncation count and the Final line."""
-  accountant = plan.accountant
+  accountant = plan.privacy.accountant if plan.private else None
   if state.num_truncated and accountant is not None:
     log(
       f'{state.num_truncated} of {plan.num_steps} logical batches exceeded B = '
@@ -119,7 +116,7 @@ def finish(
     eps_text += '; the seed came from the config: ε holds only if that seed is secret'
   quality = (
     f'test accuracy {last["eval_accuracy"]:.4f}'
-    if losses.HAS_ACCURACY[plan.config.loss]
+    if losses.HAS_ACCURACY[plan.recipe.loss]
     else f'test loss {last["eval_loss"]:.4f}'
   )
   log(f'Final: step {plan.num_steps}, {quality}, {eps_text}.')

@@ -144,7 +144,7 @@ def train(config, train_source, variant: Variant, init=None):
   plan = plan_lib.make_plan(config, train_source)
   batcher = batching.Batcher(
     plan.sampler,
-    plan.physical_batch_size,
+    plan.perf.physical_batch_size,
     plan.privacy.max_batch_size if plan.private else plan.max_batch_size,
   )
   model = models.make_model(config.model, train_source.num_classes, train_source.input_shape)
@@ -201,8 +201,8 @@ def train(config, train_source, variant: Variant, init=None):
     final = model.full_params(final)
   info = {
     'num_steps': plan.num_steps,
-    'noise_multiplier': plan.noise_multiplier,
-    'epsilon': plan.accountant.final_report(estimates=False).epsilon if plan.private else None,
+    'noise_multiplier': plan.privacy.noise_multiplier if plan.private else None,
+    'epsilon': plan.privacy.final_report(estimates=False).epsilon if plan.private else None,
   }
   return final, info
 

@@ -192,8 +192,8 @@ def test_the_account_cli_resolves_sigma_as_training_does_with_audit_canaries():
   train_source = plan_lib.make_training_sources(config)[0]
   plan = plan_lib.make_plan(config, train_source)
   assert got['details']['num_examples'] == len(train_source) == 1437 + 200
-  assert got['noise_multiplier'] == plan.noise_multiplier
-  assert got['epsilon'] == plan.accountant.epsilon(plan.num_steps)
+  assert got['noise_multiplier'] == plan.privacy.noise_multiplier
+  assert got['epsilon'] == plan.privacy.accountant.epsilon(plan.num_steps)
 
 
 @pytest.mark.slow

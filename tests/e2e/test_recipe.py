@@ -30,11 +30,11 @@ def test_accounting_is_identical_with_augmult_and_ema_on_and_off():
   on.ema_decay = 0.999
   private = _private_half(off)
   p_off, p_on = plan_lib.make_plan(off, private), plan_lib.make_plan(on, private)
-  assert p_off.noise_multiplier == p_on.noise_multiplier
+  assert p_off.privacy.noise_multiplier == p_on.privacy.noise_multiplier
   assert p_off.fingerprint == p_on.fingerprint
   assert (
-    p_off.accountant.final_report(estimates=False).epsilon
-    == p_on.accountant.final_report(estimates=False).epsilon
+    p_off.privacy.accountant.final_report(estimates=False).epsilon
+    == p_on.privacy.accountant.final_report(estimates=False).epsilon
   )
 
 

@@ -171,9 +171,9 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
 def test_target_epsilon_is_met_and_never_exceeded(tmp_path):
   config = small_config(**{'privacy.noise_multiplier': None, 'privacy.target_epsilon': 2.0})
   plan = plan_lib.make_plan(config, 1437)  # σ calibrated once, target kept.
-  assert plan.config.privacy.target_epsilon == 2.0 and plan.noise_multiplier > 0
-  assert plan.noise_multiplier_source == 'calibrated'
-  final = plan.accountant.epsilon(6)
+  assert plan.config.privacy.target_epsilon == 2.0 and plan.privacy.noise_multiplier > 0
+  assert plan.privacy.noise_multiplier_source == 'calibrated'
+  final = plan.privacy.accountant.epsilon(6)
   assert 0.98 * 2.0 <= final <= 2.0
   # A fixed σ with a target acts as a budget: a run that would exceed it is refused.
   config = small_config(**{'privacy.noise_multiplier': 0.8, 'privacy.target_epsilon': 1.0})

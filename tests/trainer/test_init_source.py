@@ -93,7 +93,7 @@ def test_b_from_a_on_d_permuted_or_d_minus_one_reports_the_composition(runs, tmp
     n, a, b = len(rows), _a_sigma(runs), _sigma(1.0, plan.fingerprint)
     composed = _independent((N, a, STEPS), (n, b, STEPS), interval=1e-3)
     alone = _independent((n, b, STEPS), interval=1e-3)
-    report = plan.accountant.epsilon_at(STEPS, estimates=False)
+    report = plan.privacy.accountant.epsilon_at(STEPS, estimates=False)
     assert composed <= report.epsilon <= composed + 1e-6, name
     assert report.epsilon > alone + 0.4
     assert report.details['composed_with'] == [str(runs / 'given')]
@@ -142,7 +142,7 @@ def test_a_run_from_an_export_reports_the_composition_everywhere_and_a_chain_com
   assert a_record['steps'] == STEPS and a_record['accounting']['privacy.noise_multiplier'] == 1.0
   plan = _plan(tmp_path / 'b_export', num_steps=2, options=COARSE)
   c = _sigma(1.0, plan.fingerprint)
-  assert plan.accountant.epsilon(2) == pytest.approx(
+  assert plan.privacy.accountant.epsilon(2) == pytest.approx(
     _independent((N, a, STEPS), (N, b, 2), (N, c, 2), interval=1e-3), abs=1e-6
   )
 
@@ -157,8 +157,8 @@ def test_declared_disjoint_data_is_this_run_alone_and_a_resume_cannot_change_the
   not exist; checked)."""
   minus_one = _digits_npz(tmp_path / 'minus_one.npz', np.arange(1, N))
   plan = _plan(runs / 'given', minus_one, options=COARSE, init_from_disjoint_data=True)
-  assert plan.accountant.prior_runs == ()
-  assert plan.accountant.epsilon(STEPS) == pytest.approx(
+  assert plan.privacy.accountant.prior_runs == ()
+  assert plan.privacy.accountant.epsilon(STEPS) == pytest.approx(
     _independent((N - 1, _sigma(1.0, plan.fingerprint), STEPS), interval=1e-3), abs=1e-6
   )
   assert plan.fingerprint['init_from_disjoint_data'] is True
@@ -186,10 +186,10 @@ def test_calibration_meets_the_composed_target_or_refuses_a_spent_budget(runs, t
     options=COARSE,
     **{'privacy.noise_multiplier': None, 'privacy.target_epsilon': 3.0},
   )
-  a, sigma = _a_sigma(runs), _sigma(plan.noise_multiplier, plan.fingerprint)
+  a, sigma = _a_sigma(runs), _sigma(plan.privacy.noise_multiplier, plan.fingerprint)
   assert _independent((N, a, STEPS), (N, sigma, STEPS), interval=1e-3) <= 3.0
   assert _independent((N, a, STEPS), (N, 0.99 * sigma, STEPS), interval=1e-3) > 3.0
-  a_alone = plan.accountant.prior_runs[0].accountant.epsilon_at(STEPS, estimates=False)
+  a_alone = plan.privacy.accountant.prior_runs[0].accountant.epsilon_at(STEPS, estimates=False)
   spent = (
     f'already reach ε = '
     f'{_independent((N, a, STEPS), interval=a_alone.details["pld_grid"]):.4g} at δ = 1e-05'
@@ -213,7 +213,7 @@ def test_weights_without_a_card_are_public_and_runs_that_cannot_be_composed_are_
   public = tmp_path / 'public.npz'
   finetune.save_npz(str(public), checkpoints.read_state(str(runs / 'given'), STEPS)['params'])
   plan = _plan(public, options=COARSE)
-  assert plan.init_source.kind == 'public' and plan.accountant.prior_runs == ()
+  assert plan.init_source.kind == 'public' and plan.privacy.accountant.prior_runs == ()
   assert 'assumed public' in plan.init_source.describe()
   with pytest.raises(ValueError, match='a non-private run .* trained it') as e:
     _plan(runs / 'non_private')
@@ -284,7 +284,7 @@ def test_a_link_or_a_copy_of_an_exports_weights_composes_as_the_export_does(runs
   for name in ('a_export', 'elsewhere/pretrained.npz', 'elsewhere/copy.npz'):
     plan = _plan(tmp_path / name, num_steps=2, options=COARSE)
     assert plan.init_source.kind == 'export', name
-    epsilons[name] = plan.accountant.epsilon(2)
+    epsilons[name] = plan.privacy.accountant.epsilon(2)
   b = _sigma(1.0, plan.fingerprint)
   composed = _independent((N, _a_sigma(runs), STEPS), (N, b, 2), interval=1e-3)
   assert epsilons == pytest.approx(dict.fromkeys(epsilons, composed), abs=1e-6)
@@ -314,7 +314,7 @@ def test_the_card_inside_the_weights_changes_no_parameter_and_only_its_removal_m
   assert set(entries) == set(loaded)
   np.savez(tmp_path / 'stripped.npz', **entries)
   plan = _plan(tmp_path / 'stripped.npz', num_steps=2, options=COARSE)
-  assert plan.init_source.kind == 'public' and plan.accountant.prior_runs == ()
+  assert plan.init_source.kind == 'public' and plan.privacy.accountant.prior_runs == ()
   assert 'assumed public' in plan.init_source.describe()
   other = tmp_path / 'other'
   other.mkdir()

@@ -56,8 +56,8 @@ def test_changing_any_perf_field_keeps_the_fingerprint_and_resumes():
     )
     assert getattr(other.perf, name) == value != getattr(base.perf, name), name
     assert other.fingerprint == base.fingerprint, name
-    assert other.noise_multiplier == base.noise_multiplier
-    assert other.accountant.epsilon(50) == base.accountant.epsilon(50)
+    assert other.privacy.noise_multiplier == base.privacy.noise_multiplier
+    assert other.privacy.accountant.epsilon(50) == base.privacy.accountant.epsilon(50)
 
 
 def test_a_privacy_field_is_not_a_perf_field_and_is_refused_on_resume():
@@ -81,7 +81,7 @@ def test_the_precision_enters_epsilon_through_eta_and_a_new_matmul_format_is_ref
   base = plan_lib.make_plan(_config(), N, seed=7)
   eta = rounding.eta(base.max_batch_size, precision_lib.matmul_format('default'))
   assert base.fingerprint['privacy.rounding_eta'] == eta == base.privacy.rounding.eta
-  assert base.accountant.sensitivity == 1 + eta
+  assert base.privacy.accountant.sensitivity == 1 + eta
   config = _config()
   config.precision = 'bfloat16'
   with pytest.raises(plan_lib.PlanError, match="privacy.matmul_format: '[a-z0-9]+' → 'bfloat16'"):

@@ -46,8 +46,10 @@ def _release(tmp_path, rows: int, bound: int):
   run_report.announce(
     plan, str(tmp_path), train_source, sharding.make_mesh(1), {'w': np.zeros(3)}, log=lines.append
   )
-  step_fns = types.SimpleNamespace(noise_multiplier=plan.noise_multiplier, clip_norm=plan.clip_norm)
-  report = plan.accountant.epsilon_at(plan.num_steps, estimates=False)
+  step_fns = types.SimpleNamespace(
+    noise_multiplier=plan.privacy.noise_multiplier, clip_norm=plan.privacy.clip_norm
+  )
+  report = plan.privacy.accountant.epsilon_at(plan.num_steps, estimates=False)
   meta = privacy_metadata.privacy_metadata(
     plan.num_steps, report, plan, step_fns, chunks.make_batcher(plan), 0
   )

@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Sequence
+from typing import Any
 
 import numpy as np
 from dp_accounting import dp_event
@@ -60,9 +60,9 @@ from dpjax.privacy.accounting import composition
 from dpjax.privacy.accounting import cap
 from dpjax.privacy.accounting import monte_carlo
 from dpjax.privacy.accounting import sampler_events
+from dpjax.privacy.accounting.options import AccountingOptions
 from dpjax.privacy.accounting.report import PrivacyReport
 from dpjax.privacy.accounting.step_compositions import StepCompositions
-from dpjax.privacy.accounting.step_pld import MAX_GRID_POINTS
 from dpjax.privacy.accounting.step_pld import mixture_components
 from dpjax.privacy.names import ACCOUNTANTS
 
@@ -115,38 +115,6 @@ def _check_group_size(group_size, num_examples: int) -> int:
   return k
 
 
-def _optional_positive_int(name: str, value) -> int | None:
-  return None if value is None else sampler_events.check_positive_int(name, value)
-
-
-def _check_beta(beta) -> float:
-  if not (isinstance(beta, (int, float)) and 0 < beta < 1):
-    raise ValueError(f'beta must be in (0, 1), got {beta!r}.')
-  return float(beta)
-
-
-def _check_pld_options(
-  random_allocation_timeout, value_discretization_interval, pld_coarsening
-) -> None:
-  """Timeout None or > 0; discretisation None or a float in (0, 0.1]; coarsening in [1, 100]."""
-  if random_allocation_timeout is not None and not (
-    isinstance(random_allocation_timeout, (int, float)) and random_allocation_timeout > 0
-  ):
-    raise ValueError(
-      f'random_allocation_timeout must be None (no limit) or seconds > 0, got '
-      f'{random_allocation_timeout!r}.'
-    )
-  if value_discretization_interval is not None and not (
-    isinstance(value_discretization_interval, float) and 0 < value_discretization_interval <= 0.1
-  ):
-    raise ValueError(
-      'value_discretization_interval must be None or a float in (0, 0.1], '
-      f'got {value_discretization_interval!r}.'
-    )
-  if not (isinstance(pld_coarsening, (int, float)) and 1 <= pld_coarsening <= 100):
-    raise ValueError(f'pld_coarsening must be in [1, 100], got {pld_coarsening!r}.')
-
-
 # ---------------------------------------------------------------------------------------------
 # The accountant
 # ---------------------------------------------------------------------------------------------
@@ -164,25 +132,8 @@ class Accountant:
     sampler: samplers_lib.Sampler,
     noise_multiplier: float,
     delta: float,
-    *,
-    accountant: str = 'auto',
-    max_batch_size: int | None = cap.CAP_NOT_GIVEN,
-    group_size: int = 1,
-    num_steps: int | None = None,
-    monte_carlo_samples: int | None = None,
-    beta: float = 1e-3,
-    monte_carlo_seed: int = 0,
-    monte_carlo_workers: int | None = None,
-    monte_carlo_estimate: bool = False,
-    random_allocation: bool | None = None,
-    value_discretization_interval: float | None = None,
-    pld_coarsening: float = 1.0,
-    exact_truncation: bool = True,
-    random_allocation_timeout: float | None = balls_and_bins.RANDOM_ALLOCATION_TIMEOUT,
-    max_grid_points: int = MAX_GRID_POINTS,
-    allow_large_delta: bool = False,
-    prior_runs: Sequence[composition.PriorRun] = (),
-    sensitivity: float = 1.0,
+    options: AccountingOptions | None = None,
+    **fields: Any,
   ):
     """Validates everything before any computation.
 
@@ -190,67 +141,41 @@ class Accountant:
       sampler: the run's sampler (`dpjax.privacy.samplers`).
       noise_multiplier: σ > 0.
       delta: δ in (0, 1).
-      accountant: 'auto', 'pld', 'rdp' or 'monte_carlo' (the sampler class's `accountants`).
-      max_batch_size: B, the batcher's cap (required where it truncates: `cap`); None = no cap.
-      group_size: k >= 1 (add/remove up to k examples).
-      num_steps: the planned run length (used by `final_report`), optional.
-      monte_carlo_samples: samples per direction of the Monte-Carlo estimate; None =
-        chosen from δ and β so that an estimate exists (`monte_carlo.default_num_samples`).
-      beta: the Monte-Carlo failure probability (confidence 1 − β).
-      monte_carlo_seed: its seed (fixed, so reports are reproducible).
-      monte_carlo_workers: processes drawing its samples (this one included; the estimate does
-        not depend on it); None = the available cores, as many as the samples pay to start.
-      monte_carlo_estimate: also compute the Monte-Carlo estimate beside the provable balls-
-        and-bins ε with `estimates` (opt-in: its samples grow as 1/δ; always for 'monte_carlo').
-      random_allocation: force (True, no time limit) / skip (False) random-allocation PLD
-        for balls-and-bins; None = attempt it within `random_allocation_timeout` seconds
-        per new one-epoch PLD (cached on disk), else the labelled deterministic fallback.
-      value_discretization_interval: a fixed PLD grid; None = the grid follows ε (`pld_grid`,
-        refined until ε moves by < 0.1 %; the grid is in the report's details).
-      pld_coarsening: > 1 stops the grid's refinement at its first jump, unconfirmed
-        (calibration searches with 10: a looser valid bound), or multiplies a fixed grid.
-      exact_truncation: for Poisson with a cap B, also compute dp_accounting's exact truncated
-        event (costly) when the TV penalty is not negligible; False (forced when N bounds
-        `sampler.num_rows`): the TV penalty (looser).
-      max_grid_points: refuse (GridTooLargeError, before allocating) a per-step
-        PLD of more grid points × mixture components (`estimate_pld_grid_points`).
-      allow_large_delta: accept δ >= 1/N (refused by default: it allows releasing a record).
-      sensitivity: 1 + η, the noised sum's sensitivity / C (`dpjax.privacy.rounding`): the
-        analyses use σ/(1 + η) (`accounted_noise_multiplier`); reports keep σ.
-      prior_runs: the runs whose release this one starts from: ε of the composition.
+      options: how to account (`AccountingOptions`: the accountant, B, k, T, grids, the
+        Monte-Carlo estimate, prior runs, 1 + η); None = the defaults.
+      **fields: `AccountingOptions` fields that replace those of `options`.
     """
     if not isinstance(sampler, samplers_lib.Sampler):
       raise TypeError(f'sampler must be a dpjax.privacy.samplers.Sampler, got {type(sampler)}.')
+    options = options or AccountingOptions()
+    self.options = options = options.replace(**fields) if fields else options
     self.sampler = sampler
     self.noise_multiplier = checks.check_noise_multiplier(noise_multiplier)
-    self.sensitivity = sampler_events.check_sensitivity(sensitivity)
+    self.sensitivity = options.sensitivity
     self.accounted_noise_multiplier = self.noise_multiplier / self.sensitivity
     self.delta = checks.check_delta(
       delta,
       num_examples=sampler.num_examples,
-      allow_large_delta=allow_large_delta,
+      allow_large_delta=options.allow_large_delta,
       warn=False,
       flag='allow_large_delta=True (--allow-large-delta)',
     )
-    self.allow_large_delta = bool(allow_large_delta)
-    self.group_size = _check_group_size(group_size, sampler.num_examples)
-    self.accountant = resolve_accountant(sampler.name, accountant, self.group_size)
-    self.max_batch_size = cap.check_max_batch_size(sampler, max_batch_size)
-    self.num_steps = _optional_positive_int('num_steps', num_steps)
-    self.monte_carlo_samples = _optional_positive_int('monte_carlo_samples', monte_carlo_samples)
-    self.beta = _check_beta(beta)
-    self.monte_carlo_seed = monte_carlo_seed
-    self._chosen_workers = _optional_positive_int('monte_carlo_workers', monte_carlo_workers)
-    self.monte_carlo_workers = self._chosen_workers or monte_carlo.available_cores()
-    self.monte_carlo_estimate = bool(monte_carlo_estimate)
-    _check_pld_options(random_allocation_timeout, value_discretization_interval, pld_coarsening)
-    self.random_allocation = random_allocation
-    self.value_discretization_interval = value_discretization_interval
-    self.pld_coarsening = float(pld_coarsening)
-    self.exact_truncation = bool(exact_truncation) and sampler.num_rows is None
-    self.random_allocation_timeout = random_allocation_timeout
-    self.max_grid_points = sampler_events.check_positive_int('max_grid_points', max_grid_points)
-    self.prior_runs = composition.check_prior_runs(prior_runs)
+    self.allow_large_delta = bool(options.allow_large_delta)
+    self.group_size = _check_group_size(options.group_size, sampler.num_examples)
+    self.accountant = resolve_accountant(sampler.name, options.accountant, self.group_size)
+    self.max_batch_size = cap.check_max_batch_size(sampler, options.max_batch_size)
+    self.num_steps = options.num_steps
+    self.monte_carlo_samples, self.beta = options.monte_carlo_samples, float(options.beta)
+    self.monte_carlo_seed = options.monte_carlo_seed
+    self.monte_carlo_workers = options.monte_carlo_workers or monte_carlo.available_cores()
+    self.monte_carlo_estimate = bool(options.monte_carlo_estimate)
+    self.random_allocation = options.random_allocation
+    self.random_allocation_timeout = options.random_allocation_timeout
+    self.value_discretization_interval = options.value_discretization_interval
+    self.pld_coarsening = float(options.pld_coarsening)
+    self.exact_truncation = bool(options.exact_truncation) and sampler.num_rows is None
+    self.max_grid_points = options.max_grid_points
+    self.prior_runs = options.prior_runs
     self._reports: dict[tuple[int, bool], PrivacyReport] = {}
     self._monte_carlo: dict[tuple[int, float], monte_carlo.MonteCarloResult] = {}
 
@@ -405,6 +330,6 @@ class Accountant:
         num_samples=self.monte_carlo_samples,
         beta=self.beta,
         seed=self.monte_carlo_seed,
-        workers=self._chosen_workers,
+        workers=self.options.monte_carlo_workers,
       )
     return self._monte_carlo[key]
