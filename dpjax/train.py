@@ -316,6 +316,7 @@ def main(argv):
     cli.quiet_broken_pipe()
     sys.exit(1)
   except KeyboardInterrupt:  # Ctrl-C before the loop (it handles its own): no traceback.
+    interrupts.interrupt_handled()
     print(
       f'{prog}: interrupted (Ctrl-C) before training started; rerun the same command to '
       'start again.',
@@ -332,5 +333,6 @@ if __name__ == '__main__':
   try:
     app.run(main, flags_parser=parse_flags)
   except KeyboardInterrupt:  # During start-up (imports, flag parsing).
+    interrupts.interrupt_handled()
     print(f'{PROG}: interrupted (Ctrl-C) before training started.', file=sys.stderr, flush=True)
     sys.exit(130)

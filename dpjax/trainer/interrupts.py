@@ -68,6 +68,13 @@ def deliver_sigint_again(delay: float = 0.05) -> None:
   timer.start()
 
 
+def interrupt_handled() -> None:
+  """The Ctrl-C before the loop is being acted on (one line, exit 130): a SIGINT still due from
+  `deliver_sigint_again` (its copy was dropped, then raised again at the loop's start) is
+  ignored from here on, or it would kill the exiting process by the signal (exit -2)."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class StillRunning(Exception):
   """A signal arrived while `GracefulStop.run` waited for a call that did not finish within
   the grace period; the call goes on in a daemon thread (exit with os._exit)."""
