@@ -24,6 +24,10 @@ secret (draw it with `secrets.randbits(63)`).
   privatizer = dpjax.gaussian_privatizer(noise_multiplier=1.1, clip_norm=1.0,
                                          expected_batch_size=256, seed=seed)
   tx = optax.chain(privatizer, optax.adam(1e-3))   # tx.update(clipped_sum, state, params, step=t)
+
+The mechanism itself is `GaussianPrivatizer` (a `Privatizer`, the compiled step's extension
+point: `dpjax.privacy.dp_step.DPStep` takes one); `gaussian_privatizer` adds the step-counting
+state to it, so the library and the trainer release through the same object and `noisy_mean`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """dpjax.privacy.dp_step: the logical DP-SGD step against closed forms."""
 
+import ast
 import functools
 import math
+import pathlib
 
 import flax.linen as nn
 import jax
@@ -826,3 +828,16 @@ def test_a_stateful_privatizer_is_one_new_object_and_nothing_else():
     np.testing.assert_allclose(p['w'], params['w'] - sigma * c * z['w'] / b, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(state[0]['w'], z['w'])
   assert step.compile_count('train_step') == 1
+
+
+def test_the_physical_batch_search_reads_no_private_attribute_of_the_step():
+  """Memory sizing is public (`DPStep.compiled_bytes`): trainer/physical_batch.py reaches no
+  `obj._attr` of another object (it read and wrote `DPStep._step_bytes`, `_traces` and
+  `_train_step`, 7 accesses, on da06065)."""
+  tree = ast.parse(pathlib.Path(physical_batch.__file__).read_text())
+  reaches = [
+    f'{ast.unparse(n.value)}.{n.attr} (line {n.lineno})'
+    for n in ast.walk(tree)
+    if isinstance(n, ast.Attribute) and n.attr.startswith('_') and not n.attr.startswith('__')
+  ]
+  assert reaches == []
