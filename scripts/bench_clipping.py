@@ -102,7 +102,7 @@ def _batch(shape, p, seed=0):
 
 
 def _step(model, method: str, p: int, forms: str = 'flops') -> dp_step.DPStep:
-  return dp_step.DPStep(
+  return dp_step.DPStep.for_model(
     model,
     optax.sgd(0.1),
     clip_norm=1.0,

@@ -59,7 +59,7 @@ def main():
       }
     )
     for private in (True, False):
-      step = dp_step.DPStep(
+      step = dp_step.DPStep.for_model(
         model,
         optax.sgd(0.1),
         clip_norm=1.0,

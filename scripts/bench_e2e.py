@@ -151,7 +151,7 @@ class Run:
     model = models.make_model(
       config.model, self.train_source.num_classes, self.train_source.input_shape
     )
-    self.step = dp_step.DPStep(
+    self.step = dp_step.DPStep.for_model(
       model,
       optimizers.make_optimizer(config.optimizer, spec['num_steps']),
       clip_norm=config.privacy.clip_norm,

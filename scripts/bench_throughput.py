@@ -13,7 +13,7 @@ Every method trains on the same Poisson logical batches (dpjax's
 (`dpjax.data.synthetic.SyntheticSource`, gathered once into memory), with the same
 σ, C and SGD step:
 
-- jax_nonprivate: `dp_step.DPStep(private=False)`, the dpjax pipeline
+- jax_nonprivate: `dp_step.DPStep.for_model(private=False)`, the dpjax pipeline
   without clipping or noise.
 - dpjax_vmap, dpjax_ghost: `DPStep(clipping='vmap' / 'ghost')`, masked
   DP-SGD: K = ceil(n/P) padded physical batches of static shape [P, ...],
@@ -169,7 +169,7 @@ class JaxMethod:
     optimizer = optax.sgd(LEARNING_RATE)
     self.opt_state = optimizer.init(self.params)
     clipping = {'dpjax_ghost': 'ghost'}.get(name, 'vmap')
-    self.step = dp_step.DPStep(
+    self.step = dp_step.DPStep.for_model(
       model,
       optimizer,
       clip_norm=clip_norm,

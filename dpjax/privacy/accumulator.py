@@ -7,7 +7,8 @@ its float32 rounding error is (2u + O(K·u²))·Σ|batch sums| rather than O(K·
 `GradSum`, the same sum.
 
 `release` takes an optax step on ĝ = (Σ_i w_i · clip_C(g_i) + N(0, σ²C² I)) / b, computed by
-`noise.noisy_mean`, the function the library's `gaussian_privatizer` runs too. The noise
+the step's privatizer (`noise.GaussianPrivatizer`: `noise.noisy_mean`, the function the
+library's `gaussian_privatizer` runs too). The noise
 is added ONCE per logical step, to the sum over all K physical batches (Abadi et al. 2016,
 "Deep Learning with Differential Privacy", Alg. 1; docs/accounting.md: noise std on the
 *sum* of clipped gradients is σ·C), and the divisor is the sampler's `expected_batch_size`
@@ -25,7 +26,6 @@ import jax.numpy as jnp
 import optax
 
 from dpjax.privacy import clipping as clipping_lib
-from dpjax.privacy import noise as noise_lib
 from dpjax.privacy import rounding
 
 Params = Any
@@ -97,24 +97,34 @@ def metrics(acc: Accumulator, noisy_grad: Params, expected_batch_size: float) ->
   }
 
 
+def init_state(params: Params, optimizer: optax.GradientTransformation, privatizer) -> Any:
+  """The step's optimiser state: the optimizer's, with a stateful privatizer's state before it
+  as (noise state, optimiser state); a stateless one (Gaussian) adds nothing."""
+  inner = optimizer.init(params)
+  return (privatizer.init(params), inner) if privatizer.stateful else inner
+
+
 def release(
   params: Params,
   opt_state: optax.OptState,
   acc: Accumulator,
-  key: jax.Array,
+  step,
+  key_data,
   optimizer: optax.GradientTransformation,
-  noise_std: float | None,
-  expected_batch_size: float,
+  privatizer,
 ):
-  """ĝ = (acc.grad_sum + N(0, noise_std² I)) / b, one optax step on ĝ, and the metrics.
+  """ĝ = the privatizer's release of acc.grad_sum at step t (`noise.Privatizer`: the Gaussian
+  one is (Σ + N(0, σ²C² I)) / b, `noise.noisy_mean`), one optax step on ĝ, and the metrics.
 
-  noise_std: σ·C, the noise of `key`; None: no noise (the non-private step).
-  expected_batch_size: b, the sampler's; never the realised number of rows.
+  key_data: the privatizer's `key_data()`, an argument of the compiled program.
+  opt_state: as `init_state` made it (a stateful privatizer's state first).
 
   Returns:
     (params, opt_state, metrics).
   """
-  g = noise_lib.noisy_mean(acc.grad_sum, key, noise_std, expected_batch_size)
-  updates, opt_state = optimizer.update(g, opt_state, params)
+  noise_state, inner = opt_state if privatizer.stateful else (None, opt_state)
+  g, noise_state = privatizer.release(acc.grad_sum, noise_state, step, key_data)
+  updates, inner = optimizer.update(g, inner, params)
   params = optax.apply_updates(params, updates)
-  return params, opt_state, metrics(acc, g, expected_batch_size)
+  opt_state = (noise_state, inner) if privatizer.stateful else inner
+  return params, opt_state, metrics(acc, g, privatizer.expected_batch_size)

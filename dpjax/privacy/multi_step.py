@@ -31,7 +31,6 @@ import numpy as np
 
 from dpjax.privacy import dp_step
 from dpjax.privacy import ema as ema_lib
-from dpjax.privacy import sharding
 
 AUTO_STEPS_PER_CALL = 16  # S when config.steps_per_call = 0 and the loop runs on the device.
 
@@ -160,26 +159,9 @@ class MultiStep:
       raise ValueError(f'steps per call must be >= 1, got {size}.')
     self.step_fns, self.size, self.ema_decay = step_fns, int(size), float(ema_decay)
     self.traces = 0
-    if mesh is None:
-      self._program = jax.jit(self._steps, donate_argnums=(0, 1, 2))
-    else:
-      state = sharding.replicated(mesh)
-      self._program = jax.jit(
-        self._steps,
-        donate_argnums=(0, 1, 2),
-        in_shardings=(
-          state,
-          state,
-          state,
-          sharding.chunk_sharding(mesh),
-          state,
-          state,
-          state,
-          state,
-          state,
-        ),
-        out_shardings=state,
-      )
+    self._program = jax.jit(
+      self._steps, donate_argnums=(0, 1, 2), **dp_step.program_shardings(mesh, 'ssscsssss')
+    )
     self._update_ema = jax.jit(lambda ema, params: ema_lib.update(ema, params, self.ema_decay))
 
   def compile_count(self) -> int:

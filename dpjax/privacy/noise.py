@@ -24,14 +24,20 @@ secret (draw it with `secrets.randbits(63)`).
   privatizer = dpjax.gaussian_privatizer(noise_multiplier=1.1, clip_norm=1.0,
                                          expected_batch_size=256, seed=seed)
   tx = optax.chain(privatizer, optax.adam(1e-3))   # tx.update(clipped_sum, state, params, step=t)
+
+The mechanism itself is `GaussianPrivatizer` (a `Privatizer`, the compiled step's extension
+point: `dpjax.privacy.dp_step.DPStep` takes one); `gaussian_privatizer` adds the step-counting
+state to it, so the library and the trainer release through the same object and `noisy_mean`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import dataclasses
+from typing import Any, ClassVar, Mapping, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from dpjax.privacy import checks as _checks
@@ -60,6 +66,87 @@ def noisy_mean(grad_sum: Any, key: jax.Array, std: float | None, expected_batch_
   return jax.tree.map(lambda g: g / expected_batch_size, noisy)
 
 
+class Privatizer(Protocol):
+  """What the DP step asks of its noise mechanism: the step's one extension point.
+
+  The step clips and sums (`clipping`), then calls `release` once per logical step t with
+  the sum over its K physical batches, then the optimizer. The Gaussian mechanism below is
+  stateless; a correlated-noise mechanism (matrix factorisation: Choquette-Choo et al. 2023,
+  "Multi-Epoch Matrix Factorization Mechanisms for Private Machine Learning") is one new
+  class with `stateful = True`: the step carries its state beside the optimiser's,
+  `(noise state, optimiser state)`, so checkpoints save it and nothing else changes.
+  """
+
+  clip_norm: float | None  # C, the bound of each clipped contribution (None: not private).
+  noise_multiplier: float  # σ (0: no noise).
+  expected_batch_size: float  # b, the divisor.
+  seed: int  # The run's secret seed.
+  stateful: bool
+
+  def key_data(self) -> np.ndarray:
+    """The seed's key data, passed to `release` as a program argument (not a constant)."""
+
+  def init(self, params: Any) -> Any:
+    """The mechanism's state before step 0 (None when stateless)."""
+
+  def release(self, grad_sum: Any, state: Any, step, key_data) -> tuple[Any, Any]:
+    """(ĝ_t, state): step t's release of the clipped sum."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GaussianPrivatizer:
+  """ĝ_t = (grad_sum + N(0, σ²C² I)) / b, the noise of step t drawn from
+  fold_in(noise stream of the seed, t) (`prng.step_noise_key`); stateless, so a resumed run
+  redraws exactly the noise of an uninterrupted one. `clip_norm` None: the non-private
+  baseline (no noise, ÷ b only). Build it with `gaussian` or `no_noise` (they validate).
+  """
+
+  noise_multiplier: float
+  clip_norm: float | None
+  expected_batch_size: float
+  seed: int = 0
+  noise_impl: str = 'threefry'
+  stateful: ClassVar[bool] = False
+
+  @classmethod
+  def gaussian(
+    cls, noise_multiplier, clip_norm, expected_batch_size, seed: int = 0, noise_impl='threefry'
+  ) -> 'GaussianPrivatizer':
+    """The private mechanism: σ > 0 and C finite > 0 (anything else has no guarantee)."""
+    return cls(
+      _checks.check_noise_multiplier(noise_multiplier),
+      _checks.check_clip_norm(clip_norm),
+      _checks.check_expected_batch_size(expected_batch_size),
+      _seed(seed),
+      prng.check_noise_impl(noise_impl),
+    )
+
+  @classmethod
+  def no_noise(cls, expected_batch_size, seed: int = 0) -> 'GaussianPrivatizer':
+    """The non-private baseline: Σ_i w_i · g_i / b."""
+    return cls(0.0, None, _checks.check_expected_batch_size(expected_batch_size), _seed(seed))
+
+  @property
+  def noise_std(self) -> float | None:
+    """σ·C on the sum; None when nothing is noised."""
+    return None if self.clip_norm is None else self.noise_multiplier * self.clip_norm
+
+  def key_data(self) -> np.ndarray:
+    return prng.noise_stream_data(self.seed, self.noise_impl)
+
+  def init(self, params: Any) -> None:
+    del params
+
+  def release(self, grad_sum: Any, state: None, step, key_data) -> tuple[Any, None]:
+    key = prng.step_noise_key(key_data, step, self.noise_impl)
+    return noisy_mean(grad_sum, key, self.noise_std, self.expected_batch_size), state
+
+
+def _seed(seed: int) -> int:
+  prng.check_seed(seed)
+  return int(seed)
+
+
 def gaussian_privatizer(
   noise_multiplier: float,
   clip_norm: float,
@@ -86,12 +173,12 @@ def gaussian_privatizer(
     `init(params)` and `update(updates, state, params=None, *, step)`; `update` raises
     TypeError (when traced) without `step`.
   """
-  sigma = _checks.check_noise_multiplier(noise_multiplier)
-  c = _checks.check_clip_norm(clip_norm)
-  std = sigma * c
-  b = _checks.check_expected_batch_size(expected_batch_size)
+  mechanism = GaussianPrivatizer.gaussian(
+    noise_multiplier, clip_norm, expected_batch_size, seed, noise_impl
+  )
+  sigma, c, b = mechanism.noise_multiplier, mechanism.clip_norm, mechanism.expected_batch_size
   cap = _checks.check_int('max_batch_size', max_batch_size, 0)
-  stream = prng.noise_stream_data(seed, noise_impl)
+  stream = mechanism.key_data()
   if fingerprint is None:
     fingerprint = {
       'noise_multiplier': sigma,
@@ -111,8 +198,7 @@ def gaussian_privatizer(
     if step is None:
       raise TypeError(MISSING_STEP)
     ok = noise_state.accepts(state, made, step)
-    key = prng.step_noise_key(stream, state.step, noise_impl)
-    mean = noisy_mean(updates, key, std, b)
+    mean, _ = mechanism.release(updates, None, state.step, stream)
     released = jax.tree.map(lambda g: jnp.where(ok, g, jnp.nan).astype(g.dtype), mean)
     after = jnp.where(ok, state.step + jnp.uint32(1), jnp.uint32(noise_state.REFUSED))
     return released, state._replace(step=after)

@@ -129,7 +129,7 @@ def build_step(
     clipping_forms=plan.perf.clipping_forms,
   )
   if not plan.private:
-    return dp_step.DPStep(
+    return dp_step.DPStep.for_model(
       model,
       optimizer,
       clip_norm=None,

@@ -42,48 +42,13 @@ def compiled_step_bytes(
   'y': [...]}, or {'index': []} with `dataset`). Compiles (once per shape and
   step); does not execute.
   """
-  key = (
-    physical_batch_size,
-    max_batch_size,
-    dataset is None,
-    tuple((name, jnp.shape(v), str(jnp.result_type(v))) for name, v in sorted(example.items())),
-  )
-  if key in step._step_bytes:  # pylint: disable=protected-access
-    return step._step_bytes[key]  # pylint: disable=protected-access
   k_max = -(-max_batch_size // physical_batch_size)
   spec = lambda v: jax.ShapeDtypeStruct(
     (k_max, physical_batch_size, *jnp.shape(v)), jnp.result_type(v)
   )
   logical = {name: spec(value) for name, value in example.items() if name != 'weight'}
   logical['weight'] = jax.ShapeDtypeStruct((k_max, physical_batch_size), jnp.float32)
-  abstract = lambda tree: jax.tree.map(
-    lambda v: jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)), tree
-  )
-  # pylint: disable=protected-access
-  traces = dict(step._traces)
-  compiled = step._train_step.lower(
-    abstract(params),
-    abstract(opt_state),
-    logical,
-    jax.ShapeDtypeStruct((), jnp.int32),
-    jax.ShapeDtypeStruct((), jnp.uint32),
-    dataset,
-    step.keys,
-  ).compile()
-  # Sizing compilations are counted apart: compile_count stays that of the programs run.
-  step.sizing_compiles += step._traces['train_step'] - traces['train_step']
-  step._traces = traces
-  # pylint: enable=protected-access
-  m = compiled.memory_analysis()
-  if m is None:
-    raise ValueError(
-      'this backend reports no memory analysis; set sampler.physical_batch_size > 0.'
-    )
-  used = int(
-    m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-  )
-  step._step_bytes[key] = used  # pylint: disable=protected-access
-  return used
+  return step.compiled_bytes(params, opt_state, logical, dataset)
 
 
 def device_memory_bytes(device: jax.Device | None = None) -> int:

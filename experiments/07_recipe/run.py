@@ -158,7 +158,7 @@ def train(config, train_source, variant: Variant, init=None):
   if plan.private:  # σ, C, b, B and the seed from the run's privacy plan.
     step = dp_step.DPStep.from_plan(model, optimizer, plan.privacy, clipping='vmap')
   else:
-    step = dp_step.DPStep(
+    step = dp_step.DPStep.for_model(
       model,
       optimizer,
       clip_norm=None,

@@ -112,7 +112,7 @@ def test_device_data_step_equals_host_buffer_step():
   sampler = plan_lib.make_sampler(config, len(source))
   batcher = batching.Batcher(sampler, 64, 512)
   model = models.make_model(config.model, source.num_classes, source.input_shape)
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     model,
     optax.adam(1e-2),
     clip_norm=1.0,

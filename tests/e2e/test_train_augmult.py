@@ -122,7 +122,7 @@ def test_train_step_clips_the_view_mean_once(name, clipping):
   each example's gradient averaged over its views, clipped once to C, summed, noised."""
   model = _model(name)
   spec = augmult.Augmult(3, crop_padding=1, flip=True)
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     model,
     optax.sgd(0.1),
     clip_norm=C,
@@ -161,8 +161,8 @@ def test_views_differ_from_identity_and_padded_rows_contribute_nothing():
   params = prng.init_params(model, 0, (6, 6, 2))
   opt = optax.sgd(0.1)
   buffer = _buffer()
-  on = dp_step.DPStep(model, opt, augmult=augmult.Augmult(4, 1, True), **kw)
-  off = dp_step.DPStep(model, opt, **kw)
+  on = dp_step.DPStep.for_model(model, opt, augmult=augmult.Augmult(4, 1, True), **kw)
+  off = dp_step.DPStep.for_model(model, opt, **kw)
   a, b = _run(on, params, opt, buffer), _run(off, params, opt, buffer)
   assert not np.allclose(jax.tree.leaves(a)[0], jax.tree.leaves(b)[0])  # The views are used.
   garbage = {**buffer, 'x': buffer['x'].copy()}
@@ -181,14 +181,14 @@ def test_one_view_is_the_ordinary_step():
   params = prng.init_params(model, 0, (6, 6, 2))
   opt = optax.sgd(0.1)
   buffer = _buffer()
-  one = dp_step.DPStep(
+  one = dp_step.DPStep.for_model(
     model,
     opt,
     augmult=augmult.Augmult.from_config(small_config(**{'augmult.num_views': 1}).augmult),
     **kw,
   )
   assert one.augmult is None
-  off = dp_step.DPStep(model, opt, **kw)
+  off = dp_step.DPStep.for_model(model, opt, **kw)
   a, b = _run(one, params, opt, buffer), _run(off, params, opt, buffer)
   for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(u), np.asarray(v))

@@ -315,7 +315,7 @@ def _clip_entry_points():
     )
     for b in (0, 4096)
   }  # 0: the automatic cap (B not given).
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     MODEL, optax.sgd(0.1), clip_norm=c, noise_multiplier=1.0, expected_batch_size=10
   )
   entries = {'clipped_grad': clipping.clipped_grad(loss_fn, c, has_aux=True, method='vmap')}

@@ -1,7 +1,9 @@
 """dpjax.privacy.dp_step: the logical DP-SGD step against closed forms."""
 
+import ast
 import functools
 import math
+import pathlib
 
 import flax.linen as nn
 import jax
@@ -23,6 +25,7 @@ from dpjax.privacy import samplers
 from dpjax.privacy import sharding
 from dpjax.models import mlp
 from dpjax.privacy import losses
+from dpjax.privacy import noise
 from dpjax.privacy import prng
 from tests import executions
 
@@ -72,7 +75,7 @@ def _standard_step(label_format='int'):
   """One DPStep shared by tests (each instance costs an XLA compile), which compare updates
   under one noise: it may apply a step again (`test_apply_refuses_a_repeated_step` says why
   nothing else may)."""
-  return dp_step.DPStep(
+  return dp_step.DPStep.for_model(
     MODEL,
     optax.sgd(0.5),
     clip_norm=0.5,
@@ -114,7 +117,7 @@ def test_unclipped_sums_are_the_gradient_sum_and_the_divisor_is_b():
   lr = 0.3
   g = _mean_loss_grad(params, x, y)  # Σ_i g_i / 10.
   batches = _physical_batches(x, y, 4)  # K = 3, two padding rows.
-  private = dp_step.DPStep(
+  private = dp_step.DPStep.for_model(
     MODEL, optax.sgd(lr), clip_norm=1e6, noise_multiplier=1.0, expected_batch_size=10
   )
   acc = private.init_accumulator(params)
@@ -123,7 +126,7 @@ def test_unclipped_sums_are_the_gradient_sum_and_the_divisor_is_b():
   _assert_trees_close(acc.grad_sum, jax.tree.map(lambda v: 10 * v, g), rtol=1e-5, atol=1e-6)
   assert int(acc.stats.num_clipped) == 0
   # Non-private, b = 16 != 10 rows: the divisor is the expected batch size.
-  nonprivate = dp_step.DPStep(
+  nonprivate = dp_step.DPStep.for_model(
     MODEL,
     optax.sgd(lr),
     clip_norm=None,
@@ -197,7 +200,7 @@ def test_noise_std_is_sigma_c_over_b():
   params = _params(model, d=784)
   sigma, c, b = 1.3, 0.7, 50.0
   steps = [
-    dp_step.DPStep(
+    dp_step.DPStep.for_model(
       model,
       optax.sgd(1.0),
       clip_norm=c,
@@ -239,7 +242,7 @@ def test_compiles_once_across_steps_with_varying_k():
   params, (x, y) = _params(), _rows(40, seed=5)
   opt = optax.sgd(0.1, momentum=0.9)
   for private in (True, False):
-    step = dp_step.DPStep(
+    step = dp_step.DPStep.for_model(
       MODEL, opt, clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8, private=private
     )
     opt_state, p = opt.init(params), params
@@ -375,7 +378,7 @@ def test_bad_arguments_raise_before_compute(kwargs, error, match):
   args = dict(clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8)
   args.update(kwargs)
   with pytest.raises(error, match=match):
-    dp_step.DPStep(MODEL, optax.sgd(0.1), **args)
+    dp_step.DPStep.for_model(MODEL, optax.sgd(0.1), **args)
 
 
 class _Scaled(nn.Module):
@@ -390,7 +393,7 @@ def test_ghost_on_an_uncovered_model_raises_before_compute():
   model = nn.Sequential([nn.Dense(4), _Scaled(), nn.Dense(K)])
   params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, D))))['params']
   params = jax.tree.map(lambda s: np.ones(s.shape, np.float32), params)
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     model,
     optax.sgd(0.1),
     clip_norm=1.0,
@@ -436,7 +439,7 @@ def _copy(tree):
 def test_train_step_equals_the_three_call_path(clipping_method, private, mesh, loop):
   params, (x, y) = _params(), _rows(10, seed=11)
   opt = optax.sgd(0.3, momentum=0.9)
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     MODEL,
     opt,
     clip_norm=0.5,
@@ -473,7 +476,7 @@ def test_auto_loop_runs_convolutions_from_the_host_on_the_cpu():
   assert step.loop_mode(_params()) == 'device'
   assert step.loop_mode(cnn) == ('host' if cpu else 'device')
   with pytest.raises(ValueError, match="physical_loop='gpu'; valid"):
-    dp_step.DPStep(
+    dp_step.DPStep.for_model(
       MODEL,
       optax.sgd(0.1),
       clip_norm=1.0,
@@ -486,7 +489,7 @@ def test_auto_loop_runs_convolutions_from_the_host_on_the_cpu():
 def test_train_step_draws_noise_key_seed_step_bit_for_bit():
   """K = 0, SGD(lr=1): the update is exactly −σC/b · normal(noise_key(seed, t))."""
   params = _params()
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     MODEL,
     optax.sgd(1.0),
     clip_norm=0.5,
@@ -525,7 +528,7 @@ def test_one_compilation_and_one_dispatch_per_logical_step(sampler_name, monkeyp
   )
   batcher = batching.Batcher(sampler, 64, cap)
   model = models.make_model(config.model, train.num_classes, train.input_shape)
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     model,
     optax.sgd(0.5),
     clip_norm=1.0,
@@ -553,7 +556,7 @@ def test_one_compilation_and_one_dispatch_per_logical_step(sampler_name, monkeyp
   jax.block_until_ready(metrics)
   if sampler_name == 'poisson':
     assert len(ks) > 1  # K really varied.
-  assert counts == {'jit(_fused_step)': num_steps}, counts  # The only program, once a step.
+  assert counts == {'jit(logical_step)': num_steps}, counts  # The only program, once a step.
   assert step.compile_count() == 1
   assert step.compile_count('train_step') == 1
   assert compiles == []
@@ -561,7 +564,7 @@ def test_one_compilation_and_one_dispatch_per_logical_step(sampler_name, monkeyp
 
 @pytest.mark.slow
 def test_choose_physical_batch_size_is_the_largest_that_fits():
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     MODEL,
     optax.sgd(0.1),
     clip_norm=1.0,
@@ -621,6 +624,7 @@ from dpjax.models import factory as models
 from dpjax.trainer import plan as plan_lib
 from dpjax.privacy import sharding
 from dpjax.privacy import losses
+from dpjax.privacy import noise
 from dpjax.privacy import prng
 assert jax.device_count() == 4
 config = digits_mlp.get_config()
@@ -631,7 +635,7 @@ model = models.make_model(config.model, train.num_classes, train.input_shape)
 out = {}
 for name, mesh in (('one', None), ('four', sharding.make_mesh(4))):
   for loop in ('device', 'host') if mesh else ('device',):
-    step = dp_step.DPStep(model, optax.sgd(0.5), clip_norm=1.0, noise_multiplier=1.0,
+    step = dp_step.DPStep.for_model(model, optax.sgd(0.5), clip_norm=1.0, noise_multiplier=1.0,
                           expected_batch_size=sampler.expected_batch_size, mesh=mesh,
                           physical_loop=loop, seed=4)
     dataset = device_data.put_on_device(train, mesh and sharding.replicated(mesh))
@@ -688,7 +692,7 @@ def test_apply_refuses_a_repeated_step():
   under the noise of one (seed, t) differ by exactly lr·(S − S')/b, noise-free, so an observer
   of both updates reads the difference of the clipped sums (here, whether a row was in)."""
   params, (x, y) = _params(), _rows(6, seed=3)
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     MODEL, optax.sgd(1.0), clip_norm=0.5, noise_multiplier=1.0, expected_batch_size=4
   )
   opt_state, acc = step.optimizer.init(params), step.init_accumulator(params)
@@ -727,7 +731,7 @@ def test_train_step_refuses_a_step_it_already_noised():
   differed by lr·clip(g_r)/b within 4.5e-8 (attacks/a3 on the branch `attack`). Now it keeps
   the same order as `apply`: each step once, forward only, in one DPStep."""
   params = _params()
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     MODEL, optax.sgd(1.0), clip_norm=0.5, noise_multiplier=1.0, expected_batch_size=10, seed=9
   )
   buf = _buffer(_physical_batches(*_rows(4), 4), 2)
@@ -752,3 +756,84 @@ def test_accumulate_takes_weights_into_zero_one_as_clipped_grad_does():
     acc = step.accumulate(params, step.init_accumulator(params), batch)
     norm = float(optax.tree.norm(acc.grad_sum))
     assert norm <= bound * (1 + 1e-6) and (bound == 0 or norm > 0.99 * bound), (weight, norm)
+
+
+def test_a_mesh_is_a_sharding_of_the_one_program():
+  """Issue 35, item 1: mesh or no mesh is a sharding argument of one traced body (before, each
+  of six programs was written twice). A 1-device mesh and none give the same update, bit for
+  bit, from one compilation each."""
+  rng = np.random.default_rng(4)
+  params = {'w': rng.normal(size=D).astype(np.float32)}
+  buf = {
+    'x': rng.normal(size=(3, 4, D)).astype(np.float32),
+    'y': rng.normal(size=(3, 4)).astype(np.float32),
+    'weight': np.ones((3, 4), np.float32),
+  }
+  loss_fn = lambda p, ex: 0.5 * (jnp.dot(ex['x'], p['w']) - ex['y']) ** 2
+  privatizer = noise.GaussianPrivatizer.gaussian(1.0, 0.5, 6.0, seed=3)
+  out = {}
+  for name, mesh in (('none', None), ('mesh', sharding.make_mesh(1))):
+    options = dp_step.StepOptions(mesh=mesh, physical_loop='device')
+    step = dp_step.DPStep(loss_fn, optax.sgd(0.4), privatizer, clipping='vmap', options=options)
+    state = step.init_opt_state(params)
+    out[name] = step.train_step(_copy(params), state, _copy(buf), 2, np.uint32(1))
+    assert step.compile_count() == step.compile_count('train_step') == 1
+  jax.tree.map(np.testing.assert_array_equal, out['none'], out['mesh'])
+  assert float(jnp.abs(out['none'][0]['w'] - params['w']).sum()) > 0.01
+
+
+def _antithetic_privatizer(*args):
+  """A stateful privatizer written only here: ĝ_t = (Σ + σC(z_t − z_{t−1})) / b with z_{−1} = 0,
+  its state z_{t−1} carried from step to step (the shape of a correlated-noise mechanism)."""
+
+  class Antithetic(noise.GaussianPrivatizer):
+    stateful = True
+
+    def init(self, params):
+      return jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+
+    def release(self, grad_sum, state, step, key_data):
+      key = prng.step_noise_key(key_data, step)
+      z = optax.tree.random_like(key, grad_sum, jax.random.normal)
+      noisy = jax.tree.map(lambda s, a, b: s + self.noise_std * (a - b), grad_sum, z, state)
+      return jax.tree.map(lambda g: g / self.expected_batch_size, noisy), z
+
+  return Antithetic(*args)
+
+
+def test_a_stateful_privatizer_is_one_new_object_and_nothing_else():
+  """The privatizer is the step's extension point (issue 35, item 1): a mechanism with its own
+  state (here antithetic noise) runs by passing it to `DPStep`; its state is carried beside
+  the optimiser's across steps. With K = 0 and SGD(lr = 1) the noise telescopes: after steps
+  0..t, θ = θ₀ − σC·z_t/b, z_t drawn here from `prng.noise_key(seed, t)`."""
+  sigma, c, b, seed = 1.5, 0.5, 4.0, 11
+  privatizer = _antithetic_privatizer(sigma, c, b, seed)
+  loss_fn = lambda p, ex: 0.5 * (jnp.dot(ex['x'], p['w']) - ex['y']) ** 2
+  step = dp_step.DPStep(loss_fn, optax.sgd(1.0), privatizer, clipping='vmap')
+  params = {'w': np.linspace(-1, 1, 5).astype(np.float32)}
+  buf = {
+    'x': np.ones((1, 2, 5), np.float32),
+    'y': np.ones((1, 2), np.float32),
+    'weight': np.ones((1, 2), np.float32),
+  }
+  state = step.init_opt_state(params)
+  p = _copy(params)
+  for t in range(3):
+    p, state, _ = step.train_step(p, state, _copy(buf), 0, np.uint32(t))
+    z = optax.tree.random_like(prng.noise_key(seed, t), params, jax.random.normal)
+    np.testing.assert_allclose(p['w'], params['w'] - sigma * c * z['w'] / b, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(state[0]['w'], z['w'])
+  assert step.compile_count('train_step') == 1
+
+
+def test_the_physical_batch_search_reads_no_private_attribute_of_the_step():
+  """Memory sizing is public (`DPStep.compiled_bytes`): trainer/physical_batch.py reaches no
+  `obj._attr` of another object (it read and wrote `DPStep._step_bytes`, `_traces` and
+  `_train_step`, 7 accesses, on da06065)."""
+  tree = ast.parse(pathlib.Path(physical_batch.__file__).read_text())
+  reaches = [
+    f'{ast.unparse(n.value)}.{n.attr} (line {n.lineno})'
+    for n in ast.walk(tree)
+    if isinstance(n, ast.Attribute) and n.attr.startswith('_') and not n.attr.startswith('__')
+  ]
+  assert reaches == []

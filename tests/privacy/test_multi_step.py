@@ -59,7 +59,7 @@ def test_a_call_of_s_steps_equals_s_train_steps(loop, ema_decay, mesh):
   train, sampler, batcher, model, params = _setup()
   dataset = device_data.put_on_device(train)
   mesh = sharding.make_mesh(1) if mesh else None
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     model,
     optax.sgd(0.5, momentum=0.9),
     clip_norm=1.0,
@@ -112,7 +112,7 @@ def test_a_call_of_s_steps_equals_s_train_steps(loop, ema_decay, mesh):
 
 def test_count_zero_changes_nothing():
   train, sampler, batcher, model, params = _setup()
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     model,
     optax.sgd(0.5),
     clip_norm=1.0,
@@ -220,7 +220,7 @@ def test_two_epochs_of_every_sampler_compile_the_multi_step_program_once(sampler
   """K varies per step and the count per call (calls cut at a period of 5): one program, no
   backend compilation after the first call."""
   train, sampler, batcher, model, params = _setup(sampler_name)
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     model,
     optax.sgd(0.5),
     clip_norm=1.0,

@@ -137,8 +137,9 @@ def _release(grad_sum, rows, t=0, seed=5):
   acc = accumulator.add(accumulator.zeros(grad_sum), grad_sum, _stats(rows))
   params = jax.tree.map(jnp.zeros_like, grad_sum)
   opt = optax.sgd(1.0)
+  mechanism = noise.GaussianPrivatizer.gaussian(SIGMA, C, B, seed)
   new, _, _ = accumulator.release(
-    params, opt.init(params), acc, prng.noise_key(seed, t), opt, SIGMA * C, B
+    params, opt.init(params), acc, np.uint32(t), mechanism.key_data(), opt, mechanism
   )
   return jax.tree.map(lambda v: -np.asarray(v, np.float64), new)
 

@@ -96,3 +96,34 @@ def test_the_mechanism_is_one_function():
     noise.noisy_mean(total, key, 0.6, 8.0)['v'], (jnp.arange(4.0) + 0.6 * z) / 8.0, rtol=1e-6
   )
   np.testing.assert_array_equal(noise.noisy_mean(total, key, None, 2.0)['v'], jnp.arange(4.0) / 2.0)
+
+
+def test_the_step_of_a_loss_fn_is_clipped_grad_then_the_privatizer_then_the_optimizer():
+  """`DPStep(loss_fn, optimizer, privatizer)` takes the library tier's per-example loss (no
+  Flax model, no aux): its update equals `clipped_grad(loss_fn)` summed by `GradSum`, then
+  `gaussian_privatizer`, then the optimizer, for one seed and the same batches."""
+  sigma, c, b, seed = 0.9, 0.3, 6.0, 2**33 + 1
+  loss_fn = lambda p, ex: jnp.log1p(jnp.exp(-ex['y'] * (jnp.dot(ex['x'], p['w']) + p['b'])))
+  privatizer = noise.GaussianPrivatizer.gaussian(sigma, c, b, seed)
+  opt = optax.adam(0.05)
+  step = dp_step.DPStep(loss_fn, opt, privatizer, clipping='vmap')
+  rng = np.random.default_rng(3)
+  params = {'w': rng.normal(size=D).astype(np.float32), 'b': np.float32(0.1)}
+  grad_fn = jax.jit(dpjax.clipped_grad(loss_fn, c, method='vmap'))
+  tx = optax.chain(noise.gaussian_privatizer(sigma, c, b, seed), opt)
+  p, state, lib_p, lib_state = params, step.init_opt_state(params), params, tx.init(params)
+  for t, k in enumerate((2, 0, 3)):
+    buf = {
+      'x': rng.normal(size=(3, P, D)).astype(np.float32),
+      'y': rng.choice([-1.0, 1.0], size=(3, P)).astype(np.float32),
+      'weight': (rng.random((3, P)) < 0.8).astype(np.float32),
+    }
+    p, state, _ = step.train_step(p, state, jax.tree.map(np.copy, buf), k, np.uint32(t))
+    total = accumulator.GradSum.zeros(lib_p)
+    for i in range(k):
+      total = total.add(grad_fn(lib_p, {'x': buf['x'][i], 'y': buf['y'][i]}, buf['weight'][i])[0])
+    updates, lib_state = tx.update(total.total, lib_state, lib_p, step=t)
+    lib_p = optax.apply_updates(lib_p, updates)
+    for a, want in zip(jax.tree.leaves(p), jax.tree.leaves(lib_p)):
+      np.testing.assert_allclose(a, want, rtol=2e-6, atol=1e-7)
+  assert float(jnp.abs(p['w'] - params['w']).sum()) > 0.1  # Updates that happened.

@@ -31,7 +31,7 @@ def test_margins_are_the_closed_form():
   with pytest.raises(ValueError, match="config.precision = 'fp16'; valid: default, highest"):
     precision.check_precision('fp16')
   with pytest.raises(ValueError, match='config.precision'):
-    dp_step.DPStep(
+    dp_step.DPStep.for_model(
       mlp.MLP(3, (4,)),
       optax.sgd(1.0),
       clip_norm=1.0,
@@ -111,7 +111,7 @@ def test_each_contribution_as_summed_in_bfloat16_has_norm_at_most_c(name, method
   n, c = 16, 0.05  # C far below every ‖g_i‖: every example is clipped.
   model, shape, x, y = _model_and_rows(name, n)
   params = prng.init_params(model, 0, shape)
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     model,
     optax.sgd(1.0),
     clip_norm=c,
@@ -123,7 +123,7 @@ def test_each_contribution_as_summed_in_bfloat16_has_norm_at_most_c(name, method
   margin = precision.clip_margin('bfloat16')
   assert step.clip_bound == c  # Clipped at C itself: the margin is in η, paid in ε.
   reference = name in ('mlp', 'cnn')
-  f32 = dp_step.DPStep(
+  f32 = dp_step.DPStep.for_model(
     model,
     optax.sgd(1.0),
     clip_norm=c,
@@ -162,7 +162,7 @@ def test_highest_matches_a_float64_reference():
   n, c = 8, 0.3
   model, shape, x, y = _model_and_rows('mlp', n)
   params = prng.init_params(model, 0, shape)
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     model,
     optax.sgd(1.0),
     clip_norm=c,

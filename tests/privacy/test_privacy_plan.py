@@ -119,7 +119,7 @@ def test_the_plan_and_the_step_refuse_what_has_no_guarantee(kwargs, match):
     step_args = dict(clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8.0)
     step_args.update(kwargs)
     with pytest.raises(ValueError, match=match):
-      dp_step.DPStep(nn.Dense(3), optax.sgd(0.1), **step_args)
+      dp_step.DPStep.for_model(nn.Dense(3), optax.sgd(0.1), **step_args)
 
 
 def test_large_delta_needs_the_flag_and_a_warning_above_a_tenth_of_one_over_n():

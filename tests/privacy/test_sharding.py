@@ -116,7 +116,7 @@ def _worker(outdir):
   config = _config()
   source, _ = data.make_sources(config.data)
   model = models.make_model(config.model, source.num_classes, source.input_shape)
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     model, optax.sgd(1.0), clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=128, mesh=mesh
   )
   host_params = jax.device_get(prng.init_params(model, 0, source.input_shape))
@@ -134,7 +134,7 @@ def _worker(outdir):
     ('vmap4', mesh, params, batch),
     ('vmap1', None, one_device(host_params), one_device(host_batch)),
   ):
-    vmap_step = dp_step.DPStep(
+    vmap_step = dp_step.DPStep.for_model(
       model,
       optax.sgd(1.0),
       clip_norm=0.1,

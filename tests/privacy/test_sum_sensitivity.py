@@ -60,7 +60,7 @@ def test_neighbouring_float32_sums_differ_by_at_most_c_one_plus_eta(clipping):
   x, y = _data()
   model = _Linear()
   params = model.init(jax.random.PRNGKey(0), x[:1])['params']
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     model,
     optax.sgd(0.1),
     clip_norm=C,
@@ -115,7 +115,7 @@ def test_neighbouring_sums_over_512_physical_batches_differ_by_at_most_c_one_plu
   y = np.zeros(len(x), np.int32)
   model = _Zero()
   params = model.init(jax.random.PRNGKey(0), x[:1])['params']
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     model, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=len(x)
   )
   full = _sum(step, params, x, y, p=2)

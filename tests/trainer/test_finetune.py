@@ -31,7 +31,7 @@ def _batch(seed=1, n=16):
 
 def _train(model, trainable, steps=3):
   """A few DP-SGD steps (σ = 1, C = 0.5, vmap clipping) on the trainable parameters."""
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     model,
     optax.sgd(0.5),
     clip_norm=0.5,
@@ -218,7 +218,7 @@ def test_ghost_clipping_with_frozen_layers_equals_vmap_and_lora_falls_back():
   frozen_model, trainable = finetune.make_finetune(MODEL, _params(), freeze=('Dense_0/',))
   sums = {}
   for method in ('vmap', 'ghost'):
-    step = dp_step.DPStep(
+    step = dp_step.DPStep.for_model(
       frozen_model,
       optax.sgd(0.1),
       clip_norm=0.3,
@@ -233,7 +233,7 @@ def test_ghost_clipping_with_frozen_layers_equals_vmap_and_lora_falls_back():
   lora_model, adapters = finetune.make_finetune(
     MODEL, _params(), lora_rank=2, lora_targets=('Dense_0/kernel',)
   )
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     lora_model,
     optax.sgd(0.1),
     clip_norm=0.3,

@@ -127,6 +127,32 @@ def _plan(settings: AuditSettings, sampler) -> privacy_plan.PrivacyPlan:
   )
 
 
+def _mechanism(settings: AuditSettings, sampler, params, loss_fn, private: bool, _bug):
+  """(C claimed, σ, C applied, release transform, batcher, clipped-sum fn) of the run: the
+  plan's (with `_bug`'s wrappers) when private, else the unclipped, unnoised sum ÷ b."""
+  if private:
+    plan = _plan(settings, sampler)
+    tx = _release_transform(plan, _bug)
+    batcher = plan.batcher(settings.physical_batch_size, plan.privatizer().init(params))
+    applied_clip = math.inf if _bug == 'skip_clipping' else plan.clip_norm
+    base = clipping.make_clipped_sum_fn('vmap', loss_fn, applied_clip)
+    return plan.clip_norm, plan.noise_multiplier, applied_clip, tx, batcher, base
+  b = sampler.expected_batch_size
+  tx = optax.GradientTransformationExtraArgs(
+    lambda p: optax.EmptyState(),
+    lambda g, s, p=None, *, step=None: (noise.noisy_mean(g, None, None, b), s),
+  )
+  max_batch_size = batching.resolve_max_batch_size(
+    sampler,
+    settings.physical_batch_size,
+    settings.max_batch_size,
+    num_steps=settings.num_steps,
+    delta=settings.delta,
+  )
+  batcher = batching.Batcher(sampler, settings.physical_batch_size, max_batch_size)
+  return 1.0, 0.0, math.inf, tx, batcher, functools.partial(clipping.grad_sum, loss_fn)
+
+
 def train(
   settings: AuditSettings,
   model,
@@ -148,28 +174,9 @@ def train(
   canaries = canaries_lib.make_canaries(seed, num_canaries, flat0.size)
   loss_fn = losses.make_loss_fn(model)
 
-  if private:
-    plan = _plan(settings, sampler)
-    clip_norm, sigma = plan.clip_norm, plan.noise_multiplier
-    tx = _release_transform(plan, _bug)
-    batcher = plan.batcher(settings.physical_batch_size, plan.privatizer().init(params))
-    applied_clip = math.inf if _bug == 'skip_clipping' else clip_norm
-    base = clipping.make_clipped_sum_fn('vmap', loss_fn, applied_clip)
-  else:
-    clip_norm, sigma, applied_clip = 1.0, 0.0, math.inf
-    tx = optax.GradientTransformationExtraArgs(
-      lambda p: optax.EmptyState(),
-      lambda g, s, p=None, *, step=None: (noise.noisy_mean(g, None, None, b), s),
-    )
-    max_batch_size = batching.resolve_max_batch_size(
-      sampler,
-      settings.physical_batch_size,
-      settings.max_batch_size,
-      num_steps=num_steps,
-      delta=settings.delta,
-    )
-    batcher = batching.Batcher(sampler, settings.physical_batch_size, max_batch_size)
-    base = functools.partial(clipping.grad_sum, loss_fn)
+  clip_norm, sigma, applied_clip, tx, batcher, base = _mechanism(
+    settings, sampler, params, loss_fn, private, _bug
+  )
   step_sum = gradient_canary.with_gradient_canaries(
     base, canaries, canary_norm=canaries.gradient_scale * clip_norm, clip_norm=applied_clip
   )

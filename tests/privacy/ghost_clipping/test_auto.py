@@ -64,7 +64,7 @@ def test_dp_step_auto_is_ghost_equals_vmap_and_compiles_once(caplog):
   results = {}
   with caplog.at_level(logging.INFO, logger='root'):
     for method in ('vmap', 'auto'):
-      step = dp_step.DPStep(
+      step = dp_step.DPStep.for_model(
         model,
         optax.sgd(0.5),
         clip_norm=0.3,

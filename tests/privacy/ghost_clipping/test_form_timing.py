@@ -180,7 +180,7 @@ def test_the_step_logs_the_measured_choice_and_times(monkeypatch, tmp_path):
   model = ThreeChoices()
   x, y = harness.inputs((6, 6, 3), 4, seed=3)
   params = harness.init(model, x, seed=4)
-  step = dp_step.DPStep(
+  step = dp_step.DPStep.for_model(
     model,
     optax.sgd(0.1),
     clip_norm=C,
@@ -201,7 +201,7 @@ def test_the_step_logs_the_measured_choice_and_times(monkeypatch, tmp_path):
   ), lines
   assert 'Dense_0: dense materialised (S=6, m=18, c=16)' in lines
   with pytest.raises(ValueError, match=r"forms='fast'; valid: \('flops', 'measured'\)"):
-    dp_step.DPStep(
+    dp_step.DPStep.for_model(
       model,
       optax.sgd(0.1),
       clip_norm=C,

@@ -1,0 +1,68 @@
+"""The device memory of a compiled step, from XLA's analysis of the program (nothing runs).
+
+bytes = arguments + outputs + temporaries − donated (aliased) bytes: what the program holds
+on one device while it runs (with a mesh, the SPMD program's per-device share). Used to
+choose the physical batch size P (`dpjax.trainer.physical_batch`); sizing is not part of
+what the step releases.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def abstract(tree: Any) -> Any:
+  """The tree's shapes and dtypes (`jax.ShapeDtypeStruct` leaves)."""
+  return jax.tree.map(
+    lambda v: (
+      v
+      if isinstance(v, jax.ShapeDtypeStruct)
+      else jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v))
+    ),
+    tree,
+  )
+
+
+def signature(*trees: Any) -> tuple:
+  """A hashable key of the trees' structure, shapes and dtypes."""
+  leaves, structure = jax.tree.flatten(abstract(trees))
+  return str(structure), tuple((tuple(l.shape), str(l.dtype)) for l in leaves)
+
+
+class StepSizing:
+  """Memory analyses of one step's program, by argument shapes (each compiled once)."""
+
+  def __init__(self):
+    self.compiles = 0  # Programs compiled only for their memory analysis.
+    self._bytes: dict[tuple, int] = {}
+
+  def bytes_of(self, program, params, opt_state, logical, dataset, keys) -> int:
+    """Bytes of jitted `program(params, opt_state, logical, K, t, dataset, keys)`; `logical`
+    may hold `jax.ShapeDtypeStruct`s. ValueError if the backend reports no analysis."""
+    key = signature(params, opt_state, logical) + (dataset is None,)
+    if key not in self._bytes:
+      compiled = program.lower(
+        abstract(params),
+        abstract(opt_state),
+        logical,
+        jax.ShapeDtypeStruct((), jnp.int32),
+        jax.ShapeDtypeStruct((), jnp.uint32),
+        dataset,
+        keys,
+      ).compile()
+      self.compiles += 1
+      m = compiled.memory_analysis()
+      if m is None:
+        raise ValueError(
+          'this backend reports no memory analysis; set sampler.physical_batch_size > 0.'
+        )
+      self._bytes[key] = int(
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        + m.temp_size_in_bytes
+        - m.alias_size_in_bytes
+      )
+    return self._bytes[key]
