@@ -88,7 +88,7 @@ def default_discretization(noise_multiplier: float, num_steps: int, delta: float
   2-4× finer (0.0051 instead of 0.0085 at σ = 0.8, 0.0011 instead of 0.0048 at σ = 2:
   scripts/results/accounting_grid.json), each halving costing 3-6× a build that takes ~70 s
   already, past the time budget and into the deterministic fallback. A finer grid is what
-  `balls_and_bins.provable_epsilon(refine_seconds=...)` buys, by halving, within a budget.
+  `provable_bound.provable_epsilon(refine_seconds=...)` buys, by halving, within a budget.
   """
   poisson = pld_lib.from_gaussian_mechanism(
     standard_deviation=noise_multiplier,
