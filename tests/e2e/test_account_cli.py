@@ -196,20 +196,12 @@ def test_the_account_cli_resolves_sigma_as_training_does_with_audit_canaries():
   assert got['epsilon'] == plan.accountant.epsilon(plan.num_steps)
 
 
+_POISSON = tuple('--sampler poisson --num-examples 1000 --batch-size 100 --steps 10'.split())
+
+
 @pytest.mark.slow
 def test_delta_at_or_above_one_over_n_is_refused_unless_allowed():
-  base = (
-    '--sampler',
-    'poisson',
-    '--num-examples',
-    '1000',
-    '--batch-size',
-    '100',
-    '--steps',
-    '10',
-    '--noise-multiplier',
-    '1.0',
-  )
+  base = (*_POISSON, '--noise-multiplier', '1.0')
   out = _process(*base, '--delta', '0.5')  # A real process: exit code, one line, no traceback.
   assert out.returncode == 2 and 'delta = 0.5 is >= 1/N' in out.stderr
   assert '--allow-large-delta' in out.stderr  # The flag a user of this command can type.
@@ -260,18 +252,6 @@ def test_errors_name_the_field(args, message):
   out = _run(*[x for kv in base.items() for x in kv], check=False)
   assert out.returncode == 2
   assert message in out.stderr
-
-
-_POISSON = (
-  '--sampler',
-  'poisson',
-  '--num-examples',
-  '1000',
-  '--batch-size',
-  '100',
-  '--steps',
-  '10',
-)
 
 
 @pytest.mark.parametrize(
