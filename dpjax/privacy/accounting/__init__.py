@@ -5,10 +5,12 @@ acct = Accountant(sampler, noise_multiplier, delta, num_steps=T, max_batch_size=
 report = acct.epsilon_at(step)    # PrivacyReport: epsilon, delta, bound, epsilon_lower, details
 ```
 
-Modules: `accountant` (the per-run API), `sampler_events` (dp_accounting
-events per sampler), `fixed_size_rdp` (Birrell et al. FS-RDP),
-`balls_and_bins` (provable bound, truncation penalty), `monte_carlo`
-(high-probability bound), `max_test` (lower bounds), `calibration`.
+Modules: `accountant` (the per-run API), `analyses` (one per sampler kind),
+`sampler_events` (dp_accounting events per sampler), `fixed_size_rdp` (Birrell
+et al. FS-RDP), `balls_and_bins` (deterministic and random-allocation bounds,
+truncation penalty), `provable_bound` (the balls-and-bins ε attached to a run),
+`monte_carlo` (high-probability bound), `max_test` (lower bounds),
+`calibration` (σ for a target ε, on `target_search`).
 """
 
 from dpjax.privacy.lazy_exports import lazy_exports
