@@ -58,11 +58,10 @@ import sys
 import types
 from typing import TYPE_CHECKING
 
-from absl import flags
 from ml_collections import config_flags
 
+from dpjax import account_flags
 from dpjax.trainer import cli
-from dpjax.privacy import names
 
 # The accountants (numpy, dp_accounting) are imported by the answers that need them, so that
 # --help and a bad flag answer at once (tests/e2e/test_cli_start.py).
@@ -70,74 +69,6 @@ if TYPE_CHECKING:
   from dpjax.privacy.accounting import accountant as accountant_lib
 
 
-# Flag names keep the dashes users type (absl accepts them); the value is read as
-# args.<name with underscores>.
-_FLAGS = (
-  # (definer, name, default, help[, extra])
-  ('enum', 'sampler', None, 'the sampler', names.SAMPLER_NAMES),
-  ('integer', 'num-examples', None, 'N, training examples'),
-  ('integer', 'batch-size', None, 'b, (expected) logical batch size'),
-  ('integer', 'steps', None, 'T, total steps (or --epochs)'),
-  ('integer', 'epochs', None, 'E; steps = E * ceil(N/b) (or --steps)'),
-  ('float', 'noise-multiplier', None, 'σ (or --target-epsilon)'),
-  ('float', 'target-epsilon', None, 'calibrate the smallest σ for this ε (or --noise-multiplier)'),
-  ('float', 'delta', None, 'δ'),
-  (
-    'enum',
-    'accountant',
-    None,
-    'default: auto (tightest provable for the sampler)',
-    names.ACCOUNTANTS,
-  ),
-  ('integer', 'max-batch-size', None, 'B, cap on the logical batch; omitted = no truncation'),
-  ('integer', 'group-size', None, 'k, group privacy (default 1)'),
-  (
-    'boolean',
-    'monte-carlo',
-    False,
-    'balls-and-bins: also report the Monte-Carlo estimate (high-probability, not a proof) '
-    'beside the provable ε; opt-in, as at delta = 1e-5 it takes minutes (the output says how '
-    'many samples and about how long)',
-  ),
-  (
-    'integer',
-    'monte-carlo-samples',
-    None,
-    'Monte-Carlo samples per direction; default: chosen from delta and beta so that an '
-    'estimate exists (10x the least such count)',
-  ),
-  ('float', 'beta', 1e-3, 'Monte-Carlo failure probability (confidence 1 - beta)'),
-  (
-    'integer',
-    'workers',
-    None,
-    'processes drawing the Monte-Carlo samples (the estimate does not depend on it); '
-    'default: privacy.monte_carlo_workers of --config, else the available cores that the '
-    'samples pay to start',
-  ),
-  (
-    'float',
-    'random-allocation-timeout',
-    None,
-    'balls-and-bins: seconds allowed to build a new random-allocation PLD (default 300; then '
-    'cached) before the deterministic fallback; 0 = no limit',
-  ),
-  (
-    'boolean',
-    'allow-large-delta',
-    False,
-    'accept --delta >= 1/N (refused by default: such a δ allows publishing a random record)',
-  ),
-  ('boolean', 'json', False, 'print one JSON object'),
-  (
-    'string',
-    'workdir',
-    None,
-    "a run's workdir: report the ε its newest checkpoint carries "
-    '(and, when it is not finished, the ε planned for its last step)',
-  ),
-)
-_EXCLUSIVE = (('steps', 'epochs'), ('noise-multiplier', 'target-epsilon'))
 # The accountant's arguments that fix an oversized privacy-loss grid, as flags.
 FLAG_NAMES = {
   'noise_multiplier': '--noise-multiplier',
@@ -147,26 +78,6 @@ FLAG_NAMES = {
 PROG = 'python -m dpjax.account'
 
 
-def _flag_values(argv: list[str]) -> flags.FlagValues:
-  """This command's flags (absl + ml_collections.config_flags, as `dpjax.train`), fresh per call."""
-  fv = flags.FlagValues()
-  config_flags.DEFINE_config_file(
-    'config',
-    None,
-    'training config file (path[:arg]); --config.<field>=value overrides a '
-    'field, and the flags below override it too',
-    flag_values=fv,
-    lock_config=False,
-    sys_argv=argv,
-  )
-  for definer, name, default, help_text, *extra in _FLAGS:
-    define = getattr(flags, f'DEFINE_{definer}')
-    define(name, default, *extra, help_text, flag_values=fv) if extra else define(
-      name, default, help_text, flag_values=fv
-    )
-  return fv
-
-
 def parse_args(argv: list[str]) -> types.SimpleNamespace:
   """argv (without the program name) -> the flag values as attributes (dashes -> underscores).
 
@@ -174,9 +85,9 @@ def parse_args(argv: list[str]) -> types.SimpleNamespace:
   file or `--config.<field>` is one line and exit 2.
   """
   argv = cli.resolve_config_argv(argv)  # A packaged config's name as its file.
-  fv = _flag_values([PROG, *argv])
+  fv = account_flags.flag_values([PROG, *argv])
   cli.parse_command(PROG, __doc__, fv, argv)
-  for a, b in _EXCLUSIVE:
+  for a, b in account_flags.EXCLUSIVE:
     if fv[a].present and fv[b].present:
       cli.fail(PROG, f'--{a} and --{b}: give one of them, not both.')
   ignored = [f'--{name}' for name in fv if name not in ('workdir', 'json') and fv[name].present]
@@ -188,11 +99,24 @@ def parse_args(argv: list[str]) -> types.SimpleNamespace:
       'or leave it out to compute ε from the flags or the config.',
     )
   args = types.SimpleNamespace(
-    **{name.replace('-', '_'): fv[name].value for name in [f[1] for f in _FLAGS]}
+    **{name.replace('-', '_'): fv[name].value for name in [f[1] for f in account_flags.FLAGS]}
   )
   args.config = fv['config'].value if fv['config'].present else None
   args.config_file = config_flags.get_config_filename(fv['config']) if args.config else None
   return args
+
+
+def _check_flag_ranges(args) -> None:
+  """σ, the target ε and δ, refused in the flags' names (the core's checks name its arguments,
+  the config's its fields): `--delta must be a finite number > 0 and < 1, got 2.0.`"""
+  from dpjax.privacy import checks  # pylint: disable=g-import-not-at-top
+
+  if args.noise_multiplier is not None:
+    checks.check_noise_multiplier(args.noise_multiplier, '--noise-multiplier')
+  if args.target_epsilon is not None:
+    checks.check_number('--target-epsilon', args.target_epsilon, low=0.0)
+  if args.delta is not None:
+    checks.check_delta(args.delta, '--delta')
 
 
 def _monte_carlo_options(args) -> dict:
@@ -276,6 +200,7 @@ def _from_flags(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, d
   if missing:
     raise ValueError(f'missing {", ".join(missing)} (or give --config).')
   # pylint: disable=import-outside-toplevel
+  from dpjax.privacy import checks
   from dpjax.privacy import samplers as samplers_lib
   from dpjax.privacy.accounting import accountant as accountant_lib
   from dpjax.privacy.accounting import calibration
@@ -289,6 +214,14 @@ def _from_flags(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, d
   ):
     if value is not None and value < 1:
       raise ValueError(f'{flag} must be an integer >= 1, got {value}.')
+  checks.check_delta(
+    args.delta,
+    '--delta',
+    num_examples=args.num_examples,
+    allow_large_delta=args.allow_large_delta,
+    flag='--allow-large-delta',
+    warn=False,  # The accountant warns.
+  )
   sampler = samplers_lib.sampler_class(args.sampler)(
     num_examples=args.num_examples, batch_size=args.batch_size
   )
@@ -401,6 +334,7 @@ def main(argv=None) -> int:
     print(report.to_json() if args.json else format_table(report))
     return 0
   try:
+    _check_flag_ranges(args)  # In the names typed, before any loading or computing.
     options = _monte_carlo_options(args)  # validated before any loading or computing
     acct, extra = (
       _from_config(args, options) if args.config is not None else _from_flags(args, options)

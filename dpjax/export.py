@@ -218,6 +218,21 @@ def _flat_numpy(params) -> dict[str, np.ndarray]:
   return {k: np.asarray(v) for k, v in finetune.flatten(params).items()}
 
 
+def _checked_paths(workdir: str, out: str) -> tuple[str, str]:
+  """(workdir, out) resolved; ValueError unless the workdir exists and `out` is a new or empty
+  directory outside it (the workdir stays private)."""
+  workdir, out = os.path.realpath(workdir), os.path.realpath(out)
+  if not os.path.isdir(workdir):
+    raise ValueError(f'--workdir {workdir!r}: not a directory.')
+  if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+    raise ValueError(
+      f'--out {out!r}: exists and is not an empty directory; an export goes into a new directory.'
+    )
+  if os.path.commonpath([workdir, out]) == workdir:
+    raise ValueError(f'--out {out!r}: is inside the workdir, which must stay private.')
+  return workdir, out
+
+
 def export(
   workdir: str, out: str, *, step: int | None = None, allow_shared_seed: bool = False
 ) -> dict[str, Any]:
@@ -230,15 +245,7 @@ def export(
   """
   from dpjax.trainer import checkpoints, run_identity, stored_params
 
-  workdir, out = os.path.realpath(workdir), os.path.realpath(out)
-  if not os.path.isdir(workdir):
-    raise ValueError(f'--workdir {workdir!r}: not a directory.')
-  if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-    raise ValueError(
-      f'--out {out!r}: exists and is not an empty directory; an export goes into a new directory.'
-    )
-  if os.path.commonpath([workdir, out]) == workdir:
-    raise ValueError(f'--out {out!r}: is inside the workdir, which must stay private.')
+  workdir, out = _checked_paths(workdir, out)
   meta = _checkpoint(workdir, step)
   digest = meta.get('fingerprint', {}).get('seed_sha256')
   if digest is None:

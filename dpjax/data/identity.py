@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import sys
 from typing import Any
@@ -38,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from dpjax.data import arrays as arrays_lib
+from dpjax.data import byte_digest
 from dpjax.data import synthetic
 from dpjax.data import tfds_source
 
@@ -46,8 +46,6 @@ IDENTITY_VERSION = 1
 # in scripts/README.md, bench_data_identity.py), larger ones sampled.
 DEFAULT_FULL_READ_BYTES = 2 << 30
 DEFAULT_SAMPLE_ROWS = 4096  # Rows hashed by the sampled method (drawn with replacement).
-CHUNK_BYTES = 8 << 20  # Bytes hashed per update when streaming arrays and files.
-SAMPLE_CHUNK_ROWS = 256  # Rows per gather when hashing a sample (bounds memory for big rows).
 # A synthetic split is a function of its parameters; these rows only check the generating code.
 SYNTHETIC_SAMPLE_ROWS = 64
 _SAMPLE_DOMAIN = b'dpjax.data.identity.sample.v1\0'
@@ -144,7 +142,7 @@ def _array_identity(source, *, key, full_read_bytes, sample_rows):
       raise TypeError(
         f'cannot identify {name} of dtype {array.dtype}: object arrays hold pointers, not content.'
       )
-  backing = {name: _backing(array) for name, array in arrays}
+  backing = {name: byte_digest.backing(array) for name, array in arrays}
   mapped = {name: b for name, b in backing.items() if b is not None}
   mapped_bytes = sum(array.nbytes for name, array in arrays if name in mapped)
   full = mapped_bytes <= full_read_bytes
@@ -154,28 +152,28 @@ def _array_identity(source, *, key, full_read_bytes, sample_rows):
     method='full' if full else 'sampled',
     num_examples=n,
     sample_size=0,
-    arrays=[_header(name, array) for name, array in arrays],
+    arrays=[byte_digest.header(name, array) for name, array in arrays],
     bytes=sum(array.nbytes for _, array in arrays),
-    files=[_file_facts(path, with_mtime=not full) for path in files] if mapped else None,
+    files=[byte_digest.file_facts(path, with_mtime=not full) for path in files] if mapped else None,
     labels_sha256=None,
   )
   digest = hashlib.sha256()
   if full:
     for name, array in arrays:
-      _hash_array(digest, name, array, backing[name])
+      byte_digest.hash_array(digest, name, array, backing[name])
     return _finish(fields, digest)
   labels = source.labels
   if 'y' not in mapped or labels.nbytes <= full_read_bytes:  # Labels are small: hash them all.
     labels_digest = hashlib.sha256()
-    _hash_array(labels_digest, 'y', labels, backing['y'])
+    byte_digest.hash_array(labels_digest, 'y', labels, backing['y'])
     fields['labels_sha256'] = labels_digest.hexdigest()
   rows = sample_indices(n, key, sample_rows)
   fields['sample_size'] = min(n, sample_rows)
   digest.update(rows.astype('<i8').tobytes())
-  readers = [_row_chunks(array, backing[name], rows) for name, array in arrays]
+  readers = [byte_digest.row_chunks(array, backing[name], rows) for name, array in arrays]
   for parts in zip(*readers):  # Per chunk of rows: x, then y.
     for (name, _), part in zip(arrays, parts):
-      _hash_array(digest, name, part, None)
+      byte_digest.hash_array(digest, name, part, None)
   return _finish(fields, digest)
 
 
@@ -199,28 +197,28 @@ def _tfds_identity(source, *, key, full_read_bytes, sample_rows):
       method='full' if full else 'sampled',
       bytes=total,
       files=[
-        dict(_file_facts(path, with_mtime=not full), skip=skip, take=take)
+        dict(byte_digest.file_facts(path, with_mtime=not full), skip=skip, take=take)
         for path, skip, take in files
       ],
     )
     if full:
       for path, _, _ in files:
         size = os.stat(path).st_size
-        digest.update(_length_prefixed(os.path.basename(path).encode()))
+        digest.update(byte_digest.length_prefixed(os.path.basename(path).encode()))
         digest.update(size.to_bytes(8, 'little'))
-        _hash_file(digest, path, 0, size)
+        byte_digest.hash_file(digest, path, 0, size)
       return _finish(fields, digest)
   rows = sample_indices(n, key, sample_rows)
   fields['sample_size'] = min(n, sample_rows)
   digest.update(rows.astype('<i8').tobytes())
-  for start in range(0, len(rows), SAMPLE_CHUNK_ROWS):
-    keys = [int(i) for i in rows[start : start + SAMPLE_CHUNK_ROWS]]
+  for start in range(0, len(rows), byte_digest.SAMPLE_CHUNK_ROWS):
+    keys = [int(i) for i in rows[start : start + byte_digest.SAMPLE_CHUNK_ROWS]]
     try:  # Raw records (before the config's preprocessing), one batched read.
       records = source.source.__getitems__(keys)
     except (AttributeError, TypeError):
       records = [source.source[k] for k in keys]
     for record in records:
-      _hash_tree(digest, '', record)
+      byte_digest.hash_tree(digest, '', record)
   return _finish(fields, digest)
 
 
@@ -269,126 +267,11 @@ def _hash_gathered_sample(digest, source, key: bytes, sample_rows: int) -> int:
   n = len(source)
   rows = sample_indices(n, key, sample_rows)
   digest.update(rows.astype('<i8').tobytes())
-  for start in range(0, len(rows), SAMPLE_CHUNK_ROWS):
-    _hash_tree(digest, '', source.gather(rows[start : start + SAMPLE_CHUNK_ROWS]))
+  for start in range(0, len(rows), byte_digest.SAMPLE_CHUNK_ROWS):
+    byte_digest.hash_tree(
+      digest, '', source.gather(rows[start : start + byte_digest.SAMPLE_CHUNK_ROWS])
+    )
   return min(n, sample_rows)
-
-
-# ---------------------------------------------------------------------------
-# Arrays and files.
-# ---------------------------------------------------------------------------
-
-
-def _backing(array: np.ndarray) -> tuple[str, int | None] | None:
-  """None for an array in memory; (file, offset) for one whose C-order bytes are the file's bytes
-  from offset to its end (read with plain reads); (file or '', None) for another mapped view."""
-  obj = array
-  while obj is not None:
-    if isinstance(obj, np.memmap) and getattr(obj, 'filename', None):
-      path = obj.filename
-      if (
-        obj is array
-        and array.flags.c_contiguous
-        and array.offset + array.nbytes == os.stat(path).st_size
-      ):
-        return path, array.offset
-      return path, None
-    if isinstance(obj, mmap.mmap):
-      return '', None
-    obj = getattr(obj, 'base', None)
-  return None
-
-
-def _header(name: str, array: np.ndarray) -> dict[str, Any]:
-  return {
-    'name': name,
-    'dtype': np.lib.format.dtype_to_descr(array.dtype),
-    'shape': [int(d) for d in array.shape],
-  }
-
-
-def _length_prefixed(blob: bytes) -> bytes:
-  return len(blob).to_bytes(8, 'little') + blob
-
-
-def _hash_array(digest, name: str, array: np.ndarray, backing) -> None:
-  """Hashes the header (name, dtype, shape), then the C-order bytes, in chunks of CHUNK_BYTES."""
-  digest.update(_length_prefixed(json.dumps(_header(name, array), sort_keys=True).encode()))
-  if backing is not None and backing[1] is not None:  # The whole file after its header.
-    _hash_file(digest, backing[0], backing[1], array.nbytes)
-  elif array.flags.c_contiguous:  # A byte view: no copy.
-    flat = memoryview(array.reshape(-1).view(np.uint8))
-    for start in range(0, len(flat), CHUNK_BYTES):
-      digest.update(flat[start : start + CHUNK_BYTES])
-  else:  # Copies one chunk of rows at a time.
-    row_bytes = max(1, array.nbytes // max(1, len(array)))
-    rows = max(1, CHUNK_BYTES // row_bytes)
-    for start in range(0, len(array), rows):
-      digest.update(np.ascontiguousarray(array[start : start + rows]).reshape(-1).view(np.uint8))
-
-
-def _row_chunks(array: np.ndarray, backing, rows: np.ndarray):
-  """Yields array[chunk] (C-contiguous) for each chunk of SAMPLE_CHUNK_ROWS sorted rows.
-
-  A whole-file memmap is read with pread after one POSIX_FADV_WILLNEED per row, so the
-  kernel fetches all rows at once; page faults through the mapping fetch one readahead
-  window at a time, ~50x slower on files out of the page cache (scripts/README.md).
-  """
-  row_bytes = array.dtype.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))
-  chunks = [
-    rows[start : start + SAMPLE_CHUNK_ROWS] for start in range(0, len(rows), SAMPLE_CHUNK_ROWS)
-  ]
-  advise = getattr(os, 'posix_fadvise', None)
-  if backing is None or backing[1] is None or row_bytes == 0:
-    for chunk in chunks:
-      yield np.ascontiguousarray(array[chunk])
-    return
-  path, offset = backing
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    if advise:
-      advise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # This descriptor only: no readahead around rows.
-      for row in rows:
-        advise(fd, offset + int(row) * row_bytes, row_bytes, os.POSIX_FADV_WILLNEED)
-    for chunk in chunks:
-      blob = b''.join(os.pread(fd, row_bytes, offset + int(row) * row_bytes) for row in chunk)
-      if len(blob) != len(chunk) * row_bytes:
-        raise ValueError(f'{path!r} is shorter than its header says ({array.shape}).')
-      yield np.frombuffer(blob, array.dtype).reshape((len(chunk), *array.shape[1:]))
-  finally:
-    os.close(fd)
-
-
-def _hash_file(digest, path: str, offset: int, length: int) -> None:
-  """Hashes bytes [offset, offset + length) of a file with plain reads (nothing stays mapped),
-  asking the kernel to read the next chunk ahead while this one is hashed."""
-  buffer = memoryview(bytearray(min(CHUNK_BYTES, max(1, length))))
-  advise = getattr(os, 'posix_fadvise', None)
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    if advise:
-      advise(fd, offset, length, os.POSIX_FADV_SEQUENTIAL)
-    position, end = offset, offset + length
-    while position < end:
-      size = min(len(buffer), end - position)
-      if advise and position + size < end:
-        advise(fd, position + size, min(len(buffer), end - position - size), os.POSIX_FADV_WILLNEED)
-      got = os.preadv(fd, [buffer[:size]], position)
-      if got <= 0:
-        raise ValueError(f'{path!r} ended at byte {position}, expected {end} bytes.')
-      digest.update(buffer[:got])
-      position += got
-  finally:
-    os.close(fd)
-
-
-def _file_facts(path: str, *, with_mtime: bool) -> dict[str, Any]:
-  """Base name and size (and modification time in ns for the sampled method)."""
-  stat = os.stat(path)
-  facts = {'name': os.path.basename(path), 'bytes': int(stat.st_size)}
-  if with_mtime:
-    facts['mtime_ns'] = int(stat.st_mtime_ns)
-  return facts
 
 
 def _tfds_files(split_source) -> list[tuple[str, int | None, int | None]] | None:
@@ -413,21 +296,11 @@ def _tfds_files(split_source) -> list[tuple[str, int | None, int | None]] | None
   return files
 
 
-def _hash_tree(digest, prefix: str, value) -> None:
-  """Hashes a (nested) dict of arrays/scalars: each leaf's path, dtype, shape and bytes."""
-  if isinstance(value, dict):
-    for name in sorted(value):
-      _hash_tree(digest, f'{prefix}/{name}', value[name])
-    return
-  array = np.asarray(value)
-  if array.dtype.hasobject:
-    raise TypeError(f'cannot identify {prefix!r} of dtype object.')
-  _hash_array(digest, prefix, np.ascontiguousarray(array), None)
-
-
 def _finish(fields: dict[str, Any], content) -> dict[str, Any]:
   """Adds identity_version and sha256 = SHA-256(canonical JSON of the fields, content digest)."""
   fields = json.loads(json.dumps(dict(identity_version=IDENTITY_VERSION, **fields)))
   canonical = json.dumps(fields, sort_keys=True, separators=(',', ':')).encode()
-  fields['sha256'] = hashlib.sha256(_length_prefixed(canonical) + content.digest()).hexdigest()
+  fields['sha256'] = hashlib.sha256(
+    byte_digest.length_prefixed(canonical) + content.digest()
+  ).hexdigest()
   return fields

@@ -231,6 +231,31 @@ def _cpu_seconds() -> float:
   return t.user + t.system + t.children_user + t.children_system
 
 
+def _calibrated_row(config: ml_collections.ConfigDict, b: int, n: int, clip_norm: float) -> PlanRow:
+  """One row: the σ `dpjax.train` would calibrate for this run config, and its noise measures."""
+  from dpjax.trainer import plan as plan_lib
+
+  start, cpu_start = time.perf_counter(), _cpu_seconds()
+  acct = plan_lib.make_accountant(config, n)
+  report = acct.final_report(estimates=False)  # Memoised: make_accountant checked it.
+  sigma, steps = acct.noise_multiplier, report.steps
+  q = b / n
+  return PlanRow(
+    batch_size=b,
+    steps_per_epoch=acct.steps_per_epoch,
+    num_steps=steps,
+    noise_multiplier=sigma,
+    effective_noise=sigma * clip_norm / b,
+    run_noise=sigma / (q * math.sqrt(steps)),
+    epsilon=report.epsilon,
+    bound=report.bound,
+    accountant=report.accountant,
+    max_batch_size=acct.max_batch_size,
+    seconds=time.perf_counter() - start,
+    cpu_seconds=_cpu_seconds() - cpu_start,
+  )
+
+
 def plan_batch_sizes(
   num_examples: int,
   target_epsilon: float,
@@ -289,27 +314,7 @@ def plan_batch_sizes(
     )
   rows = []
   for b in sizes:
-    start, cpu_start = time.perf_counter(), _cpu_seconds()
-    acct = plan_lib.make_accountant(run_config(base, b, eps, delta, epochs), n)
-    report = acct.final_report(estimates=False)  # Memoised: make_accountant checked it.
-    sigma, steps = acct.noise_multiplier, report.steps
-    q = b / n
-    rows.append(
-      PlanRow(
-        batch_size=b,
-        steps_per_epoch=acct.steps_per_epoch,
-        num_steps=steps,
-        noise_multiplier=sigma,
-        effective_noise=sigma * clip_norm / b,
-        run_noise=sigma / (q * math.sqrt(steps)),
-        epsilon=report.epsilon,
-        bound=report.bound,
-        accountant=report.accountant,
-        max_batch_size=acct.max_batch_size,
-        seconds=time.perf_counter() - start,
-        cpu_seconds=_cpu_seconds() - cpu_start,
-      )
-    )
+    rows.append(_calibrated_row(run_config(base, b, eps, delta, epochs), b, n, clip_norm))
     if progress is not None:
       progress(rows[-1])
   return Plan(

@@ -13,7 +13,7 @@ by one `orbax.checkpoint.CheckpointManager`:
 
 Orbax writes each step into a temporary directory and renames it when it is
 complete, so an interrupted save never looks like a checkpoint. A checkpoint
-that is complete but unreadable (corrupt files) is reported, moved aside to
+that is complete but unreadable (corrupt files) is reported (`checkpoint_restore`), moved aside to
 `<step>.unreadable-<time>`, and the previous one is used; when no checkpoint
 is readable the resume is refused (one line), never restarted from step 0.
 
@@ -56,6 +56,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.futures import future as orbax_future
 
+from dpjax.trainer import checkpoint_restore
 from dpjax.trainer import manifest
 from dpjax.trainer import write_errors
 
@@ -255,107 +256,6 @@ def save(manager: ocp.CheckpointManager, step: int, state: Any, metadata: dict) 
     raise _save_error(manager, step, e) from e
 
 
-class CheckpointMismatchError(ValueError):
-  """A readable checkpoint holds a state of another structure than the run's (model or
-  optimizer changed): not corruption; refused with one line, the checkpoint untouched."""
-
-
-def _key_name(key) -> str:
-  for attr in ('key', 'name', 'idx'):
-    if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
-
-
-def _shapes(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
-  """{path: shape} of the array leaves of a state or of a checkpoint's saved tree."""
-  return {
-    tuple(_key_name(k) for k in path): tuple(getattr(leaf, 'shape', ()))
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
-  }
-
-
-_PARTS = {'params': 'model parameters', 'opt_state': 'optimizer state', 'ema': 'EMA parameters'}
-
-
-def state_mismatch(saved_tree, target) -> str:
-  """'' if the saved tree has the target's paths and shapes, else what differs, by part."""
-  saved, want = _shapes(saved_tree), _shapes(target)
-  if saved == want:
-    return ''
-  parts = {}
-  for path in sorted(set(saved) | set(want)):
-    if saved.get(path) == want.get(path):
-      continue
-    old = 'absent' if path not in saved else str(saved[path])
-    new = 'absent' if path not in want else str(want[path])
-    parts.setdefault(_PARTS.get(path[0], path[0]), []).append(
-      f'{"/".join(path[1:]) or path[0]} {old} → {new}'
-    )
-  return '; '.join(
-    f'{part} differ ({", ".join(items[:3])}'
-    f'{f" and {len(items) - 3} more" if len(items) > 3 else ""})'
-    for part, items in parts.items()
-  )
-
-
-def _saved_tree(path: str):
-  return ocp.PyTreeCheckpointer().metadata(os.path.join(path, 'state')).item_metadata.tree
-
-
-class CheckpointUnreadableError(ValueError):
-  """Every checkpoint of the workdir is unreadable: a resume would silently start at step 0.
-  One line saying what to do; nothing moved."""
-
-
-def _restore_step(manager: ocp.CheckpointManager, step: int, target: Any):
-  """(state, metadata) of checkpoint `step`, or the error that makes it corrupt.
-
-  CheckpointMismatchError (raised) for a readable checkpoint of another structure.
-  """
-  path = os.path.join(str(manager.directory), str(step))
-  verified = False  # Its files match the manifest (a later failure is not corruption).
-  try:
-    verified = manifest.verify_checkpoint(path)
-    if not verified:
-      message = (
-        f'checkpoint {step} has no {manifest.MANIFEST} (written before dpjax kept '
-        'checksums); restoring it unverified.'
-      )
-      logging.warning(message)
-      print(f'WARNING: {message}', file=sys.stderr)
-    mismatch = state_mismatch(_saved_tree(path), target)
-    if mismatch:
-      raise CheckpointMismatchError(
-        f'checkpoint {step} in {manager.directory} holds a state of another structure than '
-        f'this config builds: {mismatch}. The model or the optimizer changed since the run '
-        'started; restore them, or use a new --workdir to start fresh (the checkpoint is '
-        'untouched).'
-      )
-    restored = manager.restore(
-      step,
-      args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), metadata=ocp.args.JsonRestore()
-      ),
-    )
-  except CheckpointMismatchError:
-    raise
-  except Exception as e:  # Orbax raises many types for damaged files.
-    if write_errors.is_full(e):  # Not the checkpoint's fault.
-      raise write_errors.WriteError(
-        f'cannot restore checkpoint {step} ({path}): no space left on device. {write_errors.RERUN}'
-      ) from None
-    if verified:
-      raise CheckpointMismatchError(
-        f'checkpoint {step} passed its checksums but could not be restored onto this '
-        f"config's state ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-        'it is untouched. Restore the settings it was written with, or use a new '
-        '--workdir.'
-      ) from None
-    return e
-  return restored['state'], restored['metadata']
-
-
 def restore_latest(manager: ocp.CheckpointManager, target: Any) -> tuple[int, Any, dict] | None:
   """(step, state, metadata) of the newest readable checkpoint, or None when there is none.
 
@@ -371,7 +271,7 @@ def restore_latest(manager: ocp.CheckpointManager, target: Any) -> tuple[int, An
   """
   unreadable = []  # (step, error), newest first.
   for step in sorted(manager.all_steps(), reverse=True):
-    restored = _restore_step(manager, step, target)
+    restored = checkpoint_restore.restore_step(manager, step, target)
     if isinstance(restored, Exception):
       unreadable.append((step, restored))
       continue
@@ -392,7 +292,7 @@ def restore_latest(manager: ocp.CheckpointManager, target: Any) -> tuple[int, An
   if unreadable:
     newest, error = unreadable[0]
     first_line = str(error).splitlines()[0] if str(error) else ''
-    raise CheckpointUnreadableError(
+    raise checkpoint_restore.CheckpointUnreadableError(
       f'checkpoint {newest} in {manager.directory} is unreadable ({type(error).__name__}: '
       f'{first_line}) and no earlier checkpoint is readable'
       f'{f" (steps {sorted(s for s, _ in unreadable)})" if len(unreadable) > 1 else ""}, so '

@@ -10,6 +10,7 @@ import pytest
 
 from dpjax.configs import digits_mlp
 from dpjax.data import arrays as arrays_lib
+from dpjax.data import byte_digest
 from dpjax.data import digits
 from dpjax.data import sources as data
 from dpjax.data import synthetic as synthetic_lib
@@ -168,9 +169,9 @@ def test_memmap_sampled_method_sample_mtime_size_and_labels(memmap_root):
   sampled = data_identity.sample_indices(2000, KEY, 64)
   unsampled = np.setdiff1d(np.arange(2000), sampled)
   # Sampled rows of a whole-file memmap are read with pread: the same rows as indexing gives.
-  backing = data_identity._backing(source.images)  # pylint: disable=protected-access
+  backing = byte_digest.backing(source.images)
   assert backing[1] is not None
-  pread_rows = np.concatenate(list(data_identity._row_chunks(source.images, backing, sampled)))
+  pread_rows = np.concatenate(list(byte_digest.row_chunks(source.images, backing, sampled)))
   np.testing.assert_array_equal(pread_rows, x[sampled])
   x_path = root / 'train' / 'x.npy'
   # A change in a row outside the sample, mtime restored: not seen (the documented limit).

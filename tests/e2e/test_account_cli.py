@@ -196,20 +196,12 @@ def test_the_account_cli_resolves_sigma_as_training_does_with_audit_canaries():
   assert got['epsilon'] == plan.privacy.accountant.epsilon(plan.num_steps)
 
 
+_POISSON = tuple('--sampler poisson --num-examples 1000 --batch-size 100 --steps 10'.split())
+
+
 @pytest.mark.slow
 def test_delta_at_or_above_one_over_n_is_refused_unless_allowed():
-  base = (
-    '--sampler',
-    'poisson',
-    '--num-examples',
-    '1000',
-    '--batch-size',
-    '100',
-    '--steps',
-    '10',
-    '--noise-multiplier',
-    '1.0',
-  )
+  base = (*_POISSON, '--noise-multiplier', '1.0')
   out = _process(*base, '--delta', '0.5')  # A real process: exit code, one line, no traceback.
   assert out.returncode == 2 and 'delta = 0.5 is >= 1/N' in out.stderr
   assert '--allow-large-delta' in out.stderr  # The flag a user of this command can type.
@@ -242,7 +234,7 @@ def test_table_labels_shuffle_numbers():
 @pytest.mark.parametrize(
   'args, message',
   [
-    (('--noise-multiplier', '-1'), 'noise_multiplier'),
+    (('--noise-multiplier', '-1'), '--noise-multiplier must be'),
     (('--noise-multiplier', '1', '--batch-size', '20000'), 'batch_size'),
     (('--noise-multiplier', '1', '--workers', '0'), '--workers'),
   ],
@@ -260,6 +252,48 @@ def test_errors_name_the_field(args, message):
   out = _run(*[x for kv in base.items() for x in kv], check=False)
   assert out.returncode == 2
   assert message in out.stderr
+
+
+@pytest.mark.parametrize(
+  'args, line',
+  [
+    (
+      (*_POISSON, '--noise-multiplier', '1', '--delta', '2'),
+      '--delta must be a finite number > 0 and < 1, got 2.0.',
+    ),
+    (
+      (*_POISSON, '--noise-multiplier', '1', '--delta', '0'),
+      '--delta must be a finite number > 0 and < 1, got 0.0.',
+    ),
+    (
+      (*_POISSON, '--noise-multiplier', 'nan', '--delta', '1e-5'),
+      '--noise-multiplier must be a finite number > 0, got nan.',
+    ),
+    (
+      (*_POISSON, '--target-epsilon', '-1', '--delta', '1e-5'),
+      '--target-epsilon must be a finite number > 0, got -1.0.',
+    ),
+    (
+      ('--config', 'digits_mlp', '--delta', '2'),
+      '--delta must be a finite number > 0 and < 1, got 2.0.',
+    ),
+    (
+      (*_POISSON, '--noise-multiplier', '1', '--delta', '0.5'),
+      '--delta = 0.5 is >= 1/N = 0.001 (N = 1000): such a guarantee allows publishing a random '
+      'record in the clear. Use δ well below 1/N (e.g. <= 1/(10·N)), or set '
+      '--allow-large-delta to accept it.',
+    ),
+  ],
+)
+def test_sigma_target_and_delta_out_of_range_name_the_flag(args, line):
+  """The line names the flag the user typed, as the trainer names the config field. Fails on
+  da06065 (checked): it said 'privacy.delta must be in (0, 1)', 'noise_multiplier σ must be …',
+  'privacy.target_epsilon must be …', 'privacy.delta = 2.0: must be …' (with --config) and
+  'delta = 0.5 is >= 1/N … allow_large_delta=True (--allow-large-delta)'; on 11c40e5 'delta
+  must be …' and 'noise_multiplier must be …'."""
+  out = _run(*args, check=False)
+  assert (out.returncode, out.stdout) == (2, '')
+  assert out.stderr == f'python -m dpjax.account: error: {line}\n'
 
 
 @pytest.mark.parametrize(

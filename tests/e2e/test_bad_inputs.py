@@ -364,7 +364,7 @@ dpjax refuses bad input before any compute, with one line that names the field
 line is `dpjax.train: error: <message>` on stderr with exit code 2, no
 traceback, and nothing in `--workdir` changed. Inside Python the same message
 is a `ValueError` (`dpjax.trainer.config_fields.ConfigError`, `dpjax.trainer.plan.PlanError`,
-`dpjax.data.validation.DataError`, `dpjax.trainer.checkpoints.CheckpointMismatchError`).
+`dpjax.data.validation.DataError`, `dpjax.trainer.checkpoint_restore.CheckpointMismatchError`).
 Every row below is a case of `tests/e2e/test_bad_inputs.py`, and this file is its
 output: `python -m tests.e2e.test_bad_inputs > docs/errors.md`.
 

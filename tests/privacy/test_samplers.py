@@ -17,6 +17,7 @@ import pytest
 from scipy import stats
 
 from dpjax.trainer import plan as plan_lib
+from dpjax.privacy import sampler_base
 from dpjax.privacy import samplers
 
 P_MIN = 1e-4
@@ -234,8 +235,8 @@ def test_negative_step_is_rejected():
 def test_uniform_permutation_is_numpys_permutation_in_int32():
   """Same draws as rng.permutation (unchanged law and streams), 4 bytes per index."""
   for n in (1, 2, 1003):
-    order = samplers._uniform_permutation(samplers._generator(9, 1, 2), n)
-    reference = samplers._generator(9, 1, 2).permutation(n)
+    order = sampler_base.uniform_permutation(sampler_base.sampler_generator(9, 1, 2), n)
+    reference = sampler_base.sampler_generator(9, 1, 2).permutation(n)
     assert order.dtype == np.int32
     np.testing.assert_array_equal(order, reference)
 

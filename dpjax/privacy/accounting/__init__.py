@@ -5,10 +5,12 @@ acct = Accountant(sampler, noise_multiplier, delta, num_steps=T, max_batch_size=
 report = acct.epsilon_at(step)    # PrivacyReport: epsilon, delta, bound, epsilon_lower, details
 ```
 
-Modules: `accountant` (the per-run API), `options` (`AccountingOptions`, how it accounts), `sampler_events` (dp_accounting
-events per sampler), `fixed_size_rdp` (Birrell et al. FS-RDP),
-`balls_and_bins` (provable bound, truncation penalty), `monte_carlo`
-(high-probability bound), `max_test` (lower bounds), `calibration`.
+Modules: `accountant` (the per-run API), `options` (`AccountingOptions`, how it accounts), `analyses` (one per sampler kind),
+`sampler_events` (dp_accounting events per sampler), `fixed_size_rdp` (Birrell
+et al. FS-RDP), `balls_and_bins` (deterministic and random-allocation bounds,
+truncation penalty), `provable_bound` (the balls-and-bins ε attached to a run),
+`monte_carlo` (high-probability bound), `max_test` (lower bounds),
+`calibration` (σ for a target ε, on `target_search`).
 """
 
 from dpjax.privacy.lazy_exports import lazy_exports
@@ -17,7 +19,6 @@ from dpjax.privacy.lazy_exports import lazy_exports
 _EXPORTS = {
   'ACCOUNTANTS': ('dpjax.privacy.accounting.accountant', 'ACCOUNTANTS'),
   'Accountant': ('dpjax.privacy.accounting.accountant', 'Accountant'),
-  'AccountingOptions': ('dpjax.privacy.accounting.options', 'AccountingOptions'),
   'BOUNDS': ('dpjax.privacy.accounting.report', 'BOUNDS'),
   'PrivacyReport': ('dpjax.privacy.accounting.report', 'PrivacyReport'),
   'resolve_accountant': ('dpjax.privacy.accounting.accountant', 'resolve_accountant'),

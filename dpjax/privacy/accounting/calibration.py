@@ -1,15 +1,8 @@
 """Calibration: the smallest σ for a target (ε, δ), the largest run for a given σ.
 
-docs/accounting.md §6. ε is non-increasing in σ and non-decreasing in the
-number of steps, so both searches bracket (doubling) and bisect. The search
-always returns the end of the bracket at which the target *holds*, so the
-answer is valid even where the accountant's ε is only approximately monotone
-(PLD discretisation, adaptive random-allocation refinement). Integer searches
-(steps, epochs, the cap B) run through `monotone` (dp_accounting's
-inverse_monotone_function): their answer is unique. The σ search stays its own
-geometric bisection because it stops as soon as ε(σ) lands within epsilon_rtol
-below the target: each ε(σ) costs a PLD build, no library search stops on the
-function's value, and the calibrated σ of every recorded run stays as it was.
+docs/accounting.md §6. The searches themselves (bracket and bisect, returning the end at
+which the target holds) are `target_search`'s; the σ search's ε(σ) here is the accountant's,
+and the calibrated σ of every recorded run stays as it was.
 
 PLD accountants search with a cheaper grid first (`pld_grid`'s first jump,
 unconfirmed; a coarser pessimistic PLD is still an upper bound, just looser),
@@ -33,99 +26,15 @@ from dpjax.privacy import samplers as samplers_lib
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import balls_and_bins
 from dpjax.privacy.accounting import max_test
-from dpjax.privacy.accounting import monotone
 from dpjax.privacy.accounting import sampler_events
 from dpjax.privacy.accounting import step_pld
+from dpjax.privacy.accounting import target_search
+from dpjax.privacy.accounting import truncation_cap
 
-# ε(σ) within this relative distance below the target ends the σ search.
-DEFAULT_EPSILON_RTOL = 5e-3
-_MIN_SIGMA, _MAX_SIGMA = 1e-2, 1e4
+# ε(σ) within this relative distance below the target ends the σ search (public: a calibrated
+# σ's ε lies within it below the target).
+DEFAULT_EPSILON_RTOL = target_search.DEFAULT_EPSILON_RTOL
 _SEARCH_SEED_OFFSET = 0x5EED
-
-
-def _check_target(target_epsilon) -> float:
-  if (
-    isinstance(target_epsilon, bool)
-    or not isinstance(target_epsilon, (int, float))
-    or not (math.isfinite(target_epsilon) and target_epsilon > 0)
-  ):
-    raise ValueError(f'privacy.target_epsilon must be a finite number > 0, got {target_epsilon!r}.')
-  return float(target_epsilon)
-
-
-def smallest_noise_multiplier(
-  epsilon_of_sigma: Callable[[float], float],
-  target_epsilon: float,
-  *,
-  initial: float = 1.0,
-  lower: float | None = None,
-  bracket: tuple[float, float] | None = None,
-  epsilon_rtol: float = DEFAULT_EPSILON_RTOL,
-  sigma_rtol: float = 1e-6,
-) -> float:
-  """The smallest σ (to tolerance) with ε(σ) <= target, by bracketing and bisection.
-
-  Stops when target·(1 − epsilon_rtol) <= ε(σ) <= target or when the bracket is
-  narrower than sigma_rtol. Returns σ with ε(σ) <= target (always checked).
-  `bracket` = (lo, hi), a guess with ε(lo) > target >= ε(hi) (checked; the
-  search falls back to doubling/halving from hi if it is wrong).
-
-  Raises:
-    ValueError: if even σ = 1e4 misses the target.
-  """
-  target = _check_target(target_epsilon)
-  cache: dict[float, float] = {}
-
-  def eps(sigma):
-    if sigma not in cache:
-      cache[sigma] = epsilon_of_sigma(sigma)
-    return cache[sigma]
-
-  def close_enough(sigma):
-    return target * (1 - epsilon_rtol) <= eps(sigma) <= target
-
-  if bracket is not None:
-    initial, lower = bracket[1], bracket[0]
-  hi = float(initial)
-  if eps(hi) <= target:
-    if close_enough(hi):
-      return hi
-    ratio = 0.5 if lower is None else min(float(lower) / hi, 0.999)
-    lo = hi * ratio
-    while eps(lo) <= target:
-      if close_enough(lo) or lo <= _MIN_SIGMA:
-        return lo
-      ratio = max(0.5, ratio * ratio)  # Widen the downward steps geometrically.
-      hi, lo = lo, lo * ratio
-  else:
-    lo = hi
-    while eps(hi) > target:
-      lo, hi = hi, hi * 2
-      if hi > _MAX_SIGMA:
-        raise ValueError(
-          f'target ε = {target} is not reached even with σ = {_MAX_SIGMA:g} (or '
-          'its privacy loss cannot be composed in memory): shorten the run, raise '
-          'the target or the batch size.'
-        )
-  # Invariant: ε(lo) > target >= ε(hi).
-  while not close_enough(hi) and hi - lo > sigma_rtol * hi:
-    mid = math.sqrt(lo * hi)
-    if eps(mid) <= target:
-      hi = mid
-    else:
-      lo = mid
-  return hi
-
-
-def largest_count(
-  epsilon_of_count: Callable[[int], float], target_epsilon: float, *, max_count: int = 10**9
-) -> int:
-  """The largest integer n >= 0 (<= max_count) with ε(n) <= target (0 if ε(1) > target)."""
-  target = _check_target(target_epsilon)
-  found = monotone.largest_integer(
-    epsilon_of_count, target, lower=1, upper=max_count, first_guess=2
-  )
-  return 0 if found is None else found
 
 
 def _coarse_search_is_safe(sampler: samplers_lib.Sampler, accountant: str, group_size: int) -> bool:
@@ -200,7 +109,7 @@ def _calibrate_noise_multiplier(
   Returns:
     σ with `Accountant(sampler, σ, ...).epsilon(num_steps) <= target_epsilon`.
   """
-  target = _check_target(target_epsilon)
+  target = target_search.check_target_epsilon(target_epsilon)
   steps = sampler_events.check_positive_int('num_steps', num_steps)
   kwargs.pop('num_steps', None)
   kwargs.pop('pld_coarsening', None)
@@ -209,11 +118,10 @@ def _calibrate_noise_multiplier(
   accountant_lib.Accountant(
     sampler, 1.0, delta, accountant=accountant, monte_carlo_seed=monte_carlo_seed, **kwargs
   )
-  resolved = accountant_lib.resolve_accountant(
-    sampler.name, accountant, kwargs.get('group_size', 1)
-  )
-  _check_truncation_cap(
-    sampler, target, delta, steps, kwargs.get('max_batch_size'), kwargs.get('group_size', 1)
+  group_size = kwargs.get('group_size', 1)
+  resolved = accountant_lib.resolve_accountant(sampler.name, accountant, group_size)
+  truncation_cap.check_truncation_cap(
+    sampler, target, delta, steps, kwargs.get('max_batch_size'), group_size
   )
 
   def epsilon_fn(coarsening, seed, exact):
@@ -231,33 +139,27 @@ def _calibrate_noise_multiplier(
 
   # Search stage: cheap and still valid upper bounds (coarser PLD, truncation by the TV
   # penalty alone, a search seed for Monte Carlo).
-  if resolved == 'monte_carlo':
-    search = epsilon_fn(1.0, monte_carlo_seed + _SEARCH_SEED_OFFSET, False)
-  elif _coarse_search_is_safe(sampler, accountant, kwargs.get('group_size', 1)):
-    search = epsilon_fn(10.0, monte_carlo_seed, False)
-  else:
-    search = epsilon_fn(1.0, monte_carlo_seed, False)
+  monte_carlo = resolved == 'monte_carlo'
+  coarse = not monte_carlo and _coarse_search_is_safe(sampler, accountant, group_size)
+  search = epsilon_fn(
+    10.0 if coarse else 1.0, monte_carlo_seed + (_SEARCH_SEED_OFFSET if monte_carlo else 0), False
+  )
   search, bracket = _search_bracket(
-    search,
-    sampler,
-    resolved,
-    target,
-    delta,
-    steps,
-    kwargs.get('group_size', 1),
-    kwargs.get('random_allocation'),
+    search, sampler, resolved, target, delta, steps, group_size, kwargs.get('random_allocation')
   )
   initial = _initial_sigma(sampler, resolved, target, delta, steps, accountant, kwargs)
-  sigma = smallest_noise_multiplier(search, target, initial=initial, bracket=bracket)
+  sigma = target_search.smallest_noise_multiplier(search, target, initial=initial, bracket=bracket)
   # Final stage: the accountant exactly as it will report.
   report_fn = epsilon_fn(1.0, monte_carlo_seed, exact_truncation)
-  if resolved == 'monte_carlo':
+  if monte_carlo:
     for _ in range(100):
       if report_fn(sigma) <= target:
         return sigma
       sigma *= 1.005
     raise RuntimeError('Monte-Carlo calibration did not meet the target with a fresh seed.')
-  return smallest_noise_multiplier(report_fn, target, initial=sigma, lower=sigma * 0.995)
+  return target_search.smallest_noise_multiplier(
+    report_fn, target, initial=sigma, lower=sigma * 0.995
+  )
 
 
 def _epsilon_of_sigma(
@@ -303,10 +205,10 @@ def _search_bracket(
   ):
     return search, None
   steps_per_epoch, epochs = sampler.steps_per_epoch, -(-steps // sampler.steps_per_epoch)
-  hi = smallest_noise_multiplier(
+  hi = target_search.smallest_noise_multiplier(
     lambda s: balls_and_bins.deterministic_epsilon(s, epochs, delta), target, epsilon_rtol=1e-6
   )
-  lo = smallest_noise_multiplier(
+  lo = target_search.smallest_noise_multiplier(
     lambda s: max_test.balls_and_bins_lower_bound_epsilon(
       s, steps_per_epoch, delta, num_epochs=epochs
     ),
@@ -401,45 +303,6 @@ def _random_allocation_bracket(
   return lo, hi
 
 
-def _truncation_penalty(sampler, delta, steps, cap, group_size, target) -> float:
-  """(1 + e^ε)·τ / δ: the share of δ the TV truncation penalty takes at ε = target."""
-  log_tau = balls_and_bins.log_truncation_mass(
-    sampler.num_examples, sampler.sampling_probability, cap, steps, group_size=group_size
-  )
-  return math.exp(min(700.0, log_tau + math.log1p(math.exp(min(target, 700.0))) - math.log(delta)))
-
-
-def _check_truncation_cap(sampler, target: float, delta: float, steps: int, cap, group_size: int):
-  """Refuses a cap B whose truncation penalty alone exceeds δ at the target; names the B needed.
-
-  Calibration searches with the TV truncation penalty (1 + e^ε)·τ, τ = T·Pr[n_t > B]
-  (`balls_and_bins.log_truncation_mass`); if it is >= δ at ε = target, no σ
-  reaches the target and the failure is the cap's, not the noise's. B needed:
-  the smallest B with a penalty <= δ/2 (half of δ left to the mechanism).
-  """
-  if cap is None or not sampler.binomial_batch_size:
-    return
-  if _truncation_penalty(sampler, delta, steps, cap, group_size, target) < 1:
-    return
-  needed = monotone.smallest_integer(  # penalty(cap) >= 1 > 1/2: the cap is below the answer.
-    lambda b: _truncation_penalty(sampler, delta, steps, b, group_size, target),
-    0.5,
-    above=cap,
-    first_guess=max(cap + 1, 2 * cap),
-  )
-  tau = math.exp(
-    balls_and_bins.log_truncation_mass(
-      sampler.num_examples, sampler.sampling_probability, cap, steps, group_size=group_size
-    )
-  )
-  raise ValueError(
-    f'sampler.max_batch_size B = {cap} is too small for target ε = {target}: over {steps} '
-    f'steps of the {sampler.name} sampler, τ = T·Pr[batch > B] = {tau:.3g}, and the '
-    f'truncation penalty (1 + e^ε)·τ alone is above δ = {delta:g} whatever σ. Needed: '
-    f'B >= {needed} (penalty <= δ/2), or no max_batch_size (no truncation).'
-  )
-
-
 def max_num_steps(
   sampler: samplers_lib.Sampler,
   noise_multiplier: float,
@@ -454,13 +317,13 @@ def max_num_steps(
   Epoch-based samplers are accounted per epoch started, so the answer is a
   whole number of epochs. Returns 0 if even one step (epoch) exceeds it.
   """
-  target = _check_target(target_epsilon)
+  target = target_search.check_target_epsilon(target_epsilon)
   kwargs.pop('num_steps', None)
   acct = accountant_lib.Accountant(sampler, noise_multiplier, delta, **kwargs)
   if acct.is_epoch_based:
     per_epoch = acct.steps_per_epoch
-    epochs = largest_count(
+    epochs = target_search.largest_count(
       lambda e: acct.epsilon(e * per_epoch), target, max_count=max(1, max_steps // per_epoch)
     )
     return epochs * per_epoch
-  return largest_count(acct.epsilon, target, max_count=max_steps)
+  return target_search.largest_count(acct.epsilon, target, max_count=max_steps)

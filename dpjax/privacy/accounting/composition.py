@@ -32,9 +32,8 @@ from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
 from dpjax.privacy.accounting import analyses
 from dpjax.privacy.accounting import balls_and_bins
+from dpjax.privacy.accounting.accountant_view import Accountant  # Not accountant.py: a cycle.
 from dpjax.privacy.accounting.report import PrivacyReport
-
-Accountant = analyses.Accountant  # Its interface (accountant.py imports this module).
 
 # The privacy fingerprint's field listing the prior runs (`PriorRun.fingerprint`), if any.
 FINGERPRINT_FIELD = 'privacy.prior_runs'

@@ -88,7 +88,7 @@ def default_discretization(noise_multiplier: float, num_steps: int, delta: float
   2-4× finer (0.0051 instead of 0.0085 at σ = 0.8, 0.0011 instead of 0.0048 at σ = 2:
   scripts/results/accounting_grid.json), each halving costing 3-6× a build that takes ~70 s
   already, past the time budget and into the deterministic fallback. A finer grid is what
-  `balls_and_bins.provable_epsilon(refine_seconds=...)` buys, by halving, within a budget.
+  `provable_bound.provable_epsilon(refine_seconds=...)` buys, by halving, within a budget.
   """
   poisson = pld_lib.from_gaussian_mechanism(
     standard_deviation=noise_multiplier,
@@ -272,6 +272,23 @@ def _npz_path(key: str) -> pathlib.Path:
   return cache_dir() / ('ra_pld_' + hashlib.sha256(key.encode()).hexdigest()[:24] + '.npz')
 
 
+def _writable(path: pathlib.Path) -> pathlib.Path:
+  """`path` if its cache directory can be written, else the same name in a fresh temporary
+  directory (HOME or $DPJAX_CACHE_DIR not writable: the PLD is built uncached)."""
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    probe = tempfile.NamedTemporaryFile(dir=path.parent, delete=True)
+    probe.close()
+  except OSError:  # HOME or $DPJAX_CACHE_DIR not writable: build it uncached.
+    print(
+      f'dpjax: the cache {path.parent} is not writable; the PLD is built without caching.',
+      file=sys.stderr,
+      flush=True,
+    )
+    path = pathlib.Path(tempfile.mkdtemp(prefix='dpjax-ra-')) / path.name
+  return path
+
+
 def epoch_pld(
   noise_multiplier: float,
   num_steps: int,
@@ -308,17 +325,7 @@ def epoch_pld(
   failed = cached if isinstance(cached, dict) else _read_index().get(key)
   if isinstance(failed, dict) and failed.get('timeout', 0) >= budget:
     return None  # Already timed out with at least this budget.
-  try:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    probe = tempfile.NamedTemporaryFile(dir=path.parent, delete=True)
-    probe.close()
-  except OSError:  # HOME or $DPJAX_CACHE_DIR not writable: build it uncached.
-    print(
-      f'dpjax: the cache {path.parent} is not writable; the PLD is built without caching.',
-      file=sys.stderr,
-      flush=True,
-    )
-    path = pathlib.Path(tempfile.mkdtemp(prefix='dpjax-ra-')) / path.name
+  path = _writable(path)
   what = (
     f'random-allocation PLD ({bound} bound) of one epoch, σ = {noise_multiplier:g}, '
     f'T = {num_steps}, grid {discretization:g}'

@@ -16,6 +16,7 @@ from dpjax.privacy.accounting import report as report_lib
 from dpjax.privacy.accounting import balls_and_bins
 from dpjax.privacy.accounting import max_test
 from dpjax.privacy.accounting import monte_carlo
+from dpjax.privacy.accounting import provable_bound
 
 DELTA = 1e-5
 NUM_DIGITS_TRAIN = 1437
@@ -320,7 +321,7 @@ def test_random_allocation_pays_the_truncation_penalty_at_its_own_epsilon():
   # deterministic ε (7.0 here) ate δ and gave ε = ∞, though the random-allocation PLD with the
   # same τ is finite (2.93). T = 6, σ = 1.5, 5 epochs, τ = δ/100: e^{ε_det}·τ > δ.
   sigma, steps, epochs, tau = 1.5, 6, 5, DELTA / 100
-  bound = balls_and_bins.provable_epsilon(
+  bound = provable_bound.provable_epsilon(
     sigma, steps, DELTA, num_epochs=epochs, log_penalty_mass=math.log(tau)
   )
   assert (1 + math.exp(balls_and_bins.deterministic_epsilon(sigma, epochs, DELTA))) * tau > DELTA
@@ -333,7 +334,7 @@ def test_random_allocation_pays_the_truncation_penalty_at_its_own_epsilon():
   # Valid: the dominating PLD's δ(ε) plus the penalty fits in δ; and not loose: 1% less fails.
   assert pld.get_delta_for_epsilon(eps) + (1 + math.exp(eps)) * tau <= DELTA
   assert pld.get_delta_for_epsilon(0.99 * eps) + (1 + math.exp(0.99 * eps)) * tau > DELTA
-  untruncated = balls_and_bins.provable_epsilon(sigma, steps, DELTA, num_epochs=epochs)
+  untruncated = provable_bound.provable_epsilon(sigma, steps, DELTA, num_epochs=epochs)
   assert untruncated.epsilon <= eps < untruncated.deterministic_epsilon
 
 

@@ -19,6 +19,7 @@ from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import balls_and_bins
 from dpjax.privacy.accounting import max_test
 from dpjax.privacy.accounting import monte_carlo
+from dpjax.privacy.accounting import provable_bound
 from dpjax.privacy.accounting import random_allocation
 
 DELTA = 1e-5
@@ -52,7 +53,7 @@ def test_one_step_is_the_gaussian_mechanism(cache, in_process_pld_builds):
   # T = 1: every example is in the only batch, so the pair is N(1, σ²) vs N(0, σ²) exactly.
   for sigma in (0.7, 2.0):
     exact = balls_and_bins.deterministic_epsilon(sigma, 1, DELTA)  # closed form (Balle & Wang)
-    bound = balls_and_bins.provable_epsilon(sigma, 1, DELTA, lower=True)
+    bound = provable_bound.provable_epsilon(sigma, 1, DELTA, lower=True)
     assert bound.random_allocation_lower <= exact <= bound.random_allocation_upper
     # Pessimistic by at most a fraction of the loss grid.
     assert bound.random_allocation_upper - exact <= bound.discretization
@@ -80,7 +81,7 @@ def test_epoch_pld_is_the_library_pld_and_inside_its_adaptive_range(cache):
 @pytest.mark.slow
 def test_epochs_compose_the_one_epoch_pld(cache, in_process_pld_builds):
   sigma, steps = 1.0, 10
-  bounds = [balls_and_bins.provable_epsilon(sigma, steps, DELTA, num_epochs=e) for e in (1, 3, 4)]
+  bounds = [provable_bound.provable_epsilon(sigma, steps, DELTA, num_epochs=e) for e in (1, 3, 4)]
   # E = 1-3 share one build, E = 4-15 another at half the grid (rounding adds up over epochs).
   assert bounds[0].discretization == bounds[1].discretization == 2 * bounds[2].discretization
   for epochs, bound in zip((1, 3, 4), bounds):
@@ -103,14 +104,14 @@ def test_epochs_compose_the_one_epoch_pld(cache, in_process_pld_builds):
 
 @pytest.mark.slow
 def test_cache_returns_identical_numbers_without_a_child(cache, monkeypatch):
-  first = balls_and_bins.provable_epsilon(1.0, 10, DELTA, num_epochs=2)
+  first = provable_bound.provable_epsilon(1.0, 10, DELTA, num_epochs=2)
 
   def no_child(*args, **kwargs):
     raise AssertionError('the cache should have answered')
 
   monkeypatch.setattr(random_allocation.subprocess, 'run', no_child)
   random_allocation._memo.clear()  # a new process: the disk answers
-  assert balls_and_bins.provable_epsilon(1.0, 10, DELTA, num_epochs=2) == first
+  assert provable_bound.provable_epsilon(1.0, 10, DELTA, num_epochs=2) == first
   files = sorted(p.name for p in cache.iterdir())
   assert files and all(name.endswith(('.npz', '.json')) for name in files)  # no pickle
 
@@ -159,7 +160,7 @@ def test_timeout_falls_back_to_the_labelled_deterministic_bound(tmp_path, monkey
     raise subprocess.TimeoutExpired(argv, kwargs['timeout'])
 
   monkeypatch.setattr(random_allocation.subprocess, 'run', times_out)
-  bound = balls_and_bins.provable_epsilon(1.0, 20, DELTA, timeout=5.0)
+  bound = provable_bound.provable_epsilon(1.0, 20, DELTA, timeout=5.0)
   assert (
     bound.epsilon
     == bound.deterministic_epsilon
@@ -170,12 +171,12 @@ def test_timeout_falls_back_to_the_labelled_deterministic_bound(tmp_path, monkey
   assert 'privacy.random_allocation_timeout' in bound.method
   # Remembered with its budget, in-process and on disk: no larger budget is not tried again.
   assert (
-    balls_and_bins.provable_epsilon(1.0, 20, DELTA, timeout=4.0).random_allocation_upper is None
+    provable_bound.provable_epsilon(1.0, 20, DELTA, timeout=4.0).random_allocation_upper is None
   )
   monkeypatch.setattr(random_allocation, '_memo', {})
-  balls_and_bins.provable_epsilon(1.0, 20, DELTA, timeout=5.0)
+  provable_bound.provable_epsilon(1.0, 20, DELTA, timeout=5.0)
   assert calls == [5.0]
-  balls_and_bins.provable_epsilon(1.0, 20, DELTA, timeout=6.0)
+  provable_bound.provable_epsilon(1.0, 20, DELTA, timeout=6.0)
   assert calls == [5.0, 6.0]
   # The accountant carries the label into its report.
   sampler = samplers.sampler_class('balls_and_bins')(num_examples=1000, batch_size=50)
@@ -202,7 +203,7 @@ def test_child_failure_is_an_error_with_its_stderr(tmp_path, monkeypatch):
 
   monkeypatch.setattr(random_allocation.subprocess, 'run', fails)
   with pytest.raises(RuntimeError, match='random-allocation PLD failed: .*boom'):
-    balls_and_bins.provable_epsilon(1.5, 10, DELTA)
+    provable_bound.provable_epsilon(1.5, 10, DELTA)
 
 
 def test_default_grid_follows_poisson_epsilon():
@@ -245,7 +246,7 @@ def test_bad_budget_is_one_clear_error():
 
 
 def test_group_size_uses_the_deterministic_bound():
-  bound = balls_and_bins.provable_epsilon(1.0, 10, DELTA, group_size=2)
+  bound = provable_bound.provable_epsilon(1.0, 10, DELTA, group_size=2)
   assert bound.epsilon == balls_and_bins.deterministic_epsilon(1.0, 1, DELTA, group_size=2)
   assert bound.random_allocation_upper is None and math.isfinite(bound.epsilon)
 
@@ -292,7 +293,7 @@ def test_finer_epochs_grid_over_budget_falls_back_to_the_one_epoch_grid(
     return real(argv, **kwargs)
 
   monkeypatch.setattr(random_allocation.subprocess, 'run', fine_times_out)
-  bound = balls_and_bins.provable_epsilon(1.0, 10, DELTA, num_epochs=4, timeout=30.0)
+  bound = provable_bound.provable_epsilon(1.0, 10, DELTA, num_epochs=4, timeout=30.0)
   assert grids[0] == coarse / 2 and bound.discretization == coarse
   assert 'missed the time budget' in bound.method and bound.method.startswith('random_alloc')
   pld = balls_and_bins.random_allocation_epoch_pld(1.0, 10, discretization=coarse)
@@ -321,8 +322,8 @@ def test_grid_refinement_within_a_budget_keeps_a_dominating_bound(
   checked."""
   monkeypatch.setattr(random_allocation, 'build_seconds', lambda *args: 1.0)  # Every build: 1 s.
   sigma, steps = 2.0, 4
-  plain = balls_and_bins.provable_epsilon(sigma, steps, DELTA)
-  refined = balls_and_bins.provable_epsilon(sigma, steps, DELTA, refine_seconds=6.5)
+  plain = provable_bound.provable_epsilon(sigma, steps, DELTA)
+  refined = provable_bound.provable_epsilon(sigma, steps, DELTA, refine_seconds=6.5)
   assert refined.discretization == plain.discretization / 2  # 6 s fit once in 6.5 s.
   assert refined.epsilon < plain.epsilon
   tail = random_allocation.default_tail_truncation(DELTA)
@@ -333,4 +334,4 @@ def test_grid_refinement_within_a_budget_keeps_a_dominating_bound(
     sigma, steps, refined.discretization, tail, PLD_accounting.BoundType.IS_DOMINATED
   ).get_epsilon_for_delta(DELTA)
   assert refined.epsilon == pytest.approx(upper, rel=1e-9) and lower <= refined.epsilon
-  assert balls_and_bins.provable_epsilon(sigma, steps, DELTA) == plain  # Budget 0: unrefined.
+  assert provable_bound.provable_epsilon(sigma, steps, DELTA) == plain  # Budget 0: unrefined.

@@ -7,6 +7,7 @@ import pytest
 from dpjax.privacy import samplers
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import calibration
+from dpjax.privacy.accounting import target_search
 
 DELTA = 1e-5
 
@@ -109,10 +110,10 @@ def test_largest_number_of_steps(name):
 
 def test_search_helpers_on_closed_forms():
   # ε(σ) = 2/σ: the smallest σ with ε <= 0.5 is 4; ε(n) = n/10: the largest n with ε <= 3 is 30.
-  sigma = calibration.smallest_noise_multiplier(lambda s: 2 / s, 0.5, epsilon_rtol=1e-9)
+  sigma = target_search.smallest_noise_multiplier(lambda s: 2 / s, 0.5, epsilon_rtol=1e-9)
   assert 2 / sigma <= 0.5 and sigma == pytest.approx(4.0, rel=1e-6)
-  assert calibration.largest_count(lambda n: n / 10, 3.0) == 30
-  assert calibration.largest_count(lambda n: n / 10, 0.05) == 0
+  assert target_search.largest_count(lambda n: n / 10, 3.0) == 30
+  assert target_search.largest_count(lambda n: n / 10, 0.05) == 0
 
 
 @pytest.mark.parametrize('target', [0.0, -1.0, math.inf])
@@ -127,4 +128,4 @@ def test_bad_arguments_fail_before_the_search():
   with pytest.raises(ValueError, match='num_steps'):
     calibration.calibrate_noise_multiplier(_sampler('poisson', 100, 10), 1.0, DELTA, 0)
   with pytest.raises(ValueError, match='not reached'):
-    calibration.smallest_noise_multiplier(lambda s: 1.0, 0.5)
+    target_search.smallest_noise_multiplier(lambda s: 1.0, 0.5)

@@ -21,6 +21,7 @@ from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import analyses
 from dpjax.privacy.accounting import balls_and_bins
 from dpjax.privacy.accounting import calibration
+from dpjax.privacy.accounting import monte_carlo
 
 N, SIGMA, DELTA, STEPS = 20_000, 2.0, 1e-6, 100
 
@@ -107,7 +108,7 @@ def test_every_sampler_analysis_is_of_the_accounted_noise_multiplier(monkeypatch
 def test_monte_carlo_draws_at_the_accounted_noise_multiplier(monkeypatch):
   seen = []
   monkeypatch.setattr(
-    analyses.monte_carlo,
+    monte_carlo,
     'balls_and_bins_epsilon',
     lambda sigma, *a, **k: seen.append(sigma) or (_ for _ in ()).throw(ValueError('stop')),
   )

@@ -172,6 +172,21 @@ def estimated_seconds(
   return SECONDS_PER_COORDINATE * num_samples * width * num_epochs * 2 / max(1, workers)
 
 
+def _check_enough_samples(plans, num_samples, delta, beta, sigma, num_steps, num_epochs):
+  """ValueError when even no positive sample leaves a direction's upper confidence bound on δ
+  (the Chernoff-Hoeffding KL bound at β/2, times the plan's importance scale) at or above δ."""
+  floor = kl_upper_confidence_bound(0.0, num_samples, beta / 2)[0]
+  for plan in plans:
+    if math.exp(plan.log_scale) * floor >= delta:
+      raise ValueError(
+        f'num_samples = {num_samples} is too small for delta = {delta} at beta = {beta}: even '
+        f'with no positive sample the {plan.direction} upper confidence bound is '
+        f'{math.exp(plan.log_scale) * floor:.3g}; need num_samples > '
+        f'{math.ceil(math.exp(plan.log_scale) * math.log(2 / beta) / delta)} (default: '
+        f'{default_num_samples(sigma, num_steps, delta, beta, num_epochs=num_epochs)}).'
+      )
+
+
 def balls_and_bins_epsilon(
   sigma: float,
   num_steps: int,
@@ -219,16 +234,7 @@ def balls_and_bins_epsilon(
     )
     for direction in (REMOVE, ADD)
   ]
-  floor = kl_upper_confidence_bound(0.0, num_samples, beta / 2)[0]
-  for plan in plans:
-    if math.exp(plan.log_scale) * floor >= delta:
-      raise ValueError(
-        f'num_samples = {num_samples} is too small for delta = {delta} at beta = {beta}: even '
-        f'with no positive sample the {plan.direction} upper confidence bound is '
-        f'{math.exp(plan.log_scale) * floor:.3g}; need num_samples > '
-        f'{math.ceil(math.exp(plan.log_scale) * math.log(2 / beta) / delta)} (default: '
-        f'{default_num_samples(sigma, num_steps, delta, beta, num_epochs=num_epochs)}).'
-      )
+  _check_enough_samples(plans, num_samples, delta, beta, sigma, num_steps, num_epochs)
   tasks = [chunk_tasks(plan, seed, (d, 0), num_samples) for d, plan in enumerate(plans)]
   chunks = parallel.run(sample_chunk, tasks[0] + tasks[1], workers)
   samples = [

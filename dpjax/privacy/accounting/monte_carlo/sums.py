@@ -29,6 +29,22 @@ from dpjax.privacy.accounting.monte_carlo.validation import check_workers
 from dpjax.privacy.accounting.monte_carlo.validation import is_finite_number
 
 
+def _epsilon_groups(eps: np.ndarray, method: Method, conditioning_epsilon: float | None):
+  """[(conditioning level, the ε of the grid its sample set serves)]: one sample set per ε
+  (importance sampling conditioned on each ε's own event, Alg. 5) when importance sampling
+  has no `conditioning_epsilon`, else one set, conditioned at it, for the whole grid."""
+  importance = method in ('auto', 'importance', 'importance_order_statistics')
+  if conditioning_epsilon is not None:
+    if not (is_finite_number(conditioning_epsilon) and 0 <= conditioning_epsilon <= eps.min()):
+      raise ValueError(
+        f'conditioning_epsilon must be in [0, min(epsilons)] = [0, {eps.min()}], '
+        f'got {conditioning_epsilon!r}.'
+      )
+  if importance and conditioning_epsilon is None:
+    return [(float(e), eps[i : i + 1]) for i, e in enumerate(eps)]
+  return [(conditioning_epsilon or 0.0, eps)]
+
+
 def balls_and_bins_sums(
   sigma: float,
   num_steps: int,
@@ -70,20 +86,7 @@ def balls_and_bins_sums(
   check_ranks(num_exact_ranks, rank_growth)
   check_seed(seed)
   check_workers(workers)
-  importance = method in ('auto', 'importance', 'importance_order_statistics')
-  if conditioning_epsilon is not None:
-    if not (is_finite_number(conditioning_epsilon) and 0 <= conditioning_epsilon <= eps.min()):
-      raise ValueError(
-        f'conditioning_epsilon must be in [0, min(epsilons)] = [0, {eps.min()}], '
-        f'got {conditioning_epsilon!r}.'
-      )
-  per_epsilon = importance and conditioning_epsilon is None
-  # One sample set per ε of the grid (each conditioned on its own event), or one for all.
-  groups = (
-    [(float(e), eps[i : i + 1]) for i, e in enumerate(eps)]
-    if per_epsilon
-    else [(conditioning_epsilon or 0.0, eps)]
-  )
+  groups = _epsilon_groups(eps, method, conditioning_epsilon)
   plans = {
     (d, g): make_plan(
       direction, sigma, num_steps, num_epochs, method, level, num_exact_ranks, rank_growth
