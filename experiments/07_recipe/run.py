@@ -16,10 +16,9 @@ augmult and EMA change nothing the accountant sees (asserted below: the same
 'finetune_head' freezes the hidden layer (only the head is clipped and noised).
 
 Until dpjax.train integrates these modules, the loop is written here over
-`dpjax.trainer.plan.make_plan` + `dpjax.privacy.batching.Batcher` + `dpjax.privacy.dp_step.DPStep`:
-augmult replaces the DPStep's clipped-sum function by the one of the
-view-mean loss before the first trace (`_use_augmult`), the only use of a
-private attribute, marking where dp_step must take a loss wrapper.
+`dpjax.trainer.plan.make_plan` + `dpjax.privacy.batching.Batcher` + `dpjax.privacy.dp_step.DPStep`
+(given `augmult`, the step's loss is the view-mean loss and `accumulate` takes each row's
+views, made here on the host).
 
 Run (≈ 3-6 minutes on the shared 2-core CPU):
   nice -n 10 python experiments/07_recipe/run.py
@@ -30,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import subprocess
@@ -45,7 +43,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'
 from dpjax.configs import digits_mlp  # pylint: disable=g-import-not-at-top
 from dpjax.privacy import augmult
 from dpjax.privacy import batching
-from dpjax.privacy import clipping
 from dpjax.data import arrays
 from dpjax.data import sources as data
 from dpjax.privacy import dp_step
@@ -117,16 +114,6 @@ def evaluate(model, params, source, batch_size=256) -> float:
   return correct / total
 
 
-def _use_augmult(step: dp_step.DPStep, model, clip_norm: float) -> None:
-  """Makes `step` clip the view-mean gradient (see the module docstring)."""
-  loss = augmult.mean_over_views(losses.make_loss_fn(model))
-  if step.private:
-    # pylint: disable-next=protected-access
-    step._sum_fn = clipping.make_clipped_sum_fn('vmap', loss, clip_norm)
-  else:  # Non-private: the plain summed gradient of the view-mean loss.
-    step._sum_fn = functools.partial(clipping.grad_sum, loss)  # pylint: disable=protected-access
-
-
 def pretrain(config, public, epochs: int = 30):
   """Non-private SGD on the public half through the same pipeline; returns params."""
   config = config.copy_and_resolve_references()
@@ -155,8 +142,15 @@ def train(config, train_source, variant: Variant, init=None):
     if variant.freeze:
       model, params = finetune.make_finetune(model, params, freeze=variant.freeze)
   optimizer = optimizers.make_optimizer(config.optimizer, plan.num_steps)
+  k = variant.num_views
+  views = None
+  if k > 1:
+    augmult.check_config(
+      k, config.augmult.crop_padding, config.augmult.flip, train_source.input_shape
+    )
+    views = augmult.Augmult(k, config.augmult.crop_padding, config.augmult.flip)
   if plan.private:  # σ, C, b, B and the seed from the run's privacy plan.
-    step = dp_step.DPStep.from_plan(model, optimizer, plan.privacy, clipping='vmap')
+    step = dp_step.DPStep.from_plan(model, optimizer, plan.privacy, clipping='vmap', augmult=views)
   else:
     step = dp_step.DPStep.for_model(
       model,
@@ -167,13 +161,8 @@ def train(config, train_source, variant: Variant, init=None):
       private=False,
       seed=plan.seed,
       clipping='vmap',
+      augmult=views,
     )
-  k = variant.num_views
-  if k > 1:
-    augmult.check_config(
-      k, config.augmult.crop_padding, config.augmult.flip, train_source.input_shape
-    )
-    _use_augmult(step, model, step.clip_bound)
   opt_state = optimizer.init(params)
   averaged = ema.init(params) if variant.ema_decay else None
   ema_update = jax.jit(ema.update, static_argnums=2)
