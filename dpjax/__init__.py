@@ -34,7 +34,7 @@ Tier 2, one object binds everything that enters ε:
 
 Tier 3, the trainer:  python -m dpjax.train --config digits_mlp --workdir w
   (config fields: docs/config.md), with `dpjax.account`, `dpjax.planner`, `dpjax.audit`,
-  `dpjax.trainer.checkpoints` and `dpjax.export` beside it.
+  `dpjax.trainer.workdir.checkpoints` and `dpjax.export` beside it.
 
 Your own loop (README, "Use dpjax in your own training loop"; examples/):
 
@@ -55,7 +55,7 @@ The guarantee (docs/threat_model.md) is for add/remove neighbours and needs the 
 be secret; a seed you choose must be kept private like the data.
 """
 
-from dpjax.privacy.lazy_exports import lazy_exports
+from dpjax.utils.lazy_exports import lazy_exports
 
 # Name -> (module, attribute). Imported on first use (PEP 562), so that `import dpjax`, which
 # every `python -m dpjax.<command>` runs first, is instant and an early Ctrl-C is the

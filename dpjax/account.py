@@ -47,7 +47,7 @@ steps, steps_per_epoch, epsilon_lower, confidence, num_samples, details.
 from __future__ import annotations
 
 if __name__ == '__main__':  # Ctrl-C or SIGTERM from here on, imports included: one line, exit.
-  from dpjax.trainer import interrupts  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer.commands import interrupts  # pylint: disable=g-import-not-at-top
 
   interrupts.exit_on_signals('python -m dpjax.account')
 
@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING
 from ml_collections import config_flags
 
 from dpjax import account_flags
-from dpjax.trainer import cli
+from dpjax.trainer.commands import cli
 
 # The accountants (numpy, dp_accounting) are imported by the answers that need them, so that
 # --help and a bad flag answer at once (tests/e2e/test_cli_start.py).
@@ -81,7 +81,7 @@ PROG = 'python -m dpjax.account'
 def parse_args(argv: list[str]) -> types.SimpleNamespace:
   """argv (without the program name) -> the flag values as attributes (dashes -> underscores).
 
-  `dpjax.trainer.cli.parse_command` conventions: --help exits 0, a bad flag, config
+  `dpjax.trainer.commands.cli.parse_command` conventions: --help exits 0, a bad flag, config
   file or `--config.<field>` is one line and exit 2.
   """
   argv = cli.resolve_config_argv(argv)  # A packaged config's name as its file.
@@ -167,7 +167,7 @@ def _from_config(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, 
     config.privacy.noise_multiplier, config.privacy.target_epsilon = args.noise_multiplier, 0.0
   if args.target_epsilon is not None:
     config.privacy.noise_multiplier, config.privacy.target_epsilon = None, args.target_epsilon
-  from dpjax.trainer import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer.planning import plan as plan_lib  # pylint: disable=g-import-not-at-top
 
   num_examples = args.num_examples
   if num_examples is None:
@@ -290,7 +290,7 @@ def format_table(report: accountant_lib.PrivacyReport) -> str:
 
 def _from_workdir(workdir: str) -> tuple[accountant_lib.PrivacyReport, dict]:
   """The newest checkpoint's report, and the planned final ε if the run is not finished."""
-  from dpjax.trainer import checkpoints  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer.workdir import checkpoints  # pylint: disable=g-import-not-at-top
   from dpjax.privacy.accounting.report import PrivacyReport  # pylint: disable=g-import-not-at-top
 
   if not os.path.isdir(workdir):
@@ -305,7 +305,7 @@ def _from_workdir(workdir: str) -> tuple[accountant_lib.PrivacyReport, dict]:
   extra = {'workdir': os.path.abspath(workdir), 'checkpoint_step': meta['step']}
   planned = meta['config'].get('num_steps')
   if planned and planned > meta['step']:
-    from dpjax.trainer import plan as plan_lib  # pylint: disable=g-import-not-at-top
+    from dpjax.trainer.planning import plan as plan_lib  # pylint: disable=g-import-not-at-top
     from dpjax.configs import from_workdir  # pylint: disable=g-import-not-at-top
     from dpjax.privacy import precision  # pylint: disable=g-import-not-at-top
 
@@ -341,7 +341,7 @@ def main(argv=None) -> int:
     )
     # pylint: disable=import-outside-toplevel
     from dpjax.privacy.accounting import step_pld
-    from dpjax.trainer import accounting_refusals
+    from dpjax.trainer.configuration import accounting_refusals
 
     # pylint: enable=import-outside-toplevel
     try:

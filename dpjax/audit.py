@@ -8,7 +8,7 @@
 
 Reads the newest checkpoint (its ε claim and parameters) and the audit record
 `audit.json` (the canaries: their seed, coins and directions; see
-`dpjax.trainer.audit_record` for the layout). Prints the claimed ε (an upper
+`dpjax.trainer.workdir.audit_record` for the layout). Prints the claimed ε (an upper
 bound), the one-run audit's ε lower bound at its confidence (Steinke, Nasr &
 Jagielski 2023), the largest lower bound the canary count allows, and, with
 per-step records, the white-box effective σ. --json prints one JSON object:
@@ -25,7 +25,7 @@ than `max_audit_epsilon_lower`, and honest DP-SGD runs audit far below their ε.
 from __future__ import annotations
 
 if __name__ == '__main__':  # Ctrl-C or SIGTERM from here on, imports included: one line, exit.
-  from dpjax.trainer import interrupts  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer.commands import interrupts  # pylint: disable=g-import-not-at-top
 
   interrupts.exit_on_signals('python -m dpjax.audit')
 
@@ -34,7 +34,7 @@ import sys
 
 from absl import flags
 
-from dpjax.trainer import cli
+from dpjax.trainer.commands import cli
 
 
 def _format(result: dict) -> str:
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
   if not fv.workdir:
     cli.fail(PROG, '--workdir is required: the run directory to audit.')
   # Here: --help and a bad flag answer without the audit's imports (jax, orbax).
-  from dpjax.trainer import audit_record as record  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.workdir import audit_record as record  # pylint: disable=import-outside-toplevel
 
   try:
     result = record.audit_workdir(fv.workdir)

@@ -3,13 +3,13 @@
   python -m dpjax.checkpoints <workdir> [--json] [--verify]
 
 The checkpoints themselves (saving, exact resume, the manifest) are
-`dpjax.trainer.checkpoints` and `dpjax.trainer.manifest`.
+`dpjax.trainer.workdir.checkpoints` and `dpjax.trainer.workdir.manifest`.
 """
 
 from __future__ import annotations
 
 if __name__ == '__main__':  # Ctrl-C or SIGTERM from here on, imports included: one line, exit.
-  from dpjax.trainer import interrupts  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer.commands import interrupts  # pylint: disable=g-import-not-at-top
 
   interrupts.exit_on_signals('python -m dpjax.checkpoints')
 
@@ -20,12 +20,12 @@ import types
 
 from absl import flags
 
-from dpjax.trainer import cli
-from dpjax.trainer import manifest
+from dpjax.trainer.commands import cli
+from dpjax.trainer.workdir import manifest
 
 
 def integrity(workdir: str, step: int) -> str:
-  from dpjax.trainer import checkpoints as store  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.workdir import checkpoints as store  # pylint: disable=import-outside-toplevel
 
   try:
     path = os.path.join(store.checkpoint_dir(workdir), str(step))
@@ -64,7 +64,7 @@ def listing(rows: list[dict], workdir: str, verify: bool) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-  """python -m dpjax.checkpoints <workdir> [--json] [--verify] (`dpjax.trainer.cli` conventions)."""
+  """python -m dpjax.checkpoints <workdir> [--json] [--verify] (`dpjax.trainer.commands.cli` conventions)."""
   prog = 'python -m dpjax.checkpoints'
   fv = flags.FlagValues()
   flags.DEFINE_boolean('json', False, 'print the metadata as JSON lines', flag_values=fv)
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f'{prog}: error: workdir {args.workdir} is not a directory.', file=sys.stderr)
     return 2
   # Here: --help and a bad flag answer without the checkpoints' imports (jax, orbax).
-  from dpjax.trainer import checkpoints as store  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.workdir import checkpoints as store  # pylint: disable=import-outside-toplevel
 
   rows = store.read_metadata(args.workdir)
   if not rows:

@@ -11,11 +11,11 @@ not at all):
   started from, by their recorded digest);
 * `ema_params.npz`: the EMA of the parameters, when the run kept one;
   both also carry the privacy card, as the reserved entry `__dpjax_privacy_card__`
-  (`dpjax.trainer.stored_params`, whose readers skip it), so a copy of either file
+  (`dpjax.trainer.workdir.stored_params`, whose readers skip it), so a copy of either file
   still composes its privacy loss when a run starts from it;
 * `privacy_card.json`: ε, δ, the kind of bound, the accountant, the sampler, N
   (exact and treated as public, or the declared public bound
-  `data.public_num_examples`: `dpjax.trainer.training_set_size`), b, B, σ, C,
+  `data.public_num_examples`: `dpjax.trainer.planning.training_set_size`), b, B, σ, C,
   η (the float rounding ε pays for) and its cost Δε, the steps, the neighbouring
   relation, whether the seed was drawn in secret,
   the model and the public preprocessing needed to use the parameters (the
@@ -31,10 +31,10 @@ docs/threat_model.md).
 Two runs that share a seed share their noise, so releasing both reveals the
 noise-free difference of their gradients. Each export is recorded (the seed's
 SHA-256, the run id, the workdir, the output) in this user's seed record
-(`dpjax.trainer.seed_record`: `$DPJAX_STATE_DIR/seeds.jsonl`, default
+(`dpjax.trainer.workdir.seed_record`: `$DPJAX_STATE_DIR/seeds.jsonl`, default
 `~/.local/state/dpjax`), and the export of a run whose seed another run already
 exported, anywhere, is refused (`--allow_shared_seed` overrides). Runs are told
-apart by their run id (`dpjax.trainer.run_identity`), not their path: a workdir
+apart by their run id (`dpjax.trainer.workdir.run_identity`), not their path: a workdir
 deleted and trained again in the same path is another run. Runs with drawn
 seeds (the default) never share one.
 """
@@ -42,7 +42,7 @@ seeds (the default) never share one.
 from __future__ import annotations
 
 if __name__ == '__main__':  # Ctrl-C or SIGTERM from here on, imports included: one line, exit.
-  from dpjax.trainer import interrupts  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer.commands import interrupts  # pylint: disable=g-import-not-at-top
 
   interrupts.exit_on_signals(
     'python -m dpjax.export', ': --out holds the whole export or nothing, never a part'
@@ -59,10 +59,10 @@ from typing import TYPE_CHECKING, Any
 from absl import flags
 import ml_collections
 
-from dpjax.trainer import cli
-from dpjax.trainer import interrupts
-from dpjax.trainer import seed_record
-from dpjax.trainer import write_errors
+from dpjax.trainer.commands import cli
+from dpjax.trainer.commands import interrupts
+from dpjax.trainer.workdir import seed_record
+from dpjax.trainer.workdir import write_errors
 
 # The checkpoints and the model (jax, orbax, flax) are imported by the functions that read
 # them: --help and a bad flag answer at once (tests/e2e/test_cli_start.py).
@@ -83,7 +83,7 @@ def dpjax_version() -> str:
 
 
 def _checkpoint(workdir: str, step: int | None) -> dict:
-  from dpjax.trainer import checkpoints
+  from dpjax.trainer.workdir import checkpoints
 
   rows = [row for row in checkpoints.read_metadata(workdir) if 'error' not in row]
   if step is not None:
@@ -99,7 +99,7 @@ def _checkpoint(workdir: str, step: int | None) -> dict:
 
 def privacy_card(meta: dict) -> dict[str, Any]:
   """The card of a checkpoint's metadata: the claim, the mechanism's public parameters, the model."""
-  from dpjax.trainer import init_source, training_set_size
+  from dpjax.trainer.planning import init_source, training_set_size
 
   privacy, sampler, config = meta['privacy'], meta['sampler'], meta['config']
   k = meta.get('group_size') or 1
@@ -171,7 +171,8 @@ def _full_params(trainable: dict, meta: dict, workdir: str) -> dict:
     return trainable
   from dpjax.models import factory as models
   from dpjax.privacy import prng
-  from dpjax.trainer import finetune, run_seed
+  from dpjax.trainer.planning import finetune
+  from dpjax.trainer.workdir import run_seed
 
   io, seed = meta.get('model_io'), run_seed.stored_seed(workdir)
   if io is None or seed is None:
@@ -213,7 +214,7 @@ def _full_params(trainable: dict, meta: dict, workdir: str) -> dict:
 
 def _flat_numpy(params) -> dict[str, np.ndarray]:
   import numpy as np
-  from dpjax.trainer import finetune
+  from dpjax.trainer.planning import finetune
 
   return {k: np.asarray(v) for k, v in finetune.flatten(params).items()}
 
@@ -243,7 +244,7 @@ def export(
   same seed was exported (`seed_record`; a record that cannot be read or written costs one
   warning line on stderr).
   """
-  from dpjax.trainer import checkpoints, run_identity, stored_params
+  from dpjax.trainer.workdir import checkpoints, run_identity, stored_params
 
   workdir, out = _checked_paths(workdir, out)
   meta = _checkpoint(workdir, step)

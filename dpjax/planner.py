@@ -39,7 +39,7 @@ regime and pay more noise per unit of signal; the table shows where.
 from __future__ import annotations
 
 if __name__ == '__main__':  # Ctrl-C or SIGTERM from here on, imports included: one line, exit.
-  from dpjax.trainer import interrupts  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer.commands import interrupts  # pylint: disable=g-import-not-at-top
 
   interrupts.exit_on_signals('python -m dpjax.planner')
 
@@ -54,11 +54,11 @@ from absl import flags
 import ml_collections
 from ml_collections import config_flags
 
-from dpjax.trainer import cli
+from dpjax.trainer.commands import cli
 from dpjax.privacy import names
-from dpjax.trainer import batch_size_plan
-from dpjax.trainer import write_errors
-from dpjax.trainer.atomic_write import write_text_atomically
+from dpjax.trainer.planning import batch_size_plan
+from dpjax.trainer.workdir import write_errors
+from dpjax.trainer.workdir.atomic_write import write_text_atomically
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ def _flag_values(argv: list[str]) -> flags.FlagValues:
 
 
 def parse_args(argv: list[str]) -> types.SimpleNamespace:
-  """argv (without the program name) -> the flag values (`dpjax.trainer.cli.parse_command` conventions)."""
+  """argv (without the program name) -> the flag values (`dpjax.trainer.commands.cli.parse_command` conventions)."""
   argv = cli.resolve_config_argv(argv)  # A packaged config's name as its file.
   fv = _flag_values([PROG, *argv])
   cli.parse_command(PROG, __doc__, fv, argv)
@@ -164,7 +164,7 @@ def _resolve(args) -> tuple[ml_collections.ConfigDict, int, float, float, int]:
   )
   n = args.num_examples
   if n is None:
-    from dpjax.trainer import plan as plan_lib  # pylint: disable=g-import-not-at-top
+    from dpjax.trainer.planning import plan as plan_lib  # pylint: disable=g-import-not-at-top
 
     n = len(plan_lib.make_training_sources(config)[0])  # With audit canaries, as training.
   return config, n, eps, delta, epochs

@@ -5,7 +5,7 @@
       --config.privacy.target_epsilon=2.0
 
 (`:runlocal` shrinks the run to a few steps; drop it for the full run.) Every
-field that enters ε is resolved once into a `dpjax.trainer.plan.RunPlan` and stored
+field that enters ε is resolved once into a `dpjax.trainer.planning.plan.RunPlan` and stored
 as the privacy fingerprint of every checkpoint; a rerun that would change it
 is refused before any compute (use a new --workdir). Bad input of any kind
 prints one line and exits with code 2 before anything in the workdir changes.
@@ -21,13 +21,13 @@ Everything lands under --workdir: `config.json` (the resolved config),
 `metrics.jsonl` (one JSON object per logged step), TensorBoard event files,
 and `checkpoints/<step>/` with the ε of that step. This module validates the
 config, data and workdir, resolves the plan (sampler, B, σ, accountant) and
-locks the workdir, all before any compute; `dpjax.trainer.loop` runs it.
+locks the workdir, all before any compute; `dpjax.trainer.loop.training_loop` runs it.
 """
 
 from __future__ import annotations
 
 if __name__ == '__main__':  # Ctrl-C or SIGTERM during the imports below: one line, exit.
-  from dpjax.trainer import interrupts  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer.commands import interrupts  # pylint: disable=g-import-not-at-top
 
   interrupts.exit_on_signals('dpjax.train', ' before training started')
 
@@ -45,8 +45,8 @@ import ml_collections
 from ml_collections import config_flags
 
 from dpjax import configs
-from dpjax.trainer import cli
-from dpjax.trainer import interrupts
+from dpjax.trainer.commands import cli
+from dpjax.trainer.commands import interrupts
 
 # The trainer's modules (jax, flax, orbax, the data) are imported by the functions that use
 # them, after the flags are parsed: --help and a bad flag answer at once
@@ -89,7 +89,7 @@ def check_workdir(workdir: str) -> str:
 
   Writes nothing: a missing workdir is created only once the run is planned.
   """
-  from dpjax.trainer import config_fields  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.configuration import config_fields  # pylint: disable=import-outside-toplevel
 
   if not workdir:
     raise config_fields.ConfigError('--workdir: must name a directory.')
@@ -124,7 +124,7 @@ def resume_point(workdir: str) -> tuple[int, dict | None]:
 
   Reads JSON only (creates nothing). A checkpoint without a fingerprint gives {}.
   """
-  from dpjax.trainer import checkpoints  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.workdir import checkpoints  # pylint: disable=import-outside-toplevel
 
   rows = [row for row in checkpoints.read_metadata(workdir) if 'error' not in row]
   if not rows:
@@ -142,7 +142,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """
   # pylint: disable=import-outside-toplevel
   from dpjax.privacy import sharding
-  from dpjax.trainer import checkpoints, training, workdir_lock
+  from dpjax.trainer.workdir import checkpoints, workdir_lock
+  from dpjax.trainer.loop import training
 
   # pylint: enable=import-outside-toplevel
   # ---------------------------------------------------------------------------
@@ -178,7 +179,8 @@ def _validated_inputs(config: ml_collections.ConfigDict, workdir: str) -> tuple:
   # pylint: disable=import-outside-toplevel
   from dpjax.models import factory as models
   from dpjax.privacy import auditing, augmult as augmult_lib, sharding
-  from dpjax.trainer import config_fields, perf as perf_lib, plan as plan_lib
+  from dpjax.trainer.configuration import config_fields, perf as perf_lib
+  from dpjax.trainer.planning import plan as plan_lib
 
   # pylint: enable=import-outside-toplevel
   config_fields.validate(config)
@@ -202,7 +204,8 @@ def _validated_inputs(config: ml_collections.ConfigDict, workdir: str) -> tuple:
 
 def _plan(config: ml_collections.ConfigDict, workdir: str, train_source, perf):
   """(the plan, its seed, the resume point) of `config` in `workdir` as it is now."""
-  from dpjax.trainer import plan as plan_lib, run_seed  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.planning import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.workdir import run_seed
 
   resumed = resume_point(workdir)
   seed = run_seed.broadcast_seed(run_seed.resolve_seed(config.seed, workdir))
@@ -222,7 +225,7 @@ def _record_seed(plan, workdir: str, seed, resumed: tuple[int, dict | None]):
   """Stores the seed (process 0) and the run's identity; `plan` with a warning if a given
   seed was used by another run already."""
   # pylint: disable=import-outside-toplevel
-  from dpjax.trainer import run_identity, run_seed, seed_record
+  from dpjax.trainer.workdir import run_identity, run_seed, seed_record
 
   # pylint: enable=import-outside-toplevel
   run_seed.store_seed(workdir, seed)
@@ -287,7 +290,8 @@ def main(argv):
   del argv
   # pylint: disable=import-outside-toplevel
   from dpjax.privacy import sharding
-  from dpjax.trainer import compilation_cache, loop as training_loop, write_errors
+  from dpjax.trainer.loop import compilation_cache, training_loop
+  from dpjax.trainer.workdir import write_errors
 
   # pylint: enable=import-outside-toplevel
   logging.set_verbosity(logging.ERROR)  # Orbax's per-save INFO lines drown the progress bar.

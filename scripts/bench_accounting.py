@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from dpjax.trainer import provenance
+from dpjax_bench import provenance
 from dpjax.privacy import samplers
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import balls_and_bins

@@ -29,7 +29,7 @@ from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import calibration
 from dpjax.privacy.accounting import random_allocation
 from dpjax.privacy.accounting import step_pld
-from dpjax.trainer import provenance
+from dpjax_bench import provenance
 
 # (label, sampler, N, b, σ, T, δ, group size, reference grid)
 CASES = [

@@ -24,7 +24,7 @@ import statistics
 import subprocess
 import sys
 
-from dpjax.privacy.child_env import child_env
+from dpjax.utils.child_env import child_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,6 +1,6 @@
 """Accounting speed as the number of steps T grows: ε time and calibration time.
 
-Question: how long does `dpjax.trainer.plan.make_accountant` take to give the ε of
+Question: how long does `dpjax.trainer.planning.plan.make_accountant` take to give the ε of
 a run, and to calibrate σ for a target ε, for each sampler and accountant, as
 T grows from 1e2 to 1e5 steps?
 
@@ -64,7 +64,7 @@ import tempfile
 import threading
 import time
 
-from dpjax.trainer import (
+from dpjax_bench import (
   provenance,
 )  # Light (no jax): the parent stays free of the accountant it times.
 
@@ -96,7 +96,7 @@ _WALL_FACTOR = 20  # A hard wall-clock cap of 20 × the CPU timeout, against han
 
 
 def _config(sampler: str, accountant: str, task: str):
-  from dpjax.trainer.cli import load_config_file as load_config  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer.commands.cli import load_config_file as load_config  # pylint: disable=g-import-not-at-top
 
   config = load_config(os.path.join(REPO, 'configs', 'digits_mlp.py'))
   config.sampler.name = sampler
@@ -136,7 +136,7 @@ def _cpu_seconds() -> float:
 
 
 def _run_once(sampler: str, accountant: str, task: str, num_steps: int) -> dict:
-  from dpjax.trainer.plan import make_accountant  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer.planning.plan import make_accountant  # pylint: disable=g-import-not-at-top
 
   config = _config(sampler, accountant, task)
   num_examples = num_steps * BATCH_SIZE  # ceil(N/b) = T steps per epoch.

@@ -25,9 +25,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from dpjax.trainer import checkpoints
-from dpjax.trainer import provenance
-from dpjax.trainer import manifest
+from dpjax.trainer.workdir import checkpoints
+from dpjax_bench import provenance
+from dpjax.trainer.workdir import manifest
 
 
 def _median_seconds(fn, repeats):

@@ -20,8 +20,8 @@ import subprocess
 import sys
 import time
 
-from dpjax.privacy.child_env import child_env
-from dpjax.trainer import provenance
+from dpjax.utils.child_env import child_env
+from dpjax_bench import provenance
 
 COMMANDS = {
   'account --help': ['-m', 'dpjax.account', '--help'],

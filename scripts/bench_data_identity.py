@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dpjax.data import arrays  # pylint: disable=g-import-not-at-top,wrong-import-position
 from dpjax.data import preprocess  # pylint: disable=g-import-not-at-top,wrong-import-position
 from dpjax.data import identity as data_identity  # pylint: disable=g-import-not-at-top,wrong-import-position
-from dpjax.trainer import provenance  # pylint: disable=g-import-not-at-top,wrong-import-position
+from dpjax_bench import provenance  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 CHUNK_ROWS = 1 << 20  # Rows per chunk when writing or generating.
 KEY = b'bench-data-identity'

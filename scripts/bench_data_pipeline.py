@@ -32,7 +32,7 @@ import numpy as np
 
 from dpjax.privacy import batching
 from dpjax.data import synthetic
-from dpjax.trainer import plan as plan_lib
+from dpjax.trainer.planning import plan as plan_lib
 from dpjax.privacy import samplers
 
 

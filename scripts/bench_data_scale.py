@@ -74,7 +74,7 @@ def run_worker(spec: dict) -> dict:
   from dpjax.privacy import batching
   from dpjax.data import sources as data
   from dpjax.data import synthetic
-  from dpjax.trainer import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer.planning import plan as plan_lib  # pylint: disable=g-import-not-at-top
 
   baseline = proc_status_mib()
   start = time.perf_counter()

@@ -129,8 +129,8 @@ class Run:
     from dpjax.data import sources as data
     from dpjax.privacy import dp_step
     from dpjax.models import factory as models
-    from dpjax.trainer import optimizers
-    from dpjax.trainer import plan as plan_lib  # pylint: disable=g-import-not-at-top,multiple-imports
+    from dpjax.trainer.planning import optimizers
+    from dpjax.trainer.planning import plan as plan_lib  # pylint: disable=g-import-not-at-top,multiple-imports
 
     config = _load_config(spec)
     self.config = config
@@ -191,7 +191,9 @@ def time_e2e(name: str, spec: dict, run: Run, env: dict | None = None) -> dict:
       raise RuntimeError(f'{name}: dpjax.train failed:\n{proc.stderr[-3000:]}')
     with open(os.path.join(workdir, 'metrics.jsonl')) as f:
       lines = [json.loads(l) for l in f if l.strip()]
-  n = 'nonprivate_'  # Timings are not covered by ε (dpjax.trainer.metrics): named nonprivate_*.
+  n = (
+    'nonprivate_'  # Timings are not covered by ε (dpjax.trainer.loop.metrics): named nonprivate_*.
+  )
   logged = [l for l in lines if n + 'steps_per_second' in l]
   # The trainer's rate of each log window (eval and checkpoint time excluded), after warm-up.
   rates = [
@@ -350,8 +352,8 @@ def main():
   out_path = args.out or os.path.join(
     REPO, 'scripts', 'results', 'e2e_quick.json' if args.quick else 'e2e.json'
   )
-  from dpjax.trainer import compilation_cache  # pylint: disable=g-import-not-at-top
-  from dpjax.trainer import provenance  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer.loop import compilation_cache  # pylint: disable=g-import-not-at-top
+  from dpjax_bench import provenance  # pylint: disable=g-import-not-at-top
 
   cache_dir = compilation_cache.enable_compilation_cache('')  # The same cache as a user's runs.
   began = time.perf_counter()

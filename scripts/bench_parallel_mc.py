@@ -35,7 +35,7 @@ import sys
 import time
 
 from dpjax.privacy.accounting import monte_carlo
-from dpjax.trainer import provenance
+from dpjax_bench import provenance
 
 SIGMA, NUM_STEPS, DELTA, BETA = 0.7, 10_000, 1e-4, 1e-3
 METHOD = 'importance_order_statistics'

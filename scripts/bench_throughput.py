@@ -91,7 +91,7 @@ import bench_clipping
 from dpjax.privacy import batching
 from dpjax.data import synthetic
 from dpjax.privacy import dp_step
-from dpjax.trainer import provenance
+from dpjax_bench import provenance
 from dpjax.privacy import samplers
 from dpjax.privacy import losses
 from dpjax.privacy import prng

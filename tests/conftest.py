@@ -6,7 +6,7 @@ same small programs; caching them on disk for the session keeps the suite
 within its time budget on two CPU cores. Results are unaffected: a cached
 executable is the same program.
 
-Each test gets its own seed record (`DPJAX_STATE_DIR`, `dpjax.trainer.seed_record`): the
+Each test gets its own seed record (`DPJAX_STATE_DIR`, `dpjax.trainer.workdir.seed_record`): the
 suite's many runs with seed 0 never touch the user's home and never trip each other; a test
 that reuses a seed within itself sees what a user would.
 

@@ -1,12 +1,13 @@
 """What a trainer user can set, and `unsettable_names`: what else a message names as if it were.
 
 A refusal of the trainer (or of a command reading a config) must name what the user can change:
-a declared config field (`dpjax.trainer.config_fields`, with the fields of every model family)
+a declared config field (`dpjax.trainer.configuration.config_fields`, with the fields of every model family)
 or a flag. It must not name a setting only a library caller has (an argument of
 `dpjax.Accountant`, `PrivacyPlan.create` or `calibrate_noise_multiplier` that is no config
 field, e.g. `max_grid_points`), nor suggest a field that does not exist.
 """
 
+import dataclasses
 import inspect
 import re
 
@@ -14,8 +15,9 @@ from dpjax.models import factory
 from dpjax.privacy import privacy_plan
 from dpjax.privacy.accounting import accountant
 from dpjax.privacy.accounting import calibration
-from dpjax.trainer import config_fields
-from dpjax.trainer import fingerprint
+from dpjax.privacy.accounting import options
+from dpjax.trainer.configuration import config_fields
+from dpjax.trainer.planning import fingerprint
 
 DECLARED = set(config_fields.declared_paths()) | {
   f'model.{path}'
@@ -29,7 +31,7 @@ GROUPS = sorted({path.split('.')[0] for path in DECLARED if '.' in path})
 # A dotted name that starts with a config group and is not part of a longer dotted name.
 PATH = re.compile(r'(?<![\w./-])(?:%s)\.[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*' % '|'.join(GROUPS))
 _LEAVES = {path.rsplit('.', 1)[-1] for path in DECLARED}
-LIBRARY_ONLY = sorted(
+_LIBRARY_SETTINGS = {
   name
   for function in (
     accountant.Accountant.__init__,
@@ -37,8 +39,8 @@ LIBRARY_ONLY = sorted(
     calibration.calibrate_noise_multiplier,
   )
   for name in inspect.signature(function).parameters
-  if '_' in name and name not in _LEAVES
-)
+} | {field.name for field in dataclasses.fields(options.AccountingOptions)}
+LIBRARY_ONLY = sorted(name for name in _LIBRARY_SETTINGS - _LEAVES if '_' in name)
 
 
 def unsettable_names(message: str, given: str = '') -> list[str]:

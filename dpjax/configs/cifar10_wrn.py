@@ -33,7 +33,7 @@ Smoke run (no data needed):
   python -m dpjax.train --config configs/cifar10_wrn.py:runlocal --workdir /tmp/wrn_smoke
 """
 
-from dpjax.trainer import config_fields
+from dpjax.trainer.configuration import config_fields
 from dpjax import configs
 from dpjax.models import factory as models
 

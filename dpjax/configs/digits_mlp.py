@@ -3,7 +3,7 @@
 It needs no download and trains in seconds on two CPU cores: Poisson sampling
 (b = 256) with PLD accounting, σ calibrated to ε = 3 at δ = 1e-5 after 20
 epochs, pixels mapped to [-1, 1] by the data-independent constants mean = std =
-0.5. Every field is `dpjax.trainer.config_fields.default_config()`'s (docs/config.md).
+0.5. Every field is `dpjax.trainer.configuration.config_fields.default_config()`'s (docs/config.md).
 
 Run:
   python -m dpjax.train --config configs/digits_mlp.py --workdir workdirs/digits_mlp
@@ -14,7 +14,7 @@ Smoke run (a few steps):
 
 import ml_collections
 
-from dpjax.trainer import config_fields
+from dpjax.trainer.configuration import config_fields
 from dpjax import configs
 
 

@@ -8,7 +8,7 @@ Run:
   python -m dpjax.train --config configs/digits_transformer.py --workdir workdirs/digits_transformer
 """
 
-from dpjax.trainer import config_fields
+from dpjax.trainer.configuration import config_fields
 from dpjax import configs
 from dpjax.models import factory as models
 

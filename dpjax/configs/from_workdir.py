@@ -13,7 +13,7 @@ import os
 
 import ml_collections
 
-from dpjax.trainer import config_fields
+from dpjax.trainer.configuration import config_fields
 from dpjax.models import factory as models
 
 

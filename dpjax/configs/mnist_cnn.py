@@ -20,7 +20,7 @@ Run:
       --config.data.data_dir=$HOME/tfds
 """
 
-from dpjax.trainer import config_fields
+from dpjax.trainer.configuration import config_fields
 from dpjax import configs
 from dpjax.models import factory as models
 

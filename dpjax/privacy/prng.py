@@ -10,7 +10,7 @@ and audit use numpy streams of the same registry (SeedSequence over the full see
 no two consumers share a key.
 
 Privacy: the guarantee needs the seed to be secret (the trainer draws it from OS
-entropy by default, `dpjax.trainer.run_seed`). Threefry is reproducible, not a
+entropy by default, `dpjax.trainer.workdir.run_seed`). Threefry is reproducible, not a
 cryptographically secure sampler, and floating-point Gaussian samples are not
 exactly Gaussian (docs/threat_model.md).
 """

@@ -2,7 +2,7 @@
 
 bytes = arguments + outputs + temporaries − donated (aliased) bytes: what the program holds
 on one device while it runs (with a mesh, the SPMD program's per-device share). Used to
-choose the physical batch size P (`dpjax.trainer.physical_batch`); sizing is not part of
+choose the physical batch size P (`dpjax.trainer.planning.physical_batch`); sizing is not part of
 what the step releases.
 """
 

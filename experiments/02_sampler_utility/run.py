@@ -58,11 +58,11 @@ from absl import logging  # pylint: disable=g-import-not-at-top
 import jax  # pylint: disable=g-import-not-at-top
 import numpy as np
 
-from dpjax.trainer import plan as plan_lib  # pylint: disable=g-import-not-at-top
+from dpjax.trainer.planning import plan as plan_lib  # pylint: disable=g-import-not-at-top
 from dpjax.configs import digits_mlp  # pylint: disable=g-import-not-at-top
 from dpjax.configs import mnist_cnn  # pylint: disable=g-import-not-at-top
 from dpjax.data import sources as data  # pylint: disable=g-import-not-at-top
-from dpjax.trainer import provenance  # pylint: disable=g-import-not-at-top
+from dpjax_bench import provenance  # pylint: disable=g-import-not-at-top
 from dpjax import train  # pylint: disable=g-import-not-at-top
 
 SAMPLERS = ('poisson', 'balls_and_bins', 'shuffle')

@@ -47,8 +47,8 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant
 
-from dpjax.trainer.cli import load_config_file as load_config
-from dpjax.trainer.plan import make_accountant
+from dpjax.trainer.commands.cli import load_config_file as load_config
+from dpjax.trainer.planning.plan import make_accountant
 
 NUM_EXAMPLES = 10_000
 BATCH_SIZE = 100  # q = 0.01

@@ -6,7 +6,7 @@
   python experiments/05_batch_size_planner/plot_plans.py a.json b.json --out both.png \\
       --reference shuffle.json --reference_note ' (no amplification)'
 
-Reads the planner's --json files (`dpjax.trainer.batch_size_plan.Plan.from_dict`); experiment 5
+Reads the planner's --json files (`dpjax.trainer.planning.batch_size_plan.Plan.from_dict`); experiment 5
 (run.py beside this file) draws its figure with `plot_plans`. Plotting lives
 here, not in the library: dpjax itself never imports matplotlib.
 """
@@ -22,7 +22,7 @@ import matplotlib
 from matplotlib import figure
 
 from dpjax import planner
-from dpjax.trainer import batch_size_plan
+from dpjax.trainer.planning import batch_size_plan
 
 
 def plot_plans(

@@ -6,7 +6,7 @@
 MNIST-sized run: N = 60000, δ = 1e-5, E = 10 epochs, Poisson sampling, C = 1,
 physical batch P = 256 (it sets the automatic cap B). For each ε and each b
 in 32, 64, …, 32768, 60000 the σ is what `dpjax.train` would calibrate:
-`dpjax.trainer.batch_size_plan.plan_batch_sizes`, i.e. `plan.make_accountant` on the
+`dpjax.trainer.planning.batch_size_plan.plan_batch_sizes`, i.e. `plan.make_accountant` on the
 run's config with σ unset. Reported per b: σ, σ·C/b (noise std on the
 averaged gradient), σ/(q·√S) (noise of the whole run), the attached ε.
 
@@ -27,9 +27,9 @@ import os
 import sys
 
 from dpjax import planner
-from dpjax.trainer import provenance
+from dpjax_bench import provenance
 import plot_plans  # Beside this file: plotting stays out of the library.
-from dpjax.trainer import batch_size_plan
+from dpjax.trainer.planning import batch_size_plan
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NUM_EXAMPLES = 60_000

@@ -50,7 +50,7 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
 from dpjax.privacy import batching
-from dpjax.trainer import provenance
+from dpjax_bench import provenance
 from dpjax.privacy import samplers
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import balls_and_bins

@@ -2,13 +2,13 @@
 
 Question: at one ε, how much do augmentation multiplicity (dpjax/privacy/augmult.py),
 EMA of the parameters (dpjax/privacy/ema.py) and fine-tuning from a non-privately
-pretrained model (dpjax/trainer/finetune.py) change the test accuracy of the digits
+pretrained model (dpjax/trainer/planning/finetune.py) change the test accuracy of the digits
 MLP, and is the difference larger than the seed-to-seed spread?
 
 Setup. Digits' training split is cut in two halves by a fixed permutation: A
 is "public" (pretraining, non-private, 30 epochs of plain SGD) and B is the
 private set. Every private run trains on B only, with the same sampler, b, C,
-number of steps and the σ calibrated by `dpjax.trainer.plan.make_plan` to the same
+number of steps and the σ calibrated by `dpjax.trainer.planning.plan.make_plan` to the same
 target ε (δ = 1e-5), so the ε of every row is identical and covers B only;
 augmult and EMA change nothing the accountant sees (asserted below: the same
 σ and ε for every variant). 'finetune' starts from the pretrained parameters
@@ -16,7 +16,7 @@ augmult and EMA change nothing the accountant sees (asserted below: the same
 'finetune_head' freezes the hidden layer (only the head is clipped and noised).
 
 Until dpjax.train integrates these modules, the loop is written here over
-`dpjax.trainer.plan.make_plan` + `dpjax.privacy.batching.Batcher` + `dpjax.privacy.dp_step.DPStep`
+`dpjax.trainer.planning.plan.make_plan` + `dpjax.privacy.batching.Batcher` + `dpjax.privacy.dp_step.DPStep`
 (given `augmult`, the step's loss is the view-mean loss and `accumulate` takes each row's
 views, made here on the host).
 
@@ -47,10 +47,10 @@ from dpjax.data import arrays
 from dpjax.data import sources as data
 from dpjax.privacy import dp_step
 from dpjax.privacy import ema
-from dpjax.trainer import finetune
+from dpjax.trainer.planning import finetune
 from dpjax.models import factory as models
-from dpjax.trainer import optimizers
-from dpjax.trainer import plan as plan_lib
+from dpjax.trainer.planning import optimizers
+from dpjax.trainer.planning import plan as plan_lib
 from dpjax.privacy import losses
 from dpjax.privacy import prng
 

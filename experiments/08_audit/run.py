@@ -34,8 +34,8 @@ import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-from dpjax.trainer import cli
-from dpjax.trainer import plan as plan_lib
+from dpjax.trainer.commands import cli
+from dpjax.trainer.planning import plan as plan_lib
 from dpjax.privacy import accounting
 from dpjax.data import sources as data
 from dpjax.models import factory as models

@@ -6,7 +6,7 @@ import optax
 import pytest
 
 from dpjax.configs import digits_mlp
-from dpjax.trainer import plan as plan_lib
+from dpjax.trainer.planning import plan as plan_lib
 from dpjax.privacy import batching
 from dpjax.data import arrays
 from dpjax.data import preprocess

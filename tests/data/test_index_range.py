@@ -22,7 +22,7 @@ from dpjax.privacy import batching
 from dpjax.privacy import samplers
 from dpjax.privacy import sharding
 from dpjax.privacy.auditing import canaries
-from dpjax.trainer import chunks
+from dpjax.trainer.loop import chunks
 
 ROWS = 6  # The source's rows.
 

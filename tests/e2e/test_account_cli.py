@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from dpjax.privacy import samplers
-from dpjax.privacy.child_env import child_env
+from dpjax.utils.child_env import child_env
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import monte_carlo
 
@@ -177,7 +177,7 @@ def test_config_and_calibration():
 def test_the_account_cli_resolves_sigma_as_training_does_with_audit_canaries():
   """Issue 24 item 8: the canaries add m rows (N + m); the CLI used N and calibrated another σ."""
   from dpjax.configs import digits_mlp  # pylint: disable=import-outside-toplevel
-  from dpjax.trainer import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.planning import plan as plan_lib  # pylint: disable=import-outside-toplevel
 
   out = _run(
     '--config',
@@ -356,7 +356,7 @@ def test_a_workdirs_planned_epsilon_is_of_the_sigma_and_eta_that_ran(tmp_path, m
   from dp_accounting.pld import pld_privacy_accountant  # pylint: disable=import-outside-toplevel
   from dpjax import train  # pylint: disable=import-outside-toplevel
   from dpjax.privacy import rounding  # pylint: disable=import-outside-toplevel
-  from dpjax.trainer import checkpoints  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.workdir import checkpoints  # pylint: disable=import-outside-toplevel
   from tests.run_configs import small_config  # pylint: disable=import-outside-toplevel
 
   workdir = tmp_path / 'w'

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from dpjax.trainer import config_fields
+from dpjax.trainer.configuration import config_fields
 from dpjax import train
 from tests.run_configs import small_config
 from tests.run_configs import tree_digest
@@ -363,14 +363,14 @@ dpjax refuses bad input before any compute, with one line that names the field
 (or file, split, array and row) and its valid range. From the command line that
 line is `dpjax.train: error: <message>` on stderr with exit code 2, no
 traceback, and nothing in `--workdir` changed. Inside Python the same message
-is a `ValueError` (`dpjax.trainer.config_fields.ConfigError`, `dpjax.trainer.plan.PlanError`,
-`dpjax.data.validation.DataError`, `dpjax.trainer.checkpoint_restore.CheckpointMismatchError`).
+is a `ValueError` (`dpjax.trainer.configuration.config_fields.ConfigError`, `dpjax.trainer.planning.plan.PlanError`,
+`dpjax.data.validation.DataError`, `dpjax.trainer.workdir.checkpoint_restore.CheckpointMismatchError`).
 Every row below is a case of `tests/e2e/test_bad_inputs.py`, and this file is its
 output: `python -m tests.e2e.test_bad_inputs > docs/errors.md`.
 
 ## Resuming a run
 
-Every checkpoint stores the run's **privacy fingerprint** (`dpjax.trainer.plan`): the
+Every checkpoint stores the run's **privacy fingerprint** (`dpjax.trainer.planning.plan`): the
 private flag, the sampler's name, N, b and the resolved cap B, the group size,
 σ as used, C, δ, the resolved accountant, the SHA-256 of the seed, the audit
 canaries, and the dataset's source, split, N and a digest of its content.
@@ -438,8 +438,8 @@ def document() -> str:
   """docs/errors.md: every case of this file with the message dpjax gives."""
   import tempfile  # pylint: disable=import-outside-toplevel
   import pathlib  # pylint: disable=import-outside-toplevel
-  from dpjax.trainer import cli
-  from dpjax.trainer import config_fields  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.commands import cli
+  from dpjax.trainer.configuration import config_fields  # pylint: disable=import-outside-toplevel
 
   out = [_INTRO, '## Your data', '', '| data (an .npz) | message |', '|---|---|']
   with tempfile.TemporaryDirectory() as tmp:
@@ -635,8 +635,8 @@ CONFIG_FILE_CASES = [
   ids=[b.strip().split('=')[0].split('(')[0] for b, _ in CONFIG_FILE_CASES],
 )
 def test_config_file_mistakes_are_one_line(tmp_path, body, message):
-  from dpjax.trainer import cli
-  from dpjax.trainer import config_fields  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.commands import cli
+  from dpjax.trainer.configuration import config_fields  # pylint: disable=import-outside-toplevel
 
   with pytest.raises(ValueError, match=message) as info:
     config_fields.validate(cli.load_config_file(_config_file(tmp_path, body)))
@@ -644,7 +644,7 @@ def test_config_file_mistakes_are_one_line(tmp_path, body, message):
 
 
 def test_an_unknown_config_argument_is_refused(tmp_path):
-  from dpjax.trainer import cli  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.commands import cli  # pylint: disable=import-outside-toplevel
 
   with pytest.raises(ValueError, match=r"argument 'runlcoal' is unknown; valid: runlocal"):
     cli.load_config_file('digits_mlp:runlcoal')
@@ -661,7 +661,7 @@ def test_a_config_whose_get_config_takes_no_argument_loads(tmp_path):
   """ml_collections' idiom `def get_config():` was refused ('get_config(None) … raised
   TypeError: get_config() takes 0 positional arguments but 1 was given'); an argument given to
   it is still refused in one line."""
-  from dpjax.trainer import cli  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.commands import cli  # pylint: disable=import-outside-toplevel
 
   path = tmp_path / 'zero_args.py'
   path.write_text(
@@ -678,7 +678,7 @@ def test_configs_work_from_any_directory_and_help_exits_0(tmp_path, capsys):
   """The repository's configs imported `from configs import ...` and failed outside its root;
   `dpjax.train --help` exited 1 and -h was an error; a workdir could not be resumed alone."""
   from dpjax import configs
-  from dpjax.trainer import cli  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.commands import cli  # pylint: disable=import-outside-toplevel
 
   assert (
     cli.resolve_config_spec('digits_mlp:runlocal') == configs.path_of('digits_mlp') + ':runlocal'
@@ -810,7 +810,7 @@ def test_sizes_that_cannot_fit_and_unwritable_caches(tmp_path, monkeypatch, caps
   with pytest.raises(ValueError, match=r'num_steps = 1000000000000: composing the privacy loss'):
     train.train_and_evaluate(small_config(num_steps=10**12), str(tmp_path / 'w'))
   assert not (tmp_path / 'w').exists()
-  from dpjax.trainer import compilation_cache  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.loop import compilation_cache  # pylint: disable=import-outside-toplevel
 
   monkeypatch.setenv('HOME', '/proc/dpjax-no-home')
   monkeypatch.delenv('DPJAX_CACHE_DIR', raising=False)
@@ -858,6 +858,8 @@ if __name__ == '__main__':
 
 
 def test_docs_config_md_is_generated_from_the_field_declarations():
-  """docs/config.md is `python -m dpjax.trainer.config_fields` (one declaration per field)."""
+  """docs/config.md is `python -m dpjax.trainer.configuration.config_fields` (one declaration per field)."""
   with open(os.path.join(REPO, 'docs', 'config.md')) as f:
-    assert f.read() == config_fields.markdown(), 'regenerate: python -m dpjax.trainer.config_fields'
+    assert f.read() == config_fields.markdown(), (
+      'regenerate: python -m dpjax.trainer.configuration.config_fields'
+    )

@@ -28,8 +28,8 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 
 from dpjax.privacy import samplers
-from dpjax.privacy.child_env import child_env
-from dpjax.trainer import batch_size_plan
+from dpjax.utils.child_env import child_env
+from dpjax.trainer.planning import batch_size_plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLIS = ('account', 'planner', 'checkpoints', 'train', 'audit')
@@ -247,7 +247,7 @@ def test_example_runs(
   elif cli == 'checkpoints':
     from dpjax.privacy import accounting  # pylint: disable=g-import-not-at-top
     from dpjax import checkpoints as checkpoints_cli  # pylint: disable=g-import-not-at-top
-    from dpjax.trainer import checkpoints  # pylint: disable=g-import-not-at-top
+    from dpjax.trainer.workdir import checkpoints  # pylint: disable=g-import-not-at-top
 
     assert checkpoints_cli.main(argv) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -278,7 +278,7 @@ def test_example_runs(
       assert float(line.split()[1]) == pytest.approx(acct.epsilon(step), abs=1e-4)
   elif cli == 'audit':
     from dpjax import audit  # pylint: disable=g-import-not-at-top
-    from dpjax.trainer import checkpoints  # pylint: disable=g-import-not-at-top
+    from dpjax.trainer.workdir import checkpoints  # pylint: disable=g-import-not-at-top
 
     assert audit.main(argv) == 0
     text = capsys.readouterr().out

@@ -6,7 +6,7 @@ __main__), catches its exit and writes which heavy modules are in `sys.modules` 
 fact about imports, not a timing, so it cannot be flaky. The cases run side by side. The times
 themselves: scripts/bench_cli_start.py (scripts/results/cli_start.json).
 
-Fails on da06065 (checked): `dpjax.trainer.cli` imported `config_fields` (clipping: jax, flax,
+Fails on da06065 (checked): `dpjax.trainer.commands.cli` imported `config_fields` (clipping: jax, flax,
 optax) at its top, so every command's --help and bad argument imported jax; train, export,
 audit and checkpoints imported orbax too, and `dpjax.account` the accountants (numpy,
 dp_accounting) for its flags' choices. (The names test fails there on the new module.)
@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from dpjax.privacy.child_env import child_env
+from dpjax.utils.child_env import child_env
 
 pytestmark = pytest.mark.slow  # Child interpreters, one per command line.
 

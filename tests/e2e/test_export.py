@@ -9,12 +9,12 @@ import stat
 import numpy as np
 import pytest
 
-from dpjax.trainer import checkpoints
+from dpjax.trainer.workdir import checkpoints
 from dpjax import export
 from dpjax.privacy import rounding
-from dpjax.trainer import finetune
-from dpjax.trainer import run_seed
-from dpjax.trainer import stored_params
+from dpjax.trainer.planning import finetune
+from dpjax.trainer.workdir import run_seed
+from dpjax.trainer.workdir import stored_params
 from dpjax import train
 from tests.run_configs import small_config
 
@@ -271,8 +271,8 @@ def test_a_workdir_from_before_run_ids_gets_one_and_a_row_without_one_is_another
   run id (written by an older dpjax) at this very path may be this run or a deleted one: it
   counts as another run, and the export is refused in one line that says so (not passed in
   silence). Fails on 467e31c (checked): that row was exempt by its path and the export passed."""
-  from dpjax.trainer import run_identity  # pylint: disable=import-outside-toplevel
-  from dpjax.trainer import seed_record  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.workdir import run_identity  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.workdir import seed_record  # pylint: disable=import-outside-toplevel
 
   workdir = str(tmp_path / 'old')
   shutil.copytree(drawn_run, workdir)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dpjax.data import sources as data
-from dpjax.trainer import plan as plan_lib
+from dpjax.trainer.planning import plan as plan_lib
 
 _PATH = os.path.join(os.path.dirname(__file__), '..', '..', 'experiments', '07_recipe', 'run.py')
 _spec = importlib.util.spec_from_file_location('recipe_run', _PATH)

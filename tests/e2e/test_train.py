@@ -14,8 +14,8 @@ import pytest
 
 from dpjax.privacy import accounting
 from dpjax import checkpoints as checkpoints_cli
-from dpjax.trainer import checkpoints
-from dpjax.trainer import plan as plan_lib
+from dpjax.trainer.workdir import checkpoints
+from dpjax.trainer.planning import plan as plan_lib
 from dpjax.privacy import privacy_plan
 from dpjax import train
 from tests.run_configs import small_config
@@ -236,7 +236,7 @@ def test_ema_is_evaluated_and_checkpointed_beside_the_raw_parameters(tmp_path):
 
 
 def test_frozen_layer_is_not_trained_and_not_checkpointed_as_trainable(tmp_path):
-  from dpjax.trainer import finetune  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.planning import finetune  # pylint: disable=import-outside-toplevel
 
   reference = train.train_and_evaluate(small_config(num_steps=2), str(tmp_path / 'pre'))
   finetune.save_npz(str(tmp_path / 'pre.npz'), reference['params'])

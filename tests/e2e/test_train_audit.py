@@ -11,7 +11,7 @@ from scipy import optimize
 from scipy import stats
 
 from dpjax import audit as audit_cli
-from dpjax.trainer import checkpoints
+from dpjax.trainer.workdir import checkpoints
 from dpjax import train
 from dpjax.privacy.auditing import canaries as canaries_lib
 from dpjax.privacy.auditing import one_run

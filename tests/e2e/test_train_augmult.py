@@ -15,7 +15,7 @@ import optax
 import pytest
 
 from dpjax.privacy import augmult
-from dpjax.trainer import checkpoints
+from dpjax.trainer.workdir import checkpoints
 from dpjax.data import device as device_data
 from dpjax.privacy import dp_step
 from dpjax.models import factory as models

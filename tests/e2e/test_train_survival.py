@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from dpjax.trainer import checkpoints
+from dpjax.trainer.workdir import checkpoints
 from dpjax.privacy import rounding
 from dpjax import train
-from dpjax.trainer import workdir_lock
+from dpjax.trainer.workdir import workdir_lock
 from tests import run_configs
-from dpjax.trainer import loop as training_loop
+from dpjax.trainer.loop import training_loop
 
 pytestmark = pytest.mark.slow  # Whole trainings or child processes (`make test-unit` skips).
 

@@ -14,12 +14,12 @@ import pytest
 from scipy import stats as scipy_stats
 
 from dpjax.privacy import batching
-from dpjax.trainer import plan as plan_lib
+from dpjax.trainer.planning import plan as plan_lib
 from dpjax.privacy import clipping
 from dpjax.data import sources as data
 from dpjax.data import device as device_data
 from dpjax.privacy import dp_step
-from dpjax.trainer import physical_batch
+from dpjax.trainer.planning import physical_batch
 from dpjax.models import factory as models
 from dpjax.privacy import samplers
 from dpjax.privacy import sharding
@@ -621,7 +621,7 @@ from dpjax.data import sources as data
 from dpjax.data import device as device_data
 from dpjax.privacy import dp_step
 from dpjax.models import factory as models
-from dpjax.trainer import plan as plan_lib
+from dpjax.trainer.planning import plan as plan_lib
 from dpjax.privacy import sharding
 from dpjax.privacy import losses
 from dpjax.privacy import noise
@@ -827,7 +827,7 @@ def test_a_stateful_privatizer_is_one_new_object_and_nothing_else():
 
 
 def test_the_physical_batch_search_reads_no_private_attribute_of_the_step():
-  """Memory sizing is public (`DPStep.compiled_bytes`): trainer/physical_batch.py reaches no
+  """Memory sizing is public (`DPStep.compiled_bytes`): trainer/planning/physical_batch.py reaches no
   `obj._attr` of another object (it read and wrote `DPStep._step_bytes`, `_traces` and
   `_train_step`, 7 accesses, on da06065)."""
   tree = ast.parse(pathlib.Path(physical_batch.__file__).read_text())

@@ -30,7 +30,7 @@ from dpjax.privacy import random_streams
 from dpjax.privacy import samplers
 from dpjax.privacy.auditing import canaries
 from dpjax.privacy.random_streams import Stream
-from dpjax.trainer import finetune
+from dpjax.trainer.planning import finetune
 
 # Both 32-bit words of the seed non-zero, and one seed below 2**32.
 SEEDS = (2**40 + 2**33 + 77, 12345)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dpjax.trainer import plan as plan_lib
+from dpjax.trainer.planning import plan as plan_lib
 from dpjax.privacy import sampler_base
 from dpjax.privacy import samplers
 

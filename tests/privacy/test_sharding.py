@@ -32,7 +32,7 @@ import sys
 import numpy as np
 import pytest
 from dpjax.privacy import prng
-from dpjax.trainer import loop as training_loop
+from dpjax.trainer.loop import training_loop
 from tests import independent
 
 pytestmark = pytest.mark.slow  # Whole trainings or child processes (`make test-unit` skips).
@@ -88,11 +88,11 @@ def _worker(outdir):
   import jax  # pylint: disable=g-import-not-at-top
   import optax  # pylint: disable=g-import-not-at-top
   from dpjax import train
-  from dpjax.trainer import checkpoints
+  from dpjax.trainer.workdir import checkpoints
   from dpjax.data import sources as data
   from dpjax.privacy import dp_step
   from dpjax.models import factory as models
-  from dpjax.trainer import optimizers
+  from dpjax.trainer.planning import optimizers
   from dpjax.privacy import sharding  # pylint: disable=g-import-not-at-top
   from dpjax.privacy import ema as ema_lib  # pylint: disable=g-import-not-at-top
 
@@ -306,7 +306,7 @@ def test_vmap_clipping_sums_match_across_device_counts(worker):
 
 
 def test_two_hosts_train_like_one_and_only_process_0_writes(runs):
-  from dpjax.trainer import checkpoints  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer.workdir import checkpoints  # pylint: disable=g-import-not-at-top
 
   results, params, outdir = runs
   workdir = str(outdir / 'multihost')
@@ -353,7 +353,7 @@ def test_every_run_and_resume_reports_the_epsilon_of_dp_accounting(runs):
   2.2690, here a failure, and the shared accountant hid it; an RDP accountant on resume was
   even refused by the run's own fingerprint check once each run built its own).
   """
-  from dpjax.trainer import checkpoints  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer.workdir import checkpoints  # pylint: disable=g-import-not-at-top
 
   _, _, outdir = runs
   q = RUN['sampler.batch_size'] / 1437  # sklearn's digits: 1,437 training rows.

@@ -11,9 +11,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from dpjax.trainer import manifest as checkpoint_manifest
+from dpjax.trainer.workdir import manifest as checkpoint_manifest
 from dpjax import checkpoints as checkpoints_cli
-from dpjax.trainer import checkpoints
+from dpjax.trainer.workdir import checkpoints
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NON_PRIVATE = {

@@ -1,4 +1,4 @@
-"""dpjax.trainer.compilation_cache: where the cache goes, off switch, and a warm rerun hits it."""
+"""dpjax.trainer.loop.compilation_cache: where the cache goes, off switch, and a warm rerun hits it."""
 
 import os
 import subprocess
@@ -8,7 +8,7 @@ import textwrap
 import jax
 import pytest
 
-from dpjax.trainer import compilation_cache
+from dpjax.trainer.loop import compilation_cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -30,7 +30,7 @@ def test_second_process_reads_the_programs_the_first_wrote(tmp_path):
   """Two fresh processes compile the same program: the second is a cache hit."""
   script = textwrap.dedent(f"""
       import jax, jax.numpy as jnp
-      from dpjax.trainer import compilation_cache
+      from dpjax.trainer.loop import compilation_cache
       hits = []
       jax.monitoring.register_event_listener(
           lambda name, **kw: hits.append(name) if name.endswith('cache_hits') else None)

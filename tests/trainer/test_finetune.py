@@ -6,9 +6,9 @@ import numpy as np
 import optax
 import pytest
 
-from dpjax.trainer import checkpoints
+from dpjax.trainer.workdir import checkpoints
 from dpjax.privacy import dp_step
-from dpjax.trainer import finetune
+from dpjax.trainer.planning import finetune
 from dpjax.models import factory as models
 from dpjax.models import mlp
 from dpjax.models import transformer

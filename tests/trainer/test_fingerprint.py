@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from dpjax.trainer import plan as plan_lib
+from dpjax.trainer.planning import plan as plan_lib
 from dpjax.privacy import accounting
-from dpjax.trainer import checkpoints
+from dpjax.trainer.workdir import checkpoints
 from dpjax.data import digits
 from dpjax.privacy import samplers
 from dpjax import train

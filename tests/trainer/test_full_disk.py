@@ -13,10 +13,10 @@ import subprocess
 
 import pytest
 
-from dpjax.trainer import checkpoints
-from dpjax.trainer import metrics
-from dpjax.trainer import run_seed
-from dpjax.trainer import workdir_lock
+from dpjax.trainer.workdir import checkpoints
+from dpjax.trainer.loop import metrics
+from dpjax.trainer.workdir import run_seed
+from dpjax.trainer.workdir import workdir_lock
 from tests.trainer.test_checkpoints import assert_state
 from tests.trainer.test_checkpoints import metadata_at
 from tests.trainer.test_checkpoints import state_at
@@ -69,7 +69,7 @@ def test_small_files_lock_and_seed_keep_their_old_content(disk):
   """config.json, the seed and the lock: WriteError (one line) on a full disk, the old content
   kept, no temporary file left. Fails on da06065: a bare OSError (a traceback from the
   command line) on each."""
-  from dpjax.trainer.atomic_write import write_text_atomically  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.workdir.atomic_write import write_text_atomically  # pylint: disable=import-outside-toplevel
 
   work = disk / 'w'
   work.mkdir()

@@ -19,10 +19,10 @@ from dp_accounting.pld import privacy_loss_distribution
 from dpjax import export
 from dpjax import train
 from dpjax.data import digits
-from dpjax.trainer import checkpoints
-from dpjax.trainer import finetune
-from dpjax.trainer import init_source
-from dpjax.trainer import plan as plan_lib
+from dpjax.trainer.workdir import checkpoints
+from dpjax.trainer.planning import finetune
+from dpjax.trainer.planning import init_source
+from dpjax.trainer.planning import plan as plan_lib
 from tests.run_configs import small_config
 from tests.run_configs import tree_digest
 from tests.trainer import test_fingerprint

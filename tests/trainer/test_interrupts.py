@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from dpjax.privacy.child_env import child_env
-from dpjax.trainer import interrupts
+from dpjax.utils.child_env import child_env
+from dpjax.trainer.commands import interrupts
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -76,8 +76,8 @@ def test_outside_the_main_thread_nothing_is_installed():
 
 CHILD = """
 import signal, sys, time
-from dpjax.privacy.child_env import child_env
-from dpjax.trainer import interrupts
+from dpjax.utils.child_env import child_env
+from dpjax.trainer.commands import interrupts
 with interrupts.GracefulStop() as stop:
   print('ready', flush=True)
   while not stop.requested:
@@ -105,8 +105,8 @@ def test_a_child_process_saves_and_exits_with_128_plus_signal():
 
 STUCK = """
 import time
-from dpjax.privacy.child_env import child_env
-from dpjax.trainer import interrupts
+from dpjax.utils.child_env import child_env
+from dpjax.trainer.commands import interrupts
 with interrupts.GracefulStop():
   ready = False
   while True:  # Stuck: ignores the flag and even swallows the second Ctrl-C.
@@ -167,8 +167,8 @@ def test_a_ctrl_c_that_python_drops_before_the_loop_is_raised_when_the_loop_star
 
 DROPPED_IN_A_GC_CALLBACK = """
 import gc, os, signal, sys, time
-from dpjax.privacy.child_env import child_env
-from dpjax.trainer import interrupts
+from dpjax.utils.child_env import child_env
+from dpjax.trainer.commands import interrupts
 signal.signal(signal.SIGINT, interrupts.interrupt_before_the_loop)
 sys.unraisablehook = interrupts.drop_lost_interrupts
 def callback(phase, info):
@@ -207,8 +207,8 @@ def test_a_ctrl_c_dropped_in_a_gc_callback_stops_start_up_at_once():
 
 ONE_SHOT_COMMAND = """
 import os, signal, subprocess, sys
-from dpjax.privacy.child_env import child_env
-from dpjax.trainer import interrupts
+from dpjax.utils.child_env import child_env
+from dpjax.trainer.commands import interrupts
 interrupts.exit_on_signals('cmd', ' (a detail)')
 child = subprocess.Popen(['sleep', '60'])
 print(child.pid, flush=True)

@@ -1,7 +1,7 @@
 """The training loop's logic with a fake step: no model, no XLA compilation, milliseconds a test.
 
 `Loop` receives its step, chunks, evaluation, writer, checkpointer, accountant and clock
-(`dpjax.trainer.loop_parts`). Here the step is numpy (θ ← θ + 1 at each logical step, the
+(`dpjax.trainer.loop.loop_parts`). Here the step is numpy (θ ← θ + 1 at each logical step, the
 loss of step t is t), the checkpointer keeps states in memory, the accountant's ε(t) =
 1 + t/100 is distinct at every step and the clock advances only when a fake says so; the
 writer is the real `MetricWriter` in a temporary workdir. So each periodic action, stop and
@@ -22,10 +22,10 @@ import pytest
 
 from dpjax.privacy import multi_step
 from dpjax.privacy.accounting.report import PrivacyReport
-from dpjax.trainer import loop as loop_lib
-from dpjax.trainer import loop_parts
-from dpjax.trainer import metrics as metrics_lib
-from dpjax.trainer import write_errors
+from dpjax.trainer.loop import training_loop as loop_lib
+from dpjax.trainer.loop import loop_parts
+from dpjax.trainer.loop import metrics as metrics_lib
+from dpjax.trainer.workdir import write_errors
 
 Logical = collections.namedtuple('Logical', 'size truncated')
 BATCH = 4  # Examples in every fake logical batch.

@@ -8,7 +8,7 @@ import struct
 import pytest
 from tensorboardX.proto import event_pb2
 
-from dpjax.trainer import metrics
+from dpjax.trainer.loop import metrics
 
 
 def rows(workdir):

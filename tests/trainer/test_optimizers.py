@@ -1,4 +1,4 @@
-"""Learning-rate schedules of dpjax.trainer.optimizers against their closed forms."""
+"""Learning-rate schedules of dpjax.trainer.planning.optimizers against their closed forms."""
 
 import math
 
@@ -7,7 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from dpjax.trainer import optimizers
+from dpjax.trainer.planning import optimizers
 
 
 def _config(**fields):

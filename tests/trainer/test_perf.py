@@ -8,9 +8,9 @@ import pytest
 from dpjax.configs import digits_mlp
 from dpjax.privacy import precision as precision_lib
 from dpjax.privacy import rounding
-from dpjax.trainer import fingerprint
-from dpjax.trainer import perf as perf_lib
-from dpjax.trainer import plan as plan_lib
+from dpjax.trainer.planning import fingerprint
+from dpjax.trainer.configuration import perf as perf_lib
+from dpjax.trainer.planning import plan as plan_lib
 
 N = 1000
 # One other valid value of each Perf field (B stays a multiple of the new P).

@@ -17,9 +17,9 @@ from dpjax.privacy import precision
 from dpjax.privacy import privacy_plan
 from dpjax.privacy import rounding
 from dpjax.privacy import samplers
-from dpjax.trainer import config_fields
-from dpjax.trainer import plan as plan_lib
-from dpjax.trainer import plan_blocks
+from dpjax.trainer.configuration import config_fields
+from dpjax.trainer.planning import plan as plan_lib
+from dpjax.trainer.planning import plan_blocks
 from tests.run_configs import small_config
 
 N = 1437

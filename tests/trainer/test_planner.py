@@ -11,14 +11,14 @@ import sys
 
 import pytest
 
-from dpjax.trainer import plan as plan_lib
+from dpjax.trainer.planning import plan as plan_lib
 from dpjax import planner
 from dpjax.privacy import precision
 from dpjax.privacy import rounding
 from dpjax.privacy import samplers
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import calibration
-from dpjax.trainer import batch_size_plan
+from dpjax.trainer.planning import batch_size_plan
 
 N, EPS, DELTA, EPOCHS = 1000, 2.0, 1e-5, 2
 SIZES = (50, 200, 1000)

@@ -1,9 +1,9 @@
-"""dpjax.trainer.provenance: what a measurement records beside its numbers."""
+"""dpjax_bench.provenance: what a measurement records beside its numbers."""
 
 import json
 import subprocess
 
-from dpjax.trainer import provenance
+from dpjax_bench import provenance
 
 
 def test_git_state_is_the_checkouts_head():

@@ -14,9 +14,9 @@ import pytest
 
 from dpjax import train
 from dpjax.data import validation as data_validation
-from dpjax.trainer import checkpoints
-from dpjax.trainer import cli
-from dpjax.trainer import config_fields
+from dpjax.trainer.workdir import checkpoints
+from dpjax.trainer.commands import cli
+from dpjax.trainer.configuration import config_fields
 from tests.run_configs import small_config
 
 NUM_ROWS = 800
@@ -132,7 +132,7 @@ def test_the_run_stops_on_the_parameters_alone():
   """The stop rule is a function of the released parameters: a NaN or inf, or ‖θ‖² beyond
   float32's largest value (3.4e38): 1e19 is inside, 2e19 (‖θ‖² = 4e38) outside. Fails on
   da06065: the rule read the training loss (and the count) and had no such function."""
-  from dpjax.trainer import stops  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.loop import stops  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
   tree = lambda v: {'w': jnp.ones((3,), jnp.float32), 'b': jnp.float32([v])}

@@ -16,10 +16,10 @@ import jax
 import numpy as np
 import pytest
 
-from dpjax.trainer import checkpoints
-from dpjax.trainer import plan as plan_lib
+from dpjax.trainer.workdir import checkpoints
+from dpjax.trainer.planning import plan as plan_lib
 from dpjax.privacy import privacy_plan
-from dpjax.trainer import run_seed
+from dpjax.trainer.workdir import run_seed
 from dpjax import train
 from tests.run_configs import small_config
 
@@ -133,7 +133,7 @@ def test_each_run_gets_its_own_run_id_and_drawn_seeds_are_not_recorded(default_r
   """Two default runs (drawn seeds): each keeps its own run id in private/run.json (0600), and
   the seed record stays empty (drawn seeds are 63 secret bits: no other run has them). Fails on
   467e31c (checked): there was no run id."""
-  from dpjax.trainer import run_identity  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.workdir import run_identity  # pylint: disable=import-outside-toplevel
 
   root, _ = default_runs
   ids = [run_identity.stored(str(root / name)) for name in ('victim', 'attacker_d')]
@@ -147,7 +147,7 @@ def test_a_run_id_is_drawn_at_each_start_from_scratch_and_read_back_otherwise(tm
   """`run_identity`: a fresh start draws a new id and remembers the one it replaces; a resume
   or an export reads it back; a workdir from before run ids gets one, kept; a damaged file is
   one line. New module: on 467e31c this failed on its import (checked)."""
-  from dpjax.trainer import run_identity  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.workdir import run_identity  # pylint: disable=import-outside-toplevel
 
   workdir = str(tmp_path / 'run')
   assert run_identity.stored(workdir) is None
@@ -181,7 +181,7 @@ def test_the_seed_record_tells_runs_apart_by_their_run_id_never_by_their_path(
   reuse; a row without a run id (an older dpjax) is another run; the record holds digests,
   never the seed; a record that cannot be written gives one warning line, never an error.
   Fails on 467e31c (checked): the same path was exempt, whatever the run."""
-  from dpjax.trainer import seed_record  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.workdir import seed_record  # pylint: disable=import-outside-toplevel
 
   monkeypatch.setenv('DPJAX_STATE_DIR', str(tmp_path / 'state'))
   a, b, c, d = (letter * 32 for letter in 'abcd')

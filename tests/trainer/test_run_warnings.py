@@ -1,4 +1,4 @@
-"""dpjax.trainer.run_warnings: the README's warnings fire exactly at their thresholds, once.
+"""dpjax.trainer.planning.run_warnings: the README's warnings fire exactly at their thresholds, once.
 
 The README promises a line when every example or none was clipped with C 100× below or
 above the mean gradient norm, and when the training loss grew 100× from its first value.
@@ -9,7 +9,7 @@ side of each threshold; until now no test did.
 
 import pytest
 
-from dpjax.trainer import run_warnings
+from dpjax.trainer.planning import run_warnings
 
 
 def _row(fraction=0.5, norm=1.0, loss=None):

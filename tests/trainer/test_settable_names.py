@@ -14,7 +14,7 @@ import pytest
 from dpjax.privacy import samplers
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import step_pld
-from dpjax.trainer import accounting_refusals
+from dpjax.trainer.configuration import accounting_refusals
 from tests.settable_names import unsettable_names
 
 DPJAX = pathlib.Path(__file__).resolve().parents[2] / 'dpjax'

@@ -19,10 +19,10 @@ from dpjax.data import digits
 from dpjax.privacy import samplers
 from dpjax.privacy import sharding
 from dpjax.privacy.accounting import accountant as accountant_lib
-from dpjax.trainer import chunks
-from dpjax.trainer import plan as plan_lib
-from dpjax.trainer import privacy_metadata
-from dpjax.trainer import run_report
+from dpjax.trainer.loop import chunks
+from dpjax.trainer.planning import plan as plan_lib
+from dpjax.trainer.workdir import privacy_metadata
+from dpjax.trainer.loop import run_report
 from tests.run_configs import small_config
 
 

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from dpjax.trainer import workdir_lock
+from dpjax.trainer.workdir import workdir_lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOLD = (
   'import sys, time\n'
-  'from dpjax.trainer import workdir_lock\n'
+  'from dpjax.trainer.workdir import workdir_lock\n'
   'with workdir_lock.WorkdirLock(sys.argv[1]):\n'
   '  print("locked", flush=True)\n'
   '  time.sleep(float(sys.argv[2]))\n'

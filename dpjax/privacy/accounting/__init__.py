@@ -13,7 +13,7 @@ truncation penalty), `provable_bound` (the balls-and-bins ε attached to a run),
 `calibration` (σ for a target ε, on `target_search`).
 """
 
-from dpjax.privacy.lazy_exports import lazy_exports
+from dpjax.utils.lazy_exports import lazy_exports
 
 # Imported on first use: a Monte Carlo worker process imports one submodule, not every accountant.
 _EXPORTS = {

@@ -53,7 +53,7 @@ import numpy as np
 from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
-from dpjax.privacy.child_env import child_env
+from dpjax.utils.child_env import child_env
 
 # Seconds allowed to one new build under the default policy (then cached, or remembered as
 # timed out with this budget). `Accountant(random_allocation_timeout=...)`, or

@@ -9,7 +9,7 @@ from dp_accounting import dp_event
 
 from dpjax.configs import digits_mlp
 from dpjax.privacy import batching
-from dpjax.trainer import plan as plan_lib
+from dpjax.trainer.planning import plan as plan_lib
 from dpjax.privacy import samplers
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import report as report_lib

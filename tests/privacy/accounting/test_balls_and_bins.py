@@ -13,7 +13,7 @@ import numpy as np
 import PLD_accounting
 import pytest
 
-from dpjax.trainer import plan as plan_lib
+from dpjax.trainer.planning import plan as plan_lib
 from dpjax.privacy import samplers
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import balls_and_bins

@@ -11,8 +11,8 @@ import jax.flatten_util
 import numpy as np
 import pytest
 
-from dpjax.trainer import cli
-from dpjax.trainer import plan as plan_lib
+from dpjax.trainer.commands import cli
+from dpjax.trainer.planning import plan as plan_lib
 from dpjax.privacy import accounting
 from dpjax.privacy import clipping
 from dpjax.data import sources as data
@@ -23,7 +23,7 @@ from dpjax.privacy.auditing import audited_sgd
 from dpjax.privacy.auditing import canaries as canaries_lib
 from dpjax.privacy.auditing import gradient_canary
 from dpjax.privacy.auditing import one_run
-from dpjax.trainer import audit_record as record
+from dpjax.trainer.workdir import audit_record as record
 from dpjax.privacy.auditing import white_box
 from dpjax.privacy import losses
 from dpjax.privacy import prng

@@ -70,7 +70,7 @@ range(M)])`; Dask, MPI or a job array alike); merge with `HockeyStickSums.merge`
 merged sums into bounds with `delta_from_sums`. Merge sums, never bounds.
 """
 
-from dpjax.privacy.lazy_exports import lazy_exports
+from dpjax.utils.lazy_exports import lazy_exports
 
 # Imported on first use: a Monte Carlo worker process imports one submodule, not every accountant.
 _EXPORTS = {
