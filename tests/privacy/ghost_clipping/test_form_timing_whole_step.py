@@ -3,8 +3,9 @@ only if the whole program is faster with them than with the FLOP rule's, the ver
 with the per-layer decisions (keyed by device, P, shapes and model), and the norms (hence the
 clipping at C) are the same whichever assignment runs.
 
-New in issue 35 item 4: on da06065 these fail at the import of `whole_step` (the feature did
-not exist; the per-layer winners ran whatever the whole step's speed: WRN-16-4 at 0.89x)."""
+New in issue 35 item 4, the feature missing before: these fail at import on da06065 (no
+`form_timing`) and on 11c40e5 (no `whole_step`: the per-layer winners ran whatever the whole
+step's speed, WRN-16-4 at 0.89x the FLOP rule's)."""
 
 import json
 
