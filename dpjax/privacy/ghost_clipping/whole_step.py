@@ -11,9 +11,13 @@ the measured assignment is kept only if its median is below the FLOP rule's by m
 `TIE`, so the choice is never slower than the FLOP rule's beyond the timing noise.
 
 Cost, once per (device, shapes, model) (the verdict is cached with `form_timing`'s): two
-compilations of the clipped sum besides the step's own, a warm-up call of each, and
-2 x `REPEATS` samples of max(`MIN_SAMPLE_S`, one call): on the 2-core CPU, WRN-16-4 at P = 16
-(the slowest benchmark model) about 2 x 25 s of compiling and 10 x 1 s of running.
+compilations of the clipped sum besides the step's own, a warm-up call of each, and at most
+`REPEATS` interleaved pairs of samples of max(`MIN_SAMPLE_S`, one call), fewer when the
+warm-up says they would take over `BUDGET_S` (at least one pair). Measured on the loaded
+2-core CPU (scripts/results/bench_clipping_forms_wrn_against_cpu.json, before the budget):
+WRN-16-4 at P = 16 with per-layer winners opposite to the FLOP rule's, 14.3 s against 4.2 s
+per call, rejected; the check took 239 s, of which 5 rounds ~92 s (now 1 round) and two
+compilations with a warm-up call each the rest.
 
 Nothing here reads the private data: the inputs are random of the step's shapes and dtypes
 (parameters N(0, 1/fan-in), float inputs N(0, 1), integer inputs 0, weights 1), so the verdict
@@ -36,6 +40,7 @@ from dpjax.privacy.ghost_clipping import mixed
 
 REPEATS = 5  # Timed samples per assignment (medians).
 MIN_SAMPLE_S = 0.05  # Shortest timed sample: several calls for fast programs.
+BUDGET_S = 20.0  # Timed samples beyond the warm-up: fewer repeats past this (slow programs).
 TIE = 0.02  # The measured assignment must be faster than the FLOP rule's by more than this.
 
 
@@ -95,13 +100,15 @@ def compile_with(step: WholeStep, table: dict, inputs: tuple):
 
 def time_programs(programs: dict, inputs: tuple, repeats: int = REPEATS) -> dict[str, float]:
   """Median seconds per call {name: s} of compiled programs of the same arguments, timed in
-  interleaved samples of equal call counts (set by the first program's warm-up call)."""
-  calls = None
-  for fn in programs.values():  # Warm-up.
+  interleaved samples of equal call counts (set by the first program's warm-up call): at most
+  `repeats` rounds, fewer if the warm-up calls say the rounds would take over `BUDGET_S`."""
+  warm = []
+  for fn in programs.values():
     start = time.perf_counter()
     jax.block_until_ready(fn(*inputs))
-    if calls is None:
-      calls = max(1, int(np.ceil(MIN_SAMPLE_S / (time.perf_counter() - start + 1e-9))))
+    warm.append(time.perf_counter() - start + 1e-9)
+  calls = max(1, int(np.ceil(MIN_SAMPLE_S / warm[0])))
+  repeats = max(1, min(repeats, int(BUDGET_S / (calls * sum(warm)))))
   times = {name: [] for name in programs}
   for _ in range(repeats):
     for name, fn in programs.items():

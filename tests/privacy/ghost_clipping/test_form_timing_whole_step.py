@@ -162,6 +162,32 @@ def test_either_assignment_gives_the_float64_norms_and_clipped_sum():
   assert set(seconds) == {'m', 'f'} and min(seconds.values()) > 0
 
 
+def test_slow_programs_are_timed_in_fewer_rounds(monkeypatch):
+  """The timing's cost is bounded: rounds are cut to BUDGET_S / (the warm-up calls' time),
+  at least one; fast programs get all REPEATS rounds of several calls each."""
+  ran = []
+
+  def program(name):
+    def fn(x):
+      ran.append(name)
+      return x
+
+    return fn
+
+  clock = iter(np.arange(0, 1e4, 6.0))  # Every call and sample takes 6 s by this clock.
+  monkeypatch.setattr(whole_step.time, 'perf_counter', lambda: float(next(clock)))
+  whole_step.time_programs({'a': program('a'), 'b': program('b')}, (np.zeros(1),))
+  assert ran == ['a', 'b'] + ['a', 'b'] * 1  # Warm-up (12 s), then 20 // 12 = 1 round.
+  ran.clear()
+  clock = iter(np.arange(0, 1e4, 1e-3))
+  monkeypatch.setattr(whole_step.time, 'perf_counter', lambda: float(next(clock)))
+  whole_step.time_programs({'a': program('a'), 'b': program('b')}, (np.zeros(1),))
+  rounds_calls = (len(ran) - 2) / (2 * whole_step.REPEATS)  # Every round: 50 ms of 1 ms calls.
+  assert rounds_calls in (50, 51)
+  c = int(rounds_calls)
+  assert ran[2 : 2 + 2 * c] == ['a'] * c + ['b'] * c  # Interleaved: a sample of each in turn.
+
+
 def test_random_inputs_have_the_steps_shapes_and_no_data():
   """The timed inputs: the step's shapes and dtypes; weights 1, integer inputs 0, parameters
   N(0, 1/fan-in) (scales 1, biases 0): nothing of the arguments' values."""
