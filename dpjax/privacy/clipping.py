@@ -203,14 +203,15 @@ def grad_sum(loss_fn: LossFn, params: Params, batch: Batch) -> tuple[Params, Cli
   return g, stats._replace(grad_norm_sum=jnp.zeros((), jnp.float32))
 
 
-def _ghost_forms(coverage, params, batch_size: int, forms: str) -> tuple[dict, list[str]]:
+def _ghost_forms(coverage, params, batch_size: int, forms: str, step=None) -> tuple[dict, list]:
   """({layer key: ghost?} for `mixed.chosen_forms`, log lines) of `forms` ('flops': the FLOP
-  rule's, no table; 'measured': `form_timing.choose_forms`, timed at the first trace)."""
+  rule's, no table; 'measured': `form_timing.choose_forms`, timed at the first trace, checked
+  on the whole clipped sum `step`)."""
   head = 'ghost clipping, per layer (mixed rule of Bu et al. 2022: ghost where S²(m + c) < S·m·c):'
   if forms == 'flops':
     return {}, [head]
   thetas = [ghost_clipping.coverage.subtree(params, l.param_path) for l in coverage.layers]
-  choice = ghost_clipping.form_timing.choose_forms(coverage, thetas, batch_size)
+  choice = ghost_clipping.form_timing.choose_forms(coverage, thetas, batch_size, whole_step=step)
   if not choice.ghost and not choice.lines:
     return {}, [head]
   how = f'timed now in {choice.seconds:.1f} s' if choice.timed else 'read from the cache'
@@ -252,7 +253,14 @@ def clipped_sum_fn(loss_fn: LossFn, clip_norm: float, method: str = 'auto', form
     coverage = ghost_clipping.analyse_coverage(loss_fn, params, one)
     if coverage.complete:
       logging.info('clipping=%r: ghost clipping: %s', method, coverage.describe())
-      table, head = _ghost_forms(coverage, params, weights.shape[0], forms)
+      step = ghost_clipping.whole_step.WholeStep(
+        lambda p, ex, w: ghost_clipped_sum(loss_fn, p, ex, w, clip_norm, coverage),
+        loss_fn,
+        params,
+        examples,
+        weights,
+      )  # Timed with both assignments of forms (random inputs of these shapes).
+      table, head = _ghost_forms(coverage, params, weights.shape[0], forms, step)
       with ghost_clipping.mixed.chosen_forms(table):
         fn.choice[:] = [*head, *coverage.layer_forms()]
         return ghost_clipped_sum(loss_fn, params, examples, weights, clip_norm, coverage)

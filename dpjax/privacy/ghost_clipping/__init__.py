@@ -65,6 +65,7 @@ from dpjax.privacy.ghost_clipping import dense
 from dpjax.privacy.ghost_clipping import embedding
 from dpjax.privacy.ghost_clipping import form_timing
 from dpjax.privacy.ghost_clipping import normalization
+from dpjax.privacy.ghost_clipping import whole_step
 from dpjax.privacy.ghost_clipping.backward import ghost_pass
 from dpjax.privacy.ghost_clipping.backward import GhostPass
 from dpjax.privacy.ghost_clipping.backward import per_example_sq_norms

@@ -11,10 +11,11 @@ the layer's shapes at the physical batch P. Per layer, not per whole step: the f
 activation-backward pass are the same in both forms, so the layers' own programs would be the
 whole difference but for fusion across layers, and L layers cost 2L small compilations instead
 of 2^L (or L + 1 greedy) compilations of the whole step. Layers of equal shapes are timed once.
-Measured on the CPU (scripts/results/bench_clipping_forms.json) the fusion is not negligible:
-WRN-16-4's layers timed alone show ghost ≈ materialised, while the whole step is 3.8x slower
-all-ghost, and the measured choice ran at 0.89x the FLOP rule's; hence the trainer's default
-stays 'flops'.
+Measured on the CPU the fusion is not negligible: WRN-16-4's layers timed alone show ghost ≈
+materialised, while the whole step is 3.8x slower all-ghost, and the per-layer choice ran at
+0.89x the FLOP rule's. Hence, when the per-layer winners differ from the FLOP rule's, the
+whole clipped sum is timed with both assignments and the measured one is kept only if faster
+(`whole_step`, given the step's program); when they agree, nothing more is timed.
 Each time is the median of interleaved repeats after a warm-up; the faster form is chosen
 unless the two are within `TIE` of each other, where the FLOP rule's choice stands.
 
@@ -22,9 +23,10 @@ Nothing here reads the private data: the inputs are random, so the choice depend
 device and the shapes, and both forms compute the same norms and clipped sum up to float
 rounding (each row clipped at C, the rounding paid for in ε as for the FLOP rule's forms).
 
-The decisions are cached as JSON beside jax's persistent compilation cache
-(`<jax_compilation_cache_dir>/clipping_forms/<key>.json`) and in memory, keyed by the backend,
-device kind, jax version, matmul precision, P and every covered layer's shapes and dtypes.
+The decisions (and the whole-step verdict) are cached as JSON beside jax's persistent
+compilation cache (`<jax_compilation_cache_dir>/clipping_forms/<key>.json`) and in memory,
+keyed by the backend, device kind, jax version, matmul precision, P, every layer of choice's
+shapes and dtypes, and (with a whole step) the model's loss and the step's argument shapes.
 Timing is skipped (the FLOP rule decides) when no layer has a choice; if it fails, the FLOP
 rule decides and the reason is among the lines logged.
 """
@@ -43,6 +45,7 @@ import numpy as np
 
 from dpjax.privacy.ghost_clipping import backward
 from dpjax.privacy.ghost_clipping import mixed
+from dpjax.privacy.ghost_clipping import whole_step as whole_step_lib
 from dpjax.privacy.ghost_clipping.coverage import Coverage
 from dpjax.privacy.ghost_clipping.coverage import Layer
 
@@ -103,10 +106,13 @@ def signature(layer: Layer, theta: dict) -> str:
   )
 
 
-def cache_key(signatures: list[str], batch_size: int) -> dict:
-  """What the decisions depend on besides the code: device, precision, P, layer shapes."""
+def cache_key(signatures: list[str], batch_size: int, program: str | None = None) -> dict:
+  """What the decisions depend on besides the code: device, precision, P, layer shapes, and
+  `program` (`WholeStep.key`: the model and the step's shapes) when the whole step is timed."""
   device = jax.devices()[0]
   return {
+    'format': 2,  # Decisions and the whole step's verdict.
+    'program': program,
     'backend': jax.default_backend(),
     'device_kind': device.device_kind,
     'jax': jax.__version__,
@@ -152,8 +158,8 @@ def time_layer(layer: Layer, theta: dict, n: int, repeats: int = REPEATS) -> dic
 
   compiled = {}
   for form, ghost in FORMS.items():
-    with mixed.forced_form(ghost):
-      compiled[form] = jax.jit(program).lower(*args).compile()
+    with mixed.forced_form(ghost):  # A fresh function: jit's trace cache ignores the form.
+      compiled[form] = jax.jit(lambda *a: program(*a)).lower(*args).compile()
   calls = {}
   for form, fn in compiled.items():  # Warm-up, and the calls per sample.
     start = time.perf_counter()
@@ -214,8 +220,47 @@ def _time_all(layers: list[tuple[Layer, dict]], sigs: list[str], batch_size: int
   return decisions
 
 
+def _timed(layers, sigs: list[str], batch_size: int, step) -> dict:
+  """{'layers': `_time_all`'s decisions, 'whole_step': `whole_step.verdict` or None (no step
+  given, or the per-layer winners are the FLOP rule's)}."""
+  decisions = _time_all(layers, sigs, batch_size)
+  measured = {l.key: decisions[s]['ghost'] for (l, _), s in zip(layers, sigs)}
+  differs = any(d['ghost'] != d['flops_ghost'] for d in decisions.values())
+  whole = whole_step_lib.verdict(step, measured) if step is not None and differs else None
+  return {'layers': decisions, 'whole_step': whole}
+
+
+def _lines(layers, sigs: list[str], stored: dict) -> list[str]:
+  """What was chosen from which times: per layer, then the whole step's verdict."""
+  decisions, whole = stored['layers'], stored['whole_step']
+  form = lambda ghost: 'ghost' if ghost else 'materialised'
+  lines = [
+    f'{"/".join(l.param_path)}: {form(decisions[s]["ghost"])} '
+    f'(measured: ghost {decisions[s]["seconds"]["ghost"] * 1e3:.3g} ms, materialised '
+    f'{decisions[s]["seconds"]["materialised"] * 1e3:.3g} ms; FLOP rule: '
+    f'{form(decisions[s]["flops_ghost"])})'
+    for (l, _), s in zip(layers, sigs)
+  ]
+  if whole is not None:
+    sec = whole['seconds']
+    lines.append(
+      f"whole clipped sum: measured forms {sec['measured'] * 1e3:.3g} ms, FLOP rule's "
+      f'{sec["flops"] * 1e3:.3g} ms: '
+      + (
+        'the measured forms run'
+        if whole['kept'] == 'measured'
+        else "the FLOP rule's forms run (the measured ones are not faster on the whole step)"
+      )
+    )
+  return lines
+
+
 def choose_forms(
-  coverage: Coverage, thetas: list[dict], batch_size: int, directory: str | None = None
+  coverage: Coverage,
+  thetas: list[dict],
+  batch_size: int,
+  directory: str | None = None,
+  whole_step: whole_step_lib.WholeStep | None = None,
 ) -> FormChoice:
   """Each layer's form, timed on this device (see the module doc).
 
@@ -224,38 +269,30 @@ def choose_forms(
     thetas: each covered layer's parameters (arrays or tracers: only shapes are read).
     batch_size: P, the rows of the physical batch the step runs.
     directory: where decisions are cached (default `cache_dir()`; None there: memory only).
+    whole_step: the step's clipped sum: the measured forms run only if it is faster with them
+      than with the FLOP rule's (`whole_step.verdict`); None: the per-layer winners run.
   """
   layers = [(l, t) for l, t in zip(coverage.layers, thetas) if has_choice(l)]
   if not layers or batch_size < 1:
     return FormChoice({}, (), False)
-  sigs = [signature(l, t) for l, t in layers]
-  key = cache_key(sigs, batch_size)
-  digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-  directory = cache_dir() if directory is None else directory
-  path = directory and os.path.join(directory, digest + '.json')
-  decisions = _MEMO.get(digest) or (path and _read(path, key))
-  timed = decisions is None
   start = time.perf_counter()
-  if timed:
-    try:
-      decisions = _time_all(layers, sigs, batch_size)
-    except Exception as e:  # pylint: disable=broad-except  # Any failure: the FLOP rule.
-      return FormChoice(
-        {}, (f'timing the forms failed ({type(e).__name__}: {e}); the FLOP rule decides',), False
-      )
-    if path:
-      _write(path, key, decisions)
-  _MEMO[digest] = decisions
-  lines = [
-    f'{"/".join(l.param_path)}: {"ghost" if decisions[s]["ghost"] else "materialised"} '
-    f'(measured: ghost {decisions[s]["seconds"]["ghost"] * 1e3:.3g} ms, materialised '
-    f'{decisions[s]["seconds"]["materialised"] * 1e3:.3g} ms; FLOP rule: '
-    f'{"ghost" if decisions[s]["flops_ghost"] else "materialised"})'
-    for (l, _), s in zip(layers, sigs)
-  ]
-  return FormChoice(
-    {l.key: decisions[s]['ghost'] for (l, _), s in zip(layers, sigs)},
-    tuple(lines),
-    timed,
-    time.perf_counter() - start,
-  )
+  sigs = [signature(l, t) for l, t in layers]
+  try:
+    key = cache_key(sigs, batch_size, whole_step and whole_step.key())
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    directory = cache_dir() if directory is None else directory
+    path = directory and os.path.join(directory, digest + '.json')
+    stored = _MEMO.get(digest) or (path and _read(path, key))
+    timed = stored is None
+    if timed:
+      stored = _timed(layers, sigs, batch_size, whole_step)
+  except Exception as e:  # pylint: disable=broad-except  # Any failure: the FLOP rule.
+    return FormChoice(
+      {}, (f'timing the forms failed ({type(e).__name__}: {e}); the FLOP rule decides',), False
+    )
+  if timed and path:
+    _write(path, key, stored)
+  _MEMO[digest] = stored
+  keep = stored['whole_step'] is None or stored['whole_step']['kept'] == 'measured'
+  ghost = {l.key: stored['layers'][s]['ghost'] for (l, _), s in zip(layers, sigs)} if keep else {}
+  return FormChoice(ghost, tuple(_lines(layers, sigs, stored)), timed, time.perf_counter() - start)

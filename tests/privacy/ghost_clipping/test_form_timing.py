@@ -2,6 +2,7 @@
 only, the decisions are cached on disk keyed by device and shapes, a failure falls back to the
 FLOP rule, and the step's log says what was chosen from which times."""
 
+from collections.abc import Callable
 import json
 import re
 
@@ -16,6 +17,7 @@ from dpjax.privacy import clipping
 from dpjax.privacy import dp_step
 from dpjax.privacy import ghost_clipping
 from dpjax.privacy.ghost_clipping import form_timing
+from dpjax.privacy.ghost_clipping import whole_step
 from tests.privacy.ghost_clipping import harness
 
 C = 1.0
@@ -26,6 +28,7 @@ class ThreeChoices(nn.Module):
   (ghost), each with two forms; a rank-1 head with one."""
 
   width: int = 16
+  act: Callable = jnp.tanh
 
   @nn.compact
   def __call__(self, x):
@@ -34,7 +37,7 @@ class ThreeChoices(nn.Module):
     conv = nn.Conv(4, (3, 3), strides=2)(x)  # S=9, m=27, c=4: materialised.
     dense = nn.Dense(self.width)(x.reshape(n, 6, 18))  # S=6, m=18, c=16: ghost.
     embed = nn.Embed(50, 4)(tokens)  # V=50 > T=6: ghost.
-    h = jnp.concatenate([jnp.tanh(b).reshape(n, -1) for b in (conv, dense, embed)], -1)
+    h = jnp.concatenate([self.act(b).reshape(n, -1) for b in (conv, dense, embed)], -1)
     return nn.Dense(harness.K)(h)
 
 
@@ -51,10 +54,19 @@ def _coverage(loss_fn, params, examples):
   return ghost_clipping.analyse_coverage(clipping.with_aux(loss_fn, False), params, one)
 
 
-def _fake_timing(monkeypatch, against_flops: bool = False, seconds=None):
+def _fake_timing(monkeypatch, against_flops: bool = False, seconds=None, whole=None):
   """time_layer replaced by a counter whose times make the FLOP rule's form win (or the other
-  one, against_flops), or that returns `seconds`."""
-  calls = []
+  one, against_flops), or that returns `seconds`; the whole clipped sum is not compiled, and
+  its timing returns `whole` (default: the measured forms 2x faster). Returns the layers'
+  calls; `calls.whole` the whole-step timings' {name: program}."""
+  calls = _Calls()
+  monkeypatch.setattr(whole_step, 'compile_with', lambda step, table, inputs: dict(table))
+
+  def fake_whole(programs, inputs, repeats=whole_step.REPEATS):
+    calls.whole.append(programs)
+    return dict(whole or {'measured': 1e-3, 'flops': 2e-3})
+
+  monkeypatch.setattr(whole_step, 'time_programs', fake_whole)
 
   def fake(layer, theta, n, repeats=form_timing.REPEATS):
     del theta, repeats
@@ -67,6 +79,12 @@ def _fake_timing(monkeypatch, against_flops: bool = False, seconds=None):
   monkeypatch.setattr(form_timing, 'time_layer', fake)
   monkeypatch.setattr(form_timing, '_MEMO', {})
   return calls
+
+
+class _Calls(list):
+  def __init__(self):
+    super().__init__()
+    self.whole = []
 
 
 @pytest.mark.slow  # Compiles a four-layer convnet three ways (12-17 s cold).
