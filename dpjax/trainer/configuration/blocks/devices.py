@@ -45,9 +45,10 @@ FIELDS: tuple[Field, ...] = (
     'str',
     'flops',
     "ghost clipping's form of each layer: flops (the "
-    'FLOP rule of Bu et al. 2022) | measured (both forms of each layer timed alone on the '
-    'device at the first compile, cached beside the compilation cache; on the CPU not yet '
-    'faster on every model: scripts/results/bench_clipping_forms.json); speed only',
+    'FLOP rule of Bu et al. 2022) | measured (both forms of each layer timed on the device '
+    'at the first compile, kept only if the whole clipped sum runs faster with them, cached '
+    'beside the compilation cache; adds 20-300 s to the first compile on the CPU: '
+    'scripts/results/bench_clipping_forms_cpu.json); speed only',
     choices=form_timing.FORM_RULES,
   ),
 )
