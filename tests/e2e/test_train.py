@@ -80,7 +80,9 @@ def test_step_compiles_once_over_an_epoch_of_variable_batches(tmp_path, sampler)
 def test_non_private_baseline_reports_no_epsilon(tmp_path):
   result = train.train_and_evaluate(small_config(**{'privacy.enabled': False}), str(tmp_path))
   assert 'privacy' not in result
-  assert checkpoints.read_metadata(str(tmp_path))[-1]['privacy']['epsilon'] is None
+  meta = checkpoints.read_metadata(str(tmp_path))[-1]
+  assert meta['privacy']['epsilon'] is None and meta['fingerprint']['privacy.enabled'] is False
+  assert meta['noise_multiplier'] is None
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(reference_run, tmp_path, capsys):
