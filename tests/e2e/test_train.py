@@ -29,13 +29,6 @@ def flat_params(params):
   return np.concatenate([np.zeros(0)] + [np.asarray(x).ravel() for x in jax.tree.leaves(params)])
 
 
-@pytest.fixture(scope='module')
-def reference_run(tmp_path_factory):
-  """One uninterrupted 6-step run, shared by the tests that compare against it."""
-  workdir = tmp_path_factory.mktemp('reference')
-  return workdir, train.train_and_evaluate(small_config(), str(workdir))
-
-
 def test_run_writes_config_metrics_events_and_checkpoints_with_epsilon(reference_run, capsys):
   config = small_config()
   tmp_path, result = reference_run
