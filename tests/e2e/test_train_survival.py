@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -164,15 +165,15 @@ def test_sigterm_while_the_first_call_compiles_stops_at_once(tmp_path, monkeypat
   assert checkpoints.read_metadata(str(work)) == [] and '\n' not in str(info.value)
 
 
-def test_a_second_run_on_a_workdir_in_use_is_refused_at_once(tmp_path):
+def test_a_second_run_on_a_workdir_in_use_is_refused_at_once(tmp_path, reference_run):
   work = tmp_path / 'w'
-  train.train_and_evaluate(small_config(num_steps=2), str(work))
+  shutil.copytree(reference_run[0], work)  # A finished 6-step run (checkpoints 2, 4, 6).
   with workdir_lock.WorkdirLock(str(work)):  # As another trainer would hold it.
     start = time.time()
     with pytest.raises(ValueError, match=r'in use by another run \(PID \d+ on host '):
-      train.train_and_evaluate(small_config(num_steps=4), str(work))
+      train.train_and_evaluate(small_config(num_steps=10), str(work))
     assert time.time() - start < 30
-  assert [row['step'] for row in checkpoints.read_metadata(str(work))] == [2]
+  assert [row['step'] for row in checkpoints.read_metadata(str(work))] == [2, 4, 6]
 
 
 # `python -m dpjax.train ARGS` with the test's own record of progress: each compiled call's
