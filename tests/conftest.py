@@ -21,6 +21,8 @@ import fcntl
 import functools
 import hashlib
 import os
+import pathlib
+import pickle
 import shutil
 import tempfile
 
@@ -92,6 +94,38 @@ def shared_setup(tmp_path_factory):
   return functools.partial(shared_directory, tmp_path_factory)
 
 
+def shared_run(tmp_path_factory, name: str, run) -> tuple[pathlib.Path, object]:
+  """(workdir, result): `result = run(workdir)` (a training, child processes) once per test
+  session for every pytest-xdist worker (`shared_directory`: xdist hands a module's tests to all
+  its workers, and a module-scoped fixture would run again on each). The result, on the host, is
+  kept in a pickle beside the workdir; tests only read the workdir (copy it to change it)."""
+
+  def build(path):
+    result = run(path / 'run')
+    with open(path / 'result.pkl', 'wb') as f:
+      pickle.dump(jax.device_get(result), f)
+
+  root = pathlib.Path(shared_directory(tmp_path_factory, name, build))
+  with open(root / 'result.pkl', 'rb') as f:
+    return root / 'run', pickle.load(f)
+
+
+@pytest.fixture(scope='session')
+def shared_result(tmp_path_factory):
+  """`shared_result(name, run)`: `shared_run`'s (workdir, result) of `run(workdir)`."""
+  return functools.partial(shared_run, tmp_path_factory)
+
+
+@pytest.fixture(scope='session')
+def reference_run(shared_result):
+  """(workdir, result) of one uninterrupted run of tests/run_configs.small_config() (6 steps),
+  trained once per session and read by the tests that compare with it."""
+  from dpjax import train  # pylint: disable=import-outside-toplevel
+  from tests.run_configs import small_config  # pylint: disable=import-outside-toplevel
+
+  return shared_result('reference', lambda w: train.train_and_evaluate(small_config(), str(w)))
+
+
 @pytest.fixture
 def in_process_pld_builds(monkeypatch):
   """Random-allocation PLDs built in this process, not in a child interpreter.
@@ -124,3 +158,11 @@ def in_process_pld_builds(monkeypatch):
     return subprocess.CompletedProcess(argv, 0, '', '')
 
   monkeypatch.setattr(random_allocation.subprocess, 'run', run)
+
+
+def pytest_collection_modifyitems(items):
+  """Tests marked `slow` run first, in file order (a module's tests stay together for its
+  fixtures). pytest-xdist hands tests out in this order, so the whole trainings and child
+  processes start at once on every worker and the many quick tests fill the workers' tails,
+  instead of a training starting last on one worker while the others sit idle."""
+  items.sort(key=lambda item: item.get_closest_marker('slow') is None)

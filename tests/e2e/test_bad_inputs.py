@@ -724,11 +724,10 @@ def test_configs_work_from_any_directory_and_help_exits_0(tmp_path, capsys):
     assert '--workdir' in out and '--config' in out and 'resume' in out
 
 
-@pytest.fixture(scope='module')
-def two_step_run(tmp_path_factory):
-  work = tmp_path_factory.mktemp('resume') / 'run'
-  train.train_and_evaluate(small_config(num_steps=2, checkpoint_every_steps=2), str(work))
-  return work
+@pytest.fixture
+def two_step_run(shared_result):
+  config = small_config(num_steps=2, checkpoint_every_steps=2)
+  return shared_result('two_steps', lambda w: train.train_and_evaluate(config, str(w)))[0]
 
 
 @pytest.mark.slow

@@ -89,13 +89,12 @@ def _cases():
   yield 'account', 'answer', ACCOUNTING_ANSWER
 
 
-@pytest.fixture(scope='module')
-def runs(tmp_path_factory):
-  """(command, kind) -> (exit code, stdout, stderr, modules, files left in its cwd)."""
+def _run_all(root) -> dict:
   started = {}
   for name, kind, argv in _cases():  # All at once: the wall time of the slowest.
-    cwd = tmp_path_factory.mktemp(f'{name}_{kind}')
-    report = cwd.parent / f'{cwd.name}.json'
+    cwd = root / f'{name}_{kind}'
+    cwd.mkdir(parents=True)
+    report = root / f'{cwd.name}.json'
     started[name, kind] = (
       cwd,
       report,
@@ -121,6 +120,13 @@ def runs(tmp_path_factory):
       sorted(p.name for p in cwd.iterdir()),
     )
   return out
+
+
+@pytest.fixture
+def runs(shared_result):
+  """(command, kind) -> (exit code, stdout, stderr, modules, files left in its cwd), the child
+  interpreters run once per test session."""
+  return shared_result('cli_start', _run_all)[1]
 
 
 def test_every_command_line_entry_point_is_covered():

@@ -37,15 +37,13 @@ CARD_FIELDS = {
 }
 
 
-@pytest.fixture(scope='module')
-def drawn_run(tmp_path_factory):
-  """A 3-step run with a drawn seed and an EMA."""
-  workdir = tmp_path_factory.mktemp('export') / 'run'
+@pytest.fixture
+def drawn_run(shared_result):
+  """A 3-step run with a drawn seed and an EMA (trained once per test session)."""
   config = small_config(
     **{'seed': None, 'num_steps': 3, 'checkpoint_every_steps': 3, 'ema_decay': 0.9}
   )
-  train.train_and_evaluate(config, str(workdir))
-  return workdir
+  return shared_result('drawn', lambda w: train.train_and_evaluate(config, str(w)))[0]
 
 
 def test_export_writes_params_ema_and_card_and_nothing_private(drawn_run, tmp_path, capsys):

@@ -16,7 +16,9 @@ def _nnx_config(**overrides):
   return config
 
 
-def test_nnx_mlp_trains_with_ghost_clipping_and_resumes_bit_exactly(tmp_path, capsys):
+def test_nnx_mlp_trains_with_ghost_clipping_and_resumes_bit_exactly(
+  tmp_path, capsys, reference_run
+):
   straight = train.train_and_evaluate(_nnx_config(), str(tmp_path / 'straight'))
   out = capsys.readouterr().out
   assert 'ghost clipping' in out and 'hidden/0: dense' in out, out
@@ -26,6 +28,6 @@ def test_nnx_mlp_trains_with_ghost_clipping_and_resumes_bit_exactly(tmp_path, ca
   for a, b in zip(jax.tree.leaves(straight['params']), jax.tree.leaves(resumed['params'])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert straight['eval_accuracy'] == resumed['eval_accuracy']
-  linen = train.train_and_evaluate(small_config(num_steps=1), str(tmp_path / 'linen'))
+  _, linen = reference_run  # The linen MLP of small_config().
   shapes = lambda p: sorted(np.shape(x) for x in jax.tree.leaves(p))
   assert shapes(linen['params']) == shapes(straight['params'])  # The same network.

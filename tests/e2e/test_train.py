@@ -18,6 +18,7 @@ from dpjax.trainer.workdir import checkpoints
 from dpjax.trainer.planning import plan as plan_lib
 from dpjax.privacy import privacy_plan
 from dpjax import train
+from dpjax.configs import digits_mlp
 from tests.run_configs import small_config
 
 pytestmark = pytest.mark.slow  # Whole trainings or child processes (`make test-unit` skips).
@@ -27,13 +28,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def flat_params(params):
   return np.concatenate([np.zeros(0)] + [np.asarray(x).ravel() for x in jax.tree.leaves(params)])
-
-
-@pytest.fixture(scope='module')
-def reference_run(tmp_path_factory):
-  """One uninterrupted 6-step run, shared by the tests that compare against it."""
-  workdir = tmp_path_factory.mktemp('reference')
-  return workdir, train.train_and_evaluate(small_config(), str(workdir))
 
 
 def test_run_writes_config_metrics_events_and_checkpoints_with_epsilon(reference_run, capsys):
@@ -70,7 +64,10 @@ def test_run_writes_config_metrics_events_and_checkpoints_with_epsilon(reference
 
 
 @pytest.mark.parametrize('sampler', ['poisson', 'balls_and_bins'])
-def test_step_compiles_once_over_an_epoch_of_variable_batches(tmp_path, sampler):
+def test_step_compiles_once_over_an_epoch_of_variable_batches(
+  tmp_path, sampler, in_process_pld_builds
+):
+  """(Balls-and-bins' one-epoch PLDs are built in this process: this test is about the step.)"""
   config = small_config(**{'sampler.name': sampler, 'num_steps': 14, 'checkpoint_every_steps': 100})
   result = train.train_and_evaluate(config, str(tmp_path))
   assert 14 > 1437 / 128  # More than one epoch (12 steps).
@@ -80,7 +77,9 @@ def test_step_compiles_once_over_an_epoch_of_variable_batches(tmp_path, sampler)
 def test_non_private_baseline_reports_no_epsilon(tmp_path):
   result = train.train_and_evaluate(small_config(**{'privacy.enabled': False}), str(tmp_path))
   assert 'privacy' not in result
-  assert checkpoints.read_metadata(str(tmp_path))[-1]['privacy']['epsilon'] is None
+  meta = checkpoints.read_metadata(str(tmp_path))[-1]
+  assert meta['privacy']['epsilon'] is None and meta['fingerprint']['privacy.enabled'] is False
+  assert meta['noise_multiplier'] is None
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(reference_run, tmp_path, capsys):
@@ -99,35 +98,35 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(reference_run,
 
 
 def test_resume_after_sigkill_is_bit_identical(tmp_path):
-  """SIGKILL mid-run and rerun (the seed drawn in secret, kept in the workdir); separately train
-  uninterrupted with that seed: same params and ε."""
-  args = [
-    '--config.num_steps=30',
-    '--config.num_epochs=0',
-    '--config.checkpoint_every_steps=10',
-    '--config.log_every_steps=15',
-    '--config.eval_every_steps=15',
-    '--config.privacy.target_epsilon=0',
-    '--config.privacy.noise_multiplier=1.0',
-    '--config.sampler.batch_size=64',
-    '--config.sampler.physical_batch_size=16',
-  ]
-
-  def command(workdir, *extra):
-    return [
+  """SIGKILL `python -m dpjax.train` mid-run and rerun (the seed drawn in secret, kept in the
+  workdir); separately train uninterrupted with that seed: same params and ε. The kill needs a
+  process; the rerun and the uninterrupted run train in this one (the same config and XLA flags:
+  the same programs), which spares two interpreters."""
+  overrides = {
+    'num_steps': 30,
+    'num_epochs': 0,
+    'checkpoint_every_steps': 10,
+    'log_every_steps': 15,
+    'eval_every_steps': 15,
+    'privacy.target_epsilon': 0.0,
+    'privacy.noise_multiplier': 1.0,
+    'sampler.batch_size': 64,
+    'sampler.physical_batch_size': 16,
+  }
+  killed = tmp_path / 'killed'
+  proc = subprocess.Popen(
+    [
       sys.executable,
       '-m',
       'dpjax.train',
       f'--config={REPO}/configs/digits_mlp.py',
-      f'--workdir={workdir}',
-      *args,
-      *extra,
-    ]
-
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  killed = tmp_path / 'killed'
-  proc = subprocess.Popen(
-    command(killed), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+      f'--workdir={killed}',
+      *[f'--config.{name}={value}' for name, value in overrides.items()],
+    ],
+    cwd=REPO,
+    env=dict(os.environ, JAX_PLATFORMS='cpu'),
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
   )
   deadline = time.time() + 300
   while not os.path.isdir(killed / 'checkpoints' / '10') and time.time() < deadline:
@@ -137,15 +136,15 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
   assert proc.returncode == -signal.SIGKILL
   steps_at_kill = checkpoints.read_metadata(str(killed))[-1]['step']
   assert 10 <= steps_at_kill < 30, 'the kill must land mid-run'
-  subprocess.run(command(killed), check=True, cwd=REPO, env=env, capture_output=True)
+
+  def config(**extra):
+    config = digits_mlp.get_config()  # What --config=configs/digits_mlp.py loads.
+    config.update_from_flattened_dict({**overrides, **extra})
+    return config
+
+  train.train_and_evaluate(config(), str(killed))  # Resumes with the stored seed.
   seed = json.load(open(killed / 'private' / 'seed.json'))['seed']
-  subprocess.run(
-    command(tmp_path / 'full', f'--config.seed={seed}'),
-    check=True,
-    cwd=REPO,
-    env=env,
-    capture_output=True,
-  )
+  train.train_and_evaluate(config(seed=seed), str(tmp_path / 'full'))
 
   full_meta = checkpoints.read_metadata(str(tmp_path / 'full'))[-1]
   resumed_meta = checkpoints.read_metadata(str(killed))[-1]

@@ -36,10 +36,9 @@ def audited_config(**overrides):
   )
 
 
-@pytest.fixture(scope='module')
-def audited_run(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp('audited')
-  return workdir, train.train_and_evaluate(audited_config(), str(workdir))
+@pytest.fixture
+def audited_run(shared_result):
+  return shared_result('audited', lambda w: train.train_and_evaluate(audited_config(), str(w)))
 
 
 def test_audit_bound_sits_beside_epsilon_and_below_it(audited_run, capsys):

@@ -216,20 +216,23 @@ def test_host_buffer_carries_the_example_indices():
 AUGMULT = {'augmult.num_views': 3, 'augmult.crop_padding': 1, 'augmult.flip': True}
 
 
-@pytest.fixture(scope='module')
-def augmult_run(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp('augmult')
-  return workdir, train.train_and_evaluate(small_config(**AUGMULT), str(workdir))
+@pytest.fixture
+def augmult_run(shared_result):
+  return shared_result(
+    'augmult', lambda w: train.train_and_evaluate(small_config(**AUGMULT), str(w))
+  )
 
 
 @pytest.mark.slow
-def test_trainer_with_augmult_reports_the_same_epsilon_and_compiles_once(augmult_run, tmp_path):
+def test_trainer_with_augmult_reports_the_same_epsilon_and_compiles_once(
+  augmult_run, reference_run
+):
   workdir, result = augmult_run
-  plain = train.train_and_evaluate(small_config(num_steps=6), str(tmp_path / 'plain'))
+  plain_workdir, plain = reference_run  # small_config() without augmult: 6 steps.
   assert result['epsilon'] == plain['epsilon']  # Accounting is unchanged by augmult.
   assert result['compilations'] == {'train_steps': 1}
   a = checkpoints.read_metadata(str(workdir))[-1]
-  b = checkpoints.read_metadata(str(tmp_path / 'plain'))[-1]
+  b = checkpoints.read_metadata(str(plain_workdir))[-1]
   assert a['step'] == b['step'] == 6 and a['fingerprint'] == b['fingerprint']
   assert not np.array_equal(
     jax.tree.leaves(result['params'])[0], jax.tree.leaves(plain['params'])[0]

@@ -189,6 +189,7 @@ except KeyboardInterrupt:
 """
 
 
+@pytest.mark.slow  # A child interpreter.
 def test_a_ctrl_c_dropped_in_a_gc_callback_stops_start_up_at_once():
   """A Ctrl-C that Python drops (the handler ran inside a gc callback) is delivered again and
   stops start-up within a second. Before, it waited for the loop's start: under the cold suite

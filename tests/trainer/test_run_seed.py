@@ -38,18 +38,21 @@ def _released(workdir):
   return _flat(checkpoints.read_state(str(workdir), step)['params'])
 
 
-@pytest.fixture(scope='module')
-def default_runs(tmp_path_factory):
-  """Two runs of the default config (each draws its seed), and what the first printed. The
-  tests only read them (a resume works on a copy)."""
-  root = tmp_path_factory.mktemp('default_runs')
+def _two_default_runs(root) -> str:
   out = io.StringIO()
   with pytest.MonkeyPatch.context() as patch:  # Their own seed record (root/state).
     patch.setenv('DPJAX_STATE_DIR', str(root / 'state'))
     with contextlib.redirect_stdout(out):
       train.train_and_evaluate(_default(), str(root / 'victim'))
     train.train_and_evaluate(_default(), str(root / 'attacker_d'))
-  return root, out.getvalue()
+  return out.getvalue()
+
+
+@pytest.fixture
+def default_runs(shared_result):
+  """Two runs of the default config (each draws its seed), and what the first printed, once per
+  test session. The tests only read them (a resume works on a copy)."""
+  return shared_result('default_runs', _two_default_runs)
 
 
 @pytest.mark.slow
