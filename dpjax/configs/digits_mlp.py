@@ -1,4 +1,4 @@
-"""DP-SGD MLP on scikit-learn's bundled digits (1797 8x8 images; offline): the default run.
+"""DP-SGD MLP on the embedded 8x8 digits (1797 images, scikit-learn's; offline): the default run.
 
 It needs no download and trains in seconds on two CPU cores: Poisson sampling
 (b = 256) with PLD accounting, σ calibrated to ε = 3 at δ = 1e-5 after 20

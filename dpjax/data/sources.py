@@ -5,7 +5,7 @@ A source maps example indices to a preprocessed batch
 
 | `data.source` | what | needs |
 |---|---|---|
-| `digits` | scikit-learn's bundled 8x8 digits (1797 images), fixed split (`digits`) | nothing (offline) |
+| `digits` | the 8x8 digits (1797 images, scikit-learn's), embedded with a fixed split (`digits`) | nothing (offline) |
 | `tfds` | any TFDS dataset, read with `tfds.data_source` (ArrayRecord, random access; no TensorFlow; `tfds_source`) | `data.name`, a prepared `data.data_dir` |
 | `npz` | arrays `x_train, y_train, x_test, y_test` in an `.npz` file (`arrays`) | `data.path` |
 | `memmap` | `.npy` files `x.npy`, `y.npy` per split, memory-mapped (N beyond RAM; `arrays`) | `data.path` (see below) |

@@ -201,6 +201,28 @@ class DPStep:
     )
 
   @classmethod
+  def non_private(
+    cls,
+    model,
+    optimizer: optax.GradientTransformation,
+    expected_batch_size,
+    seed: int = 0,
+    **kwargs,
+  ) -> 'DPStep':
+    """The non-private baseline of a Flax model: no clipping, no noise, Σ_i w_i · g_i / b
+    (`kwargs`: the other `for_model` arguments)."""
+    return cls.for_model(
+      model,
+      optimizer,
+      clip_norm=None,
+      noise_multiplier=None,
+      expected_batch_size=expected_batch_size,
+      private=False,
+      seed=seed,
+      **kwargs,
+    )
+
+  @classmethod
   def from_plan(
     cls, model, optimizer: optax.GradientTransformation, plan: privacy_plan.PrivacyPlan, **kwargs
   ) -> 'DPStep':

@@ -152,14 +152,11 @@ def train(config, train_source, variant: Variant, init=None):
   if plan.private:  # σ, C, b, B and the seed from the run's privacy plan.
     step = dp_step.DPStep.from_plan(model, optimizer, plan.privacy, clipping='vmap', augmult=views)
   else:
-    step = dp_step.DPStep.for_model(
+    step = dp_step.DPStep.non_private(
       model,
       optimizer,
-      clip_norm=None,
-      noise_multiplier=None,
-      expected_batch_size=plan.sampler.expected_batch_size,
-      private=False,
-      seed=plan.seed,
+      plan.sampler.expected_batch_size,
+      plan.seed,
       clipping='vmap',
       augmult=views,
     )

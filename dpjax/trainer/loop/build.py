@@ -129,14 +129,11 @@ def build_step(
     clipping_forms=plan.perf.clipping_forms,
   )
   if not plan.private:
-    return dp_step.DPStep.for_model(
+    return dp_step.DPStep.non_private(
       model,
       optimizer,
-      clip_norm=None,
-      noise_multiplier=None,
-      expected_batch_size=plan.sampler.expected_batch_size,
-      private=False,
-      seed=plan.seed,
+      plan.sampler.expected_batch_size,
+      plan.seed,
       precision=recipe.precision,
       **options,
     )
