@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from dpjax.trainer.workdir.atomic_write import write_text_atomically
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # dpjax_bench/ is at the root.
 
 
 def _git(*args: str) -> str | None:

@@ -1,12 +1,17 @@
 """dpjax_bench.provenance: what a measurement records beside its numbers."""
 
 import json
+import os
 import subprocess
 
 from dpjax_bench import provenance
 
 
 def test_git_state_is_the_checkouts_head():
+  """REPO is this checkout's root (it was the folder above it when provenance moved up a level:
+  every benchmark then wrote its JSON outside the repository and git_state read no repository)."""
+  assert os.path.isfile(os.path.join(provenance.REPO, 'pyproject.toml'))
+  assert os.path.isdir(os.path.join(provenance.REPO, 'scripts', 'results'))
   head = subprocess.run(
     ['git', 'rev-parse', 'HEAD'], cwd=provenance.REPO, capture_output=True, text=True, check=False
   ).stdout.strip()
