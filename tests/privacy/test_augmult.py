@@ -34,6 +34,13 @@ def _setup(p=5, k=4, seed=0):
   return params, x, y, views
 
 
+def _clipped_sum_of_view_means(params, batch, clip_norm):
+  total, stats = clipping.per_example_clipped_sum(
+    augmult.mean_over_views(loss_fn), params, batch, clip_norm
+  )
+  return total, stats.num_clipped
+
+
 @pytest.mark.slow
 def test_clipped_sum_is_the_view_mean_clipped_once():
   params, _, y, views = _setup()
@@ -41,22 +48,27 @@ def test_clipped_sum_is_the_view_mean_clipped_once():
   w = np.array([1, 1, 1, 1, 0], np.float32)  # The last row is padding.
   with jax.default_matmul_precision('highest'):
     # Independently: every per-view gradient by a double vmap, then averaged over views.
-    per_view = jax.vmap(
-      jax.vmap(jax.grad(lambda q, v, t: loss_fn(q, {'x': v, 'y': t})[0]), in_axes=(None, 0, None)),
-      in_axes=(None, 0, 0),
+    # Jitted: op by op, each primitive of the vmapped grads compiled alone took ~10 s.
+    per_view = jax.jit(
+      jax.vmap(
+        jax.vmap(
+          jax.grad(lambda q, v, t: loss_fn(q, {'x': v, 'y': t})[0]), in_axes=(None, 0, None)
+        ),
+        in_axes=(None, 0, 0),
+      )
     )(params, views, y)
     mean_g = jax.tree.map(lambda g: np.asarray(g, np.float64).mean(axis=1), per_view)
     norms = np.sqrt(sum(np.sum(g.reshape(p, -1) ** 2, 1) for g in jax.tree.leaves(mean_g)))
     c = float(np.median(norms[:4]))  # Some rows are clipped, some not.
     scale = w * np.minimum(1.0, c / norms)
     expected = jax.tree.map(lambda g: np.tensordot(scale, g, 1), mean_g)
-    got, stats = clipping.per_example_clipped_sum(
-      augmult.mean_over_views(loss_fn), params, {'x': views, 'y': y, 'weight': w}, c
+    got, num_clipped = jax.jit(_clipped_sum_of_view_means)(
+      params, {'x': views, 'y': y, 'weight': w}, c
     )
   for e, g in zip(jax.tree.leaves(expected), jax.tree.leaves(got)):
     np.testing.assert_allclose(np.asarray(g), e, rtol=1e-5, atol=1e-6)
   # Clipped once, on the view mean: the clip count is that of ‖ḡ_i‖ > C.
-  assert int(stats.num_clipped) == int(np.sum(norms[:4] > c))
+  assert int(num_clipped) == int(np.sum(norms[:4] > c))
   # Clipping each view then averaging would give something else (so this test can fail).
   view_norms = np.sqrt(
     sum(
@@ -85,11 +97,14 @@ def test_one_view_equals_todays_loss():
     np.testing.assert_array_equal(np.asarray(got_loss), np.asarray(loss))
     np.testing.assert_array_equal(np.asarray(got_logits), np.asarray(logits))
   batch = {'x': x, 'y': y, 'weight': jnp.ones(x.shape[0])}
-  g1, _ = clipping.per_example_clipped_sum(loss_fn, params, batch, 1.0)
+  clipped_sum = jax.jit(  # Jitted: op by op, each primitive compiled alone took seconds.
+    lambda f, q, b: clipping.per_example_clipped_sum(f, q, b, 1.0)[0], static_argnums=0
+  )
+  g1 = clipped_sum(loss_fn, params, batch)
   views = augmult.make_views(
     x, jnp.arange(x.shape[0]), 0, seed=0, num_views=1, crop_padding=0, flip=False
   )
-  g2, _ = clipping.per_example_clipped_sum(wrapped, params, {**batch, 'x': views}, 1.0)
+  g2 = clipped_sum(wrapped, params, {**batch, 'x': views})
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
