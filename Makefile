@@ -27,8 +27,10 @@ train: setup
 test: setup
 	$(PY) -m pytest -n 4 -q
 
+# Two workers: the quick tier starts no child process to wait on (2 cores; 116 s against 130 s
+# with four workers, warm cache, Nov 27).
 test-unit: setup
-	$(PY) -m pytest -n 4 -q -m "not slow"
+	$(PY) -m pytest -n 2 -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) workdirs
