@@ -162,7 +162,9 @@ class Run:
       label_format=config.data.label_format,
       seed=config.seed,
       precision=config.precision,
-      augmult=augmult.Augmult.from_config(config.augmult),
+      augmult=augmult.Augmult.of(
+        config.augmult.num_views, config.augmult.crop_padding, config.augmult.flip
+      ),
       allow_repeated_steps=True,
     )  # The timers replay steps; nothing is released.
     self.params = prng.init_params(model, config.seed, self.train_source.input_shape)

@@ -120,6 +120,8 @@ def test_the_privacy_core_reads_no_config():
   assert len(paths) > 30
   for path in paths:
     assert 'ml_collections' not in path.read_text(), path
+    names = {n.name for n in _functions(ast.parse(path.read_text()))}
+    assert 'from_config' not in names, path  # A config read without importing ml_collections.
 
 
 # What runs a plan: it reads the plan's typed blocks (`trainer/planning/plan_blocks.py`), never the config.

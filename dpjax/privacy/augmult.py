@@ -23,7 +23,7 @@ the views are identical copies (any input shape). The key of view k of
 example i at step t is a pure function of (seed, t, i, k), so a resumed run
 redraws exactly the same views.
 
-Use: `Augmult.from_config(config.augmult)` is what `dpjax.privacy.dp_step.DPStep`
+Use: `Augmult.of(K, crop_padding, flip)` is what `dpjax.privacy.dp_step.DPStep`
 takes (`augmult=`): its `views(x, indices, step, seed=)` = `make_views` turns a
 physical batch x [P, ...] into [P, K, ...] inside the compiled step, and
 `losses.make_loss_fn(..., views=True)` runs the model once on an example's K
@@ -92,11 +92,11 @@ class Augmult:
     check_config(self.num_views, self.crop_padding, self.flip)
 
   @classmethod
-  def from_config(cls, config) -> Augmult | None:
-    """`config.augmult` (ConfigDict) -> Augmult, or None when num_views <= 1."""
-    if config.num_views <= 1:
+  def of(cls, num_views: int, crop_padding: int = 0, flip: bool = False) -> Augmult | None:
+    """Augmult(K, crop_padding, flip), or None when K <= 1 (off)."""
+    if num_views <= 1:
       return None
-    return cls(int(config.num_views), int(config.crop_padding), bool(config.flip))
+    return cls(int(num_views), int(crop_padding), bool(flip))
 
   def views(self, x: jax.Array, indices: jax.Array, step, *, seed) -> jax.Array:
     """x [P, ...] -> views [P, K, ...] (see `make_views`)."""

@@ -186,7 +186,7 @@ def test_one_view_is_the_ordinary_step():
   one = dp_step.DPStep.for_model(
     model,
     opt,
-    augmult=augmult.Augmult.from_config(small_config(**{'augmult.num_views': 1}).augmult),
+    augmult=augmult.Augmult.of(small_config(**{'augmult.num_views': 1}).augmult.num_views),
     **kw,
   )
   assert one.augmult is None

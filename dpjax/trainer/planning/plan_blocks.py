@@ -77,7 +77,7 @@ class Recipe:
       noise_prng=declared(config, 'privacy.noise_prng'),
       precision=declared(config, 'precision'),
       ema_decay=float(declared(config, 'ema_decay')),
-      augmult=augmult_lib.Augmult.from_config(ml_collections.ConfigDict(augmult)),
+      augmult=augmult_lib.Augmult.of(**augmult),
       optimizer=optimizers.OptimizerSettings.of(
         config_fields.get(config, 'optimizer', ml_collections.ConfigDict())
       ),
