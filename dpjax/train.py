@@ -320,14 +320,10 @@ def main(argv):
     cli.quiet_broken_pipe()
     sys.exit(1)
   except KeyboardInterrupt:  # Ctrl-C before the loop (it handles its own): no traceback.
-    interrupts.interrupt_handled()
-    print(
+    interrupts.exit_interrupted(
       f'{prog}: interrupted (Ctrl-C) before training started; rerun the same command to '
-      'start again.',
-      file=sys.stderr,
-      flush=True,
+      'start again.'
     )
-    sys.exit(130)
 
 
 if __name__ == '__main__':
@@ -337,6 +333,4 @@ if __name__ == '__main__':
   try:
     app.run(main, flags_parser=parse_flags)
   except KeyboardInterrupt:  # During start-up (imports, flag parsing).
-    interrupts.interrupt_handled()
-    print(f'{PROG}: interrupted (Ctrl-C) before training started.', file=sys.stderr, flush=True)
-    sys.exit(130)
+    interrupts.exit_interrupted(f'{PROG}: interrupted (Ctrl-C) before training started.')

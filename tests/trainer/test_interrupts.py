@@ -206,6 +206,47 @@ def test_a_ctrl_c_dropped_in_a_gc_callback_stops_start_up_at_once():
   assert out.startswith('interrupted after ') and float(out.split()[2]) < 1.0, out
 
 
+INTERRUPTED_START_UP = """
+import atexit, os, signal, sys
+from dpjax.trainer.commands import interrupts
+signal.signal(signal.SIGINT, interrupts.interrupt_before_the_loop)
+sys.unraisablehook = interrupts.drop_lost_interrupts
+def teardown_dies_by_the_signal():  # What 1 in ~15 interrupted start-ups did after the line.
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+  os.kill(os.getpid(), signal.SIGINT)
+atexit.register(teardown_dies_by_the_signal)
+class Finaliser:
+  def __del__(self):
+    interrupts.interrupt_before_the_loop(signal.SIGINT, None)  # Dropped by Python.
+try:
+  print('started', flush=True)
+  Finaliser(); Finaliser()  # Two dropped copies of one Ctrl-C: delivered again once.
+  signal.pause()
+  sys.exit(0)
+except KeyboardInterrupt:
+  interrupts.exit_interrupted('cmd: interrupted (Ctrl-C) before training started.')
+"""
+
+
+@pytest.mark.slow  # A child interpreter.
+def test_an_interrupted_start_up_exits_130_with_its_one_line():
+  """A Ctrl-C before the loop ends in its line and exit 130, whatever the interpreter's teardown
+  would do: on 203fef3 (`sys.exit(130)`), 1 in ~15 Ctrl-Cs 3 s into `dpjax.train` printed the
+  line and died by the signal (exit -2; test_bad_inputs' Ctrl-C during start-up failed so)."""
+  proc = subprocess.run(
+    [sys.executable, '-c', INTERRUPTED_START_UP],
+    capture_output=True,
+    text=True,
+    timeout=60,
+    env=child_env(),
+  )
+  assert (proc.returncode, proc.stdout, proc.stderr) == (
+    130,
+    'started\n',
+    'cmd: interrupted (Ctrl-C) before training started.\n',
+  ), proc
+
+
 ONE_SHOT_COMMAND = """
 import os, signal, subprocess, sys
 from dpjax.utils.child_env import child_env
