@@ -35,14 +35,20 @@ _CACHE = os.environ.setdefault(
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 # The suite's programs are tiny and run a few times each: compiling them takes far more CPU than
-# running them. XLA's LLVM optimisation passes are off for them on the CPU (a cold compilation
-# cache: -40% on the compile-heavy files), which changes no program, only its machine code (float
-# results may differ in the last bits, as on another CPU; runs compared bit for bit both use it).
+# running them. On the CPU, XLA's LLVM optimisation passes are off for them (a cold compilation
+# cache: -40% on the compile-heavy files), fusions are emitted by the elemental emitters rather
+# than the MLIR fusion emitters (-43% compile time on the WRN ghost test and the CNN augmult step,
+# Nov 27), and each module is compiled in one piece rather than split over threads (the workers
+# already fill the cores). None of this changes a program, only its machine code (float results
+# may differ in the last bits, as on another CPU; runs compared bit for bit both use it).
 # Subprocesses inherit it through XLA_FLAGS. A GPU run (JAX_PLATFORMS=cuda) keeps the defaults.
+_CPU_COMPILE_FLAGS = (
+  '--xla_backend_optimization_level=0',
+  '--xla_cpu_use_fusion_emitters=false',
+  '--xla_cpu_parallel_codegen_split_count=1',
+)
 if os.environ.get('JAX_PLATFORMS', 'cpu') == 'cpu':
-  os.environ['XLA_FLAGS'] = ' '.join(
-    [os.environ.get('XLA_FLAGS', ''), '--xla_backend_optimization_level=0']
-  ).strip()
+  os.environ['XLA_FLAGS'] = ' '.join([os.environ.get('XLA_FLAGS', ''), *_CPU_COMPILE_FLAGS]).strip()
 jax.config.update('jax_compilation_cache_dir', _CACHE)
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
 jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
