@@ -8,7 +8,6 @@ dp_accounting's PLD accountant called here on the Poisson events of every run in
 import functools
 import json
 import os
-import pathlib
 import re
 import shutil
 
