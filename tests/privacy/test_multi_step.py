@@ -1,5 +1,7 @@
 """dpjax.privacy.multi_step: S logical steps in one call equal S calls of DPStep.train_step."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,18 +27,73 @@ def _copy(tree):
   return jax.tree.map(np.array, tree)  # The programs donate their inputs.
 
 
-def _setup(sampler_name='poisson'):
+def _setup(sampler_name='poisson', cap=None):
+  """(train, sampler, batcher, model, params) of the digits MLP; the batcher's cap B is the
+  sampler's own for two epochs, or `cap`."""
   config = digits_mlp.get_config()
   config.sampler.name = sampler_name
   train, _ = data.make_sources(config.data)
   sampler = plan_lib.make_sampler(config, len(train))
-  cap = batching.resolve_max_batch_size(
-    sampler, 64, 0, num_steps=2 * sampler.steps_per_epoch, delta=1e-5
-  )
+  if cap is None:
+    cap = _two_epoch_cap(sampler)
   batcher = batching.Batcher(sampler, 64, cap)
   model = models.make_model(config.model, train.num_classes, train.input_shape)
   params = prng.init_params(model, 0, train.input_shape)
   return train, sampler, batcher, model, params
+
+
+def _two_epoch_cap(sampler):
+  return batching.resolve_max_batch_size(
+    sampler, 64, 0, num_steps=2 * sampler.steps_per_epoch, delta=1e-5
+  )
+
+
+@functools.cache
+def _every_samplers_cap():
+  """The largest cap B any sampler of the digits config resolves for two epochs: with it every
+  sampler's buffers have one shape (the others get more padding slots)."""
+  config = digits_mlp.get_config()
+  caps = []
+  for name in samplers.SAMPLER_NAMES:
+    config.sampler.name = name
+    caps.append(_two_epoch_cap(plan_lib.make_sampler(config, 1437)))  # Digits: 1,437 rows.
+  return max(caps)
+
+
+@functools.cache
+def _shared_runner(expected_batch_size):
+  """One MultiStep(4) per b, shared by the samplers' test (each new runner traces, lowers and
+  compiles its program again): a sampler whose chunks needed another program would compile
+  it again, which the test counts. Every test runs steps 0, 1, ...: repeated steps allowed (a
+  host-side check, not in the program)."""
+  step = dp_step.DPStep.for_model(
+    _setup()[3],
+    optax.sgd(0.5),
+    clip_norm=1.0,
+    noise_multiplier=1.0,
+    expected_batch_size=expected_batch_size,
+    allow_repeated_steps=True,
+  )
+  return step, multi_step.MultiStep(step, 4)
+
+
+@functools.cache
+def _momentum_step(loop, mesh):
+  """The DPStep of `test_a_call_of_s_steps_equals_s_train_steps` (its reference path), one per
+  (loop, mesh): the cases with and without EMA share its compiled train_step. Both paths run
+  the same steps: repeated steps allowed."""
+  _, sampler, _, model, _ = _setup()
+  return dp_step.DPStep.for_model(
+    model,
+    optax.sgd(0.5, momentum=0.9),
+    clip_norm=1.0,
+    noise_multiplier=1.0,
+    expected_batch_size=sampler.expected_batch_size,
+    seed=3,
+    physical_loop=loop,
+    mesh=sharding.make_mesh(1) if mesh else None,
+    allow_repeated_steps=True,
+  )
 
 
 def _prepared(batcher, first, count):
@@ -56,20 +113,10 @@ def _prepared(batcher, first, count):
   [('device', 0.0, False), ('device', 0.9, False), ('device', 0.9, True), ('host', 0.9, False)],
 )
 def test_a_call_of_s_steps_equals_s_train_steps(loop, ema_decay, mesh):
-  train, sampler, batcher, model, params = _setup()
+  train, sampler, batcher, _, params = _setup()
   dataset = device_data.put_on_device(train)
-  mesh = sharding.make_mesh(1) if mesh else None
-  step = dp_step.DPStep.for_model(
-    model,
-    optax.sgd(0.5, momentum=0.9),
-    clip_norm=1.0,
-    noise_multiplier=1.0,
-    expected_batch_size=sampler.expected_batch_size,
-    seed=3,
-    physical_loop=loop,
-    mesh=mesh,
-    allow_repeated_steps=True,
-  )  # Both paths run the same steps.
+  step = _momentum_step(loop, mesh)
+  mesh = step.mesh
   runner = multi_step.MultiStep(step, 4, ema_decay=ema_decay, mesh=mesh)
   opt_state = step.optimizer.init(params)
   ema0 = ema_lib.init(params) if ema_decay else None
@@ -111,16 +158,10 @@ def test_a_call_of_s_steps_equals_s_train_steps(loop, ema_decay, mesh):
 
 
 def test_count_zero_changes_nothing():
-  train, sampler, batcher, model, params = _setup()
-  step = dp_step.DPStep.for_model(
-    model,
-    optax.sgd(0.5),
-    clip_norm=1.0,
-    noise_multiplier=1.0,
-    expected_batch_size=sampler.expected_batch_size,
-  )
-  runner = multi_step.MultiStep(step, 3)
-  chunk = multi_step.stack(0, _prepared(batcher, 0, 1), 3)
+  """The program of the samplers' test (`_shared_runner`), called with count 0."""
+  train, sampler, batcher, _, params = _setup(cap=_every_samplers_cap())
+  step, runner = _shared_runner(sampler.expected_batch_size)
+  chunk = multi_step.stack(0, _prepared(batcher, 0, 1), 4)
   chunk.count = np.int32(0)
   got, _, ema, metrics = runner(
     _copy(params), step.optimizer.init(params), None, chunk, device_data.put_on_device(train)
@@ -218,16 +259,11 @@ def test_trainer_executes_one_program_per_call_and_nothing_else_per_step(
 @pytest.mark.parametrize('sampler_name', samplers.SAMPLER_NAMES)
 def test_two_epochs_of_every_sampler_compile_the_multi_step_program_once(sampler_name):
   """K varies per step and the count per call (calls cut at a period of 5): one program, no
-  backend compilation after the first call."""
-  train, sampler, batcher, model, params = _setup(sampler_name)
-  step = dp_step.DPStep.for_model(
-    model,
-    optax.sgd(0.5),
-    clip_norm=1.0,
-    noise_multiplier=1.0,
-    expected_batch_size=sampler.expected_batch_size,
-  )
-  runner = multi_step.MultiStep(step, 4)
+  backend compilation after the first call. The samplers with one b share the program
+  (`_shared_runner`): it is compiled once for all of them."""
+  train, sampler, batcher, model, params = _setup(sampler_name, _every_samplers_cap())
+  assert sampler.rows == 1437
+  step, runner = _shared_runner(sampler.expected_batch_size)
   dataset = device_data.put_on_device(train)
   opt_state = step.optimizer.init(params)
   compiles = []

@@ -36,6 +36,17 @@ def _params():
   )
 
 
+def _library_step(tx):
+  """The library tier's release and optimizer step, `tx.update` then `optax.apply_updates`,
+  jitted as a user would (eager, each of its ops was compiled alone)."""
+
+  def step(total, state, params, t):
+    updates, state = tx.update(total, state, params, step=t)
+    return optax.apply_updates(params, updates), state
+
+  return jax.jit(step)
+
+
 def _logical_batches(num_steps: int):
   """Per step: K_max = 3 physical batches of P rows, the first k real (k = 2, 0, 3)."""
   rng = np.random.default_rng(1)
@@ -67,6 +78,7 @@ def test_the_trainers_step_and_the_library_give_the_same_update(method):
 
   grad_fn = jax.jit(plan.clipped_grad(losses.make_loss_fn(MODEL), has_aux=True, method=method))
   tx = optax.chain(plan.privatizer(), opt)
+  lib_step = _library_step(tx)
   lib_params, lib_state = _params(), tx.init(_params())
   for t, (buffer, k) in enumerate(_logical_batches(3)):
     params, opt_state, _ = step.train_step(
@@ -76,8 +88,7 @@ def test_the_trainers_step_and_the_library_give_the_same_update(method):
     for i in range(k):
       rows = {'x': buffer['x'][i], 'y': buffer['y'][i]}
       total = total.add(grad_fn(lib_params, rows, buffer['weight'][i])[0])
-    updates, lib_state = tx.update(total.total, lib_state, lib_params, step=t)
-    lib_params = optax.apply_updates(lib_params, updates)
+    lib_params, lib_state = lib_step(total.total, lib_state, lib_params, np.uint32(t))
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(lib_params)):
       np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-7)
   assert int(lib_state[0].step) == 3
@@ -111,6 +122,7 @@ def test_the_step_of_a_loss_fn_is_clipped_grad_then_the_privatizer_then_the_opti
   params = {'w': rng.normal(size=D).astype(np.float32), 'b': np.float32(0.1)}
   grad_fn = jax.jit(dpjax.clipped_grad(loss_fn, c, method='vmap'))
   tx = optax.chain(noise.gaussian_privatizer(sigma, c, b, seed), opt)
+  lib_step = _library_step(tx)
   p, state, lib_p, lib_state = params, step.init_opt_state(params), params, tx.init(params)
   for t, k in enumerate((2, 0, 3)):
     buf = {
@@ -122,8 +134,7 @@ def test_the_step_of_a_loss_fn_is_clipped_grad_then_the_privatizer_then_the_opti
     total = accumulator.GradSum.zeros(lib_p)
     for i in range(k):
       total = total.add(grad_fn(lib_p, {'x': buf['x'][i], 'y': buf['y'][i]}, buf['weight'][i])[0])
-    updates, lib_state = tx.update(total.total, lib_state, lib_p, step=t)
-    lib_p = optax.apply_updates(lib_p, updates)
+    lib_p, lib_state = lib_step(total.total, lib_state, lib_p, np.uint32(t))
     for a, want in zip(jax.tree.leaves(p), jax.tree.leaves(lib_p)):
       np.testing.assert_allclose(a, want, rtol=2e-6, atol=1e-7)
   assert float(jnp.abs(p['w'] - params['w']).sum()) > 0.1  # Updates that happened.

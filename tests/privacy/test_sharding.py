@@ -81,6 +81,53 @@ def _resume_from_step_3(outdir, source, name, num_devices, train):
   return train.train_and_evaluate(_config(num_devices=num_devices), workdir)
 
 
+def _train_step_parity(arrays):
+  """The fused logical step (`DPStep.train_step`, [K_max, P] index buffer over the dataset
+  on the device) for 2 steps: on 1 device, and with the buffer's rows split over the 4
+  devices (dataset replicated) by the device loop and by the host loop. Moved here from
+  tests/privacy/test_dp_step.py, whose own 4-device child process it was."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from dpjax.privacy import batching  # pylint: disable=g-import-not-at-top
+  from dpjax.data import sources as data  # pylint: disable=g-import-not-at-top
+  from dpjax.data import device as device_data  # pylint: disable=g-import-not-at-top
+  from dpjax.privacy import dp_step  # pylint: disable=g-import-not-at-top
+  from dpjax.models import factory as models  # pylint: disable=g-import-not-at-top
+  from dpjax.trainer.planning import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from dpjax.privacy import sharding  # pylint: disable=g-import-not-at-top
+  from dpjax.configs import digits_mlp  # pylint: disable=g-import-not-at-top
+
+  config = digits_mlp.get_config()  # Its default sampler, not RUN's.
+  train_source, _ = data.make_sources(config.data)
+  sampler = plan_lib.make_sampler(config, len(train_source))
+  batcher = batching.Batcher(sampler, 64, 512)
+  model = models.make_model(config.model, train_source.num_classes, train_source.input_shape)
+  replicated = []
+  for name, mesh in (('one', None), ('four', sharding.make_mesh(4))):
+    for loop in ('device', 'host') if mesh else ('device',):
+      step = dp_step.DPStep.for_model(
+        model,
+        optax.sgd(0.5),
+        clip_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=sampler.expected_batch_size,
+        mesh=mesh,
+        physical_loop=loop,
+        seed=4,
+      )
+      dataset = device_data.put_on_device(train_source, mesh and sharding.replicated(mesh))
+      params = prng.init_params(model, 0, train_source.input_shape)
+      state = (params, step.optimizer.init(params))
+      arrays['train_step_init'] = _flat(params)
+      for t in range(2):
+        buf, k = device_data.index_buffer(batcher.logical_batch(t), 8, num_rows=len(dataset))
+        *state, _ = step.train_step(*state, buf, k, np.uint32(t), dataset)
+      arrays[f'train_step_{name}_{loop}'] = _flat(state[0])
+      if mesh is not None:
+        replicated.append(all(l.sharding.is_fully_replicated for l in jax.tree.leaves(state[0])))
+  return replicated
+
+
 def _worker(outdir):
   """Runs in the 4-device subprocess; writes results.json and params.npz."""
   import contextlib  # pylint: disable=g-import-not-at-top
@@ -195,6 +242,7 @@ def _worker(outdir):
     )['state']
     arrays[name] = _flat(state.params)
     out[name + '_devices'] = len(jax.tree.leaves(state.params)[0].sharding.device_set)
+  out['train_step_four_replicated'] = _train_step_parity(arrays)
   np.savez(os.path.join(outdir, 'params.npz'), **arrays)
   with open(os.path.join(outdir, 'results.json'), 'w') as f:
     json.dump(out, f)
@@ -383,6 +431,17 @@ def test_restore_on_one_device_continues_the_four_device_run(worker):
   np.testing.assert_allclose(params['resume1'], params['full4'], rtol=0, atol=PARITY_ATOL)
   assert results['resume1']['epsilon'] == results['full4']['epsilon']
   assert results['resume1']['checkpoint_epsilons'] == results['full4_checkpoint_epsilons']
+
+
+def test_train_step_on_four_devices_equals_one_device(worker):
+  """The [K_max, P] buffer split over 4 devices (rows), dataset replicated: the same params
+  as on one device, by the device loop and by the host loop (moved from test_dp_step.py)."""
+  results, params = worker
+  assert results['train_step_four_replicated'] == [True, True]
+  ref = params['train_step_one_device']
+  for name in ('train_step_four_device', 'train_step_four_host'):
+    np.testing.assert_allclose(params[name], ref, rtol=0, atol=PARITY_ATOL, err_msg=name)
+  assert not np.allclose(ref, params['train_step_init'], atol=1e-3)  # The steps moved them.
 
 
 if __name__ == '__main__':

@@ -139,8 +139,7 @@ def test_lora_only_the_adapters_change_and_start_at_the_pretrained_model():
   }
   x = _batch()['x']
   np.testing.assert_array_equal(
-    np.asarray(model.apply({'params': trainable}, x)),
-    np.asarray(MODEL.apply({'params': params}, x)),
+    np.asarray(_jitted_apply(model, trainable, x)), np.asarray(_jitted_apply(MODEL, params, x))
   )
   trained = finetune.flatten(_train(model, trainable))
   start = finetune.flatten(trainable)
@@ -167,6 +166,12 @@ def test_lora_only_the_adapters_change_and_start_at_the_pretrained_model():
   )
 
 
+def _jitted_apply(model, params, x):
+  """model.apply as one program (eager, each of its ops is compiled alone: a transformer's
+  forward pass compiled op by op cost seconds)."""
+  return jax.jit(lambda p, v: model.apply({'params': p}, v))(params, x)
+
+
 @pytest.mark.slow
 def test_attention_kernels_are_viewed_as_in_by_out_matrices():
   assert finetune.matrix_split('MultiHeadDotProductAttention_0/query/kernel', (64, 4, 16)) == 1
@@ -189,8 +194,7 @@ def test_attention_kernels_are_viewed_as_in_by_out_matrices():
   assert flat['MultiHeadDotProductAttention_0/query/kernel_lora_b'].shape == (2, 8)
   x = jnp.ones((2, 4, 5))
   np.testing.assert_array_equal(
-    np.asarray(wrapped.apply({'params': trainable}, x)),
-    np.asarray(model.apply({'params': params}, x)),
+    np.asarray(_jitted_apply(wrapped, trainable, x)), np.asarray(_jitted_apply(model, params, x))
   )
 
 

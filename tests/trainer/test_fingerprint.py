@@ -40,21 +40,32 @@ def _configs(root):
   }
 
 
-def _train_runs(root):
+def _train_runs(root, given):
+  """Into root: the digits npz and the runs of `_configs`, 'given' (small_config()) a copy of
+  the finished run `given` (the session's `reference_run`: the same config, trained once)."""
   root = pathlib.Path(root)
   x_train, y_train, x_test, y_test = digits.load_digits_arrays()
   np.savez(root / 'digits.npz', x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test)
   for name, config in _configs(root).items():
-    train.train_and_evaluate(config, str(root / name))
+    if name == 'given':
+      shutil.copytree(given, root / name)
+    else:
+      train.train_and_evaluate(config, str(root / name))
+
+
+def built_runs(shared_setup, reference_run) -> pathlib.Path:
+  """The root of `_train_runs`, built once per test session (pytest-xdist workers share it)."""
+  build = lambda root: _train_runs(root, reference_run[0])
+  return pathlib.Path(shared_setup('fingerprint_runs', build))
 
 
 @pytest.fixture(scope='module')
-def finished_runs(shared_setup):
+def finished_runs(shared_setup, reference_run):
   """A private run with a given σ, one with a calibrated σ, a non-private one, one on an npz.
 
   Trained once per test session (pytest-xdist workers share them): every test copies a run
   before changing anything, or only reads it."""
-  root = pathlib.Path(shared_setup('fingerprint_runs', _train_runs))
+  root = built_runs(shared_setup, reference_run)
   return root, _configs(root)
 
 

@@ -8,7 +8,6 @@ dp_accounting's PLD accountant called here on the Poisson events of every run in
 import functools
 import json
 import os
-import pathlib
 import re
 import shutil
 
@@ -32,10 +31,9 @@ COARSE = {'value_discretization_interval': 1e-3}  # Cheaper PLDs; the same on bo
 
 
 @pytest.fixture(scope='module')
-def runs(shared_setup):
+def runs(shared_setup, reference_run):
   """The fingerprint tests' finished runs: 'given' is A; 'non_private' trained without noise."""
-  build = test_fingerprint._train_runs  # pylint: disable=protected-access
-  return pathlib.Path(shared_setup('fingerprint_runs', build))
+  return test_fingerprint.built_runs(shared_setup, reference_run)
 
 
 @functools.lru_cache(maxsize=16)

@@ -91,16 +91,18 @@ def test_the_seed_is_stored_privately_and_nowhere_else(default_runs):
 
 @pytest.mark.slow
 def test_a_resume_reuses_the_stored_seed_and_a_missing_or_other_seed_is_refused(
-  default_runs, tmp_path
+  default_runs, tmp_path, capsys
 ):
   workdir = str(tmp_path / 'run')
   shutil.copytree(default_runs[0] / 'victim', workdir)  # A finished run of _default().
   seed = run_seed.stored_seed(workdir).value
   longer = train.train_and_evaluate(_default(num_steps=4), workdir)  # Resumes, same seed.
+  capsys.readouterr()
   reference = train.train_and_evaluate(
     small_config(seed=seed, num_steps=4, checkpoint_every_steps=3), str(tmp_path / 'given')
   )
   np.testing.assert_array_equal(_flat(longer['params']), _flat(reference['params']))
+  _assert_given_seed_is_used_and_labelled(seed, tmp_path / 'given', capsys.readouterr().out)
   with pytest.raises(plan_lib.PlanError, match='seed: another seed'):
     train.train_and_evaluate(_default(num_steps=5, seed=seed + 1), workdir)
   os.remove(run_seed.seed_path(workdir))
@@ -108,16 +110,17 @@ def test_a_resume_reuses_the_stored_seed_and_a_missing_or_other_seed_is_refused(
     train.train_and_evaluate(_default(num_steps=5), workdir)
 
 
-@pytest.mark.slow
-def test_a_given_seed_is_used_and_labelled_on_the_start_and_final_lines(tmp_path, capsys):
-  train.train_and_evaluate(_default(seed=7), str(tmp_path / 'run'))
-  out = capsys.readouterr().out
+def _assert_given_seed_is_used_and_labelled(seed, workdir, out):
+  """A seed given by the config is the run's, stored as such, and labelled on the start and
+  Final lines (was test_a_given_seed_is_used_and_labelled_on_the_start_and_final_lines, with
+  a run of its own: now the given-seed run of the resume test)."""
   assert (
-    'Seed: 7, given by the config: the privacy guarantee holds only if this seed is secret' in out
+    f'Seed: {seed}, given by the config: the privacy guarantee holds only if this seed is secret'
+    in out
   )
   final = [line for line in out.splitlines() if line.startswith('Final:')][0]
   assert 'ε holds only if that seed is secret' in final
-  assert run_seed.stored_seed(str(tmp_path / 'run')) == run_seed.RunSeed(7, 'config')
+  assert run_seed.stored_seed(str(workdir)) == run_seed.RunSeed(seed, 'config')
 
 
 def test_drawn_seeds_use_all_64_bits_of_the_prng_key():

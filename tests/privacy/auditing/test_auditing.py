@@ -169,12 +169,15 @@ def test_injected_canary_gradient_is_its_clipped_direction_times_its_coin(digits
   loss_fn = losses.make_loss_fn(model)
   base = clipping.make_clipped_sum_fn('vmap', loss_fn, 1.0)
   fn = gradient_canary.with_gradient_canaries(base, canaries, canary_norm=10.0, clip_norm=1.0)
+  # Jitted, each a program (eager, each of their ops was compiled alone: 5 s of CPU).
   with jax.default_matmul_precision('highest'):
-    got = jax.flatten_util.ravel_pytree(fn(params, batch)[0])[0]
+    got = jax.flatten_util.ravel_pytree(jax.jit(fn)(params, batch)[0])[0]
   ordinary = dict(batch, weight=np.array([1, 1, 0, 0, 0, 1, 0, 0], np.float32))
   del ordinary['canary_id']
   with jax.default_matmul_precision('highest'):
-    want = np.array(jax.flatten_util.ravel_pytree(base(params, ordinary)[0])[0], np.float64)
+    want = np.array(
+      jax.flatten_util.ravel_pytree(jax.jit(base)(params, ordinary)[0])[0], np.float64
+    )
   for j in (0, 3, 7):
     want[canaries.coordinates[j]] += canaries.membership[j] * canaries.signs[j] * 1.0
   np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=1e-6)
@@ -201,11 +204,27 @@ def _audit(config, run):
 M = 200  # canaries in the training tests
 
 
+@pytest.fixture(scope='module')
+def audited_runs(digits):
+  """`runs(bug)`: the audited training of `digits` with M canaries and the planted bug (None:
+  the correct code), trained once per module (the CLI test reads the 'noise_tenth' run too)."""
+  config, model, train = digits
+  done = {}
+
+  def runs(bug):
+    if bug not in done:
+      settings = plan_lib.audit_settings(config)
+      done[bug] = audited_sgd.train(settings, model, train, num_canaries=M, _bug=bug)
+    return done[bug]
+
+  return runs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('bug', [None, *audited_sgd.PLANTED_BUGS])
-def test_planted_bugs_are_flagged_and_correct_code_is_not(digits, bug):
-  config, model, train = digits
-  run = audited_sgd.train(plan_lib.audit_settings(config), model, train, num_canaries=M, _bug=bug)
+def test_planted_bugs_are_flagged_and_correct_code_is_not(digits, audited_runs, bug):
+  config = digits[0]
+  run = audited_runs(bug)
   claim = _claim(config, run)
   audit, test = _audit(config, run)
   flagged = audit.epsilon_lower > claim or test.flagged
@@ -235,11 +254,9 @@ def test_non_private_run_reaches_half_the_largest_bound(digits):
 
 
 @pytest.mark.slow
-def test_cli_recomputes_the_audit_of_a_saved_run(digits, tmp_path, capsys):
+def test_cli_recomputes_the_audit_of_a_saved_run(digits, audited_runs, tmp_path, capsys):
   config, model, train = digits
-  run = audited_sgd.train(
-    plan_lib.audit_settings(config), model, train, num_canaries=M, _bug='noise_tenth'
-  )
+  run = audited_runs('noise_tenth')
   report = plan_lib.make_accountant(config, run.num_examples).epsilon_at(config.num_steps)
   record.save_run(str(tmp_path), run, report.to_dict(), config.num_steps, confidence=CONFIDENCE)
   assert audit_cli.main(['--workdir', str(tmp_path), '--json']) == 0
