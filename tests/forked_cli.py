@@ -122,7 +122,8 @@ def _child(module: str, case: dict, out: str, err: str) -> None:
       sys.argv = [case['path'], *argv]
       sys.path.insert(0, os.path.dirname(os.path.abspath(case['path'])))
       runpy.run_path(case['path'], run_name='__main__')
-    else:
+    else:  # As `python -m`: the working directory first on sys.path.
+      sys.path[0] = os.getcwd()
       sys.argv = [importlib.util.find_spec(module).origin, *argv]
       runpy.run_module(module, run_name='__main__', alter_sys=True)
     code = 0
