@@ -34,24 +34,21 @@ def small_config(**overrides):
   )
 
 
-def test_start_states_plan_and_clipping_per_layer_and_progress_rate_eta_and_epsilon(tmp_path):
-  proc = subprocess.run(
-    [
-      sys.executable,
-      '-m',
-      'dpjax.train',
-      f'--config={REPO}/configs/digits_mlp.py:runlocal',
-      f'--workdir={tmp_path / "w"}',
-      '--config.log_every_steps=2',
-    ],
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    env=CHILD_ENV,
-    timeout=300,
-    check=True,
-  )
-  lines = proc.stdout.strip().splitlines()
+def test_start_states_plan_and_clipping_per_layer_and_progress_rate_eta_and_epsilon(
+  tmp_path, capsys
+):
+  """What `python -m dpjax.train --config configs/digits_mlp.py:runlocal` prints, from the
+  start to the Final line: the trainer prints it, in this process (a child interpreter's
+  imports spared; the command's own start is tests/e2e/test_cli_examples.py's train-0, its
+  exit codes tests/e2e/test_bad_inputs.py)."""
+  from dpjax.configs import digits_mlp  # pylint: disable=import-outside-toplevel
+
+  config = digits_mlp.get_config('runlocal')
+  config.log_every_steps = 2
+  capsys.readouterr()
+  train.train_and_evaluate(config, str(tmp_path / 'w'))
+  stdout = capsys.readouterr().out
+  lines = stdout.strip().splitlines()
   assert lines[0].startswith('1 device(s) on 1 process(es)')
   assert lines[1].startswith('Model mlp with 4,810 parameters; poisson sampler, N = 1437, b = 256')
   assert 'σ = ' in lines[1] and '(calibrated)' in lines[1] and 'target ε = 3' in lines[1]
