@@ -13,6 +13,10 @@ stdout and stderr going to files; an exception leaving MODULE prints its traceba
 killed by that signal), stdout and stderr. Each child starts from the state a fresh interpreter
 reaches after those imports, so it sees what a user's command sees, except what the imports
 themselves print: a test keeps one real `python -m` run beside it for that.
+
+A case with "path" runs that script instead, as `python PATH ARGV` does (`runpy.run_path`), its
+imports done here first too, and the package attributes it reads (`dpjax.PrivacyPlan`: a lazy
+export imports its module on first use). MODULE may then be '-' (no module).
 """
 
 import ast
@@ -32,7 +36,32 @@ def preimport(module: str) -> None:
   imports its heavy modules where it needs them, so that its --help starts fast."""
   spec = importlib.util.find_spec(module)
   with open(spec.origin, encoding='utf-8') as f:
+    _import_all(ast.parse(f.read()))
+
+
+def preimport_path(path: str) -> None:
+  """The same for the script `path`, and the attributes it reads of a module it imports
+  whole (`import dpjax` ... `dpjax.PrivacyPlan`: a lazy export imports its module)."""
+  with open(path, encoding='utf-8') as f:
     tree = ast.parse(f.read())
+  _import_all(tree)
+  aliases = {}
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for alias in node.names:  # `import a.b` binds a; `import a.b as c` binds c to a.b.
+        name = alias.asname or alias.name.partition('.')[0]
+        aliases[name] = alias.name if alias.asname else name
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+      module = sys.modules.get(aliases.get(node.value.id, ''))
+      if module is not None:
+        try:
+          getattr(module, node.attr)
+        except Exception:  # pylint: disable=broad-except
+          pass  # Not an attribute of the module (or not at import time): the script will say.
+
+
+def _import_all(tree: ast.AST) -> None:
   for node in ast.walk(tree):
     if isinstance(node, ast.Import):
       names = [alias.name for alias in node.names]
@@ -89,8 +118,14 @@ def _child(module: str, case: dict, out: str, err: str) -> None:
     os.chdir(cwd)
     if 'signal' in case:
       _signal_after(case['signal'])
-    sys.argv = [importlib.util.find_spec(module).origin, *argv]
-    runpy.run_module(module, run_name='__main__', alter_sys=True)
+    if 'path' in case:  # As `python PATH ARGV`: the script's folder first on sys.path.
+      sys.argv = [case['path'], *argv]
+      sys.path.insert(0, os.path.dirname(os.path.abspath(case['path'])))
+      runpy.run_path(case['path'], run_name='__main__')
+    else:  # As `python -m`: the working directory first on sys.path.
+      sys.path[0] = os.getcwd()
+      sys.argv = [importlib.util.find_spec(module).origin, *argv]
+      runpy.run_module(module, run_name='__main__', alter_sys=True)
     code = 0
   except SystemExit as e:  # As the interpreter: None is 0, a non-integer is printed and 1.
     if e.code is None or isinstance(e.code, int):
@@ -109,7 +144,10 @@ def _child(module: str, case: dict, out: str, err: str) -> None:
 
 
 def run(module: str, cases: list[dict]) -> list[dict]:
-  preimport(module)
+  if module != '-':
+    preimport(module)
+  for path in dict.fromkeys(case['path'] for case in cases if 'path' in case):
+    preimport_path(path)
   results = []
   with tempfile.TemporaryDirectory() as tmp:
     for i, case in enumerate(cases):

@@ -347,20 +347,17 @@ def test_an_oversized_privacy_loss_grid_names_the_flags_that_fix_it():
 
 
 @pytest.mark.slow
-def test_a_workdirs_planned_epsilon_is_of_the_sigma_and_eta_that_ran(tmp_path, monkeypatch):
+def test_a_workdirs_planned_epsilon_is_of_the_sigma_and_eta_that_ran(reference_run, monkeypatch):
   """`--workdir` of an unfinished run: its planned final ε is accounted with the σ the run
   used (read from the checkpoint, never calibrated again) and the η of the matmul format it
   recorded (TF32 here, as on a GPU), whatever machine asks. Before (the merge of items 6 and
   9), this machine's float32 η was used: ~0.7 % lower here, for a run that paid TF32's."""
   from dp_accounting import dp_event  # pylint: disable=import-outside-toplevel
   from dp_accounting.pld import pld_privacy_accountant  # pylint: disable=import-outside-toplevel
-  from dpjax import train  # pylint: disable=import-outside-toplevel
   from dpjax.privacy import rounding  # pylint: disable=import-outside-toplevel
   from dpjax.trainer.workdir import checkpoints  # pylint: disable=import-outside-toplevel
-  from tests.run_configs import small_config  # pylint: disable=import-outside-toplevel
 
-  workdir = tmp_path / 'w'
-  train.train_and_evaluate(small_config(**{'num_steps': 2, 'seed': 3}), str(workdir))
+  workdir = reference_run[0]  # The session's 6-step small_config run (read only).
   meta = checkpoints.read_metadata(str(workdir))[-1]
   read = checkpoints.read_metadata
 

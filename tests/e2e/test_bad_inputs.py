@@ -10,6 +10,7 @@ lists every case with its message (`python -m tests.e2e.test_bad_inputs` prints
 that table).
 """
 
+import json
 import math
 import os
 import subprocess
@@ -683,39 +684,36 @@ def test_configs_work_from_any_directory_and_help_exits_0(tmp_path, capsys):
   assert (
     cli.resolve_config_spec('digits_mlp:runlocal') == configs.path_of('digits_mlp') + ':runlocal'
   )
+  # Both runs are processes of their own in tmp_path, forked from one interpreter that imported
+  # dpjax.train's dependencies once (tests/forked_cli.py, run by its path: only what this
+  # environment puts on sys.path besides tmp_path, as for `python -m dpjax.train` here).
   # The suite's XLA compilation cache (tests/conftest.py), not ~/.cache/dpjax/xla.
   env = dict(
     os.environ, JAX_PLATFORMS='cpu', DPJAX_CACHE_DIR=os.environ['JAX_COMPILATION_CACHE_DIR']
   )
-  proc = subprocess.run(
-    [
-      sys.executable,
-      '-m',
-      'dpjax.train',
-      f'--config={os.path.join(REPO, "configs", "digits_mlp.py")}:runlocal',
-      f'--workdir={tmp_path / "w"}',
-      '--config.num_steps=1',
-      # A fixed σ: calibration is not what this test is about.
-      '--config.privacy.target_epsilon=0',
-      '--config.privacy.noise_multiplier=1',
-    ],
+  first = [
+    f'--config={os.path.join(REPO, "configs", "digits_mlp.py")}:runlocal',
+    f'--workdir={tmp_path / "w"}',
+    '--config.num_steps=1',
+    # A fixed σ: calibration is not what this test is about.
+    '--config.privacy.target_epsilon=0',
+    '--config.privacy.noise_multiplier=1',
+  ]
+  # Then resume with --workdir alone (its config.json), extended by overrides.
+  second = [f'--workdir={tmp_path / "w"}', '--config.num_steps=2']
+  cases = [{'argv': argv, 'cwd': str(tmp_path)} for argv in (first, second)]
+  (tmp_path / 'cases.json').write_text(json.dumps(cases))
+  subprocess.run(
+    [sys.executable, os.path.join(REPO, 'tests', 'forked_cli.py'), 'dpjax.train', 'cases.json']
+    + ['results.json'],
     cwd=tmp_path,
-    capture_output=True,
-    text=True,
     env=env,
-    timeout=300,
+    timeout=600,
+    check=True,
   )
-  assert proc.returncode == 0 and 'Final: step 1' in proc.stdout, proc.stderr
-  # Resume with --workdir alone (its config.json), extended by overrides.
-  proc = subprocess.run(
-    [sys.executable, '-m', 'dpjax.train', f'--workdir={tmp_path / "w"}', '--config.num_steps=2'],
-    cwd=tmp_path,
-    capture_output=True,
-    text=True,
-    env=env,
-    timeout=300,
-  )
-  assert proc.returncode == 0 and 'Resuming from step 1' in proc.stdout, proc.stderr
+  started, resumed = json.loads((tmp_path / 'results.json').read_text())
+  assert started['returncode'] == 0 and 'Final: step 1' in started['stdout'], started['stderr']
+  assert resumed['returncode'] == 0 and 'Resuming from step 1' in resumed['stdout'], resumed
   for flag in ('--help', '-h'):
     with pytest.raises(SystemExit) as info:
       train.parse_flags(['dpjax.train', flag])

@@ -130,6 +130,46 @@ def prepared_workdir(shared_setup):
   return shared_setup('cli_examples_workdir', _prepare_workdir)
 
 
+def _run_train_examples(root):
+  """Every `python -m dpjax.train` example, each a process of its own: forked from one
+  interpreter that imported dpjax.train's dependencies once (tests/forked_cli.py), each in a
+  folder of its own. Writes [{'argv', 'returncode', 'stdout', 'stderr'}, ...] to runs.json."""
+  examples = [list(p.values[1]) for p in EXAMPLES if p.values[0] == 'train']
+  cases = []
+  for i, argv in enumerate(examples):
+    (root / str(i)).mkdir()
+    argv = _resolve(argv, '<no workdir>', root / str(i))
+    cases.append({'argv': argv, 'cwd': str(root / str(i))})
+  (root / 'cases.json').write_text(json.dumps(cases))
+  # DPJAX_CACHE_DIR: the suite's XLA compilation cache (tests/conftest.py), not ~/.cache.
+  env = child_env(DPJAX_CACHE_DIR=os.environ['JAX_COMPILATION_CACHE_DIR'])
+  subprocess.run(
+    [sys.executable, '-m', 'tests.forked_cli', 'dpjax.train', 'cases.json', 'results.json'],
+    cwd=root,
+    env=env,
+    timeout=600,
+    check=True,
+  )
+  results = json.loads((root / 'results.json').read_text())
+  runs = [dict(result, argv=case['argv']) for case, result in zip(cases, results)]
+  (root / 'runs.json').write_text(json.dumps(runs))
+
+
+@pytest.fixture
+def train_runs(shared_setup):
+  """`train_runs(argv)`: the run of the train example `argv` (resolved), once per session."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+
+  def run(argv):
+    root = pathlib.Path(shared_setup('cli_train_examples', _run_train_examples))
+    runs = json.loads((root / 'runs.json').read_text())
+    # The example's own arguments, its fresh --workdir aside (each case has its own).
+    strip = lambda a: [x for i, x in enumerate(a) if i == 0 or a[i - 1] != '--workdir']
+    return next(r for r in runs if strip(r['argv']) == strip(argv))
+
+  return run
+
+
 def _resolve(argv, workdir, tmp_path):
   """Placeholders and repository paths of an example, for a run in `tmp_path`."""
   out = []
@@ -226,7 +266,7 @@ def _check_plan(plan, argv, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize('cli, argv', EXAMPLES)
 def test_example_runs(
-  cli, argv, tmp_path, monkeypatch, capsys, prepared_workdir, in_process_pld_builds
+  cli, argv, tmp_path, monkeypatch, capsys, prepared_workdir, in_process_pld_builds, train_runs
 ):
   monkeypatch.setenv('DPJAX_CACHE_DIR', str(tmp_path / 'cache'))
   monkeypatch.chdir(tmp_path)
@@ -290,18 +330,8 @@ def test_example_runs(
     else:
       assert f'{last["privacy"]["epsilon"]:.4f}' in text
   else:
-    # DPJAX_CACHE_DIR (set above for the accountants' caches) would also be the child's XLA
-    # compilation cache, empty for every example: point it at the suite's (tests/conftest.py).
-    env = child_env(DPJAX_CACHE_DIR=os.environ['JAX_COMPILATION_CACHE_DIR'])
-    out = subprocess.run(
-      [sys.executable, '-m', f'dpjax.{cli}', *argv],
-      capture_output=True,
-      text=True,
-      cwd=tmp_path,
-      env=env,
-      timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    final = [line for line in (out.stdout + out.stderr).splitlines() if 'Final:' in line]
+    out = train_runs(argv)
+    assert out['returncode'] == 0, out['stderr'][-3000:]
+    final = [line for line in (out['stdout'] + out['stderr']).splitlines() if 'Final:' in line]
     assert final and re.search(r'ε = [0-9.]+ \(upper bound', final[-1]), final
     assert np.isfinite(float(re.search(r'ε = ([0-9.]+)', final[-1]).group(1)))

@@ -124,7 +124,11 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
       *[f'--config.{name}={value}' for name, value in overrides.items()],
     ],
     cwd=REPO,
-    env=dict(os.environ, JAX_PLATFORMS='cpu'),
+    # The suite's XLA cache (tests/conftest.py), not ~/.cache/dpjax/xla: the two runs below
+    # load the programs the child compiled instead of compiling them again.
+    env=dict(
+      os.environ, JAX_PLATFORMS='cpu', DPJAX_CACHE_DIR=os.environ['JAX_COMPILATION_CACHE_DIR']
+    ),
     stdout=subprocess.DEVNULL,
     stderr=subprocess.DEVNULL,
   )

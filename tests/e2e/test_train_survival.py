@@ -21,6 +21,11 @@ from dpjax.trainer.loop import training_loop
 pytestmark = pytest.mark.slow  # Whole trainings or child processes (`make test-unit` skips).
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# A child trainer compiles into the suite's XLA cache (tests/conftest.py), not ~/.cache/dpjax/xla:
+# cold in a fresh clone like the rest, and shared with the runs of the same programs.
+CHILD_ENV = dict(
+  os.environ, JAX_PLATFORMS='cpu', DPJAX_CACHE_DIR=os.environ['JAX_COMPILATION_CACHE_DIR']
+)
 
 
 def small_config(**overrides):
@@ -29,24 +34,21 @@ def small_config(**overrides):
   )
 
 
-def test_start_states_plan_and_clipping_per_layer_and_progress_rate_eta_and_epsilon(tmp_path):
-  proc = subprocess.run(
-    [
-      sys.executable,
-      '-m',
-      'dpjax.train',
-      f'--config={REPO}/configs/digits_mlp.py:runlocal',
-      f'--workdir={tmp_path / "w"}',
-      '--config.log_every_steps=2',
-    ],
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    env=dict(os.environ, JAX_PLATFORMS='cpu'),
-    timeout=300,
-    check=True,
-  )
-  lines = proc.stdout.strip().splitlines()
+def test_start_states_plan_and_clipping_per_layer_and_progress_rate_eta_and_epsilon(
+  tmp_path, capsys
+):
+  """What `python -m dpjax.train --config configs/digits_mlp.py:runlocal` prints, from the
+  start to the Final line: the trainer prints it, in this process (a child interpreter's
+  imports spared; the command's own start is tests/e2e/test_cli_examples.py's train-0, its
+  exit codes tests/e2e/test_bad_inputs.py)."""
+  from dpjax.configs import digits_mlp  # pylint: disable=import-outside-toplevel
+
+  config = digits_mlp.get_config('runlocal')
+  config.log_every_steps = 2
+  capsys.readouterr()
+  train.train_and_evaluate(config, str(tmp_path / 'w'))
+  stdout = capsys.readouterr().out
+  lines = stdout.strip().splitlines()
   assert lines[0].startswith('1 device(s) on 1 process(es)')
   assert lines[1].startswith('Model mlp with 4,810 parameters; poisson sampler, N = 1437, b = 256')
   assert 'σ = ' in lines[1] and '(calibrated)' in lines[1] and 'target ε = 3' in lines[1]
@@ -80,53 +82,6 @@ def test_start_states_plan_and_clipping_per_layer_and_progress_rate_eta_and_epsi
   assert all(row['nonprivate_compile_seconds'] > 0 for row in trained)
   assert trained[-1]['nonprivate_examples_per_second'] > 0
   assert trained[-1]['train_window_steps'] == 1
-
-
-def test_a_signal_saves_a_checkpoint_and_exits_128_plus_signal(tmp_path):
-  """SIGTERM to `python -m dpjax.train` mid-run. The same for SIGINT is asserted without a
-  training: tests/trainer/test_loop_logic.py (both signals, the loop's save and exit code) and
-  tests/e2e/test_cli_signals.py (the process, during its imports)."""
-  signum = signal.SIGTERM
-  work = tmp_path / 'w'
-  command = [
-    sys.executable,
-    '-m',
-    'dpjax.train',
-    f'--config={REPO}/configs/digits_mlp.py',
-    f'--workdir={work}',
-    '--config.num_epochs=0',
-    '--config.num_steps=100000',
-    '--config.checkpoint_every_steps=50000',
-    '--config.log_every_steps=5',
-    '--config.eval_every_steps=50000',
-    '--config.privacy.target_epsilon=0',
-    '--config.privacy.noise_multiplier=1000.0',
-  ]
-  proc = subprocess.Popen(
-    command,
-    cwd=REPO,
-    env=dict(os.environ, JAX_PLATFORMS='cpu'),
-    stdout=subprocess.DEVNULL,
-    stderr=subprocess.PIPE,
-    text=True,
-  )
-  deadline = time.time() + 240
-  while time.time() < deadline:  # Wait until it trains (some steps logged).
-    if (work / 'metrics.jsonl').exists() and len(
-      (work / 'metrics.jsonl').read_text().splitlines()
-    ) >= 3:
-      break
-    time.sleep(0.05)
-  proc.send_signal(signum)
-  _, err = proc.communicate(timeout=120)
-  assert proc.returncode == 128 + signum, err
-  rows = checkpoints.read_metadata(str(work))
-  assert len(rows) == 1 and 10 <= rows[0]['step'] < 100000  # Saved where it stopped.
-  assert rows[0]['privacy']['epsilon'] > 0
-  assert f'stopped by {signal.Signals(signum).name}' in err
-  logged = [json.loads(line)['step'] for line in open(work / 'metrics.jsonl')]
-  assert logged[-1] <= rows[0]['step']
-  assert not [n for n in os.listdir(work / 'checkpoints') if not n.isdigit()]
 
 
 def test_sigterm_while_the_first_call_compiles_stops_at_once(tmp_path, monkeypatch):
@@ -212,7 +167,8 @@ def _finished_steps(path) -> list[int]:
 
 def test_sigterm_stops_a_slow_run_within_three_one_step_calls(tmp_path):
   """A model whose step takes ~0.3-1 s on this CPU (one step a call): SIGTERM once it
-  trains; the run saves and exits within three calls of the signal (issue 25: 16-step calls
+  trains; the run saves one checkpoint where it stopped, with its ε, and exits 128 + 15
+  within three calls of the signal (issue 25: 16-step calls
   made it wait up to 32 steps, 546 s on a slow run). The automatic steps-per-call keeps a
   call near 0.5 s, and `CallPacer.dispatched` waits for older calls: without that bound the
   run had dispatched ~35 steps ahead of the device and exited 15-22 s after the signal alone,
@@ -226,7 +182,14 @@ def test_sigterm_stops_a_slow_run_within_three_one_step_calls(tmp_path):
   signal while the trainer said '1 steps after it arrived'). Measured without the plant: the
   device had finished step 4 at the signal, checkpoint 7 was saved: 3 calls (one running, two
   queued: `dispatched` waits only once a third is queued), not the two the trainer claimed;
-  its message said '0 steps after it arrived'."""
+  its message said '0 steps after it arrived'.
+
+  One child checks both: it was also test_a_signal_saves_a_checkpoint_and_exits_128_plus_signal
+  (a second training process). The same for SIGINT is asserted without a training:
+  tests/trainer/test_loop_logic.py (both signals, the loop's save and exit code) and
+  tests/e2e/test_cli_signals.py (the process, during its imports). The MLP is 1024 wide (a
+  step ~0.35 s unloaded, 1 s under the suite's load; 2048 wide it cost 3 s of CPU a step
+  and the test 30 s): a step stays above the pacer's 0.25 s, so a call is one step."""
   work, record = tmp_path / 'w', tmp_path / 'finished.txt'
   command = [
     sys.executable,
@@ -244,12 +207,12 @@ def test_sigterm_stops_a_slow_run_within_three_one_step_calls(tmp_path):
     '--config.privacy.noise_multiplier=1000.0',
     '--config.sampler.batch_size=1024',
     '--config.sampler.physical_batch_size=1024',
-    '--config.model.hidden_sizes=(2048,2048)',
+    '--config.model.hidden_sizes=(1024,1024)',
   ]
   proc = subprocess.Popen(
     command,
     cwd=REPO,
-    env=dict(os.environ, JAX_PLATFORMS='cpu'),
+    env=CHILD_ENV,
     stdout=subprocess.DEVNULL,
     stderr=subprocess.PIPE,
     text=True,
@@ -270,3 +233,10 @@ def test_sigterm_stops_a_slow_run_within_three_one_step_calls(tmp_path):
   sizes = [b - a for a, b in zip([0] + calls, calls)]
   assert len(after) <= 3 and saved - finished <= 3 * max(sizes), (finished, calls, err)
   assert time.time() - start < 45
+  # Saved where it stopped, once, with its ε; nothing half-written; no metrics beyond it.
+  rows = checkpoints.read_metadata(str(work))
+  assert len(rows) == 1 and rows[0]['privacy']['epsilon'] > 0
+  assert 'stopped by SIGTERM' in err
+  assert not [n for n in os.listdir(work / 'checkpoints') if not n.isdigit()]
+  logged = [json.loads(line)['step'] for line in open(work / 'metrics.jsonl')]
+  assert logged and logged[-1] <= saved
