@@ -32,6 +32,10 @@ import pytest
 _CACHE = os.environ.setdefault(
   'JAX_COMPILATION_CACHE_DIR', os.path.join(tempfile.gettempdir(), 'dpjax-test-xla-cache')
 )
+# dpjax's own caches (the trainer's XLA cache, random-allocation PLDs) are the session's too:
+# never the user's ~/.cache/dpjax, whose contents would make a cold suite partly warm. A
+# `dpjax.train` child then loads the programs this session already compiled.
+os.environ.setdefault('DPJAX_CACHE_DIR', _CACHE)
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '0')
 # The suite's programs are tiny and run a few times each: compiling them takes far more CPU than
