@@ -26,6 +26,11 @@ import pickle
 import shutil
 import tempfile
 
+# One BLAS thread per process (set before numpy loads; children inherit it): the suite runs
+# several workers on two cores, where OpenBLAS's threads spin for small products (a 40k-term dot
+# product of the max test cost 8 ms of CPU instead of 0.015 ms).
+os.environ.setdefault('OPENBLAS_NUM_THREADS', '1')
+
 import jax
 import pytest
 

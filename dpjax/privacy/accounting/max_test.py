@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any, Callable
 
 import numpy as np
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
@@ -184,19 +185,27 @@ def binned_max_pair(
   return _binned_log_pmf(p_law, edges), _binned_log_pmf(q_law, edges)
 
 
-def _hockey_stick(log_upper, log_lower, epsilons) -> np.ndarray:
-  """Σ_i (u_i − e^ε l_i)₊ = Σ_i u_i (1 − e^{ε − log(u_i/l_i)})₊, for each ε."""
+def _hockey_stick(log_upper, log_lower) -> Callable[[Any], np.ndarray]:
+  """ε -> Σ_i (u_i − e^ε l_i)₊ = Σ_i u_i (1 − e^{ε − log(u_i/l_i)})₊, for each ε; the losses
+  and masses are computed once for the many ε of a root search."""
   keep = log_upper > -np.inf
   log_upper, log_lower = log_upper[keep], log_lower[keep]
   loss = log_upper - log_lower  # +inf where the lower mass underflowed: counted in full
-  eps = np.atleast_1d(np.asarray(epsilons, dtype=np.float64))
-  with np.errstate(invalid='ignore'):
-    factor = np.maximum(-np.expm1(eps[:, None] - loss[None, :]), 0.0)
-  return factor @ np.exp(log_upper)
+  mass = np.exp(log_upper)
+
+  def delta(epsilons) -> np.ndarray:
+    eps = np.atleast_1d(np.asarray(epsilons, dtype=np.float64))
+    with np.errstate(invalid='ignore'):
+      factor = np.maximum(-np.expm1(eps[:, None] - loss[None, :]), 0.0)
+    return factor @ mass
+
+  return delta
 
 
-def _binned_delta(log_p, log_q, epsilons) -> np.ndarray:
-  return np.maximum(_hockey_stick(log_p, log_q, epsilons), _hockey_stick(log_q, log_p, epsilons))
+def _binned_delta(log_p, log_q) -> Callable[[Any], np.ndarray]:
+  """ε -> δ of the binned pair, the worse direction."""
+  remove, add = _hockey_stick(log_p, log_q), _hockey_stick(log_q, log_p)
+  return lambda epsilons: np.maximum(remove(epsilons), add(epsilons))
 
 
 def _rounded_down_pmf(log_upper, log_lower, interval):
@@ -245,7 +254,7 @@ def _lower_bound_delta(pair, sigma, num_steps, epsilon, num_epochs) -> float:
   sigma, num_steps, num_epochs = float(sigma), int(num_steps), int(num_epochs)
   if num_epochs == 1:
     log_p, log_q = _cached_binned_pair(pair, sigma, num_steps)
-    return float(_binned_delta(log_p, log_q, epsilon)[0])
+    return float(_binned_delta(log_p, log_q)(epsilon)[0])
   pld = _cached_composed_pld(pair, sigma, num_steps, num_epochs)
   return max(0.0, float(pld.get_delta_for_epsilon(epsilon)) - 2 * _TAIL_MASS_TRUNCATION)
 
@@ -258,7 +267,8 @@ def _lower_bound_epsilon(pair, sigma, num_steps, delta, num_epochs) -> float:
     pld = _cached_composed_pld(pair, sigma, num_steps, num_epochs)
     return float(pld.get_epsilon_for_delta(delta + 2 * _TAIL_MASS_TRUNCATION))
   log_p, log_q = _cached_binned_pair(pair, sigma, num_steps)
-  delta_at = lambda eps: float(_binned_delta(log_p, log_q, eps)[0])
+  binned_delta = _binned_delta(log_p, log_q)
+  delta_at = lambda eps: float(binned_delta(eps)[0])
   if delta_at(0.0) <= delta:
     return 0.0
   # Root of δ_binned(ε) = δ, then stepped down until δ_binned(lo) > δ: the true δ(lo) ≥

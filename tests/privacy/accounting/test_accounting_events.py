@@ -15,7 +15,9 @@ from dpjax.privacy.accounting import balls_and_bins
 from dpjax.privacy.accounting import sampler_events
 
 DELTA = 1e-5
-COARSE = 1e-3  # PLD discretisation for the slower events (both sides use the same).
+# PLD discretisation for the slower events (both sides use the same, so the comparisons stay
+# exact): 3e-3 moves these ε by <= 1 % against 1e-3 and builds the mixtures 3x faster.
+COARSE = 3e-3
 
 
 @pytest.fixture(autouse=True)

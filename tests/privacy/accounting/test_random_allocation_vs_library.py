@@ -106,9 +106,11 @@ def test_dpjax_epsilon_is_the_library_dominating_pld_inside_its_range(cache, ste
     target_accuracy=-1.0,
     pld_builder=PLD_accounting.gaussian_allocation_pld,
   )
-  # The library's lower bound on a finer setting than dpjax's (half its grid, a tenth its tail).
+  # The library's lower bound (optimistic rounding) at dpjax's grid and a tenth its tail: half
+  # the grid moves it by < 0.004 (T = 100, σ = 0.87: 1.0078 vs 1.0105, ε = 1.0176) at 3-4x the
+  # cost, and ε must still lie above it and within one grid step.
   fine_lower = _library_epsilon(
-    steps, sigma, grid / 2, tail / 10, PLD_accounting.BoundType.IS_DOMINATED
+    steps, sigma, grid, tail / 10, PLD_accounting.BoundType.IS_DOMINATED
   )
   assert eps >= max(default.lower_bound, fine_lower)
 
