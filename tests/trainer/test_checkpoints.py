@@ -292,3 +292,26 @@ def test_cli_in_process_workdir_is_a_file_and_corrupt_integrity(tmp_path, capsys
   assert checkpoints_cli.main([str(tmp_path / 'w'), '--verify']) == 0
   row = capsys.readouterr().out.splitlines()[1]
   assert '0.4000' in row and 'CORRUPT: metadata/metadata differs' in row
+
+
+def test_a_temporary_checkpoint_recreated_after_its_removal_is_removed_again(tmp_path):
+  """After a failed save, a write still queued in tensorstore's threads may recreate the
+  temporary directory after it was removed; it is removed again (the full-disk test found
+  `2.orbax-checkpoint-tmp` left behind under load, on 1700e6f)."""
+  import threading  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+
+  tmp = os.path.join(checkpoints.checkpoint_dir(str(tmp_path)), '2' + checkpoints.TMP_MARKER)
+  os.makedirs(tmp)
+
+  def late_write():  # Waits for the removal, then writes a file as a queued write would.
+    while os.path.exists(tmp):
+      time.sleep(0.01)
+    os.makedirs(tmp, exist_ok=True)
+    open(os.path.join(tmp, 'late'), 'w').close()
+
+  writer = threading.Thread(target=late_write)
+  writer.start()
+  checkpoints.remove_temporary_checkpoints_until_gone(str(tmp_path), time.time() + 10)
+  writer.join()
+  assert checkpoints.temporary_checkpoints(str(tmp_path)) == []

@@ -96,6 +96,19 @@ def remove_temporary_checkpoints(workdir: str) -> list[str]:
   return removed
 
 
+def remove_temporary_checkpoints_until_gone(workdir: str, deadline: float) -> None:
+  """`remove_temporary_checkpoints` until none is left for 0.2 s (or `deadline`, a time.time()).
+
+  After a failed save, writes already queued in tensorstore's own (C++) threads may recreate
+  files in the temporary directory after it was removed (seen under load: the full-disk test
+  found `2.orbax-checkpoint-tmp` after the error)."""
+  while True:
+    remove_temporary_checkpoints(workdir)
+    time.sleep(0.2)
+    if not temporary_checkpoints(workdir) or time.time() > deadline:
+      return
+
+
 def _disk_full(error: BaseException) -> bool:
   """A full disk, as an OSError or as tensorstore's RESOURCE_EXHAUSTED message."""
   return write_errors.is_full(error) or (
@@ -209,7 +222,7 @@ def _save_error(
       except Exception:  # pylint: disable=broad-except  # Its own failure: the same full disk.
         pass
   if jax.process_index() == 0:
-    remove_temporary_checkpoints(os.path.dirname(str(manager.directory)))
+    remove_temporary_checkpoints_until_gone(os.path.dirname(str(manager.directory)), deadline)
   text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
   disk_full = _disk_full(error)
   manager.reload()
