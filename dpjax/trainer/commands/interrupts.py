@@ -102,9 +102,15 @@ def exit_interrupted(message: str) -> NoReturn:
   interrupt_handled()
   with contextlib.suppress(OSError, ValueError):
     sys.stdout.flush()
+  say_and_exit(message, 130)
+
+
+def say_and_exit(line: str, code: int) -> NoReturn:
+  """`line` on stderr, then exit `code` at once (no interpreter teardown). os.write, not print:
+  a signal handler may run while stderr is in the middle of a write."""
   with contextlib.suppress(OSError):
-    os.write(2, f'{message}\n'.encode())
-  os._exit(130)  # pylint: disable=protected-access
+    os.write(2, f'{line}\n'.encode())
+  os._exit(code)  # pylint: disable=protected-access
 
 
 class StillRunning(Exception):
@@ -213,9 +219,7 @@ def exit_on_signals(prog: str, detail: str = '') -> None:
       if signum == signal.SIGINT
       else (f'stopped by {signal.Signals(signum).name}')
     )
-    with contextlib.suppress(OSError):  # Not print: stderr may be in the middle of a write.
-      os.write(2, f'{prog}: {what}{detail}.\n'.encode())
-    os._exit(128 + signum)  # pylint: disable=protected-access
+    say_and_exit(f'{prog}: {what}{detail}.', 128 + signum)
 
   for signum in SIGNALS:
     signal.signal(signum, handle)
