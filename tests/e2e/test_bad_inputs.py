@@ -268,17 +268,41 @@ def _command_line(args, tmp_path):
   return [f'--config={config}', f'--workdir={workdir}', *args], workdir, must_not_exist
 
 
+def _from_any_directory(root):
+  """The two runs of test_configs_work_from_any_directory_and_help_exits_0, in root/anydir (the
+  working directory: the repository is not on sys.path): the packaged config by its path, one
+  step with a fixed σ (calibration is not what that test is about), then a resume with
+  --workdir alone (its config.json), extended by an override."""
+  cwd = root / 'anydir'
+  cwd.mkdir()
+  first = [
+    f'--config={os.path.join(REPO, "configs", "digits_mlp.py")}:runlocal',
+    f'--workdir={cwd / "w"}',
+    '--config.num_steps=1',
+    '--config.privacy.target_epsilon=0',
+    '--config.privacy.noise_multiplier=1',
+  ]
+  second = [f'--workdir={cwd / "w"}', '--config.num_steps=2']
+  return [{'argv': argv, 'cwd': str(cwd)} for argv in (first, second)]
+
+
 def _run_command_lines(root):
   """Every CLI_CASES command line, each a process of its own: forked from one interpreter that
   imported dpjax.train's dependencies once (tests/forked_cli.py: each runs `python -m
-  dpjax.train` as a fresh interpreter would after those imports), and REAL_PROCESS_CASE also as
-  a real `python -m dpjax.train` (what the imports print included), at the same time.
-  Writes {case id: [(result, workdir, must_not_exist), ...]} to root/runs.json."""
+  dpjax.train` as a fresh interpreter would after those imports, in its case's working
+  directory, first on sys.path as for `python -m`), and REAL_PROCESS_CASE also as a real
+  `python -m dpjax.train` (what the imports print included), at the same time. The same
+  interpreter then forks the two runs of `_from_any_directory` (one interpreter's imports
+  spared; they were a driver of their own). Writes {case id: [(result, workdir,
+  must_not_exist), ...], 'from_any_directory': [started, resumed]} to root/runs.json."""
   import json  # pylint: disable=import-outside-toplevel
   import pathlib  # pylint: disable=import-outside-toplevel
 
   root = pathlib.Path(root)
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  # The suite's XLA compilation cache (tests/conftest.py), not ~/.cache/dpjax/xla.
+  env = dict(
+    os.environ, JAX_PLATFORMS='cpu', DPJAX_CACHE_DIR=os.environ['JAX_COMPILATION_CACHE_DIR']
+  )
   real_argv, real_workdir, real_check = _command_line(
     CLI_CASES[CLI_IDS.index(REAL_PROCESS_CASE)][0], root / 'real'
   )
@@ -295,8 +319,9 @@ def _run_command_lines(root):
     for i, (args, _) in enumerate(CLI_CASES):
       (root / str(i)).mkdir()
       cases.append(_command_line(args, root / str(i)))
+    anywhere = _from_any_directory(root)
     (root / 'cases.json').write_text(
-      json.dumps([{'argv': argv, 'cwd': REPO} for argv, _, _ in cases])
+      json.dumps([{'argv': argv, 'cwd': REPO} for argv, _, _ in cases] + anywhere)
     )
     driver = subprocess.run(
       [
@@ -318,7 +343,8 @@ def _run_command_lines(root):
     real.kill()
   assert driver.returncode == 0, driver.stderr
   results = json.loads((root / 'results.json').read_text())
-  runs = {
+  results, runs = results[: len(cases)], {'from_any_directory': results[len(cases) :]}
+  runs |= {
     case_id: [(result, workdir, check)]
     for case_id, result, (_, workdir, check) in zip(CLI_IDS, results, cases)
   }
@@ -675,43 +701,17 @@ def test_a_config_whose_get_config_takes_no_argument_loads(tmp_path):
 
 
 @pytest.mark.slow
-def test_configs_work_from_any_directory_and_help_exits_0(tmp_path, capsys):
+def test_configs_work_from_any_directory_and_help_exits_0(command_line_errors, capsys):
   """The repository's configs imported `from configs import ...` and failed outside its root;
-  `dpjax.train --help` exited 1 and -h was an error; a workdir could not be resumed alone."""
+  `dpjax.train --help` exited 1 and -h was an error; a workdir could not be resumed alone.
+  The two runs (`_from_any_directory`) are processes forked by `_run_command_lines`."""
   from dpjax import configs
   from dpjax.trainer.commands import cli  # pylint: disable=import-outside-toplevel
 
   assert (
     cli.resolve_config_spec('digits_mlp:runlocal') == configs.path_of('digits_mlp') + ':runlocal'
   )
-  # Both runs are processes of their own in tmp_path, forked from one interpreter that imported
-  # dpjax.train's dependencies once (tests/forked_cli.py, run by its path: only what this
-  # environment puts on sys.path besides tmp_path, as for `python -m dpjax.train` here).
-  # The suite's XLA compilation cache (tests/conftest.py), not ~/.cache/dpjax/xla.
-  env = dict(
-    os.environ, JAX_PLATFORMS='cpu', DPJAX_CACHE_DIR=os.environ['JAX_COMPILATION_CACHE_DIR']
-  )
-  first = [
-    f'--config={os.path.join(REPO, "configs", "digits_mlp.py")}:runlocal',
-    f'--workdir={tmp_path / "w"}',
-    '--config.num_steps=1',
-    # A fixed σ: calibration is not what this test is about.
-    '--config.privacy.target_epsilon=0',
-    '--config.privacy.noise_multiplier=1',
-  ]
-  # Then resume with --workdir alone (its config.json), extended by overrides.
-  second = [f'--workdir={tmp_path / "w"}', '--config.num_steps=2']
-  cases = [{'argv': argv, 'cwd': str(tmp_path)} for argv in (first, second)]
-  (tmp_path / 'cases.json').write_text(json.dumps(cases))
-  subprocess.run(
-    [sys.executable, os.path.join(REPO, 'tests', 'forked_cli.py'), 'dpjax.train', 'cases.json']
-    + ['results.json'],
-    cwd=tmp_path,
-    env=env,
-    timeout=600,
-    check=True,
-  )
-  started, resumed = json.loads((tmp_path / 'results.json').read_text())
+  started, resumed = command_line_errors['from_any_directory']
   assert started['returncode'] == 0 and 'Final: step 1' in started['stdout'], started['stderr']
   assert resumed['returncode'] == 0 and 'Resuming from step 1' in resumed['stdout'], resumed
   for flag in ('--help', '-h'):
