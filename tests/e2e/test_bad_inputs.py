@@ -722,12 +722,6 @@ def test_configs_work_from_any_directory_and_help_exits_0(command_line_errors, c
     assert '--workdir' in out and '--config' in out and 'resume' in out
 
 
-@pytest.fixture
-def two_step_run(shared_result):
-  config = small_config(num_steps=2, checkpoint_every_steps=2)
-  return shared_result('two_steps', lambda w: train.train_and_evaluate(config, str(w)))[0]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
   'overrides, refused',
@@ -739,22 +733,24 @@ def two_step_run(shared_result):
   ],
 )
 def test_a_changed_model_or_optimizer_is_refused_and_the_checkpoint_kept(
-  two_step_run, tmp_path, overrides, refused
+  reference_run, tmp_path, overrides, refused
 ):
   """A state that does not fit the checkpoint was renamed *.unreadable-* as if corrupt and the
-  run restarted at step 0; now: one line naming what differs, the workdir byte-identical."""
+  run restarted at step 0; now: one line naming what differs, the workdir byte-identical.
+  (A copy of the session's reference run, checkpoints 2, 4, 6; it was a 2-step run of its
+  own.)"""
   import shutil  # pylint: disable=import-outside-toplevel
 
   work = tmp_path / 'copy'
-  shutil.copytree(two_step_run, work)
-  config = small_config(**{'num_steps': 3, 'checkpoint_every_steps': 2, **overrides})
+  shutil.copytree(reference_run[0], work)
+  config = small_config(**{'num_steps': 7, **overrides})
   if refused is None:
-    assert train.train_and_evaluate(config, str(work))['step'] == 3
+    assert train.train_and_evaluate(config, str(work))['step'] == 7
     return
   before = tree_digest(work)
   with pytest.raises(
     ValueError,
-    match=f'checkpoint 2 .* holds a state of another structure.*'
+    match=f'checkpoint 6 .* holds a state of another structure.*'
     f'{refused}.*the checkpoint is untouched',
   ) as info:
     train.train_and_evaluate(config, str(work))
