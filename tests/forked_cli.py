@@ -166,8 +166,9 @@ def _fork(module: str, case: dict, out: str, err: str) -> int:
   return pid
 
 
-def _wait_all(pids: list[int], timeout: float) -> dict[int, int]:
-  """{pid: wait status} of every child; SIGABRT to those still running after `timeout` s."""
+def _wait_all(pids: list[int], timeout: float) -> dict[int, int | None]:
+  """{pid: wait status} of every child; SIGABRT to those still running after `timeout` s
+  (their status None)."""
   statuses, deadline = {}, time.monotonic() + timeout
   while len(statuses) < len(pids) and time.monotonic() < deadline:
     pid, status = os.waitpid(-1, os.WNOHANG)
