@@ -16,7 +16,17 @@ themselves print: a test keeps one real `python -m` run beside it for that.
 
 A case with "path" runs that script instead, as `python PATH ARGV` does (`runpy.run_path`), its
 imports done here first too, and the package attributes it reads (`dpjax.PrivacyPlan`: a lazy
-export imports its module on first use). MODULE may then be '-' (no module).
+export imports its module on first use). MODULE may then be '-' (no module). A case with
+"module" runs that module instead of MODULE (its imports done here too). A case's "env" is set
+in its child before it runs: only for what is read after the imports (XLA_FLAGS, read when jax
+starts its backend: a device count of the child's own), not what a module reads when imported.
+
+  python -m tests.forked_cli MODULE CASES.json RESULTS.json --together SECONDS
+
+forks every case at once (processes that talk to each other: the hosts of a multi-process run)
+and waits for them all; one still running after SECONDS gets SIGABRT (with PYTHONFAULTHANDLER=1
+in the environment, every thread's Python stack goes to its stderr) and its result says
+"timed_out".
 """
 
 import ast
@@ -28,15 +38,18 @@ import runpy
 import signal
 import sys
 import tempfile
+import time
 import traceback
 
 
-def preimport(module: str) -> None:
+def preimport(module: str, skip: frozenset[str] = frozenset()) -> None:
   """Imports the modules `module` imports (absolute imports), in its functions too: a command
-  imports its heavy modules where it needs them, so that its --help starts fast."""
+  imports its heavy modules where it needs them, so that its --help starts fast. Never those in
+  `skip` (the modules the children run as __main__: imported here, a command's flags would be
+  defined twice)."""
   spec = importlib.util.find_spec(module)
   with open(spec.origin, encoding='utf-8') as f:
-    _import_all(ast.parse(f.read()))
+    _import_all(ast.parse(f.read()), skip)
 
 
 def preimport_path(path: str) -> None:
@@ -61,7 +74,7 @@ def preimport_path(path: str) -> None:
           pass  # Not an attribute of the module (or not at import time): the script will say.
 
 
-def _import_all(tree: ast.AST) -> None:
+def _import_all(tree: ast.AST, skip: frozenset[str] = frozenset()) -> None:
   for node in ast.walk(tree):
     if isinstance(node, ast.Import):
       names = [alias.name for alias in node.names]
@@ -69,7 +82,7 @@ def _import_all(tree: ast.AST) -> None:
       names = [node.module] + [f'{node.module}.{alias.name}' for alias in node.names]
     else:
       continue
-    for name in names:
+    for name in (name for name in names if name not in skip):
       try:
         importlib.import_module(name)
       except ImportError:  # `from package import function`: not a module.
@@ -111,7 +124,8 @@ def _signal_after(spec: dict) -> None:
 def _child(module: str, case: dict, out: str, err: str) -> None:
   """In the forked child: MODULE as __main__; never returns."""
   code = 1
-  argv, cwd = case['argv'], case['cwd']
+  argv, cwd, module = case['argv'], case['cwd'], case.get('module', module)
+  os.environ.update(case.get('env', {}))
   try:
     for path, fd in ((out, 1), (err, 2)):
       os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
@@ -143,37 +157,73 @@ def _child(module: str, case: dict, out: str, err: str) -> None:
     os._exit(code & 0xFF)  # pylint: disable=protected-access
 
 
-def run(module: str, cases: list[dict]) -> list[dict]:
-  if module != '-':
-    preimport(module)
+def _fork(module: str, case: dict, out: str, err: str) -> int:
+  sys.stdout.flush()
+  sys.stderr.flush()
+  pid = os.fork()
+  if pid == 0:
+    _child(module, case, out, err)
+  return pid
+
+
+def _wait_all(pids: list[int], timeout: float) -> dict[int, int | None]:
+  """{pid: wait status} of every child; SIGABRT to those still running after `timeout` s
+  (their status None)."""
+  statuses, deadline = {}, time.monotonic() + timeout
+  while len(statuses) < len(pids) and time.monotonic() < deadline:
+    pid, status = os.waitpid(-1, os.WNOHANG)
+    if pid:
+      statuses[pid] = status
+    else:
+      time.sleep(0.05)
+  for pid in pids:
+    if pid not in statuses:
+      os.kill(pid, signal.SIGABRT)
+      os.waitpid(pid, 0)
+      statuses[pid] = None  # Timed out.
+  return statuses
+
+
+def run(module: str, cases: list[dict], together: float | None = None) -> list[dict]:
+  """Each case's {'returncode', 'stdout', 'stderr'} (and 'timed_out' with `together`): one
+  after the other, or all at once with `together` (seconds to wait for them all)."""
+  modules = dict.fromkeys(case.get('module', module) for case in cases if 'path' not in case)
+  for name in modules:
+    if name != '-':
+      preimport(name, skip=frozenset(modules))
   for path in dict.fromkeys(case['path'] for case in cases if 'path' in case):
     preimport_path(path)
   results = []
   with tempfile.TemporaryDirectory() as tmp:
-    for i, case in enumerate(cases):
-      out, err = os.path.join(tmp, f'{i}.out'), os.path.join(tmp, f'{i}.err')
-      sys.stdout.flush()
-      sys.stderr.flush()
-      pid = os.fork()
-      if pid == 0:
-        _child(module, case, out, err)
-      _, status = os.waitpid(pid, 0)
+    files = [
+      (os.path.join(tmp, f'{i}.out'), os.path.join(tmp, f'{i}.err')) for i in range(len(cases))
+    ]
+    if together is None:
+      statuses = [os.waitpid(_fork(module, c, *f), 0)[1] for c, f in zip(cases, files)]
+    else:
+      pids = [_fork(module, c, *f) for c, f in zip(cases, files)]
+      waited = _wait_all(pids, together)
+      statuses = [waited[pid] for pid in pids]
+    for status, (out, err) in zip(statuses, files):
       with (
         open(out, encoding='utf-8', errors='replace') as f_out,
         open(err, encoding='utf-8', errors='replace') as f_err,
       ):
-        results.append(
-          {
-            'returncode': os.waitstatus_to_exitcode(status),
-            'stdout': f_out.read(),
-            'stderr': f_err.read(),
-          }
-        )
+        result = {
+          'returncode': -signal.SIGABRT if status is None else os.waitstatus_to_exitcode(status),
+          'stdout': f_out.read(),
+          'stderr': f_err.read(),
+        }
+      if together is not None:
+        result['timed_out'] = status is None
+      results.append(result)
   return results
 
 
 if __name__ == '__main__':
   with open(sys.argv[2], encoding='utf-8') as f:
-    results = run(sys.argv[1], json.load(f))
+    results = run(
+      sys.argv[1], json.load(f), float(sys.argv[5]) if sys.argv[4:5] == ['--together'] else None
+    )
   with open(sys.argv[3], 'w', encoding='utf-8') as f:
     json.dump(results, f)

@@ -2,6 +2,7 @@
 no private name imported across modules, no re-export kept for old names."""
 
 import ast
+import functools
 import pathlib
 import subprocess
 import sys
@@ -18,6 +19,12 @@ def _modules() -> dict[str, pathlib.Path]:
   return out
 
 
+@functools.cache
+def _tree(path: pathlib.Path) -> ast.Module:
+  """The module's syntax tree, parsed once for all the tests here (they only read it)."""
+  return ast.parse(path.read_text())
+
+
 def _type_checking_only(tree: ast.AST) -> set[int]:
   """ids of the import nodes under `if TYPE_CHECKING:` (not executed: no cycle)."""
   skip = set()
@@ -29,6 +36,12 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
 
 def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
   """Module -> the dpjax modules it imports (`if TYPE_CHECKING:` imports only if asked)."""
+  return {name: set(targets) for name, targets in _import_graph(type_checking).items()}
+
+
+@functools.cache
+def _import_graph(type_checking: bool) -> dict[str, frozenset[str]]:
+  """import_graph, computed once per session (callers get their own copy to change)."""
   modules = _modules()
 
   def resolve(name: str) -> str:
@@ -38,7 +51,7 @@ def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
 
   graph = {}
   for name, path in modules.items():
-    tree = ast.parse(path.read_text())
+    tree = _tree(path)
     skip = set() if type_checking else _type_checking_only(tree)
     targets = set()
     for node in ast.walk(tree):
@@ -51,7 +64,7 @@ def import_graph(type_checking: bool = False) -> dict[str, set[str]]:
           full = f'{node.module}.{a.name}'
           targets.add(full if full in modules else resolve(node.module))
     targets.discard(name)
-    graph[name] = {t for t in targets if t in modules}
+    graph[name] = frozenset(t for t in targets if t in modules)
   return graph
 
 
@@ -120,7 +133,7 @@ def test_the_privacy_core_reads_no_config():
   assert len(paths) > 30
   for path in paths:
     assert 'ml_collections' not in path.read_text(), path
-    names = {n.name for n in _functions(ast.parse(path.read_text()))}
+    names = {n.name for n in _functions(_tree(path))}
     assert 'from_config' not in names, path  # A config read without importing ml_collections.
 
 
@@ -159,11 +172,7 @@ def test_nothing_below_the_plan_reads_a_config():
   assert {'training_loop', 'loop_parts', 'build', 'run_report'} <= {
     n.rsplit('.', 1)[1] for n in modules
   }
-  found = {
-    name: reads
-    for name, path in modules.items()
-    if (reads := _config_reads(ast.parse(path.read_text())))
-  }
+  found = {name: reads for name, path in modules.items() if (reads := _config_reads(_tree(path)))}
   assert found == {}
 
 
@@ -177,7 +186,7 @@ def test_no_function_over_80_lines_and_no_module_over_400():
     text = path.read_text()
     if len(text.splitlines()) > MAX_MODULE_LINES:
       long.append(f'{name}: {len(text.splitlines())} lines')
-    for f in _functions(ast.parse(text)):
+    for f in _functions(_tree(path)):
       if f.end_lineno - f.lineno + 1 > MAX_FUNCTION_LINES:
         long.append(f'{name}.{f.name}: {f.end_lineno - f.lineno + 1} lines')
   assert long == []
@@ -219,9 +228,7 @@ def test_the_private_import_checker_sees_both_forms():
 def test_no_private_name_is_imported_across_modules():
   modules = _modules()
   found = sorted(
-    f'{name}: {p}'
-    for name, path in modules.items()
-    for p in _private_imports(ast.parse(path.read_text()), modules)
+    f'{name}: {p}' for name, path in modules.items() for p in _private_imports(_tree(path), modules)
   )
   assert found == []
 
@@ -244,7 +251,7 @@ def test_no_module_re_exports_names_it_does_not_use():
     f'{name}: {n}'
     for name, path in _modules().items()
     if path.name != '__init__.py'
-    for n in _unused_dpjax_imports(ast.parse(path.read_text()))
+    for n in _unused_dpjax_imports(_tree(path))
   )
   assert _unused_dpjax_imports(ast.parse('from dpjax.a import b, c\nb()\n')) == ['c']
   assert found == []
@@ -277,7 +284,7 @@ def test_the_runtime_package_imports_no_plotting_or_benchmark_tooling():
   nothing in dpjax imports them, so `pip install dpjax` needs neither."""
   found = []
   for name, path in sorted(_modules().items()):
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(_tree(path)):
       names = (
         [a.name for a in node.names]
         if isinstance(node, ast.Import)

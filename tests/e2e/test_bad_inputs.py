@@ -268,17 +268,41 @@ def _command_line(args, tmp_path):
   return [f'--config={config}', f'--workdir={workdir}', *args], workdir, must_not_exist
 
 
+def _from_any_directory(root):
+  """The two runs of test_configs_work_from_any_directory_and_help_exits_0, in root/anydir (the
+  working directory: the repository is not on sys.path): the packaged config by its path, one
+  step with a fixed σ (calibration is not what that test is about), then a resume with
+  --workdir alone (its config.json), extended by an override."""
+  cwd = root / 'anydir'
+  cwd.mkdir()
+  first = [
+    f'--config={os.path.join(REPO, "configs", "digits_mlp.py")}:runlocal',
+    f'--workdir={cwd / "w"}',
+    '--config.num_steps=1',
+    '--config.privacy.target_epsilon=0',
+    '--config.privacy.noise_multiplier=1',
+  ]
+  second = [f'--workdir={cwd / "w"}', '--config.num_steps=2']
+  return [{'argv': argv, 'cwd': str(cwd)} for argv in (first, second)]
+
+
 def _run_command_lines(root):
   """Every CLI_CASES command line, each a process of its own: forked from one interpreter that
   imported dpjax.train's dependencies once (tests/forked_cli.py: each runs `python -m
-  dpjax.train` as a fresh interpreter would after those imports), and REAL_PROCESS_CASE also as
-  a real `python -m dpjax.train` (what the imports print included), at the same time.
-  Writes {case id: [(result, workdir, must_not_exist), ...]} to root/runs.json."""
+  dpjax.train` as a fresh interpreter would after those imports, in its case's working
+  directory, first on sys.path as for `python -m`), and REAL_PROCESS_CASE also as a real
+  `python -m dpjax.train` (what the imports print included), at the same time. The same
+  interpreter then forks the two runs of `_from_any_directory` (one interpreter's imports
+  spared; they were a driver of their own). Writes {case id: [(result, workdir,
+  must_not_exist), ...], 'from_any_directory': [started, resumed]} to root/runs.json."""
   import json  # pylint: disable=import-outside-toplevel
   import pathlib  # pylint: disable=import-outside-toplevel
 
   root = pathlib.Path(root)
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  # The suite's XLA compilation cache (tests/conftest.py), not ~/.cache/dpjax/xla.
+  env = dict(
+    os.environ, JAX_PLATFORMS='cpu', DPJAX_CACHE_DIR=os.environ['JAX_COMPILATION_CACHE_DIR']
+  )
   real_argv, real_workdir, real_check = _command_line(
     CLI_CASES[CLI_IDS.index(REAL_PROCESS_CASE)][0], root / 'real'
   )
@@ -295,8 +319,9 @@ def _run_command_lines(root):
     for i, (args, _) in enumerate(CLI_CASES):
       (root / str(i)).mkdir()
       cases.append(_command_line(args, root / str(i)))
+    anywhere = _from_any_directory(root)
     (root / 'cases.json').write_text(
-      json.dumps([{'argv': argv, 'cwd': REPO} for argv, _, _ in cases])
+      json.dumps([{'argv': argv, 'cwd': REPO} for argv, _, _ in cases] + anywhere)
     )
     driver = subprocess.run(
       [
@@ -318,7 +343,8 @@ def _run_command_lines(root):
     real.kill()
   assert driver.returncode == 0, driver.stderr
   results = json.loads((root / 'results.json').read_text())
-  runs = {
+  results, runs = results[: len(cases)], {'from_any_directory': results[len(cases) :]}
+  runs |= {
     case_id: [(result, workdir, check)]
     for case_id, result, (_, workdir, check) in zip(CLI_IDS, results, cases)
   }
@@ -579,16 +605,28 @@ def test_a_npy_file_as_npz_and_a_declared_class_count(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_scale_is_derived_from_the_dtype_and_printed(tmp_path, capsys):
-  """data.scale = 0 (the default): uint8 data is divided by 255, not by digits' 16."""
+def test_the_scale_is_derived_from_the_dtype_and_printed(tmp_path, capsys, monkeypatch):
+  """data.scale = 0 (the default): uint8 data is divided by 255, not by digits' 16. The run
+  stops once it has printed its start (where the scale is stated), before its loop compiles
+  anything: a 1-step run compiled uint8 programs of this test alone (~3 s of CPU) to print the
+  same lines."""
   import numpy as np  # pylint: disable=import-outside-toplevel
+  from dpjax.trainer.loop import training_loop  # pylint: disable=import-outside-toplevel
+
+  class Started(Exception):
+    pass
+
+  def stop(*args, **kwargs):
+    raise Started
 
   path = _digits_npz(
     tmp_path / 'u8.npz',
     x_train=lambda x: (x * 15).astype(np.uint8),
     x_test=lambda x: (x * 15).astype(np.uint8),
   )
-  train.train_and_evaluate(_npz_config(path, num_steps=1), str(tmp_path / 'w'))
+  monkeypatch.setattr(training_loop.Loop, 'run', stop)
+  with pytest.raises(Started):
+    train.train_and_evaluate(_npz_config(path, num_steps=1), str(tmp_path / 'w'))
   assert (
     'x = (raw / 255 − (0.5)) / (0.5) [scale: data.scale = 0: derived from the uint8 data]'
     in capsys.readouterr().out
@@ -675,43 +713,17 @@ def test_a_config_whose_get_config_takes_no_argument_loads(tmp_path):
 
 
 @pytest.mark.slow
-def test_configs_work_from_any_directory_and_help_exits_0(tmp_path, capsys):
+def test_configs_work_from_any_directory_and_help_exits_0(command_line_errors, capsys):
   """The repository's configs imported `from configs import ...` and failed outside its root;
-  `dpjax.train --help` exited 1 and -h was an error; a workdir could not be resumed alone."""
+  `dpjax.train --help` exited 1 and -h was an error; a workdir could not be resumed alone.
+  The two runs (`_from_any_directory`) are processes forked by `_run_command_lines`."""
   from dpjax import configs
   from dpjax.trainer.commands import cli  # pylint: disable=import-outside-toplevel
 
   assert (
     cli.resolve_config_spec('digits_mlp:runlocal') == configs.path_of('digits_mlp') + ':runlocal'
   )
-  # Both runs are processes of their own in tmp_path, forked from one interpreter that imported
-  # dpjax.train's dependencies once (tests/forked_cli.py, run by its path: only what this
-  # environment puts on sys.path besides tmp_path, as for `python -m dpjax.train` here).
-  # The suite's XLA compilation cache (tests/conftest.py), not ~/.cache/dpjax/xla.
-  env = dict(
-    os.environ, JAX_PLATFORMS='cpu', DPJAX_CACHE_DIR=os.environ['JAX_COMPILATION_CACHE_DIR']
-  )
-  first = [
-    f'--config={os.path.join(REPO, "configs", "digits_mlp.py")}:runlocal',
-    f'--workdir={tmp_path / "w"}',
-    '--config.num_steps=1',
-    # A fixed σ: calibration is not what this test is about.
-    '--config.privacy.target_epsilon=0',
-    '--config.privacy.noise_multiplier=1',
-  ]
-  # Then resume with --workdir alone (its config.json), extended by overrides.
-  second = [f'--workdir={tmp_path / "w"}', '--config.num_steps=2']
-  cases = [{'argv': argv, 'cwd': str(tmp_path)} for argv in (first, second)]
-  (tmp_path / 'cases.json').write_text(json.dumps(cases))
-  subprocess.run(
-    [sys.executable, os.path.join(REPO, 'tests', 'forked_cli.py'), 'dpjax.train', 'cases.json']
-    + ['results.json'],
-    cwd=tmp_path,
-    env=env,
-    timeout=600,
-    check=True,
-  )
-  started, resumed = json.loads((tmp_path / 'results.json').read_text())
+  started, resumed = command_line_errors['from_any_directory']
   assert started['returncode'] == 0 and 'Final: step 1' in started['stdout'], started['stderr']
   assert resumed['returncode'] == 0 and 'Resuming from step 1' in resumed['stdout'], resumed
   for flag in ('--help', '-h'):
@@ -720,12 +732,6 @@ def test_configs_work_from_any_directory_and_help_exits_0(tmp_path, capsys):
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert '--workdir' in out and '--config' in out and 'resume' in out
-
-
-@pytest.fixture
-def two_step_run(shared_result):
-  config = small_config(num_steps=2, checkpoint_every_steps=2)
-  return shared_result('two_steps', lambda w: train.train_and_evaluate(config, str(w)))[0]
 
 
 @pytest.mark.slow
@@ -739,22 +745,24 @@ def two_step_run(shared_result):
   ],
 )
 def test_a_changed_model_or_optimizer_is_refused_and_the_checkpoint_kept(
-  two_step_run, tmp_path, overrides, refused
+  reference_run, tmp_path, overrides, refused
 ):
   """A state that does not fit the checkpoint was renamed *.unreadable-* as if corrupt and the
-  run restarted at step 0; now: one line naming what differs, the workdir byte-identical."""
+  run restarted at step 0; now: one line naming what differs, the workdir byte-identical.
+  (A copy of the session's reference run, checkpoints 2, 4, 6; it was a 2-step run of its
+  own.)"""
   import shutil  # pylint: disable=import-outside-toplevel
 
   work = tmp_path / 'copy'
-  shutil.copytree(two_step_run, work)
-  config = small_config(**{'num_steps': 3, 'checkpoint_every_steps': 2, **overrides})
+  shutil.copytree(reference_run[0], work)
+  config = small_config(**{'num_steps': 7, **overrides})
   if refused is None:
-    assert train.train_and_evaluate(config, str(work))['step'] == 3
+    assert train.train_and_evaluate(config, str(work))['step'] == 7
     return
   before = tree_digest(work)
   with pytest.raises(
     ValueError,
-    match=f'checkpoint 2 .* holds a state of another structure.*'
+    match=f'checkpoint 6 .* holds a state of another structure.*'
     f'{refused}.*the checkpoint is untouched',
   ) as info:
     train.train_and_evaluate(config, str(work))

@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,9 +84,13 @@ def test_non_private_baseline_reports_no_epsilon(tmp_path):
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(reference_run, tmp_path, capsys):
-  _, reference = reference_run
+  """The reference run (checkpoints 2, 4, 6) as if stopped at step 4, its checkpoint 4 corrupt:
+  the rerun restores 2 and ends bit for bit where the reference did. (It trained a 4-step run
+  of its own first: the same state, one training more.)"""
+  reference_dir, reference = reference_run
   work = tmp_path / 'run'
-  train.train_and_evaluate(small_config(num_steps=4), str(work))
+  shutil.copytree(reference_dir, work)
+  shutil.rmtree(work / 'checkpoints' / '6')
   for path in glob.glob(str(work / 'checkpoints' / '4' / 'state' / '**'), recursive=True):
     if os.path.isfile(path):
       with open(path, 'wb') as f:
@@ -101,7 +106,10 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
   """SIGKILL `python -m dpjax.train` mid-run and rerun (the seed drawn in secret, kept in the
   workdir); separately train uninterrupted with that seed: same params and ε. The kill needs a
   process; the rerun and the uninterrupted run train in this one (the same config and XLA flags:
-  the same programs), which spares two interpreters."""
+  the same programs), which spares two interpreters. b = 128 and P = 32, as small_config():
+  the programs of the other runs here (B = 288, K = 9), which the child loads from the suite's
+  compilation cache instead of compiling its own (b = 64, P = 16 were programs of this test
+  alone)."""
   overrides = {
     'num_steps': 30,
     'num_epochs': 0,
@@ -110,8 +118,8 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
     'eval_every_steps': 15,
     'privacy.target_epsilon': 0.0,
     'privacy.noise_multiplier': 1.0,
-    'sampler.batch_size': 64,
-    'sampler.physical_batch_size': 16,
+    'sampler.batch_size': 128,
+    'sampler.physical_batch_size': 32,
   }
   killed = tmp_path / 'killed'
   proc = subprocess.Popen(
@@ -223,7 +231,7 @@ def test_mnist_cnn_config_trains_on_mock_tfds_data(tmp_path):
   assert result['privacy']['bound'] == 'upper' and result['privacy']['epsilon'] <= 3.0
 
 
-def test_ema_is_evaluated_and_checkpointed_beside_the_raw_parameters(tmp_path):
+def test_ema_is_evaluated_and_checkpointed_beside_the_raw_parameters(tmp_path, reference_run):
   result = train.train_and_evaluate(small_config(ema_decay=0.9), str(tmp_path / 'ema'))
   rows = [json.loads(line) for line in open(tmp_path / 'ema' / 'metrics.jsonl')]
   evaluated = [row for row in rows if 'eval_accuracy' in row]
@@ -232,16 +240,17 @@ def test_ema_is_evaluated_and_checkpointed_beside_the_raw_parameters(tmp_path):
   assert int(state['ema']['count']) == 6  # One EMA update per logical step.
   assert not np.array_equal(flat_params(state['ema']['params']), flat_params(state['params']))
   assert result['eval_accuracy_ema'] > 0
-  # ema_decay = 0: the "EMA" is the parameters themselves, and no _ema metrics are reported.
-  train.train_and_evaluate(small_config(num_steps=2), str(tmp_path / 'off'))
-  state = checkpoints.read_state(str(tmp_path / 'off'), 2)
+  # ema_decay = 0 (small_config's, the reference run's): the "EMA" is the parameters themselves.
+  reference_dir, _ = reference_run
+  assert json.load(open(reference_dir / 'config.json'))['ema_decay'] == 0
+  state = checkpoints.read_state(str(reference_dir), 6)
   np.testing.assert_array_equal(flat_params(state['ema']['params']), flat_params(state['params']))
 
 
-def test_frozen_layer_is_not_trained_and_not_checkpointed_as_trainable(tmp_path):
+def test_frozen_layer_is_not_trained_and_not_checkpointed_as_trainable(tmp_path, reference_run):
   from dpjax.trainer.planning import finetune  # pylint: disable=import-outside-toplevel
 
-  reference = train.train_and_evaluate(small_config(num_steps=2), str(tmp_path / 'pre'))
+  _, reference = reference_run  # Pretrained: the reference run's parameters.
   finetune.save_npz(str(tmp_path / 'pre.npz'), reference['params'])
   result = train.train_and_evaluate(
     small_config(**{'init_from': str(tmp_path / 'pre.npz'), 'freeze': ('Dense_0/.*',)}),
@@ -257,24 +266,30 @@ def test_frozen_layer_is_not_trained_and_not_checkpointed_as_trainable(tmp_path)
 def test_automatic_physical_batch_size_keeps_b_independent_of_the_device(tmp_path, capsys):
   """P = 0: B is resolved to the row before P (it enters ε, so it must not depend on the
   device); P is the largest power of two whose compiled step fits (on this CPU: the first
-  >= B); the run equals one with that P given explicitly, and compiles once."""
-  from dpjax.privacy import batching
-  from dpjax.privacy import samplers  # pylint: disable=import-outside-toplevel
+  >= B); the run equals one with that P given explicitly, and compiles once.
 
+  b = 8 (B = 58): the search compiles P = 32 (the trainer's first), then 64 >= B, and stops.
+  At b = 128 (B = 269) it compiled five programs, 32 to 512, for the same checks."""
+  from dpjax.privacy import batching
+
+  small = {'sampler.batch_size': 8}
   auto = train.train_and_evaluate(
-    small_config(**{'sampler.physical_batch_size': 0}), str(tmp_path / 'auto')
+    small_config(**small, **{'sampler.physical_batch_size': 0}), str(tmp_path / 'auto')
   )
   meta = checkpoints.read_metadata(str(tmp_path / 'auto'))[-1]
   cap = meta['fingerprint']['sampler.max_batch_size']
   chosen = meta['sampler']['physical_batch_size']
-  config = small_config()
+  config = small_config(**small)
   sampler = plan_lib.make_sampler(config, meta['num_examples'])
   assert cap == batching.resolve_max_batch_size(sampler, 0, num_steps=6, delta=config.privacy.delta)
   assert chosen >= cap > chosen // 2 and chosen & (chosen - 1) == 0
+  assert chosen > 32  # Past the first candidate: the search went up.
   assert f'P = {chosen}' in capsys.readouterr().out
   assert auto['compilations'] == {'train_steps': 1}
   explicit = train.train_and_evaluate(
-    small_config(**{'sampler.physical_batch_size': chosen, 'sampler.max_batch_size': chosen}),
+    small_config(
+      **small, **{'sampler.physical_batch_size': chosen, 'sampler.max_batch_size': chosen}
+    ),
     str(tmp_path / 'explicit'),
   )
   np.testing.assert_array_equal(flat_params(auto['params']), flat_params(explicit['params']))

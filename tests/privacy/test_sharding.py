@@ -1,7 +1,8 @@
 """Data-parallel training on 4 forced CPU devices against the 1-device run.
 
-JAX fixes the device count when it starts, so the checks run in fresh
-subprocesses, started together:
+JAX fixes the device count when it starts its backend, so the checks run in processes of
+their own, forked together from one interpreter that imported their modules but started no
+backend (tests/forked_cli.py --together), each with its own device count:
 
 * a worker with XLA_FLAGS=--xla_force_host_platform_device_count=4 (this file:
   `python -m tests.privacy.test_sharding OUTDIR`) runs the digits MLP for 6 steps on 4
@@ -25,7 +26,6 @@ import pathlib
 import re
 import shutil
 import socket
-import signal
 import subprocess
 import sys
 
@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 from dpjax.privacy import prng
 from dpjax.trainer.loop import training_loop
+from dpjax.utils.child_env import child_env
 from tests import independent
 
 pytestmark = pytest.mark.slow  # Whole trainings or child processes (`make test-unit` skips).
@@ -254,25 +255,28 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _devices_env(count: int) -> dict:
-  return dict(
-    os.environ,
-    JAX_PLATFORMS='cpu',
-    XLA_FLAGS=f'{os.environ.get("XLA_FLAGS", "")} --xla_force_host_platform_device_count={count}',
-  )
+def _device_count_flags(count: int) -> dict:
+  """A forked child's XLA_FLAGS (read when its jax starts the backend, after the fork): `count`
+  CPU devices."""
+  flags_ = f'{os.environ.get("XLA_FLAGS", "")} --xla_force_host_platform_device_count={count}'
+  return {'XLA_FLAGS': flags_.strip()}
 
 
 def _run_both(outdir):
-  """Runs the 2-host job and the 4-device worker together into outdir; waits for both."""
+  """Runs the 2-host job and the 4-device worker together into outdir; waits for both.
+
+  All three processes are forked at once from one interpreter that imported what they import
+  (tests/forked_cli.py --together): `python -m dpjax.train --distributed` twice and `python -m
+  tests.privacy.test_sharding OUTDIR`, each with its own device count; two interpreters'
+  imports (~4 s of CPU each) spared. One still running after 600 s gets SIGABRT and prints
+  every thread's stack (PYTHONFAULTHANDLER=1): a hang fails with them."""
   outdir = pathlib.Path(outdir)
   port = _free_port()
   flags_ = [f'--config.{key}={value}' for key, value in RUN.items()]
   hosts = [
-    subprocess.Popen(
-      [
-        sys.executable,
-        '-m',
-        'dpjax.train',
+    {
+      'module': 'dpjax.train',
+      'argv': [
         f'--config={REPO}/configs/digits_mlp.py',
         f'--workdir={outdir / "multihost"}',
         *flags_,
@@ -281,37 +285,36 @@ def _run_both(outdir):
         '--num_processes=2',
         f'--process_id={i}',
       ],
-      cwd=REPO,
-      env=dict(_devices_env(2), PYTHONFAULTHANDLER='1'),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE,
-      text=True,
-    )
+      'cwd': REPO,
+      'env': _device_count_flags(2),
+    }
     for i in range(2)
   ]
-  try:
-    proc = subprocess.run(
-      [sys.executable, '-m', 'tests.privacy.test_sharding', str(outdir)],
-      cwd=REPO,
-      env=_devices_env(NUM_DEVICES),
-      capture_output=True,
-      text=True,
-      timeout=600,
-    )
-    host_out = [host.communicate(timeout=300) for host in hosts]
-  except subprocess.TimeoutExpired:  # A hang: every thread's Python stack, then fail.
-    for host in hosts:
-      host.send_signal(signal.SIGABRT)  # PYTHONFAULTHANDLER=1 dumps the stacks on it.
-    stacks = [host.communicate(timeout=60)[1][-20000:] for host in hosts]
+  worker = {
+    'module': 'tests.privacy.test_sharding',
+    'argv': [str(outdir)],
+    'cwd': REPO,
+    'env': _device_count_flags(NUM_DEVICES),
+  }
+  # (The worker writes results.json and params.npz; the forked processes' own go beside them.)
+  (outdir / 'forked_cases.json').write_text(json.dumps([worker, *hosts]))
+  subprocess.run(
+    [sys.executable, '-m', 'tests.forked_cli', '-', 'forked_cases.json', 'forked_results.json']
+    + ['--together', '600'],
+    cwd=outdir,
+    env=child_env(JAX_PLATFORMS='cpu', PYTHONFAULTHANDLER='1'),
+    timeout=900,
+    check=True,
+  )
+  proc, *host_out = json.loads((outdir / 'forked_results.json').read_text())
+  if any(result['timed_out'] for result in host_out):
+    stacks = [result['stderr'][-20000:] for result in host_out]
     pytest.fail('the 2-process run did not finish; its threads:\n' + '\n'.join(stacks))
-  finally:
-    for host in hosts:
-      host.kill()
-  assert proc.returncode == 0, proc.stderr[-5000:]
-  for host, (_, err) in zip(hosts, host_out):
-    assert host.returncode == 0, err[-5000:]
+  assert proc['returncode'] == 0, proc['stderr'][-5000:]
+  for host in host_out:
+    assert host['returncode'] == 0, host['stderr'][-5000:]
   with open(outdir / 'host_stdout.json', 'w') as f:
-    json.dump([out for out, _ in host_out], f)
+    json.dump([host['stdout'] for host in host_out], f)
 
 
 @pytest.fixture(scope='module')
