@@ -16,7 +16,7 @@ from dpjax.data import device as device_data
 from dpjax.privacy import dp_step
 from dpjax.models import factory as models
 from dpjax.privacy import samplers
-from dpjax.privacy import prng
+from tests.privacy.ghost_clipping import harness
 
 
 def assert_preprocessed_alike(got, want, pre: preprocess.Preprocessor, raw):
@@ -123,8 +123,10 @@ def test_device_data_step_equals_host_buffer_step():
     allow_repeated_steps=True,
   )  # Two paths of one step compared.
   dataset = device_data.put_on_device(source)
-  params = prng.init_params(model, 2, source.input_shape)
-  states = [jax.tree.map(np.array, (params, step.optimizer.init(params))) for _ in range(2)]
+  # From NumPy, and Adam's state by one program: eagerly, each op and leaf shape compiles.
+  params = harness.init(model, np.zeros((1, *source.input_shape), np.float32), seed=2)
+  opt_state = jax.jit(step.optimizer.init)(params)
+  states = [jax.tree.map(np.array, (params, opt_state)) for _ in range(2)]
   with device_data.Prefetcher(
     lambda t: device_data.host_buffer(source, batcher.logical_batch(t), 8), range(3)
   ) as host:

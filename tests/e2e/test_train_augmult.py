@@ -88,6 +88,12 @@ def _model(name):
 SHAPE = {'mlp': ((6, 6, 2), 4), 'cnn': ((6, 6, 2), 4), 'all_layers': ((6, 6, 3), harness.K)}
 
 
+def _init(model, name):
+  """Parameters from NumPy (`harness.init`): an eager model.init compiles a program per op
+  and leaf shape (~200 for the all_layers model)."""
+  return harness.init(model, np.zeros((1, *SHAPE[name][0]), np.float32), seed=0)
+
+
 def _buffer(k_max=2, p=4, real=6, seed=0, name='mlp'):
   """A logical buffer [k_max, p] with `real` real rows, the rest padding (weight 0)."""
   rng = np.random.default_rng(seed)
@@ -101,22 +107,24 @@ def _buffer(k_max=2, p=4, real=6, seed=0, name='mlp'):
 
 def _run(step, params, opt, buffer):
   """train_step on a copy of params (train_step donates its inputs)."""
-  params = jax.tree.map(jnp.array, params)
+  params = jax.tree.map(lambda p: jax.device_put(np.array(p)), params)  # No copy program.
   return step.train_step(params, opt.init(params), buffer, np.int32(2), np.uint32(STEP))[0]
 
 
 def _reference_update(model, params, buffer, k, spec, clip_bound):
-  """Params after one DP step computed without DPStep's augmult code (float64)."""
+  """Params after one DP step computed without DPStep's augmult code (float64), and how many
+  real rows the clip scaled down."""
   loss = augmult.mean_over_views(losses.make_loss_fn(model))
   grad = jax.jit(jax.grad(lambda p, v, y: loss(p, {'x': v, 'y': y})[0]))
   total = jax.tree.map(lambda p: np.zeros(p.shape, np.float64), params)
+  clipped = 0
   p64 = jax.tree.map(lambda p: np.asarray(p, np.float64), params)
   # The views as float32 programs draw them (under x64, randint draws other bits).
   all_views = [
     np.asarray(
       augmult.make_views(
-        jnp.asarray(buffer['x'][i]),
-        jnp.asarray(buffer['index'][i]),
+        buffer['x'][i],
+        buffer['index'][i],
         STEP,
         seed=SEED,
         num_views=spec.num_views,
@@ -128,17 +136,21 @@ def _reference_update(model, params, buffer, k, spec, clip_bound):
     for i in range(k)
   ]
   with jax.enable_x64(True), jax.default_matmul_precision('highest'):
-    p64 = jax.tree.map(jnp.asarray, p64)
     for i, views in enumerate(all_views):
       for r in range(views.shape[0]):
         if buffer['weight'][i, r] == 0:
           continue
-        g = grad(p64, jnp.asarray(views[r]), buffer['y'][i, r])
-        norm = float(optax.global_norm(g))
+        g = jax.tree.map(np.asarray, grad(p64, views[r], buffer['y'][i, r]))
+        # In NumPy: eager jnp ops would compile one program per leaf shape.
+        norm = np.sqrt(sum(np.sum(np.square(gi)) for gi in jax.tree.leaves(g)))
         scale = min(1.0, clip_bound / norm)  # The step's C'' (precision and sum margins).
-        total = jax.tree.map(lambda t, gi: t + scale * np.asarray(gi), total, g)
-  noise = optax.tree.random_like(prng.noise_key(SEED, STEP), params, jax.random.normal)
-  return jax.tree.map(
+        clipped += scale < 1
+        total = jax.tree.map(lambda t, gi: t + scale * gi, total, g)
+  # One program for every leaf's noise (eagerly, each leaf shape compiles a sampler).
+  noise = jax.jit(lambda key, p: optax.tree.random_like(key, p, jax.random.normal))(
+    prng.noise_key(SEED, STEP), params
+  )
+  update = jax.tree.map(
     lambda p, s, z: (
       np.asarray(p, np.float64) - 0.1 * (s + SIGMA * C * np.asarray(z, np.float64)) / B
     ),
@@ -146,6 +158,7 @@ def _reference_update(model, params, buffer, k, spec, clip_bound):
     total,
     noise,
   )
+  return update, clipped
 
 
 @pytest.mark.slow
@@ -181,11 +194,12 @@ def test_train_step_clips_the_view_mean_once(name, clipping):
     physical_loop='device',
     allow_repeated_steps=True,
   )  # Steps compared under one noise.
-  params = prng.init_params(model, 0, SHAPE[name][0])
+  params = _init(model, name)
   buffer = _buffer(name=name)
   if name == 'all_layers':
     _assert_every_rule_in_both_forms_on_views(model, params, buffer)
-  expected = _reference_update(model, params, buffer, 2, spec, step.clip_bound)
+  expected, clipped = _reference_update(model, params, buffer, 2, spec, step.clip_bound)
+  assert clipped > 0  # The clip is exercised (C is below some view-mean gradient's norm).
   new, _, metrics = step.train_step(
     params, optax.sgd(0.1).init(params), buffer, np.int32(2), np.uint32(STEP)
   )
@@ -206,7 +220,7 @@ def test_views_differ_from_identity_and_padded_rows_contribute_nothing():
     physical_loop='device',
     allow_repeated_steps=True,
   )  # Steps compared under one noise.
-  params = prng.init_params(model, 0, (6, 6, 2))
+  params = _init(model, 'mlp')
   opt = optax.sgd(0.1)
   buffer = _buffer()
   on = dp_step.DPStep.for_model(model, opt, augmult=augmult.Augmult(4, 1, True), **kw)
@@ -226,7 +240,7 @@ def test_one_view_is_the_ordinary_step():
   kw = dict(
     clip_norm=C, noise_multiplier=SIGMA, expected_batch_size=B, seed=SEED, physical_loop='device'
   )
-  params = prng.init_params(model, 0, (6, 6, 2))
+  params = _init(model, 'mlp')
   opt = optax.sgd(0.1)
   buffer = _buffer()
   one = dp_step.DPStep.for_model(

@@ -1,6 +1,8 @@
 """The shared harness of the ghost-clipping tests: a model with every covered layer, inputs, and
 the comparison of ghost norms and clipped sums with per-example (vmap) gradients."""
 
+import contextlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -76,13 +78,15 @@ def inputs(shape, n, seed, vocab=0):
   return x, rng.integers(0, K, n).astype(np.int32)
 
 
-def compare(loss_fn, params, batch):
+def compare(loss_fn, params, batch, forms=(None,)):
   """Per-example ‖g_i‖² per layer both ways, and both clipped sums.
 
-  One vmap pass and one ghost pass, each feeding the same clipping code as
-  `per_example_clipped_sum` / `ghost_clipped_sum` (halves the compile time).
-  C is between the middle two finite norms, so about half the rows are
-  clipped.
+  One vmap pass and one ghost pass per entry of `forms` (None: the rules' own choice; True /
+  False: `mixed.forced_form`), each feeding the same clipping code as
+  `per_example_clipped_sum` / `ghost_clipped_sum` (one program: halves the compile time; the
+  forms share the vmap reference). C is between the middle two finite norms, so about half
+  the rows are clipped. Returns (want, [(ghost norms, (ghost sum, stats)) per form],
+  (vmap sum, stats)).
   """
   examples, w = clipping.examples_of(batch), batch['weight']
   y = batch['y']
@@ -93,7 +97,6 @@ def compare(loss_fn, params, batch):
   for path, g in zip(leaf_paths(grads), jax.tree.leaves(grads)):
     key = '/'.join(path if path[0] == 'pos_embedding' else path[:-1])
     want[key] = want.get(key, 0.0) + jnp.sum(jnp.square(g.reshape(len(y), -1)), axis=1)
-  ghost = ghost_clipping.ghost_pass(loss_fn, params, examples)
   total = sum(want.values())
   finite = jnp.sort(jnp.where(jnp.isfinite(total), total, jnp.inf))
   m = jnp.sum(jnp.isfinite(total)) // 2
@@ -106,20 +109,21 @@ def compare(loss_fn, params, batch):
     w,
     clip,
   )
-  got, rows = clipping._clip_and_sum(
-    ghost.losses, ghost.aux, ghost.sq_norms, ghost.weighted_sum, w, clip
-  )
-  return (
-    want,
-    ghost.sq_norms_by_path,
-    (got, clipping.ClipStats.of(rows, w, clip)),
-    (ref, clipping.ClipStats.of(ref_rows, w, clip)),
-  )
+  ghosts = []
+  for form in forms:
+    with contextlib.nullcontext() if form is None else ghost_clipping.mixed.forced_form(form):
+      ghost = ghost_clipping.ghost_pass(loss_fn, params, examples)
+      got, rows = clipping._clip_and_sum(
+        ghost.losses, ghost.aux, ghost.sq_norms, ghost.weighted_sum, w, clip
+      )
+    ghosts.append((ghost.sq_norms_by_path, (got, clipping.ClipStats.of(rows, w, clip))))
+  return want, ghosts, (ref, clipping.ClipStats.of(ref_rows, w, clip))
 
 
-def assert_matches_vmap(model, x, y, num_pad=3):
+def assert_matches_vmap(model, x, y, num_pad=3, forms=(None,)):
   """Norms and clipped sums equal the vmap path, on a batch with padding
-  rows (garbage copies of real rows, weight 0), one NaN and one inf row."""
+  rows (garbage copies of real rows, weight 0), one NaN and one inf row; in each of `forms`
+  (`compare`), all in one program."""
   loss_fn = losses.make_loss_fn(model)
   params = init(model, x, seed=int(np.sum(y)))
   coverage = ghost_clipping.analyse_coverage(loss_fn, params, {'x': x[0], 'y': y[0]})
@@ -134,12 +138,18 @@ def assert_matches_vmap(model, x, y, num_pad=3):
     'y': np.concatenate([y, y[:num_pad]]),
     'weight': np.r_[np.ones(n), np.zeros(num_pad)].astype(np.float32),
   }
-  want, got, (ghost, stats), (ref, ref_stats) = jax.jit(compare, static_argnums=0)(
-    loss_fn, params, batch
+  want, ghosts, (ref, ref_stats) = jax.jit(compare, static_argnums=(0, 3))(
+    loss_fn, params, batch, tuple(forms)
   )
-  assert set(got) == set(want)
   ok = np.isfinite(sum(want.values()))
   assert np.sum(ok) == n + num_pad - 3 * floats
+  for got, (ghost, stats) in ghosts:
+    _assert_ghost_matches(want, ok, got, ghost, stats, ref, ref_stats, n, floats)
+  return coverage
+
+
+def _assert_ghost_matches(want, ok, got, ghost, stats, ref, ref_stats, n, floats):
+  assert set(got) == set(want)
   for path in want:
     # Never below the per-example gradient's norm; above it by at most the cancellation
     # allowances (mixed.with_allowance, conv.ws_allowance: ~1e-5 relative in float32).
@@ -155,7 +165,6 @@ def assert_matches_vmap(model, x, y, num_pad=3):
     np.testing.assert_allclose(getattr(stats, field), getattr(ref_stats, field), rtol=1e-5)
   assert 0 < int(stats.num_clipped) < n
   assert int(stats.num_nonfinite) == 2 * floats  # Padding is not counted.
-  return coverage
 
 
 class Scaled(nn.Module):

@@ -49,29 +49,32 @@ def test_layer_forms_follow_the_mixed_rule_from_each_calls_shapes():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('ghost', [True, False], ids=['all_ghost', 'all_materialised'])
-def test_ghost_and_materialised_forms_give_the_same_clipped_sum_for_every_layer(ghost):
+def test_ghost_and_materialised_forms_give_the_same_clipped_sum_for_every_layer():
   """Each layer forced to one form of the mixed rule (and Embed's): norms and clipped
   sums still equal the per-example gradients', and the logged forms say so.
 
   Every layer type is covered, each in both forms: the mixed rule picks one of the two per
   layer (ALL_LAYERS_FORMS), so a third program under the mixed rule was dropped (15 s cold);
-  the mixed program itself runs in test_precision's and test_train_augmult's all_layers steps."""
+  the mixed program itself runs in test_precision's and test_train_augmult's all_layers steps.
+  Both forced forms are compared in one program with one vmap reference (they were two
+  parametrised cases, [all_ghost] and [all_materialised], each tracing and compiling the
+  reference again)."""
   x, y = harness.inputs((6, 6, 3), 7, seed=100)
-  with ghost_clipping.mixed.forced_form(ghost):
-    coverage = harness.assert_matches_vmap(harness.AllLayers(), x, y)
-    forms = coverage.layer_forms()
+  coverage = harness.assert_matches_vmap(harness.AllLayers(), x, y, forms=(True, False))
   assert {l.rule for l in coverage.layers} == set(ghost_clipping.RULES.values())
   assert not coverage.materialised
   assert len(coverage.layers) == 16
-  assert coverage.layer_forms() == ALL_LAYERS_FORMS  # The mixed rule again outside.
-  want = 'ghost' if ghost else 'materialised'
-  for line in forms:
-    name, rule, form = line.split(' ', 2)
-    if rule == 'norm':  # One form: a vjp of the layer per example.
-      assert form == 'per-example vjp', line
-    else:  # S = 1: ‖a‖²‖δ‖², exact in both forms.
-      assert form.startswith('rank-1' if '(S=1,' in form else want), line
+  assert coverage.layer_forms() == ALL_LAYERS_FORMS  # The mixed rule outside a forced form.
+  for ghost in (True, False):
+    with ghost_clipping.mixed.forced_form(ghost):
+      forms = coverage.layer_forms()
+    want = 'ghost' if ghost else 'materialised'
+    for line in forms:
+      name, rule, form = line.split(' ', 2)
+      if rule == 'norm':  # One form: a vjp of the layer per example.
+        assert form == 'per-example vjp', line
+      else:  # S = 1: ‖a‖²‖δ‖², exact in both forms.
+        assert form.startswith('rank-1' if '(S=1,' in form else want), line
 
 
 def test_linear_rule_both_branches_equal_the_frobenius_norm():
