@@ -18,6 +18,10 @@ DELTA = 1e-5
 # PLD discretisation for the slower events (both sides use the same, so the comparisons stay
 # exact): 3e-3 moves these ε by <= 1 % against 1e-3 and builds the mixtures 3x faster.
 COARSE = 3e-3
+# The group mixtures at 1e-2 on both sides (dp_accounting's mixture PLD costs per grid point, 3x
+# less than at COARSE): the comparison stays exact, and a wrong count distribution or a group
+# size ignored moves ε by far more than the 1e-6 allowed (k = 3: ε 2.2 against 0.5 for k = 1).
+GROUP_GRID = 1e-2
 
 
 @pytest.fixture(autouse=True)
@@ -199,13 +203,18 @@ def test_group_poisson_is_binomial_mog():
   sampler = _sampler('poisson', 10_000, 100)
   k, steps = 3, 500
   report = accountant_lib.Accountant(
-    sampler, 1.5, DELTA, group_size=k, value_discretization_interval=COARSE, max_batch_size=None
+    sampler,
+    1.5,
+    DELTA,
+    group_size=k,
+    value_discretization_interval=GROUP_GRID,
+    max_batch_size=None,
   ).epsilon_at(steps)
   counts = np.arange(k + 1)
   mog = dp_event.MixtureOfGaussiansDpEvent(
     1.5, list(counts), list(stats.binom.pmf(counts, k, 0.01))
   )
-  assert report.epsilon == pytest.approx(_pld_epsilon(mog, steps, COARSE), rel=1e-6)
+  assert report.epsilon == pytest.approx(_pld_epsilon(mog, steps, GROUP_GRID), rel=1e-6)
   one = accountant_lib.Accountant(sampler, 1.5, DELTA, max_batch_size=None).epsilon(steps)
   assert one < report.epsilon < report.details['group_conversion_epsilon_comparison_only']
 
@@ -215,13 +224,13 @@ def test_group_fixed_size_is_hypergeometric_mog():
   sampler = _sampler('fixed_size', 5000, 50)
   k, steps = 2, 300
   report = accountant_lib.Accountant(
-    sampler, 3.0, DELTA, group_size=k, value_discretization_interval=COARSE
+    sampler, 3.0, DELTA, group_size=k, value_discretization_interval=GROUP_GRID
   ).epsilon_at(steps)
   counts = np.arange(k + 1)
   mog = dp_event.MixtureOfGaussiansDpEvent(
     3.0, list(2 * counts), list(stats.hypergeom.pmf(counts, 5000, k, 50))
   )
-  assert report.epsilon == pytest.approx(_pld_epsilon(mog, steps, COARSE), rel=1e-6)
+  assert report.epsilon == pytest.approx(_pld_epsilon(mog, steps, GROUP_GRID), rel=1e-6)
   assert report.epsilon < report.details['group_conversion_epsilon_comparison_only']
 
 
