@@ -146,3 +146,42 @@ def test_a_calibrated_sigma_is_kept_only_under_its_exact_key(monkeypatch):
   assert calibration._memo_key(sampler, 2.0, 1e-5, 20, 1, {}) != calibration._memo_key(  # pylint: disable=protected-access
     sampler, 2.0, 1e-5, 20, 1.0, {}
   )  # Sensitivity 1 (int) and 1.0: keys of their own.
+
+
+def test_the_deterministic_bound_is_kept_by_exact_arguments_and_types():
+  """The kept ε and δ(ε) equal dp_accounting's, queried on a new GaussianPrivacyLoss each time
+  (as before they were kept); a bool is refused as a count even after the int was kept."""
+  from dp_accounting.pld import privacy_loss_mechanism  # pylint: disable=import-outside-toplevel
+
+  from dpjax.privacy.accounting import balls_and_bins  # pylint: disable=import-outside-toplevel
+
+  def unkept(sigma, epochs, delta, k=1, tau=0.0):
+    effective = sigma / (k * np.sqrt(epochs))
+    delta_at = lambda e: float(
+      privacy_loss_mechanism.GaussianPrivacyLoss(effective, sensitivity=1.0).get_delta_for_epsilon(
+        e
+      )
+    )
+    return balls_and_bins.smallest_epsilon(delta_at, delta, penalty_mass=tau)
+
+  cases = [(1.5, 3, 1e-5, 1, 0.0), (1.5 * (1 + 1e-6), 3, 1e-5, 1, 0.0), (1.5, 4, 1e-5, 1, 0.0)]
+  cases += [(1.5, 3, 1e-6, 1, 0.0), (1.5, 3, 1e-5, 2, 0.0), (1.5, 3, 1e-5, 1, 1e-9)]
+  got = [
+    balls_and_bins.deterministic_epsilon(s, e, d, group_size=k, penalty_mass=t)
+    for s, e, d, k, t in cases * 2
+  ]
+  assert got == [unkept(*c) for c in cases] * 2 and len(set(got)) == len(cases)
+  assert balls_and_bins.gaussian_delta(1.5, 2.0) == float(
+    privacy_loss_mechanism.GaussianPrivacyLoss(1.5, sensitivity=1.0).get_delta_for_epsilon(2.0)
+  )
+  with pytest.raises(ValueError, match='num_epochs'):
+    balls_and_bins.deterministic_epsilon(1.5, True, 1e-5)
+
+
+def test_the_random_allocation_grid_is_kept_by_exact_arguments():
+  from dpjax.privacy.accounting import random_allocation  # pylint: disable=import-outside-toplevel
+
+  cases = [(4.0, 100, 1e-5), (4.0, 130, 1e-5), (3.0, 100, 1e-5), (4.0, 100, 1e-3)]
+  kept = [random_allocation.default_discretization(*c) for c in cases * 2]
+  unkept = [random_allocation._default_discretization(*c) for c in cases]  # pylint: disable=protected-access
+  assert kept == unkept * 2 and len(set(unkept)) == len(cases)
