@@ -70,9 +70,10 @@ def step_pld(event: dp_event.DpEvent, interval: float) -> pld_lib.PrivacyLossDis
 
 
 class KeptPLDs:
-  """PLDs kept for this process by key, the `size` most recently used (thread-safe).
+  """PLDs (or other results: chosen grids, calibrated σ) kept for this process by key, the
+  `size` most recently used (thread-safe).
 
-  Keys name everything a PLD depends on; dp_accounting's PLDs are not changed by composing or
+  Keys name everything a value depends on; dp_accounting's PLDs are not changed by composing or
   querying them, so one object serves every caller.
   """
 
