@@ -29,12 +29,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from dp_accounting.rdp import rdp_privacy_accountant
-
 from dpjax.privacy.accounting import balls_and_bins
 from dpjax.privacy.accounting import balls_and_bins_analysis
 from dpjax.privacy.accounting import fixed_size_rdp
 from dpjax.privacy.accounting import max_test
+from dpjax.privacy.accounting import rdp_steps
 from dpjax.privacy.accounting import sampler_events
 from dpjax.privacy.accounting.accountant_view import Accountant
 from dpjax.privacy.accounting.report import PrivacyReport
@@ -98,8 +97,7 @@ def poisson_subsampling(acct: Accountant, steps: int, estimates: bool) -> Privac
   if acct.max_batch_size is None:
     details['truncation'] = 'none (no max_batch_size)'
   if acct.accountant == 'rdp':
-    rdp = rdp_privacy_accountant.RdpAccountant()
-    rdp.compose(event, steps)
+    rdp = rdp_steps.composed_rdp(event, steps)
     if tau == 0:
       eps = rdp.get_epsilon(delta)
       details['method'] = 'rdp(poisson_subsampled_gaussian)'
@@ -113,8 +111,7 @@ def poisson_subsampling(acct: Accountant, steps: int, estimates: bool) -> Privac
   details.update(extra, method=method)
   if estimates:
     if k == 1:
-      rdp = rdp_privacy_accountant.RdpAccountant()
-      rdp.compose(event, steps)
+      rdp = rdp_steps.composed_rdp(event, steps)
       details['rdp_epsilon'] = balls_and_bins.smallest_epsilon(
         rdp.get_delta, delta, penalty_mass=tau
       )
@@ -190,10 +187,11 @@ def fixed_size_subsampling(acct: Accountant, steps: int, estimates: bool) -> Pri
     if pld_eps is not None:
       details['pld_epsilon'] = pld_eps
   if estimates and k == 1:
-    wor = rdp_privacy_accountant.RdpAccountant(
-      neighboring_relation=rdp_privacy_accountant.NeighborRel.REPLACE_ONE
+    wor = rdp_steps.composed_rdp(
+      sampler_events.sampled_without_replacement_rdp_event(n, b, sigma),
+      steps,
+      rdp_steps.NeighborRel.REPLACE_ONE,
     )
-    wor.compose(sampler_events.sampled_without_replacement_rdp_event(n, b, sigma), steps)
     details['wang_et_al_rdp_replace_one_epsilon'] = float(wor.get_epsilon(delta))
   if estimates and k > 1:
     one = acct.composed_pld(sampler_events.fixed_size_step_event(n, b, sigma), steps)
@@ -230,8 +228,7 @@ def subsampling_with_replacement(acct: Accountant, steps: int, estimates: bool) 
 def _epoch_gaussian_epsilon(acct: Accountant, epochs: int) -> tuple[float, str]:
   """Deterministic-order ε of `epochs` epochs (exact with 'pld', RDP with 'rdp')."""
   if acct.accountant == 'rdp':
-    rdp = rdp_privacy_accountant.RdpAccountant()
-    rdp.compose(
+    rdp = rdp_steps.composed_rdp(
       sampler_events.epoch_gaussian_event(
         acct.accounted_noise_multiplier, group_size=acct.group_size
       ),

@@ -37,6 +37,7 @@ untruncated mechanism gives an (ε, δ₀ + (1 + e^ε)·τ)-DP truncated one.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -96,13 +97,20 @@ def smallest_epsilon(
   return monotone.smallest_passing(ok, lo, hi, rel_tol * max(1.0, hi))
 
 
+@functools.lru_cache(maxsize=256, typed=True)
+def _gaussian_loss(noise_multiplier: float) -> privacy_loss_mechanism.GaussianPrivacyLoss:
+  # Its construction (scipy freezing a distribution, ~10 ms) is most of a δ(ε); its queries
+  # keep no state, so one object per σ answers as a new one does.
+  return privacy_loss_mechanism.GaussianPrivacyLoss(noise_multiplier, sensitivity=1.0)
+
+
 def gaussian_delta(noise_multiplier: float, epsilon: float) -> float:
   """δ(ε) of the Gaussian mechanism, sensitivity 1 (dp_accounting's closed form)."""
-  return float(
-    privacy_loss_mechanism.GaussianPrivacyLoss(
-      noise_multiplier, sensitivity=1.0
-    ).get_delta_for_epsilon(epsilon)
-  )
+  try:
+    loss = _gaussian_loss(noise_multiplier)
+  except TypeError:  # Unhashable (an array): built for this query.
+    loss = privacy_loss_mechanism.GaussianPrivacyLoss(noise_multiplier, sensitivity=1.0)
+  return float(loss.get_delta_for_epsilon(epsilon))
 
 
 def deterministic_epsilon(
@@ -112,6 +120,24 @@ def deterministic_epsilon(
   *,
   group_size: int = 1,
   penalty_mass: float = 0.0,
+) -> float:
+  """Exact ε of E epochs in a fixed order (`_deterministic_epsilon`), kept per process by its
+  exact arguments and their types (a bool is not an int here): shuffle and balls-and-bins
+  reports, their calibration brackets and the trainer's ε at each epoch ask again."""
+  args = (noise_multiplier, num_epochs, delta, group_size, penalty_mass)
+  try:
+    hash(args)
+  except TypeError:  # Unhashable (an array): computed, not kept.
+    return _deterministic_epsilon(*args)
+  return _kept_deterministic_epsilon(*args)
+
+
+def _deterministic_epsilon(
+  noise_multiplier: float,
+  num_epochs: int,
+  delta: float,
+  group_size: int,
+  penalty_mass: float,
 ) -> float:
   """Exact ε of E epochs in a fixed order: `GaussianDpEvent(σ/k)` composed E times.
 
@@ -128,6 +154,9 @@ def deterministic_epsilon(
   return smallest_epsilon(
     lambda eps: gaussian_delta(effective, eps), delta, penalty_mass=penalty_mass
   )
+
+
+_kept_deterministic_epsilon = functools.lru_cache(maxsize=1024, typed=True)(_deterministic_epsilon)
 
 
 # ---------------------------------------------------------------------------------------------

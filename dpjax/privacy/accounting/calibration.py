@@ -61,6 +61,57 @@ def calibrate_noise_multiplier(
   (and raised in 0.05% steps if σ/(1 + η), a float, lands on the other side of a PLD grid
   point than σ₀).
   """
+  key = _memo_key(sampler, target_epsilon, delta, num_steps, sensitivity, kwargs)
+  sigma = CALIBRATED.get(key) if key is not None else None
+  if sigma is None:
+    sigma = _calibrate_at_sensitivity(
+      sampler, target_epsilon, delta, num_steps, sensitivity, **kwargs
+    )
+    if key is not None:
+      CALIBRATED.put(key, sigma)
+  return sigma
+
+
+# Calibrated σ per (sampler, target, δ, steps, sensitivity, options), for every caller of the
+# process (the planner's rows and `dpjax.train`'s plan of the same run, a CLI asked twice):
+# the search is deterministic in these, so the memo returns the σ it would compute again
+# (tests/privacy/accounting/test_accounting_memos.py). Random allocation is never kept: its
+# PLD builds are bounded by seconds, not by its inputs.
+CALIBRATED = step_pld.KeptPLDs(256)
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _memo_key(sampler, target_epsilon, delta, num_steps, sensitivity, kwargs) -> tuple | None:
+  """The exact key of a calibration (the sampler compares every field), or None: not kept."""
+  values = (target_epsilon, delta, num_steps, sensitivity, *kwargs.values())
+  if (
+    sampler.analysis == 'random_allocation'
+    or kwargs.get('accountant') == 'monte_carlo'
+    or not all(type(v) in _PLAIN for v in values)
+  ):
+    return None
+  plain = lambda v: (type(v).__name__, v)  # 1 and 1.0 and True are three keys.
+  key = (
+    sampler,
+    *map(plain, (target_epsilon, delta, num_steps, sensitivity)),
+    tuple(sorted((k, plain(v)) for k, v in kwargs.items())),
+  )
+  try:
+    hash(key)
+  except TypeError:  # A sampler holding something unhashable: not kept.
+    return None
+  return key
+
+
+def _calibrate_at_sensitivity(
+  sampler: samplers_lib.Sampler,
+  target_epsilon: float,
+  delta: float,
+  num_steps: int,
+  sensitivity: float,
+  **kwargs,
+) -> float:
+  """`calibrate_noise_multiplier`, computed (not read from the memo)."""
   with step_pld.progress_bar(
     None, f'calibrating σ for ε = {target_epsilon} ({sampler.name})'
   ) as bar:

@@ -38,6 +38,7 @@ version), in $DPJAX_CACHE_DIR, else $XDG_CACHE_HOME/dpjax, else ~/.cache/dpjax.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -79,6 +80,15 @@ def library_version() -> str:
 
 
 def default_discretization(noise_multiplier: float, num_steps: int, delta: float) -> float:
+  """`_default_discretization`, kept per process by its exact arguments and their types (a
+  report asks for it from its grid and again from its epochs' grid; a Poisson composition)."""
+  try:
+    return _kept_default_discretization(noise_multiplier, num_steps, delta)
+  except TypeError:  # Unhashable (an array): computed, not kept.
+    return _default_discretization(noise_multiplier, num_steps, delta)
+
+
+def _default_discretization(noise_multiplier: float, num_steps: int, delta: float) -> float:
   """Loss grid for one epoch: ε of the Poisson-subsampled Gaussian (q = 1/T, T steps)/12.
 
   Balls-and-bins' ε is within a few percent of Poisson's at moderate σ (Chua et al. 2025,
@@ -99,6 +109,9 @@ def default_discretization(noise_multiplier: float, num_steps: int, delta: float
   grid = min(MAX_GRID, max(MIN_GRID, grid))
   digits = 10.0 ** (math.floor(math.log10(grid)) - 1)
   return math.floor(grid / digits) * digits
+
+
+_kept_default_discretization = functools.lru_cache(maxsize=256, typed=True)(_default_discretization)
 
 
 def epochs_discretization(

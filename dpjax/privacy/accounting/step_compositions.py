@@ -13,6 +13,8 @@ MAX_REFINED_COMPOSED_POINTS, `max_grid_points`); the first grid above
 
 from __future__ import annotations
 
+import dataclasses
+
 from dp_accounting import dp_event
 from dp_accounting.pld import common as pld_common
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
@@ -22,6 +24,7 @@ from dpjax.privacy.accounting.step_pld import composed_step_pld
 from dpjax.privacy.accounting.step_pld import dense_step_pld
 from dpjax.privacy.accounting.step_pld import estimate_pld_grid_points
 from dpjax.privacy.accounting.step_pld import GridTooLargeError
+from dpjax.privacy.accounting.step_pld import KeptPLDs
 from dpjax.privacy.accounting.step_pld import loss_scale
 from dpjax.privacy.accounting.step_pld import pld_pmfs
 from dpjax.privacy.accounting.step_pld import progress_bar
@@ -41,6 +44,12 @@ REFINEMENT_GRID_POINTS = 3 * 10**5
 # q = 8e-5, where SCALE·ε = 1.4e-3). Then halving as usual.
 LOSS_SCALE_FRACTION = 1 / 8
 MAX_REFINED_COMPOSED_POINTS = 5 * 10**6
+# The grid each (event, steps, δ, limits) query chose, for every accountant of the process (the
+# planner's rows, the trainer's ε at its last step after its plan, a CLI's table and JSON):
+# the refinement through up to MAX_GRIDS compositions is done once; the choice is a pure
+# function of the key (the budget counts grid points, not seconds), so ε is bit-identical
+# (tests/privacy/accounting/test_accounting_memos.py). Kept without the composed PLD.
+CHOSEN_GRIDS = KeptPLDs(256)
 
 
 def cost_twin(event: dp_event.DpEvent) -> dp_event.DpEvent:
@@ -92,8 +101,15 @@ class StepCompositions:
     key = (repr(event), int(count))
     if key in self.grids:
       return self.at_grid(event, self.grids[key].grid, count)
+    # Everything the choice depends on (σ and `describe` only word its errors).
+    chosen_key = (*key, self.delta, self.max_grid_points, self.fixed_interval, self.coarsening)
+    chosen = CHOSEN_GRIDS.get(chosen_key)
+    if chosen is not None:  # The same grid again: one composition, or none if it was kept.
+      self.grids[key] = dataclasses.replace(chosen, value=self.at_grid(event, chosen.grid, count))
+      return self.grids[key].value
     with progress_bar(None, f'PLD of {count} {what} steps') as bar:
       self.grids[key] = self.choose_grid(event, count, bar)
+    CHOSEN_GRIDS.put(chosen_key, dataclasses.replace(self.grids[key], value=None))
     return self.grids[key].value
 
   def grid_details(self, event: dp_event.DpEvent, count: int, what: str) -> dict:
