@@ -13,6 +13,7 @@ import optax
 import pytest
 from scipy import stats as scipy_stats
 
+from dpjax.configs import digits_mlp
 from dpjax.privacy import batching
 from dpjax.trainer.planning import plan as plan_lib
 from dpjax.privacy import clipping
@@ -531,6 +532,48 @@ def test_train_step_draws_noise_key_seed_step_bit_for_bit():
   assert not np.array_equal(other['Dense_0']['kernel'], fused['Dense_0']['kernel'])
 
 
+@functools.cache
+def _digits_setup():
+  """(train, dataset, model) of the digits MLP, loaded once for the samplers' test."""
+  config = digits_mlp.get_config()
+  train, _ = data.make_sources(config.data)
+  model = models.make_model(config.model, train.num_classes, train.input_shape)
+  return train, device_data.put_on_device(train), model
+
+
+@functools.cache
+def _every_samplers_cap():
+  """The largest two-epoch cap B of any sampler of the digits config: with it every sampler's
+  buffer [K_max, P] has one shape (the others get more padding slots)."""
+  config, train = digits_mlp.get_config(), _digits_setup()[0]
+  caps = []
+  for name in samplers.SAMPLER_NAMES:
+    config.sampler.name = name
+    sampler = plan_lib.make_sampler(config, len(train))
+    caps.append(
+      batching.resolve_max_batch_size(
+        sampler, 64, 0, num_steps=2 * sampler.steps_per_epoch, delta=1e-5
+      )
+    )
+  return max(caps)
+
+
+@functools.cache
+def _sampler_step(expected_batch_size):
+  """One DPStep per b for the samplers' test (each new DPStep traces, lowers and compiles its
+  program again): the samplers with one b share its one program, which the test counts (a
+  sampler whose steps needed another program would compile it again). Every case runs steps
+  0, 1, ...: repeated steps allowed (a host-side check, not in the program)."""
+  return dp_step.DPStep.for_model(
+    _digits_setup()[2],
+    optax.sgd(0.5),
+    clip_norm=1.0,
+    noise_multiplier=1.0,
+    expected_batch_size=expected_batch_size,
+    allow_repeated_steps=True,
+  )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('sampler_name', samplers.SAMPLER_NAMES)
 def test_one_compilation_and_one_dispatch_per_logical_step(sampler_name, monkeypatch):
@@ -538,26 +581,15 @@ def test_one_compilation_and_one_dispatch_per_logical_step(sampler_name, monkeyp
   executed once a step, never recompiled. The executions are counted where jax runs a
   compiled program (`tests.executions`), not by the test's own loop (`calls += 1` before, which
   could not fail): a step that runs a second program is seen (planted: an eager
-  `jnp.asarray(step) + 0` in `train_step`: 36 executions for 12 steps; the old count passed)."""
-  from dpjax.configs import digits_mlp  # pylint: disable=g-import-not-at-top
-
+  `jnp.asarray(step) + 0` in `train_step`: 36 executions for 12 steps; the old count passed).
+  The samplers with one b share one DPStep (`_sampler_step`): its program is compiled once for
+  all of them, and still counted as one."""
+  train, dataset, model = _digits_setup()
   config = digits_mlp.get_config()
   config.sampler.name = sampler_name
-  train, _ = data.make_sources(config.data)
-  dataset = device_data.put_on_device(train)
   sampler = plan_lib.make_sampler(config, len(train))
-  cap = batching.resolve_max_batch_size(
-    sampler, 64, 0, num_steps=2 * sampler.steps_per_epoch, delta=1e-5
-  )
-  batcher = batching.Batcher(sampler, 64, cap)
-  model = models.make_model(config.model, train.num_classes, train.input_shape)
-  step = dp_step.DPStep.for_model(
-    model,
-    optax.sgd(0.5),
-    clip_norm=1.0,
-    noise_multiplier=1.0,
-    expected_batch_size=sampler.expected_batch_size,
-  )
+  batcher = batching.Batcher(sampler, 64, _every_samplers_cap())
+  step = _sampler_step(sampler.expected_batch_size)
   params = prng.init_params(model, 0, train.input_shape)
   opt_state = step.optimizer.init(params)
   compiles = []
@@ -598,8 +630,10 @@ def test_choose_physical_batch_size_is_the_largest_that_fits():
   params = _params()
   opt_state = step.optimizer.init(params)
   example = {'x': np.zeros(D, np.float32), 'y': np.int32(0)}
+  # B = 16: buffers [4, 4], [2, 8], [1, 16], the only programs compiled (each search below
+  # finds its P's bytes cached: one compilation per shapes).
   used = {
-    p: physical_batch.compiled_step_bytes(step, params, opt_state, example, p, 256)
+    p: physical_batch.compiled_step_bytes(step, params, opt_state, example, p, 16)
     for p in (4, 8, 16)
   }
   assert used[4] < used[8] < used[16]  # vmap: P per-example gradients.
@@ -610,7 +644,7 @@ def test_choose_physical_batch_size_is_the_largest_that_fits():
     params,
     opt_state,
     example,
-    256,
+    16,
     num_devices=4,
     memory_bytes=limit,
     fraction=1.0,
@@ -618,18 +652,18 @@ def test_choose_physical_batch_size_is_the_largest_that_fits():
   )
   assert chosen == 8 and lines[-1].endswith('chose P = 8.')
   assert [l.split(':')[0] for l in lines[:-1]] == [f'physical batch size {p}' for p in (4, 8, 16)]
-  # Everything fits: stops at the first power-of-two multiple of D >= B (B = 100 -> 128).
+  # Everything fits: stops at the first power-of-two multiple of D >= B (B = 10 -> 16).
   lines = []
   assert (
     physical_batch.choose_physical_batch_size(
-      step, params, opt_state, example, 100, num_devices=128, memory_bytes=2**40, log=lines.append
+      step, params, opt_state, example, 10, num_devices=16, memory_bytes=2**40, log=lines.append
     )
-    == 128
+    == 16
   )
   assert len(lines) == 2
   with pytest.raises(ValueError, match='physical_batch_size = 4 .* needs'):
     physical_batch.choose_physical_batch_size(
-      step, params, opt_state, example, 256, num_devices=4, memory_bytes=1, log=lambda _: None
+      step, params, opt_state, example, 16, num_devices=4, memory_bytes=1, log=lambda _: None
     )
   with pytest.raises(ValueError, match='max_batch_size must be an int >= 1'):
     physical_batch.choose_physical_batch_size(step, params, opt_state, example, 0)
