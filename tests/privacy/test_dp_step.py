@@ -667,6 +667,7 @@ def test_choose_physical_batch_size_is_the_largest_that_fits():
     )
   with pytest.raises(ValueError, match='max_batch_size must be an int >= 1'):
     physical_batch.choose_physical_batch_size(step, params, opt_state, example, 0)
+  assert step.sizing_compiles == 3  # The searches compiled nothing new.
 
 
 # test_train_step_on_four_devices_equals_one_device: in tests/privacy/test_sharding.py, whose
