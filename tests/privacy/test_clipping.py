@@ -109,6 +109,11 @@ def test_matches_float64_reference():
   np.testing.assert_allclose(stats.grad_norm_sum, want_stats['grad_norm_sum'], rtol=1e-5)
 
 
+def _norm(tree):
+  """The global L2 norm of a tree, in float64 on the host."""
+  return float(np.sqrt(sum(np.sum(np.asarray(l, np.float64) ** 2) for l in jax.tree.leaves(tree))))
+
+
 def test_each_contribution_is_bounded_and_unclipped_rows_unchanged():
   params, batch = _params(seed=2), _batch(10, seed=3)
   _, _, norms = _reference(params, batch, math.inf)
@@ -119,7 +124,7 @@ def test_each_contribution_is_bounded_and_unclipped_rows_unchanged():
     row = jax.tree.map(lambda a: a[i : i + 1], batch)
     got, stats = clipped_sum(loss_fn, params, row, clip)
     g = raw_grad(params, batch['x'][i], batch['y'][i])
-    got_norm, g_norm = float(optax.tree.norm(got)), float(optax.tree.norm(g))
+    got_norm, g_norm = _norm(got), _norm(g)  # In NumPy: eager norms compile per leaf shape.
     assert got_norm <= clip * (1 + 1e-6)
     if g_norm <= clip:  # Unchanged.
       seen['unclipped'] += 1

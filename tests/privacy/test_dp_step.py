@@ -13,6 +13,7 @@ import optax
 import pytest
 from scipy import stats as scipy_stats
 
+from dpjax.configs import digits_mlp
 from dpjax.privacy import batching
 from dpjax.trainer.planning import plan as plan_lib
 from dpjax.privacy import clipping
@@ -448,6 +449,42 @@ def _copy(tree):
   return jax.tree.map(np.array, tree)  # train_step donates its inputs.
 
 
+_THREE_CALL_STEPS = ((3, 0), (0, 1), (2, 7))  # (K, t): K = 3 and 2 of K_max = 4, and none.
+
+
+def _three_call_step(clipping_method, private, mesh, loop):
+  return dp_step.DPStep.for_model(
+    MODEL,
+    optax.sgd(0.3, momentum=0.9),
+    clip_norm=0.5,
+    noise_multiplier=1.0,
+    expected_batch_size=10,
+    private=private,
+    clipping=clipping_method,
+    seed=5,
+    mesh=sharding.make_mesh(1) if mesh else None,
+    physical_loop=loop,
+    allow_repeated_steps=True,
+  )  # The two paths of one step, under one noise.
+
+
+@functools.cache
+def _three_call_path(clipping_method, private, mesh):
+  """The device-loop step of a case and its three-call updates {(K, t): (params, opt_state,
+  metrics)}, computed once: the host-loop case of the same step compares its train_step with
+  them (`accumulate` and `apply` do not depend on the loop; the host loop runs two programs of
+  its own), instead of compiling them again in a step of its own."""
+  step = _three_call_step(clipping_method, private, mesh, 'device')
+  params, (x, y) = _params(), _rows(10, seed=11)
+  batches = _physical_batches(x, y, 4)
+  opt_state = step.optimizer.init(params)
+  wants = {
+    (k, t): _run_step(step, params, batches[:k], t=t, optimizer_state=_copy(opt_state))
+    for k, t in _THREE_CALL_STEPS
+  }
+  return step, wants
+
+
 @pytest.mark.parametrize(
   'clipping_method,private,mesh,loop',
   [
@@ -461,24 +498,13 @@ def _copy(tree):
 )
 def test_train_step_equals_the_three_call_path(clipping_method, private, mesh, loop):
   params, (x, y) = _params(), _rows(10, seed=11)
-  opt = optax.sgd(0.3, momentum=0.9)
-  step = dp_step.DPStep.for_model(
-    MODEL,
-    opt,
-    clip_norm=0.5,
-    noise_multiplier=1.0,
-    expected_batch_size=10,
-    private=private,
-    clipping=clipping_method,
-    seed=5,
-    mesh=sharding.make_mesh(1) if mesh else None,
-    physical_loop=loop,
-    allow_repeated_steps=True,
-  )  # The two paths of one step, under one noise.
-  batches = _physical_batches(x, y, 4)  # K = 3 of K_max = 4.
-  opt_state = opt.init(params)
-  for k, t in ((3, 0), (0, 1), (2, 7)):
-    want = _run_step(step, params, batches[:k], t=t, optimizer_state=_copy(opt_state))
+  step, wants = _three_call_path(clipping_method, private, mesh)
+  if loop == 'host':
+    step = _three_call_step(clipping_method, private, mesh, loop)
+  batches = _physical_batches(x, y, 4)
+  opt_state = step.optimizer.init(params)
+  for k, t in _THREE_CALL_STEPS:
+    want = wants[k, t]
     buf = _buffer(batches, 4)
     buf['weight'][k:] = 0  # Batches K.. must not be read: make them real.
     got = step.train_step(_copy(params), _copy(opt_state), buf, np.int32(k), np.uint32(t))
@@ -487,6 +513,7 @@ def test_train_step_equals_the_three_call_path(clipping_method, private, mesh, l
     for name in want[2]:
       np.testing.assert_allclose(got[2][name], want[2][name], rtol=1e-5, err_msg=name)
     assert float(got[2]['num_examples']) == min(10, 4 * k)
+  assert step.loop_mode(params) == loop
   assert step.compile_count('train_step') == (1 if loop == 'device' else 2)
 
 
@@ -531,6 +558,48 @@ def test_train_step_draws_noise_key_seed_step_bit_for_bit():
   assert not np.array_equal(other['Dense_0']['kernel'], fused['Dense_0']['kernel'])
 
 
+@functools.cache
+def _digits_setup():
+  """(train, dataset, model) of the digits MLP, loaded once for the samplers' test."""
+  config = digits_mlp.get_config()
+  train, _ = data.make_sources(config.data)
+  model = models.make_model(config.model, train.num_classes, train.input_shape)
+  return train, device_data.put_on_device(train), model
+
+
+@functools.cache
+def _every_samplers_cap():
+  """The largest two-epoch cap B of any sampler of the digits config: with it every sampler's
+  buffer [K_max, P] has one shape (the others get more padding slots)."""
+  config, train = digits_mlp.get_config(), _digits_setup()[0]
+  caps = []
+  for name in samplers.SAMPLER_NAMES:
+    config.sampler.name = name
+    sampler = plan_lib.make_sampler(config, len(train))
+    caps.append(
+      batching.resolve_max_batch_size(
+        sampler, 64, 0, num_steps=2 * sampler.steps_per_epoch, delta=1e-5
+      )
+    )
+  return max(caps)
+
+
+@functools.cache
+def _sampler_step(expected_batch_size):
+  """One DPStep per b for the samplers' test (each new DPStep traces, lowers and compiles its
+  program again): the samplers with one b share its one program, which the test counts (a
+  sampler whose steps needed another program would compile it again). Every case runs steps
+  0, 1, ...: repeated steps allowed (a host-side check, not in the program)."""
+  return dp_step.DPStep.for_model(
+    _digits_setup()[2],
+    optax.sgd(0.5),
+    clip_norm=1.0,
+    noise_multiplier=1.0,
+    expected_batch_size=expected_batch_size,
+    allow_repeated_steps=True,
+  )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('sampler_name', samplers.SAMPLER_NAMES)
 def test_one_compilation_and_one_dispatch_per_logical_step(sampler_name, monkeypatch):
@@ -538,26 +607,15 @@ def test_one_compilation_and_one_dispatch_per_logical_step(sampler_name, monkeyp
   executed once a step, never recompiled. The executions are counted where jax runs a
   compiled program (`tests.executions`), not by the test's own loop (`calls += 1` before, which
   could not fail): a step that runs a second program is seen (planted: an eager
-  `jnp.asarray(step) + 0` in `train_step`: 36 executions for 12 steps; the old count passed)."""
-  from dpjax.configs import digits_mlp  # pylint: disable=g-import-not-at-top
-
+  `jnp.asarray(step) + 0` in `train_step`: 36 executions for 12 steps; the old count passed).
+  The samplers with one b share one DPStep (`_sampler_step`): its program is compiled once for
+  all of them, and still counted as one."""
+  train, dataset, model = _digits_setup()
   config = digits_mlp.get_config()
   config.sampler.name = sampler_name
-  train, _ = data.make_sources(config.data)
-  dataset = device_data.put_on_device(train)
   sampler = plan_lib.make_sampler(config, len(train))
-  cap = batching.resolve_max_batch_size(
-    sampler, 64, 0, num_steps=2 * sampler.steps_per_epoch, delta=1e-5
-  )
-  batcher = batching.Batcher(sampler, 64, cap)
-  model = models.make_model(config.model, train.num_classes, train.input_shape)
-  step = dp_step.DPStep.for_model(
-    model,
-    optax.sgd(0.5),
-    clip_norm=1.0,
-    noise_multiplier=1.0,
-    expected_batch_size=sampler.expected_batch_size,
-  )
+  batcher = batching.Batcher(sampler, 64, _every_samplers_cap())
+  step = _sampler_step(sampler.expected_batch_size)
   params = prng.init_params(model, 0, train.input_shape)
   opt_state = step.optimizer.init(params)
   compiles = []
@@ -598,8 +656,10 @@ def test_choose_physical_batch_size_is_the_largest_that_fits():
   params = _params()
   opt_state = step.optimizer.init(params)
   example = {'x': np.zeros(D, np.float32), 'y': np.int32(0)}
+  # B = 16: buffers [4, 4], [2, 8], [1, 16], the only programs compiled (each search below
+  # finds its P's bytes cached: one compilation per shapes).
   used = {
-    p: physical_batch.compiled_step_bytes(step, params, opt_state, example, p, 256)
+    p: physical_batch.compiled_step_bytes(step, params, opt_state, example, p, 16)
     for p in (4, 8, 16)
   }
   assert used[4] < used[8] < used[16]  # vmap: P per-example gradients.
@@ -610,7 +670,7 @@ def test_choose_physical_batch_size_is_the_largest_that_fits():
     params,
     opt_state,
     example,
-    256,
+    16,
     num_devices=4,
     memory_bytes=limit,
     fraction=1.0,
@@ -618,21 +678,22 @@ def test_choose_physical_batch_size_is_the_largest_that_fits():
   )
   assert chosen == 8 and lines[-1].endswith('chose P = 8.')
   assert [l.split(':')[0] for l in lines[:-1]] == [f'physical batch size {p}' for p in (4, 8, 16)]
-  # Everything fits: stops at the first power-of-two multiple of D >= B (B = 100 -> 128).
+  # Everything fits: stops at the first power-of-two multiple of D >= B (B = 10 -> 16).
   lines = []
   assert (
     physical_batch.choose_physical_batch_size(
-      step, params, opt_state, example, 100, num_devices=128, memory_bytes=2**40, log=lines.append
+      step, params, opt_state, example, 10, num_devices=16, memory_bytes=2**40, log=lines.append
     )
-    == 128
+    == 16
   )
   assert len(lines) == 2
   with pytest.raises(ValueError, match='physical_batch_size = 4 .* needs'):
     physical_batch.choose_physical_batch_size(
-      step, params, opt_state, example, 256, num_devices=4, memory_bytes=1, log=lambda _: None
+      step, params, opt_state, example, 16, num_devices=4, memory_bytes=1, log=lambda _: None
     )
   with pytest.raises(ValueError, match='max_batch_size must be an int >= 1'):
     physical_batch.choose_physical_batch_size(step, params, opt_state, example, 0)
+  assert step.sizing_compiles == 3  # The searches compiled nothing new.
 
 
 # test_train_step_on_four_devices_equals_one_device: in tests/privacy/test_sharding.py, whose
@@ -706,7 +767,7 @@ def test_accumulate_takes_weights_into_zero_one_as_clipped_grad_does():
   for weight, bound in ((17.0, 0.5), (-5.0, 0.0), (np.nan, 0.0)):
     batch = {'x': x[:1], 'y': y[:1], 'weight': np.array([weight], np.float32)}
     acc = step.accumulate(params, step.init_accumulator(params), batch)
-    norm = float(optax.tree.norm(acc.grad_sum))
+    norm = _norm(acc.grad_sum)
     assert norm <= bound * (1 + 1e-6) and (bound == 0 or norm > 0.99 * bound), (weight, norm)
 
 
@@ -731,7 +792,7 @@ def test_a_mesh_is_a_sharding_of_the_one_program():
     out[name] = step.train_step(_copy(params), state, _copy(buf), 2, np.uint32(1))
     assert step.compile_count() == step.compile_count('train_step') == 1
   jax.tree.map(np.testing.assert_array_equal, out['none'], out['mesh'])
-  assert float(jnp.abs(out['none'][0]['w'] - params['w']).sum()) > 0.01
+  assert np.abs(np.asarray(out['none'][0]['w']) - params['w']).sum() > 0.01
 
 
 def _antithetic_privatizer(*args):

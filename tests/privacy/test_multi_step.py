@@ -29,17 +29,31 @@ def _copy(tree):
 
 def _setup(sampler_name='poisson', cap=None):
   """(train, sampler, batcher, model, params) of the digits MLP; the batcher's cap B is the
-  sampler's own for two epochs, or `cap`."""
+  sampler's own for two epochs, or `cap`. params: a fresh copy (the programs donate theirs)."""
+  train, model, params = _digits()
+  sampler, batcher = _batching(sampler_name, cap)
+  return train, sampler, batcher, model, _copy(params)
+
+
+@functools.cache
+def _digits():
+  """(train, model, params) of the digits MLP, loaded and initialised once for the file."""
+  config = digits_mlp.get_config()
+  train, _ = data.make_sources(config.data)
+  model = models.make_model(config.model, train.num_classes, train.input_shape)
+  return train, model, jax.device_get(prng.init_params(model, 0, train.input_shape))
+
+
+@functools.cache
+def _batching(sampler_name, cap):
+  """(sampler, batcher) of one sampler and cap, built once (a cap of None is resolved by the
+  accountant; the batcher's logical batch is a pure function of the step)."""
   config = digits_mlp.get_config()
   config.sampler.name = sampler_name
-  train, _ = data.make_sources(config.data)
-  sampler = plan_lib.make_sampler(config, len(train))
+  sampler = plan_lib.make_sampler(config, len(_digits()[0]))
   if cap is None:
     cap = _two_epoch_cap(sampler)
-  batcher = batching.Batcher(sampler, 64, cap)
-  model = models.make_model(config.model, train.num_classes, train.input_shape)
-  params = prng.init_params(model, 0, train.input_shape)
-  return train, sampler, batcher, model, params
+  return sampler, batching.Batcher(sampler, 64, cap)
 
 
 def _two_epoch_cap(sampler):
