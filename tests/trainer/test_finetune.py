@@ -12,12 +12,14 @@ from dpjax.trainer.planning import finetune
 from dpjax.models import factory as models
 from dpjax.models import mlp
 from dpjax.models import transformer
+from tests.privacy.ghost_clipping import harness
 
 MODEL = mlp.MLP(num_classes=3, hidden_sizes=(8, 8), activation='tanh')
 
 
 def _params(seed=0):
-  return MODEL.init(jax.random.PRNGKey(seed), jnp.zeros((1, 5)))['params']
+  """Parameters from NumPy (harness.init): an eager `MODEL.init` compiled each of its ops."""
+  return harness.init(MODEL, np.zeros((1, 5), np.float32), seed)
 
 
 def _batch(seed=1, n=16):
@@ -83,9 +85,7 @@ def test_loads_a_dpjax_workdir(tmp_path):
 def test_loading_errors_are_one_clear_line(tmp_path):
   path = str(tmp_path / 'p.npz')
   other = mlp.MLP(num_classes=4, hidden_sizes=(8,), activation='tanh')
-  finetune.save_npz(
-    path, {'encoder': other.init(jax.random.PRNGKey(0), jnp.zeros((1, 5)))['params']}
-  )
+  finetune.save_npz(path, {'encoder': harness.init(other, np.zeros((1, 5), np.float32), 0)})
   with pytest.raises(ValueError) as e:
     finetune.load_pretrained(path, _params())
   msg = str(e.value)
@@ -145,13 +145,14 @@ def test_lora_only_the_adapters_change_and_start_at_the_pretrained_model():
   start = finetune.flatten(trainable)
   for k in ('Dense_0/kernel_lora_b', 'Dense_1/kernel_lora_b', 'Dense_0/bias'):
     assert not np.array_equal(np.asarray(trained[k]), np.asarray(start[k]))
-  full = finetune.flatten(model.full_params(finetune.unflatten(trained)))
+  merge = jax.jit(model.full_params)  # One program (eager, each op its own compilation).
+  full = finetune.flatten(merge(finetune.unflatten(trained)))
   before = finetune.flatten(params)
   for k in ('Dense_2/kernel', 'Dense_2/bias'):
     np.testing.assert_array_equal(np.asarray(full[k]), np.asarray(before[k]))
   # W' = W + (α/r)·A·B, checked in float64 (A·B in float32: GPUs default to TF32 matmuls).
-  with jax.default_matmul_precision('highest'):
-    full = finetune.flatten(model.full_params(finetune.unflatten(trained)))
+  with jax.default_matmul_precision('highest'):  # Part of jit's key: traced again under it.
+    full = finetune.flatten(merge(finetune.unflatten(trained)))
   a = np.asarray(trained['Dense_0/kernel_lora_a'], np.float64)
   b = np.asarray(trained['Dense_0/kernel_lora_b'], np.float64)
   expected = np.asarray(before['Dense_0/kernel'], np.float64) + 2.0 * a @ b
@@ -180,7 +181,7 @@ def test_attention_kernels_are_viewed_as_in_by_out_matrices():
   model = transformer.Transformer(
     num_classes=3, max_length=4, num_layers=1, num_heads=2, model_dim=8, mlp_dim=8
   )
-  params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4, 5)))['params']
+  params = harness.init(model, np.zeros((1, 4, 5), np.float32), 0)
   wrapped, trainable = finetune.make_finetune(
     model, params, freeze=('.',), lora_rank=2, lora_targets=('query|value',)
   )
