@@ -49,11 +49,14 @@ def _build(make, seed: int) -> nnx.Module:
   state = nnx.state(model)
   rng = np.random.default_rng(seed)
 
+  # In numpy, then device_put: jnp.asarray compiles an XLA program per shape (jit(stage)).
   def draw(path, s):
     name = str(getattr(path[-1], 'key', path[-1]))
     if len(s.shape) >= 2:
-      return jnp.asarray(rng.normal(size=s.shape) / np.sqrt(np.prod(s.shape[:-1])), s.dtype)
-    return jnp.asarray(float(name == 'scale') + 0.3 * rng.normal(size=s.shape), s.dtype)
+      v = rng.normal(size=s.shape) / np.sqrt(np.prod(s.shape[:-1]))
+    else:
+      v = float(name == 'scale') + 0.3 * rng.normal(size=s.shape)
+    return jax.device_put(v.astype(s.dtype))
 
   nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(draw, state.to_pure_dict()))
   nnx.update(model, state)
