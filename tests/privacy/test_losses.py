@@ -1,5 +1,6 @@
 """The per-example losses (losses.output_loss) and the trainer's `loss` field, end to end."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -13,28 +14,30 @@ def _softmax_ce(logits, label):
   return np.log(np.sum(np.exp(z - z.max()))) + z.max() - z[label]
 
 
+def _jitted(*args):
+  """losses.output_loss(*args), jitted as the step uses it: one compiled program, not one
+  per eager op."""
+  return jax.jit(losses.output_loss(*args))
+
+
 def test_each_loss_equals_its_closed_form():
   rng = np.random.default_rng(0)
   logits, label = rng.normal(size=7), 3
-  value, correct = losses.output_loss('softmax_cross_entropy')(logits.astype(np.float32), label)
+  value, correct = _jitted('softmax_cross_entropy')(logits.astype(np.float32), label)
   np.testing.assert_allclose(value, _softmax_ce(logits, label), rtol=1e-5)
   assert float(correct) == float(np.argmax(logits) == label)
   one_hot = np.eye(7, dtype=np.float32)[label]
-  value, _ = losses.output_loss('softmax_cross_entropy', 'one_hot')(
-    logits.astype(np.float32), one_hot
-  )
+  value, _ = _jitted('softmax_cross_entropy', 'one_hot')(logits.astype(np.float32), one_hot)
   np.testing.assert_allclose(value, _softmax_ce(logits, label), rtol=1e-5)
 
   out, target = rng.normal(size=3), rng.normal(size=3)
-  value, correct = losses.output_loss('mse')(out.astype(np.float32), target.astype(np.float32))
+  value, correct = _jitted('mse')(out.astype(np.float32), target.astype(np.float32))
   np.testing.assert_allclose(value, np.mean((out - target) ** 2), rtol=1e-5)
   assert float(correct) == 0.0
 
   seq_logits = rng.normal(size=(5, 4))
   tokens = np.array([1, 0, 3, -1, -1])  # Two padding positions: not counted.
-  value, correct = losses.output_loss('sequence_cross_entropy')(
-    seq_logits.astype(np.float32), tokens
-  )
+  value, correct = _jitted('sequence_cross_entropy')(seq_logits.astype(np.float32), tokens)
   want = np.mean([_softmax_ce(seq_logits[i], tokens[i]) for i in range(3)])
   np.testing.assert_allclose(value, want, rtol=1e-5)
   hits = np.mean([np.argmax(seq_logits[i]) == tokens[i] for i in range(3)])
