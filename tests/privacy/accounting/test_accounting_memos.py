@@ -37,6 +37,7 @@ def _fresh(event, count, relation):
   return accountant
 
 
+@pytest.mark.slow
 def test_composed_rdp_is_dp_accountings_curve_bit_for_bit():
   """Every event at two counts, the memo asked before and after all the others: the curve, ε(δ)
   and δ(ε) equal a fresh RdpAccountant's exactly (a memo keyed too coarsely, e.g. by q alone or
@@ -79,6 +80,7 @@ def _poisson(n=10_000, b=100):
   return samplers.sampler_class('poisson')(num_examples=n, batch_size=b)
 
 
+@pytest.mark.slow
 def test_a_chosen_grid_serves_the_next_accountant_with_the_same_bits(monkeypatch):
   """The second accountant of a query reuses the grid the first one chose (no refinement: one
   step PLD, at most one composition) and reports the same ε and grid details as a process
@@ -122,6 +124,7 @@ def test_a_chosen_grid_serves_the_next_accountant_with_the_same_bits(monkeypatch
   assert recomputed.epsilon == first.epsilon and recomputed.details == first.details
 
 
+@pytest.mark.slow
 def test_a_calibrated_sigma_is_kept_only_under_its_exact_key(monkeypatch):
   """Calibration asked again returns its σ without a search; a target or steps differing at
   all, or of another type, searches again (numpy scalars are never kept)."""

@@ -3,6 +3,7 @@
 import flax.linen as nn
 import jax
 import numpy as np
+import pytest
 
 from dpjax.privacy import ghost_clipping
 from dpjax.privacy.ghost_clipping.backward import layer_norms
@@ -28,6 +29,7 @@ def test_patches_times_kernel_is_the_convolution():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_scanned_and_unrolled_conv_blocks_agree(monkeypatch):
   """Large convs visit their kernel offsets with lax.scan (the model tests
   use small convs, which are unrolled): both give the same norms."""

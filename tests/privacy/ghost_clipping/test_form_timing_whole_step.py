@@ -123,6 +123,7 @@ def _float64_rows(loss_fn, params, examples):
   return norms, clip, jax.tree.map(lambda g: np.tensordot(factor, g, axes=1), grads)
 
 
+@pytest.mark.slow
 def test_either_assignment_gives_the_float64_norms_and_clipped_sum():
   """The two programs the whole step times (measured forms opposite to the FLOP rule's on
   every layer of choice, and the FLOP rule's) are different programs (jit's trace cache does
