@@ -179,8 +179,9 @@ def test_sigterm_stops_a_slow_run_within_three_one_step_calls(tmp_path):
   signal saved. The trainer's own count ('N steps after it arrived') starts from the steps
   *dispatched*: the test used to read it, and could not fail (planted: no
   `CallPacer.dispatched` wait in `Loop._dispatch`: 33 one-step calls finished after the
-  signal while the trainer said '1 steps after it arrived'). Measured without the plant: the
-  device had finished step 4 at the signal, checkpoint 7 was saved: 3 calls (one running, two
+  signal while the trainer said '1 steps after it arrived'). Measured without the plant, when
+  the signal still waited for four finished calls (it now waits for two): the device had
+  finished step 4 at the signal, checkpoint 7 was saved: 3 calls (one running, two
   queued: `dispatched` waits only once a third is queued), not the two the trainer claimed;
   its message said '0 steps after it arrived'.
 
