@@ -12,12 +12,11 @@ the orders and the neighbouring relation) and multiplied by `count` as dp_accoun
 
 from __future__ import annotations
 
-import collections
-import threading
-
 import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.rdp import rdp_privacy_accountant
+
+from dpjax.privacy.accounting.step_pld import KeptPLDs
 
 # Events whose RDP dp_accounting composes linearly (`self._rdp += count * f(event)`); any
 # other event is composed by dp_accounting's accountant each time.
@@ -44,27 +43,21 @@ class ComposedRdp:
 
 
 # (repr(event), relation) -> (orders, one step's RDP), the most recently used kept.
-_ONE_STEP: collections.OrderedDict[tuple, tuple[np.ndarray, np.ndarray]] = collections.OrderedDict()
-_KEPT = 64
-_LOCK = threading.Lock()
+_ONE_STEP = KeptPLDs(64)
 
 
 def one_step_rdp(event: dp_event.DpEvent, relation: NeighborRel) -> tuple[np.ndarray, np.ndarray]:
   """(orders, RDP of one step), read-only, computed by dp_accounting once per process: the key
   is the event's repr, which names its class and every parameter."""
   key = (repr(event), relation)
-  with _LOCK:
-    if key in _ONE_STEP:
-      _ONE_STEP.move_to_end(key)
-      return _ONE_STEP[key]
+  kept = _ONE_STEP.get(key)
+  if kept is not None:
+    return kept
   accountant = rdp_privacy_accountant.RdpAccountant(neighboring_relation=relation)
   accountant.compose(event, 1)
   orders, rdp = accountant.orders, accountant.rdp
   orders.flags.writeable = rdp.flags.writeable = False
-  with _LOCK:
-    _ONE_STEP[key] = (orders, rdp)
-    while len(_ONE_STEP) > _KEPT:
-      _ONE_STEP.popitem(last=False)
+  _ONE_STEP.put(key, (orders, rdp))
   return orders, rdp
 
 

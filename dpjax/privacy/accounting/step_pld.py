@@ -207,49 +207,41 @@ def estimate_pld_grid_points(event: dp_event.DpEvent, interval: float) -> int | 
   return int(math.ceil(points * components))
 
 
-# (repr(event)) -> its loss ranges: the root searches of a mixture's tail bounds cost ~0.1 s, and
-# a grid's refinement asks for them at every grid it considers.
-RANGES: collections.OrderedDict[str, tuple[tuple[float, ...], int] | None] = (
-  collections.OrderedDict()
-)
-_RANGES_KEPT = 256
-_RANGES_LOCK = threading.Lock()
+# (repr(event),) -> its loss ranges: the root searches of a mixture's tail bounds cost ~0.1 s,
+# and a grid's refinement asks for them at every grid it considers.
+RANGES = KeptPLDs(256)
 
 
 def loss_ranges(event: dp_event.DpEvent) -> tuple[tuple[float, ...], int] | None:
   """(epsilon_upper − epsilon_lower of dp_accounting's connect-the-dots bounds, per adjacency
   direction; the components each grid point is evaluated against), kept per process by the
   event's repr (its class and every parameter); None for events without an estimate."""
-  key = repr(event)
-  with _RANGES_LOCK:
-    if key in RANGES:
-      RANGES.move_to_end(key)
-      return RANGES[key]
+  key = (repr(event),)
+  kept = RANGES.get(key)
+  if kept is not None:
+    return kept
   parts = mixture_components(event)
-  result = None
-  if parts is not None:
-    sigma, sensitivities, probs = parts
-    closed_form = len(sensitivities) == 2 and sensitivities[0] == 0  # As `step_pld` builds it.
-    widths = []
-    for adjacency in (
-      privacy_loss_mechanism.AdjacencyType.ADD,
-      privacy_loss_mechanism.AdjacencyType.REMOVE,
-    ):
-      if closed_form:
-        loss = privacy_loss_mechanism.GaussianPrivacyLoss(
-          sigma, sensitivity=sensitivities[1], sampling_prob=probs[1], adjacency_type=adjacency
-        )
-      else:
-        loss = privacy_loss_mechanism.MixtureGaussianPrivacyLoss(
-          sigma, sensitivities, probs, adjacency_type=adjacency
-        )
-      bounds = loss.connect_dots_bounds()
-      widths.append(bounds.epsilon_upper - bounds.epsilon_lower)
-    result = (tuple(widths), 1 if closed_form else len(sensitivities))
-  with _RANGES_LOCK:
-    RANGES[key] = result
-    while len(RANGES) > _RANGES_KEPT:
-      RANGES.popitem(last=False)
+  if parts is None:
+    return None
+  sigma, sensitivities, probs = parts
+  closed_form = len(sensitivities) == 2 and sensitivities[0] == 0  # As `step_pld` builds it.
+  widths = []
+  for adjacency in (
+    privacy_loss_mechanism.AdjacencyType.ADD,
+    privacy_loss_mechanism.AdjacencyType.REMOVE,
+  ):
+    if closed_form:
+      loss = privacy_loss_mechanism.GaussianPrivacyLoss(
+        sigma, sensitivity=sensitivities[1], sampling_prob=probs[1], adjacency_type=adjacency
+      )
+    else:
+      loss = privacy_loss_mechanism.MixtureGaussianPrivacyLoss(
+        sigma, sensitivities, probs, adjacency_type=adjacency
+      )
+    bounds = loss.connect_dots_bounds()
+    widths.append(bounds.epsilon_upper - bounds.epsilon_lower)
+  result = (tuple(widths), 1 if closed_form else len(sensitivities))
+  RANGES.put(key, result)
   return result
 
 
