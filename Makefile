@@ -24,13 +24,15 @@ setup: $(VENV)/.installed
 train: setup
 	$(PY) -m dpjax.train --config configs/digits_mlp.py --workdir $(WORKDIR)
 
+# One worker per core (`-n auto`: two on the 2-core box). Two per core spent 14% more CPU on the
+# same tests (processes on one core evict each other's caches) than they gained by filling a core
+# while a test waited on a child (2-core box, cold, fresh clone, Nov 27: 439 s and 849 s of CPU
+# with two workers, 508 s and 987 s with four).
 test: setup
-	$(PY) -m pytest -n 4 -q
+	$(PY) -m pytest -n auto -q
 
-# Two workers: the quick tier starts no child process to wait on (2 cores; 116 s against 130 s
-# with four workers, warm cache, Nov 27).
 test-unit: setup
-	$(PY) -m pytest -n 2 -q -m "not slow"
+	$(PY) -m pytest -n auto -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) workdirs
