@@ -85,6 +85,31 @@ def test_no_two_leaves_or_neighbouring_coordinates_share_noise():
       assert abs(np.corrcoef(u[:m], v[:m])[0, 1]) < _corr_bound(m)
 
 
+def test_grouped_draws_are_optax_random_like_bit_for_bit():
+  """`standard_normals_like` draws leaves of one size and dtype with one vmapped sampler; every
+  bit equals `optax.tree.random_like(key, tree, normal)`, jitted and eager, on leaves of equal
+  size and different shapes, a scalar, an empty leaf and bfloat16 (a grouping that mixed up keys,
+  rows, dtypes or the flat order changes bits, so the noise of every existing run is kept)."""
+  tree = {
+    'w': jnp.zeros((3, 4)),
+    'v': jnp.zeros((12,)),
+    'u': jnp.zeros((2, 6)),
+    's': jnp.zeros(()),
+    'e': jnp.zeros((0, 3)),
+    'h': jnp.zeros((5, 2), jnp.bfloat16),
+    'g': jnp.zeros((10,), jnp.bfloat16),
+    'n': [jnp.zeros((7,)), jnp.zeros((4, 3))],
+  }
+  key = prng.noise_key(3, 11)
+  want = jax.jit(lambda k, t: optax.tree.random_like(k, t, jax.random.normal))(key, tree)
+  for draw in (jax.jit(noise.standard_normals_like), noise.standard_normals_like):
+    got = draw(key, tree)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      assert g.dtype == w.dtype and g.shape == w.shape
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
 def test_noise_is_a_pure_function_of_seed_and_step():
   """Equal (seed, t) → equal bits from two privatizers; another t, or a seed differing only in
   its high 32 bits (which `jax.random.PRNGKey` drops), → uncorrelated noise; rbg too."""
