@@ -66,7 +66,7 @@ def test_trimming_is_pessimistic_and_close_to_the_untrimmed_event():
 @pytest.mark.slow
 def test_with_replacement_b1_is_the_poisson_gaussian_with_sensitivity_2():
   """b = 1: K ~ Bernoulli(1/N), MoG [0, 2]: the Poisson-subsampled Gaussian, σ/2 (closed form)."""
-  n, sigma, steps = 1000, 2.0, 500
+  n, sigma, steps = 1000, 2.0, 100
   acct = accountant_lib.Accountant(_sampler('fixed_size_with_replacement', n, 1), sigma, DELTA)
   poisson = dp_event.PoissonSampledDpEvent(1 / n, dp_event.GaussianDpEvent(sigma / 2))
   report = acct.epsilon_at(steps, estimates=False)  # At the grid it names (test_pld_grid.py).

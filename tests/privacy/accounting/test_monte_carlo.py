@@ -217,7 +217,7 @@ def test_lower_bound_below_estimate_below_ucb_below_deterministic(epochs):
   sigma, num_steps = 0.6, 100
   epsilons = np.array([0.25, 0.5, 1.0])
   point, ucb = mc.balls_and_bins_delta(
-    sigma, num_steps, epsilons, num_epochs=epochs, num_samples=40_000, seed=11
+    sigma, num_steps, epsilons, num_epochs=epochs, num_samples=20_000, seed=11
   )
   for e, p, u in zip(epsilons, point, ucb):
     lower = max_test.balls_and_bins_lower_bound_delta(sigma, num_steps, e, num_epochs=epochs)
