@@ -107,6 +107,8 @@ def _mean_loss_grad(params, x, y):
   return jax.grad(mean_loss)(params)
 
 
+# References below do their arithmetic in NumPy: eagerly, each jnp op and leaf shape is its own
+# XLA compilation (test_unclipped_sums... compiled 25 programs, test_noise_std... 17).
 def _assert_trees_close(a, b, **kw):
   jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, **kw), a, b)
 
@@ -124,7 +126,9 @@ def test_unclipped_sums_are_the_gradient_sum_and_the_divisor_is_b():
   acc = private.init_accumulator(params)
   for batch in batches:
     acc = private.accumulate(params, acc, batch)
-  _assert_trees_close(acc.grad_sum, jax.tree.map(lambda v: 10 * v, g), rtol=1e-5, atol=1e-6)
+  _assert_trees_close(
+    acc.grad_sum, jax.tree.map(lambda v: 10 * np.asarray(v), g), rtol=1e-5, atol=1e-6
+  )
   assert int(acc.stats.num_clipped) == 0
   # Non-private, b = 16 != 10 rows: the divisor is the expected batch size.
   nonprivate = dp_step.DPStep.for_model(
@@ -136,7 +140,7 @@ def test_unclipped_sums_are_the_gradient_sum_and_the_divisor_is_b():
     private=False,
   )
   new, _, metrics = _run_step(nonprivate, params, batches)
-  want = jax.tree.map(lambda p, g: p - lr * g * 10 / 16, params, g)
+  want = jax.tree.map(lambda p, g: np.asarray(p) - lr * np.asarray(g) * 10 / 16, params, g)
   _assert_trees_close(new, want, rtol=1e-5, atol=1e-6)
   assert int(metrics['num_clipped']) == 0
   assert float(metrics['num_examples']) == 10
@@ -189,8 +193,10 @@ def test_noise_is_added_once_and_signal_scaled_by_one_over_b():
   acc = step.init_accumulator(params)
   for batch in batches:
     acc = step.accumulate(params, acc, batch)
-  diff = jax.tree.map(lambda u, v: u - v, with_data, noise_only)
-  _assert_trees_close(diff, jax.tree.map(lambda s: -lr * s / b, acc.grad_sum), rtol=1e-4, atol=1e-6)
+  diff = jax.tree.map(lambda u, v: np.asarray(u) - np.asarray(v), with_data, noise_only)
+  _assert_trees_close(
+    diff, jax.tree.map(lambda s: -lr * np.asarray(s) / b, acc.grad_sum), rtol=1e-4, atol=1e-6
+  )
   assert float(metrics['num_examples']) == 0
   assert float(metrics['loss']) == 0 and float(metrics['grad_norm']) == 0
 
@@ -217,7 +223,9 @@ def test_noise_std_is_sigma_c_over_b():
 
   def z(t, seed=0):
     new, _, _ = steps[seed].apply(params, opt_state, step.init_accumulator(params), np.uint32(t))
-    leaves = jax.tree.map(lambda p, q: (p - q) / (-sigma * c / b), new, params)
+    leaves = jax.tree.map(
+      lambda p, q: (np.asarray(p) - np.asarray(q)) / np.float32(-sigma * c / b), new, params
+    )
     return leaves, np.concatenate([np.ravel(l) for l in jax.tree.leaves(leaves)]).astype(np.float64)
 
   leaves, z0 = z(0)
@@ -731,8 +739,8 @@ def test_apply_refuses_a_repeated_step():
       acc = replay.accumulate(params, acc, batch)
     sums.append(acc.grad_sum)
   _assert_trees_close(
-    jax.tree.map(lambda u, v: u - v, b, a),
-    jax.tree.map(lambda s, r: 0.5 * (s - r) / 10, *sums),
+    jax.tree.map(lambda u, v: np.asarray(u) - np.asarray(v), b, a),
+    jax.tree.map(lambda s, r: 0.5 * (np.asarray(s) - np.asarray(r)) / 10, *sums),
     rtol=1e-4,
     atol=1e-6,
   )

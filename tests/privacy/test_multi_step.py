@@ -27,6 +27,11 @@ def _copy(tree):
   return jax.tree.map(np.array, tree)  # The programs donate their inputs.
 
 
+# The reference's EMA update in one program per sharding (eagerly, every op and leaf shape of
+# `ema_lib.update`, and again for each mesh's shardings, is its own compilation).
+_ema_update = jax.jit(ema_lib.update, static_argnums=2)
+
+
 def _setup(sampler_name='poisson', cap=None):
   """(train, sampler, batcher, model, params) of the digits MLP; the batcher's cap B is the
   sampler's own for two epochs, or `cap`. params: a fresh copy (the programs donate theirs)."""
@@ -146,7 +151,7 @@ def test_a_call_of_s_steps_equals_s_train_steps(loop, ema_decay, mesh):
     t = 5 + len(want_m)
     want_p, want_o, m = step.train_step(want_p, want_o, buffer, k, np.uint32(t), dataset)
     if ema_decay:
-      want_e = ema_lib.update(want_e, want_p, ema_decay)
+      want_e = _ema_update(want_e, want_p, ema_decay)
     want_m.append(jax.device_get(m))
   # Calls of 4, then 2 slots of the same 4-slot program (no recompilation).
   got_p, got_o, got_e, got_m = _copy(params), _copy(opt_state), _copy(ema0), []
