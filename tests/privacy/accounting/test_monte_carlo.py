@@ -52,9 +52,9 @@ def test_kl_bounds_solve_the_chernoff_equation_and_cover():
   assert mc.kl_lower_confidence_bound(0.0, m, beta)[0] == 0.0
   lower = mc.kl_lower_confidence_bound(0.2, m, beta)[0]
   assert lower < 0.2 and m * bounds.bernoulli_kl(0.2, lower) == pytest.approx(math.log(1 / beta))
-  # A tiny mean whose root is far below it (6.1e-6 of 20 000 samples: root 8.7e-36) is solved,
-  # not refused: in p itself the solver ran out of iterations, and the samplers' agreement test
-  # raised at 20 000 samples (fails before the log-p solve). The bound sits on its safe side.
+  # A tiny mean whose root is far below it (6.1e-6 of 20 000 samples: root 8.7e-36) is solved:
+  # solving in p itself, brentq ran out of iterations and raised (so did the samplers' agreement
+  # test at 20 000 samples); this fails on that code. The bound sits on its safe side.
   mean, target = 6.1234872610624765e-06, math.log(1 / 2.5e-4) / 20_000
   lower = mc.kl_lower_confidence_bound(mean, 20_000, 2.5e-4)[0]
   assert 0 < lower < 1e-34
