@@ -261,7 +261,7 @@ FORM_METHODS = {
 }
 
 
-def bench_forms(name: str, repeats: int, batch_size: int = 0) -> dict:
+def bench_forms(name: str, repeats: int, batch_size: int = 0, methods=tuple(FORM_METHODS)) -> dict:
   """Step time (one physical batch) of ghost clipping with the FLOP rule's forms, the measured
   ones (`form_timing`, timed while compiling: its cost is in that compile time) and every layer
   forced to one form, medians of interleaved repeats; `measured_speedup_over_flops` is the
@@ -272,7 +272,9 @@ def bench_forms(name: str, repeats: int, batch_size: int = 0) -> dict:
   batch = _batch(shape, p)
   out = {'physical_batch_size': p, 'input_shape': list(shape), 'methods': {}}
   compiled, accs, sums = {}, {}, {}
-  for method, (clipping, forms, forced) in FORM_METHODS.items():
+  methods = tuple(m for m in FORM_METHODS if m in {'nonprivate', 'flops', 'measured', *methods})
+  for method in methods:
+    clipping, forms, forced = FORM_METHODS[method]
     with (
       ghost_clipping.mixed.forced_form(forced) if forced is not None else contextlib.nullcontext()
     ):  # Traced while compiling.
@@ -288,7 +290,7 @@ def bench_forms(name: str, repeats: int, batch_size: int = 0) -> dict:
       'choice': list(step.clipping_choice),
     }
   out['calls_per_sample'], times = _time_interleaved(
-    compiled, accs, params, batch, tuple(FORM_METHODS), repeats
+    compiled, accs, params, batch, methods, repeats
   )
   base = float(np.median(times['nonprivate']))
   for method, r in out['methods'].items():
@@ -349,6 +351,14 @@ def main():
     default=0,
     help='--forms: the physical batch P (0: the default of each model)',
   )
+  parser.add_argument(
+    '--form-methods',
+    nargs='+',
+    default=list(FORM_METHODS),
+    choices=list(FORM_METHODS),
+    help='--forms: which forms to time (nonprivate, flops and measured always are; '
+    'all_ghost and all_materialised each compile one more program)',
+  )
   parser.add_argument('--out', default=None)
   args = parser.parse_args()
   backend = jax.default_backend()
@@ -375,7 +385,7 @@ def main():
   os.makedirs(os.path.dirname(args.out), exist_ok=True)
   for name in args.models:
     result['models'][name] = (
-      bench_forms(name, args.repeats, args.batch)
+      bench_forms(name, args.repeats, args.batch, args.form_methods)
       if args.forms
       else bench_model(name, args.repeats, budget, args.verify_below_s)
     )
