@@ -46,6 +46,7 @@ from scipy import stats
 
 from dpjax.privacy import checks
 from dpjax.privacy.accounting import monotone
+from dpjax.privacy.accounting import pld_self_compose
 from dpjax.privacy.accounting import random_allocation as random_allocation_lib
 from dpjax.privacy.accounting import sampler_events
 
@@ -250,4 +251,4 @@ def random_allocation_epsilon_range(
 
 def compose_epochs(pld, num_epochs: int):
   """The PLD of `num_epochs` epochs from one epoch's (independent assignments per epoch)."""
-  return pld.self_compose(num_epochs) if num_epochs > 1 else pld
+  return pld_self_compose.self_compose(pld, num_epochs) if num_epochs > 1 else pld

@@ -44,6 +44,7 @@ from scipy import optimize
 from scipy import special
 
 from dpjax.privacy import checks
+from dpjax.privacy.accounting import pld_self_compose
 
 # Mass left outside the fine grid (lumped into the two end bins, so never lost).
 _GRID_TAIL_MASS = 1e-40
@@ -232,7 +233,7 @@ def _composed_pld(log_p, log_q, num_epochs) -> pld_lib.PrivacyLossDistribution:
     infinity_mass_add=inf_add,
     symmetric=False,
   )
-  return pld.self_compose(num_epochs, tail_mass_truncation=_TAIL_MASS_TRUNCATION)
+  return pld_self_compose.self_compose(pld, num_epochs, tail_mass=_TAIL_MASS_TRUNCATION)
 
 
 @functools.lru_cache(maxsize=32)

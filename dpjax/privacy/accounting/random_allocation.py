@@ -54,6 +54,7 @@ import numpy as np
 from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
+from dpjax.privacy.accounting import pld_self_compose
 from dpjax.utils.child_env import child_env
 
 # Seconds allowed to one new build under the default policy (then cached, or remembered as
@@ -104,7 +105,8 @@ def _default_discretization(noise_multiplier: float, num_steps: int, delta: floa
     standard_deviation=noise_multiplier,
     sampling_prob=1.0 / num_steps,
     value_discretization_interval=1e-3,
-  ).self_compose(num_steps)
+  )
+  poisson = pld_self_compose.self_compose(poisson, num_steps)
   grid = float(poisson.get_epsilon_for_delta(delta)) / GRID_FRACTION
   grid = min(MAX_GRID, max(MIN_GRID, grid))
   digits = 10.0 ** (math.floor(math.log10(grid)) - 1)

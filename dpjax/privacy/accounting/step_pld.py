@@ -23,6 +23,8 @@ from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.pld import privacy_loss_mechanism
 
+from dpjax.privacy.accounting import pld_self_compose
+
 # Refuse to build a per-step PLD whose grid (privacy-loss points × mixture components, what
 # dp_accounting evaluates and holds as float64 arrays) exceeds this (the cost of large grids:
 # scripts/README.md, bench_accounting_limits.py).
@@ -130,7 +132,7 @@ def composed_step_pld(
   composed = COMPOSED.get(key)
   if composed is None:
     check(step, count)
-    composed = step.self_compose(count)
+    composed = pld_self_compose.self_compose(step, count)
     if sum(getattr(p, 'size', math.inf) for p in pld_pmfs(composed)) <= MAX_KEPT_COMPOSED_POINTS:
       COMPOSED.put(key, composed)
   return composed

@@ -80,15 +80,15 @@ def test_step_plds_and_compositions_are_built_once_per_process_for_each_event_an
   """Accountants of one process share built step PLDs and their compositions; another σ, rate,
   grid or count is built anew, and ε is the one dp_accounting gives directly."""
   from dp_accounting.pld import pld_privacy_accountant  # pylint: disable=import-outside-toplevel
-  from dp_accounting.pld import privacy_loss_distribution  # pylint: disable=import-outside-toplevel
+  from dpjax.privacy.accounting import pld_self_compose  # pylint: disable=import-outside-toplevel
   from dpjax.privacy.accounting import step_pld  # pylint: disable=import-outside-toplevel
 
   built, composed = [], []
   real = step_pld.step_pld
-  real_compose = privacy_loss_distribution.PrivacyLossDistribution.self_compose
+  real_compose = pld_self_compose.self_compose
   monkeypatch.setattr(step_pld, 'step_pld', lambda *args: built.append(args) or real(*args))
   monkeypatch.setattr(
-    privacy_loss_distribution.PrivacyLossDistribution,
+    pld_self_compose,
     'self_compose',
     lambda pld, count, *a: composed.append(count) or real_compose(pld, count, *a),
   )
