@@ -118,9 +118,17 @@ def init_params(model, seed: int, input_shape: Sequence[int], input_dtype: Any =
   """Initial parameters of a linen model from key fold_in(root_key(seed), INIT_STREAM).
 
   `input_dtype` defaults to `model.input_dtype` if the model declares one, else float32.
+  `model.init` runs as one compiled program (as Flax advises), not op by op: eagerly each
+  initializer, reshape and dtype is a program of its own (WRN-16-4's first init in a process
+  took 6.7 s of CPU, now 3.3 s; an MLP's 0.8 s, now 0.6 s), and the program is one entry of
+  the persistent compilation cache, which the next process reads. The values are those of the
+  eager init up to XLA's fusion of the initializers' float arithmetic (identical for the MLP
+  and CNN, within 6e-8 for WRN-16-4).
   """
   dtype = input_dtype or getattr(model, 'input_dtype', None) or jnp.float32
-  variables = model.init(stream_key(seed, INIT_STREAM), jnp.zeros((1, *input_shape), dtype))
+  variables = jax.jit(model.init)(
+    stream_key(seed, INIT_STREAM), jnp.zeros((1, *input_shape), dtype)
+  )
   extra = set(variables) - {'params'}
   if extra:
     raise ValueError(
