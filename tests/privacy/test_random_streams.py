@@ -140,15 +140,17 @@ def _noise_of_steps(seed: int, steps: int) -> list[np.ndarray]:
 
 
 class _KeyRecorder:
-  """A 'model' whose init records the key `prng.init_params` passes it."""
-
-  def __init__(self):
-    self.keys = []
+  """A 'model' whose parameters are the bits of the key `prng.init_params` passes its init
+  (init runs compiled: the key is returned, not kept)."""
 
   def init(self, key, x):
     del x
-    self.keys.append(key)
-    return {'params': {}}
+    return {'params': {'key_data': jax.random.key_data(key)}}
+
+
+def _init_key_data(seed: int) -> tuple[int, ...]:
+  params = prng.init_params(_KeyRecorder(), seed, (1,))
+  return tuple(int(w) for w in np.asarray(params['key_data']).ravel())
 
 
 def _lora_a(seed: int) -> np.ndarray:
@@ -169,9 +171,7 @@ def test_device_streams_are_derived_from_the_seed_and_their_own_id(seed):
   for t, z in enumerate(_noise_of_steps(seed, steps)):
     key = jax.random.fold_in(_reference_stream(seed, Stream.NOISE), t)
     np.testing.assert_array_equal(z, optax.tree.random_like(key, zeros, jax.random.normal)['w'])
-  model = _KeyRecorder()
-  prng.init_params(model, seed, (1,))
-  assert _data(model.keys[0]) == _data(_reference_stream(seed, Stream.INIT))
+  assert _init_key_data(seed) == _data(_reference_stream(seed, Stream.INIT))
   assert tuple(np.asarray(augmult.stream_data(seed)).ravel()) == _data(
     _reference_stream(seed, Stream.VIEWS)
   )
@@ -183,10 +183,8 @@ def test_device_streams_are_derived_from_the_seed_and_their_own_id(seed):
 def test_noise_keys_are_distinct_from_the_other_device_streams(seed):
   """The noise of no step is keyed like init, views or LoRA: noise that lost its id would draw
   step 2 with the initial parameters' key (and step 3 with the views' stream)."""
-  model = _KeyRecorder()
-  prng.init_params(model, seed, (1,))
   others = {
-    'init': _data(model.keys[0]),
+    'init': _init_key_data(seed),
     'views': tuple(int(w) for w in np.asarray(augmult.stream_data(seed)).ravel()),
     'lora': _data(prng.stream_key(seed, Stream.LORA)),
   }
