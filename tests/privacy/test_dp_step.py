@@ -42,10 +42,16 @@ def _float32_matmuls():
     yield
 
 
+@functools.cache
+def _param_shapes(model, d):
+  """model.init's parameter shapes, traced once per (model, d) for the file's 24 `_params`."""
+  return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, d))))['params']
+
+
 def _params(model=MODEL, d=D, seed=0):
   """Fan-in scaled numpy parameters (avoids compiling jax.random in init)."""
   rng = np.random.default_rng(seed)
-  shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, d))))['params']
+  shapes = _param_shapes(model, d)
   return jax.tree.map(
     lambda s: (rng.normal(size=s.shape) / np.sqrt(s.shape[0])).astype(np.float32), shapes
   )

@@ -46,7 +46,8 @@ def run(
     loop_lib.TrainState(  # Same seed, same values on every host.
       step=np.int32(0),
       params=params,
-      opt_state=optimizer.init(params),
+      # One compiled program: eagerly, each leaf shape's zeros is its own compilation.
+      opt_state=jax.jit(optimizer.init)(params),
       num_truncated=np.int32(0),
       ema=ema_lib.init(params),
     ),

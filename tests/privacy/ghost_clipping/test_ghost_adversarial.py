@@ -212,16 +212,22 @@ def _contributions(fn, params, x):
   return np.array(ratios), clipped
 
 
+@functools.cache
+def _vmap_contributions(name):
+  """vmap's `_contributions` at each of `_cases(name)`, computed once per process for the
+  ghost and materialised tests of one rule (the same program on the same inputs)."""
+  return tuple(_contributions(_vmap_sum(name), params, x) for _, params, x in _cases(name))
+
+
 def _worst(name, ghost):
   """The worst ratio of ghost and of vmap over every state and input, and where; 'over_clip':
   the smallest ghost / vmap contribution (vmap's is C: norm and sum from one tensor)."""
-  ghost_fn, vmap_fn = _ghost_sum(name, ghost), _vmap_sum(name)
+  ghost_fn = _ghost_sum(name, ghost)
   worst = {'ghost': (0.0, None), 'vmap': (0.0, None), 'over_clip': (math.inf, None)}
   clipped = total = 0
-  for where, params, x in _cases(name):
-    got = {}
-    for method, fn in (('ghost', ghost_fn), ('vmap', vmap_fn)):
-      ratios, c = got[method] = _contributions(fn, params, x)
+  for (where, params, x), of_vmap in zip(_cases(name), _vmap_contributions(name), strict=True):
+    got = {'ghost': _contributions(ghost_fn, params, x), 'vmap': of_vmap}
+    for method, (ratios, c) in got.items():
       if method == 'ghost':
         clipped, total = clipped + c, total + N
       if ratios.max() > worst[method][0]:

@@ -43,7 +43,10 @@ MODELS = {
 def test_each_model_matches_per_example_gradients(name):
   cfg, shape, vocab = MODELS[name]
   model = models.make_model(cfg, harness.K, shape)
-  x, y = harness.inputs(shape, 6, seed=200 + sorted(MODELS).index(name), vocab=vocab)
+  # 5 real rows and harness's 3 padding rows: 8 in the batch, a power of two, so the tree row
+  # sums (rounding.tree_row_sum) add no zero rows (6 + 3: WRN's program compiled in 9.6 s, now
+  # 7.0 s). Still 3 finite real rows, two non-finite ones, and about half the rows clipped.
+  x, y = harness.inputs(shape, 5, seed=200 + sorted(MODELS).index(name), vocab=vocab)
   coverage = harness.assert_matches_vmap(model, x, y)
   if name.startswith('transformer') or name == 'vit':  # Declared in the model body.
     assert coverage.materialised == (('pos_embedding',),)
