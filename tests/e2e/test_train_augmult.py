@@ -237,7 +237,11 @@ def test_views_differ_from_identity_one_view_is_the_ordinary_step_and_padded_row
   params = _init(model, 'mlp')
   opt = optax.sgd(0.1)
   buffer = _buffer()
-  on = dp_step.DPStep.for_model(model, opt, augmult=augmult.Augmult(4, 1, True), **kw)
+  # K = 3 views, ghost clipping: the program of test_train_step_clips_the_view_mean_once[mlp-ghost]
+  # (the same model, buffer shapes and options), loaded from the persistent compilation cache.
+  on = dp_step.DPStep.for_model(
+    model, opt, augmult=augmult.Augmult(3, crop_padding=1, flip=True), clipping='ghost', **kw
+  )
   off = dp_step.DPStep.for_model(model, opt, **kw)
   a, b = _run(on, params, opt, buffer), _run(off, params, opt, buffer)
   assert not np.allclose(jax.tree.leaves(a)[0], jax.tree.leaves(b)[0])  # The views are used.
