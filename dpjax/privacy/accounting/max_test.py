@@ -35,16 +35,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from scipy import integrate
 from scipy import optimize
 from scipy import special
 
 from dpjax.privacy import checks
-from dpjax.privacy.accounting import pld_self_compose
+
+if TYPE_CHECKING:
+  from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
 # Mass left outside the fine grid (lumped into the two end bins, so never lost).
 _GRID_TAIL_MASS = 1e-40
@@ -222,6 +223,14 @@ def _rounded_down_pmf(log_upper, log_lower, interval):
 
 
 def _composed_pld(log_p, log_q, num_epochs) -> pld_lib.PrivacyLossDistribution:
+  # Imported here: the max-test laws alone (what Monte Carlo's worker processes import) need
+  # no PLD, and dp_accounting's import (scipy.signal) costs ~1.4 s of CPU per process.
+  # pylint: disable-next=import-outside-toplevel
+  from dp_accounting.pld import privacy_loss_distribution as pld_lib
+
+  # pylint: disable-next=import-outside-toplevel
+  from dpjax.privacy.accounting import pld_self_compose
+
   remove, inf_remove = _rounded_down_pmf(log_p, log_q, _VALUE_DISCRETIZATION)
   add, inf_add = _rounded_down_pmf(log_q, log_p, _VALUE_DISCRETIZATION)
   pld = pld_lib.PrivacyLossDistribution.create_from_rounded_probability(

@@ -4,6 +4,8 @@ import functools
 import math
 import os
 import pathlib
+import subprocess
+import sys
 import time
 
 import dp_accounting
@@ -19,6 +21,7 @@ from dpjax.privacy.accounting.monte_carlo import bounds
 from dpjax.privacy.accounting.monte_carlo import parallel
 from dpjax.privacy.accounting.monte_carlo import sampling
 from dpjax.privacy.accounting.monte_carlo import search
+from dpjax.utils.child_env import child_env
 
 BETA = 1e-3
 
@@ -362,6 +365,20 @@ def _meet_and_sum(path: str, parent: int, task: tuple) -> tuple[int, np.ndarray]
 
 
 @pytest.mark.slow
+def test_a_worker_process_imports_no_pld_library():
+  """Each Monte Carlo worker is a spawned interpreter that imports the sampling code: with
+  dp_accounting (scipy.signal) its start cost ~2.2 s of CPU, without ~1.2 s (the max-test
+  laws need no PLD; max_test imports dp_accounting only to compose one)."""
+  code = (
+    'import sys\nfrom dpjax.privacy.accounting.monte_carlo import parallel\n'
+    "print(sorted(m for m in ('dp_accounting', 'jax') if m in sys.modules))"
+  )
+  out = subprocess.run(
+    [sys.executable, '-c', code], capture_output=True, text=True, check=True, env=child_env()
+  )
+  assert out.stdout.strip() == '[]'
+
+
 def test_run_shares_tasks_with_a_spawned_process_which_computes_the_same_bits(tmp_path):
   # The caller takes tasks from the back, the spawned worker from the front: task 1 runs here
   # and waits for the worker, which must have taken task 0. Both compute the same chunk, to
