@@ -1,12 +1,9 @@
 """The embedded digits are scikit-learn's digits with dpjax's fixed split, bit for bit."""
 
-import subprocess
-import sys
-
 import numpy as np
 
 from dpjax.data import digits
-from dpjax.utils.child_env import child_env
+from tests import child_imports
 
 
 def test_the_embedded_digits_are_scikit_learns_with_the_fixed_split():
@@ -33,11 +30,5 @@ def test_the_embedded_digits_are_scikit_learns_with_the_fixed_split():
 
 def test_loading_the_digits_imports_no_scikit_learn():
   """Each training process loads them: scikit-learn's import and load cost ~2.4 s of CPU."""
-  code = (
-    'import sys\nfrom dpjax.data import digits\ndigits.load_digits_arrays()\n'
-    "print('sklearn' in sys.modules)"
-  )
-  out = subprocess.run(
-    [sys.executable, '-c', code], capture_output=True, text=True, check=True, env=child_env()
-  )
-  assert out.stdout.strip() == 'False'
+  code = 'from dpjax.data import digits\ndigits.load_digits_arrays()'
+  assert child_imports.imported(code, ('sklearn',)) == []

@@ -4,8 +4,6 @@ import functools
 import math
 import os
 import pathlib
-import subprocess
-import sys
 import time
 
 import dp_accounting
@@ -21,7 +19,7 @@ from dpjax.privacy.accounting.monte_carlo import bounds
 from dpjax.privacy.accounting.monte_carlo import parallel
 from dpjax.privacy.accounting.monte_carlo import sampling
 from dpjax.privacy.accounting.monte_carlo import search
-from dpjax.utils.child_env import child_env
+from tests import child_imports
 
 BETA = 1e-3
 
@@ -369,14 +367,8 @@ def test_a_worker_process_imports_no_pld_library():
   """Each Monte Carlo worker is a spawned interpreter that imports the sampling code: with
   dp_accounting (scipy.signal) its start cost ~2.2 s of CPU, without ~1.2 s (the max-test
   laws need no PLD; max_test imports dp_accounting only to compose one)."""
-  code = (
-    'import sys\nfrom dpjax.privacy.accounting.monte_carlo import parallel\n'
-    "print(sorted(m for m in ('dp_accounting', 'jax') if m in sys.modules))"
-  )
-  out = subprocess.run(
-    [sys.executable, '-c', code], capture_output=True, text=True, check=True, env=child_env()
-  )
-  assert out.stdout.strip() == '[]'
+  code = 'from dpjax.privacy.accounting.monte_carlo import parallel'
+  assert child_imports.imported(code, ('dp_accounting', 'jax')) == []
 
 
 def test_run_shares_tasks_with_a_spawned_process_which_computes_the_same_bits(tmp_path):
