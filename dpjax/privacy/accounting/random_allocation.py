@@ -54,6 +54,7 @@ import numpy as np
 from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
+from dpjax.privacy.accounting import gaussian_pld
 from dpjax.privacy.accounting import pld_self_compose
 from dpjax.utils.child_env import child_env
 
@@ -101,11 +102,7 @@ def _default_discretization(noise_multiplier: float, num_steps: int, delta: floa
   already, past the time budget and into the deterministic fallback. A finer grid is what
   `provable_bound.provable_epsilon(refine_seconds=...)` buys, by halving, within a budget.
   """
-  poisson = pld_lib.from_gaussian_mechanism(
-    standard_deviation=noise_multiplier,
-    sampling_prob=1.0 / num_steps,
-    value_discretization_interval=1e-3,
-  )
+  poisson = gaussian_pld.gaussian_pld(noise_multiplier, 1e-3, sampling_prob=1.0 / num_steps)
   poisson = pld_self_compose.self_compose(poisson, num_steps)
   grid = float(poisson.get_epsilon_for_delta(delta)) / GRID_FRACTION
   grid = min(MAX_GRID, max(MIN_GRID, grid))

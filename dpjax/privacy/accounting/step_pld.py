@@ -23,6 +23,7 @@ from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 from dp_accounting.pld import privacy_loss_mechanism
 
+from dpjax.privacy.accounting import gaussian_pld
 from dpjax.privacy.accounting import pld_self_compose
 
 # Refuse to build a per-step PLD whose grid (privacy-loss points × mixture components, what
@@ -32,22 +33,21 @@ MAX_GRID_POINTS = 2 * 10**6
 
 
 def step_pld(event: dp_event.DpEvent, interval: float) -> pld_lib.PrivacyLossDistribution:
-  """The PLD of one step, built as dp_accounting's PLDAccountant builds it."""
+  """The PLD of one step, built as dp_accounting's PLDAccountant builds it (Gaussian steps by
+  `gaussian_pld`, dp_accounting's construction bit for bit, vectorised)."""
   if isinstance(event, dp_event.PoissonSampledDpEvent):
-    return pld_lib.from_gaussian_mechanism(
-      standard_deviation=event.event.noise_multiplier,
-      value_discretization_interval=interval,
-      sampling_prob=event.sampling_probability,
+    return gaussian_pld.gaussian_pld(
+      event.event.noise_multiplier, interval, sampling_prob=event.sampling_probability
     )
   if isinstance(event, dp_event.MixtureOfGaussiansDpEvent):
     if len(event.sensitivities) == 2 and event.sensitivities[0] == 0:
       # MoG [0, s] with probabilities [1 − p, p] *is* the Poisson-subsampled Gaussian pair
       # with sensitivity s and rate p (both directions); dp_accounting builds that one faster,
       # with the same ε (tests/privacy/accounting/test_accounting_events.py).
-      return pld_lib.from_gaussian_mechanism(
-        standard_deviation=event.standard_deviation,
+      return gaussian_pld.gaussian_pld(
+        event.standard_deviation,
+        interval,
         sensitivity=event.sensitivities[1],
-        value_discretization_interval=interval,
         sampling_prob=event.sampling_probs[1],
       )
     return pld_lib.from_mixture_gaussian_mechanism(
@@ -65,9 +65,7 @@ def step_pld(event: dp_event.DpEvent, interval: float) -> pld_lib.PrivacyLossDis
       value_discretization_interval=interval,
     )
   if isinstance(event, dp_event.GaussianDpEvent):  # One epoch in a fixed order (sensitivity 1).
-    return pld_lib.from_gaussian_mechanism(
-      standard_deviation=event.noise_multiplier, value_discretization_interval=interval
-    )
+    return gaussian_pld.gaussian_pld(event.noise_multiplier, interval)
   raise TypeError(f'no per-step PLD for {event!r}')
 
 

@@ -5,30 +5,10 @@ import time
 import numpy as np
 import pytest
 from dp_accounting.pld import common
-from dp_accounting.pld import pld_pmf
 from dp_accounting.pld import privacy_loss_distribution as pld_lib
 
 from dpjax.privacy.accounting import pld_self_compose
-
-
-def _pmfs(pld):
-  # pylint: disable-next=protected-access
-  return (pld._pmf_remove,) if pld._symmetric else (pld._pmf_remove, pld._pmf_add)
-
-
-def _assert_identical(ours, theirs):
-  assert len(_pmfs(ours)) == len(_pmfs(theirs))
-  for a, b in zip(_pmfs(ours), _pmfs(theirs)):
-    assert type(a) is type(b)
-    # pylint: disable=protected-access
-    assert a._infinity_mass == b._infinity_mass
-    assert a._discretization == b._discretization
-    if isinstance(a, pld_pmf.SparsePLDPmf):
-      assert a._loss_probs == b._loss_probs
-      continue
-    assert a._lower_loss == b._lower_loss
-    np.testing.assert_array_equal(a._probs, b._probs)
-    # pylint: enable=protected-access
+from tests.privacy.accounting.identical_plds import assert_identical
 
 
 PLDS = {
@@ -54,8 +34,8 @@ PLDS = {
 def test_self_compose_is_dp_accountings_bit_for_bit(name):
   pld = PLDS[name]()
   for count in (1, 2, 3, 17, 1000) + ((100_000,) if name.startswith('poisson') else ()):
-    _assert_identical(pld_self_compose.self_compose(pld, count), pld.self_compose(count))
-  _assert_identical(
+    assert_identical(pld_self_compose.self_compose(pld, count), pld.self_compose(count))
+  assert_identical(
     pld_self_compose.self_compose(pld, 50, tail_mass=1e-10),
     pld.self_compose(50, tail_mass_truncation=1e-10),
   )
@@ -78,7 +58,7 @@ def test_truncation_bounds_are_dp_accountings_on_pmfs_with_zeros_and_spikes():
 
 def test_sparse_pmfs_are_composed_by_dp_accounting():
   pld = pld_lib.from_randomized_response(noise_parameter=0.5, num_buckets=4)
-  _assert_identical(pld_self_compose.self_compose(pld, 6), pld.self_compose(6))
+  assert_identical(pld_self_compose.self_compose(pld, 6), pld.self_compose(6))
 
 
 @pytest.mark.parametrize('count', [0, -1, 2.0, True])
