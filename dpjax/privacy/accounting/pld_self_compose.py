@@ -31,19 +31,29 @@ TAIL_MASS_TRUNCATION = 1e-15  # dp_accounting's default τ.
 
 def log_moment_generating_function(probs: np.ndarray, orders: np.ndarray) -> list[float]:
   """log Σ_i p_i e^{λ·i} for each order λ, as `scipy.special.logsumexp(i·λ, b=p)` computes it:
-  terms with p_i = 0 dropped, the largest term separated out, log1p of the rest's ratio to it."""
-  zero = probs == 0
-  index = np.arange(len(probs))
+  terms with p_i = 0 dropped, the largest term separated out, log1p of the rest's ratio to it.
+
+  λ·i is monotone in i, so the largest term is at the last (λ > 0) or first (λ < 0) index with
+  p_i > 0, and it is the only one; the rest is summed over the full-length array (zeros where
+  scipy has e^{-∞}, at the same positions, so numpy's pairwise sum adds the same numbers in the
+  same order)."""
+  present = np.flatnonzero(probs)
+  if len(present) == 0:
+    return [-math.inf] * len(orders)  # As scipy: the log of an empty sum.
+  index = np.arange(len(probs), dtype=float)
   out = []
-  with np.errstate(invalid='ignore', divide='ignore'):  # As scipy: a PMF of zeros gives -inf.
-    for order in orders:
-      exponent = np.where(zero, -np.inf, index * order)
-      largest = exponent.max()
-      at_largest = exponent == largest
-      weight = np.sum(probs * at_largest)
-      rest = np.sum(probs * np.exp(np.where(at_largest, -np.inf, exponent) - largest))
-      ratio = rest if rest == 0 else rest / weight
-      out.append(float(np.log1p(ratio) + np.log(weight) + largest))
+  for order in orders:
+    top = present[-1] if order > 0 else present[0]
+    largest = index[top] * order
+    terms = index * order
+    terms -= largest
+    np.exp(terms, out=terms)
+    terms *= probs
+    terms[top] = 0.0
+    rest = np.sum(terms)
+    weight = probs[top]
+    ratio = rest if rest == 0 else rest / weight
+    out.append(float(np.log1p(ratio) + np.log(weight) + largest))
   return out
 
 
