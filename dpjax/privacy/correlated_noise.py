@@ -1,0 +1,195 @@
+"""Correlated noise as a privatizer: the matrix-factorisation mechanism with a banded Toeplitz
+strategy (BandMF).
+
+  ĝ_t = (Σ_t + σC · w_t) / b,   w = C⁻¹ z,   z_t ~ N(0, I) per coordinate,
+
+with C the n×n lower-triangular Toeplitz strategy of coefficients c_0..c_{k−1} (C[t, t−j] = c_j,
+zero beyond k bands). Everything released is post-processing of C·X + σC·Z (X the clipped sums),
+so the guarantee is the Gaussian mechanism's on X ↦ C·X, with the sensitivity of C under the
+sampler's participation patterns (docs: ../shared/docs/accounting.md §9; Denisov, McMahan, Rush,
+Smith, Thakurta 2022, "Improved Differential Privacy for SGD via Optimal Private Linear Operators
+on Adaptive Streams"; Choquette-Choo, Ganesh, McMahan, Rush, Thakurta, Xu 2023, "(Amplified)
+Banded Matrix Factorization"). DP-SGD is C = I (k = 1, c_0 = 1): the release is then
+`noise.GaussianPrivatizer`'s bit for bit.
+
+Streaming: w_t = (z_t − Σ_{j=1}^{k−1} c_j w_{t−j}) / c_0, so the state is the last k − 1 w's
+(k − 1 arrays the size of the parameters, float32 at least), most recent first, and the step t
+it releases next. z_t is step t's Gaussian draw of DP-SGD (fold_in(noise stream of the seed, t),
+`prng.step_noise_key`); the state is part of the optimiser state (`accumulator.init_state`), so
+checkpoints save it and a resumed run continues the same w's bit for bit. A step other than the
+one the state expects releases NaN and marks the state refused (`noise_state.REFUSED`): the
+recursion holds only for consecutive steps.
+
+The coefficients must have unit ℓ2 norm: the sensitivity of one participation (a column of C)
+is then 1 and σ is the noise multiplier the accountant composes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dpjax.privacy import checks as _checks
+from dpjax.privacy import noise as noise_lib
+from dpjax.privacy import noise_state
+from dpjax.privacy import prng
+
+# |‖c‖₂ − 1| allowed: the coefficients are float64 and normalised by the strategy.
+UNIT_NORM_TOLERANCE = 1e-9
+
+
+class BandedNoiseState(NamedTuple):
+  """The step released next (uint32; `noise_state.REFUSED` after a refused update) and the last
+  k − 1 noise vectors w_{t−1}, …, w_{t−k+1}, one [k − 1, *leaf.shape] array per leaf."""
+
+  step: jax.Array
+  history: Any
+
+
+def check_coefficients(coefficients) -> tuple[float, ...]:
+  """c_0..c_{k−1} as floats: a non-empty finite sequence, c_0 > 0, ‖c‖₂ = 1."""
+  values = np.asarray(coefficients, dtype=np.float64)
+  if values.ndim != 1 or values.size == 0 or not np.all(np.isfinite(values)):
+    raise ValueError(
+      f'coefficients must be a non-empty 1-D sequence of finite numbers, got {coefficients!r}.'
+    )
+  if values[0] <= 0:
+    raise ValueError(f'coefficients[0] must be > 0 (C is invertible), got {values[0]!r}.')
+  norm = math.sqrt(float(np.sum(values**2)))
+  if abs(norm - 1.0) > UNIT_NORM_TOLERANCE:
+    raise ValueError(
+      f'coefficients must have unit l2 norm (the sensitivity of one participation is then 1, '
+      f'and sigma is the accounted noise multiplier), got norm {norm!r}: divide by it.'
+    )
+  return tuple(float(v) for v in values)
+
+
+def history_dtype(dtype) -> jnp.dtype:
+  """The state's dtype for a leaf of `dtype`: float32 at least (w's recursion is not rounded
+  to bfloat16)."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def banded_noise(z: jax.Array, history: jax.Array, coefficients: tuple[float, ...]):
+  """(w_t, new history) for one leaf: w_t = (z_t − Σ_{j≥1} c_j w_{t−j}) / c_0, elementwise in a
+  fixed order (no dot product: the same bits on every device and layout, no TF32)."""
+  acc = z.astype(history.dtype)
+  for j, c in enumerate(coefficients[1:]):
+    acc = acc - c * history[j]
+  w = acc if coefficients[0] == 1.0 else acc / coefficients[0]
+  if history.shape[0] == 0:
+    return w, history
+  return w, jnp.concatenate([w[None], history[:-1]])
+
+
+@dataclasses.dataclass(frozen=True)
+class BandedPrivatizer:
+  """ĝ_t = (Σ_t + σC · w_t) / b with w = C⁻¹z for the banded Toeplitz C of `coefficients` (module
+  docstring); a `noise.Privatizer` with state. Build it with `banded` (it validates)."""
+
+  coefficients: tuple[float, ...]
+  noise_multiplier: float
+  clip_norm: float
+  expected_batch_size: float
+  seed: int = 0
+  noise_impl: str = 'threefry'
+  stateful: ClassVar[bool] = True
+
+  @classmethod
+  def banded(
+    cls,
+    coefficients,
+    noise_multiplier,
+    clip_norm,
+    expected_batch_size,
+    seed: int = 0,
+    noise_impl: str = 'threefry',
+  ) -> 'BandedPrivatizer':
+    prng.check_seed(seed)
+    return cls(
+      check_coefficients(coefficients),
+      _checks.check_noise_multiplier(noise_multiplier),
+      _checks.check_clip_norm(clip_norm),
+      _checks.check_expected_batch_size(expected_batch_size),
+      int(seed),
+      prng.check_noise_impl(noise_impl),
+    )
+
+  @property
+  def bands(self) -> int:
+    return len(self.coefficients)
+
+  @property
+  def noise_std(self) -> float:
+    """σ·C on the sum."""
+    return self.noise_multiplier * self.clip_norm
+
+  def state_bytes(self, params: Any) -> int:
+    """Bytes of the state: (k − 1) × the parameters' size × 4 (float32) or more."""
+    return sum(
+      (self.bands - 1) * int(np.size(p)) * history_dtype(jnp.result_type(p)).itemsize
+      for p in jax.tree.leaves(params)
+    )
+
+  def key_data(self) -> np.ndarray:
+    return prng.noise_stream_data(self.seed, self.noise_impl)
+
+  def init(self, params: Any) -> BandedNoiseState:
+    history = jax.tree.map(
+      lambda p: jnp.zeros((self.bands - 1, *jnp.shape(p)), history_dtype(jnp.result_type(p))),
+      params,
+    )
+    return BandedNoiseState(step=jnp.zeros((), jnp.uint32), history=history)
+
+  def release(self, grad_sum: Any, state: BandedNoiseState, step, key_data):
+    key = prng.step_noise_key(key_data, step, self.noise_impl)
+    z = noise_lib.standard_normals_like(key, grad_sum)
+    leaves, treedef = jax.tree.flatten(grad_sum)
+    pairs = [
+      banded_noise(zi, hi, self.coefficients)
+      for zi, hi in zip(treedef.flatten_up_to(z), treedef.flatten_up_to(state.history))
+    ]
+    ok = state.step == jnp.asarray(step, jnp.uint32)
+    std, b = self.noise_std, self.expected_batch_size
+    released = [
+      jnp.where(ok, (s + std * w.astype(s.dtype)) / b, jnp.nan).astype(s.dtype)
+      for s, (w, _) in zip(leaves, pairs)
+    ]
+    after = jnp.where(ok, state.step + jnp.uint32(1), jnp.uint32(noise_state.REFUSED))
+    history = treedef.unflatten([h for _, h in pairs])
+    return treedef.unflatten(released), BandedNoiseState(step=after, history=history)
+
+
+def banded_privatizer(
+  coefficients,
+  noise_multiplier: float,
+  clip_norm: float,
+  expected_batch_size: float,
+  seed: int,
+  *,
+  noise_impl: str = 'threefry',
+) -> optax.GradientTransformationExtraArgs:
+  """An optax transform mapping Σ_i w_i · clip_C(g_i) of step t to ĝ_t = (Σ_t + σC·(C⁻¹z)_t) / b
+  (module docstring): `init(params)` is the `BandedNoiseState` at step 0, `update(sum, state,
+  params=None, *, step=t)` releases step t (NaN, and a refused state, for any other t).
+
+    tx = optax.chain(banded_privatizer(coefs, 1.1, 1.0, 256, seed), optax.sgd(0.1))
+  """
+  mechanism = BandedPrivatizer.banded(
+    coefficients, noise_multiplier, clip_norm, expected_batch_size, seed, noise_impl
+  )
+  stream = mechanism.key_data()
+
+  def update(updates, state, params=None, *, step=None, **extra_args):
+    del params, extra_args
+    if step is None:
+      raise TypeError(noise_lib.MISSING_STEP.replace('Gaussian', 'banded'))
+    return mechanism.release(updates, state, step, stream)
+
+  return optax.GradientTransformationExtraArgs(mechanism.init, update)
