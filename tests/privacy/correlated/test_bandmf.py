@@ -1,5 +1,7 @@
 """BandMF's objective, gradient and optimum against independent computations and closed forms."""
 
+import itertools
+
 import numpy as np
 import pytest
 import scipy.optimize
@@ -58,7 +60,7 @@ def test_more_bands_never_hurt_and_all_beat_dp_sgd(name):
   a = None if name == 'prefix' else workloads.momentum(n, 0.9, np.linspace(1.0, 0.1, n))
   errors = [error(bandmf.optimize(n, b, a), n, a) for b in (1, 2, 4, 8, 16, 48)]
   assert errors[0] == pytest.approx(expected_error.dp_sgd_expected_error(n, 1, a), rel=1e-12)
-  assert all(e2 <= e1 * (1 + 1e-7) for e1, e2 in zip(errors, errors[1:]))
+  assert all(e2 <= e1 * (1 + 1e-7) for e1, e2 in itertools.pairwise(errors))
   assert errors[1] < 0.8 * errors[0]
 
 
