@@ -84,6 +84,17 @@ def _best_separated_sum(weights: np.ndarray, count: int, min_sep: int) -> float:
   return float(best[n, count])
 
 
+def _row_pattern_maxima(a: np.ndarray, count: int, min_sep: int) -> np.ndarray:
+  """max_π Σ_{t∈π} a[s, t] for every row s at once (a >= 0; π: at most `count` steps >= min_sep
+  apart): best[s, i] = max(a[s, i] + best'[s, i + min_sep], best[s, i + 1]), one pass per pick."""
+  n = a.shape[0]
+  best = np.zeros((n, n + min_sep))
+  for _ in range(count):
+    best[:, :n] = a + best[:, min_sep : min_sep + n]
+    best = np.maximum.accumulate(best[:, ::-1], axis=1)[:, ::-1]
+  return best[:, 0]
+
+
 def min_separation(strategy, participations: int, min_sep: int) -> Sensitivity:
   """At most k participations, each two at least `min_sep` steps apart (cyclic and b-min-sep
   samplers; Choquette-Choo, Ganesh, McMahan, Rush, Thakurta, Xu, "(Amplified) banded matrix
@@ -91,8 +102,9 @@ def min_separation(strategy, participations: int, min_sep: int) -> Sensitivity:
 
   When C's columns at distance >= min_sep have disjoint supports (a b-banded C with b <= min_sep)
   Δ² = max Σ_{t∈π} ‖C[:, t]‖², found exactly by dynamic programming. Otherwise an upper bound:
-  each step's row contributes at most |M_tt| plus its k − 1 largest |M_ts| at distance >= min_sep;
-  exact only when one pattern ({s, s + min_sep, ...}) attains it.
+  Σ_{s∈π} h_s maximised over π, where h_s bounds row s's Σ_{t∈π} |M_st| by the smaller of
+  |M_ss| plus its k − 1 largest |M_st| at distance >= min_sep, and the row's best pattern (the
+  same paper's Algorithm 4); exact only when a pattern {s, s + min_sep, ...} attains it.
   """
   m = gram(strategy)
   n = m.shape[0]
@@ -103,7 +115,8 @@ def min_separation(strategy, participations: int, min_sep: int) -> Sensitivity:
   if not np.any(a[far]):
     return Sensitivity(math.sqrt(_best_separated_sum(np.diag(a).copy(), k, sep)), True)
   partners = np.sort(np.where(far, a, 0.0), axis=1)[:, ::-1][:, : k - 1].sum(axis=1)
-  upper = _best_separated_sum(np.diag(a) + partners, k, sep)
+  rows = np.minimum(np.diag(a) + partners, _row_pattern_maxima(a, k, sep))
+  upper = _best_separated_sum(rows, k, sep)
   lower = max(m[np.ix_(p, p)].sum() for s in range(min(sep, n)) for p in [np.arange(s, n, sep)[:k]])
   return Sensitivity(math.sqrt(upper), bool(np.isclose(lower, upper, rtol=1e-12, atol=0)))
 
