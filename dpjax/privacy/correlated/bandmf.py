@@ -1,9 +1,9 @@
 """BandMF: a b-banded lower-triangular Toeplitz strategy with coefficients optimised for n steps.
 
 Choquette-Choo, Ganesh, McMahan, Rush, Thakurta, Xu, "(Amplified) banded matrix factorization:
-a unified approach to private training" (NeurIPS 2023); McKenna, "Scaling up the banded matrix
-factorization mechanism for differentially private ML" (the Toeplitz form). The coefficients
-c_0..c_{b−1} minimise the expected error at sensitivity 1,
+a unified approach to private training" (NeurIPS 2023); McKenna, "Scaling up the amplified
+banded matrix factorization mechanism for differentially private ML" (2024; the Toeplitz form).
+The coefficients c_0..c_{b−1} minimise the expected error at sensitivity 1,
 
   f(c) = Δ(c)²·‖A C⁻¹‖_F²   (scale-free: f(αc) = f(c), so c_0 = 1 while optimising),
 

@@ -142,6 +142,51 @@ def initial_blt(n: int, buffers: int) -> BLT:
   return BLT(theta, np.maximum(omega, 1e-3))
 
 
+def _objective(n: int, q: np.ndarray, starts: np.ndarray):
+  """x = (log(1 − θ), ω) ↦ (log f, ∇ log f), f = ‖C·1_π‖²·rᵀQr (UNSTABLE where C⁻¹ overflows)."""
+
+  def fun(x):
+    blt = _params_to_blt(x)
+    with np.errstate(over='ignore', invalid='ignore', divide='ignore'):
+      p, q_poly = rational(blt)
+      value, grad_c = loss_and_grad(
+        coefs(blt, n), q, starts, lambda z: scipy.signal.lfilter(q_poly, p, z)
+      )
+      powers = blt.decays[None, :] ** np.arange(n - 1)[:, None]
+      lags = np.arange(n - 1)[:, None]
+      d_theta = grad_c[1:] @ (blt.weights * lags * blt.decays ** np.maximum(lags - 1, 0))
+      d_omega = grad_c[1:] @ powers
+      grad = np.concatenate([d_theta * (blt.decays - 1.0), d_omega])
+    if not (np.isfinite(value) and value > 0 and np.all(np.isfinite(grad))):
+      return UNSTABLE, np.zeros_like(x)
+    return np.log(value), grad / value
+
+  return fun
+
+
+def _minimize(fun, start: BLT, max_iterations: int) -> tuple[BLT, float]:
+  """L-BFGS-B from `start` within θ in [0.001, 1 − 1e-9], ω in [0, 1000]: (BLT, log f)."""
+  d = start.decays.size
+  x0 = np.concatenate([np.log1p(-start.decays), start.weights])
+  bounds = [(np.log(1e-9), np.log(0.999))] * d + [(0.0, 1e3)] * d
+  result = scipy.optimize.minimize(
+    fun, x0, jac=True, method='L-BFGS-B', bounds=bounds, options={'maxiter': max_iterations}
+  )
+  return _params_to_blt(result.x), float(result.fun)
+
+
+def _grown(blt: BLT) -> list[BLT]:
+  """blt with one more buffer of weight 0 (the same C, so a start no worse than the smaller
+  optimum): decaying faster than all (half the smallest decay), or splitting the widest gap of
+  log(1 − θ) between the decays."""
+  logs = np.sort(np.log1p(-blt.decays))
+  news = [blt.decays.min() / 2]
+  if logs.size > 1:
+    gap = int(np.argmax(np.diff(logs)))
+    news.append(-np.expm1(logs[gap : gap + 2].mean()))
+  return [BLT(np.append(blt.decays, t), np.append(blt.weights, 0.0)) for t in news]
+
+
 def optimize(
   n: int,
   buffers: int,
@@ -167,30 +212,16 @@ def optimize(
     else expected_error.lag_gram(expected_error.check_workload(workload, n))
   )
   starts = np.arange(0, n, sep)[:k]
-
-  def fun(x):
-    blt = _params_to_blt(x)
-    with np.errstate(over='ignore', invalid='ignore', divide='ignore'):
-      p, q_poly = rational(blt)
-      value, grad_c = loss_and_grad(
-        coefs(blt, n), q, starts, lambda z: scipy.signal.lfilter(q_poly, p, z)
-      )
-      powers = blt.decays[None, :] ** np.arange(n - 1)[:, None]
-      lags = np.arange(n - 1)[:, None]
-      d_theta = grad_c[1:] @ (blt.weights * lags * blt.decays ** np.maximum(lags - 1, 0))
-      d_omega = grad_c[1:] @ powers
-      grad = np.concatenate([d_theta * (blt.decays - 1.0), d_omega])
-    if not (np.isfinite(value) and value > 0 and np.all(np.isfinite(grad))):
-      return UNSTABLE, np.zeros_like(x)
-    return np.log(value), grad / value
-
-  init = initial_blt(n, d)
-  x0 = np.concatenate([np.log1p(-init.decays), init.weights])
-  bounds = [(np.log(1e-9), np.log(0.999))] * d + [(0.0, 1e3)] * d
-  result = scipy.optimize.minimize(
-    fun, x0, jac=True, method='L-BFGS-B', bounds=bounds, options={'maxiter': max_iterations}
-  )
-  return _params_to_blt(result.x)
+  fun = _objective(n, q, starts)
+  # Buffers added one at a time from the smaller optimum (never worse than it), and a fresh
+  # start at d buffers: the objective has local minima (a buffer of weight ~0).
+  best, _ = _minimize(fun, initial_blt(n, 1), max_iterations)
+  for size in range(2, d + 1):
+    candidates = [_minimize(fun, start, max_iterations) for start in _grown(best)]
+    if size == d:
+      candidates.append(_minimize(fun, initial_blt(n, d), max_iterations))
+    best, _ = min(candidates, key=lambda pair: pair[1])
+  return best
 
 
 def sensitivity_of(
