@@ -26,6 +26,7 @@ import scipy.optimize
 
 from dpjax.privacy import checks
 from dpjax.privacy.correlated import expected_error
+from dpjax.privacy.correlated import sensitivity
 from dpjax.privacy.correlated import toeplitz
 
 UNSTABLE = 1e4  # The log-objective returned where C⁻¹'s coefficients overflow.
@@ -74,8 +75,7 @@ def optimize(
   """
   n = checks.check_int('n', n, 1)
   bands = checks.check_int('bands', bands, 1, n)
-  k = checks.check_int('participations', participations, 1)
-  sep = n if min_sep is None else checks.check_int('min_sep', min_sep, 1)
+  k, sep = sensitivity.check_pattern(n, participations, min_sep)
   if k > 1 and sep < bands:
     raise ValueError(
       f'min_sep must be >= bands = {bands} for {k} participations (disjoint columns), got {sep}; '

@@ -203,8 +203,7 @@ def optimize(
   """
   n = checks.check_int('n', n, 2)
   d = checks.check_int('buffers', buffers, 1)
-  k = checks.check_int('participations', participations, 1)
-  sep = n if min_sep is None else checks.check_int('min_sep', min_sep, 1)
+  k, sep = sensitivity.check_pattern(n, participations, min_sep)
   checks.check_int('max_iterations', max_iterations, 1)
   q = (
     expected_error.lag_gram(None, n)
@@ -228,5 +227,5 @@ def sensitivity_of(
   blt: BLT, n: int, participations: int = 1, min_sep: int | None = None
 ) -> sensitivity.Sensitivity:
   """Δ of the n × n C for k participations at least min_sep apart (exact when c is monotone)."""
-  sep = checks.check_int('n', n, 1) if min_sep is None else min_sep
-  return sensitivity.toeplitz_min_separation(coefs(blt, n), n, participations, sep)
+  k, sep = sensitivity.check_pattern(n, participations, min_sep)
+  return sensitivity.toeplitz_min_separation(coefs(blt, n), n, k, sep)

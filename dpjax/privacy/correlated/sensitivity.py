@@ -51,6 +51,17 @@ def check_strategy(strategy, name: str = 'strategy') -> np.ndarray:
   return c
 
 
+def check_pattern(n: int, participations: int, min_sep: int | None) -> tuple[int, int]:
+  """(k, min_sep) for k participations at least min_sep apart; min_sep may be None (read as n)
+  only for k = 1: more participations need their separation stated."""
+  k = checks.check_int('participations', participations, 1)
+  if min_sep is None and k > 1:
+    raise ValueError(f'min_sep must be given for participations = {k} > 1 (an integer >= 1).')
+  return k, (
+    checks.check_int('n', n, 1) if min_sep is None else checks.check_int('min_sep', min_sep, 1)
+  )
+
+
 def gram(strategy) -> np.ndarray:
   """M = CᵀC (float64)."""
   c = check_strategy(strategy)

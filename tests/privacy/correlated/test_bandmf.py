@@ -117,6 +117,7 @@ def test_a_long_horizon_converges_through_unstable_trial_steps():
     ({'n': 10, 'bands': 4, 'participations': 2, 'min_sep': 3}, 'min_sep must be >= bands'),
     ({'n': 10, 'bands': 2, 'workload': np.ones((3, 3))}, 'workload must be'),
     ({'n': 0, 'bands': 1}, 'n must be'),
+    ({'n': 10, 'bands': 2, 'participations': 2}, 'min_sep must be given'),
   ],
 )
 def test_arguments_are_checked(kwargs, match):

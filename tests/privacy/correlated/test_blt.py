@@ -143,6 +143,8 @@ def test_a_momentum_workload():
     (lambda: blt.coefs(blt.BLT([0.5, 0.6], [0.1]), 4), 'one of each per buffer'),
     (lambda: blt.optimize(1, 2), 'n must be'),
     (lambda: blt.optimize(10, 0), 'buffers must be'),
+    (lambda: blt.optimize(10, 2, participations=3), 'min_sep must be given'),
+    (lambda: blt.sensitivity_of(BLTS[0], 10, 2), 'min_sep must be given'),
     (lambda: blt.inverse_apply(BLTS[0], np.zeros((2, 2, 2))), 'z must have shape'),
   ],
 )
