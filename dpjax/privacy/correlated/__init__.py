@@ -1,0 +1,9 @@
+"""Correlated noise: matrix-factorization strategies (DP-FTRL, BandMF, BLT) as float64 NumPy.
+
+The mechanism releases X + C⁻¹Z for a lower-triangular strategy C (docs/accounting.md §9).
+Modules: `toeplitz` (Toeplitz C from its coefficients, C⁻¹ as a stream), `sensitivity` (Δ of
+X ↦ CX for the samplers' participation patterns), `workloads` (the linear map from noisy
+gradients to iterates: prefix sums, momentum and learning rates), `expected_error` (the
+squared error of the released iterates), `bandmf` (banded Toeplitz strategies, optimised) and
+`blt` (buffered linear Toeplitz strategies, optimised). Nothing here imports jax or the trainer.
+"""
