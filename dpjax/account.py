@@ -222,8 +222,13 @@ def _from_flags(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, d
     flag='--allow-large-delta',
     warn=False,  # The accountant warns.
   )
+  fields = {}
+  if args.num_groups is not None:
+    if args.sampler != 'cyclic_poisson':
+      raise ValueError(f'--num-groups is a cyclic_poisson flag, not one of {args.sampler}.')
+    fields['num_groups'] = args.num_groups
   sampler = samplers_lib.sampler_class(args.sampler)(
-    num_examples=args.num_examples, batch_size=args.batch_size
+    num_examples=args.num_examples, batch_size=args.batch_size, **fields
   )
   steps = args.steps if args.steps is not None else args.epochs * sampler.steps_per_epoch
   options = dict(
@@ -231,6 +236,8 @@ def _from_flags(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, d
     max_batch_size=args.max_batch_size,
     group_size=1 if args.group_size is None else args.group_size,
     allow_large_delta=args.allow_large_delta,
+    noise=args.noise or 'gaussian',
+    num_bands=1 if args.num_bands is None else args.num_bands,
     **monte_carlo_options,
   )
   extra = {}

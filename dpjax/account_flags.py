@@ -34,6 +34,16 @@ FLAGS = (
   ),
   ('integer', 'max-batch-size', None, 'B, cap on the logical batch; omitted = no truncation'),
   ('integer', 'group-size', None, 'k, group privacy (default 1)'),
+  ('integer', 'num-groups', None, 'cyclic_poisson: k groups, step t from group t mod k'),
+  (
+    'enum',
+    'noise',
+    None,
+    'the noise mechanism (default gaussian: DP-SGD; bandmf: banded matrix factorisation, '
+    'accounted with cyclic_poisson and --num-groups >= --num-bands)',
+    names.NOISES,
+  ),
+  ('integer', 'num-bands', None, "bandmf: the strategy's bands (default 1)"),
   (
     'boolean',
     'monte-carlo',

@@ -8,6 +8,7 @@ keys) must equal `SAMPLER_NAMES` (tests/e2e/test_cli_start.py checks it);
 
 SAMPLER_NAMES = (
   'poisson',
+  'cyclic_poisson',
   'balls_and_bins',
   'shuffle',
   'deterministic',
@@ -15,3 +16,4 @@ SAMPLER_NAMES = (
   'fixed_size_with_replacement',
 )
 ACCOUNTANTS = ('auto', 'pld', 'rdp', 'monte_carlo')
+NOISES = ('gaussian', 'bandmf')  # The noise mechanisms (`accounting.options.check_noise`).

@@ -87,6 +87,9 @@ class Sampler(abc.ABC):
   # ε has a provable random-allocation bound and a max-test lower bound per epoch (Chua et
   # al. 2025), so σ calibration brackets the answer before evaluating the costly bound.
   random_allocation_bracket: ClassVar[bool] = False
+  # A banded correlated-noise strategy (BandMF) with at most as many bands as the sampler's
+  # participations are apart is amplified by this sampling (cyclic Poisson only).
+  amplifies_banded_noise: ClassVar[bool] = False
 
   def calibration_base(self) -> Sampler:
     """A sampler whose ε never exceeds this one's at equal σ (see many_component_pld)."""
@@ -136,6 +139,10 @@ class Sampler(abc.ABC):
   def is_epoch_based(self) -> bool:
     """True when the privacy unit is the epoch (each example once per epoch)."""
     return False
+
+  def participations(self, num_steps: int) -> int:
+    """The steps of the first T one example can take part in (T for per-step samplers)."""
+    return int(num_steps)
 
   def epoch_of(self, step: int) -> int:
     return step // self.steps_per_epoch

@@ -9,6 +9,7 @@ the same object, so what is sampled is what is accounted.
 | name | batch of step t | accounting |
 |---|---|---|
 | `poisson` | each example independently with prob. q = b/N | Poisson-subsampled Gaussian |
+| `cyclic_poisson` | group t mod k of k random groups, each member with prob. bk/N | ⌈T/k⌉ Poisson steps at rate bk/N |
 | `balls_and_bins` | each epoch, every example in one uniform of T = ceil(N/b) batches | Chua et al. 2025 (seed 000) |
 | `shuffle` | one permutation per epoch, consecutive batches of b | deterministic upper bound |
 | `deterministic` | dataset order, consecutive batches of b | Gaussian, once per epoch |
@@ -48,6 +49,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from dpjax.privacy import checks as _checks
 from dpjax.privacy import sampler_base
 from dpjax.privacy.sampler_base import Sampler  # The type every caller names: samplers.Sampler.
 
@@ -83,6 +85,75 @@ class PoissonSampler(Sampler):
     rng = sampler_base.sampler_generator(self.seed, self._check_step(step))
     size = rng.binomial(self.rows, self.sampling_probability)
     return np.sort(rng.choice(self.rows, size=size, replace=False)).astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class CyclicPoissonSampler(Sampler):
+  """Cyclic Poisson: k groups, step t draws from group t mod k, each member with prob. p = bk/N.
+
+  Choquette-Choo, Ganesh, McMahan, Rush, Thakurta, Xu 2023, "(Amplified) Banded Matrix
+  Factorization: A unified approach to private training" (their sampling for amplified
+  BandMF): each example's group is drawn once, i.i.d. uniform over k from the secret seed, so
+  removing an example changes no other's group; step t takes each member of group t mod k
+  independently with probability p = b·k/N. An example can take part only in the steps of its
+  group, k apart: T steps are at most ⌈T/k⌉ Poisson-subsampled participations at rate p (what
+  the accountant composes), and with k ≥ the bands of a banded strategy its participations'
+  columns never overlap. Marginally over the groups an example is in step t's batch with
+  probability b/N (`sampling_probability`), so n_t ~ Binomial(N, b/N), E[n_t] = b; k = 1 is
+  Poisson sampling.
+
+  Memory: the groups, 1 byte per example (k < 256; 2 or 4 above), drawn once per object.
+  """
+
+  num_groups: int = 1  # k.
+
+  name: ClassVar[str] = 'cyclic_poisson'
+  binomial_batch_size: ClassVar[bool] = True
+  analysis: ClassVar[str] = 'cyclic_poisson_subsampling'
+  coarse_pld_search: ClassVar[bool] = True
+  group_accountants: ClassVar[tuple[str, ...]] = ()
+  amplifies_banded_noise: ClassVar[bool] = True
+
+  def __post_init__(self):
+    super().__post_init__()
+    _checks.check_int('num_groups', self.num_groups, 1)
+    if self.batch_size * self.num_groups > self.num_examples:
+      raise ValueError(
+        f'batch_size * num_groups = {self.batch_size} * {self.num_groups} must be <= N = '
+        f'{self.num_examples} (each group of ~N/k examples is sampled at rate b*k/N <= 1).'
+      )
+
+  @property
+  def participation_probability(self) -> float:
+    """p = b·k/N: the rate at which a member of step t's group joins its batch."""
+    return self.batch_size * self.num_groups / self.num_examples
+
+  def participations(self, num_steps: int) -> int:
+    """⌈T/k⌉: the most steps of the first T one example can take part in."""
+    return -(-int(num_steps) // self.num_groups)
+
+  def groups(self) -> np.ndarray:
+    """Each example's group, i.i.d. uniform over k (cached per object)."""
+    cache = self.__dict__.setdefault('_groups_cache', {})
+    if 'groups' not in cache:
+      rng = sampler_base.sampler_generator(self.seed, 1 << 42, 0)
+      dtype = np.min_scalar_type(max(self.num_groups - 1, 0))
+      cache['groups'] = rng.integers(0, self.num_groups, size=self.num_examples, dtype=dtype)
+      cache['members'] = {}
+    return cache['groups']
+
+  def indices(self, step: int) -> np.ndarray:
+    step = self._check_step(step)
+    groups = self.groups()
+    members_of = self.__dict__['_groups_cache']['members']
+    group = step % self.num_groups
+    if group not in members_of:
+      members_of.clear()  # One group's members at a time: O(N/k) int64.
+      members_of[group] = np.flatnonzero(groups == group)
+    members = members_of[group]
+    rng = sampler_base.sampler_generator(self.seed, step)
+    size = rng.binomial(len(members), self.participation_probability)
+    return np.sort(members[rng.choice(len(members), size=size, replace=False)]).astype(np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +290,7 @@ _SAMPLERS = {
   cls.name: cls
   for cls in (
     PoissonSampler,
+    CyclicPoissonSampler,
     BallsAndBinsSampler,
     ShuffleSampler,
     DeterministicSampler,
@@ -230,16 +302,22 @@ SAMPLER_NAMES = tuple(_SAMPLERS)
 
 
 def make(
-  name: str, num_examples: int, batch_size: int, seed: int = 0, num_rows: int | None = None
+  name: str,
+  num_examples: int,
+  batch_size: int,
+  seed: int = 0,
+  num_rows: int | None = None,
+  **fields,
 ) -> Sampler:
   """The sampler called `name` over N = num_examples with batch size b, seeded by `seed`.
 
   The seed must be secret for the privacy guarantee (it decides which examples each step
   uses, and `dpjax.privacy.prng` derives the noise from it). `num_rows`: the rows present
-  when N is a public upper bound on them (samplers with `bounds_rows` only).
+  when N is a public upper bound on them (samplers with `bounds_rows` only). `fields`: the
+  sampler's own (`num_groups` of cyclic_poisson).
   """
   return sampler_class(name)(
-    num_examples=num_examples, batch_size=batch_size, seed=seed, num_rows=num_rows
+    num_examples=num_examples, batch_size=batch_size, seed=seed, num_rows=num_rows, **fields
   )
 
 

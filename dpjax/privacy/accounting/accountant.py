@@ -84,6 +84,11 @@ def resolve_accountant(sampler_name: str, accountant: str, group_size: int = 1) 
     raise ValueError(
       f'privacy.accountant = {accountant!r} is unknown; valid: {", ".join(ACCOUNTANTS)}.'
     )
+  if group_size > 1 and not sampler.group_accountants:
+    raise ValueError(
+      f'privacy.group_size = {group_size} > 1 is not analysed for sampler {sampler_name!r} '
+      '(group_size = 1 only).'
+    )
   supported = sampler.accountants
   if accountant == 'auto':
     return supported[0]
@@ -164,6 +169,9 @@ class Accountant:
     self.group_size = _check_group_size(options.group_size, sampler.num_examples)
     self.accountant = resolve_accountant(sampler.name, options.accountant, self.group_size)
     self.max_batch_size = cap.check_max_batch_size(sampler, options.max_batch_size)
+    self.noise, self.num_bands = analyses.check_noise_for_sampler(
+      sampler, options.noise, options.num_bands
+    )
     self.num_steps = options.num_steps
     self.monte_carlo_samples, self.beta = options.monte_carlo_samples, float(options.beta)
     self.monte_carlo_seed = options.monte_carlo_seed

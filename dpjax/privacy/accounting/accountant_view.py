@@ -33,6 +33,8 @@ class Accountant(Protocol):
   random_allocation_timeout: float
   steps_per_epoch: int
   sampling_probability: float
+  noise: str  # 'gaussian' or 'bandmf' (`AccountingOptions.noise`).
+  num_bands: int
 
   def composed_pld(self, event: Any, count: int, *args, **kwargs) -> Any: ...
   def pld_grid(self, event: Any, count: int) -> dict: ...

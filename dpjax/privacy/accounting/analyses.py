@@ -6,6 +6,9 @@ size k, the cap B and the per-step PLD cache (docs/accounting.md):
 
 * poisson_subsampling: PLD (default) or RDP of the Poisson-subsampled
   Gaussian; a cap B by the exact truncated event or the TV penalty.
+* cyclic_poisson_subsampling: ⌈T/k⌉ Poisson-subsampled Gaussian steps at rate bk/N, for
+  DP-SGD's noise and for BandMF with ≤ k bands (Choquette-Choo et al. 2023); a cap B by the
+  TV penalty.
 * fixed_size_subsampling: PLD of the MoG [0, 2] (Ganesh, seed 004) or FS-RDP
   (Birrell et al., seed 001); Wang et al. replace-one RDP beside it.
 * subsampling_with_replacement: PLD of the MoG [0, 2, …, 2b], Binomial(b, 1/N).
@@ -273,11 +276,78 @@ def shuffled_epochs(acct: Accountant, epochs: int, estimates: bool) -> PrivacyRe
   return acct.report(epochs, eps, details, epsilon_lower=lower)
 
 
+def check_noise_for_sampler(sampler, noise: str, num_bands: int) -> tuple[str, int]:
+  """(noise, bands) if this sampler's analysis covers the mechanism, else one-line ValueError.
+
+  One band is DP-SGD's Gaussian mechanism whatever the name (C = I). BandMF with b > 1 bands is
+  accounted only where sampling amplifies it: cyclic Poisson with k ≥ b groups, whose
+  participations are k ≥ b steps apart, so the columns of C an example touches have disjoint
+  supports and unit norms (Choquette-Choo et al. 2023, "(Amplified) Banded Matrix
+  Factorization", Thm. 4)."""
+  if noise == 'gaussian' or num_bands == 1:
+    return noise, num_bands
+  if not sampler.amplifies_banded_noise:
+    raise ValueError(
+      f"noise = 'bandmf' with {num_bands} bands is accounted for sampler cyclic_poisson "
+      f"(num_groups >= num_bands); the {sampler.name} sampler's participations are not "
+      'analysed for correlated noise.'
+    )
+  if num_bands > sampler.num_groups:
+    raise ValueError(
+      f"num_bands = {num_bands} must be <= the cyclic_poisson sampler's num_groups = "
+      f'{sampler.num_groups}: participations closer than the bands overlap in C.'
+    )
+  return noise, num_bands
+
+
+def _cyclic_event(acct: Accountant):
+  return sampler_events.poisson_step_event(
+    acct.sampler.participation_probability, acct.accounted_noise_multiplier
+  )
+
+
+def cyclic_poisson_subsampling(acct: Accountant, steps: int, estimates: bool) -> PrivacyReport:
+  """T steps of cyclic Poisson: ⌈T/k⌉ Poisson-subsampled Gaussian participations at rate
+  p = bk/N (the steps outside an example's group do not touch it), by PLD or RDP; a cap B by
+  the TV penalty τ = T·Pr[Binomial(N + 1, b/N) > B] (each step's batch is Binomial(N, b/N)
+  marginally over the secret groups)."""
+  del estimates
+  count = acct.sampler.participations(steps)
+  event = _cyclic_event(acct)
+  tau = math.exp(acct.log_truncation_mass(steps))
+  details: dict[str, Any] = {
+    'truncation_mass': tau,
+    'participations': count,
+    'participation_probability': acct.sampler.participation_probability,
+    'noise': acct.noise,
+    'num_bands': acct.num_bands,
+  }
+  if acct.max_batch_size is None:
+    details['truncation'] = 'none (no max_batch_size)'
+  if acct.accountant == 'rdp':
+    rdp = rdp_steps.composed_rdp(event, count)
+    delta_of, epsilon_of = rdp.get_delta, rdp.get_epsilon
+    method = 'rdp(cyclic_poisson: ceil(T/k) poisson_subsampled_gaussian)'
+  else:
+    pld = acct.composed_pld(event, count)
+    delta_of, epsilon_of = pld.get_delta_for_epsilon, pld.get_epsilon_for_delta
+    details.update(acct.pld_grid(event, count))
+    method = 'pld(cyclic_poisson: ceil(T/k) poisson_subsampled_gaussian)'
+  if tau == 0:
+    eps = float(epsilon_of(acct.delta))
+  else:
+    eps = balls_and_bins.smallest_epsilon(delta_of, acct.delta, penalty_mass=tau)
+    method += ' + tv_truncation_penalty'
+  details['method'] = method
+  return acct.report(steps, eps, details)
+
+
 # The per-step (per-epoch) event of each analysis whose composition bounds the run: the one its
 # PLD composes; for the epoch-based samplers the deterministic-order Gaussian, their always-valid
 # bound. `composition` composes runs in sequence through these.
 PLD_EVENTS = {
   'poisson_subsampling': _poisson_event,
+  'cyclic_poisson_subsampling': _cyclic_event,
   'fixed_size_subsampling': _fixed_size_event,
   'subsampling_with_replacement': _with_replacement_event,
   'gaussian_per_epoch': _epoch_event,
@@ -287,6 +357,7 @@ PLD_EVENTS = {
 
 ANALYSES = {
   'poisson_subsampling': poisson_subsampling,
+  'cyclic_poisson_subsampling': cyclic_poisson_subsampling,
   'fixed_size_subsampling': fixed_size_subsampling,
   'subsampling_with_replacement': subsampling_with_replacement,
   'gaussian_per_epoch': gaussian_per_epoch,

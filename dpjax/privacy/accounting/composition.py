@@ -97,12 +97,12 @@ def privacy_loss(acct: Accountant, step: int, interval: float | None = None) -> 
   """The privacy loss of `acct`'s run after `step` >= 1 steps (the epochs started, for
   epoch-based samplers), at discretisation `interval` (default: the accountant's)."""
   event = analyses.PLD_EVENTS[acct.sampler.analysis](acct)
-  unit = acct.epochs_started(step) if acct.is_epoch_based else step
+  unit = acct.epochs_started(step) if acct.is_epoch_based else acct.sampler.participations(step)
   if interval is None:  # The grid this run's own ε uses (`pld_grid`).
     pld, interval = acct.composed_pld(event, unit), acct.pld_grid(event, unit)['pld_grid']
   else:
     pld = acct.composed_pld(event, unit, interval=interval)
-  steps_run = unit * acct.steps_per_epoch if acct.is_epoch_based else unit
+  steps_run = unit * acct.steps_per_epoch if acct.is_epoch_based else step
   return PrivacyLoss(pld, math.exp(acct.log_truncation_mass(steps_run)), interval)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+from dpjax.privacy import names
 from dpjax.privacy.accounting import cap
 from dpjax.privacy.accounting import composition
 from dpjax.privacy.accounting import sampler_events
@@ -56,6 +57,11 @@ class AccountingOptions:
     prior_runs: the runs whose release this one starts from: ε of the composition.
     sensitivity: 1 + η, the noised sum's sensitivity / C (`dpjax.privacy.rounding`): the
       analyses use σ/(1 + η) (`accounted_noise_multiplier`); reports keep σ.
+    noise: the mechanism, 'gaussian' (DP-SGD) or 'bandmf' (correlated noise of a banded
+      Toeplitz strategy with unit column norms, `dpjax.privacy.correlated_noise`).
+    num_bands: the strategy's bands (1 for 'gaussian'; 'bandmf' is accounted with a sampler
+      that amplifies it, `Sampler.amplifies_banded_noise`, when its participations are at
+      least num_bands steps apart).
   """
 
   accountant: str = 'auto'
@@ -76,6 +82,8 @@ class AccountingOptions:
   allow_large_delta: bool = False
   prior_runs: Sequence[composition.PriorRun] = ()
   sensitivity: float = 1.0
+  noise: str = 'gaussian'
+  num_bands: int = 1
 
   def __post_init__(self):
     """ValueError (one line, naming the option) for any option out of its range."""
@@ -90,6 +98,7 @@ class AccountingOptions:
     )
     sampler_events.check_positive_int('max_grid_points', self.max_grid_points)
     sampler_events.check_sensitivity(self.sensitivity)
+    check_noise(self.noise, self.num_bands)
     object.__setattr__(self, 'prior_runs', composition.check_prior_runs(self.prior_runs))
 
   def given(self) -> dict[str, Any]:
@@ -103,6 +112,17 @@ class AccountingOptions:
   def replace(self, **changes: Any) -> AccountingOptions:
     """These options with `changes` (checked again)."""
     return dataclasses.replace(self, **changes)
+
+
+def check_noise(noise: str, num_bands: int) -> None:
+  """noise one of NOISES; num_bands an int >= 1, and 1 for 'gaussian'."""
+  if noise not in names.NOISES:
+    raise ValueError(f'noise = {noise!r} is unknown; valid: {", ".join(names.NOISES)}.')
+  sampler_events.check_positive_int('num_bands', num_bands)
+  if noise == 'gaussian' and num_bands != 1:
+    raise ValueError(
+      f"num_bands = {num_bands} needs noise = 'bandmf' (DP-SGD's Gaussian noise has 1 band)."
+    )
 
 
 def check_pld_options(
