@@ -121,9 +121,12 @@ def privacy_card(meta: dict) -> dict[str, Any]:
     'sampler': {
       key: sampler.get(key)
       for key in ('name', 'batch_size', 'expected_batch_size', 'max_batch_size', 'steps_per_epoch')
-    },
+    }
+    | ({'num_groups': sampler['num_groups']} if 'num_groups' in sampler else {}),
     **training_set_size.card_fields(meta['num_examples'], training_set_size.declared_bound(config)),
     'noise_multiplier': meta.get('noise_multiplier'),
+    # The mechanism (checkpoints before correlated noise ran DP-SGD's Gaussian).
+    'noise': meta.get('noise') or ({'name': 'gaussian'} if privacy.get('epsilon') else None),
     'clip_norm': meta.get('clip_norm'),
     'float_rounding': meta.get('rounding'),
     'group_size': k if privacy.get('epsilon') is not None else None,

@@ -171,15 +171,17 @@ class DPStep:
     loss: str = 'softmax_cross_entropy',
     precision: str = 'default',
     augmult: augmult_lib.Augmult | None = None,
+    privatizer: noise.Privatizer | None = None,
     **kwargs,
   ) -> 'DPStep':
     """The step of a Flax model: loss_fn = `losses.make_loss_fn(model, label_format, ...)`
-    ((loss, {'correct': ...}) of one example) and the Gaussian privatizer of (σ, C, b, seed);
+    ((loss, {'correct': ...}) of one example) and the Gaussian privatizer of (σ, C, b, seed),
+    or `privatizer` when given (a plan's `mechanism()`, with the same σ, C, b and seed);
     private=False: the non-private baseline (σ and C ignored). `kwargs`: clipping,
     sum_fn_wrapper, and `StepOptions`' fields (mesh, physical_loop, ...)."""
     options = StepOptions(**{f: kwargs.pop(f) for f in step_layout.OPTION_FIELDS if f in kwargs})
     prng.check_seed(seed)
-    privatizer = (
+    privatizer = privatizer or (
       noise.GaussianPrivatizer.gaussian(
         noise_multiplier, clip_norm, expected_batch_size, seed, noise_impl
       )
@@ -247,6 +249,7 @@ class DPStep:
       seed=plan.seed,
       private=True,
       precision=plan.precision,
+      privatizer=plan.mechanism(kwargs.get('noise_impl', 'threefry')),
       **kwargs,
     )
 

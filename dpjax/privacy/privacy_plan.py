@@ -55,6 +55,7 @@ from typing import Any
 
 from dpjax.privacy import batching
 from dpjax.privacy import clipping
+from dpjax.privacy import mechanisms
 from dpjax.privacy import noise
 from dpjax.privacy import noise_state
 from dpjax.privacy import plan_inputs
@@ -64,6 +65,11 @@ from dpjax.privacy import step_batcher
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import composition
 from dpjax.privacy.accounting.options import AccountingOptions
+
+
+def sampler_fingerprint(sampler: samplers_lib.Sampler) -> dict[str, Any]:
+  """The sampler's own fields beyond N and b (cyclic Poisson's k), if any."""
+  return {'sampler.num_groups': sampler.num_groups} if sampler.name == 'cyclic_poisson' else {}
 
 
 def seed_digest(seed: int) -> str:
@@ -188,6 +194,33 @@ class PrivacyPlan:
     return plan
 
   @property
+  def noise(self) -> str:
+    """The noise mechanism ('gaussian' or 'bandmf'), the accountant's."""
+    return self.accountant.noise
+
+  @property
+  def num_bands(self) -> int:
+    return self.accountant.num_bands
+
+  @property
+  def noise_coefficients(self) -> tuple[float, ...]:
+    """BandMF's unit-norm coefficients (`mechanisms.coefficients`); () for DP-SGD."""
+    return mechanisms.coefficients(self.noise, self.num_steps, self.num_bands)
+
+  def mechanism(self, noise_impl: str = 'threefry') -> noise.Privatizer:
+    """The `noise.Privatizer` the step runs, with this plan's σ, C, b and seed: DP-SGD's
+    Gaussian, or BandMF's banded correlated noise (`correlated_noise.BandedPrivatizer`), the
+    mechanism the accountant accounts for."""
+    return mechanisms.privatizer(
+      self.noise_coefficients,
+      self.noise_multiplier,
+      self.clip_norm,
+      self.expected_batch_size,
+      self.seed,
+      noise_impl,
+    )
+
+  @property
   def accountant_name(self) -> str:
     """The resolved accountant ('pld', 'rdp' or 'monte_carlo')."""
     return self.accountant.accountant
@@ -279,6 +312,11 @@ class PrivacyPlan:
   def privatizer(self, *, noise_impl: str = 'threefry'):
     """The optax transform adding N(0, σ²C²) to each step's clipped sum and dividing by b,
     with this plan's σ, C, b and seed (`noise.gaussian_privatizer`)."""
+    if self.noise_coefficients:
+      raise ValueError(
+        "PrivacyPlan.privatizer: the library tier's loop runs DP-SGD's Gaussian noise only; "
+        "for BandMF use DPStep.from_plan (the trainer's step), which runs plan.mechanism()."
+      )
     return noise.gaussian_privatizer(
       self.noise_multiplier,
       self.clip_norm,
@@ -311,6 +349,7 @@ class PrivacyPlan:
       'sampler.num_examples': s.num_examples,
       'sampler.batch_size': s.batch_size,
       'sampler.max_batch_size': self.max_batch_size,
+      **sampler_fingerprint(s),
       'privacy.group_size': self.group_size,
       'privacy.noise_multiplier': self.noise_multiplier,
       'privacy.clip_norm': self.clip_norm,
@@ -319,6 +358,7 @@ class PrivacyPlan:
       'privacy.matmul_format': self.rounding.matmul_format,
       'privacy.rounding_eta': self.rounding.eta,
       'seed_sha256': seed_digest(s.seed),
+      **mechanisms.fingerprint(self.noise, self.num_bands, self.num_steps),
     }
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from dpjax.data import sources as data
 from dpjax.privacy import losses
+from dpjax.privacy import mechanisms
 from dpjax.privacy import sharding
 from dpjax.trainer.loop import build
 from dpjax.trainer.planning import plan as plan_lib
@@ -54,6 +55,9 @@ def announce(
     log(plan.init_source.describe())
   if plan.private:
     log(f'Float rounding: {plan.privacy.rounding_record()["statement"]}.')
+    if plan.privacy.noise != 'gaussian':
+      p = plan.privacy
+      log(f'Noise: {mechanisms.describe(p.noise, p.noise_coefficients, p.num_steps, num_params)}.')
   log(run_seed.RunSeed(plan.seed, plan.seed_source).describe(workdir))
   if plan.private:
     for line in run_warnings.RunWarnings().epsilon(final_epsilon, plan.privacy.target_epsilon):

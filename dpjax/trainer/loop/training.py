@@ -46,8 +46,9 @@ def run(
     loop_lib.TrainState(  # Same seed, same values on every host.
       step=np.int32(0),
       params=params,
-      # One compiled program: eagerly, each leaf shape's zeros is its own compilation.
-      opt_state=jax.jit(optimizer.init)(params),
+      # The optimiser's state, after a stateful privatizer's (correlated noise); one compiled
+      # program: eagerly, each leaf shape's zeros is its own compilation.
+      opt_state=jax.jit(step_fns.init_opt_state)(params),
       num_truncated=np.int32(0),
       ema=ema_lib.init(params),
     ),

@@ -19,6 +19,7 @@ from typing import Any
 import ml_collections
 
 from dpjax.data import identity as data_identity
+from dpjax.privacy import mechanisms
 from dpjax.privacy import privacy_plan
 from dpjax.privacy import rounding as rounding_lib
 from dpjax.privacy.accounting import accountant as accountant_lib
@@ -54,6 +55,7 @@ def run_fingerprint(
       'sampler.num_examples': sampler.num_examples,
       'sampler.batch_size': sampler.batch_size,
       'sampler.max_batch_size': max_batch_size,
+      **privacy_plan.sampler_fingerprint(sampler),
       'privacy.group_size': None,
       'privacy.noise_multiplier': None,
       'privacy.clip_norm': None,
@@ -147,7 +149,9 @@ def _is_float(x) -> bool:
 class PendingFields:
   """The fingerprint fields of a privacy plan before σ is calibrated (for the resume check)."""
 
-  def __init__(self, sampler, max_batch_size, privacy, sigma, precision: str, prior_runs=()):
+  def __init__(
+    self, sampler, max_batch_size, privacy, sigma, precision: str, num_steps: int, prior_runs=()
+  ):
     prior = {composition.FINGERPRINT_FIELD: [r.fingerprint for r in prior_runs]}
     rounding = rounding_lib.Rounding.of(max_batch_size, precision)
     self.fingerprint = {
@@ -156,6 +160,7 @@ class PendingFields:
       'sampler.num_examples': sampler.num_examples,
       'sampler.batch_size': sampler.batch_size,
       'sampler.max_batch_size': max_batch_size,
+      **privacy_plan.sampler_fingerprint(sampler),
       'privacy.group_size': privacy.group_size,
       'privacy.noise_multiplier': None if sigma is None else float(sigma),
       'privacy.clip_norm': float(privacy.clip_norm),
@@ -166,4 +171,7 @@ class PendingFields:
       'privacy.matmul_format': rounding.matmul_format,
       'privacy.rounding_eta': rounding.eta,
       'seed_sha256': privacy_plan.seed_digest(sampler.seed),
+      **mechanisms.fingerprint(
+        privacy.get('noise', 'gaussian'), privacy.get('num_bands', 1), num_steps
+      ),
     }

@@ -179,8 +179,17 @@ def make_sampler(
   if seed is None:
     seed = plan_blocks.declared(config, 'seed') or 0
   n, rows = training_set_size.sampler_sizes(config, num_examples)
+  groups = plan_blocks.declared(config, 'sampler.num_groups') or 1
+  if groups != 1 and config.sampler.name != 'cyclic_poisson':
+    raise config_fields.ConfigError(
+      f'sampler.num_groups = {groups}: groups are a cyclic_poisson setting (sampler.name = '
+      f'{config.sampler.name!r}); leave it 1 or set sampler.name = cyclic_poisson.'
+    )
+  fields = {'num_groups': groups} if config.sampler.name == 'cyclic_poisson' else {}
   try:
-    return samplers_lib.make(config.sampler.name, n, config.sampler.batch_size, seed, num_rows=rows)
+    return samplers_lib.make(
+      config.sampler.name, n, config.sampler.batch_size, seed, num_rows=rows, **fields
+    )
   except ValueError as e:  # The core names its argument (b > N); the config, its field.
     if str(e).startswith('batch_size '):
       raise config_fields.ConfigError(f'sampler.{e}') from None

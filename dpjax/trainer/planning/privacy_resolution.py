@@ -66,6 +66,8 @@ def resolve(
     allow_large_delta=True,  # δ ≥ 1/N refused (unless allowed) by `delta_warnings`.
     monte_carlo_workers=plan_blocks.declared(config, 'privacy.monte_carlo_workers'),
     random_allocation_timeout=plan_blocks.declared(config, 'privacy.random_allocation_timeout'),
+    noise=plan_blocks.declared(config, 'privacy.noise') or 'gaussian',
+    num_bands=plan_blocks.declared(config, 'privacy.num_bands') or 1,
   ).replace(**extra)
   grid = options.value_discretization_interval
   pld_options = {} if grid is None else {'value_discretization_interval': grid}
@@ -73,7 +75,7 @@ def resolve(
   precision = plan.recipe.precision
   if previous is not None:  # Refuse before any (costly) accounting.
     pending = fingerprint_lib.PendingFields(
-      plan.sampler, plan.max_batch_size, privacy, sigma, precision, prior
+      plan.sampler, plan.max_batch_size, privacy, sigma, precision, plan.num_steps, prior
     )
     refuse_changes(previous, plan.fingerprint_of(pending))
   if prior and privacy.target_epsilon:

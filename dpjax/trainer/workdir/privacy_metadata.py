@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from dpjax.privacy import mechanisms
 from dpjax.trainer.planning import plan as plan_lib
 
 
@@ -28,6 +29,8 @@ def privacy_metadata(
     'noise_multiplier': step_fns.noise_multiplier if plan.private else None,
     'noise_multiplier_source': plan.privacy.noise_multiplier_source if plan.private else None,
     'clip_norm': step_fns.clip_norm if plan.private else None,
+    # The noise mechanism that ran (read from the step's privatizer).
+    'noise': mechanisms.record(step_fns.privatizer) if plan.private else None,
     # η, the float rounding ε pays for, and its cost Δε at this step.
     'rounding': plan.privacy.rounding_record(step) if plan.private else None,
     'num_examples': sampler.num_examples,
@@ -39,6 +42,7 @@ def privacy_metadata(
       'steps_per_epoch': sampler.steps_per_epoch,
       'max_batch_size': batcher.max_batch_size,
       'physical_batch_size': batcher.physical_batch_size,
+      **({'num_groups': sampler.num_groups} if sampler.name == 'cyclic_poisson' else {}),
     },
     'group_size': plan.privacy.group_size if plan.private else None,
     'num_truncated': num_truncated,  # Not covered by ε (a count of the private batch sizes).

@@ -1,6 +1,7 @@
 """The privacy block of a training config: C, σ or a target ε, δ, the accountant, the noise."""
 
 from dpjax.privacy import clipping
+from dpjax.privacy import names
 from dpjax.privacy import prng
 from dpjax.privacy.accounting import accountant
 from dpjax.trainer.configuration.field_spec import Field
@@ -87,6 +88,27 @@ FIELDS: tuple[Field, ...] = (
     'int',
     1,
     'k: the guarantee is for groups of k examples',
+    1,
+    when=is_private,
+    accounting=True,
+  ),
+  Field(
+    'privacy.noise',
+    'str',
+    'gaussian',
+    'the noise mechanism: gaussian (DP-SGD, independent each step) | bandmf (banded matrix '
+    'factorisation: noise correlated across privacy.num_bands steps, accounted with sampler '
+    'cyclic_poisson and sampler.num_groups >= privacy.num_bands)',
+    choices=names.NOISES,
+    when=is_private,
+    accounting=True,
+  ),
+  Field(
+    'privacy.num_bands',
+    'int',
+    1,
+    "bandmf: the bands b of the strategy, optimised for the run's steps (its state: b - 1 "
+    'copies of the parameters); 1 = DP-SGD',
     1,
     when=is_private,
     accounting=True,

@@ -24,6 +24,15 @@ FIELDS: tuple[Field, ...] = (
     accounting=True,
   ),
   Field(
+    'sampler.num_groups',
+    'int',
+    1,
+    'cyclic_poisson: k groups, step t draws from group t mod k (each member with '
+    'probability b*k/N); 1 for the other samplers',
+    1,
+    accounting=True,
+  ),
+  Field(
     'sampler.physical_batch_size',
     'int',
     64,
