@@ -88,3 +88,17 @@ def test_bandmf_where_it_is_not_accounted_is_refused_before_training(tmp_path, o
   with pytest.raises(Exception, match=match):
     train.train_and_evaluate(small_config(**{**BANDMF, **overrides}), str(tmp_path / 'w'))
   assert not (tmp_path / 'w' / 'checkpoints').exists()
+
+
+def test_a_noise_state_that_does_not_fit_the_device_is_refused_before_compiling(
+  tmp_path, monkeypatch
+):
+  """b − 1 copies of the parameters beside ~4 more: on a device of 100 kB (MLP: 4,810
+  float32 parameters, 19 kB each) 3 bands need 38 kB + 77 kB, refused in one line naming
+  privacy.num_bands; nothing is trained or checkpointed."""
+  from dpjax.trainer.planning import physical_batch  # pylint: disable=import-outside-toplevel
+
+  monkeypatch.setattr(physical_batch, 'device_memory_bytes', lambda device=None: 100_000)
+  with pytest.raises(Exception, match=r'privacy.num_bands = 3: the BandMF noise state needs'):
+    train.train_and_evaluate(small_config(**BANDMF), str(tmp_path / 'w'))
+  assert not (tmp_path / 'w' / 'checkpoints').exists()

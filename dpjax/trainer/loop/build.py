@@ -33,6 +33,7 @@ from dpjax.trainer.loop import evaluation
 from dpjax.trainer.planning import fingerprint as fingerprint_lib
 from dpjax.trainer.planning import finetune
 from dpjax.trainer.planning import plan as plan_lib
+from dpjax.trainer.planning import privacy_resolution
 
 
 def init_params(plan: plan_lib.RunPlan, model, input_shape) -> tuple[Any, Any]:
@@ -148,6 +149,24 @@ def build_step(
   ):
     raise RuntimeError('the DP step and the privacy plan disagree on σ or the precision.')
   return step
+
+
+def check_noise_state_fits(step: dp_step.DPStep, params, memory_bytes: int) -> None:
+  """Refuses (one line, before anything compiles) a correlated-noise state that, beside the
+  parameters, the optimiser state and the EMA (about 4 copies of the parameters), exceeds
+  90 % of one device's memory: BandMF keeps b − 1 copies of the parameters."""
+  state_bytes = getattr(step.privatizer, 'state_bytes', None)
+  if state_bytes is None:
+    return
+  noise_bytes = state_bytes(params)
+  param_bytes = sum(int(np.size(p)) * np.dtype(p.dtype).itemsize for p in jax.tree.leaves(params))
+  if noise_bytes + 4 * param_bytes > 0.9 * memory_bytes:
+    raise privacy_resolution.PlanError(
+      f'privacy.num_bands = {step.privatizer.bands}: the BandMF noise state needs '
+      f'{noise_bytes / 1e9:.3g} GB ({step.privatizer.bands - 1} copies of the parameters) '
+      f'beside ~{4 * param_bytes / 1e9:.3g} GB of parameters, optimiser state and EMA, more '
+      f"than 90 % of the device's {memory_bytes / 1e9:.3g} GB: lower privacy.num_bands."
+    )
 
 
 def make_evaluator(

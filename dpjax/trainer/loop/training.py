@@ -41,6 +41,7 @@ def run(
   model, params = build.init_params(plan, model, train_source.input_shape)
   auditor = build.Auditor(plan, params, workdir) if plan.audit.num_canaries else None
   step_fns = build.build_step(plan, model, optimizer, mesh, auditor)
+  build.check_noise_state_fits(step_fns, params, physical_batch.device_memory_bytes())
   state = sharding.replicate(
     mesh,
     loop_lib.TrainState(  # Same seed, same values on every host.
