@@ -48,6 +48,8 @@ PATTERNS = {
   'every_group_step': "pi within {g, g + k, ...}: the steps of the example's group",
 }
 MF_SAMPLERS = 'deterministic, shuffle or cyclic_poisson'
+# A strategy for `check_noise` to route with before one is optimised (its values are unused).
+_PLACEHOLDER = strategy_lib.Strategy('bandmf', 1, coefs=(1.0,))
 
 
 def amplified(sampler, noise: str, num_bands: int) -> bool:
@@ -88,6 +90,21 @@ def check_noise(sampler, noise: str, num_bands: int, strategy=None) -> str:
       'strategy: give it (AccountingOptions.strategy, correlated.strategy.make).'
     )
   return NAME
+
+
+def strategy_for(sampler, noise: str, num_steps: int, num_bands: int = 1, num_buffers=None):
+  """The strategy of `noise` optimised for `num_steps` (`correlated.strategy.make`) where this
+  analysis reads it (BLT, or BandMF the sampler does not amplify), else None; a sampler whose
+  patterns are not analysed is refused first (`check_noise`), before any optimisation."""
+  if sampler.mf_patterns is None:
+    check_noise(sampler, noise, num_bands)
+  if check_noise(sampler, noise, num_bands, _PLACEHOLDER) != NAME:
+    return None
+  if noise == 'blt':
+    if num_buffers is None:
+      raise ValueError('noise = blt needs num_buffers (the BLT buffers, an integer >= 1).')
+    return strategy_lib.make('blt', num_steps, num_buffers=num_buffers)
+  return strategy_lib.make('bandmf', num_steps, num_bands=num_bands)
 
 
 def check_accountant(acct: Accountant) -> None:

@@ -3,7 +3,10 @@ the strategy's sensitivity over the sampler's participation patterns, against dp
 called directly with Δ from a brute-force enumeration; the refusals; and an observer's attack
 on the released noise showing the reported ε holds where DP-SGD's would not."""
 
+import contextlib
+import io
 import itertools
+import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +15,7 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from scipy import stats
 
+from dpjax import account
 from dpjax.privacy import samplers
 from dpjax.privacy.accounting import accountant as accountant_lib
 from dpjax.privacy.accounting import calibration
@@ -203,3 +207,34 @@ def test_an_observer_of_the_release_sees_no_more_than_the_reported_epsilon():
       worst[name] = max(worst[name], estimate)
       worst[name + '_se'] = se
   assert worst['naive'] > 2 * DELTA and worst['naive'] - DELTA > 10 * worst['naive_se'], worst
+
+
+def test_the_command_builds_the_strategy_for_its_steps_and_accounts_it():
+  """`python -m dpjax.account --noise blt --num-buffers 2` (and bandmf, 4 bands) with a fixed
+  order: the ε, sensitivity and expected error of `strategy.make(kind, --steps)` accounted
+  directly; --noise blt without --num-buffers and with Poisson are one line (exit 2)."""
+  flags = ['--sampler=deterministic', f'--num-examples={N}', f'--batch-size={B}', '--steps=6']
+  flags += ['--noise-multiplier=2', f'--delta={DELTA}', '--json']
+  for s, extra in (
+    (BLT, ['--noise=blt', '--num-buffers=2']),
+    (BANDMF, ['--noise=bandmf', '--num-bands=4']),
+  ):
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+      assert account.main([*flags, *extra]) == 0
+    report = json.loads(stdout.getvalue())
+    direct = accountant_lib.Accountant(
+      samplers.make('deterministic', N, B), 2.0, DELTA, noise=s.kind, strategy=s
+    ).epsilon_at(6)
+    assert report['epsilon'] == pytest.approx(direct.epsilon, rel=1e-9)
+    for key in ('strategy_sensitivity', 'expected_error_vs_dp_sgd'):
+      assert report['details'][key] == pytest.approx(direct.details[key], rel=1e-9)
+    assert report['details']['expected_error_vs_dp_sgd'] < 1
+  for bad, match in (
+    (['--noise=blt'], 'needs num_buffers'),
+    (['--noise=blt', '--num-buffers=2', '--sampler=poisson'], 'unbounded or not analysed'),
+  ):
+    stderr = io.StringIO()
+    with pytest.raises(SystemExit) as info, contextlib.redirect_stderr(stderr):
+      account.main([*flags, *bad])
+    assert info.value.code == 2 and match in stderr.getvalue()
