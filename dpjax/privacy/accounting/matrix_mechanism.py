@@ -48,6 +48,8 @@ PATTERNS = {
   'every_group_step': "pi within {g, g + k, ...}: the steps of the example's group",
 }
 MF_SAMPLERS = 'deterministic, shuffle or cyclic_poisson'
+# The expected error beside ε builds n × n float64 matrices: skipped above this n (~0.3 GB).
+MAX_ERROR_STEPS = 4096
 # A strategy for `check_noise` to route with before one is optimised (its values are unused).
 _PLACEHOLDER = strategy_lib.Strategy('bandmf', 1, coefs=(1.0,))
 
@@ -188,8 +190,10 @@ def matrix_mechanism(acct: Accountant, steps: int, estimates: bool) -> PrivacyRe
     details['num_bands'] = strategy.bands
   else:
     details['num_buffers'] = strategy.state_vectors
-  if estimates:
-    n = strategy.num_steps
+  n = strategy.num_steps
+  if estimates and n > MAX_ERROR_STEPS:
+    details['expected_error_vs_dp_sgd'] = f'not computed (n = {n} > {MAX_ERROR_STEPS})'
+  elif estimates:
     full = sensitivity(strategy, sampler.mf_patterns, _period(sampler), n)
     details['expected_error_vs_dp_sgd'] = strategy.expected_error(
       sensitivity=full.value, dp_sgd_sensitivity=math.sqrt(_dp_sgd_participations(sampler, n))

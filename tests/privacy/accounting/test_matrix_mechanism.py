@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import stats
 
 from dpjax import account
@@ -238,3 +239,16 @@ def test_the_command_builds_the_strategy_for_its_steps_and_accounts_it():
     with pytest.raises(SystemExit) as info, contextlib.redirect_stderr(stderr):
       account.main([*flags, *bad])
     assert info.value.code == 2 and match in stderr.getvalue()
+
+
+def test_rdp_is_dp_accountings_rdp_of_the_same_gaussian():
+  """accountant='rdp': dp_accounting's RdpAccountant on GaussianDpEvent(σ/Δ), above the exact
+  ε (RDP's conversion is looser)."""
+  sampler = samplers.make('deterministic', N, B)
+  acct = accountant_lib.Accountant(sampler, 2.0, DELTA, noise='blt', strategy=BLT, accountant='rdp')
+  report = acct.epsilon_at(6)
+  direct = rdp_privacy_accountant.RdpAccountant()
+  direct.compose(dp_event.GaussianDpEvent(2.0 / report.details['strategy_sensitivity']))
+  assert report.epsilon == pytest.approx(direct.get_epsilon(DELTA), rel=1e-9)
+  exact = accountant_lib.Accountant(sampler, 2.0, DELTA, noise='blt', strategy=BLT).epsilon(6)
+  assert report.epsilon > exact
