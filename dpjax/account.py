@@ -6,6 +6,8 @@
       --epochs 1 --target-epsilon 2.0 --delta 1e-5 --json
   python -m dpjax.account --sampler balls_and_bins --num-examples 6000 --batch-size 600 \\
       --epochs 1 --noise-multiplier 1.5 --delta 1e-5 --json
+  python -m dpjax.account --sampler deterministic --num-examples 1000 --batch-size 100 \\
+      --steps 40 --noise blt --num-buffers 3 --noise-multiplier 2.0 --delta 1e-5
   python -m dpjax.account --config configs/digits_mlp.py --json
   python -m dpjax.account --config configs/digits_mlp.py --config.sampler.batch_size=512 --json
   python -m dpjax.account --workdir <workdir>   # the ε of a run's newest checkpoint
@@ -32,6 +34,13 @@ Flags are absl flags: --name=value or --name value; --json / --nojson. --workers
 sets the processes drawing the Monte-Carlo samples (privacy.monte_carlo_workers
 of the config, else the available cores, as many as the samples pay to start); the
 estimate does not depend on it.
+
+Correlated noise (--noise bandmf / blt): with cyclic_poisson and --num-groups >= --num-bands
+BandMF is amplified (⌈T/k⌉ Poisson-subsampled Gaussians); otherwise (BLT, deterministic,
+shuffle, or more bands than groups) the strategy is optimised for --steps
+(`correlated.strategy.make`, single participation, unit max column norm) and the run is one
+Gaussian of its sensitivity over the sampler's participation patterns; the details show the
+sensitivity and the strategy's expected error relative to DP-SGD's.
 
 Balls-and-bins: the attached ε is the provable random-allocation PLD bound
 (built once per (σ, T, grid) within --random-allocation-timeout seconds, then
@@ -231,13 +240,15 @@ def _from_flags(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, d
     num_examples=args.num_examples, batch_size=args.batch_size, **fields
   )
   steps = args.steps if args.steps is not None else args.epochs * sampler.steps_per_epoch
+  noise = args.noise or 'gaussian'
   options = dict(
     accountant=args.accountant or 'auto',
     max_batch_size=args.max_batch_size,
     group_size=1 if args.group_size is None else args.group_size,
     allow_large_delta=args.allow_large_delta,
-    noise=args.noise or 'gaussian',
+    noise=noise,
     num_bands=1 if args.num_bands is None else args.num_bands,
+    strategy=_strategy(args, sampler, noise, steps),
     **monte_carlo_options,
   )
   extra = {}
@@ -249,6 +260,16 @@ def _from_flags(args, monte_carlo_options) -> tuple[accountant_lib.Accountant, d
     )
     extra['calibrated_for_target_epsilon'] = args.target_epsilon
   return accountant_lib.Accountant(sampler, sigma, args.delta, num_steps=steps, **options), extra
+
+
+def _strategy(args, sampler, noise: str, steps: int):
+  """`matrix_mechanism.strategy_for` the flags (the strategy the accountant reads, or None)."""
+  from dpjax.privacy.accounting import matrix_mechanism  # pylint: disable=g-import-not-at-top
+
+  if args.num_buffers is not None and noise != 'blt':
+    raise ValueError(f'--num-buffers is a --noise blt flag, not one of --noise {noise}.')
+  bands = 1 if args.num_bands is None else args.num_bands
+  return matrix_mechanism.strategy_for(sampler, noise, steps, bands, args.num_buffers)
 
 
 def _fmt(value) -> str:

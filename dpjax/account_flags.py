@@ -40,10 +40,13 @@ FLAGS = (
     'noise',
     None,
     'the noise mechanism (default gaussian: DP-SGD; bandmf: banded matrix factorisation, '
-    'accounted with cyclic_poisson and --num-groups >= --num-bands)',
+    'amplified with cyclic_poisson and --num-groups >= --num-bands, else accounted by its '
+    'sensitivity with deterministic, shuffle or cyclic_poisson; blt: buffered linear Toeplitz, '
+    'by its sensitivity with those samplers); the strategy is optimised for --steps',
     names.NOISES,
   ),
   ('integer', 'num-bands', None, "bandmf: the strategy's bands (default 1)"),
+  ('integer', 'num-buffers', None, "blt: the strategy's buffers (required with --noise blt)"),
   (
     'boolean',
     'monte-carlo',

@@ -1,5 +1,5 @@
 """Correlated noise as a privatizer: the matrix-factorisation mechanism with a banded Toeplitz
-strategy (BandMF).
+strategy (BandMF, `BandedPrivatizer`) or a buffered linear Toeplitz one (BLT, `BLTPrivatizer`).
 
   ĝ_t = (Σ_t + σC · w_t) / b,   w = C⁻¹ z,   z_t ~ N(0, I) per coordinate,
 
@@ -22,6 +22,11 @@ recursion holds only for consecutive steps.
 
 The coefficients must have unit ℓ2 norm: the sensitivity of one participation (a column of C)
 is then 1 and σ is the noise multiplier the accountant composes.
+
+BLT (Dvijotham et al. 2024): C = scale·C_blt with C_blt's c_0 = 1, c_t = Σ_i ω_i θ_i^(t−1); C w
+= z is w_t = z_t − Σ_i ω_i s_i with d buffers s_i ← θ_i s_i + w_t (the state: d arrays the size
+of the parameters), released as σC·w_t/scale. Both share the step check and the release
+(`_released`). `correlated.strategy.Strategy.privatizer` builds the one its strategy runs.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from dpjax.privacy import checks as _checks
 from dpjax.privacy import noise as noise_lib
 from dpjax.privacy import noise_state
 from dpjax.privacy import prng
+from dpjax.privacy.correlated import blt as blt_lib
 
 # |‖c‖₂ − 1| allowed: the coefficients are float64 and normalised by the strategy.
 UNIT_NORM_TOLERANCE = 1e-9
@@ -86,6 +92,17 @@ def banded_noise(z: jax.Array, history: jax.Array, coefficients: tuple[float, ..
   if history.shape[0] == 0:
     return w, history
   return w, jnp.concatenate([w[None], history[:-1]])
+
+
+def _released(leaves, noises, ok, state_step, mechanism) -> tuple[list, jax.Array]:
+  """(ĝ_t per leaf, the step released next) shared by the correlated privatizers: (Σ_t + std·w_t)
+  / b where `ok`, else NaN; the state's step + 1 where `ok`, else `noise_state.REFUSED`."""
+  std, b = mechanism.noise_std, mechanism.expected_batch_size
+  released = [
+    jnp.where(ok, (s + std * w.astype(s.dtype)) / b, jnp.nan).astype(s.dtype)
+    for s, w in zip(leaves, noises)
+  ]
+  return released, jnp.where(ok, state_step + jnp.uint32(1), jnp.uint32(noise_state.REFUSED))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,12 +173,7 @@ class BandedPrivatizer:
       for zi, hi in zip(treedef.flatten_up_to(z), treedef.flatten_up_to(state.history))
     ]
     ok = state.step == jnp.asarray(step, jnp.uint32)
-    std, b = self.noise_std, self.expected_batch_size
-    released = [
-      jnp.where(ok, (s + std * w.astype(s.dtype)) / b, jnp.nan).astype(s.dtype)
-      for s, (w, _) in zip(leaves, pairs)
-    ]
-    after = jnp.where(ok, state.step + jnp.uint32(1), jnp.uint32(noise_state.REFUSED))
+    released, after = _released(leaves, [w for w, _ in pairs], ok, state.step, self)
     history = treedef.unflatten([h for _, h in pairs])
     return treedef.unflatten(released), BandedNoiseState(step=after, history=history)
 
@@ -184,12 +196,171 @@ def banded_privatizer(
   mechanism = BandedPrivatizer.banded(
     coefficients, noise_multiplier, clip_norm, expected_batch_size, seed, noise_impl
   )
+  return _transform(mechanism, 'banded')
+
+
+def _transform(mechanism, name: str) -> optax.GradientTransformationExtraArgs:
+  """The optax pair of a correlated privatizer: init = its state at step 0, update releases the
+  step it is told (TypeError without `step`)."""
   stream = mechanism.key_data()
 
   def update(updates, state, params=None, *, step=None, **extra_args):
     del params, extra_args
     if step is None:
-      raise TypeError(noise_lib.MISSING_STEP.replace('Gaussian', 'banded'))
+      raise TypeError(noise_lib.MISSING_STEP.replace('Gaussian', name))
     return mechanism.release(updates, state, step, stream)
 
   return optax.GradientTransformationExtraArgs(mechanism.init, update)
+
+
+# ---------------------------------------------------------------------------------------------
+# BLT: buffered linear Toeplitz strategies
+# ---------------------------------------------------------------------------------------------
+
+
+class BLTNoiseState(NamedTuple):
+  """The step released next (uint32; `noise_state.REFUSED` after a refused update) and the d
+  buffers s_0..s_{d−1}, one [d, *leaf.shape] array per leaf."""
+
+  step: jax.Array
+  buffers: Any
+
+
+def blt_noise(z: jax.Array, buffers: jax.Array, decays, weights):
+  """(w_t, new buffers) for one leaf: w_t = z_t − Σ_i ω_i s_i, then s_i ← θ_i s_i + w_t,
+  elementwise in a fixed order (as `banded_noise`: no dot, the same bits on every layout)."""
+  w = z.astype(buffers.dtype)
+  for i, omega in enumerate(weights):
+    w = w - omega * buffers[i]
+  return w, jnp.stack([theta * buffers[i] + w for i, theta in enumerate(decays)])
+
+
+@dataclasses.dataclass(frozen=True)
+class BLTPrivatizer:
+  """ĝ_t = (Σ_t + σC·w_t/scale) / b with w = C_blt⁻¹z, C_blt the BLT of `decays` θ and `weights`
+  ω (c_0 = 1, c_t = Σ_i ω_i θ_i^(t−1): `correlated.blt`; Dvijotham, McMahan, Pillutla,
+  Steinke, Thakurta 2024, "Efficient and near-optimal noise generation for streaming
+  differential privacy") and the strategy that runs C = scale·C_blt, of unit max column norm
+  over `num_steps` (checked): σ is then the noise multiplier of one participation. The state
+  is the d buffers (float32 at least) and the step released next; a step out of order, or at
+  or beyond `num_steps` (C's columns would grow past norm 1), releases NaN and refuses the
+  state. Build it with `blt` (it validates)."""
+
+  decays: tuple[float, ...]
+  weights: tuple[float, ...]
+  scale: float
+  num_steps: int
+  noise_multiplier: float
+  clip_norm: float
+  expected_batch_size: float
+  seed: int = 0
+  noise_impl: str = 'threefry'
+  stateful: ClassVar[bool] = True
+
+  @classmethod
+  def blt(
+    cls,
+    decays,
+    weights,
+    scale,
+    num_steps,
+    noise_multiplier,
+    clip_norm,
+    expected_batch_size,
+    seed: int = 0,
+    noise_impl: str = 'threefry',
+  ) -> 'BLTPrivatizer':
+    theta, omega = blt_lib.check_blt(decays, weights)
+    n = _checks.check_int('num_steps', num_steps, 1, noise_state.REFUSED - 1)
+    scale = _checks.check_number('scale', scale, low=0.0)
+    norm = scale * math.sqrt(float(np.sum(blt_lib.coefs(blt_lib.BLT(theta, omega), n) ** 2)))
+    if abs(norm - 1.0) > UNIT_NORM_TOLERANCE:
+      raise ValueError(
+        f'scale must make C = scale * C_blt of unit max column norm over num_steps = {n} (1 / '
+        f'the norm of c_0..c_(n-1)), got max column norm {norm!r}.'
+      )
+    prng.check_seed(seed)
+    return cls(
+      tuple(float(v) for v in theta),
+      tuple(float(v) for v in omega),
+      float(scale),
+      n,
+      _checks.check_noise_multiplier(noise_multiplier),
+      _checks.check_clip_norm(clip_norm),
+      _checks.check_expected_batch_size(expected_batch_size),
+      int(seed),
+      prng.check_noise_impl(noise_impl),
+    )
+
+  @property
+  def num_buffers(self) -> int:
+    return len(self.decays)
+
+  @property
+  def noise_std(self) -> float:
+    """σ·C / scale on the sum (C⁻¹ = C_blt⁻¹ / scale)."""
+    return self.noise_multiplier * self.clip_norm / self.scale
+
+  def state_bytes(self, params: Any) -> int:
+    """Bytes of the state: d × the parameters' size × 4 (float32) or more."""
+    return sum(
+      self.num_buffers * int(np.size(p)) * history_dtype(jnp.result_type(p)).itemsize
+      for p in jax.tree.leaves(params)
+    )
+
+  def key_data(self) -> np.ndarray:
+    return prng.noise_stream_data(self.seed, self.noise_impl)
+
+  def init(self, params: Any) -> BLTNoiseState:
+    buffers = jax.tree.map(
+      lambda p: jnp.zeros((self.num_buffers, *jnp.shape(p)), history_dtype(jnp.result_type(p))),
+      params,
+    )
+    return BLTNoiseState(step=jnp.zeros((), jnp.uint32), buffers=buffers)
+
+  def release(self, grad_sum: Any, state: BLTNoiseState, step, key_data):
+    key = prng.step_noise_key(key_data, step, self.noise_impl)
+    z = noise_lib.standard_normals_like(key, grad_sum)
+    leaves, treedef = jax.tree.flatten(grad_sum)
+    pairs = [
+      blt_noise(zi, si, self.decays, self.weights)
+      for zi, si in zip(treedef.flatten_up_to(z), treedef.flatten_up_to(state.buffers))
+    ]
+    step = jnp.asarray(step, jnp.uint32)
+    ok = (state.step == step) & (step < jnp.uint32(self.num_steps))
+    released, after = _released(leaves, [w for w, _ in pairs], ok, state.step, self)
+    buffers = treedef.unflatten([s for _, s in pairs])
+    return treedef.unflatten(released), BLTNoiseState(step=after, buffers=buffers)
+
+
+def blt_privatizer(
+  decays,
+  weights,
+  scale: float,
+  num_steps: int,
+  noise_multiplier: float,
+  clip_norm: float,
+  expected_batch_size: float,
+  seed: int,
+  *,
+  noise_impl: str = 'threefry',
+) -> optax.GradientTransformationExtraArgs:
+  """An optax transform mapping Σ_i w_i · clip_C(g_i) of step t to ĝ_t = (Σ_t + σC·(C⁻¹z)_t) / b
+  for the BLT strategy C = scale·C_blt (`BLTPrivatizer`): `init(params)` is the `BLTNoiseState`
+  at step 0, `update(sum, state, params=None, *, step=t)` releases step t (NaN, and a refused
+  state, for any other t). `Strategy.privatizer` of `correlated.strategy` builds the mechanism.
+
+    tx = optax.chain(blt_privatizer(theta, omega, scale, n, 1.1, 1.0, 256, seed), optax.sgd(0.1))
+  """
+  mechanism = BLTPrivatizer.blt(
+    decays,
+    weights,
+    scale,
+    num_steps,
+    noise_multiplier,
+    clip_norm,
+    expected_batch_size,
+    seed,
+    noise_impl,
+  )
+  return _transform(mechanism, 'BLT')

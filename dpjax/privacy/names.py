@@ -16,4 +16,4 @@ SAMPLER_NAMES = (
   'fixed_size_with_replacement',
 )
 ACCOUNTANTS = ('auto', 'pld', 'rdp', 'monte_carlo')
-NOISES = ('gaussian', 'bandmf')  # The noise mechanisms (`accounting.options.check_noise`).
+NOISES = ('gaussian', 'bandmf', 'blt')  # The noise mechanisms (`accounting.options.check_noise`).

@@ -90,6 +90,9 @@ class Sampler(abc.ABC):
   # A banded correlated-noise strategy (BandMF) with at most as many bands as the sampler's
   # participations are apart is amplified by this sampling (cyclic Poisson only).
   amplifies_banded_noise: ClassVar[bool] = False
+  # The participation patterns a correlated-noise strategy is accounted for without
+  # amplification (`accounting.matrix_mechanism.PATTERNS`); None: not analysed (refused).
+  mf_patterns: ClassVar[str | None] = None
 
   def calibration_base(self) -> Sampler:
     """A sampler whose ε never exceeds this one's at equal σ (see many_component_pld)."""

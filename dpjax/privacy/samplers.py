@@ -113,6 +113,7 @@ class CyclicPoissonSampler(Sampler):
   coarse_pld_search: ClassVar[bool] = True
   group_accountants: ClassVar[tuple[str, ...]] = ()
   amplifies_banded_noise: ClassVar[bool] = True
+  mf_patterns: ClassVar[str | None] = 'every_group_step'
 
   def __post_init__(self):
     super().__post_init__()
@@ -253,6 +254,7 @@ class ShuffleSampler(sampler_base.EpochSampler):
 
   name: ClassVar[str] = 'shuffle'
   analysis: ClassVar[str] = 'shuffled_epochs'
+  mf_patterns: ClassVar[str | None] = 'one_per_epoch'
   amplified_by_sampling: ClassVar[bool] = False
 
   def _epoch_assignment(self, epoch):
@@ -270,6 +272,7 @@ class DeterministicSampler(sampler_base.EpochSampler):
 
   name: ClassVar[str] = 'deterministic'
   analysis: ClassVar[str] = 'gaussian_per_epoch'
+  mf_patterns: ClassVar[str | None] = 'every_epoch'
   amplified_by_sampling: ClassVar[bool] = False
 
   def indices(self, step: int) -> np.ndarray:

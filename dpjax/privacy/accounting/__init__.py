@@ -6,7 +6,8 @@ report = acct.epsilon_at(step)    # PrivacyReport: epsilon, delta, bound, epsilo
 ```
 
 Modules: `accountant` (the per-run API), `options` (`AccountingOptions`, how it accounts), `analyses` (one per sampler kind),
-`sampler_events` (dp_accounting events per sampler), `rdp_steps` (RDP of T
+`matrix_mechanism` (correlated noise without amplification: one Gaussian of the strategy's
+sensitivity), `sampler_events` (dp_accounting events per sampler), `rdp_steps` (RDP of T
 steps, one step's curve kept), `fixed_size_rdp` (Birrell et al. FS-RDP), `balls_and_bins` (deterministic and random-allocation bounds,
 truncation penalty), `provable_bound` (the balls-and-bins ε attached to a run),
 `monte_carlo` (high-probability bound), `max_test` (lower bounds),

@@ -57,6 +57,7 @@ from dpjax.privacy import samplers as samplers_lib
 from dpjax.privacy.accounting import analyses
 from dpjax.privacy.accounting import balls_and_bins
 from dpjax.privacy.accounting import composition
+from dpjax.privacy.accounting import matrix_mechanism
 from dpjax.privacy.accounting import cap
 from dpjax.privacy.accounting import monte_carlo
 from dpjax.privacy.accounting import sampler_events
@@ -170,8 +171,12 @@ class Accountant:
     self.accountant = resolve_accountant(sampler.name, options.accountant, self.group_size)
     self.max_batch_size = cap.check_max_batch_size(sampler, options.max_batch_size)
     self.noise, self.num_bands = analyses.check_noise_for_sampler(
-      sampler, options.noise, options.num_bands
+      sampler, options.noise, options.num_bands, options.strategy
     )
+    self.strategy = options.strategy
+    # The sampler's own analysis, or the matrix mechanism's for correlated noise it does not
+    # amplify (`matrix_mechanism.check_noise`).
+    self.analysis = matrix_mechanism.check_noise(sampler, self.noise, self.num_bands, self.strategy)
     self.num_steps = options.num_steps
     self.monte_carlo_samples, self.beta = options.monte_carlo_samples, float(options.beta)
     self.monte_carlo_seed = options.monte_carlo_seed
@@ -184,6 +189,8 @@ class Accountant:
     self.exact_truncation = bool(options.exact_truncation) and sampler.num_rows is None
     self.max_grid_points = options.max_grid_points
     self.prior_runs = options.prior_runs
+    if self.analysis == matrix_mechanism.NAME:
+      matrix_mechanism.check_accountant(self)
     self._reports: dict[tuple[int, bool], PrivacyReport] = {}
     self._monte_carlo: dict[tuple[int, float], monte_carlo.MonteCarloResult] = {}
 
@@ -211,7 +218,9 @@ class Accountant:
 
   @property
   def is_epoch_based(self) -> bool:
-    return self.sampler.is_epoch_based
+    """The unit is the epoch (the sampler's analysis of an epoch-based sampler); the matrix
+    mechanism accounts the steps run (the patterns possible in them)."""
+    return self.sampler.is_epoch_based and self.analysis == self.sampler.analysis
 
   def epochs_started(self, step: int) -> int:
     """ceil(step / T): the epochs a checkpoint after `step` steps has touched."""
@@ -325,7 +334,7 @@ class Accountant:
       return composition.composed_report(self, unit, estimates)
     if unit == 0:
       return self.report(0, 0.0, {'method': 'nothing released yet'})
-    return analyses.ANALYSES[self.sampler.analysis](self, unit, estimates)
+    return analyses.ANALYSES[self.analysis](self, unit, estimates)
 
   def monte_carlo_epsilon(self, epochs: int, delta0: float) -> monte_carlo.MonteCarloResult:
     key = (epochs, delta0)

@@ -33,8 +33,11 @@ class Accountant(Protocol):
   random_allocation_timeout: float
   steps_per_epoch: int
   sampling_probability: float
-  noise: str  # 'gaussian' or 'bandmf' (`AccountingOptions.noise`).
+  noise: str  # 'gaussian', 'bandmf' or 'blt' (`AccountingOptions.noise`).
   num_bands: int
+  strategy: Any  # The correlated.strategy.Strategy that runs, or None.
+  analysis: str  # The key of `analyses.ANALYSES` that accounts this run.
+  num_steps: int | None
 
   def composed_pld(self, event: Any, count: int, *args, **kwargs) -> Any: ...
   def pld_grid(self, event: Any, count: int) -> dict: ...

@@ -15,6 +15,9 @@ size k, the cap B and the per-step PLD cache (docs/accounting.md):
 * gaussian_per_epoch: exact Gaussian, once per epoch (deterministic order).
 * shuffled_epochs: the deterministic ε (the only rigorous upper bound known),
   with the max-test lower bound and an "as if Poisson" ε (not a guarantee).
+* matrix_mechanism: correlated noise a sampler does not amplify (BLT; BandMF with a fixed or
+  shuffled order, or more bands than cyclic groups): one Gaussian of the strategy's
+  sensitivity over the sampler's participation patterns (`matrix_mechanism`).
 * random_allocation: balls-and-bins (`balls_and_bins_analysis`); provable
   random-allocation PLD within a time budget, else the labelled deterministic
   fallback; Monte Carlo opt-in.
@@ -35,6 +38,7 @@ from typing import Any
 from dpjax.privacy.accounting import balls_and_bins
 from dpjax.privacy.accounting import balls_and_bins_analysis
 from dpjax.privacy.accounting import fixed_size_rdp
+from dpjax.privacy.accounting import matrix_mechanism
 from dpjax.privacy.accounting import max_test
 from dpjax.privacy.accounting import rdp_steps
 from dpjax.privacy.accounting import sampler_events
@@ -276,27 +280,17 @@ def shuffled_epochs(acct: Accountant, epochs: int, estimates: bool) -> PrivacyRe
   return acct.report(epochs, eps, details, epsilon_lower=lower)
 
 
-def check_noise_for_sampler(sampler, noise: str, num_bands: int) -> tuple[str, int]:
-  """(noise, bands) if this sampler's analysis covers the mechanism, else one-line ValueError.
+def check_noise_for_sampler(sampler, noise: str, num_bands: int, strategy=None) -> tuple[str, int]:
+  """(noise, bands) if an analysis covers the mechanism with this sampler, else one-line
+  ValueError (`matrix_mechanism.check_noise`).
 
-  One band is DP-SGD's Gaussian mechanism whatever the name (C = I). BandMF with b > 1 bands is
-  accounted only where sampling amplifies it: cyclic Poisson with k ≥ b groups, whose
-  participations are k ≥ b steps apart, so the columns of C an example touches have disjoint
-  supports and unit norms (Choquette-Choo et al. 2023, "(Amplified) Banded Matrix
-  Factorization", Thm. 4)."""
-  if noise == 'gaussian' or num_bands == 1:
-    return noise, num_bands
-  if not sampler.amplifies_banded_noise:
-    raise ValueError(
-      f"noise = 'bandmf' with {num_bands} bands is accounted for sampler cyclic_poisson "
-      f"(num_groups >= num_bands); the {sampler.name} sampler's participations are not "
-      'analysed for correlated noise.'
-    )
-  if num_bands > sampler.num_groups:
-    raise ValueError(
-      f"num_bands = {num_bands} must be <= the cyclic_poisson sampler's num_groups = "
-      f'{sampler.num_groups}: participations closer than the bands overlap in C.'
-    )
+  One band is DP-SGD's Gaussian mechanism whatever the name (C = I). BandMF with b > 1 bands
+  is amplified by cyclic Poisson with k >= b groups, whose participations are k >= b steps
+  apart, so the columns of C an example touches have disjoint supports and unit norms
+  (Choquette-Choo et al. 2023, "(Amplified) Banded Matrix Factorization", Thm. 4). Otherwise
+  (BLT, more bands than groups, a deterministic or shuffled order) the strategy is needed and
+  the run is one Gaussian mechanism of its sensitivity (`matrix_mechanism`)."""
+  matrix_mechanism.check_noise(sampler, noise, num_bands, strategy)
   return noise, num_bands
 
 
@@ -363,4 +357,5 @@ ANALYSES = {
   'gaussian_per_epoch': gaussian_per_epoch,
   'shuffled_epochs': shuffled_epochs,
   'random_allocation': balls_and_bins_analysis.random_allocation,
+  matrix_mechanism.NAME: matrix_mechanism.matrix_mechanism,
 }

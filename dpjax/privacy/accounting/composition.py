@@ -90,6 +90,9 @@ def check_prior_runs(prior_runs) -> tuple[PriorRun, ...]:
       raise ValueError(
         f'prior run {run.name!r}: num_steps must be an integer >= 1, got {run.num_steps!r}.'
       )
+    analysis = getattr(run.accountant, 'analysis', run.accountant.sampler.analysis)
+    if analysis not in analyses.PLD_EVENTS:  # Correlated noise unamplified: one Gaussian.
+      raise ValueError(f'prior run {run.name!r}: its {analysis} analysis is not composed.')
   return runs
 
 

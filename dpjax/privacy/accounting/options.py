@@ -21,6 +21,7 @@ from dpjax.privacy.accounting import composition
 from dpjax.privacy.accounting import sampler_events
 from dpjax.privacy.accounting.random_allocation import RANDOM_ALLOCATION_TIMEOUT
 from dpjax.privacy.accounting.step_pld import MAX_GRID_POINTS
+from dpjax.privacy.correlated import strategy as strategy_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +58,15 @@ class AccountingOptions:
     prior_runs: the runs whose release this one starts from: ε of the composition.
     sensitivity: 1 + η, the noised sum's sensitivity / C (`dpjax.privacy.rounding`): the
       analyses use σ/(1 + η) (`accounted_noise_multiplier`); reports keep σ.
-    noise: the mechanism, 'gaussian' (DP-SGD) or 'bandmf' (correlated noise of a banded
-      Toeplitz strategy with unit column norms, `dpjax.privacy.correlated_noise`).
+    noise: the mechanism, 'gaussian' (DP-SGD), 'bandmf' (correlated noise of a banded
+      Toeplitz strategy with unit column norms, `dpjax.privacy.correlated_noise`) or 'blt'
+      (a buffered linear Toeplitz strategy).
     num_bands: the strategy's bands (1 for 'gaussian'; 'bandmf' is accounted with a sampler
       that amplifies it, `Sampler.amplifies_banded_noise`, when its participations are at
-      least num_bands steps apart).
+      least num_bands steps apart). With a strategy: its bands (1, the default, reads them).
+    strategy: the `correlated.strategy.Strategy` that runs (its kind is `noise`): required
+      for 'blt', and for 'bandmf' with a sampler that does not amplify it (accounted by its
+      sensitivity, `matrix_mechanism`); the one source of its bands and buffers.
   """
 
   accountant: str = 'auto'
@@ -84,6 +89,7 @@ class AccountingOptions:
   sensitivity: float = 1.0
   noise: str = 'gaussian'
   num_bands: int = 1
+  strategy: strategy_lib.Strategy | None = None
 
   def __post_init__(self):
     """ValueError (one line, naming the option) for any option out of its range."""
@@ -98,7 +104,7 @@ class AccountingOptions:
     )
     sampler_events.check_positive_int('max_grid_points', self.max_grid_points)
     sampler_events.check_sensitivity(self.sensitivity)
-    check_noise(self.noise, self.num_bands)
+    object.__setattr__(self, 'num_bands', check_noise(self.noise, self.num_bands, self.strategy))
     object.__setattr__(self, 'prior_runs', composition.check_prior_runs(self.prior_runs))
 
   def given(self) -> dict[str, Any]:
@@ -114,15 +120,28 @@ class AccountingOptions:
     return dataclasses.replace(self, **changes)
 
 
-def check_noise(noise: str, num_bands: int) -> None:
-  """noise one of NOISES; num_bands an int >= 1, and 1 for 'gaussian'."""
+def check_noise(noise: str, num_bands: int, strategy=None) -> int:
+  """The bands: noise one of NOISES; num_bands an int >= 1, 1 for 'gaussian' and 'blt'; a
+  strategy (required for 'blt') of kind `noise` whose bands agree with num_bands (1 reads
+  them from it)."""
   if noise not in names.NOISES:
     raise ValueError(f'noise = {noise!r} is unknown; valid: {", ".join(names.NOISES)}.')
   sampler_events.check_positive_int('num_bands', num_bands)
-  if noise == 'gaussian' and num_bands != 1:
+  if noise != 'bandmf' and num_bands != 1:
     raise ValueError(
-      f"num_bands = {num_bands} needs noise = 'bandmf' (DP-SGD's Gaussian noise has 1 band)."
+      f"num_bands = {num_bands} needs noise = 'bandmf' ({noise} noise has no bands to set)."
     )
+  if strategy is None:
+    if noise == 'blt':
+      raise ValueError("noise = 'blt' needs its strategy (strategy=, correlated.strategy.make).")
+    return num_bands
+  if not isinstance(strategy, strategy_lib.Strategy):
+    raise ValueError(f'strategy must be a correlated.strategy.Strategy, got {type(strategy)}.')
+  if strategy.kind != noise:
+    raise ValueError(f'strategy.kind = {strategy.kind!r} must be noise = {noise!r}.')
+  if noise == 'bandmf' and num_bands not in (1, strategy.bands):
+    raise ValueError(f"num_bands = {num_bands} must be the strategy's bands = {strategy.bands}.")
+  return strategy.bands if noise == 'bandmf' else 1
 
 
 def check_pld_options(

@@ -5,5 +5,7 @@ Modules: `toeplitz` (Toeplitz C from its coefficients, C⁻¹ as a stream), `sen
 X ↦ CX for the samplers' participation patterns), `workloads` (the linear map from noisy
 gradients to iterates: prefix sums, momentum and learning rates), `expected_error` (the
 squared error of the released iterates), `bandmf` (banded Toeplitz strategies, optimised) and
-`blt` (buffered linear Toeplitz strategies, optimised). Nothing here imports jax or the trainer.
+`blt` (buffered linear Toeplitz strategies, optimised), and `strategy` (one typed `Strategy`:
+what the privatizer runs and the accountant reads). Nothing here imports jax or the trainer
+(`Strategy.privatizer` imports `dpjax.privacy.correlated_noise` when called).
 """
