@@ -1,99 +1,119 @@
-"""The noise mechanisms a `PrivacyPlan` runs: DP-SGD's Gaussian and BandMF's banded correlated
-noise (Choquette-Choo et al. 2023, "(Amplified) Banded Matrix Factorization"): the strategy's
-coefficients, the `noise.Privatizer` that runs them, and their fields in the fingerprint.
+"""The noise mechanisms a `PrivacyPlan` runs: DP-SGD's Gaussian, or correlated noise of a
+matrix-factorisation strategy (BandMF: Choquette-Choo et al. 2023, "(Amplified) Banded Matrix
+Factorization"; BLT: Dvijotham et al. 2024, "Efficient and near-optimal noise generation for
+streaming differential privacy"): the run's `correlated.strategy.Strategy`, the privatizer that
+runs it, its fields in the fingerprint and in checkpoints, and its line at the start of a run.
+
+The strategy is made once per run (`strategy`) and handed to both the accountant
+(`AccountingOptions.strategy`) and the step (`PrivacyPlan.mechanism`), so they cannot disagree.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
-
-import numpy as np
 
 from dpjax.privacy import correlated_noise
 from dpjax.privacy import noise as noise_lib
-from dpjax.privacy.correlated import bandmf
-from dpjax.privacy.correlated import expected_error
-
-# BandMF's coefficients are optimised over at most this many steps: the n × n workload matrix
-# of the optimiser (`correlated.expected_error.lag_gram`) is then ≤ 32 MB, and a b-banded
-# Toeplitz strategy's coefficients settle as n grows (McKenna 2024, "Scaling up the amplified
-# banded matrix factorization mechanism"). Any unit-norm coefficients are private alike.
-MAX_OPTIMISED_STEPS = 2048
+from dpjax.privacy.correlated import strategy as strategy_lib
 
 
-@functools.lru_cache(maxsize=32)
-def banded_coefficients(num_steps: int, num_bands: int) -> tuple[float, ...]:
-  """BandMF's c_0..c_{b−1}: the b-banded Toeplitz strategy minimising the prefix-sum error
-  over min(T, MAX_OPTIMISED_STEPS) steps (`correlated.bandmf.optimize`), unit ℓ2 norm (each
-  participation's column has norm 1); () for one band (DP-SGD, C = I)."""
-  if num_bands == 1:
-    return ()
-  steps = min(int(num_steps), MAX_OPTIMISED_STEPS)
-  if num_bands > steps:
-    raise ValueError(f"num_bands = {num_bands} must be <= the run's steps T = {num_steps}.")
-  coefs = np.asarray(bandmf.optimize(steps, num_bands), dtype=np.float64)
-  return tuple(float(c) for c in coefs / np.sqrt(np.sum(coefs**2)))
+def strategy(
+  noise: str, num_steps: int, num_bands: int = 1, num_buffers: int = 1
+) -> strategy_lib.Strategy | None:
+  """The run's strategy for T = num_steps steps (`correlated.strategy.for_run`): None for
+  DP-SGD (Gaussian, or BandMF with one band: C = I)."""
+  if noise == 'gaussian' or (noise == 'bandmf' and num_bands == 1):
+    return None
+  if noise == 'bandmf':
+    return strategy_lib.for_run('bandmf', num_steps, num_bands=num_bands)
+  return strategy_lib.for_run('blt', num_steps, num_buffers=num_buffers)
 
 
-def fingerprint(noise: str, num_bands: int, num_steps: int) -> dict[str, Any]:
-  """The fingerprint's fields of the noise mechanism: none for DP-SGD's Gaussian (as before
-  correlated noise existed), else its name, bands and coefficients."""
+def fingerprint(noise: str, run_strategy: strategy_lib.Strategy | None) -> dict[str, Any]:
+  """The fingerprint's fields of the mechanism: none for DP-SGD's Gaussian (as before correlated
+  noise existed), else its name and its strategy's parameters."""
   if noise == 'gaussian':
     return {}
+  return {'privacy.noise': noise, 'privacy.noise_strategy': describe_strategy(run_strategy)}
+
+
+def describe_strategy(run_strategy: strategy_lib.Strategy | None) -> dict[str, Any]:
+  """The strategy's public parameters (JSON): kind, n and coefficients or buffers."""
+  if run_strategy is None:
+    return {'kind': 'identity (DP-SGD)'}
+  s = run_strategy
+  if s.kind == 'bandmf':
+    return {
+      'kind': 'bandmf',
+      'num_steps': s.num_steps,
+      'bands': s.bands,
+      'coefficients': list(s.coefs),
+    }
   return {
-    'privacy.noise': noise,
-    'privacy.num_bands': num_bands,
-    'privacy.noise_coefficients': list(banded_coefficients(num_steps, num_bands)),
+    'kind': 'blt',
+    'num_steps': s.num_steps,
+    'buffers': len(s.decays),
+    'decays': list(s.decays),
+    'weights': list(s.weights),
+    'scale': s.scale,
   }
 
 
-def coefficients(noise: str, num_steps: int, num_bands: int) -> tuple[float, ...]:
-  """The run's strategy coefficients: BandMF's (`banded_coefficients`), () for DP-SGD."""
-  return banded_coefficients(num_steps, num_bands) if noise == 'bandmf' else ()
-
-
 def privatizer(
-  coefs: tuple[float, ...],
+  run_strategy: strategy_lib.Strategy | None,
   noise_multiplier: float,
   clip_norm: float,
   expected_batch_size: float,
   seed: int,
   noise_impl: str = 'threefry',
 ) -> noise_lib.Privatizer:
-  """BandMF's `correlated_noise.BandedPrivatizer` for coefficients, else DP-SGD's Gaussian."""
-  args = (noise_multiplier, clip_norm, expected_batch_size, seed)
-  if coefs:
-    return correlated_noise.BandedPrivatizer.banded(coefs, *args, noise_impl)
-  return noise_lib.GaussianPrivatizer.gaussian(*args, noise_impl)
+  """The strategy's privatizer (`Strategy.privatizer`), or DP-SGD's Gaussian for None."""
+  args = (noise_multiplier, clip_norm, expected_batch_size, seed, noise_impl)
+  if run_strategy is None:
+    return noise_lib.GaussianPrivatizer.gaussian(*args)
+  return run_strategy.privatizer(*args)
 
 
-def describe(noise: str, coefs: tuple[float, ...], num_steps: int, num_params: int) -> str:
-  """One line for the start of a run: the mechanism, its state's bytes, and the expected
-  squared error of the released iterates (prefix sums over min(T, MAX_OPTIMISED_STEPS) steps)
-  relative to DP-SGD's at the same σ (`correlated.expected_error`)."""
-  if not coefs:
-    return f"{noise}: DP-SGD's independent Gaussian noise (one band), no state"
-  n = min(int(num_steps), MAX_OPTIMISED_STEPS)
-  ratio = expected_error.toeplitz_expected_error(
-    coefs, n, 1.0
-  ) / expected_error.dp_sgd_expected_error(n)
-  state = (len(coefs) - 1) * num_params * 4
-  return (
-    f'BandMF, {len(coefs)} bands (banded matrix factorisation, Choquette-Choo et al. 2023): '
-    f'state {len(coefs) - 1} x {num_params:,} parameters x 4 B = {state / 1e6:.3g} MB; '
-    f"expected error of the released iterates {ratio:.3g}x DP-SGD's at the same sigma "
-    f'(prefix sums over {n} steps)'
-  )
-
-
-def record(privatizer: noise_lib.Privatizer) -> dict[str, Any]:
-  """The mechanism a step ran, for checkpoints and the privacy card: its name, and BandMF's
-  bands and coefficients."""
-  if isinstance(privatizer, correlated_noise.BandedPrivatizer):
+def record(privatizer_: noise_lib.Privatizer) -> dict[str, Any]:
+  """The mechanism a step ran, for checkpoints and the privacy card, read from its privatizer."""
+  if isinstance(privatizer_, correlated_noise.BandedPrivatizer):
     return {
       'name': 'bandmf',
-      'bands': privatizer.bands,
-      'coefficients': list(privatizer.coefficients),
+      'bands': privatizer_.bands,
+      'coefficients': list(privatizer_.coefficients),
+    }
+  if isinstance(privatizer_, correlated_noise.BLTPrivatizer):
+    return {
+      'name': 'blt',
+      'num_steps': privatizer_.num_steps,
+      'decays': list(privatizer_.decays),
+      'weights': list(privatizer_.weights),
+      'scale': privatizer_.scale,
     }
   return {'name': 'gaussian'}
+
+
+def describe(run_strategy: strategy_lib.Strategy | None, num_params: int) -> str:
+  """One line for the start of a run: the mechanism, its state's bytes, and the expected squared
+  error of the released iterates (prefix sums) relative to DP-SGD's at the same σ."""
+  if run_strategy is None:
+    return "DP-SGD's independent Gaussian noise (C = I), no state"
+  s = run_strategy
+  name = f'BandMF, {s.bands} bands' if s.kind == 'bandmf' else f'BLT, {len(s.decays)} buffers'
+  vectors = s.state_vectors
+  line = (
+    f'{name} (matrix factorisation, {s.num_steps} steps): state {vectors} x {num_params:,} '
+    f'parameters x 4 B = {vectors * num_params * 4 / 1e6:.3g} MB'
+  )
+  if s.num_steps <= strategy_lib.MAX_OPTIMISED_STEPS:
+    line += f"; expected error of the released iterates {s.expected_error():.3g}x DP-SGD's at the same sigma"
+  return line
+
+
+def state_setting(privatizer_: noise_lib.Privatizer) -> tuple[str, int, int]:
+  """(the config field that sizes a correlated-noise state, its value, the parameter-sized
+  arrays the state holds): BandMF ('privacy.num_bands', b, b − 1), BLT ('privacy.num_buffers',
+  d, d)."""
+  if isinstance(privatizer_, correlated_noise.BLTPrivatizer):
+    return 'privacy.num_buffers', len(privatizer_.decays), len(privatizer_.decays)
+  return 'privacy.num_bands', privatizer_.bands, privatizer_.bands - 1

@@ -67,6 +67,14 @@ from dpjax.privacy.accounting import composition
 from dpjax.privacy.accounting.options import AccountingOptions
 
 
+def with_strategy(options: AccountingOptions, num_steps: int) -> AccountingOptions:
+  """The options with BandMF's strategy for T steps (`mechanisms.strategy`) when they name
+  BandMF without one: what the step runs and what the accountant reads, made once."""
+  if options.strategy is None and options.noise == 'bandmf' and options.num_bands > 1:
+    return options.replace(strategy=mechanisms.strategy('bandmf', num_steps, options.num_bands))
+  return options
+
+
 def sampler_fingerprint(sampler: samplers_lib.Sampler) -> dict[str, Any]:
   """The sampler's own fields beyond N and b (cyclic Poisson's k), if any."""
   return {'sampler.num_groups': sampler.num_groups} if sampler.name == 'cyclic_poisson' else {}
@@ -169,6 +177,7 @@ class PrivacyPlan:
     num_steps, clip_norm, delta, target, options = plan_inputs.checked(
       sampler, num_steps, clip_norm, delta, target_epsilon, options
     )
+    options = with_strategy(options, num_steps)
     rounding, options = plan_inputs.cap_and_rounding(
       sampler, max_batch_size, physical_batch_size, precision, platform, delta, options
     )
@@ -203,16 +212,17 @@ class PrivacyPlan:
     return self.accountant.num_bands
 
   @property
-  def noise_coefficients(self) -> tuple[float, ...]:
-    """BandMF's unit-norm coefficients (`mechanisms.coefficients`); () for DP-SGD."""
-    return mechanisms.coefficients(self.noise, self.num_steps, self.num_bands)
+  def strategy(self):
+    """The matrix-factorisation strategy that runs (`correlated.strategy.Strategy`), the one
+    the accountant reads; None for DP-SGD's Gaussian (C = I)."""
+    return self.accountant.options.strategy
 
   def mechanism(self, noise_impl: str = 'threefry') -> noise.Privatizer:
     """The `noise.Privatizer` the step runs, with this plan's σ, C, b and seed: DP-SGD's
-    Gaussian, or BandMF's banded correlated noise (`correlated_noise.BandedPrivatizer`), the
-    mechanism the accountant accounts for."""
+    Gaussian, or the strategy's correlated noise (`mechanisms.privatizer`), the mechanism the
+    accountant accounts for."""
     return mechanisms.privatizer(
-      self.noise_coefficients,
+      self.strategy,
       self.noise_multiplier,
       self.clip_norm,
       self.expected_batch_size,
@@ -312,7 +322,7 @@ class PrivacyPlan:
   def privatizer(self, *, noise_impl: str = 'threefry'):
     """The optax transform adding N(0, σ²C²) to each step's clipped sum and dividing by b,
     with this plan's σ, C, b and seed (`noise.gaussian_privatizer`)."""
-    if self.noise_coefficients:
+    if self.strategy is not None:
       raise ValueError(
         "PrivacyPlan.privatizer: the library tier's loop runs DP-SGD's Gaussian noise only; "
         "for BandMF use DPStep.from_plan (the trainer's step), which runs plan.mechanism()."
@@ -358,7 +368,7 @@ class PrivacyPlan:
       'privacy.matmul_format': self.rounding.matmul_format,
       'privacy.rounding_eta': self.rounding.eta,
       'seed_sha256': seed_digest(s.seed),
-      **mechanisms.fingerprint(self.noise, self.num_bands, self.num_steps),
+      **mechanisms.fingerprint(self.noise, self.strategy),
     }
 
 

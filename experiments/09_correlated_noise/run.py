@@ -44,7 +44,7 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 
 from dpjax import train  # pylint: disable=g-import-not-at-top
 from dpjax.configs import digits_mlp  # pylint: disable=g-import-not-at-top
-from dpjax.privacy import mechanisms  # pylint: disable=g-import-not-at-top
+from dpjax.privacy.correlated import strategy  # pylint: disable=g-import-not-at-top
 from dpjax_bench import provenance  # pylint: disable=g-import-not-at-top
 
 EPSILONS = (1.0, 2.0, 4.0, 8.0)
@@ -117,16 +117,12 @@ def run_one(task, mechanism, epsilon, seed, npz) -> dict:
 def strategy_errors(task: str, steps: int) -> dict:
   """BandMF's expected error relative to DP-SGD's at the same σ (prefix sums)."""
   bands = TASKS[task]['groups']
-  coefs = mechanisms.banded_coefficients(steps, bands)
-  n = min(steps, mechanisms.MAX_OPTIMISED_STEPS)
-  from dpjax.privacy.correlated import expected_error  # pylint: disable=import-outside-toplevel
-
+  run_strategy = strategy.for_run('bandmf', steps, num_bands=bands)
   return {
     'bands': bands,
     'steps': steps,
-    'coefficients': list(coefs),
-    'bandmf_over_dpsgd_expected_error': expected_error.toeplitz_expected_error(coefs, n, 1.0)
-    / expected_error.dp_sgd_expected_error(n),
+    'coefficients': list(run_strategy.coefs),
+    'bandmf_over_dpsgd_expected_error': run_strategy.expected_error(),
   }
 
 

@@ -105,8 +105,14 @@ def strategy_for(sampler, noise: str, num_steps: int, num_bands: int = 1, num_bu
   if noise == 'blt':
     if num_buffers is None:
       raise ValueError('noise = blt needs num_buffers (the BLT buffers, an integer >= 1).')
-    return strategy_lib.make('blt', num_steps, num_buffers=num_buffers)
-  return strategy_lib.make('bandmf', num_steps, num_bands=num_bands)
+    return strategy_lib.for_run('blt', num_steps, num_buffers=num_buffers)
+  return strategy_lib.for_run('bandmf', num_steps, num_bands=num_bands)
+
+
+def check_combination(sampler, noise: str, num_bands: int) -> None:
+  """One-line ValueError, before any strategy is optimised, when no analysis accounts this
+  mechanism with this sampler even given its strategy."""
+  check_noise(sampler, noise, num_bands, _PLACEHOLDER)
 
 
 def check_accountant(acct: Accountant) -> None:

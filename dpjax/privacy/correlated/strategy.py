@@ -25,6 +25,7 @@ steps it was made for (a longer run would grow its first column: the privatizer 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -36,6 +37,12 @@ from dpjax.privacy.correlated import expected_error as error_lib
 from dpjax.privacy.correlated import toeplitz
 
 KINDS = ('bandmf', 'blt')
+# `for_run` optimises over at most this many steps: the optimisers' n × n workload matrix
+# (`expected_error.lag_gram`) is then ≤ 32 MB, and the coefficients of a banded or buffered
+# Toeplitz strategy settle as n grows (McKenna 2024, "Scaling up the amplified banded matrix
+# factorization mechanism"). Any coefficients are private alike: only the normalisation over
+# the run's T steps (unit max column norm) enters ε, and it is exact.
+MAX_OPTIMISED_STEPS = 2048
 UNIT_NORM_TOLERANCE = 1e-9  # |max column norm − 1| allowed (float64 normalisation).
 
 
@@ -183,3 +190,22 @@ def make(
   found = blt.optimize(n, d, workload)
   scale = 1.0 / math.sqrt(float(np.sum(blt.coefs(found, n) ** 2)))
   return Strategy('blt', n, decays=tuple(found.decays), weights=tuple(found.weights), scale=scale)
+
+
+@functools.lru_cache(maxsize=32)
+def for_run(
+  kind: str, num_steps: int, *, num_bands: int | None = None, num_buffers: int | None = None
+) -> Strategy:
+  """The strategy a run of T = num_steps steps runs and is accounted with: `make` over
+  min(T, MAX_OPTIMISED_STEPS) steps (prefix sums), then normalised for all T steps (BandMF's
+  unit-norm coefficients hold for any T >= b; BLT's scale is recomputed over T). Equal to
+  `make(kind, T, ...)` for T <= MAX_OPTIMISED_STEPS."""
+  n = checks.check_int('num_steps', num_steps, 1)
+  if n <= MAX_OPTIMISED_STEPS:
+    return make(kind, n, num_bands=num_bands, num_buffers=num_buffers)
+  small = make(kind, MAX_OPTIMISED_STEPS, num_bands=num_bands, num_buffers=num_buffers)
+  if kind == 'bandmf':
+    return Strategy('bandmf', n, coefs=small.coefs)
+  found = blt.BLT(np.array(small.decays), np.array(small.weights))
+  scale = 1.0 / math.sqrt(float(np.sum(blt.coefs(found, n) ** 2)))
+  return Strategy('blt', n, decays=small.decays, weights=small.weights, scale=scale)

@@ -25,6 +25,7 @@ from dpjax.data import sources as data
 from dpjax.privacy import auditing
 from dpjax.privacy import dp_step
 from dpjax.privacy import losses
+from dpjax.privacy import mechanisms
 from dpjax.privacy import prng
 from dpjax.privacy import sharding
 from dpjax.trainer.workdir import audit_record
@@ -154,18 +155,19 @@ def build_step(
 def check_noise_state_fits(step: dp_step.DPStep, params, memory_bytes: int) -> None:
   """Refuses (one line, before anything compiles) a correlated-noise state that, beside the
   parameters, the optimiser state and the EMA (about 4 copies of the parameters), exceeds
-  90 % of one device's memory: BandMF keeps b − 1 copies of the parameters."""
+  90 % of one device's memory: BandMF keeps b − 1 copies of the parameters, BLT d."""
   state_bytes = getattr(step.privatizer, 'state_bytes', None)
   if state_bytes is None:
     return
   noise_bytes = state_bytes(params)
   param_bytes = sum(int(np.size(p)) * np.dtype(p.dtype).itemsize for p in jax.tree.leaves(params))
   if noise_bytes + 4 * param_bytes > 0.9 * memory_bytes:
+    field, value, copies = mechanisms.state_setting(step.privatizer)
     raise privacy_resolution.PlanError(
-      f'privacy.num_bands = {step.privatizer.bands}: the BandMF noise state needs '
-      f'{noise_bytes / 1e9:.3g} GB ({step.privatizer.bands - 1} copies of the parameters) '
-      f'beside ~{4 * param_bytes / 1e9:.3g} GB of parameters, optimiser state and EMA, more '
-      f"than 90 % of the device's {memory_bytes / 1e9:.3g} GB: lower privacy.num_bands."
+      f'{field} = {value}: the correlated-noise state needs {noise_bytes / 1e9:.3g} GB '
+      f'({copies} copies of the parameters) beside ~{4 * param_bytes / 1e9:.3g} GB of '
+      f"parameters, optimiser state and EMA, more than 90 % of the device's "
+      f'{memory_bytes / 1e9:.3g} GB: lower {field}.'
     )
 
 

@@ -56,8 +56,7 @@ def announce(
   if plan.private:
     log(f'Float rounding: {plan.privacy.rounding_record()["statement"]}.')
     if plan.privacy.noise != 'gaussian':
-      p = plan.privacy
-      log(f'Noise: {mechanisms.describe(p.noise, p.noise_coefficients, p.num_steps, num_params)}.')
+      log(f'Noise: {mechanisms.describe(plan.privacy.strategy, num_params)}.')
   log(run_seed.RunSeed(plan.seed, plan.seed_source).describe(workdir))
   if plan.private:
     for line in run_warnings.RunWarnings().epsilon(final_epsilon, plan.privacy.target_epsilon):

@@ -147,10 +147,11 @@ def _is_float(x) -> bool:
 
 
 class PendingFields:
-  """The fingerprint fields of a privacy plan before σ is calibrated (for the resume check)."""
+  """The fingerprint fields of a privacy plan before σ is calibrated (for the resume check);
+  `options`: its `AccountingOptions` (the noise and its strategy)."""
 
   def __init__(
-    self, sampler, max_batch_size, privacy, sigma, precision: str, num_steps: int, prior_runs=()
+    self, sampler, max_batch_size, privacy, sigma, precision: str, options, prior_runs=()
   ):
     prior = {composition.FINGERPRINT_FIELD: [r.fingerprint for r in prior_runs]}
     rounding = rounding_lib.Rounding.of(max_batch_size, precision)
@@ -171,7 +172,5 @@ class PendingFields:
       'privacy.matmul_format': rounding.matmul_format,
       'privacy.rounding_eta': rounding.eta,
       'seed_sha256': privacy_plan.seed_digest(sampler.seed),
-      **mechanisms.fingerprint(
-        privacy.get('noise', 'gaussian'), privacy.get('num_bands', 1), num_steps
-      ),
+      **mechanisms.fingerprint(options.noise, options.strategy),
     }

@@ -15,8 +15,10 @@ import warnings
 import ml_collections
 
 from dpjax.privacy import checks
+from dpjax.privacy import mechanisms
 from dpjax.privacy import privacy_plan
 from dpjax.privacy.accounting import composition
+from dpjax.privacy.accounting import matrix_mechanism
 from dpjax.privacy.accounting import step_pld
 from dpjax.privacy.accounting.options import AccountingOptions
 from dpjax.trainer.configuration import accounting_refusals
@@ -45,6 +47,29 @@ def delta_warnings(config: ml_collections.ConfigDict, num_examples: int) -> list
   return [str(w.message) for w in caught]
 
 
+def noise_options(config: ml_collections.ConfigDict, plan: Any) -> dict[str, Any]:
+  """The `AccountingOptions` of the run's noise: its name, BandMF's bands, and the strategy
+  made once for the run's T steps (`mechanisms.strategy`), which the step runs and the
+  accountant reads. A sampler that cannot account the mechanism is refused first, before any
+  strategy is optimised."""
+  noise = plan_blocks.declared(config, 'privacy.noise') or 'gaussian'
+  bands = plan_blocks.declared(config, 'privacy.num_bands') or 1
+  if noise == 'gaussian':
+    return {'noise': noise, 'num_bands': bands}
+  try:
+    matrix_mechanism.check_combination(plan.sampler, noise, bands if noise == 'bandmf' else 1)
+    run_strategy = mechanisms.strategy(
+      noise, plan.num_steps, bands, plan_blocks.declared(config, 'privacy.num_buffers')
+    )
+  except ValueError as e:
+    raise PlanError(f'privacy.noise = {noise!r}: {e}') from None
+  return {
+    'noise': noise,
+    'num_bands': bands if noise == 'bandmf' else 1,
+    'strategy': run_strategy,
+  }
+
+
 def resolve(
   config: ml_collections.ConfigDict,
   plan: Any,
@@ -66,8 +91,7 @@ def resolve(
     allow_large_delta=True,  # δ ≥ 1/N refused (unless allowed) by `delta_warnings`.
     monte_carlo_workers=plan_blocks.declared(config, 'privacy.monte_carlo_workers'),
     random_allocation_timeout=plan_blocks.declared(config, 'privacy.random_allocation_timeout'),
-    noise=plan_blocks.declared(config, 'privacy.noise') or 'gaussian',
-    num_bands=plan_blocks.declared(config, 'privacy.num_bands') or 1,
+    **noise_options(config, plan),
   ).replace(**extra)
   grid = options.value_discretization_interval
   pld_options = {} if grid is None else {'value_discretization_interval': grid}
@@ -75,7 +99,7 @@ def resolve(
   precision = plan.recipe.precision
   if previous is not None:  # Refuse before any (costly) accounting.
     pending = fingerprint_lib.PendingFields(
-      plan.sampler, plan.max_batch_size, privacy, sigma, precision, plan.num_steps, prior
+      plan.sampler, plan.max_batch_size, privacy, sigma, precision, options, prior
     )
     refuse_changes(previous, plan.fingerprint_of(pending))
   if prior and privacy.target_epsilon:

@@ -17,9 +17,9 @@ from scipy import linalg
 from scipy import stats
 
 from dpjax import account
-from dpjax.privacy import mechanisms
 from dpjax.privacy import samplers
 from dpjax.privacy.accounting import accountant as accountant_lib
+from dpjax.privacy.correlated import strategy
 
 
 @pytest.fixture(autouse=True)
@@ -165,7 +165,7 @@ def test_attack_the_true_privacy_curve_of_bandmf_with_cyclic_poisson_is_under_th
   steps, k, sigma, n, b, delta = 4, 2, 1.0, 100, 25, 0.05
   p = b * k / n
   column = np.zeros(steps)
-  column[:2] = mechanisms.banded_coefficients(steps, 2)
+  column[:2] = strategy.for_run('bandmf', steps, num_bands=2).coefs
   c = linalg.toeplitz(column, np.zeros(steps))
   means, weights = [], []
   for group in range(k):

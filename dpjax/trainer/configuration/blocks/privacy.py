@@ -97,8 +97,10 @@ FIELDS: tuple[Field, ...] = (
     'str',
     'gaussian',
     'the noise mechanism: gaussian (DP-SGD, independent each step) | bandmf (banded matrix '
-    'factorisation: noise correlated across privacy.num_bands steps, accounted with sampler '
-    'cyclic_poisson and sampler.num_groups >= privacy.num_bands)',
+    'factorisation: noise correlated across privacy.num_bands steps; amplified with sampler '
+    'cyclic_poisson and sampler.num_groups >= privacy.num_bands, else accounted by its '
+    'sensitivity with deterministic or shuffle) | blt (buffered linear Toeplitz, '
+    'privacy.num_buffers buffers; deterministic, shuffle or cyclic_poisson, by its sensitivity)',
     choices=names.NOISES,
     when=is_private,
     accounting=True,
@@ -109,6 +111,16 @@ FIELDS: tuple[Field, ...] = (
     1,
     "bandmf: the bands b of the strategy, optimised for the run's steps (its state: b - 1 "
     'copies of the parameters); 1 = DP-SGD',
+    1,
+    when=is_private,
+    accounting=True,
+  ),
+  Field(
+    'privacy.num_buffers',
+    'int',
+    2,
+    "blt: the buffers d of the strategy, optimised for the run's steps (its state: d copies "
+    'of the parameters)',
     1,
     when=is_private,
     accounting=True,
