@@ -39,7 +39,8 @@ def main(quick: bool) -> None:
     sampler, num_steps=steps, clip_norm=1.0, noise_multiplier=5.0, delta=1e-5
   )
   model = MLP()
-  params = model.init(jax.random.key(0), x_train[:1])['params']
+  # One program (op by op, each layer's init would compile its own).
+  params = jax.jit(model.init)(jax.random.key(0), x_train[:1])['params']
 
   def loss(p, example):
     logits = model.apply({'params': p}, example['x'][None])[0]

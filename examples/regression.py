@@ -40,7 +40,8 @@ def main(quick: bool) -> None:
     sampler, num_steps=steps, clip_norm=1.0, target_epsilon=1.0, delta=1e-6
   )
   model = nn.Dense(1)
-  params = model.init(jax.random.key(0), x_train[:1])['params']
+  # One program (op by op, each layer's init would compile its own).
+  params = jax.jit(model.init)(jax.random.key(0), x_train[:1])['params']
 
   def loss(p, example):  # Squared error of ONE example.
     prediction = model.apply({'params': p}, example['x'])[0]

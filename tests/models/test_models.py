@@ -134,7 +134,11 @@ def test_examples_never_mix(kind):
 @pytest.mark.slow
 @pytest.mark.parametrize('kind', sorted(SMALL))
 def test_models_fit_a_tiny_batch(kind):
-  """Gradients reach every model: 25 Adam steps cut the loss on 8 examples."""
+  """Gradients reach every model: 9 Adam steps cut the loss on 8 examples by half.
+
+  Was 25 steps: after 9 the loss is at most 0.25 of the first (MLP; WRN 0.001), and each step of
+  the WRN-10 runs ~75 ms at the tests' XLA optimisation level 0 (1.2 s of CPU spared). Without
+  gradients the loss would not move: the test still fails."""
   cfg, shape = SMALL[kind]
   model = models.make_model(cfg, 3, shape)
   x = _inputs(model, shape, 8, seed=3)
@@ -154,7 +158,7 @@ def test_models_fit_a_tiny_batch(kind):
 
   state = jax.jit(opt.init)(params)  # One program, not one eager zeros_like per leaf shape.
   losses = []
-  for _ in range(26):  # losses[i] is the loss after i updates.
+  for _ in range(10):  # losses[i] is the loss after i updates.
     params, state, l = step(params, state)
     losses.append(float(l))
   assert losses[-1] < 0.5 * losses[0]

@@ -46,7 +46,10 @@ def test_each_loss_equals_its_closed_form():
     losses.output_loss('hinge')
 
 
-# One physical batch per step, and evaluation and checkpoints only at the end.
+# One physical batch per step, and evaluation and checkpoints only at the end. The two trainings
+# run 12 steps (were 30, ~70 ms a step): at 12 the eval loss is already far under each test's bound
+# (next tokens: 0.13 at 10 steps vs 0.90, accuracy 0.97; linear map: 0.15 at 10 vs 0.88), and a
+# model that does not learn stays at chance (log 6, the variance): the tests still fail on it.
 _QUIET = {
   'sampler.physical_batch_size': 256,
   'eval_every_steps': 1000,
@@ -75,7 +78,7 @@ def test_trainer_mse_learns_a_linear_map(tmp_path, capsys):
       'data.scale': 1.0,
       'data.mean': (0.0,),
       'data.std': (1.0,),
-      'num_steps': 30,
+      'num_steps': 12,
       'optimizer.learning_rate': 0.2,
       'privacy.noise_multiplier': 0.5,
       'privacy.clip_norm': 5.0,
@@ -110,7 +113,7 @@ def test_trainer_sequence_cross_entropy_learns_next_tokens(tmp_path, capsys):
       'data.source': 'npz',
       'data.path': str(tmp_path / 'seq.npz'),
       'data.num_classes': vocab,
-      'num_steps': 30,
+      'num_steps': 12,
       'optimizer.name': 'adam',
       'optimizer.learning_rate': 0.01,
       'privacy.noise_multiplier': 0.5,

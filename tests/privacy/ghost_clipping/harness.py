@@ -78,15 +78,16 @@ def inputs(shape, n, seed, vocab=0):
   return x, rng.integers(0, K, n).astype(np.int32)
 
 
-def compare(loss_fn, params, batch, forms=(None,)):
+def compare(loss_fn, params, batch, forms=(None,), coverage=None):
   """Per-example ‖g_i‖² per layer both ways, and both clipped sums.
 
   One vmap pass and one ghost pass per entry of `forms` (None: the rules' own choice; True /
   False: `mixed.forced_form`), each feeding the same clipping code as
   `per_example_clipped_sum` / `ghost_clipped_sum` (one program: halves the compile time; the
   forms share the vmap reference). C is between the middle two finite norms, so about half
-  the rows are clipped. Returns (want, [(ghost norms, (ghost sum, stats)) per form],
-  (vmap sum, stats)).
+  the rows are clipped. `coverage`: the loss's `analyse_coverage` (the forms do not change it),
+  given to `ghost_pass` so that it is not traced again per form (None: each pass computes it).
+  Returns (want, [(ghost norms, (ghost sum, stats)) per form], (vmap sum, stats)).
   """
   examples, w = clipping.examples_of(batch), batch['weight']
   y = batch['y']
@@ -112,7 +113,7 @@ def compare(loss_fn, params, batch, forms=(None,)):
   ghosts = []
   for form in forms:
     with contextlib.nullcontext() if form is None else ghost_clipping.mixed.forced_form(form):
-      ghost = ghost_clipping.ghost_pass(loss_fn, params, examples)
+      ghost = ghost_clipping.ghost_pass(loss_fn, params, examples, coverage)
       got, rows = clipping._clip_and_sum(
         ghost.losses, ghost.aux, ghost.sq_norms, ghost.weighted_sum, w, clip
       )
@@ -139,7 +140,7 @@ def assert_matches_vmap(model, x, y, num_pad=3, forms=(None,)):
     'weight': np.r_[np.ones(n), np.zeros(num_pad)].astype(np.float32),
   }
   want, ghosts, (ref, ref_stats) = jax.device_get(  # NumPy: the checks run no eager XLA ops.
-    jax.jit(compare, static_argnums=(0, 3))(loss_fn, params, batch, tuple(forms))
+    jax.jit(compare, static_argnums=(0, 3, 4))(loss_fn, params, batch, tuple(forms), coverage)
   )
   ok = np.isfinite(sum(want.values()))
   assert np.sum(ok) == n + num_pad - 3 * floats
