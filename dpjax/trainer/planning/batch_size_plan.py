@@ -179,7 +179,13 @@ def base_config(
   c = ml_collections.ConfigDict()
   c.seed = seed
   c.sampler = ml_collections.ConfigDict(
-    dict(name=sampler, batch_size=1, physical_batch_size=physical_batch_size, max_batch_size=0)
+    dict(
+      name=sampler,
+      batch_size=1,
+      physical_batch_size=physical_batch_size,
+      max_batch_size=0,
+      num_groups=1,
+    )
   )
   c.privacy = ml_collections.ConfigDict(
     dict(
@@ -190,6 +196,9 @@ def base_config(
       delta=1e-5,
       accountant=accountant,
       group_size=group_size,
+      noise='gaussian',
+      num_bands=1,
+      num_buffers=2,
     )
   )
   c.num_epochs, c.num_steps = 1, 0
