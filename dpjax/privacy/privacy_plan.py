@@ -75,11 +75,6 @@ def with_strategy(options: AccountingOptions, num_steps: int) -> AccountingOptio
   return options
 
 
-def sampler_fingerprint(sampler: samplers_lib.Sampler) -> dict[str, Any]:
-  """The sampler's own fields beyond N and b (cyclic Poisson's k), if any."""
-  return {'sampler.num_groups': sampler.num_groups} if sampler.name == 'cyclic_poisson' else {}
-
-
 def seed_digest(seed: int) -> str:
   """SHA-256 of the seed (what a fingerprint stores instead of the seed itself)."""
   return hashlib.sha256(f'dpjax-seed:{int(seed)}'.encode()).hexdigest()
@@ -175,9 +170,8 @@ class PrivacyPlan:
       )
       noise_multiplier_source = 'checkpoint'
     num_steps, clip_norm, delta, target, options = plan_inputs.checked(
-      sampler, num_steps, clip_norm, delta, target_epsilon, options
+      sampler, num_steps, clip_norm, delta, target_epsilon, with_strategy(options, num_steps)
     )
-    options = with_strategy(options, num_steps)
     rounding, options = plan_inputs.cap_and_rounding(
       sampler, max_batch_size, physical_batch_size, precision, platform, delta, options
     )
@@ -359,7 +353,7 @@ class PrivacyPlan:
       'sampler.num_examples': s.num_examples,
       'sampler.batch_size': s.batch_size,
       'sampler.max_batch_size': self.max_batch_size,
-      **sampler_fingerprint(s),
+      **s.own_values(),
       'privacy.group_size': self.group_size,
       'privacy.noise_multiplier': self.noise_multiplier,
       'privacy.clip_norm': self.clip_norm,

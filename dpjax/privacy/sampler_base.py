@@ -87,6 +87,9 @@ class Sampler(abc.ABC):
   # ε has a provable random-allocation bound and a max-test lower bound per epoch (Chua et
   # al. 2025), so σ calibration brackets the answer before evaluating the costly bound.
   random_allocation_bracket: ClassVar[bool] = False
+  # The sampler's own fields beyond (N, b, seed, rows), settable as `sampler.<field>` in a
+  # training config (cyclic Poisson's num_groups); they enter ε and the fingerprint.
+  own_fields: ClassVar[tuple[str, ...]] = ()
   # A banded correlated-noise strategy (BandMF) with at most as many bands as the sampler's
   # participations are apart is amplified by this sampling (cyclic Poisson only).
   amplifies_banded_noise: ClassVar[bool] = False
@@ -142,6 +145,10 @@ class Sampler(abc.ABC):
   def is_epoch_based(self) -> bool:
     """True when the privacy unit is the epoch (each example once per epoch)."""
     return False
+
+  def own_values(self) -> dict[str, int]:
+    """{'sampler.<field>': value} of `own_fields` (for fingerprints, checkpoints, cards)."""
+    return {f'sampler.{name}': getattr(self, name) for name in self.own_fields}
 
   def participations(self, num_steps: int) -> int:
     """The steps of the first T one example can take part in (T for per-step samplers)."""

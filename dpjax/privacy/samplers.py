@@ -108,6 +108,7 @@ class CyclicPoissonSampler(Sampler):
   num_groups: int = 1  # k.
 
   name: ClassVar[str] = 'cyclic_poisson'
+  own_fields: ClassVar[tuple[str, ...]] = ('num_groups',)
   binomial_batch_size: ClassVar[bool] = True
   analysis: ClassVar[str] = 'cyclic_poisson_subsampling'
   coarse_pld_search: ClassVar[bool] = True
@@ -302,6 +303,8 @@ _SAMPLERS = {
   )
 }
 SAMPLER_NAMES = tuple(_SAMPLERS)
+# Every sampler's own fields (`Sampler.own_fields`), settable as `sampler.<field>` in a config.
+OWN_FIELDS = tuple(sorted({name for cls in _SAMPLERS.values() for name in cls.own_fields}))
 
 
 def make(

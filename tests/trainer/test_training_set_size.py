@@ -46,8 +46,10 @@ def _release(tmp_path, rows: int, bound: int):
   run_report.announce(
     plan, str(tmp_path), train_source, sharding.make_mesh(1), {'w': np.zeros(3)}, log=lines.append
   )
-  step_fns = types.SimpleNamespace(
-    noise_multiplier=plan.privacy.noise_multiplier, clip_norm=plan.privacy.clip_norm
+  step_fns = types.SimpleNamespace(  # What the metadata reads of the step that ran.
+    noise_multiplier=plan.privacy.noise_multiplier,
+    clip_norm=plan.privacy.clip_norm,
+    privatizer=plan.privacy.mechanism(),
   )
   report = plan.privacy.accountant.epsilon_at(plan.num_steps, estimates=False)
   meta = privacy_metadata.privacy_metadata(

@@ -179,13 +179,17 @@ def make_sampler(
   if seed is None:
     seed = plan_blocks.declared(config, 'seed') or 0
   n, rows = training_set_size.sampler_sizes(config, num_examples)
-  groups = plan_blocks.declared(config, 'sampler.num_groups') or 1
-  if groups != 1 and config.sampler.name != 'cyclic_poisson':
-    raise config_fields.ConfigError(
-      f'sampler.num_groups = {groups}: groups are a cyclic_poisson setting (sampler.name = '
-      f'{config.sampler.name!r}); leave it 1 or set sampler.name = cyclic_poisson.'
-    )
-  fields = {'num_groups': groups} if config.sampler.name == 'cyclic_poisson' else {}
+  fields = {
+    name: plan_blocks.declared(config, f'sampler.{name}') for name in samplers_lib.OWN_FIELDS
+  }
+  own = samplers_lib.sampler_class(config.sampler.name).own_fields
+  for name, value in fields.items():
+    if name not in own and value != config_fields.FIELDS_BY_PATH[f'sampler.{name}'].default:
+      raise config_fields.ConfigError(
+        f'sampler.{name} = {value}: not a setting of sampler.name = {config.sampler.name!r} '
+        f'(leave it at its default, or choose a sampler that has it).'
+      )
+  fields = {name: value for name, value in fields.items() if name in own}
   try:
     return samplers_lib.make(
       config.sampler.name, n, config.sampler.batch_size, seed, num_rows=rows, **fields

@@ -42,7 +42,7 @@ def privacy_metadata(
       'steps_per_epoch': sampler.steps_per_epoch,
       'max_batch_size': batcher.max_batch_size,
       'physical_batch_size': batcher.physical_batch_size,
-      **({'num_groups': sampler.num_groups} if sampler.name == 'cyclic_poisson' else {}),
+      **{name: getattr(sampler, name) for name in sampler.own_fields},
     },
     'group_size': plan.privacy.group_size if plan.private else None,
     'num_truncated': num_truncated,  # Not covered by ε (a count of the private batch sizes).
