@@ -196,12 +196,12 @@ def banded_privatizer(
   mechanism = BandedPrivatizer.banded(
     coefficients, noise_multiplier, clip_norm, expected_batch_size, seed, noise_impl
   )
-  return _transform(mechanism, 'banded')
+  return as_optax(mechanism, 'banded')
 
 
-def _transform(mechanism, name: str) -> optax.GradientTransformationExtraArgs:
-  """The optax pair of a correlated privatizer: init = its state at step 0, update releases the
-  step it is told (TypeError without `step`)."""
+def as_optax(mechanism, name: str = 'correlated') -> optax.GradientTransformationExtraArgs:
+  """The optax pair of a correlated privatizer (`BandedPrivatizer`, `BLTPrivatizer`): init = its
+  state at step 0, update releases the step it is told (TypeError without `step`)."""
   stream = mechanism.key_data()
 
   def update(updates, state, params=None, *, step=None, **extra_args):
@@ -363,4 +363,27 @@ def blt_privatizer(
     seed,
     noise_impl,
   )
-  return _transform(mechanism, 'BLT')
+  return as_optax(mechanism, 'BLT')
+
+
+def state_step(opt_state: Any) -> int:
+  """The step the one correlated-noise state inside an optax state releases next; one-line
+  ValueError when there is none, several, or it refused a step."""
+  kinds = (BandedNoiseState, BLTNoiseState)
+  found = [
+    leaf
+    for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds))
+    if isinstance(leaf, kinds)
+  ]
+  if len(found) != 1:
+    raise ValueError(
+      f'the optimiser state holds {len(found)} correlated-noise states, not 1: pass the state '
+      "of `tx.init(params)` with the plan's privatizer in `tx`."
+    )
+  step = int(np.asarray(found[0].step))
+  if step == noise_state.REFUSED:
+    raise ValueError(
+      'this correlated-noise state refused an update (a step other than the one it expected): '
+      'the parameters after it are NaN. Resume from the last state it accepted.'
+    )
+  return step

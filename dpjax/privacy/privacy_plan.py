@@ -55,6 +55,7 @@ from typing import Any
 
 from dpjax.privacy import batching
 from dpjax.privacy import clipping
+from dpjax.privacy import correlated_noise
 from dpjax.privacy import mechanisms
 from dpjax.privacy import noise
 from dpjax.privacy import noise_state
@@ -245,7 +246,11 @@ class PrivacyPlan:
     Raises ValueError (one line) for a state this plan's privatizer did not make (another σ,
     C, b, B or fingerprint) or one that refused a step (`noise_state.check`).
     """
-    start = noise_state.check(opt_state, self.initial_noise_state)
+    start = (
+      correlated_noise.state_step(opt_state)
+      if self.strategy is not None
+      else noise_state.check(opt_state, self.initial_noise_state)
+    )
     return step_batcher.StepBatcher(
       batching.Batcher(self.sampler, physical_batch_size, self.max_batch_size),
       self.num_steps,
@@ -315,12 +320,11 @@ class PrivacyPlan:
 
   def privatizer(self, *, noise_impl: str = 'threefry'):
     """The optax transform adding N(0, σ²C²) to each step's clipped sum and dividing by b,
-    with this plan's σ, C, b and seed (`noise.gaussian_privatizer`)."""
-    if self.strategy is not None:
-      raise ValueError(
-        "PrivacyPlan.privatizer: the library tier's loop runs DP-SGD's Gaussian noise only; "
-        "for BandMF use DPStep.from_plan (the trainer's step), which runs plan.mechanism()."
-      )
+    with this plan's σ, C, b and seed (`noise.gaussian_privatizer`); with a correlated-noise
+    strategy, its noise σC·(C⁻¹z)_t instead (`correlated_noise.as_optax`, state: the step and
+    the recent noise or buffers, which `batcher` reads the step from)."""
+    if self.strategy is not None:  # Correlated noise: the strategy's, with its state.
+      return correlated_noise.as_optax(self.mechanism(noise_impl))
     return noise.gaussian_privatizer(
       self.noise_multiplier,
       self.clip_norm,

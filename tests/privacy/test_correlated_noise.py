@@ -14,6 +14,8 @@ from dpjax.privacy import correlated_noise
 from dpjax.privacy import dp_step
 from dpjax.privacy import noise
 from dpjax.privacy import noise_state
+from dpjax.privacy import privacy_plan
+from dpjax.privacy import samplers
 
 SEED = 1234
 # Three bands, unit norm, c_0 ≠ 1 (the division by c_0 is exercised), CᵀC ≥ 0.
@@ -200,3 +202,33 @@ def test_the_dp_step_carries_the_state_and_equals_the_library_loop():
   history = np.asarray(state[0].history['w'])
   np.testing.assert_allclose(history, np.asarray(lib_state[0].history['w']), rtol=2e-6, atol=1e-7)
   assert history.shape == (2, d) and np.all(history != 0)  # The last two w's, kept.
+
+
+def test_a_bandmf_plan_gives_the_library_its_privatizer_batcher_and_accountant():
+  """`PrivacyPlan.create(..., noise='bandmf', num_bands=3)` with cyclic Poisson (3 groups): the
+  plan's strategy is what its accountant reads and what its optax privatizer runs (the same
+  release as `plan.mechanism()`), and its batcher starts at the step of the privatizer state it
+  is given (a loop resumed after 2 steps draws step 2 next)."""
+  sampler = samplers.make('cyclic_poisson', 600, 20, seed=5, num_groups=3)
+  plan = privacy_plan.PrivacyPlan.create(
+    sampler,
+    num_steps=9,
+    clip_norm=CLIP,
+    noise_multiplier=SIGMA,
+    delta=1e-5,
+    noise='bandmf',
+    num_bands=3,
+  )
+  assert plan.strategy.bands == 3 and plan.accountant.options.strategy is plan.strategy
+  assert plan.epsilon_at(9).details['participations'] == 3
+  params = _params(40)
+  tx = plan.privatizer()
+  state = tx.init(params)
+  mechanism = plan.mechanism()
+  expected_state = mechanism.init(params)
+  for t in range(2):
+    released, state = tx.update(params, state, step=t)
+    want, expected_state = mechanism.release(params, expected_state, t, mechanism.key_data())
+    np.testing.assert_array_equal(_flat(released), _flat(want))
+  batches = plan.batcher(8, state)
+  assert next(iter(batches)).step == 2
