@@ -106,7 +106,11 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(reference_run,
 
 def test_resume_after_sigkill_is_bit_identical(tmp_path):
   """SIGKILL `python -m dpjax.train` mid-run and rerun (the seed drawn in secret, kept in the
-  workdir); separately train uninterrupted with that seed: same params and ε. The kill needs a
+  workdir); separately train uninterrupted with that seed: same params and ε. The run uses
+  correlated noise (BandMF, 3 bands, cyclic Poisson with 3 groups: issue 36), whose noise state
+  (the last 2 noise vectors) must survive the kill in the checkpoint too; DP-SGD's stateless
+  noise is the special case without it (its resumes: test_corrupt_latest_checkpoint_*,
+  tests/e2e/test_correlated_training.py). The kill needs a
   process; the rerun and the uninterrupted run train in this one (the same config and XLA flags:
   the same programs), which spares two interpreters. b = 128 and P = 32, as small_config():
   the programs of the other runs here (B = 288, K = 9), which the child loads from the suite's
@@ -122,6 +126,10 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
     'privacy.noise_multiplier': 1.0,
     'sampler.batch_size': 128,
     'sampler.physical_batch_size': 32,
+    'sampler.name': 'cyclic_poisson',
+    'sampler.num_groups': 3,
+    'privacy.noise': 'bandmf',
+    'privacy.num_bands': 3,
   }
   killed = tmp_path / 'killed'
   proc = subprocess.Popen(
@@ -166,6 +174,7 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
   assert resumed_meta['privacy'] == full_meta['privacy']  # Same ε, same bound.
   assert resumed_meta['num_truncated'] == full_meta['num_truncated']
   assert resumed_meta['fingerprint'] == full_meta['fingerprint']
+  assert resumed_meta['noise']['name'] == 'bandmf' and resumed_meta['noise']['bands'] == 3
   restore = lambda w: checkpoints.make_manager(str(w), 1, read_only=True).restore(
     30, args=checkpoints.ocp.args.Composite(state=checkpoints.ocp.args.StandardRestore())
   )['state']
