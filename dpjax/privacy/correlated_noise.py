@@ -105,8 +105,45 @@ def _released(leaves, noises, ok, state_step, mechanism) -> tuple[list, jax.Arra
   return released, jnp.where(ok, state_step + jnp.uint32(1), jnp.uint32(noise_state.REFUSED))
 
 
+class StreamingNoise:
+  """What the correlated privatizers share: DP-SGD's key stream, a state of `state_vectors`
+  parameter-sized arrays (float32 at least), and the release of a per-leaf noise recursion
+  `recurse(z, memory) -> (w, memory)` (`_released`: the step check, NaN when refused)."""
+
+  stateful: ClassVar[bool] = True
+
+  def key_data(self) -> np.ndarray:
+    return prng.noise_stream_data(self.seed, self.noise_impl)
+
+  def state_bytes(self, params: Any) -> int:
+    """Bytes of the state: state_vectors × the parameters' size × 4 (float32) or more."""
+    return sum(
+      self.state_vectors * int(np.size(p)) * history_dtype(jnp.result_type(p)).itemsize
+      for p in jax.tree.leaves(params)
+    )
+
+  def zero_memory(self, params: Any) -> Any:
+    """[state_vectors, *leaf.shape] zeros per leaf: the recursion before step 0."""
+    return jax.tree.map(
+      lambda p: jnp.zeros((self.state_vectors, *jnp.shape(p)), history_dtype(jnp.result_type(p))),
+      params,
+    )
+
+  def stream(self, grad_sum: Any, memory: Any, state_step, step, key_data, recurse, ok):
+    """(released tree, the step after, new memory tree) for this step's z of (seed, t)."""
+    z = noise_lib.standard_normals_like(
+      prng.step_noise_key(key_data, step, self.noise_impl), grad_sum
+    )
+    leaves, treedef = jax.tree.flatten(grad_sum)
+    pairs = [
+      recurse(zi, mi) for zi, mi in zip(treedef.flatten_up_to(z), treedef.flatten_up_to(memory))
+    ]
+    released, after = _released(leaves, [w for w, _ in pairs], ok, state_step, self)
+    return treedef.unflatten(released), after, treedef.unflatten([m for _, m in pairs])
+
+
 @dataclasses.dataclass(frozen=True)
-class BandedPrivatizer:
+class BandedPrivatizer(StreamingNoise):
   """ĝ_t = (Σ_t + σC · w_t) / b with w = C⁻¹z for the banded Toeplitz C of `coefficients` (module
   docstring); a `noise.Privatizer` with state. Build it with `banded` (it validates)."""
 
@@ -116,7 +153,6 @@ class BandedPrivatizer:
   expected_batch_size: float
   seed: int = 0
   noise_impl: str = 'threefry'
-  stateful: ClassVar[bool] = True
 
   @classmethod
   def banded(
@@ -147,35 +183,20 @@ class BandedPrivatizer:
     """σ·C on the sum."""
     return self.noise_multiplier * self.clip_norm
 
-  def state_bytes(self, params: Any) -> int:
-    """Bytes of the state: (k − 1) × the parameters' size × 4 (float32) or more."""
-    return sum(
-      (self.bands - 1) * int(np.size(p)) * history_dtype(jnp.result_type(p)).itemsize
-      for p in jax.tree.leaves(params)
-    )
-
-  def key_data(self) -> np.ndarray:
-    return prng.noise_stream_data(self.seed, self.noise_impl)
+  @property
+  def state_vectors(self) -> int:
+    return self.bands - 1
 
   def init(self, params: Any) -> BandedNoiseState:
-    history = jax.tree.map(
-      lambda p: jnp.zeros((self.bands - 1, *jnp.shape(p)), history_dtype(jnp.result_type(p))),
-      params,
-    )
-    return BandedNoiseState(step=jnp.zeros((), jnp.uint32), history=history)
+    return BandedNoiseState(step=jnp.zeros((), jnp.uint32), history=self.zero_memory(params))
 
   def release(self, grad_sum: Any, state: BandedNoiseState, step, key_data):
-    key = prng.step_noise_key(key_data, step, self.noise_impl)
-    z = noise_lib.standard_normals_like(key, grad_sum)
-    leaves, treedef = jax.tree.flatten(grad_sum)
-    pairs = [
-      banded_noise(zi, hi, self.coefficients)
-      for zi, hi in zip(treedef.flatten_up_to(z), treedef.flatten_up_to(state.history))
-    ]
     ok = state.step == jnp.asarray(step, jnp.uint32)
-    released, after = _released(leaves, [w for w, _ in pairs], ok, state.step, self)
-    history = treedef.unflatten([h for _, h in pairs])
-    return treedef.unflatten(released), BandedNoiseState(step=after, history=history)
+    recurse = lambda z, h: banded_noise(z, h, self.coefficients)
+    released, after, history = self.stream(
+      grad_sum, state.history, state.step, step, key_data, recurse, ok
+    )
+    return released, BandedNoiseState(step=after, history=history)
 
 
 def banded_privatizer(
@@ -236,7 +257,7 @@ def blt_noise(z: jax.Array, buffers: jax.Array, decays, weights):
 
 
 @dataclasses.dataclass(frozen=True)
-class BLTPrivatizer:
+class BLTPrivatizer(StreamingNoise):
   """ĝ_t = (Σ_t + σC·w_t/scale) / b with w = C_blt⁻¹z, C_blt the BLT of `decays` θ and `weights`
   ω (c_0 = 1, c_t = Σ_i ω_i θ_i^(t−1): `correlated.blt`; Dvijotham, McMahan, Pillutla,
   Steinke, Thakurta 2024, "Efficient and near-optimal noise generation for streaming
@@ -255,7 +276,6 @@ class BLTPrivatizer:
   expected_batch_size: float
   seed: int = 0
   noise_impl: str = 'threefry'
-  stateful: ClassVar[bool] = True
 
   @classmethod
   def blt(
@@ -301,36 +321,21 @@ class BLTPrivatizer:
     """σ·C / scale on the sum (C⁻¹ = C_blt⁻¹ / scale)."""
     return self.noise_multiplier * self.clip_norm / self.scale
 
-  def state_bytes(self, params: Any) -> int:
-    """Bytes of the state: d × the parameters' size × 4 (float32) or more."""
-    return sum(
-      self.num_buffers * int(np.size(p)) * history_dtype(jnp.result_type(p)).itemsize
-      for p in jax.tree.leaves(params)
-    )
-
-  def key_data(self) -> np.ndarray:
-    return prng.noise_stream_data(self.seed, self.noise_impl)
+  @property
+  def state_vectors(self) -> int:
+    return self.num_buffers
 
   def init(self, params: Any) -> BLTNoiseState:
-    buffers = jax.tree.map(
-      lambda p: jnp.zeros((self.num_buffers, *jnp.shape(p)), history_dtype(jnp.result_type(p))),
-      params,
-    )
-    return BLTNoiseState(step=jnp.zeros((), jnp.uint32), buffers=buffers)
+    return BLTNoiseState(step=jnp.zeros((), jnp.uint32), buffers=self.zero_memory(params))
 
   def release(self, grad_sum: Any, state: BLTNoiseState, step, key_data):
-    key = prng.step_noise_key(key_data, step, self.noise_impl)
-    z = noise_lib.standard_normals_like(key, grad_sum)
-    leaves, treedef = jax.tree.flatten(grad_sum)
-    pairs = [
-      blt_noise(zi, si, self.decays, self.weights)
-      for zi, si in zip(treedef.flatten_up_to(z), treedef.flatten_up_to(state.buffers))
-    ]
     step = jnp.asarray(step, jnp.uint32)
     ok = (state.step == step) & (step < jnp.uint32(self.num_steps))
-    released, after = _released(leaves, [w for w, _ in pairs], ok, state.step, self)
-    buffers = treedef.unflatten([s for _, s in pairs])
-    return treedef.unflatten(released), BLTNoiseState(step=after, buffers=buffers)
+    recurse = lambda z, s: blt_noise(z, s, self.decays, self.weights)
+    released, after, buffers = self.stream(
+      grad_sum, state.buffers, state.step, step, key_data, recurse, ok
+    )
+    return released, BLTNoiseState(step=after, buffers=buffers)
 
 
 def blt_privatizer(

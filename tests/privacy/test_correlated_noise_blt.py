@@ -5,18 +5,15 @@ its state, the DP step, its state's size and its refusals."""
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from scipy import linalg
 
-from dpjax.privacy import accumulator
-from dpjax.privacy import clipping
 from dpjax.privacy import correlated_noise
-from dpjax.privacy import dp_step
 from dpjax.privacy import noise
 from dpjax.privacy import noise_state
 from dpjax.privacy.correlated import blt
 from dpjax.privacy.correlated import strategy
+from tests.privacy import step_vs_library
 
 SEED = 4321
 STEPS = 7
@@ -169,40 +166,13 @@ def test_the_dp_step_carries_the_state_and_equals_the_library_loop():
   one seed and the same batches its parameters equal `clipped_grad` + `GradSum` +
   `blt_privatizer` + the optimizer's: the trainer's step and the library release the same
   correlated noise."""
-  d, p, c, seed = 6, 4, 0.3, 2**33 + 1
-  loss_fn = lambda w, ex: jnp.log1p(jnp.exp(-ex['y'] * (jnp.dot(ex['x'], w['w']) + w['b'])))
-  opt = optax.sgd(0.5, momentum=0.5)
-  privatizer = STRATEGY.privatizer(SIGMA, c, 6.0, seed)
-  step = dp_step.DPStep(loss_fn, opt, privatizer, clipping='vmap')
-  rng = np.random.default_rng(3)
-  params = {'w': rng.normal(size=d).astype(np.float32), 'b': np.float32(0.1)}
-  grad_fn = jax.jit(clipping.clipped_grad(loss_fn, c, method='vmap'))
-  tx = optax.chain(
-    correlated_noise.blt_privatizer(THETA, OMEGA, STRATEGY.scale, STEPS, SIGMA, c, 6.0, seed), opt
+  c, seed = 0.3, 2**33 + 1
+  state, lib_state = step_vs_library.run_both(
+    STRATEGY.privatizer(SIGMA, c, 6.0, seed),
+    correlated_noise.blt_privatizer(THETA, OMEGA, STRATEGY.scale, STEPS, SIGMA, c, 6.0, seed),
+    c,
   )
-
-  @jax.jit
-  def lib_step(total, state, w, t):
-    updates, state = tx.update(total, state, w, step=t)
-    return optax.apply_updates(w, updates), state
-
-  w, state, lib_w, lib_state = params, step.init_opt_state(params), params, tx.init(params)
-  with jax.default_matmul_precision('highest'):
-    for t, k in enumerate((2, 0, 3, 1)):
-      buf = {
-        'x': rng.normal(size=(3, p, d)).astype(np.float32),
-        'y': rng.choice([-1.0, 1.0], size=(3, p)).astype(np.float32),
-        'weight': (rng.random((3, p)) < 0.8).astype(np.float32),
-      }
-      w, state, _ = step.train_step(w, state, jax.tree.map(np.copy, buf), k, np.uint32(t))
-      total = accumulator.GradSum.zeros(lib_w)
-      for i in range(k):
-        rows = {'x': buf['x'][i], 'y': buf['y'][i]}
-        total = total.add(grad_fn(lib_w, rows, buf['weight'][i])[0])
-      lib_w, lib_state = lib_step(total.total, lib_state, lib_w, np.uint32(t))
-      for a, want in zip(jax.tree.leaves(w), jax.tree.leaves(lib_w)):
-        np.testing.assert_allclose(a, want, rtol=2e-6, atol=1e-7)
   assert int(state[0].step) == 4 and int(lib_state[0].step) == 4
   buffers = np.asarray(state[0].buffers['w'])
   np.testing.assert_allclose(buffers, np.asarray(lib_state[0].buffers['w']), rtol=2e-6, atol=1e-7)
-  assert buffers.shape == (2, d) and np.all(buffers != 0)
+  assert buffers.shape == (2, step_vs_library.D) and np.all(buffers != 0)

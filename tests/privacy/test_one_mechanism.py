@@ -17,6 +17,7 @@ from dpjax.privacy import accumulator
 from dpjax.privacy import dp_step
 from dpjax.privacy import losses
 from dpjax.privacy import noise
+from tests.privacy import step_vs_library
 
 D, K, P = 6, 3, 4
 MODEL = mlp.MLP(num_classes=K, hidden_sizes=(16,), activation='tanh')
@@ -125,27 +126,9 @@ def test_the_step_of_a_loss_fn_is_clipped_grad_then_the_privatizer_then_the_opti
   Flax model, no aux): its update equals `clipped_grad(loss_fn)` summed by `GradSum`, then
   `gaussian_privatizer`, then the optimizer, for one seed and the same batches."""
   sigma, c, b, seed = 0.9, 0.3, 6.0, 2**33 + 1
-  loss_fn = lambda p, ex: jnp.log1p(jnp.exp(-ex['y'] * (jnp.dot(ex['x'], p['w']) + p['b'])))
-  privatizer = noise.GaussianPrivatizer.gaussian(sigma, c, b, seed)
-  opt = optax.adam(0.05)
-  step = dp_step.DPStep(loss_fn, opt, privatizer, clipping='vmap')
-  rng = np.random.default_rng(3)
-  params = {'w': rng.normal(size=D).astype(np.float32), 'b': np.float32(0.1)}
-  grad_fn = jax.jit(dpjax.clipped_grad(loss_fn, c, method='vmap'))
-  tx = optax.chain(noise.gaussian_privatizer(sigma, c, b, seed), opt)
-  lib_step = _library_step(tx)
-  p, state, lib_p, lib_state = params, step.init_opt_state(params), params, tx.init(params)
-  for t, k in enumerate((2, 0, 3)):
-    buf = {
-      'x': rng.normal(size=(3, P, D)).astype(np.float32),
-      'y': rng.choice([-1.0, 1.0], size=(3, P)).astype(np.float32),
-      'weight': (rng.random((3, P)) < 0.8).astype(np.float32),
-    }
-    p, state, _ = step.train_step(p, state, jax.tree.map(np.copy, buf), k, np.uint32(t))
-    total = accumulator.GradSum.zeros(lib_p)
-    for i in range(k):
-      total = total.add(grad_fn(lib_p, {'x': buf['x'][i], 'y': buf['y'][i]}, buf['weight'][i])[0])
-    lib_p, lib_state = lib_step(total.total, lib_state, lib_p, np.uint32(t))
-    for a, want in zip(jax.tree.leaves(p), jax.tree.leaves(lib_p)):
-      np.testing.assert_allclose(a, want, rtol=2e-6, atol=1e-7)
-  assert np.abs(np.asarray(p['w']) - params['w']).sum() > 0.1  # Updates that happened.
+  step_vs_library.run_both(
+    noise.GaussianPrivatizer.gaussian(sigma, c, b, seed),
+    noise.gaussian_privatizer(sigma, c, b, seed),
+    c,
+    counts=(2, 0, 3),
+  )
