@@ -105,6 +105,18 @@ def _released(leaves, noises, ok, state_step, mechanism) -> tuple[list, jax.Arra
   return released, jnp.where(ok, state_step + jnp.uint32(1), jnp.uint32(noise_state.REFUSED))
 
 
+def checked_release(noise_multiplier, clip_norm, expected_batch_size, seed, noise_impl) -> tuple:
+  """(σ, C, b, seed, generator), each validated (`checks`, `prng`): a privatizer's release."""
+  prng.check_seed(seed)
+  return (
+    _checks.check_noise_multiplier(noise_multiplier),
+    _checks.check_clip_norm(clip_norm),
+    _checks.check_expected_batch_size(expected_batch_size),
+    int(seed),
+    prng.check_noise_impl(noise_impl),
+  )
+
+
 class StreamingNoise:
   """What the correlated privatizers share: DP-SGD's key stream, a state of `state_vectors`
   parameter-sized arrays (float32 at least), and the release of a per-leaf noise recursion
@@ -164,14 +176,9 @@ class BandedPrivatizer(StreamingNoise):
     seed: int = 0,
     noise_impl: str = 'threefry',
   ) -> 'BandedPrivatizer':
-    prng.check_seed(seed)
     return cls(
       check_coefficients(coefficients),
-      _checks.check_noise_multiplier(noise_multiplier),
-      _checks.check_clip_norm(clip_norm),
-      _checks.check_expected_batch_size(expected_batch_size),
-      int(seed),
-      prng.check_noise_impl(noise_impl),
+      *checked_release(noise_multiplier, clip_norm, expected_batch_size, seed, noise_impl),
     )
 
   @property
@@ -299,17 +306,12 @@ class BLTPrivatizer(StreamingNoise):
         f'scale must make C = scale * C_blt of unit max column norm over num_steps = {n} (1 / '
         f'the norm of c_0..c_(n-1)), got max column norm {norm!r}.'
       )
-    prng.check_seed(seed)
     return cls(
       tuple(float(v) for v in theta),
       tuple(float(v) for v in omega),
       float(scale),
       n,
-      _checks.check_noise_multiplier(noise_multiplier),
-      _checks.check_clip_norm(clip_norm),
-      _checks.check_expected_batch_size(expected_batch_size),
-      int(seed),
-      prng.check_noise_impl(noise_impl),
+      *checked_release(noise_multiplier, clip_norm, expected_batch_size, seed, noise_impl),
     )
 
   @property

@@ -1,6 +1,7 @@
-"""The trainer's `DPStep` against the library tier's loop (`clipped_grad` + `GradSum` + an optax
-privatizer + the optimizer) on a logistic model, for one privatizer: the check that the step
-and the library release the same mechanism (tests of the Gaussian and correlated privatizers)."""
+"""Drivers of the privatizer tests: `release_steps` (a privatizer's releases step by step, from a
+state) and `run_both`, the trainer's `DPStep` against the library tier's loop (`clipped_grad` +
+`GradSum` + an optax privatizer + the optimizer) on a logistic model: the check that the step
+and the library release the same mechanism (Gaussian and correlated privatizers)."""
 
 import jax
 import jax.numpy as jnp
@@ -53,3 +54,15 @@ def run_both(privatizer, privatizer_tx, clip_norm, counts=(2, 0, 3, 1)):
         np.testing.assert_allclose(a, want, rtol=2e-6, atol=1e-7)
   assert np.abs(np.asarray(w['w']) - params['w']).sum() > 0.1  # Updates that happened.
   return state, lib_state
+
+
+def release_steps(privatizer, params, sums, start_state=None, first=0):
+  """(releases, final state) of steps first, first + 1, … for `sums` (one per step), from
+  `start_state` (None: `privatizer.init(params)`), the release jitted once."""
+  release = jax.jit(privatizer.release)
+  state = privatizer.init(params) if start_state is None else start_state
+  out = []
+  for t, grad_sum in enumerate(sums, start=first):
+    g, state = release(grad_sum, state, np.uint32(t), privatizer.key_data())
+    out.append(g)
+  return out, state

@@ -24,15 +24,7 @@ def _params(size=4000):
   return {'w': jnp.zeros((size // 4, 4), jnp.float32), 'b': jnp.zeros((7,), jnp.float32)}
 
 
-def _run(privatizer, params, sums, start_state=None, first=0):
-  """Releases of steps first, first + 1, … for `sums` (one per step), from `start_state`."""
-  release = jax.jit(privatizer.release)
-  state = privatizer.init(params) if start_state is None else start_state
-  out = []
-  for t, grad_sum in enumerate(sums, start=first):
-    g, state = release(grad_sum, state, np.uint32(t), privatizer.key_data())
-    out.append(g)
-  return out, state
+_run = step_vs_library.release_steps
 
 
 def _dense_toeplitz(coefs, n):

@@ -38,14 +38,7 @@ def _privatizer(seed=SEED, sigma=SIGMA, clip=CLIP, b=B):
   return STRATEGY.privatizer(sigma, clip, b, seed)
 
 
-def _run(privatizer, params, sums, start_state=None, first=0):
-  release = jax.jit(privatizer.release)
-  state = privatizer.init(params) if start_state is None else start_state
-  out = []
-  for t, grad_sum in enumerate(sums, start=first):
-    g, state = release(grad_sum, state, np.uint32(t), privatizer.key_data())
-    out.append(g)
-  return out, state
+_run = step_vs_library.release_steps
 
 
 def _flat(tree):
