@@ -11,6 +11,10 @@ upper bounds):
                   (the sampler of the next line with C = I: isolates what the sampler costs).
   bandmf_cyclic   BandMF with k bands, cyclic Poisson with k groups: accounted exactly as
                   dpsgd_cyclic (same σ at the same ε); the noise is correlated over k steps.
+  blt_cyclic      BLT with 2 buffers, cyclic Poisson with k groups: not banded, so not
+                  amplified: one Gaussian of its sensitivity over each group's steps (--blt).
+  blt_deterministic  BLT with 2 buffers in dataset order: its sensitivity over the epochs'
+                  participations (--blt).
 
 Tasks: the embedded digits (N = 1437, MLP, b = 64, k = 4, 20 epochs) and a synthetic
 10-class Gaussian-mixture task large enough for multi-epoch training (N = 20000, d = 32, MLP,
@@ -49,6 +53,7 @@ from dpjax_bench import provenance  # pylint: disable=g-import-not-at-top
 
 EPSILONS = (1.0, 2.0, 4.0, 8.0)
 MECHANISMS = ('dpsgd_poisson', 'dpsgd_cyclic', 'bandmf_cyclic')
+BLT_MECHANISMS = ('blt_cyclic', 'blt_deterministic')
 LARGE = 10**6  # Log, evaluate and checkpoint at the last step only.
 TASKS = {
   'digits': {'batch_size': 64, 'groups': 4, 'epochs': 20, 'learning_rate': 1.0},
@@ -84,12 +89,17 @@ def make_config(task: str, mechanism: str, epsilon: float, seed: int, npz: str):
   config.log_every_steps = config.eval_every_steps = config.checkpoint_every_steps = LARGE
   config.privacy.target_epsilon = epsilon
   config.privacy.noise_multiplier = None  # Calibrated per mechanism to the target ε.
-  if mechanism != 'dpsgd_poisson':
+  if mechanism.endswith('_cyclic'):
     config.sampler.name = 'cyclic_poisson'
     config.sampler.num_groups = settings['groups']
+  if mechanism == 'blt_deterministic':
+    config.sampler.name = 'deterministic'
   if mechanism == 'bandmf_cyclic':
     config.privacy.noise = 'bandmf'
     config.privacy.num_bands = settings['groups']
+  if mechanism.startswith('blt'):
+    config.privacy.noise = 'blt'
+    config.privacy.num_buffers = 2
   return config
 
 
@@ -153,7 +163,7 @@ def plot(runs: list[dict], path: pathlib.Path) -> None:
   tasks = sorted({r['task'] for r in runs})
   fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
   for ax, task in zip(axes[0], tasks):
-    for mech in MECHANISMS:
+    for mech in MECHANISMS + BLT_MECHANISMS:
       points = []
       for eps in EPSILONS:
         acc = [
@@ -180,7 +190,11 @@ def main() -> None:
   parser.add_argument('--tasks', default='digits,synthetic')
   parser.add_argument('--seeds', default='0,1,2,3,4')
   parser.add_argument('--out', default=str(HERE / 'results.json'))
+  parser.add_argument(
+    '--blt', action='store_true', help='run the BLT mechanisms and add them to --out'
+  )
   args = parser.parse_args()
+  mechanisms_run = BLT_MECHANISMS if args.blt else MECHANISMS
   tasks = [t for t in args.tasks.split(',') if t]
   seeds = [int(s) for s in args.seeds.split(',') if s]
   runs = []
@@ -190,7 +204,7 @@ def main() -> None:
     for task in tasks:
       for eps in EPSILONS:
         for seed in seeds:
-          for mech in MECHANISMS:  # Interleaved: a slow stretch of the machine hits all three.
+          for mech in mechanisms_run:  # Interleaved: a slow stretch of the machine hits all.
             runs.append(run_one(task, mech, eps, seed, npz))
             r = runs[-1]
             print(
@@ -201,6 +215,14 @@ def main() -> None:
     task: strategy_errors(task, max(r['steps'] for r in runs if r['task'] == task))
     for task in tasks
   }
+  if args.blt:  # Added beside the earlier mechanisms' runs.
+    earlier = json.loads(pathlib.Path(args.out).read_text())
+    earlier['runs'] += runs
+    earlier['git_blt'] = provenance.git_state()
+    pathlib.Path(args.out).write_text(json.dumps(earlier, indent=1))
+    plot(earlier['runs'], HERE / 'accuracy_vs_epsilon.png')
+    print(table(earlier['runs']))
+    return
   out = {
     'git': provenance.git_state(),
     'machine': provenance.machine(),
