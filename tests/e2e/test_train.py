@@ -1,6 +1,8 @@
 """End-to-end training: outputs, ε in checkpoints, exact resume, one compilation."""
 
+import contextlib
 import glob
+import io
 import json
 import os
 import shutil
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 
 from dpjax.privacy import accounting
+from dpjax import account as account_cli
 from dpjax import checkpoints as checkpoints_cli
 from dpjax.trainer.workdir import checkpoints
 from dpjax.trainer.planning import plan as plan_lib
@@ -188,6 +191,15 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
   # Every logged step appears exactly once after the resume.
   steps = [json.loads(line)['step'] for line in open(killed / 'metrics.jsonl')]
   assert steps == sorted(set(steps)) and steps[-1] == 30
+  # The ε of the run is `dpjax.account --config` of its config (amplified BandMF: ⌈30/3⌉
+  # Poisson participations at 128·3/1437), one accountant for both.
+  stdout = io.StringIO()
+  with contextlib.redirect_stdout(stdout):
+    argv = [f'--config={REPO}/configs/digits_mlp.py', '--json']
+    assert account_cli.main(argv + [f'--config.{k}={v}' for k, v in overrides.items()]) == 0
+  report = json.loads(stdout.getvalue())
+  assert report['epsilon'] == pytest.approx(full_meta['privacy']['epsilon'], rel=1e-12)
+  assert report['details']['participations'] == 10
 
 
 def test_target_epsilon_is_met_and_never_exceeded(tmp_path):

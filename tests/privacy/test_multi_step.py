@@ -22,6 +22,10 @@ from dpjax.privacy import sharding
 from dpjax.privacy import prng
 from tests import executions
 
+# Every sampler but cyclic_poisson, whose batches are Poisson's (Binomial sizes, the same
+# program) and whose step runs in tests/e2e/test_train.py's SIGKILL test (BandMF).
+STEP_SAMPLERS = tuple(n for n in samplers.SAMPLER_NAMES if n != 'cyclic_poisson')
+
 
 def _copy(tree):
   return jax.tree.map(np.array, tree)  # The programs donate their inputs.
@@ -277,7 +281,7 @@ def test_trainer_executes_one_program_per_call_and_nothing_else_per_step(
   assert totals[0]['jit(_steps)'] == (6 if steps_per_call == 1 else 3)
 
 
-@pytest.mark.parametrize('sampler_name', samplers.SAMPLER_NAMES)
+@pytest.mark.parametrize('sampler_name', STEP_SAMPLERS)
 def test_two_epochs_of_every_sampler_compile_the_multi_step_program_once(sampler_name):
   """K varies per step and the count per call (calls cut at a period of 5): one program, no
   backend compilation after the first call. The samplers with one b share the program
