@@ -24,6 +24,7 @@ CHECKED = {
   '04_group_privacy': (('results.json',), ('k', 'conversion / MoG')),
   '05_batch_size_planner': (('results.json',), ('b', 'steps S')),
   '06_truncation': (('results.json',), ('B', '(B − b)/std')),
+  '09_correlated_noise': (('results.json',), ('task', 'ε', 'mechanism', 'sampler')),
 }
 _NUMBER = re.compile(r'(?<![\w.])-?\d+(?:\.\d+)?(?:e[+-]?\d+)?(?![\w.])')
 

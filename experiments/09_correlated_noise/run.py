@@ -136,6 +136,28 @@ def strategy_errors(task: str, steps: int) -> dict:
   }
 
 
+def summary(runs: list[dict]) -> list[dict]:
+  """Per (task, ε, mechanism): σ and the test accuracy's mean and std over seeds (the table)."""
+  out = []
+  for task, eps, mech in sorted({(r['task'], r['target_epsilon'], r['mechanism']) for r in runs}):
+    group = [
+      r for r in runs if (r['task'], r['target_epsilon'], r['mechanism']) == (task, eps, mech)
+    ]
+    acc = np.array([r['test_accuracy'] for r in group])
+    out.append(
+      {
+        'task': task,
+        'target_epsilon': eps,
+        'mechanism': mech,
+        'noise_multiplier': group[0]['noise_multiplier'],
+        'test_accuracy_mean': float(acc.mean()),
+        'test_accuracy_std': float(acc.std(ddof=1)) if len(acc) > 1 else 0.0,
+        'seeds': len(acc),
+      }
+    )
+  return out
+
+
 def table(runs: list[dict]) -> str:
   lines = [
     '| task | ε | mechanism | σ | test accuracy (mean ± std) | seeds |',
@@ -218,6 +240,7 @@ def main() -> None:
   if args.blt:  # Added beside the earlier mechanisms' runs.
     earlier = json.loads(pathlib.Path(args.out).read_text())
     earlier['runs'] += runs
+    earlier['summary'] = summary(earlier['runs'])
     earlier['git_blt'] = provenance.git_state()
     pathlib.Path(args.out).write_text(json.dumps(earlier, indent=1))
     plot(earlier['runs'], HERE / 'accuracy_vs_epsilon.png')
@@ -234,6 +257,7 @@ def main() -> None:
     },
     'strategies': errors,
     'runs': runs,
+    'summary': summary(runs),
   }
   pathlib.Path(args.out).write_text(json.dumps(out, indent=1))
   plot(runs, HERE / 'accuracy_vs_epsilon.png')
