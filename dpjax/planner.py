@@ -24,6 +24,10 @@ ceil(N/b). Columns:
               without a burn", ICML 2023): where subsampling amplifies
               linearly (Rényi DP ≈ c·S·q²·α/σ², Abadi et al. 2016), ε depends
               on σ, q and S only through it, so it is flat in b.
+  iterate err²  the mean squared error per coordinate of the released SGD iterates (prefix
+              sums of the S noisy means): (σ·C/b)²·(S + 1)/2 for DP-SGD, × the strategy's
+              expected error with correlated noise (--config.privacy.noise=bandmf | blt): run
+              the planner once per mechanism to compare them at the same ε.
 
 Cost: one calibration per b, run one after the other. Poisson at N = 60000,
 10 epochs: 0.5–53 s of CPU per b, 5 min for 12 b × 3 ε (experiments/05).

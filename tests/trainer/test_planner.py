@@ -85,6 +85,27 @@ def test_effective_noise_and_run_noise(plan):
   assert 'decreases at every step' in plan.message()
 
 
+def test_iterate_error_compares_dp_sgd_and_bandmf_at_the_target_epsilon(plan):
+  """The planner's iterate error is (σC/b)²·(T + 1)/2 for DP-SGD (the prefix sums of T noisy
+  means, C = I) and that × the strategy's expected error for BandMF, whose σ is calibrated by
+  its own accountant (cyclic Poisson, k = 4 groups and bands): a planner that ignored the
+  mechanism would give BandMF DP-SGD's σ or its error; BandMF's error differs from both."""
+  for row in plan.rows:
+    noise = row.noise_multiplier * 2.0 / row.batch_size
+    assert row.iterate_error == pytest.approx(noise**2 * (row.num_steps + 1) / 2, rel=1e-12)
+  config = batch_size_plan.base_config(clip_norm=2.0, sampler='cyclic_poisson')
+  config.sampler.num_groups = 4
+  config.privacy.noise, config.privacy.num_bands = 'bandmf', 4
+  mf = batch_size_plan.plan_batch_sizes(N, EPS, DELTA, EPOCHS, (50,), config=config).rows[0]
+  assert mf.noise_multiplier > plan.rows[0].noise_multiplier  # Cyclic Poisson amplifies less.
+  from dpjax.privacy.correlated import strategy  # pylint: disable=import-outside-toplevel
+
+  ratio = strategy.for_run('bandmf', mf.num_steps, num_bands=4).expected_error()
+  noise = mf.noise_multiplier * 2.0 / 50
+  assert mf.iterate_error == pytest.approx(noise**2 * (mf.num_steps + 1) / 2 * ratio, rel=1e-9)
+  assert ratio < 0.8
+
+
 def test_flat_from_and_best_batch_size():
   def row(b, sigma, steps):
     return batch_size_plan.PlanRow(

@@ -209,3 +209,15 @@ def for_run(
   found = blt.BLT(np.array(small.decays), np.array(small.weights))
   scale = 1.0 / math.sqrt(float(np.sum(blt.coefs(found, n) ** 2)))
   return Strategy('blt', n, decays=small.decays, weights=small.weights, scale=scale)
+
+
+def iterate_error(run_strategy: Strategy | None, num_steps: int, noise_std: float) -> float | None:
+  """The mean squared error per coordinate of the released SGD iterates (prefix sums of the
+  noisy mean gradients) for noise std `noise_std` on each mean (σ·C/b): noise_std²·‖A C⁻¹‖²/n,
+  (n + 1)/2 for DP-SGD (None: C = I), that × `expected_error()` for a strategy of n steps (None
+  above MAX_OPTIMISED_STEPS steps: its n × n matrices). Compares mechanisms at a target ε."""
+  n = checks.check_int('num_steps', num_steps, 1)
+  dp_sgd = noise_std**2 * (n + 1) / 2
+  if run_strategy is None:
+    return dp_sgd
+  return dp_sgd * run_strategy.expected_error() if n <= MAX_OPTIMISED_STEPS else None

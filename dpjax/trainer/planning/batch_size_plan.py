@@ -18,6 +18,7 @@ import ml_collections
 
 from dpjax.privacy import checks as _checks
 from dpjax.privacy import names
+from dpjax.privacy.correlated import strategy
 
 # The plan's and the accountants' imports (jax, dp_accounting) are in the functions that use
 # them: `python -m dpjax.planner --help` answers without them.
@@ -46,6 +47,9 @@ class PlanRow:
   max_batch_size: int | None  # The cap B training resolves for this b.
   seconds: float  # Calibration wall time.
   cpu_seconds: float  # Calibration CPU time, subprocesses included (the machine may be shared).
+  # E‖error‖² per coordinate of the released SGD iterates (`correlated.strategy.iterate_error`):
+  # compares DP-SGD and correlated noise at the target ε; None where not computed.
+  iterate_error: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +64,7 @@ class Plan:
   accountant: str
   clip_norm: float
   rows: tuple[PlanRow, ...]
+  noise: str = 'gaussian'  # The noise mechanism (`privacy.noise`).
 
   @property
   def best_batch_size(self) -> int:
@@ -135,7 +140,9 @@ class Plan:
   @classmethod
   def from_dict(cls, d: dict) -> Plan:
     """The plan of a `to_dict()` (a --json file); derived fields are recomputed, not read."""
-    kwargs = {f.name: d[f.name] for f in dataclasses.fields(cls) if f.name != 'rows'}
+    kwargs = {
+      f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d and f.name != 'rows'
+    }
     return cls(rows=tuple(PlanRow(**row) for row in d['rows']), **kwargs)
 
 
@@ -249,6 +256,7 @@ def _calibrated_row(config: ml_collections.ConfigDict, b: int, n: int, clip_norm
   report = acct.final_report(estimates=False)  # Memoised: make_accountant checked it.
   sigma, steps = acct.noise_multiplier, report.steps
   q = b / n
+  error = strategy.iterate_error(acct.options.strategy, steps, sigma * clip_norm / b)
   return PlanRow(
     batch_size=b,
     steps_per_epoch=acct.steps_per_epoch,
@@ -262,6 +270,7 @@ def _calibrated_row(config: ml_collections.ConfigDict, b: int, n: int, clip_norm
     max_batch_size=acct.max_batch_size,
     seconds=time.perf_counter() - start,
     cpu_seconds=_cpu_seconds() - cpu_start,
+    iterate_error=error,
   )
 
 
@@ -335,6 +344,7 @@ def plan_batch_sizes(
     accountant=rows[0].accountant,
     clip_norm=clip_norm,
     rows=tuple(rows),
+    noise=base.privacy.get('noise', 'gaussian'),
   )
 
 
@@ -343,7 +353,7 @@ def plan_batch_sizes(
 # ---------------------------------------------------------------------------------------------
 
 
-_HEADER = ('b', 'steps/epoch', 'steps S', 'σ', 'σ·C/b', 'σ/(q√S)', 'ε (attached)', 'B', 'time')
+_HEADER = ('b', 'steps/epoch', 'steps S', 'σ', 'σ·C/b', 'σ/(q√S)', 'iterate err²', 'ε', 'B', 'time')
 
 
 def _cells(plan: Plan, row: PlanRow) -> tuple[str, ...]:
@@ -355,6 +365,7 @@ def _cells(plan: Plan, row: PlanRow) -> tuple[str, ...]:
     f'{row.noise_multiplier:.4f}',
     f'{row.effective_noise:.3e}',
     f'{row.run_noise:.3f}',
+    '-' if row.iterate_error is None else f'{row.iterate_error:.3e}',
     f'{row.epsilon:.4f}',
     cap,
     f'{row.seconds:.1f}s',
@@ -366,7 +377,7 @@ def format_table(plan: Plan) -> str:
   bounds = sorted({r.bound for r in plan.rows})
   title = (
     f'N = {plan.num_examples}, ε = {plan.target_epsilon:g}, δ = {plan.delta:g}, '
-    f'{plan.num_epochs} epochs, sampler {plan.sampler}, accountant {plan.accountant} '
+    f'{plan.num_epochs} epochs, sampler {plan.sampler}, noise {plan.noise}, accountant {plan.accountant} '
     f'(ε: {" / ".join(bounds)} bound), C = {plan.clip_norm:g}'
   )
   table = [_HEADER] + [_cells(plan, r) for r in plan.rows]
