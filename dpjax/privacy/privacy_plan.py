@@ -68,9 +68,21 @@ from dpjax.privacy.accounting import composition
 from dpjax.privacy.accounting.options import AccountingOptions
 
 
-def with_strategy(options: AccountingOptions, num_steps: int) -> AccountingOptions:
-  """The options with BandMF's strategy for T steps (`mechanisms.strategy`) when they name
-  BandMF without one: what the step runs and what the accountant reads, made once."""
+def resolved_options(
+  accounting: AccountingOptions | None,
+  fields: dict[str, Any],
+  num_steps: int,
+  num_buffers: int | None = None,
+) -> AccountingOptions:
+  """`accounting` with `fields`, and the run's strategy for T steps (`mechanisms.strategy`) when
+  they name correlated noise without one: BandMF's bands, or BLT's `num_buffers` buffers
+  (required for 'blt'). What the step runs and what the accountant reads, made once."""
+  base = accounting or AccountingOptions()
+  if fields.get('noise', base.noise) == 'blt' and fields.get('strategy', base.strategy) is None:
+    if num_buffers is None:
+      raise ValueError("noise = 'blt' needs num_buffers (the BLT buffers, an integer >= 1).")
+    fields = {**fields, 'strategy': mechanisms.strategy('blt', num_steps, 1, num_buffers)}
+  options = base.replace(**fields)
   if options.strategy is None and options.noise == 'bandmf' and options.num_bands > 1:
     return options.replace(strategy=mechanisms.strategy('bandmf', num_steps, options.num_bands))
   return options
@@ -133,6 +145,7 @@ class PrivacyPlan:
     precision: str = 'default',
     platform: str | None = None,
     accounting: AccountingOptions | None = None,
+    num_buffers: int | None = None,
     **accounting_fields: Any,
   ) -> PrivacyPlan:
     """Validates every argument, resolves B, calibrates σ if it is None, checks the budget.
@@ -148,30 +161,29 @@ class PrivacyPlan:
       max_batch_size: B; 0 = the automatic cap (`batching.resolve_max_batch_size`).
       physical_batch_size: P, if known (B is then a multiple of it); 0 = B to the row.
       noise_multiplier_source: how σ was obtained ('given' by default, 'checkpoint' on resume).
-      check_budget: refuse a given σ whose final ε exceeds `target_epsilon` (one accounting
-        query; False defers it to `check_budget`).
+      check_budget: refuse a given σ whose final ε exceeds `target_epsilon` (False: later).
       resume_from: the optimiser state of a loop to continue: σ and B are its privatizer
         state's (see the module docstring); a state of another C, b or fingerprint is refused.
-      precision: 'default', 'highest' or 'bfloat16', the mode the gradients are computed in
-        (`clipped_grad` and `DPStep.from_plan` use it): with B, it sets η.
+      precision: 'default', 'highest' or 'bfloat16', the gradients' mode: with B, it sets η.
       platform: the backend that computes them ('cpu', 'gpu', 'tpu'); None = this one.
       accounting: how the accountant accounts (`AccountingOptions`: accountant, k,
         allow_large_delta, prior runs composed in ε and calibrated for, ...); B, T and
-        1 + η are this plan's. **accounting_fields replace some of its fields.
+        1 + η are this plan's. **accounting_fields replace some of its fields (noise='bandmf'
+        with num_bands, or 'blt' with `num_buffers`: the strategy is made for T steps).
 
     Raises:
       ValueError (one line, naming the argument) for any invalid input or a budget overrun.
     """
     if not isinstance(sampler, samplers_lib.Sampler):
       raise TypeError(f'sampler must be a dpjax sampler, got {type(sampler).__name__}.')
-    options = (accounting or AccountingOptions()).replace(**accounting_fields)
+    options = resolved_options(accounting, accounting_fields, num_steps, num_buffers)
     if resume_from is not None:
       noise_multiplier, max_batch_size = plan_inputs.resumed_settings(
         resume_from, noise_multiplier, max_batch_size
       )
       noise_multiplier_source = 'checkpoint'
     num_steps, clip_norm, delta, target, options = plan_inputs.checked(
-      sampler, num_steps, clip_norm, delta, target_epsilon, with_strategy(options, num_steps)
+      sampler, num_steps, clip_norm, delta, target_epsilon, options
     )
     rounding, options = plan_inputs.cap_and_rounding(
       sampler, max_batch_size, physical_batch_size, precision, platform, delta, options

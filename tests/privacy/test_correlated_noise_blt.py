@@ -11,6 +11,8 @@ from scipy import linalg
 from dpjax.privacy import correlated_noise
 from dpjax.privacy import noise
 from dpjax.privacy import noise_state
+from dpjax.privacy import privacy_plan
+from dpjax.privacy import samplers
 from dpjax.privacy.correlated import blt
 from dpjax.privacy.correlated import strategy
 from tests.privacy import step_vs_library
@@ -169,3 +171,30 @@ def test_the_dp_step_carries_the_state_and_equals_the_library_loop():
   buffers = np.asarray(state[0].buffers['w'])
   np.testing.assert_allclose(buffers, np.asarray(lib_state[0].buffers['w']), rtol=2e-6, atol=1e-7)
   assert buffers.shape == (2, step_vs_library.D) and np.all(buffers != 0)
+
+
+def test_a_blt_plan_makes_its_strategy_from_num_buffers():
+  """`PrivacyPlan.create(..., noise='blt', num_buffers=2)` on a deterministic sampler: the plan
+  makes the BLT strategy for its T steps once; its privatizer is that strategy's (BLT state) and
+  its accountant accounts it by its sensitivity (the matrix mechanism); 'blt' without buffers
+  is one line."""
+  sampler = samplers.make('deterministic', 60, 20)
+  plan = privacy_plan.PrivacyPlan.create(
+    sampler,
+    num_steps=6,
+    clip_norm=1.0,
+    noise_multiplier=2.0,
+    delta=1e-5,
+    noise='blt',
+    num_buffers=2,
+  )
+  assert plan.strategy == strategy.for_run('blt', 6, num_buffers=2)
+  assert plan.accountant.options.strategy is plan.strategy
+  assert isinstance(plan.mechanism(), correlated_noise.BLTPrivatizer)
+  state = plan.privatizer().init({'w': jnp.zeros(3)})
+  assert isinstance(state, correlated_noise.BLTNoiseState)
+  assert plan.epsilon_at(6).details['strategy_sensitivity_exact'] is True
+  with pytest.raises(ValueError, match='needs num_buffers'):
+    privacy_plan.PrivacyPlan.create(
+      sampler, num_steps=6, clip_norm=1.0, noise_multiplier=2.0, delta=1e-5, noise='blt'
+    )
