@@ -98,6 +98,17 @@ def restart_on_copy(finished_runs, tmp_path, run, overrides):
     ({'privacy.accountant': 'rdp'}, 'privacy.accountant'),
     ({'privacy.group_size': 2}, 'privacy.group_size'),
     ({'privacy.enabled': False}, 'privacy.enabled'),
+    # Correlated noise (issue 36): its groups, mechanism and strategy enter ε.
+    ({'sampler.name': 'cyclic_poisson', 'sampler.num_groups': 2}, 'sampler.num_groups'),
+    (
+      {
+        'sampler.name': 'cyclic_poisson',
+        'sampler.num_groups': 2,
+        'privacy.noise': 'bandmf',
+        'privacy.num_bands': 2,
+      },
+      'privacy.noise_strategy',
+    ),
     (
       {'data.source': 'synthetic', 'data.num_examples': 1437, 'data.num_classes': 10},
       'data.source',
