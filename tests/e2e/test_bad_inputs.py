@@ -239,6 +239,11 @@ CLI_CASES = [
   (['--config.privacy.noise_multiplier=0'], r'privacy.noise_multiplier = 0.0: must be'),
   (['--config.privacy.clip_norm=inf'], r'privacy.clip_norm = inf: must be'),
   (['--num_processes=2'], r'only apply with --distributed'),
+  (['--config.sampler.num_groups=4'], r'sampler.num_groups = 4: not a setting of sampler.name'),
+  (
+    ['--config.privacy.noise=bandmf', '--config.privacy.num_bands=4'],
+    r"privacy.noise = 'bandmf': .*accounted for sampler cyclic_poisson",
+  ),
   ('missing_config', r'no such file .*missing.py'),
   ('broken_config', r'syntax error at line 1'),
   ('workdir_is_file', r'is a file, not a directory'),
