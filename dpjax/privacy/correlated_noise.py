@@ -32,13 +32,14 @@ of the parameters), released as σC·w_t/scale. Both share the step check and th
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import math
 from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from dpjax.privacy import checks as _checks
 from dpjax.privacy import noise as noise_lib
@@ -56,6 +57,7 @@ class BandedNoiseState(NamedTuple):
 
   step: jax.Array
   history: Any
+  made: jax.Array  # uint32[8]: `StreamingNoise.made_words` of the privatizer that made it.
 
 
 def check_coefficients(coefficients) -> tuple[float, ...]:
@@ -123,6 +125,7 @@ class StreamingNoise:
   `recurse(z, memory) -> (w, memory)` (`_released`: the step check, NaN when refused)."""
 
   stateful: ClassVar[bool] = True
+  recursion_fields: ClassVar[tuple[str, ...]] = ()  # The strategy's parameters (per class).
 
   def key_data(self) -> np.ndarray:
     return prng.noise_stream_data(self.seed, self.noise_impl)
@@ -134,6 +137,28 @@ class StreamingNoise:
       for p in jax.tree.leaves(params)
     )
 
+  @functools.cached_property
+  def made_words(self) -> np.ndarray:
+    """SHA-256 (eight uint32 words) of what the recursion's noise vectors depend on: the
+    strategy's parameters, the seed (only hashed) and the generator. A state continues only
+    the recursion of a privatizer with the same words; σ, C and b scale the release, not w."""
+    return noise_state.digest_words(
+      {
+        'strategy': {f: getattr(self, f) for f in self.recursion_fields},
+        'seed_sha256': hashlib.sha256(f'dpjax-noise-seed:{self.seed}'.encode()).hexdigest(),
+        'noise_impl': self.noise_impl,
+      }
+    )
+
+  def accepts(self, state, step) -> jax.Array:
+    """(Traceable) whether `state` is at `step` and was made by a privatizer like this one (its
+    eight maker words compared one by one: scalar comparisons, no reduction in the program)."""
+    made = jnp.asarray(state.made, jnp.uint32)
+    ok = jnp.asarray(state.step, jnp.uint32) == jnp.asarray(step, jnp.uint32)
+    for i, word in enumerate(self.made_words):
+      ok &= made[i] == jnp.uint32(word)
+    return ok
+
   def zero_memory(self, params: Any) -> Any:
     """[state_vectors, *leaf.shape] zeros per leaf: the recursion before step 0."""
     return jax.tree.map(
@@ -142,7 +167,8 @@ class StreamingNoise:
     )
 
   def stream(self, grad_sum: Any, memory: Any, state_step, step, key_data, recurse, ok):
-    """(released tree, the step after, new memory tree) for this step's z of (seed, t)."""
+    """(released tree, the step after, new memory tree) for this step's z of (seed, t); `ok`
+    must include `accepts` (the state's step and its maker)."""
     z = noise_lib.standard_normals_like(
       prng.step_noise_key(key_data, step, self.noise_impl), grad_sum
     )
@@ -165,6 +191,7 @@ class BandedPrivatizer(StreamingNoise):
   expected_batch_size: float
   seed: int = 0
   noise_impl: str = 'threefry'
+  recursion_fields: ClassVar[tuple[str, ...]] = ('coefficients',)
 
   @classmethod
   def banded(
@@ -195,50 +222,19 @@ class BandedPrivatizer(StreamingNoise):
     return self.bands - 1
 
   def init(self, params: Any) -> BandedNoiseState:
-    return BandedNoiseState(step=jnp.zeros((), jnp.uint32), history=self.zero_memory(params))
+    return BandedNoiseState(
+      step=jnp.zeros((), jnp.uint32),
+      history=self.zero_memory(params),
+      made=jnp.asarray(self.made_words),
+    )
 
   def release(self, grad_sum: Any, state: BandedNoiseState, step, key_data):
-    ok = state.step == jnp.asarray(step, jnp.uint32)
+    ok = self.accepts(state, step)
     recurse = lambda z, h: banded_noise(z, h, self.coefficients)
     released, after, history = self.stream(
       grad_sum, state.history, state.step, step, key_data, recurse, ok
     )
-    return released, BandedNoiseState(step=after, history=history)
-
-
-def banded_privatizer(
-  coefficients,
-  noise_multiplier: float,
-  clip_norm: float,
-  expected_batch_size: float,
-  seed: int,
-  *,
-  noise_impl: str = 'threefry',
-) -> optax.GradientTransformationExtraArgs:
-  """An optax transform mapping Σ_i w_i · clip_C(g_i) of step t to ĝ_t = (Σ_t + σC·(C⁻¹z)_t) / b
-  (module docstring): `init(params)` is the `BandedNoiseState` at step 0, `update(sum, state,
-  params=None, *, step=t)` releases step t (NaN, and a refused state, for any other t).
-
-    tx = optax.chain(banded_privatizer(coefs, 1.1, 1.0, 256, seed), optax.sgd(0.1))
-  """
-  mechanism = BandedPrivatizer.banded(
-    coefficients, noise_multiplier, clip_norm, expected_batch_size, seed, noise_impl
-  )
-  return as_optax(mechanism, 'banded')
-
-
-def as_optax(mechanism, name: str = 'correlated') -> optax.GradientTransformationExtraArgs:
-  """The optax pair of a correlated privatizer (`BandedPrivatizer`, `BLTPrivatizer`): init = its
-  state at step 0, update releases the step it is told (TypeError without `step`)."""
-  stream = mechanism.key_data()
-
-  def update(updates, state, params=None, *, step=None, **extra_args):
-    del params, extra_args
-    if step is None:
-      raise TypeError(noise_lib.MISSING_STEP.replace('Gaussian', name))
-    return mechanism.release(updates, state, step, stream)
-
-  return optax.GradientTransformationExtraArgs(mechanism.init, update)
+    return released, BandedNoiseState(step=after, history=history, made=state.made)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,6 +248,7 @@ class BLTNoiseState(NamedTuple):
 
   step: jax.Array
   buffers: Any
+  made: jax.Array  # uint32[8]: `StreamingNoise.made_words` of the privatizer that made it.
 
 
 def blt_noise(z: jax.Array, buffers: jax.Array, decays, weights):
@@ -283,6 +280,7 @@ class BLTPrivatizer(StreamingNoise):
   expected_batch_size: float
   seed: int = 0
   noise_impl: str = 'threefry'
+  recursion_fields: ClassVar[tuple[str, ...]] = ('decays', 'weights')
 
   @classmethod
   def blt(
@@ -328,69 +326,17 @@ class BLTPrivatizer(StreamingNoise):
     return self.num_buffers
 
   def init(self, params: Any) -> BLTNoiseState:
-    return BLTNoiseState(step=jnp.zeros((), jnp.uint32), buffers=self.zero_memory(params))
+    return BLTNoiseState(
+      step=jnp.zeros((), jnp.uint32),
+      buffers=self.zero_memory(params),
+      made=jnp.asarray(self.made_words),
+    )
 
   def release(self, grad_sum: Any, state: BLTNoiseState, step, key_data):
     step = jnp.asarray(step, jnp.uint32)
-    ok = (state.step == step) & (step < jnp.uint32(self.num_steps))
+    ok = self.accepts(state, step) & (step < jnp.uint32(self.num_steps))
     recurse = lambda z, s: blt_noise(z, s, self.decays, self.weights)
     released, after, buffers = self.stream(
       grad_sum, state.buffers, state.step, step, key_data, recurse, ok
     )
-    return released, BLTNoiseState(step=after, buffers=buffers)
-
-
-def blt_privatizer(
-  decays,
-  weights,
-  scale: float,
-  num_steps: int,
-  noise_multiplier: float,
-  clip_norm: float,
-  expected_batch_size: float,
-  seed: int,
-  *,
-  noise_impl: str = 'threefry',
-) -> optax.GradientTransformationExtraArgs:
-  """An optax transform mapping Σ_i w_i · clip_C(g_i) of step t to ĝ_t = (Σ_t + σC·(C⁻¹z)_t) / b
-  for the BLT strategy C = scale·C_blt (`BLTPrivatizer`): `init(params)` is the `BLTNoiseState`
-  at step 0, `update(sum, state, params=None, *, step=t)` releases step t (NaN, and a refused
-  state, for any other t). `Strategy.privatizer` of `correlated.strategy` builds the mechanism.
-
-    tx = optax.chain(blt_privatizer(theta, omega, scale, n, 1.1, 1.0, 256, seed), optax.sgd(0.1))
-  """
-  mechanism = BLTPrivatizer.blt(
-    decays,
-    weights,
-    scale,
-    num_steps,
-    noise_multiplier,
-    clip_norm,
-    expected_batch_size,
-    seed,
-    noise_impl,
-  )
-  return as_optax(mechanism, 'BLT')
-
-
-def state_step(opt_state: Any) -> int:
-  """The step the one correlated-noise state inside an optax state releases next; one-line
-  ValueError when there is none, several, or it refused a step."""
-  kinds = (BandedNoiseState, BLTNoiseState)
-  found = [
-    leaf
-    for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds))
-    if isinstance(leaf, kinds)
-  ]
-  if len(found) != 1:
-    raise ValueError(
-      f'the optimiser state holds {len(found)} correlated-noise states, not 1: pass the state '
-      "of `tx.init(params)` with the plan's privatizer in `tx`."
-    )
-  step = int(np.asarray(found[0].step))
-  if step == noise_state.REFUSED:
-    raise ValueError(
-      'this correlated-noise state refused an update (a step other than the one it expected): '
-      'the parameters after it are NaN. Resume from the last state it accepted.'
-    )
-  return step
+    return released, BLTNoiseState(step=after, buffers=buffers, made=state.made)

@@ -55,7 +55,7 @@ from typing import Any
 
 from dpjax.privacy import batching
 from dpjax.privacy import clipping
-from dpjax.privacy import correlated_noise
+from dpjax.privacy import correlated_optax
 from dpjax.privacy import mechanisms
 from dpjax.privacy import noise
 from dpjax.privacy import noise_state
@@ -259,7 +259,7 @@ class PrivacyPlan:
     C, b, B or fingerprint) or one that refused a step (`noise_state.check`).
     """
     start = (
-      correlated_noise.state_step(opt_state)
+      correlated_optax.state_step(opt_state, self.mechanism())
       if self.strategy is not None
       else noise_state.check(opt_state, self.initial_noise_state)
     )
@@ -333,10 +333,10 @@ class PrivacyPlan:
   def privatizer(self, *, noise_impl: str = 'threefry'):
     """The optax transform adding N(0, σ²C²) to each step's clipped sum and dividing by b,
     with this plan's σ, C, b and seed (`noise.gaussian_privatizer`); with a correlated-noise
-    strategy, its noise σC·(C⁻¹z)_t instead (`correlated_noise.as_optax`, state: the step and
+    strategy, its noise σC·(C⁻¹z)_t instead (`correlated_optax.as_optax`, state: the step and
     the recent noise or buffers, which `batcher` reads the step from)."""
     if self.strategy is not None:  # Correlated noise: the strategy's, with its state.
-      return correlated_noise.as_optax(self.mechanism(noise_impl))
+      return correlated_optax.as_optax(self.mechanism(noise_impl))
     return noise.gaussian_privatizer(
       self.noise_multiplier,
       self.clip_norm,

@@ -8,6 +8,7 @@ import pytest
 from scipy import linalg
 
 from dpjax.privacy import correlated_noise
+from dpjax.privacy import correlated_optax
 from dpjax.privacy import noise
 from dpjax.privacy import noise_state
 from dpjax.privacy import privacy_plan
@@ -117,7 +118,7 @@ def test_a_step_out_of_order_is_refused_with_nan():
 
 def test_optax_transform_needs_the_step_and_matches_the_mechanism():
   params = _params(40)
-  tx = correlated_noise.banded_privatizer(COEFS, SIGMA, CLIP, B, SEED)
+  tx = correlated_optax.banded_privatizer(COEFS, SIGMA, CLIP, B, SEED)
   state = tx.init(params)
   with pytest.raises(TypeError, match='step=t'):
     tx.update(params, state)
@@ -159,7 +160,7 @@ def test_the_dp_step_carries_the_state_and_equals_the_library_loop():
   c, seed = 0.3, 2**33 + 1
   privatizer = correlated_noise.BandedPrivatizer.banded(COEFS, SIGMA, c, 6.0, seed)
   state, lib_state = step_vs_library.run_both(
-    privatizer, correlated_noise.banded_privatizer(COEFS, SIGMA, c, 6.0, seed), c
+    privatizer, correlated_optax.banded_privatizer(COEFS, SIGMA, c, 6.0, seed), c
   )
   assert int(state[0].step) == 4 and int(lib_state[0].step) == 4
   history = np.asarray(state[0].history['w'])
@@ -195,3 +196,36 @@ def test_a_bandmf_plan_gives_the_library_its_privatizer_batcher_and_accountant()
     np.testing.assert_array_equal(_flat(released), _flat(want))
   batches = plan.batcher(8, state)
   assert next(iter(batches)).step == 2
+
+
+def test_a_state_of_another_privatizer_is_refused():
+  """The history is the recursion of one seed's noise under one strategy: a state made by a
+  privatizer with another seed, or other coefficients, would continue a different C⁻¹z. Its
+  release is NaN and the state refused; the library's batcher refuses it in one line."""
+  params = _params(40)
+  mine = correlated_noise.BandedPrivatizer.banded(COEFS, SIGMA, CLIP, B, SEED)
+  for other in (
+    correlated_noise.BandedPrivatizer.banded(COEFS, SIGMA, CLIP, B, SEED + 1),
+    correlated_noise.BandedPrivatizer.banded(COEFS[::-1], SIGMA, CLIP, B, SEED),
+  ):
+    g, state = mine.release(params, other.init(params), np.uint32(0), mine.key_data())
+    assert np.all(np.isnan(_flat(g))) and int(state.step) == noise_state.REFUSED
+  # σ, C and b do not enter the recursion (w is unscaled): a state of another σ continues.
+  louder = correlated_noise.BandedPrivatizer.banded(COEFS, 2 * SIGMA, CLIP, B, SEED)
+  g, state = mine.release(params, louder.init(params), np.uint32(0), mine.key_data())
+  assert np.all(np.isfinite(_flat(g))) and int(state.step) == 1
+  plans = [
+    privacy_plan.PrivacyPlan.create(
+      samplers.make('cyclic_poisson', 600, 20, seed=seed, num_groups=3),
+      num_steps=9,
+      clip_norm=CLIP,
+      noise_multiplier=SIGMA,
+      delta=1e-5,
+      noise='bandmf',
+      num_bands=3,
+    )
+    for seed in (5, 6)
+  ]
+  state = plans[1].privatizer().init(params)
+  with pytest.raises(ValueError, match='made by another privatizer'):
+    plans[0].batcher(8, state)

@@ -9,6 +9,7 @@ import pytest
 from scipy import linalg
 
 from dpjax.privacy import correlated_noise
+from dpjax.privacy import correlated_optax
 from dpjax.privacy import noise
 from dpjax.privacy import noise_state
 from dpjax.privacy import privacy_plan
@@ -122,7 +123,7 @@ def test_a_step_out_of_order_or_past_the_strategy_is_refused_with_nan():
 
 def test_optax_transform_needs_the_step_and_matches_the_mechanism():
   params = _params(40)
-  tx = correlated_noise.blt_privatizer(THETA, OMEGA, STRATEGY.scale, STEPS, SIGMA, CLIP, B, SEED)
+  tx = correlated_optax.blt_privatizer(THETA, OMEGA, STRATEGY.scale, STEPS, SIGMA, CLIP, B, SEED)
   state = tx.init(params)
   with pytest.raises(TypeError, match='step=t'):
     tx.update(params, state)
@@ -164,7 +165,7 @@ def test_the_dp_step_carries_the_state_and_equals_the_library_loop():
   c, seed = 0.3, 2**33 + 1
   state, lib_state = step_vs_library.run_both(
     STRATEGY.privatizer(SIGMA, c, 6.0, seed),
-    correlated_noise.blt_privatizer(THETA, OMEGA, STRATEGY.scale, STEPS, SIGMA, c, 6.0, seed),
+    correlated_optax.blt_privatizer(THETA, OMEGA, STRATEGY.scale, STEPS, SIGMA, c, 6.0, seed),
     c,
   )
   assert int(state[0].step) == 4 and int(lib_state[0].step) == 4
