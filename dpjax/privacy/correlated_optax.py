@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import numpy as np
 import optax
 
@@ -98,18 +97,8 @@ def state_step(opt_state: Any, privatizer: StreamingNoise | None = None) -> int:
   ValueError when there is none, several, it refused a step, or (given `privatizer`) another
   privatizer made it (another strategy, seed or generator: its noise history is not this
   recursion's)."""
-  kinds = (BandedNoiseState, BLTNoiseState)
-  found = [
-    leaf
-    for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds))
-    if isinstance(leaf, kinds)
-  ]
-  if len(found) != 1:
-    raise ValueError(
-      f'the optimiser state holds {len(found)} correlated-noise states, not 1: pass the state '
-      "of `tx.init(params)` with the plan's privatizer in `tx`."
-    )
-  step = int(np.asarray(found[0].step))
+  found = noise_state.find(opt_state, (BandedNoiseState, BLTNoiseState), 'correlated-noise')
+  step = int(np.asarray(found.step))
   if step == noise_state.REFUSED:
     raise ValueError(
       'this correlated-noise state refused an update (a step other than the one it expected, '
@@ -117,7 +106,7 @@ def state_step(opt_state: Any, privatizer: StreamingNoise | None = None) -> int:
       'state it accepted.'
     )
   if privatizer is not None and not np.array_equal(
-    np.asarray(found[0].made, np.uint32), privatizer.made_words
+    np.asarray(found.made, np.uint32), privatizer.made_words
   ):
     raise ValueError(
       'the correlated-noise state was made by another privatizer (another strategy, seed or '

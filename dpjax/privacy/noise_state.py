@@ -84,16 +84,17 @@ def accepts(state: GaussianNoiseState, made: GaussianNoiseState, step) -> jax.Ar
   return ok
 
 
-def find(opt_state: Any) -> GaussianNoiseState:
-  """The one GaussianNoiseState inside an optax state (e.g. a chain's); ValueError otherwise."""
+def find(opt_state: Any, kinds: tuple[type, ...] = (GaussianNoiseState,), what: str = 'Gaussian'):
+  """The one privatizer state of `kinds` inside an optax state (e.g. a chain's); one-line
+  ValueError otherwise (`what` names the kind in it)."""
   found = [
     s
-    for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, GaussianNoiseState))
-    if isinstance(s, GaussianNoiseState)
+    for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds))
+    if isinstance(s, kinds)
   ]
   if len(found) != 1:
     raise ValueError(
-      f'the optimiser state holds {len(found)} Gaussian privatizer states, not 1: pass the '
+      f'the optimiser state holds {len(found)} {what} privatizer states, not 1: pass the '
       "state of `tx.init(params)` with the plan's privatizer in `tx` (restore a checkpoint "
       'into that structure, e.g. orbax with `tx.init(params)` as its target).'
     )
