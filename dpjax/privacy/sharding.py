@@ -1,8 +1,13 @@
-"""The device mesh of data-parallel training, and where batches and state live.
+"""The device mesh of DP training, and where batches live.
 
-One mesh axis, 'data', spans every device of every process. Each physical
-batch [P, ...] is split along it (P/D rows per device, D devices); parameters,
-optimiser state and the accumulator are replicated. Under `jax.jit` with these
+Three mesh axes span every device of every process: 'data' × 'fsdp' × 'tensor'
+(`make_mesh`). Each physical batch [P, ...] is split over the devices that hold
+different examples, 'data' × 'fsdp' (P/(data·fsdp) rows each); the 'tensor'
+devices of one example group see the same rows. Where parameters, optimiser
+state, EMA and the accumulator live is `dpjax.privacy.param_sharding`'s rule:
+replicated over 'data', split over 'fsdp' (FSDP / ZeRO-3) and, with tensor
+parallelism, over 'tensor'. With fsdp = tensor = 1 (the default) it is plain
+data parallelism: everything but the batch replicated. Under `jax.jit` with these
 shardings XLA's SPMD partitioner (GSPMD, Xu et al. 2021) splits the
 per-example work and turns the sum of clipped gradients over the batch axis
 into a cross-device reduction; nothing here hand-writes a collective.
@@ -29,6 +34,11 @@ import jax
 import numpy as np
 
 DATA_AXIS = 'data'
+FSDP_AXIS = 'fsdp'
+TENSOR_AXIS = 'tensor'
+MESH_AXES = (DATA_AXIS, FSDP_AXIS, TENSOR_AXIS)
+# The axes over which devices hold different examples: a batch's row axis is split over both.
+EXAMPLE_AXES = (DATA_AXIS, FSDP_AXIS)
 
 
 def initialize_distributed(
@@ -53,11 +63,13 @@ def initialize_distributed(
   )
 
 
-def make_mesh(num_devices: int = 0) -> jax.sharding.Mesh:
-  """A 1-D mesh with axis 'data' over all global devices (0) or the first `num_devices`.
+def make_mesh(num_devices: int = 0, fsdp: int = 1, tensor: int = 1) -> jax.sharding.Mesh:
+  """The mesh ('data', 'fsdp', 'tensor') over all global devices (num_devices = 0) or the
+  first `num_devices`: fsdp × tensor devices share each example group's state, and
+  'data' takes the remaining num_devices / (fsdp · tensor).
 
-  A subset is for single-process runs only: in a multi-host job every process
-  must hold part of the mesh.
+  A subset is for single-process runs only: in a multi-host job every process must hold part
+  of the mesh. fsdp · tensor must divide the device count.
   """
   available = jax.device_count()
   if (
@@ -75,39 +87,76 @@ def make_mesh(num_devices: int = 0) -> jax.sharding.Mesh:
       f'which a {jax.process_count()}-process job cannot use; set num_devices = 0.'
     )
   devices = jax.devices()[: num_devices or available]
+  check_parameter_axes(len(devices), fsdp, tensor)
+  shape = (len(devices) // (fsdp * tensor), fsdp, tensor)
   return jax.make_mesh(
-    (len(devices),), (DATA_AXIS,), axis_types=(jax.sharding.AxisType.Auto,), devices=devices
+    shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices
   )
 
 
+def check_parameter_axes(num_devices: int, fsdp: int, tensor: int) -> None:
+  """ValueError (one line, naming the field) unless fsdp and tensor are positive integers whose
+  product divides the number of devices."""
+  for name, value in (('fsdp', fsdp), ('tensor', tensor)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f'mesh.{name} must be an integer >= 1, got {value!r}.')
+  if num_devices % (fsdp * tensor):
+    raise ValueError(
+      f'mesh.fsdp × mesh.tensor = {fsdp} × {tensor} must divide the number of devices '
+      f'({num_devices}); the data axis takes the rest.'
+    )
+
+
+def mesh_axis_size(mesh: jax.sharding.Mesh, axis: str) -> int:
+  """The size of `axis` in mesh (1 for an axis the mesh does not have)."""
+  return int(mesh.shape.get(axis, 1))
+
+
+def example_groups(mesh: jax.sharding.Mesh) -> int:
+  """How many devices hold different examples of a batch: data × fsdp."""
+  return mesh_axis_size(mesh, DATA_AXIS) * mesh_axis_size(mesh, FSDP_AXIS)
+
+
+def layout_name(mesh: jax.sharding.Mesh | None) -> dict[str, int]:
+  """{'data': d, 'fsdp': f, 'tensor': t} of mesh (one device, no mesh: all 1): what a
+  checkpoint records; never in the privacy fingerprint."""
+  return {axis: 1 if mesh is None else mesh_axis_size(mesh, axis) for axis in MESH_AXES}
+
+
+def _example_spec(*leading) -> jax.sharding.PartitionSpec:
+  """leading Nones, then the row axis split over the example axes present in the mesh."""
+  return jax.sharding.PartitionSpec(*leading, EXAMPLE_AXES)
+
+
 def replicated(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
-  """A full copy on every device (parameters, optimiser state, accumulator, keys)."""
+  """A full copy on every device (keys, counters, metrics; the state where it is not split)."""
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
 def batch_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
-  """The leading (example) axis split over 'data'; other axes whole."""
-  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(DATA_AXIS))
+  """The leading (example) axis split over 'data' × 'fsdp'; other axes whole."""
+  return jax.sharding.NamedSharding(mesh, _example_spec())
 
 
 def logical_batch_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
-  """A logical-batch buffer [K_max, P, ...]: the row axis (1) split over 'data'."""
-  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, DATA_AXIS))
+  """A logical-batch buffer [K_max, P, ...]: the row axis (1) split over 'data' × 'fsdp'."""
+  return jax.sharding.NamedSharding(mesh, _example_spec(None))
 
 
 def chunk_sharding(mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
   """Stacked logical batches [S, K_max, P, ...] (`dpjax.privacy.multi_step`): the row axis (2) split."""
-  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, DATA_AXIS))
+  return jax.sharding.NamedSharding(mesh, _example_spec(None, None))
 
 
 def check_physical_batch_size(physical_batch_size: int, mesh: jax.sharding.Mesh) -> None:
-  """ValueError unless P splits evenly over the mesh's devices."""
-  num_devices = mesh.devices.size
-  if physical_batch_size % num_devices:
+  """ValueError unless P splits evenly over the devices that hold different examples."""
+  groups = example_groups(mesh)
+  if physical_batch_size % groups:
     raise ValueError(
       f'sampler.physical_batch_size = {physical_batch_size} must be a multiple of the number '
-      f'of devices ({num_devices} in the data mesh, over {jax.process_count()} process(es)), so '
-      'that every device takes P/D rows; see num_devices.'
+      f'of devices that hold different examples ({groups} = data × fsdp of a '
+      f'{mesh.devices.size}-device mesh over {jax.process_count()} process(es)), so that each '
+      'takes P/(data·fsdp) rows; see num_devices and mesh.fsdp.'
     )
 
 
