@@ -155,6 +155,16 @@ def state_shardings(
   )
 
 
+def constrain(
+  tree: Any, params: Any, mesh: jax.sharding.Mesh | None, rules: ShardingRules = ShardingRules()
+) -> Any:
+  """`tree` (traced) held to `state_shardings` inside a jitted program, so what a program
+  returns keeps the layout its state came in (no mesh: `tree` unchanged)."""
+  if mesh is None:
+    return tree
+  return jax.lax.with_sharding_constraint(tree, state_shardings(tree, params, mesh, rules))
+
+
 def place(tree: Any, shardings: Any) -> Any:
   """A pytree of host values as global arrays with these shardings (a tree like it). Every
   process passes the same full values (e.g. parameters from the same seed); each keeps its
