@@ -37,7 +37,7 @@ import numpy as np
 from dpjax.privacy import sharding
 
 P = jax.sharding.PartitionSpec
-MIN_SHARDED_SIZE = 2**14  # Elements: smaller arrays (biases, norms) are replicated.
+MIN_SHARDED_SIZE = 2**10  # Elements (4 KiB in float32): smaller arrays (biases, norms) stay whole.
 ATTENTION_HEAD_PROJECTIONS = ('query', 'key', 'value')
 ATTENTION_OUTPUT = 'out'
 
