@@ -24,6 +24,7 @@ import optax
 from dpjax.data import sources as data
 from dpjax.privacy import auditing
 from dpjax.privacy import dp_step
+from dpjax.privacy import lora
 from dpjax.privacy import losses
 from dpjax.privacy import mechanisms
 from dpjax.privacy import prng
@@ -52,7 +53,7 @@ def init_params(plan: plan_lib.RunPlan, model, input_shape) -> tuple[Any, Any]:
       plan.init_source.weights, params, tune.init_from_rules, plan.init_source.weights_sha256
     )
   if tune.freeze or tune.lora_rank:
-    model, params = finetune.make_finetune(
+    model, params = lora.make_finetune(
       model,
       params,
       freeze=tune.freeze,

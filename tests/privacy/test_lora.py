@@ -1,0 +1,78 @@
+"""LoRA fine-tuning in the library tier: ghost norms of the adapters, the frozen base as data."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dpjax.models import transformer
+from dpjax.privacy import clipping
+from dpjax.privacy import ghost_clipping
+from dpjax.privacy import lora
+from dpjax.privacy import losses
+from tests.privacy.ghost_clipping import harness
+
+MODEL = transformer.Transformer(
+  num_classes=3, max_length=4, num_layers=1, num_heads=2, model_dim=8, mlp_dim=8
+)
+TARGETS = ('query|value|out', 'Dense_[01]')  # Attention projections and MLP kernels.
+ALPHA, RANK = 6.0, 2  # s = 3: a rule that drops s is off by 9x in ‖g‖².
+N = 5
+
+
+def _setup():
+  """(wrapped model, trainable with B != 0, batch of N sequences [N, 4, 5])."""
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(N, 4, 5)).astype(np.float32)
+  wrapped, trainable = lora.make_finetune(
+    MODEL, harness.init(MODEL, x[:1], 0), lora_rank=RANK, lora_alpha=ALPHA, lora_targets=TARGETS
+  )
+  trainable = jax.tree.map(
+    lambda v: v + 0.3 * rng.normal(size=v.shape).astype(np.float32), trainable
+  )
+  return wrapped, trainable, {'x': x, 'y': np.arange(N) % 3}
+
+
+def _float64_sq_norms(wrapped, trainable, batch) -> np.ndarray:
+  """‖g_i‖² by autodiff of the whole model in float64 (x64 on): independent of any rule."""
+  with jax.enable_x64(True):
+    f64 = lambda t: jax.tree.map(lambda v: np.asarray(v, np.float64), t)
+    model64 = lora.FineTuneModel(
+      wrapped.model, f64(wrapped.frozen), wrapped.lora_targets, wrapped.lora_scale
+    )
+    loss = losses.make_loss_fn(model64)
+    grads = jax.jit(jax.vmap(jax.grad(lambda p, e: loss(p, e)[0]), in_axes=(None, 0)))(
+      f64(trainable), {'x': np.asarray(batch['x'], np.float64), 'y': batch['y']}
+    )
+    return np.asarray(sum(jnp.sum(jnp.square(g.reshape(N, -1)), 1) for g in jax.tree.leaves(grads)))
+
+
+def test_lora_ghost_norms_equal_vmap_and_float64_and_each_clipped_row_is_within_c():
+  """Ghost norms of LoRA adapters on attention projections (DenseGeneral) and MLP kernels
+  (Dense) over sequences equal per-example gradients' (vmap) and a float64 reference (≤ 1e-5
+  relative, never below it), and each row's clipped contribution is ≤ C. Catches a rule that
+  drops s = α/r, mixes up ∂A and ∂B, reads the frozen kernel, or a coverage that refuses
+  LoRA ('auto' must pick ghost)."""
+  wrapped, trainable, batch = _setup()
+  loss = losses.make_loss_fn(wrapped)
+  with jax.default_matmul_precision('highest'):
+    want = _float64_sq_norms(wrapped, trainable, batch)
+    ghost = np.asarray(
+      jax.jit(ghost_clipping.per_example_sq_norms, static_argnums=0)(loss, trainable, batch)
+    )
+    coverage = ghost_clipping.analyse_coverage(loss, trainable, jax.tree.map(lambda v: v[0], batch))
+    assert coverage.complete and sum(l.lora_scale == ALPHA / RANK for l in coverage.layers) == 5
+    np.testing.assert_allclose(ghost, want, rtol=1e-5)
+    assert np.all(ghost >= want * (1 - 1e-6))  # An upper bound: the clip never under-weighs.
+    clip = 0.5 * float(np.sqrt(want.min()))  # Every row is clipped.
+    sums = {}
+    for method in ('vmap', 'auto'):
+      fn = clipping.clipped_sum_fn(loss, clip, method)
+      grad = jax.jit(lambda p, b, w, fn=fn: fn(p, b, w))
+      rows = [grad(trainable, batch, np.eye(N, dtype=np.float32)[i])[0] for i in range(N)]
+      norms = [np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree.leaves(r))) for r in rows]
+      assert max(norms) <= clip * (1 + 1e-6), (method, norms, clip)
+      sums[method] = jax.tree.leaves(grad(trainable, batch, np.ones(N, np.float32))[0])
+      if method == 'auto':
+        assert 'ghost' in fn.choice[0] and 'LoRA s=3' in ' '.join(fn.choice), fn.choice
+    for a, b in zip(sums['vmap'], sums['auto']):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
