@@ -51,6 +51,7 @@ from dpjax.privacy import accumulator as accumulator_lib
 from dpjax.privacy import augmult as augmult_lib
 from dpjax.privacy import clipping as clipping_lib
 from dpjax.privacy import logical_buffer
+from dpjax.privacy import lora
 from dpjax.privacy import losses
 from dpjax.privacy import noise
 from dpjax.privacy import noise_state
@@ -98,6 +99,7 @@ class DPStep:
       `accumulate` takes batch['x'] as views [P, K, ...] (`augmult.make_views`).
     sum_fn_wrapper: optional f(sum_fn) -> sum_fn applied to the physical batch's clipped-sum
       function (e.g. `auditing.with_gradient_canaries`).
+    frozen: a base the loss reads, never trained (`lora`); loss_fn(params, example, frozen).
     options: `StepOptions` (mesh, physical loop, clipping forms, repeated steps).
   """
 
@@ -113,8 +115,11 @@ class DPStep:
     augmult: augmult_lib.Augmult | None = None,
     sum_fn_wrapper=None,
     options: StepOptions = StepOptions(),
+    frozen: Params | None = None,
   ):
     """Validates everything before any compute (the arguments: see the class docstring)."""
+    self._base = {'now': frozen}  # The program's `frozen` argument while it is traced.
+    loss_fn = loss_fn if frozen is None else (lambda p, e, f=loss_fn: f(p, e, self._base['now']))
     self.precision = precision_lib.check_precision(precision)
     if not (hasattr(optimizer, 'init') and hasattr(optimizer, 'update')):
       raise ValueError('optimizer must be an optax.GradientTransformation.')
@@ -133,6 +138,7 @@ class DPStep:
     # The seed's key data, an argument of every program (not a constant in it): one
     # compilation, and one persistent cache entry, serve every run whatever its secret seed.
     self.keys = {'noise': privatizer.key_data(), 'views': augmult_lib.stream_data(self.seed)}
+    self.keys.update({} if frozen is None else {'frozen': frozen})
     self._traces = {'accumulate': 0, 'apply': 0, 'train_step': 0}
     self.sizing = step_sizing.StepSizing()
     self._jit_programs()
@@ -190,17 +196,10 @@ class DPStep:
     )
     prng.check_noise_impl(noise_impl)
     views = augmult is not None and augmult.num_views > 1
-    loss_fn = losses.make_loss_fn(model, label_format, precision, views=views, loss=loss)
-    return cls(
-      loss_fn,
-      optimizer,
-      privatizer,
-      has_aux=True,
-      precision=precision,
-      augmult=augmult,
-      options=options,
-      **kwargs,
-    )
+    make = lambda m: losses.make_loss_fn(m, label_format, precision, views=views, loss=loss)
+    loss_fn, kwargs['frozen'] = lora.loss_and_base(model, make, options.mesh)
+    kwargs.update(has_aux=True, precision=precision, augmult=augmult, options=options)
+    return cls(loss_fn, optimizer, privatizer, **kwargs)
 
   @classmethod
   def non_private(
@@ -256,14 +255,15 @@ class DPStep:
   def _jit_programs(self) -> None:
     """The compiled programs: each one body below, sharded by `program_shardings` (the mesh's
     layout, or where the inputs are when there is no mesh)."""
+    layout = functools.partial(program_shardings, self.mesh, keys=self.keys)
     jit = lambda fn, counter, kinds, donate: jax.jit(
-      self._counted(fn, counter), donate_argnums=donate, **program_shardings(self.mesh, kinds)
+      self._counted(fn, counter), donate_argnums=donate, **layout(kinds)
     )
     self.accumulate = jit(self._add_batch, 'accumulate', 'ssb', (1,))
-    self._apply = jit(self._release, 'apply', 'sssss', (2,))
-    self._train_step = jit(self.logical_step, 'train_step', 'sslssss', (0, 1))
-    self._host_add = jit(self._add_slot, 'train_step', 'sslssss', (1,))
-    self._host_release = jit(self._release, 'train_step', 'sssss', (0, 1))
+    self._apply = jit(self._release, 'apply', 'ssssk', (2,))
+    self._train_step = jit(self.logical_step, 'train_step', 'sslsssk', (0, 1))
+    self._host_add = jit(self._add_slot, 'train_step', 'sslsssk', (1,))
+    self._host_release = jit(self._release, 'train_step', 'ssssk', (0, 1))
     self._zeros = jax.jit(accumulator_lib.zeros, **program_shardings(self.mesh, ''))
 
   def _counted(self, fn, counter: str):
@@ -279,8 +279,12 @@ class DPStep:
 
   # The bodies: one physical batch, one release, one logical step.
 
-  def _add_batch(self, params: Params, acc, batch: Batch) -> accumulator_lib.Accumulator:
-    """acc + this physical batch's Σ_i w_i · clip_C(g_i) and statistics."""
+  def _add_batch(
+    self, params: Params, acc, batch: Batch, frozen=None
+  ) -> accumulator_lib.Accumulator:
+    """acc + this physical batch's Σ_i w_i · clip_C(g_i) and statistics; `frozen`: the base as
+    an argument (None: `accumulate`'s, the step's own, a constant of its program)."""
+    self._base['now'] = self.keys.get('frozen') if frozen is None else frozen
     batch = dict(batch, weight=clipping_lib.clamp_weights(batch['weight']))  # As clipped_grad.
     g, stats = self._sum_fn(params, batch)
     return accumulator_lib.add(acc, g, stats)
@@ -288,7 +292,7 @@ class DPStep:
   def _add_slot(self, params, acc, logical, i, step, dataset, keys):
     """acc + physical batch i of the logical buffer (gathered and viewed on the device)."""
     batch = logical_buffer.physical_batch(logical, i, step, dataset, self.augmult, keys['views'])
-    return self._add_batch(params, acc, batch)
+    return self._add_batch(params, acc, batch, keys.get('frozen'))
 
   def _release(self, params, opt_state, acc, step, keys):
     """The privatizer's ĝ of the sum (noise of (seed, t) once, ÷ b), then the optimizer."""

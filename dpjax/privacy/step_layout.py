@@ -9,6 +9,7 @@ import dataclasses
 
 import jax
 
+from dpjax.privacy import lora
 from dpjax.privacy import sharding
 
 PHYSICAL_LOOPS = ('auto', 'device', 'host')
@@ -41,18 +42,28 @@ class StepOptions:
       raise ValueError(f'physical_loop={self.physical_loop!r}; valid: {PHYSICAL_LOOPS}.')
 
 
-def program_shardings(mesh: jax.sharding.Mesh | None, kinds: str) -> dict:
+def program_shardings(mesh: jax.sharding.Mesh | None, kinds: str, keys=None) -> dict:
   """`jax.jit`'s sharding arguments of a program over `mesh`: argument j by kinds[j] ('s'
   replicated state, 'b' a physical batch split over 'data', 'l' a logical buffer [K_max, P,
-  ...] split on its row axis, 'c' a chunk of them [S, K_max, P, ...]), outputs replicated.
-  None: none (the program runs where its inputs are)."""
+  ...] split on its row axis, 'c' a chunk of them [S, K_max, P, ...], 'k' the step's `keys`),
+  outputs replicated. None: none (the program runs where its inputs are).
+
+  The keys are replicated, except a fine-tuned model's frozen base `keys['frozen']`
+  (`DPStep(frozen=...)`), placed like parameters (`lora.frozen_shardings`): sharded data,
+  never a constant of the program (`jax.jit` embeds a closed-over array whole, on one device:
+  scripts/frozen_closure.py)."""
   if mesh is None:
     return {}
+  keys_sharding = sharding.replicated(mesh)
+  if keys and 'frozen' in keys:
+    keys_sharding = dict.fromkeys(keys, sharding.replicated(mesh))
+    keys_sharding['frozen'] = lora.frozen_shardings(keys['frozen'], mesh)
   by_kind = {
     's': sharding.replicated(mesh),
     'b': sharding.batch_sharding(mesh),
     'l': sharding.logical_batch_sharding(mesh),
     'c': sharding.chunk_sharding(mesh),
+    'k': keys_sharding,
   }
   ins = {'in_shardings': tuple(by_kind[k] for k in kinds)} if kinds else {}
   return {'out_shardings': by_kind['s'], **ins}

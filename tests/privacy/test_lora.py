@@ -3,9 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from dpjax.models import transformer
 from dpjax.privacy import clipping
+from dpjax.privacy import dp_step
 from dpjax.privacy import ghost_clipping
 from dpjax.privacy import lora
 from dpjax.privacy import losses
@@ -76,3 +78,26 @@ def test_lora_ghost_norms_equal_vmap_and_float64_and_each_clipped_row_is_within_
         assert 'ghost' in fn.choice[0] and 'LoRA s=3' in ' '.join(fn.choice), fn.choice
     for a, b in zip(sums['vmap'], sums['auto']):
       np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_the_frozen_base_is_an_argument_of_the_step_not_a_constant():
+  """The DP step's program takes the base as an argument: a marker value planted in a frozen
+  kernel is absent from its HLO, while a jit closing over the same base embeds it (the
+  control: jax 0.10 inlines closed-over arrays as constants, on one device)."""
+  wrapped, trainable, batch = _setup()
+  marker = 1234.5
+  path = 'MultiHeadDotProductAttention_0/value/kernel'
+  flat = lora.flatten(wrapped.frozen)
+  flat[path] = flat[path].at[0, 0, 0].set(marker)
+  wrapped = lora.FineTuneModel(MODEL, lora.unflatten(flat), wrapped.lora_targets, 3.0)
+  step = dp_step.DPStep.for_model(
+    wrapped, optax.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=5.0
+  )
+  logical = jax.tree.map(lambda v: v[None], dict(batch, weight=np.ones(N, np.float32)))
+  state = step.init_opt_state(trainable)
+  text = jax.jit(step.logical_step).lower(trainable, state, logical, 1, 0, None, step.keys)
+  text = text.as_text()
+  closed = jax.jit(lambda p, b: losses.make_loss_fn(wrapped)(p, b)[0])
+  control = closed.lower(trainable, jax.tree.map(lambda v: v[0], batch)).as_text()
+  assert '1.234500e+03' in control and '1.234500e+03' not in text
+  assert 'frozen' in step.keys and step.keys['frozen'] is wrapped.frozen
