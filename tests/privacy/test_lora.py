@@ -10,6 +10,8 @@ from dpjax.privacy import clipping
 from dpjax.privacy import dp_step
 from dpjax.privacy import lora
 from dpjax.privacy import losses
+from dpjax.privacy import param_sharding
+from dpjax.privacy import step_layout
 from tests.privacy.ghost_clipping import harness
 
 MODEL = transformer.Transformer(
@@ -18,6 +20,7 @@ MODEL = transformer.Transformer(
 TARGETS = ('query|value|out', 'Dense_[01]')  # Attention projections and MLP kernels.
 ALPHA, RANK = 6.0, 2  # s = 3: a rule that drops s is off by 9x in ‖g‖².
 N = 5
+P = jax.sharding.PartitionSpec
 
 
 def _setup():
@@ -99,3 +102,21 @@ def test_the_frozen_base_is_an_argument_of_the_step_not_a_constant():
   control = closed.lower(trainable, jax.tree.map(lambda v: v[0], batch)).as_text()
   assert '1.234500e+03' in control and '1.234500e+03' not in text
   assert 'frozen' in step.keys and step.keys['frozen'] is wrapped.frozen
+
+
+def test_the_base_is_placed_like_parameters_over_the_mesh():
+  """The step's keys argument places the base as `param_sharding` would place the same
+  arrays trained (FSDP: a kernel of >= 2**14 elements split on its largest axis, a bias
+  whole) and the keys replicated; catches a base left replicated (memory x fsdp) or a
+  placement that drifts from the parameters' rule. An abstract (data=2, fsdp=4) mesh: no
+  devices needed."""
+  mesh = jax.sharding.AbstractMesh((2, 4, 1), ('data', 'fsdp', 'tensor'))
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.float32)
+  base = {'Dense_1': {'kernel': f32(128, 256), 'bias': f32(256)}, 'pos_embedding': f32(8, 128)}
+  want = param_sharding.parameter_specs(base, mesh, param_sharding.ShardingRules())
+  assert want['Dense_1']['kernel'] == P(None, 'fsdp') and want['Dense_1']['bias'] == P()
+  keys = {'noise': np.zeros(2, np.uint32), 'views': np.zeros(2, np.uint32), 'frozen': base}
+  ins = step_layout.program_shardings(mesh, 'sk', keys)['in_shardings']
+  assert ins[0].spec == P() and ins[1]['noise'].spec == ins[1]['views'].spec == P()
+  got = jax.tree.map(lambda s: s.spec, ins[1]['frozen'])
+  assert got == want
