@@ -106,9 +106,6 @@ def main(quick: bool) -> None:
     sampler, num_steps=steps, clip_norm=1.0, target_epsilon=4.0, delta=1e-5,
     physical_batch_size=P,
   )  # fmt: skip
-  # physical_loop 'auto' = 'host' on the CPU (attention kernels are rank 3): K + 1 programs a
-  # step. 'device' (the K batches in one while loop) deadlocked XLA:CPU's collectives on 8
-  # forced devices of a 2-core machine here (an all-reduce waiting on 4 of 8 devices).
   step = dpjax.DPStep.from_plan(wrapped, optax.adam(1e-2), plan, mesh=mesh)
   frozen = step.keys['frozen']  # The base, placed over the mesh once (an argument).
   placed = jax.tree.map(lambda a: a.sharding, frozen)
