@@ -174,6 +174,7 @@ def _full_params(trainable: dict, meta: dict, workdir: str) -> dict:
     return trainable
   from dpjax.models import factory as models
   from dpjax.privacy import prng
+  from dpjax.privacy import lora as lora_lib
   from dpjax.trainer.planning import finetune
   from dpjax.trainer.workdir import run_seed
 
@@ -203,7 +204,7 @@ def _full_params(trainable: dict, meta: dict, workdir: str) -> dict:
       init['weights_sha256'],
     )
   lora = config.get('lora', {})
-  wrapped, _ = finetune.make_finetune(
+  wrapped, _ = lora_lib.make_finetune(
     model,
     params,
     freeze=tuple(config.get('freeze', ())),
@@ -217,9 +218,9 @@ def _full_params(trainable: dict, meta: dict, workdir: str) -> dict:
 
 def _flat_numpy(params) -> dict[str, np.ndarray]:
   import numpy as np
-  from dpjax.trainer.planning import finetune
+  from dpjax.privacy import lora
 
-  return {k: np.asarray(v) for k, v in finetune.flatten(params).items()}
+  return {k: np.asarray(v) for k, v in lora.flatten(params).items()}
 
 
 def _checked_paths(workdir: str, out: str) -> tuple[str, str]:

@@ -51,6 +51,7 @@ from dpjax.privacy import accumulator as accumulator_lib
 from dpjax.privacy import augmult as augmult_lib
 from dpjax.privacy import clipping as clipping_lib
 from dpjax.privacy import logical_buffer
+from dpjax.privacy import lora
 from dpjax.privacy import losses
 from dpjax.privacy import noise
 from dpjax.privacy import noise_state
@@ -99,6 +100,7 @@ class DPStep:
       `accumulate` takes batch['x'] as views [P, K, ...] (`augmult.make_views`).
     sum_fn_wrapper: optional f(sum_fn) -> sum_fn applied to the physical batch's clipped-sum
       function (e.g. `auditing.with_gradient_canaries`).
+    frozen: a base the loss reads, never trained (`lora`); loss_fn(params, example, frozen).
     options: `StepOptions` (mesh, physical loop, clipping forms, repeated steps).
   """
 
@@ -114,8 +116,11 @@ class DPStep:
     augmult: augmult_lib.Augmult | None = None,
     sum_fn_wrapper=None,
     options: StepOptions = StepOptions(),
+    frozen: Params | None = None,
   ):
     """Validates everything before any compute (the arguments: see the class docstring)."""
+    self._base = {'now': frozen}  # The program's `frozen` argument while it is traced.
+    loss_fn = loss_fn if frozen is None else (lambda p, e, f=loss_fn: f(p, e, self._base['now']))
     self.precision = precision_lib.check_precision(precision)
     if not (hasattr(optimizer, 'init') and hasattr(optimizer, 'update')):
       raise ValueError('optimizer must be an optax.GradientTransformation.')
@@ -134,6 +139,7 @@ class DPStep:
     # The seed's key data, an argument of every program (not a constant in it): one
     # compilation, and one persistent cache entry, serve every run whatever its secret seed.
     self.keys = {'noise': privatizer.key_data(), 'views': augmult_lib.stream_data(self.seed)}
+    self.keys.update({} if frozen is None else {'frozen': frozen})
     self._traces = {'accumulate': 0, 'apply': 0, 'train_step': 0}
     self.sizing = step_sizing.StepSizing()
     self._jit_programs()
@@ -191,17 +197,10 @@ class DPStep:
     )
     prng.check_noise_impl(noise_impl)
     views = augmult is not None and augmult.num_views > 1
-    loss_fn = losses.make_loss_fn(model, label_format, precision, views=views, loss=loss)
-    return cls(
-      loss_fn,
-      optimizer,
-      privatizer,
-      has_aux=True,
-      precision=precision,
-      augmult=augmult,
-      options=options,
-      **kwargs,
-    )
+    make = lambda m: losses.make_loss_fn(m, label_format, precision, views=views, loss=loss)
+    loss_fn, kwargs['frozen'] = lora.loss_and_base(model, make, options.mesh, options.rules)
+    kwargs.update(has_aux=True, precision=precision, augmult=augmult, options=options)
+    return cls(loss_fn, optimizer, privatizer, **kwargs)
 
   @classmethod
   def non_private(
@@ -257,14 +256,17 @@ class DPStep:
   def _jit_programs(self) -> None:
     """The compiled programs: each one body below, sharded by `program_shardings` (the mesh's
     layout, or where the inputs are when there is no mesh)."""
+    layout = functools.partial(
+      program_shardings, self.mesh, keys=self.keys, rules=self.options.rules
+    )
     jit = lambda fn, counter, kinds, donate: jax.jit(
-      self._counted(fn, counter), donate_argnums=donate, **program_shardings(self.mesh, kinds)
+      self._counted(fn, counter), donate_argnums=donate, **layout(kinds)
     )
     self.accumulate = jit(self._add_batch, 'accumulate', 'ssb', (1,))
-    self._apply = jit(self._release, 'apply', 'sssss', (2,))
-    self._train_step = jit(self.logical_step, 'train_step', 'sslssss', (0, 1))
-    self._host_add = jit(self._add_slot, 'train_step', 'sslssss', (1,))
-    self._host_release = jit(self._release, 'train_step', 'sssss', (0, 1))
+    self._apply = jit(self._release, 'apply', 'ssssk', (2,))
+    self._train_step = jit(self.logical_step, 'train_step', 'sslsssk', (0, 1))
+    self._host_add = jit(self._add_slot, 'train_step', 'sslsssk', (1,))
+    self._host_release = jit(self._release, 'train_step', 'ssssk', (0, 1))
     self._zeros = jax.jit(lambda p: self.placed(accumulator_lib.zeros(p), p))
 
   def placed(self, tree, params):
@@ -284,8 +286,12 @@ class DPStep:
 
   # The bodies: one physical batch, one release, one logical step.
 
-  def _add_batch(self, params: Params, acc, batch: Batch) -> accumulator_lib.Accumulator:
-    """acc + this physical batch's Σ_i w_i · clip_C(g_i) and statistics."""
+  def _add_batch(
+    self, params: Params, acc, batch: Batch, frozen=None
+  ) -> accumulator_lib.Accumulator:
+    """acc + this physical batch's Σ_i w_i · clip_C(g_i) and statistics; `frozen`: the base as
+    an argument (None: `accumulate`'s, the step's own, a constant of its program)."""
+    self._base['now'] = self.keys.get('frozen') if frozen is None else frozen
     batch = dict(batch, weight=clipping_lib.clamp_weights(batch['weight']))  # As clipped_grad.
     g, stats = self._sum_fn(params, batch)
     return self.placed(accumulator_lib.add(acc, g, stats), params)
@@ -293,7 +299,7 @@ class DPStep:
   def _add_slot(self, params, acc, logical, i, step, dataset, keys):
     """acc + physical batch i of the logical buffer (gathered and viewed on the device)."""
     batch = logical_buffer.physical_batch(logical, i, step, dataset, self.augmult, keys['views'])
-    return self._add_batch(params, acc, batch)
+    return self._add_batch(params, acc, batch, keys.get('frozen'))
 
   def _release(self, params, opt_state, acc, step, keys):
     """The privatizer's ĝ of the sum (noise of (seed, t) once, ÷ b), then the optimizer."""
@@ -351,31 +357,27 @@ class DPStep:
     return self._host_release(params, opt_state, acc, step, self.keys)
 
   def init_accumulator(self, params: Params) -> accumulator_lib.Accumulator:
-    """Zero sums with the structure of params (replicated over the mesh)."""
+    """Zero sums with the structure and layout of params."""
     return self._zeros(params)
 
   def init_opt_state(self, params: Params) -> optax.OptState:
-    """The optimiser state `apply` / `train_step` take (`accumulator.init_state`): the
-    optimizer's, with a stateful privatizer's state first."""
+    """`accumulator.init_state`: the optimizer's state, a stateful privatizer's state first."""
     return accumulator_lib.init_state(params, self.optimizer, self.privatizer)
 
   def apply(self, params: Params, opt_state: optax.OptState, acc, step):
-    """ĝ = the privatizer's release of acc.grad_sum at `step` ((Σ + N(0, σ²C²)) / b for the
-    Gaussian one); one optax step on ĝ. Donates `acc`. Refuses (ValueError, before any
-    compute) a step not after the last one applied (`noise_state.check_after`)."""
+    """ĝ = the privatizer's release of acc.grad_sum at `step` ((Σ + N(0, σ²C²)) / b, Gaussian),
+    one optax step on ĝ; donates `acc`; refuses a step not after the last one applied."""
     self._check_step(step)
     return self._apply(params, opt_state, acc, step, self.keys)
 
   def _check_step(self, step) -> None:
-    """This object noises each step once, in order (`noise_state.check_after`); a loop
-    resumed in another process continues from its saved step (the noise is (seed, t)'s)."""
+    """Each step noised once, in order (`noise_state.check_after`; the noise is (seed, t)'s)."""
     if self.private and not self.allow_repeated_steps:
       self._last_applied = noise_state.check_after(step, self._last_applied, who='DPStep')
 
   def compiled_bytes(self, params, opt_state, logical, dataset=None) -> int:
-    """Device bytes of the logical-step program for a buffer shaped like `logical`
-    (`step_sizing.compiled_bytes`: XLA's memory analysis, nothing runs; compiled once per
-    shapes, and not counted by `compile_count`)."""
+    """Device bytes of the logical-step program for a buffer like `logical` (XLA's memory
+    analysis, `step_sizing`: nothing runs; not counted by `compile_count`)."""
     traces = dict(self._traces)
     try:
       return self.sizing.bytes_of(self._train_step, params, opt_state, logical, dataset, self.keys)
@@ -383,9 +385,8 @@ class DPStep:
       self._traces = traces
 
   def compile_count(self, fn: str | None = None) -> int:
-    """Compilations so far of 'accumulate', 'apply' or 'train_step' (its one program, or the
-    host loop's two); None: their total. Each trace of a body is one XLA compilation; a
-    healthy run stays at 1 each whatever K is."""
+    """Compilations (traces) of 'accumulate', 'apply' or 'train_step' (one program, or the host
+    loop's two); None: their total. A healthy run stays at 1 each whatever K is."""
     if fn is None:
       return sum(self._traces.values())
     if fn not in self._traces:
@@ -394,7 +395,6 @@ class DPStep:
 
   @property
   def clipping_choice(self) -> list[str]:
-    """What the clipped sum runs, as log lines: per-example gradients, or ghost clipping with
-    each layer's form (`clipping.make_clipped_sum_fn`); empty before the first trace of
-    'auto' / 'ghost' and for the non-private step."""
+    """What the clipped sum runs, as log lines (`clipping.make_clipped_sum_fn`); empty before
+    the first trace of 'auto' / 'ghost' and for the non-private step."""
     return list(self._choice)

@@ -160,7 +160,9 @@ class MultiStep:
     self.step_fns, self.size, self.ema_decay = step_fns, int(size), float(ema_decay)
     self.traces = 0
     self._program = jax.jit(
-      self._steps, donate_argnums=(0, 1, 2), **dp_step.program_shardings(mesh, 'ssscsssss')
+      self._steps,
+      donate_argnums=(0, 1, 2),
+      **dp_step.program_shardings(mesh, 'ssscssssk', step_fns.keys, step_fns.options.rules),
     )
     self._update_ema = jax.jit(
       lambda ema, params: step_fns.placed(ema_lib.update(ema, params, self.ema_decay), params)

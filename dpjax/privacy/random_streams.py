@@ -25,7 +25,7 @@ class Stream(enum.IntEnum):
   NOISE = 1  # JAX: the Gaussian noise of step t (`prng.noise_key`).
   INIT = 2  # JAX: initial parameters (`prng.init_params`).
   VIEWS = 3  # JAX: augmentation views (`augmult`).
-  LORA = 4  # JAX: LoRA adapters' initial A (`dpjax.trainer.planning.finetune`).
+  LORA = 4  # JAX: LoRA adapters' initial A (`dpjax.privacy.lora`).
   SAMPLER = 0x5A4D  # numpy: which examples form step t's batch (`samplers`).
   TRUNCATION = 0x7A7C  # numpy: which B rows a batch over the cap keeps (`batching`).
   AUDIT = 0xA0D1  # numpy: canary coins, coordinates and signs (`auditing.canaries`).

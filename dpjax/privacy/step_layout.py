@@ -9,6 +9,7 @@ import dataclasses
 
 import jax
 
+from dpjax.privacy import lora
 from dpjax.privacy import param_sharding
 from dpjax.privacy import sharding
 
@@ -47,19 +48,34 @@ class StepOptions:
       raise ValueError(f'physical_loop={self.physical_loop!r}; valid: {PHYSICAL_LOOPS}.')
 
 
-def program_shardings(mesh: jax.sharding.Mesh | None, kinds: str) -> dict:
+def program_shardings(
+  mesh: jax.sharding.Mesh | None,
+  kinds: str,
+  keys=None,
+  rules: param_sharding.ShardingRules | None = None,
+) -> dict:
   """`jax.jit`'s sharding arguments of a program over `mesh`: argument j by kinds[j] ('s' state
   in the layout it comes in, a host value replicated; 'b' a physical batch split over the
   example axes, 'l' a logical buffer [K_max, P, ...] split on its row axis, 'c' a chunk of them
-  [S, K_max, P, ...]). The outputs' layout is the program's (`param_sharding.constrain`). No
-  mesh: none (the program runs where its inputs are)."""
+  [S, K_max, P, ...], 'k' the step's `keys`). The outputs' layout is the program's
+  (`param_sharding.constrain`). No mesh: none (the program runs where its inputs are).
+
+  The keys are replicated, except a fine-tuned model's frozen base `keys['frozen']`
+  (`DPStep(frozen=...)`), placed like parameters by `rules` (`lora.frozen_shardings`): sharded
+  data, never a constant of the program (`jax.jit` embeds a closed-over array whole, on one
+  device: scripts/frozen_closure.py)."""
   if mesh is None:
     return {}
+  keys_sharding = sharding.replicated(mesh)
+  if keys and 'frozen' in keys:
+    keys_sharding = dict.fromkeys(keys, sharding.replicated(mesh))
+    keys_sharding['frozen'] = lora.frozen_shardings(keys['frozen'], mesh, rules)
   by_kind = {
     's': None,
     'b': sharding.batch_sharding(mesh),
     'l': sharding.logical_batch_sharding(mesh),
     'c': sharding.chunk_sharding(mesh),
+    'k': keys_sharding,
   }
   return {'in_shardings': tuple(by_kind[k] for k in kinds)} if kinds else {}
 

@@ -12,7 +12,7 @@ import pytest
 from dpjax.trainer.workdir import checkpoints
 from dpjax import export
 from dpjax.privacy import rounding
-from dpjax.trainer.planning import finetune
+from dpjax.privacy import lora
 from dpjax.trainer.workdir import run_seed
 from dpjax.trainer.workdir import stored_params
 from dpjax import train
@@ -60,10 +60,10 @@ def test_export_writes_params_ema_and_card_and_nothing_private(drawn_run, tmp_pa
   assert card['neighbouring_relation'] == 'add or remove one training example'
   state = checkpoints.read_state(str(drawn_run), 3)
   with np.load(out / 'params.npz') as f:
-    for key, value in finetune.flatten(state['params']).items():
+    for key, value in lora.flatten(state['params']).items():
       np.testing.assert_array_equal(f[key], value)
   with np.load(out / 'ema_params.npz') as f:  # Its card inside (init_from composes a copy).
-    assert set(f.files) == set(finetune.flatten(state['params'])) | {stored_params.EMBEDDED_CARD}
+    assert set(f.files) == set(lora.flatten(state['params'])) | {stored_params.EMBEDDED_CARD}
     assert stored_params.embedded_card(str(out / 'ema_params.npz')) == card
   # Nothing private: not the seed, its digest, a path, or a non-private statistic.
   seed = run_seed.stored_seed(str(drawn_run)).value
@@ -80,7 +80,7 @@ def test_export_writes_params_ema_and_card_and_nothing_private(drawn_run, tmp_pa
     assert not [s for s in secrets if s in blob], name
   # What init_from reads.
   assert set(stored_params.read_params(str(out / 'params.npz'))) == set(
-    finetune.flatten(state['params'])
+    lora.flatten(state['params'])
   )
 
 
@@ -218,7 +218,7 @@ def test_a_workdir_deleted_and_trained_again_in_the_same_path_is_another_run(tmp
       workdir,
     )
     starts.append(capsys.readouterr().out)
-    params.append(finetune.flatten(checkpoints.read_state(workdir, 1)['params']))
+    params.append(lora.flatten(checkpoints.read_state(workdir, 1)['params']))
     if name == 'D':
       export.export(workdir, str(tmp_path / 'out1'))
   reuse = 'used this same given seed'

@@ -30,7 +30,7 @@ from dpjax.privacy import random_streams
 from dpjax.privacy import samplers
 from dpjax.privacy.auditing import canaries
 from dpjax.privacy.random_streams import Stream
-from dpjax.trainer.planning import finetune
+from dpjax.privacy import lora
 
 # Both 32-bit words of the seed non-zero, and one seed below 2**32.
 SEEDS = (2**40 + 2**33 + 77, 12345)
@@ -156,10 +156,10 @@ def _init_key_data(seed: int) -> tuple[int, ...]:
 def _lora_a(seed: int) -> np.ndarray:
   """The LoRA adapter A that `make_finetune` draws for one 3x2 kernel (unscaled)."""
   params = {'dense': {'kernel': np.zeros((3, 2), np.float32), 'bias': np.zeros(2, np.float32)}}
-  _, trainable = finetune.make_finetune(
+  _, trainable = lora.make_finetune(
     None, params, lora_rank=1, lora_alpha=1.0, lora_targets=('kernel',), seed=seed
   )
-  (a,) = [v for k, v in finetune.flatten(trainable).items() if k.endswith(finetune.LORA_A)]
+  (a,) = [v for k, v in lora.flatten(trainable).items() if k.endswith(lora.LORA_A)]
   return np.asarray(a) * np.sqrt(3.0)
 
 
@@ -205,7 +205,7 @@ def test_every_stream_id_is_named_once_in_the_registry():
   """The ids are distinct (enum.unique) and no consumer keeps an id of its own."""
   assert len({int(s) for s in Stream}) == len(Stream)
   assert set(random_streams.HOST_STREAMS) == {Stream.SAMPLER, Stream.TRUNCATION, Stream.AUDIT}
-  for module in (samplers, batching, canaries, augmult, finetune, prng):
+  for module in (samplers, batching, canaries, augmult, lora, prng):
     own = [
       n for n in vars(module) if n.endswith('_STREAM') and n not in ('NOISE_STREAM', 'INIT_STREAM')
     ]

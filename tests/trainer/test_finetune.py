@@ -8,6 +8,7 @@ import pytest
 
 from dpjax.trainer.workdir import checkpoints
 from dpjax.privacy import dp_step
+from dpjax.privacy import lora
 from dpjax.trainer.planning import finetune
 from dpjax.models import factory as models
 from dpjax.models import mlp
@@ -108,11 +109,11 @@ def test_loading_errors_are_one_clear_line(tmp_path):
 
 def test_frozen_parameters_are_bit_identical_after_dp_training():
   params = _params()
-  model, trainable = finetune.make_finetune(MODEL, params, freeze=('Dense_[01]/',))
-  assert set(finetune.flatten(trainable)) == {'Dense_2/kernel', 'Dense_2/bias'}
+  model, trainable = lora.make_finetune(MODEL, params, freeze=('Dense_[01]/',))
+  assert set(lora.flatten(trainable)) == {'Dense_2/kernel', 'Dense_2/bias'}
   trained = _train(model, trainable)
-  full = finetune.flatten(model.full_params(trained))
-  before = finetune.flatten(params)
+  full = lora.flatten(model.full_params(trained))
+  before = lora.flatten(params)
   for path in ('Dense_0/kernel', 'Dense_0/bias', 'Dense_1/kernel', 'Dense_1/bias'):
     np.testing.assert_array_equal(np.asarray(full[path]), np.asarray(before[path]))
   assert not np.array_equal(np.asarray(full['Dense_2/kernel']), before['Dense_2/kernel'])
@@ -121,7 +122,7 @@ def test_frozen_parameters_are_bit_identical_after_dp_training():
 @pytest.mark.slow
 def test_lora_only_the_adapters_change_and_start_at_the_pretrained_model():
   params = _params()
-  model, trainable = finetune.make_finetune(
+  model, trainable = lora.make_finetune(
     MODEL,
     params,
     freeze=('Dense_2/',),
@@ -129,7 +130,7 @@ def test_lora_only_the_adapters_change_and_start_at_the_pretrained_model():
     lora_alpha=4.0,
     lora_targets=('Dense_[01]/kernel',),
   )
-  assert set(finetune.flatten(trainable)) == {
+  assert set(lora.flatten(trainable)) == {
     'Dense_0/bias',
     'Dense_1/bias',
     'Dense_0/kernel_lora_a',
@@ -141,18 +142,18 @@ def test_lora_only_the_adapters_change_and_start_at_the_pretrained_model():
   np.testing.assert_array_equal(
     np.asarray(_jitted_apply(model, trainable, x)), np.asarray(_jitted_apply(MODEL, params, x))
   )
-  trained = finetune.flatten(_train(model, trainable))
-  start = finetune.flatten(trainable)
+  trained = lora.flatten(_train(model, trainable))
+  start = lora.flatten(trainable)
   for k in ('Dense_0/kernel_lora_b', 'Dense_1/kernel_lora_b', 'Dense_0/bias'):
     assert not np.array_equal(np.asarray(trained[k]), np.asarray(start[k]))
   merge = jax.jit(model.full_params)  # One program (eager, each op its own compilation).
-  full = finetune.flatten(merge(finetune.unflatten(trained)))
-  before = finetune.flatten(params)
+  full = lora.flatten(merge(lora.unflatten(trained)))
+  before = lora.flatten(params)
   for k in ('Dense_2/kernel', 'Dense_2/bias'):
     np.testing.assert_array_equal(np.asarray(full[k]), np.asarray(before[k]))
   # W' = W + (α/r)·A·B, checked in float64 (A·B in float32: GPUs default to TF32 matmuls).
   with jax.default_matmul_precision('highest'):  # Part of jit's key: traced again under it.
-    full = finetune.flatten(merge(finetune.unflatten(trained)))
+    full = lora.flatten(merge(lora.unflatten(trained)))
   a = np.asarray(trained['Dense_0/kernel_lora_a'], np.float64)
   b = np.asarray(trained['Dense_0/kernel_lora_b'], np.float64)
   expected = np.asarray(before['Dense_0/kernel'], np.float64) + 2.0 * a @ b
@@ -175,17 +176,17 @@ def _jitted_apply(model, params, x):
 
 @pytest.mark.slow
 def test_attention_kernels_are_viewed_as_in_by_out_matrices():
-  assert finetune.matrix_split('MultiHeadDotProductAttention_0/query/kernel', (64, 4, 16)) == 1
-  assert finetune.matrix_split('MultiHeadDotProductAttention_0/out/kernel', (4, 16, 64)) == 2
-  assert finetune.matrix_split('Conv_0/kernel', (3, 3, 8, 16)) == 3
+  assert lora.matrix_split('MultiHeadDotProductAttention_0/query/kernel', (64, 4, 16)) == 1
+  assert lora.matrix_split('MultiHeadDotProductAttention_0/out/kernel', (4, 16, 64)) == 2
+  assert lora.matrix_split('Conv_0/kernel', (3, 3, 8, 16)) == 3
   model = transformer.Transformer(
     num_classes=3, max_length=4, num_layers=1, num_heads=2, model_dim=8, mlp_dim=8
   )
   params = harness.init(model, np.zeros((1, 4, 5), np.float32), 0)
-  wrapped, trainable = finetune.make_finetune(
+  wrapped, trainable = lora.make_finetune(
     model, params, freeze=('.',), lora_rank=2, lora_targets=('query|value',)
   )
-  flat = finetune.flatten(trainable)
+  flat = lora.flatten(trainable)
   assert set(flat) == {
     f'MultiHeadDotProductAttention_0/{n}/kernel{s}'
     for n in ('query', 'value')
@@ -214,37 +215,27 @@ def test_attention_kernels_are_viewed_as_in_by_out_matrices():
 )
 def test_bad_freeze_and_lora_settings(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    finetune.make_finetune(MODEL, _params(), **kwargs)
+    lora.make_finetune(MODEL, _params(), **kwargs)
 
 
-def test_ghost_clipping_with_frozen_layers_equals_vmap_and_lora_falls_back():
-  """Freezing keeps ghost clipping exact; LoRA adapters are not covered by it (vmap instead)."""
+def test_ghost_clipping_with_frozen_layers_or_lora_equals_vmap():
+  """Freezing and LoRA keep ghost clipping exact (the sums equal vmap's): catches a LoRA rule
+  that drops s = α/r or a factor, or a frozen kernel leaking into the covered parameters."""
   batch = _batch(n=8)
-  frozen_model, trainable = finetune.make_finetune(MODEL, _params(), freeze=('Dense_0/',))
-  sums = {}
-  for method in ('vmap', 'ghost'):
-    step = dp_step.DPStep.for_model(
-      frozen_model,
-      optax.sgd(0.1),
-      clip_norm=0.3,
-      noise_multiplier=1.0,
-      expected_batch_size=8.0,
-      clipping=method,
-      precision='highest',
-    )  # GPUs default to TF32 (~5e-4 relative).
-    sums[method] = step.accumulate(trainable, step.init_accumulator(trainable), batch).grad_sum
-  for a, b in zip(jax.tree.leaves(sums['vmap']), jax.tree.leaves(sums['ghost'])):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-  lora_model, adapters = finetune.make_finetune(
-    MODEL, _params(), lora_rank=2, lora_targets=('Dense_0/kernel',)
-  )
-  step = dp_step.DPStep.for_model(
-    lora_model,
-    optax.sgd(0.1),
-    clip_norm=0.3,
-    noise_multiplier=1.0,
-    expected_batch_size=8.0,
-    clipping='ghost',
-  )
-  with pytest.raises(ValueError, match='kernel_lora_a'):
-    step.accumulate(adapters, step.init_accumulator(adapters), batch)
+  for kwargs in (dict(freeze=('Dense_0/',)), dict(lora_rank=2, lora_targets=('Dense_0/kernel',))):
+    model, trainable = lora.make_finetune(MODEL, _params(), lora_alpha=3.0, **kwargs)
+    trainable = jax.tree.map(lambda v: v + 0.1, trainable)  # B != 0: both factors move.
+    sums = {}
+    for method in ('vmap', 'ghost'):
+      step = dp_step.DPStep.for_model(
+        model,
+        optax.sgd(0.1),
+        clip_norm=0.3,
+        noise_multiplier=1.0,
+        expected_batch_size=8.0,
+        clipping=method,
+        precision='highest',
+      )  # GPUs default to TF32 (~5e-4 relative).
+      sums[method] = step.accumulate(trainable, step.init_accumulator(trainable), batch).grad_sum
+    for a, b in zip(jax.tree.leaves(sums['vmap']), jax.tree.leaves(sums['ghost'])):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

@@ -19,6 +19,7 @@ from dpjax import export
 from dpjax import train
 from dpjax.data import digits
 from dpjax.trainer.workdir import checkpoints
+from dpjax.privacy import lora
 from dpjax.trainer.planning import finetune
 from dpjax.trainer.planning import init_source
 from dpjax.trainer.planning import plan as plan_lib
@@ -305,8 +306,8 @@ def test_the_card_inside_the_weights_changes_no_parameter_and_only_its_removal_m
   inside = json.loads(entries.pop('__dpjax_privacy_card__').tobytes().decode('utf-8'))
   assert inside == card == json.load(open(a_export / 'privacy_card.json'))
   params = checkpoints.read_state(str(runs / 'given'), STEPS)['params']
-  loaded = finetune.flatten(finetune.load_pretrained(str(a_export / 'params.npz'), params))
-  for key, value in finetune.flatten(params).items():
+  loaded = lora.flatten(finetune.load_pretrained(str(a_export / 'params.npz'), params))
+  for key, value in lora.flatten(params).items():
     np.testing.assert_array_equal(entries[key], value)
     np.testing.assert_array_equal(loaded[key], value)
   assert set(entries) == set(loaded)

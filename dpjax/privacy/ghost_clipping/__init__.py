@@ -21,6 +21,9 @@ uses W' = T(kernel, gain); the norm of T's vjp applied to the per-example
 gradient w.r.t. W' has a closed form per output channel (see
 `conv.ws_conv_sq_norms`), again ghost or materialised.
 
+A LoRA-adapted Dense / DenseGeneral (W' = W + s·A·B, `dpjax.privacy.lora`) is two
+linear maps of rank r: its rule (`lora`) weighs A and B, never the frozen W.
+
 Capture: `flax.linen.intercept_methods` sees every call of a covered layer (for
 Flax NNX layers, `nnx_layers` reports each call with its linen twin, so the same
 rules and proof apply),
@@ -64,6 +67,7 @@ from dpjax.privacy.ghost_clipping import conv
 from dpjax.privacy.ghost_clipping import dense
 from dpjax.privacy.ghost_clipping import embedding
 from dpjax.privacy.ghost_clipping import form_timing
+from dpjax.privacy.ghost_clipping import lora
 from dpjax.privacy.ghost_clipping import normalization
 from dpjax.privacy.ghost_clipping import whole_step
 from dpjax.privacy.ghost_clipping.backward import ghost_pass

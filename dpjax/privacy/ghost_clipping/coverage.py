@@ -21,6 +21,7 @@ import jax
 import jax.extend.core as jax_core
 import jax.numpy as jnp
 
+from dpjax.privacy import lora
 from dpjax.privacy.ghost_clipping import mixed
 from dpjax.privacy.ghost_clipping import nnx_layers
 from dpjax.privacy.ghost_clipping.registry import NormRule
@@ -43,6 +44,7 @@ class Layer:
   param_names: tuple[str, ...]  # Leaves directly under param_path.
   in_aval: jax.ShapeDtypeStruct  # Per-example input.
   out_aval: jax.ShapeDtypeStruct  # Per-example output.
+  lora_scale: float | None = None  # s = α/r if its kernel is LoRA-adapted (`privacy.lora`).
 
 
 def layer_form(layer: Layer) -> str:
@@ -197,21 +199,23 @@ def analyse_coverage(loss_fn: LossFn, params: Params, example) -> Coverage:
   params = jax.tree.map(_aval, params)
   example = jax.tree.map(_aval, example)
   paths = leaf_paths(params)
-  calls, containers = _record_calls(loss_fn, params, example)
-  candidates, reasons = _candidates(calls, paths)
+  calls, containers, scales = _record_calls(loss_fn, params, example)
+  candidates, reasons = _candidates(calls, paths, scales)
   layers = _proved(loss_fn, params, example, candidates, paths, reasons)
   materialised, uncovered = _leftover_leaves(paths, layers, calls, containers, reasons)
   return Coverage(tuple(layers), tuple(materialised), tuple(uncovered))
 
 
-def _record_calls(loss_fn: LossFn, params, example) -> tuple[list[tuple], set]:
-  """Every module call of one abstract forward pass, and the NNX containers' paths.
+def _record_calls(loss_fn: LossFn, params, example) -> tuple[list[tuple], set, dict]:
+  """Every module call of one abstract forward pass, the NNX containers' paths, and the
+  LoRA scale s of each adapted layer's module path (`lora.scale_of` during the call).
 
   A call is (key, module, rule, reason, in_aval, out_aval): rule None (with the
   reason) unless the call is covered, avals only for covered calls.
   """
   calls = []
   in_rule = []
+  scales = {}
 
   def record(key, next_fun, args, kwargs, ctx):
     reason = getattr(ctx, 'reason', '')  # An NNX layer dpjax cannot see as a linen one.
@@ -221,6 +225,8 @@ def _record_calls(loss_fn: LossFn, params, example) -> tuple[list[tuple], set]:
     if any(in_rule):
       rule, reason = None, 'called inside another covered layer'
     in_rule.append(rule is not None)
+    if lora.scale_of(key[0]) is not None:
+      scales[key[0]] = lora.scale_of(key[0])
     try:
       out = next_fun(*args, **kwargs)
     finally:
@@ -241,10 +247,12 @@ def _record_calls(loss_fn: LossFn, params, example) -> tuple[list[tuple], set]:
 
   recorder = Interceptor(record)
   jax.eval_shape(functools.partial(run_intercepted, loss_fn, recorder), params, example)
-  return calls, recorder.containers
+  return calls, recorder.containers, scales
 
 
-def _candidates(calls: list[tuple], paths: list[LeafPath]) -> tuple[list[Layer], dict]:
+def _candidates(
+  calls: list[tuple], paths: list[LeafPath], scales: dict
+) -> tuple[list[Layer], dict]:
   """Covered calls that read exactly their rule's parameters, once; and {module path: why not}."""
   uses = collections.Counter(key[0] for key, *_ in calls)
   reasons = {}  # Module path -> why its parameters are not covered.
@@ -253,18 +261,17 @@ def _candidates(calls: list[tuple], paths: list[LeafPath]) -> tuple[list[Layer],
     path = key[0]
     own = [p for p in paths if p[: len(path)] == path]
     names = {p[-1] for p in own}
-    required, allowed = (
-      (rule.required, rule.allowed) if rule and rule.required is not None else (set(), names)
-    )
     if not rule:
       reasons.setdefault(path, reason)
     elif uses[path] > 1:
       reasons[path] = f'{type(module).__name__} called {uses[path]} times'
-    elif any(len(p) != len(path) + 1 for p in own) or not (required <= names <= allowed):
+    elif any(len(p) != len(path) + 1 for p in own) or not rule.accepts(names):
       reasons[path] = f'unexpected parameters {sorted(names)}'
     elif own:
       candidates.append(
-        Layer(key, rule, module, path, tuple(p[-1] for p in own), in_aval, out_aval)
+        Layer(
+          key, rule, module, path, tuple(p[-1] for p in own), in_aval, out_aval, scales.get(path)
+        )
       )
   return candidates, reasons
 

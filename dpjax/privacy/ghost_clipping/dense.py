@@ -44,14 +44,20 @@ def _dense_general_form(layer) -> str:
   return mixed.linear_form(s, m, math.prod(layer.out_aval.shape) // s)
 
 
+def dense_operands(layer, a, d):
+  """(a2 [n, S, m], d2 [n, S, c]) of a Dense call: a [n, *lead, m], d [n, *lead, c], the
+  leading axes being the S positions."""
+  del layer
+  n = a.shape[0]
+  return a.astype(jnp.float32).reshape(n, -1, a.shape[-1]), d.reshape(n, -1, d.shape[-1])
+
+
 @register_norm_rule(
   nn.Dense, name='dense', params=_KERNEL_AND_BIAS, check=_plain_dot, form=_dense_form
 )
 def dense_sq_norms(layer, theta: dict, a, d):
   """a [n, *lead, m], d [n, *lead, c]: the leading axes are the S positions."""
-  n = a.shape[0]
-  a2 = a.astype(jnp.float32).reshape(n, -1, a.shape[-1])
-  d2 = d.reshape(n, -1, d.shape[-1])
+  a2, d2 = dense_operands(layer, a, d)
   return mixed.linear_norms(theta, a, d, mixed.Blocks(lambda k: a2, 1, a2.shape[-1]), d2)
 
 
@@ -64,6 +70,13 @@ def dense_sq_norms(layer, theta: dict, a, d):
 )
 def dense_general_sq_norms(layer, theta: dict, a, d):
   """Contracts the layer's `axis` (sorted, as flax does); the other axes are positions."""
+  a2, d2 = dense_general_operands(layer, a, d)
+  return mixed.linear_norms(theta, a, d, mixed.Blocks(lambda k: a2, 1, a2.shape[-1]), d2)
+
+
+def dense_general_operands(layer, a, d):
+  """(a2 [n, S, m], d2 [n, S, c]) of a DenseGeneral call: its contracted axes (sorted, as
+  flax does) flattened into m, the other input axes into the S positions."""
   n = a.shape[0]
   a = a.astype(jnp.float32)
   ndim = a.ndim - 1
@@ -72,5 +85,4 @@ def dense_general_sq_norms(layer, theta: dict, a, d):
   a2 = jnp.transpose(a, [0] + [1 + i for i in rest + axes])
   m = math.prod(a.shape[1 + i] for i in axes)
   a2 = a2.reshape(n, -1, m)
-  d2 = d.reshape(n, a2.shape[1], -1)
-  return mixed.linear_norms(theta, a, d, mixed.Blocks(lambda k: a2, 1, a2.shape[-1]), d2)
+  return a2, d.reshape(n, a2.shape[1], -1)

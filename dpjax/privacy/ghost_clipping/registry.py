@@ -34,6 +34,14 @@ class NormRule:
   allowed: frozenset[str] | None = None  # ... and may read.
   check: Callable[[nn.Module], str] | None = None  # '' if covered, else why not.
   form: Callable[[Any], str] | None = None  # Layer -> the form its norm takes (logs).
+  also: tuple[tuple[frozenset[str], frozenset[str]], ...] = ()  # Other (required, allowed).
+
+  def accepts(self, names: set[str]) -> bool:
+    """Whether one call may read exactly these parameter names (any, when required is None)."""
+    if self.required is None:
+      return True
+    pairs = ((self.required, self.allowed), *self.also)
+    return any(required <= names <= allowed for required, allowed in pairs)
 
 
 # Registered layer types -> their rule (see `register_norm_rule`).

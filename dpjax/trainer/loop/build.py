@@ -24,6 +24,7 @@ import optax
 from dpjax.data import sources as data
 from dpjax.privacy import auditing
 from dpjax.privacy import dp_step
+from dpjax.privacy import lora
 from dpjax.privacy import losses
 from dpjax.privacy import mechanisms
 from dpjax.privacy import prng
@@ -52,7 +53,7 @@ def init_params(plan: plan_lib.RunPlan, model, input_shape) -> tuple[Any, Any]:
       plan.init_source.weights, params, tune.init_from_rules, plan.init_source.weights_sha256
     )
   if tune.freeze or tune.lora_rank:
-    model, params = finetune.make_finetune(
+    model, params = lora.make_finetune(
       model,
       params,
       freeze=tune.freeze,
@@ -181,11 +182,19 @@ def make_evaluator(
     plan.recipe.loss,
     plan.perf.physical_batch_size,
   )
-  eval_fn = jax.jit(  # Sharded like training; the sums come back replicated.
-    lambda params, batch: losses.eval_step(model, params, batch, label_format, loss),
-    in_shardings=(sharding.replicated(mesh), sharding.batch_sharding(mesh)),
+  # A fine-tuned model's frozen base is an argument (placed like parameters), not a constant.
+  _, base = lora.loss_and_base(model, lambda m: None, mesh)
+  with_base = lambda b: model if b is None else model.with_base(b)
+  eval_base = jax.jit(  # Sharded like training; the sums come back replicated.
+    lambda params, b, batch: losses.eval_step(with_base(b), params, batch, label_format, loss),
+    in_shardings=(
+      sharding.replicated(mesh),
+      None if base is None else lora.frozen_shardings(base, mesh),
+      sharding.batch_sharding(mesh),
+    ),
     out_shardings=sharding.replicated(mesh),
   )
+  eval_fn = lambda params, batch: eval_base(params, base, batch)
 
   def evaluate(state) -> dict[str, float]:
     out = evaluation.evaluate(eval_fn, state.params, test_source, physical, mesh)
