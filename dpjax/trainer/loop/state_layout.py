@@ -25,8 +25,15 @@ from dpjax.privacy import param_sharding
 from dpjax.trainer.loop import training_loop
 from dpjax.trainer.planning import privacy_resolution
 
-MiB = 2**20
 FIT_FRACTION = 0.9  # Of a device's memory: what the state alone may take (as P's search).
+
+
+def size(num_bytes: int) -> str:
+  """Bytes in words: '3.2 GiB', '14.0 MiB', '68.5 KiB' (one decimal, the largest unit >= 1)."""
+  for unit, scale in (('GiB', 2**30), ('MiB', 2**20)):
+    if num_bytes >= scale:
+      return f'{num_bytes / scale:.1f} {unit}'
+  return f'{num_bytes / 2**10:.1f} KiB'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,16 +52,15 @@ class StateMemory:
     return self.params + self.opt_state + self.ema
 
   def describe(self) -> str:
-    """One line of the start: each part in MiB."""
+    """One line of the start: what each part takes on the most loaded device."""
     temp = (
-      f', largest temporary buffer {self.temporaries / MiB:.2f} MiB (XLA memory analysis of '
-      'the compiled step)'
+      f', temporary buffers of the step {size(self.temporaries)} (XLA memory analysis)'
       if self.temporaries is not None
       else ''
     )
     return (
-      f'Per device: parameters {self.params / MiB:.2f} MiB, optimizer state '
-      f'{self.opt_state / MiB:.2f} MiB, EMA {self.ema / MiB:.2f} MiB{temp}'
+      f'Per device: parameters {size(self.params)}, optimizer state {size(self.opt_state)}, '
+      f'EMA {size(self.ema)}{temp}'
     )
 
 
@@ -95,11 +101,11 @@ def check_state_fits(memory: StateMemory, memory_bytes: int, layout: str) -> Non
   takes more than `FIT_FRACTION` of one device's memory: no physical batch can run."""
   if memory.state > FIT_FRACTION * memory_bytes:
     raise privacy_resolution.PlanError(
-      f'the training state needs {memory.state / MiB:.1f} MiB per device (parameters '
-      f'{memory.params / MiB:.1f}, optimizer state {memory.opt_state / MiB:.1f}, EMA '
-      f"{memory.ema / MiB:.1f}) on {layout}, more than {FIT_FRACTION:.0%} of the device's "
-      f'{memory_bytes / MiB:.0f} MiB: raise mesh.fsdp (each large array split over more '
-      'devices) or use a smaller model.'
+      f'the training state needs {size(memory.state)} per device (parameters '
+      f'{size(memory.params)}, optimizer state {size(memory.opt_state)}, EMA '
+      f"{size(memory.ema)}) on {layout}, more than {FIT_FRACTION:.0%} of the device's "
+      f'{size(memory_bytes)}: raise mesh.fsdp (each large array split over more devices) or '
+      'use a smaller model.'
     )
 
 
