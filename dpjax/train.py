@@ -11,7 +11,9 @@ is refused before any compute (use a new --workdir). Bad input of any kind
 prints one line and exits with code 2 before anything in the workdir changes.
 
 Data parallel over all devices of the machine (`config.num_devices`, see
-`dpjax.privacy.sharding`); over several hosts, start the same command on every host
+`dpjax.privacy.sharding`), with parameters, optimizer state and EMA split over
+`config.mesh.fsdp` devices (and `mesh.tensor` with `mesh.tensor_parallel`;
+`dpjax.privacy.param_sharding`); over several hosts, start the same command on every host
 with --distributed (jax.distributed.initialize; the coordinator, process count
 and id from the flags below, JAX_COORDINATOR_ADDRESS, or the cluster's
 environment). Only process 0 writes metrics and the config; every process
@@ -197,7 +199,7 @@ def _validated_inputs(config: ml_collections.ConfigDict, workdir: str) -> tuple:
     )
   model = models.make_model(config.model, train_source.num_classes, train_source.input_shape)
   perf = perf_lib.Perf.from_config(config)
-  mesh = sharding.make_mesh(perf.num_devices)
+  mesh = sharding.make_mesh(perf.num_devices, perf.fsdp, perf.tensor)
   sharding.check_physical_batch_size(perf.physical_batch_size, mesh)
   return workdir, (train_source, test_source), model, perf, mesh
 

@@ -15,15 +15,17 @@ import jax.numpy as jnp
 
 
 def abstract(tree: Any) -> Any:
-  """The tree's shapes and dtypes (`jax.ShapeDtypeStruct` leaves)."""
-  return jax.tree.map(
-    lambda v: (
-      v
-      if isinstance(v, jax.ShapeDtypeStruct)
-      else jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v))
-    ),
-    tree,
-  )
+  """The tree's shapes and dtypes (`jax.ShapeDtypeStruct` leaves), with an array's mesh
+  sharding kept: a state split over a mesh is analysed split, as it runs."""
+
+  def leaf(v):
+    if isinstance(v, jax.ShapeDtypeStruct):
+      return v
+    where = getattr(v, 'sharding', None)
+    where = where if isinstance(where, jax.sharding.NamedSharding) else None
+    return jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v), sharding=where)
+
+  return jax.tree.map(leaf, tree)
 
 
 def signature(*trees: Any) -> tuple:
@@ -38,10 +40,13 @@ class StepSizing:
   def __init__(self):
     self.compiles = 0  # Programs compiled only for their memory analysis.
     self._bytes: dict[tuple, int] = {}
+    self._temporaries: dict[tuple, int] = {}
+    self.last_temporaries: int | None = None  # temp_size_in_bytes of the last `bytes_of`.
 
   def bytes_of(self, program, params, opt_state, logical, dataset, keys) -> int:
     """Bytes of jitted `program(params, opt_state, logical, K, t, dataset, keys)`; `logical`
-    may hold `jax.ShapeDtypeStruct`s. ValueError if the backend reports no analysis."""
+    may hold `jax.ShapeDtypeStruct`s. ValueError if the backend reports no analysis. Its
+    largest temporary buffers' bytes are then `last_temporaries`."""
     key = signature(params, opt_state, logical) + (dataset is None,)
     if key not in self._bytes:
       compiled = program.lower(
@@ -65,4 +70,6 @@ class StepSizing:
         + m.temp_size_in_bytes
         - m.alias_size_in_bytes
       )
+      self._temporaries[key] = int(m.temp_size_in_bytes)
+    self.last_temporaries = self._temporaries[key]
     return self._bytes[key]

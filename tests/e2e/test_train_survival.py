@@ -64,8 +64,12 @@ def test_start_states_plan_and_clipping_per_layer_and_progress_rate_eta_and_epsi
   assert float(eta.group(1)) == pytest.approx(rounding.eta(cap, 'float32'), rel=0.05)
   assert lines[3].startswith('Seed: drawn from OS entropy, kept in ')
   assert lines[4].startswith('Data: digits, N = 1437, x = (raw / 16 − (0.5)) / (0.5)')
+  # Where the state lives and what one device holds of it (4,810 float32 parameters; SGD).
+  assert lines[5] == 'mesh data=1 fsdp=1 tensor=1: replicated state (data parallel).'
+  assert lines[6].startswith('Per device: parameters 18.8 KiB, optimizer state 0.0 KiB, EMA 18.8')
+  assert ', temporary buffers of the step ' in lines[6]
   # What the compiled step runs, per layer (an MLP: rank-1 ghost norms, Goodfellow 2015).
-  assert lines[5:8] == [
+  assert lines[7:10] == [
     'Clipping: ghost clipping, per layer (mixed rule of Bu et al. 2022: ghost where '
     'S²(m + c) < S·m·c):',
     '  Dense_0: dense rank-1 (S=1, m=64, c=64)',
@@ -75,7 +79,7 @@ def test_start_states_plan_and_clipping_per_layer_and_progress_rate_eta_and_epsi
   assert [p.split(',')[0] for p in progress] == ['step 2/5', 'step 4/5', 'step 5/5']
   assert all(' ex/s, ETA ' in p and re.search(r'epsilon=[\d.]+ \(upper\)', p) for p in progress)
   assert lines[-1].startswith('Final: step 5, test accuracy ')
-  assert len(lines) == 8 + len(progress) + 1  # No config dump (it is in config.json).
+  assert len(lines) == 10 + len(progress) + 1  # No config dump (it is in config.json).
   rows = [json.loads(line) for line in open(tmp_path / 'w' / 'metrics.jsonl')]
   trained = [row for row in rows if 'nonprivate_train_loss' in row]
   assert all(row['epsilon_bound'] == 'upper' for row in trained)  # ε says what it bounds.

@@ -20,6 +20,10 @@ OTHER = {
   'num_devices': 1,
   'compilation_cache_dir': 'none',
   'clipping_forms': 'measured',
+  'fsdp': 2,
+  'tensor': 2,
+  'tensor_parallel': True,
+  'min_sharded_size': 4096,
 }
 
 

@@ -127,6 +127,7 @@ def build_step(
     loss=recipe.loss,
     noise_impl=recipe.noise_prng,
     mesh=mesh,
+    rules=plan.perf.rules,
     sum_fn_wrapper=None if auditor is None else auditor.wrap,
     augmult=recipe.augmult,
     clipping_forms=plan.perf.clipping_forms,
@@ -183,13 +184,14 @@ def make_evaluator(
     plan.perf.physical_batch_size,
   )
   # A fine-tuned model's frozen base is an argument (placed like parameters), not a constant.
-  _, base = lora.loss_and_base(model, lambda m: None, mesh)
+  rules = plan.perf.rules
+  _, base = lora.loss_and_base(model, lambda m: None, mesh, rules)
   with_base = lambda b: model if b is None else model.with_base(b)
-  eval_base = jax.jit(  # Sharded like training; the sums come back replicated.
+  eval_base = jax.jit(  # Params in their layout, rows like training; the sums come back replicated.
     lambda params, b, batch: losses.eval_step(with_base(b), params, batch, label_format, loss),
     in_shardings=(
-      sharding.replicated(mesh),
-      None if base is None else lora.frozen_shardings(base, mesh),
+      None,
+      None if base is None else lora.frozen_shardings(base, mesh, rules),
       sharding.batch_sharding(mesh),
     ),
     out_shardings=sharding.replicated(mesh),
@@ -217,8 +219,9 @@ def restore_or_init(
 ) -> tuple[int | None, Any]:
   """(step restored, state) from the newest readable checkpoint, or (None, `state`).
 
-  PlanError if that checkpoint's privacy fingerprint differs from the plan's.
-  The returned counters are host ints.
+  PlanError if that checkpoint's privacy fingerprint differs from the plan's. The arrays are
+  restored onto `state`'s shardings, whatever layout saved them (the checkpoint records it:
+  `sharding.layout_name`). The returned counters are host ints.
   """
   restored = checkpoints.restore_latest(manager, state)
   restored_step = None

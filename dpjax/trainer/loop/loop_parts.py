@@ -169,6 +169,8 @@ class PlanCheckpointer:
       state.step, report, self.plan, self.step_fns, self.batcher, state.num_truncated
     )
     metadata['model_io'] = preprocess.model_io(self.train_source)  # For export.
+    # Where the state lived (not in the fingerprint: any layout resumes it, to the same values).
+    metadata['layout'] = sharding.layout_name(self.mesh)
     if audit is not None:
       metadata['audit'] = audit
     checkpoints.save(self.manager, state.step, self.stored(state), metadata)

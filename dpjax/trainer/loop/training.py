@@ -1,21 +1,21 @@
 """The run of a resolved plan: what `dpjax.train` calls once the config is validated, the
 plan resolved (`dpjax.trainer.planning.plan`) and the workdir locked.
 
-  model, params → the DP step (`build`) → P resolved (`physical_batch`)
-  → `build.restore_or_init` → the start lines (`run_report.announce`)
+  model, params → the DP step (`build`) → the state placed on the mesh, refused if it cannot
+  fit a device (`state_layout`) → P resolved (`physical_batch`) → `build.restore_or_init` → the start lines (`run_report.announce`)
   → `loop.Loop(...).run(state)` → the final result (`run_report.finish`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
-import numpy as np
 
 from dpjax.data import device as device_data
 from dpjax.data import sources as data
-from dpjax.privacy import ema as ema_lib
+from dpjax.privacy import param_sharding
 from dpjax.privacy import sharding
 from dpjax.trainer.loop import build
 from dpjax.trainer.workdir import checkpoints
@@ -25,6 +25,7 @@ from dpjax.trainer.planning import optimizers
 from dpjax.trainer.planning import physical_batch
 from dpjax.trainer.planning import plan as plan_lib
 from dpjax.trainer.loop import run_report
+from dpjax.trainer.loop import state_layout
 
 
 def run(
@@ -41,19 +42,13 @@ def run(
   model, params = build.init_params(plan, model, train_source.input_shape)
   auditor = build.Auditor(plan, params, workdir) if plan.audit.num_canaries else None
   step_fns = build.build_step(plan, model, optimizer, mesh, auditor)
-  build.check_noise_state_fits(step_fns, params, physical_batch.device_memory_bytes())
-  state = sharding.replicate(
-    mesh,
-    loop_lib.TrainState(  # Same seed, same values on every host.
-      step=np.int32(0),
-      params=params,
-      # The optimiser's state, after a stateful privatizer's (correlated noise); one compiled
-      # program: eagerly, each leaf shape's zeros is its own compilation.
-      opt_state=jax.jit(step_fns.init_opt_state)(params),
-      num_truncated=np.int32(0),
-      ema=ema_lib.init(params),
-    ),
-  )
+  device_memory = physical_batch.device_memory_bytes()
+  build.check_noise_state_fits(step_fns, params, device_memory)
+  rules = plan.perf.rules
+  memory = state_layout.state_memory(step_fns, params, mesh, rules)
+  state_layout.check_state_fits(memory, device_memory, param_sharding.describe(mesh, rules))
+  # Same seed, same values on every host; each keeps its devices' shards.
+  state = state_layout.initial_state(step_fns, params, mesh, rules)
   # The training set on the device when it fits (the sampler sends indices only); else
   # host-gathered rows, prefetched on a thread.
   dataset = (
@@ -64,10 +59,15 @@ def run(
   plan = physical_batch.resolve_physical_batch_size(
     plan, step_fns, state.params, state.opt_state, train_source, dataset, mesh, log
   )
+  temporaries = physical_batch.step_temporaries(
+    plan, step_fns, state.params, state.opt_state, train_source, dataset
+  )
   evaluate = build.make_evaluator(plan, model, test_source, mesh)
   manager = checkpoints.make_manager(workdir, plan.schedule.keep_checkpoints)
   restored_step, state = build.restore_or_init(manager, state, plan, workdir, log)
   run_report.announce(plan, workdir, train_source, mesh, params, log)
+  log(f'{param_sharding.describe(mesh, rules)}.')
+  log(f'{dataclasses.replace(memory, temporaries=temporaries).describe()}.')
   parts = loop_parts.from_plan(
     plan, workdir, step_fns, state.params, train_source, dataset, mesh, manager, restored_step
   )

@@ -23,6 +23,7 @@ from dpjax.data import sources as data
 from dpjax.privacy.dp_step import Batch
 from dpjax.privacy.dp_step import DPStep
 from dpjax.privacy.dp_step import Params
+from dpjax.privacy import sharding
 from dpjax.trainer.planning import plan as plan_lib
 
 
@@ -132,6 +133,15 @@ def choose_physical_batch_size(
   return best
 
 
+def _example(train_source: data.DataSource, dataset) -> Batch:
+  """One row of the logical buffer: an index into the dataset on the device, or the source's
+  row with its index."""
+  example = {'index': np.int32(0)}
+  if dataset is None:
+    example.update({k: v[0] for k, v in train_source.gather(np.zeros(1, np.int64)).items()})
+  return example
+
+
 def resolve_physical_batch_size(
   plan: plan_lib.RunPlan,
   step: DPStep,
@@ -144,29 +154,50 @@ def resolve_physical_batch_size(
 ) -> plan_lib.RunPlan:
   """The plan with P resolved: itself when P > 0; for P = 0, the largest P that fits.
 
-  `choose_physical_batch_size` over the mesh's devices from P = 32·D, for a
-  logical buffer of indices (`dataset`: the training set on the device) or of
-  the source's rows. B is already resolved (to the row, without P): P only
-  sizes the [ceil(B/P), P] buffer. The choice is printed with `log`.
+  `choose_physical_batch_size` over the mesh's example groups D = data × fsdp (the devices
+  that hold different rows) from P = 32·D, for a logical buffer of indices (`dataset`: the
+  training set on the device) or of the source's rows. B is already resolved (to the row,
+  without P): P only sizes the [ceil(B/P), P] buffer. The choice is printed with `log`.
   """
   if plan.perf.physical_batch_size:
     return plan
-  example = {'index': np.int32(0)}
-  if dataset is None:
-    example.update({k: v[0] for k, v in train_source.gather(np.zeros(1, np.int64)).items()})
+  groups = sharding.example_groups(mesh)
   chosen = choose_physical_batch_size(
     step,
     params,
     opt_state,
-    example,
+    _example(train_source, dataset),
     plan.max_batch_size,
-    num_devices=mesh.devices.size,
+    num_devices=groups,
     dataset=dataset,
-    first=32 * mesh.devices.size,
+    first=32 * groups,
     log=lambda line: logging.info('%s', line),
   )
   log(
     f'sampler.physical_batch_size = 0: P = {chosen}, the largest power-of-two multiple of '
-    f'the device count whose step fits the device (XLA memory analysis).'
+    f'data × fsdp = {groups} whose step fits the device (XLA memory analysis).'
   )
   return dataclasses.replace(plan, perf=dataclasses.replace(plan.perf, physical_batch_size=chosen))
+
+
+def step_temporaries(
+  plan: plan_lib.RunPlan,
+  step: DPStep,
+  params: Params,
+  opt_state: optax.OptState,
+  train_source: data.DataSource,
+  dataset,
+) -> int:
+  """Bytes of the temporary buffers (activations, per-example norms) one device holds while
+  the logical step at the plan's P runs: XLA's memory analysis (`temp_size_in_bytes`) of the
+  program `compiled_step_bytes` sizes P with (cached when P was chosen; nothing runs)."""
+  compiled_step_bytes(
+    step,
+    params,
+    opt_state,
+    _example(train_source, dataset),
+    plan.perf.physical_batch_size,
+    plan.max_batch_size,
+    dataset,
+  )
+  return step.sizing.last_temporaries

@@ -1,8 +1,10 @@
-"""The device and speed fields of a training config.
+"""The device and speed fields of a training config, and the mesh's (`mesh.*`).
 
-None enters ε, except precision, through η, the float rounding the accountant pays for.
+None enters ε, except precision, through η, the float rounding the accountant pays for; the
+mesh changes where the state lives, never what a step releases.
 """
 
+from dpjax.privacy import param_sharding
 from dpjax.privacy.ghost_clipping import form_timing
 from dpjax.trainer.configuration.field_spec import Field
 
@@ -11,9 +13,40 @@ FIELDS: tuple[Field, ...] = (
     'num_devices',
     'int',
     0,
-    'data-parallel devices: 0 = all; n > 0 = the first n (single '
-    'process); P must be a multiple of it',
+    'devices of the mesh: 0 = all; n > 0 = the first n (single '
+    'process); P must be a multiple of n / (mesh.fsdp · mesh.tensor)',
     0,
+  ),
+  Field(
+    'mesh.fsdp',
+    'int',
+    1,
+    'devices that split each large parameter, its optimiser state and EMA (FSDP / ZeRO-3, '
+    'dpjax/privacy/param_sharding.py) and hold different examples; mesh.fsdp · mesh.tensor '
+    'must divide the device count, whose rest is the data axis; 1 = data parallel only',
+    1,
+  ),
+  Field(
+    'mesh.tensor',
+    'int',
+    1,
+    'devices that share each example (the tensor axis): the state is split over them only '
+    'with mesh.tensor_parallel',
+    1,
+  ),
+  Field(
+    'mesh.tensor_parallel',
+    'bool',
+    False,
+    "split attention by head and MLP kernels column/row-wise over mesh.tensor (Megatron-LM's "
+    'rules)',
+  ),
+  Field(
+    'mesh.min_sharded_size',
+    'int',
+    param_sharding.MIN_SHARDED_SIZE,
+    'parameters with fewer elements stay whole on every device (biases, norms)',
+    1,
   ),
   Field(
     'precision',
