@@ -56,10 +56,14 @@ def run(
     if device_data.fits_on_device(train_source)
     else None
   )
+  # XLA's temporaries of the step: free when P is sized (its program is compiled then), and
+  # worth one more lowering when the state is split; a replicated run with P set skips it.
+  split = mesh.devices.size > sharding.mesh_axis_size(mesh, sharding.DATA_AXIS)
+  measure = split or not plan.perf.physical_batch_size
   plan = physical_batch.resolve_physical_batch_size(
     plan, step_fns, state.params, state.opt_state, train_source, dataset, mesh, log
   )
-  temporaries = physical_batch.step_temporaries(
+  temporaries = measure and physical_batch.step_temporaries(
     plan, step_fns, state.params, state.opt_state, train_source, dataset
   )
   evaluate = build.make_evaluator(plan, model, test_source, mesh)
@@ -67,7 +71,7 @@ def run(
   restored_step, state = build.restore_or_init(manager, state, plan, workdir, log)
   run_report.announce(plan, workdir, train_source, mesh, params, log)
   log(f'{param_sharding.describe(mesh, rules)}.')
-  log(f'{dataclasses.replace(memory, temporaries=temporaries).describe()}.')
+  log(f'{dataclasses.replace(memory, temporaries=temporaries or None).describe()}.')
   parts = loop_parts.from_plan(
     plan, workdir, step_fns, state.params, train_source, dataset, mesh, manager, restored_step
   )
