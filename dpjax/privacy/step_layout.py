@@ -73,8 +73,9 @@ def check_vmap(options: StepOptions, params) -> None:
   split = param_sharding.sharded_names(params, options.mesh, options.rules)
   if split:
     raise ValueError(
-      f"clipping='vmap' with {len(split)} parameters split over the mesh ({split[0]}, ...): "
-      'per-example gradients would materialise a per-example copy of each sharded parameter; '
+      "clipping='vmap' (or 'auto' where ghost clipping does not cover the model) with "
+      f'{len(split)} parameters split over the mesh ({split[0]}, ...): per-example gradients '
+      'would materialise a per-example copy of each sharded parameter; '
       "use clipping='ghost' (or a mesh with fsdp = tensor = 1)."
     )
 

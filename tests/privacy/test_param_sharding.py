@@ -45,6 +45,23 @@ def _model():
   return DenseLayers()
 
 
+def _uncovered_model():
+  """A layer ghost clipping has no rule for (an elementwise gain [108], split over 'fsdp')."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  class Gain(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return x * self.param('gain', nn.initializers.ones, (x.shape[-1],))
+
+  class Uncovered(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(4)(Gain()(x.reshape(x.shape[0], -1)))
+
+  return Uncovered()
+
+
 def _params(model, x):
   import jax  # pylint: disable=g-import-not-at-top
 
@@ -237,6 +254,13 @@ def _step_checks(model, params, x, y, out):
     results['vmap_fsdp4'] = 'ran'
   except ValueError as e:
     results['vmap_fsdp4'] = str(e)
+  step = _step(_uncovered_model(), plan, mesh, clipping='auto')
+  (p,) = step.place_state(_params(_uncovered_model(), x))
+  try:  # 'auto' falls back to per-example gradients: refused alike.
+    step.train_step(p, step.init_opt_state(p), logical, np.int32(1), np.uint32(0))
+    results['auto_uncovered_fsdp4'] = 'ran'
+  except ValueError as e:
+    results['auto_uncovered_fsdp4'] = str(e)
   for name, shape in LAYOUTS.items():  # The same check, on every layout.
     options = dp_step.StepOptions(mesh=_mesh(*shape), rules=RULES)
     try:
@@ -323,9 +347,11 @@ def test_ghost_clips_each_example_at_c_on_a_sharded_mesh(seen):
 def test_vmap_is_refused_where_a_parameter_is_split(seen):
   """Catches per-example gradients of a sharded parameter (a per-example copy of it, whole,
   on every device): refused in one line naming ghost clipping, before any compute, on
-  fsdp = 4 and fsdp = 2 × tensor = 2; allowed on data = 8 (everything replicated)."""
+  fsdp = 4 and fsdp = 2 × tensor = 2, also where 'auto' falls back to vmap (a parameter ghost
+  clipping does not cover); allowed on data = 8 (everything replicated)."""
   step = seen['step']
-  for key in ('vmap_fsdp4', 'check_vmap_fsdp4', 'check_vmap_fsdp2_tensor2'):
+  keys = ('vmap_fsdp4', 'auto_uncovered_fsdp4', 'check_vmap_fsdp4', 'check_vmap_fsdp2_tensor2')
+  for key in keys:
     assert "use clipping='ghost'" in step[key] and '\n' not in step[key], key
     assert 'per-example copy of each sharded parameter' in step[key]
   assert step['check_vmap_data8'] == 'allowed'
