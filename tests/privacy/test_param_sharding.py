@@ -14,10 +14,27 @@ import os
 import subprocess
 import sys
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-from dpjax.privacy import param_sharding
+from dpjax.privacy import (
+  clipping,
+  correlated_noise,
+  dp_step,
+  losses,
+  multi_step,
+  noise,
+  param_sharding,
+  privacy_plan,
+  samplers,
+  sharding,
+  step_layout,
+)
+from dpjax.privacy import ema as ema_lib
 from dpjax.utils.child_env import child_env
 
 P = param_sharding.P
@@ -33,8 +50,6 @@ BANDS = tuple(np.array([1.0, 0.6, 0.3]) / np.linalg.norm([1.0, 0.6, 0.3]))  # Un
 
 
 def _model():
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
   class DenseLayers(nn.Module):
     @nn.compact
@@ -47,7 +62,6 @@ def _model():
 
 def _uncovered_model():
   """A layer ghost clipping has no rule for (an elementwise gain [108], split over 'fsdp')."""
-  import flax.linen as nn  # pylint: disable=g-import-not-at-top
 
   class Gain(nn.Module):
     @nn.compact
@@ -63,7 +77,6 @@ def _uncovered_model():
 
 
 def _params(model, x):
-  import jax  # pylint: disable=g-import-not-at-top
 
   return jax.tree.map(np.asarray, model.init(jax.random.PRNGKey(0), x[:1])['params'])
 
@@ -79,14 +92,11 @@ def _adversarial(params, bias, gain):
 
 
 def _mesh(fsdp, tensor):
-  from dpjax.privacy import sharding  # pylint: disable=g-import-not-at-top
 
   return sharding.make_mesh(0, fsdp=fsdp, tensor=tensor)
 
 
 def _privatizers():
-  from dpjax.privacy import correlated_noise  # pylint: disable=g-import-not-at-top
-  from dpjax.privacy import noise  # pylint: disable=g-import-not-at-top
 
   scale = 1 / 1.3664988301217094  # BLT((0.9, 0.3), (0.4, 0.2)): unit column norm over 7 steps.
   return {
@@ -111,7 +121,6 @@ def _noise_checks(params, out):
   """Every privatizer's releases of a zero sum (σ = C = b = 1: the release IS the noise) for
   steps 0 and 1 on every layout, in one program per layout whose outputs are held to the state
   layout, bit for bit against one device."""
-  import jax  # pylint: disable=g-import-not-at-top
 
   privatizers = _privatizers()
   params = {'Dense_0': params['Dense_0'], 'Dense_1': {'kernel': params['Dense_1']['kernel']}}
@@ -129,7 +138,9 @@ def _noise_checks(params, out):
     grads, state = param_sharding.place_state(mesh, RULES, params, zeros, states)[1:]
     want = param_sharding.state_specs(jax.eval_shape(fn, grads, state), params, mesh, RULES)
     where = jax.tree.map(
-      lambda s: jax.sharding.NamedSharding(mesh, s), want, is_leaf=lambda s: isinstance(s, P)
+      lambda s, mesh=mesh: jax.sharding.NamedSharding(mesh, s),
+      want,
+      is_leaf=lambda s: isinstance(s, P),
     )
     compiled = jax.jit(fn, out_shardings=where).lower(grads, state).compile()
     if layout == 'fsdp4':
@@ -152,11 +163,6 @@ def _noise_checks(params, out):
 def _ghost_checks(model, params, x, y, out):
   """Per-example contributions on (data=2, fsdp=4) at the adversarial states (each row alone,
   weight 1, the others 0) and the whole clipped sum against one device's ghost and vmap."""
-  import jax  # pylint: disable=g-import-not-at-top
-
-  from dpjax.privacy import clipping  # pylint: disable=g-import-not-at-top
-  from dpjax.privacy import losses  # pylint: disable=g-import-not-at-top
-  from dpjax.privacy import sharding  # pylint: disable=g-import-not-at-top
 
   loss_fn = losses.make_loss_fn(model)
   mesh = _mesh(4, 1)
@@ -186,9 +192,6 @@ def _ghost_checks(model, params, x, y, out):
 
 
 def _step(model, plan, mesh=None, loop='device', **kwargs):
-  import optax  # pylint: disable=g-import-not-at-top
-
-  from dpjax.privacy import dp_step  # pylint: disable=g-import-not-at-top
 
   return dp_step.DPStep.from_plan(
     model, optax.adam(1e-2), plan, mesh=mesh, rules=RULES, physical_loop=loop, **kwargs
@@ -199,15 +202,6 @@ def _step_checks(model, params, x, y, out):
   """The library tier on (data=2, fsdp=4): from_plan + place_state + train_step against one
   device; MultiStep with an EMA, 'device' and 'host' loops, keeps every layout; vmap refused;
   compiled_bytes per device."""
-  import jax  # pylint: disable=g-import-not-at-top
-
-  from dpjax.privacy import dp_step  # pylint: disable=g-import-not-at-top
-  from dpjax.privacy import ema as ema_lib  # pylint: disable=g-import-not-at-top
-  from dpjax.privacy import multi_step  # pylint: disable=g-import-not-at-top
-  from dpjax.privacy import privacy_plan  # pylint: disable=g-import-not-at-top
-  from dpjax.privacy import samplers  # pylint: disable=g-import-not-at-top
-  from dpjax.privacy import sharding  # pylint: disable=g-import-not-at-top
-  from dpjax.privacy import step_layout  # pylint: disable=g-import-not-at-top
 
   sampler = samplers.make('poisson', 1000, 16, 3)
   plan = privacy_plan.PrivacyPlan.create(
@@ -274,7 +268,6 @@ def _step_checks(model, params, x, y, out):
 
 
 def _worker(outdir):
-  import jax  # pylint: disable=g-import-not-at-top
 
   jax.config.update('jax_default_matmul_precision', 'highest')
   assert jax.device_count() == NUM_DEVICES, jax.devices()
@@ -380,10 +373,27 @@ def test_compiled_bytes_are_per_device_for_a_sharded_state(seen):
 
 def test_sharding_rules_are_validated():
   """Catches rules of the wrong type reaching the step (one line, before any compute)."""
-  from dpjax.privacy import step_layout  # pylint: disable=g-import-not-at-top
 
   with pytest.raises(ValueError, match='rules must be a param_sharding.ShardingRules'):
     step_layout.StepOptions(rules={'tensor_parallel': True})
+
+
+def test_tensor_parallel_arrays_take_fsdp_on_the_same_dimension():
+  """Catches 'fsdp' on another dimension of a tensor-parallel array: XLA's SPMD partitioner
+  (jax 0.10.2) miscomputes x @ w0 + (x @ w3) @ w1 with w1 P('tensor', 'fsdp') (a digits
+  transformer on fsdp = 2 × tensor = 2: gradients up to 0.9 relative off)."""
+
+  mesh = jax.sharding.AbstractMesh((2, 2, 2), ('data', 'fsdp', 'tensor'))
+  both = ('fsdp', 'tensor')
+  for names, shape, want in (
+    (('mlp', 'kernel'), (128, 64), P(both)),  # Row-parallel.
+    (('mlp', 'kernel'), (64, 128), P(None, both)),  # Column-parallel.
+    (('attention', 'out', 'kernel'), (4, 16, 64), P(both)),
+    (('attention', 'query', 'kernel'), (64, 4, 16), P(None, both)),
+    (('attention', 'query', 'kernel'), (64, 2, 16), P(None, 'tensor')),  # 2 heads: 'tensor' only.
+    (('pos_embedding',), (8, 64), P(None, 'fsdp')),  # No tensor-parallel rule: FSDP alone.
+  ):
+    assert param_sharding.parameter_spec(names, shape, mesh, RULES) == want, (names, shape)
 
 
 if __name__ == '__main__':
