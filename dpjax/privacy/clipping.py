@@ -222,7 +222,9 @@ def _ghost_forms(coverage, params, batch_size: int, forms: str, step=None) -> tu
   ]
 
 
-def clipped_sum_fn(loss_fn: LossFn, clip_norm: float, method: str = 'auto', forms: str = 'flops'):
+def clipped_sum_fn(
+  loss_fn: LossFn, clip_norm: float, method: str = 'auto', forms: str = 'flops', check_vmap=None
+):
   """`(params, examples, weights) -> (Σ_i w_i · clip_C(g_i), PerExample)` by `method`.
 
   The function's `choice` (a list of lines) says what it runs: per-example
@@ -237,6 +239,8 @@ def clipped_sum_fn(loss_fn: LossFn, clip_norm: float, method: str = 'auto', form
     forms: how ghost clipping picks each layer's form: 'flops' (the mixed rule's FLOP
       counts) or 'measured' (`ghost_clipping.form_timing`: both forms timed on this device
       at the first trace, cached on disk beside jax's compilation cache). Speed only.
+    check_vmap: optional `f(params)` called at trace time before per-example gradients are
+      chosen (raises where they must not run, e.g. parameters split over a mesh).
   """
   if method not in CLIPPING_METHODS:
     raise ValueError(f'clipping method {method!r}; valid: {CLIPPING_METHODS}.')
@@ -246,6 +250,8 @@ def clipped_sum_fn(loss_fn: LossFn, clip_norm: float, method: str = 'auto', form
 
   def fn(params: Params, examples: Example, weights: jax.Array):
     if method == 'vmap':
+      if check_vmap:
+        check_vmap(params)
       fn.choice[:] = vmap_choice
       return vmap_clipped_sum(loss_fn, params, examples, weights, clip_norm)
     # Trace time: the coverage depends only on the model and the shapes.
@@ -270,6 +276,8 @@ def clipped_sum_fn(loss_fn: LossFn, clip_norm: float, method: str = 'auto', form
         f"{coverage.describe()}. Use 'auto' (falls back to 'vmap') or 'vmap'."
       )
     uncovered = ', '.join(f'{p} ({why})' for p, why in coverage.uncovered)
+    if check_vmap:
+      check_vmap(params)
     logging.warning(
       "clipping='auto': ghost clipping does not cover %s; using per-example "
       'gradients (vmap) for this model.',
@@ -294,14 +302,14 @@ def with_stats(sum_fn, clip_norm: float) -> ClippedSumFn:
 
 
 def make_clipped_sum_fn(
-  method: str, loss_fn: LossFn, clip_norm: float, forms: str = 'flops'
+  method: str, loss_fn: LossFn, clip_norm: float, forms: str = 'flops', check_vmap=None
 ) -> ClippedSumFn:
   """`(params, batch) -> (Σ_i w_i · clip_C(g_i), ClipStats)`: `clipped_sum_fn` on a batch dict.
 
-  `loss_fn` returns (loss, aux); `choice` and `forms` as in `clipped_sum_fn`.
+  `loss_fn` returns (loss, aux); `choice`, `forms` and `check_vmap` as in `clipped_sum_fn`.
   """
   return with_stats(
-    clipped_sum_fn(loss_fn, clip_norm, method, forms),
+    clipped_sum_fn(loss_fn, clip_norm, method, forms, check_vmap),
     checks.check_clip_norm(clip_norm, allow_inf=True),
   )
 

@@ -6,10 +6,9 @@
      of (seed, t) added ONCE per logical step, b the sampler's expected batch size)
   →  the optimizer (optax).
 
-This is what `clipping.clipped_grad(loss_fn)` + `accumulator.GradSum` + `gaussian_privatizer`
-compute in a loop of one's own (tests/privacy/test_one_mechanism.py). The privatizer is the
-extension point: a correlated-noise mechanism is one new privatizer with its own state
-(carried beside the optimiser's, `accumulator.init_state`), nothing else here changes.
+This is `clipping.clipped_grad` + `accumulator.GradSum` + `gaussian_privatizer` in a loop of
+one's own (tests/privacy/test_one_mechanism.py). The privatizer is the extension point (a
+correlated one carries its state beside the optimiser's, `accumulator.init_state`).
 
 A logical step t is K ≥ 0 physical batches of the same static shape P (K varies with the
 sampled batch size; K = 0 happens under Poisson sampling). ONE body, `logical_step`: a
@@ -21,24 +20,24 @@ one's own. Given a `device_data.DeviceDataset`, the buffer holds only int32 row 
 weights, gathered and normalised on the device inside the loop. Params and optimiser state
 are donated.
 
-With a non-private privatizer (`GaussianPrivatizer.no_noise`) the same pipeline runs without
-clipping or noise: SGD on Σ_i w_i · g_i / b.
+With `GaussianPrivatizer.no_noise` the same pipeline runs without clipping or noise: SGD on
+Σ_i w_i · g_i / b. Models must be per-example (no BatchNorm) and deterministic (no dropout),
+see `dpjax.models.factory`. Metrics are monitoring values computed from the raw batch, NOT
+differentially private.
 
-Models must be per-example (no BatchNorm) and deterministic (no dropout), see
-`dpjax.models.factory`. Metrics are monitoring values computed from the raw batch: they are
-NOT differentially private and must not be released as if they were.
+Parallelism is a sharding argument, not another program: given a `mesh` ('data', 'fsdp',
+'tensor'; `dpjax.privacy.sharding`), each physical batch is split over data × fsdp, and every
+state array (params, optimiser and noise state, accumulator) stays where `rules` put it
+(`param_sharding`: FSDP, tensor parallel, or replicated); XLA's SPMD partitioner inserts the
+gathers and reductions. A ghost norm sums every shard of every parameter before the clip
+factor; per-example gradients of split parameters are refused (`step_layout.check_vmap`).
 
-Data parallelism is a sharding argument, not another program: given a `mesh`
-(`dpjax.privacy.sharding`), each physical batch is split over its 'data' axis and everything
-else is replicated; the sum becomes a cross-device reduction, and the release (noise
-included) runs on replicated inputs: the noise is drawn once per logical step from one key.
-
-Randomness: the noise comes from JAX's Threefry PRNG keyed by (seed, NOISE_STREAM, step):
-reproducible, not a cryptographically secure sampler. `apply` and `train_step` refuse a step
-that is not after the last one they noised (`noise_state.check_after`).
+Randomness: JAX's Threefry keyed by (seed, NOISE_STREAM, step), reproducible, not a
+cryptographically secure sampler; partitionable, so each coordinate's noise is drawn in its
+shard and bit-identical on every layout. `apply` and `train_step` refuse a step that is not
+after the last one they noised (`noise_state.check_after`).
 """
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -69,6 +68,7 @@ Batch = dict[str, jax.Array]
 
 StepOptions = step_layout.StepOptions
 program_shardings = step_layout.program_shardings
+PLAN_FIELDS = 'clip_norm noise_multiplier expected_batch_size seed private precision'.split()
 
 
 class DPStep:
@@ -90,7 +90,8 @@ class DPStep:
     has_aux: whether loss_fn returns (loss, aux); aux['correct'] is the accuracy metric.
     clipping: 'auto' (ghost clipping when it covers every parameter of the model, else
       per-example gradients, with a log line), 'vmap' or 'ghost' (`dpjax.privacy.clipping`).
-      Decided when first traced; a model 'ghost' does not cover raises ValueError there.
+      Decided when first traced; ValueError there for a model 'ghost' does not cover, and
+      for per-example gradients of parameters the mesh splits (`step_layout.check_vmap`).
     precision: 'default', 'highest', 'bfloat16' (`dpjax.privacy.precision`): examples are
       clipped at C exactly, and the float rounding of the norms and of the sum is paid for in
       ε (the plan's η, `dpjax.privacy.rounding`).
@@ -156,9 +157,9 @@ class DPStep:
     if not self.private:
       self._choice = []
       return lambda params, batch: clipping_lib.grad_sum(loss_fn, params, batch)
-    sum_fn = clipping_lib.make_clipped_sum_fn(
-      clipping, loss_fn, self.clip_norm, self.options.clipping_forms
-    )
+    check_vmap = functools.partial(step_layout.check_vmap, self.options)
+    forms = self.options.clipping_forms
+    sum_fn = clipping_lib.make_clipped_sum_fn(clipping, loss_fn, self.clip_norm, forms, check_vmap)
     self._choice = sum_fn.choice  # Filled when first traced ('auto', 'ghost').
     return sum_fn
 
@@ -188,14 +189,10 @@ class DPStep:
     sum_fn_wrapper, and `StepOptions`' fields (mesh, physical_loop, ...)."""
     options = StepOptions(**{f: kwargs.pop(f) for f in step_layout.OPTION_FIELDS if f in kwargs})
     prng.check_seed(seed)
-    privatizer = privatizer or (
-      noise.GaussianPrivatizer.gaussian(
-        noise_multiplier, clip_norm, expected_batch_size, seed, noise_impl
-      )
-      if private
-      else noise.GaussianPrivatizer.no_noise(expected_batch_size, seed)
-    )
     prng.check_noise_impl(noise_impl)
+    privatizer = privatizer or noise.GaussianPrivatizer.of(
+      private, noise_multiplier, clip_norm, expected_batch_size, seed, noise_impl
+    )
     views = augmult is not None and augmult.num_views > 1
     make = lambda m: losses.make_loss_fn(m, label_format, precision, views=views, loss=loss)
     loss_fn, kwargs['frozen'] = lora.loss_and_base(model, make, options.mesh, options.rules)
@@ -234,10 +231,7 @@ class DPStep:
     They cannot be passed here, so the step that runs and the accountant that reports cannot
     disagree; `kwargs` are the other `for_model` arguments (clipping, mesh, ...).
     """
-    taken = sorted(
-      set(kwargs)
-      & {'clip_norm', 'noise_multiplier', 'expected_batch_size', 'seed', 'private', 'precision'}
-    )
+    taken = sorted(set(kwargs) & set(PLAN_FIELDS))
     if taken:
       raise TypeError(f'DPStep.from_plan: {", ".join(taken)} come from the plan.')
     return cls.for_model(
@@ -359,6 +353,12 @@ class DPStep:
   def init_accumulator(self, params: Params) -> accumulator_lib.Accumulator:
     """Zero sums with the structure and layout of params."""
     return self._zeros(params)
+
+  def place_state(self, params: Params, *states):
+    """(params, *states: opt_state, EMA) on the mesh by the rules; no mesh: as given."""
+    if self.mesh is None:
+      return (params, *states)
+    return param_sharding.place_state(self.mesh, self.options.rules, params, *states)
 
   def init_opt_state(self, params: Params) -> optax.OptState:
     """`accumulator.init_state`: the optimizer's state, a stateful privatizer's state first."""

@@ -53,22 +53,27 @@ MISSING_STEP = (
 
 def standard_normals_like(key: jax.Array, tree: Any) -> Any:
   """N(0, 1) per coordinate of `tree`: bit for bit `optax.tree.random_like(key, tree,
-  jax.random.normal)` (leaf i from key i of split(key, L), in the leaf's dtype), but the leaves
-  of one size and dtype are drawn by one vmapped sampler. Each sampler is a threefry program,
-  so L leaves compiled L of them (40 leaves, XLA CPU at O0: 5.0 -> 0.6 s of CPU to trace and
-  compile); a leaf's draw is its key's draw of size(leaf) normals in flat order, reshaped, so
-  grouping changes no bit (tests/privacy/test_noise.py)."""
+  jax.random.normal)` (leaf i from key i of split(key, L), drawn in the leaf's shape and
+  dtype), but the leaves of one shape and dtype are drawn by one vmapped sampler. Each sampler
+  is a threefry program, so L leaves compiled L of them (40 leaves, XLA CPU at O0: 5.0 -> 0.6
+  s of CPU to trace and compile); vmapping over keys changes no bit (tests/privacy/test_noise.py).
+
+  Layout-free: with `jax_threefry_partitionable` (JAX's default) coordinate j of a leaf is a
+  function of (key, j) only, so a leaf split over a mesh draws each shard's normals on its
+  own device, bit-identical to the one-device draw (tests/privacy/test_param_sharding.py).
+  A flat draw reshaped would not split that way: the partitioner cannot slice [n] into the
+  shards of [a, b] split on b, and each device would draw the whole leaf."""
   leaves, treedef = jax.tree.flatten(tree)
   keys = jax.random.split(key, len(leaves))
-  groups: dict[tuple[int, Any], list[int]] = {}
+  groups: dict[tuple[tuple[int, ...], Any], list[int]] = {}
   for i, leaf in enumerate(leaves):
-    groups.setdefault((leaf.size, jnp.dtype(leaf.dtype)), []).append(i)
+    groups.setdefault((tuple(leaf.shape), jnp.dtype(leaf.dtype)), []).append(i)
   normals = [None] * len(leaves)
-  for (size, dtype), members in groups.items():
-    draw = jax.vmap(lambda k, size=size, dtype=dtype: jax.random.normal(k, (size,), dtype))
+  for (shape, dtype), members in groups.items():
+    draw = jax.vmap(lambda k, shape=shape, dtype=dtype: jax.random.normal(k, shape, dtype))
     drawn = draw(keys[np.asarray(members)])
     for row, i in enumerate(members):
-      normals[i] = drawn[row].reshape(leaves[i].shape)
+      normals[i] = drawn[row]
   return jax.tree.unflatten(treedef, normals)
 
 
@@ -146,6 +151,15 @@ class GaussianPrivatizer:
   def no_noise(cls, expected_batch_size, seed: int = 0) -> 'GaussianPrivatizer':
     """The non-private baseline: Σ_i w_i · g_i / b."""
     return cls(0.0, None, _checks.check_expected_batch_size(expected_batch_size), _seed(seed))
+
+  @classmethod
+  def of(
+    cls, private: bool, noise_multiplier, clip_norm, expected_batch_size, seed=0, impl='threefry'
+  ) -> 'GaussianPrivatizer':
+    """`gaussian(...)` if private, else `no_noise(expected_batch_size, seed)`."""
+    if private:
+      return cls.gaussian(noise_multiplier, clip_norm, expected_batch_size, seed, impl)
+    return cls.no_noise(expected_batch_size, seed)
 
   @property
   def noise_std(self) -> float | None:

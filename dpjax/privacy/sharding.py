@@ -12,11 +12,15 @@ shardings XLA's SPMD partitioner (GSPMD, Xu et al. 2021) splits the
 per-example work and turns the sum of clipped gradients over the batch axis
 into a cross-device reduction; nothing here hand-writes a collective.
 
-The Gaussian noise stays outside the reduction: it is drawn in `DPStep.apply`
-from noise_key(seed, step), a replicated input every process computes
-identically, so it is added exactly once per logical step to the already
-reduced sum (docs/accounting.md: noise std on the *sum* is σ·C) and every
-device holds the same update.
+The noise stays outside the reduction: it is drawn in the release from
+noise_key(seed, step), a replicated input every process computes identically,
+and added once per logical step to the already reduced sum (docs/accounting.md:
+noise std on the *sum* is σ·C). Threefry is partitionable, so each device draws
+only the coordinates of its own shard of a split parameter, bit-identical to a
+one-device draw (`noise.standard_normals_like`). Ghost clipping's per-example
+squared norms are sums over every parameter, hence over every shard, before the
+clip factor; per-example gradients of a split parameter are refused
+(`step_layout.check_vmap`).
 
 Multi-host: call `initialize_distributed` before anything touches a device.
 Every process computes the same LogicalBatch (the sampler is a pure function

@@ -44,6 +44,8 @@ class StepOptions:
   allow_repeated_steps: bool = False
 
   def __post_init__(self):
+    if not isinstance(self.rules, param_sharding.ShardingRules):
+      raise ValueError(f'rules must be a param_sharding.ShardingRules, got {self.rules!r}.')
     if self.physical_loop not in PHYSICAL_LOOPS:
       raise ValueError(f'physical_loop={self.physical_loop!r}; valid: {PHYSICAL_LOOPS}.')
 
@@ -78,6 +80,20 @@ def program_shardings(
     'k': keys_sharding,
   }
   return {'in_shardings': tuple(by_kind[k] for k in kinds)} if kinds else {}
+
+
+def check_vmap(options: StepOptions, params) -> None:
+  """Refuses (ValueError, at the first trace, before any compute) per-example gradients of
+  parameters that `options.rules` split over the mesh: vmap(grad) would hold a per-example
+  copy [P, ...] of each, gathered whole on every device. Ghost clipping never forms them."""
+  split = param_sharding.sharded_names(params, options.mesh, options.rules)
+  if split:
+    raise ValueError(
+      "clipping='vmap' (or 'auto' where ghost clipping does not cover the model) with "
+      f'{len(split)} parameters split over the mesh ({split[0]}, ...): per-example gradients '
+      'would materialise a per-example copy of each sharded parameter; '
+      "use clipping='ghost' (or a mesh with fsdp = tensor = 1)."
+    )
 
 
 OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(StepOptions))

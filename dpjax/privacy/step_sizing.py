@@ -15,23 +15,27 @@ import jax.numpy as jnp
 
 
 def abstract(tree: Any) -> Any:
-  """The tree's shapes and dtypes (`jax.ShapeDtypeStruct` leaves), with an array's mesh
-  sharding kept: a state split over a mesh is analysed split, as it runs."""
+  """The tree's shapes, dtypes and, for arrays, shardings (`jax.ShapeDtypeStruct` leaves)."""
+  return jax.tree.map(
+    lambda v: (
+      v
+      if isinstance(v, jax.ShapeDtypeStruct)
+      else jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v), sharding=_sharding(v))
+    ),
+    tree,
+  )
 
-  def leaf(v):
-    if isinstance(v, jax.ShapeDtypeStruct):
-      return v
-    where = getattr(v, 'sharding', None)
-    where = where if isinstance(where, jax.sharding.NamedSharding) else None
-    return jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v), sharding=where)
 
-  return jax.tree.map(leaf, tree)
+def _sharding(value: Any):
+  """A jax.Array's sharding on a mesh (a sharded state is sized per device), else None."""
+  where = getattr(value, 'sharding', None)
+  return where if isinstance(where, jax.sharding.NamedSharding) else None
 
 
 def signature(*trees: Any) -> tuple:
   """A hashable key of the trees' structure, shapes and dtypes."""
   leaves, structure = jax.tree.flatten(abstract(trees))
-  return str(structure), tuple((tuple(l.shape), str(l.dtype)) for l in leaves)
+  return str(structure), tuple((tuple(l.shape), str(l.dtype), str(l.sharding)) for l in leaves)
 
 
 class StepSizing:
