@@ -19,7 +19,8 @@ applied to the parameter it belongs to:
   ('fsdp', 'tensor'), when it divides (else 'tensor' only): with 'fsdp' on another dimension
   of a row-parallel kernel, XLA's SPMD partitioner (jax 0.10.2, Shardy and GSPMD) returns
   wrong values (x @ w0 + (x @ w3) @ w1 with w0 P(None, 'tensor'), w1 P('tensor', 'fsdp') and
-  x split over data × fsdp on a 2×2×2 mesh: 110 % off), hence this placement.
+  x split over data × fsdp on a 2×2×2 mesh: 110 % off; scripts/xla_spmd_fsdp_tensor_repro.py),
+  hence this placement.
 
 A state leaf that is not a parameter itself (Adam's μ and ν, an EMA, the accumulator's sum,
 a banded noise history [b−1, *shape]) takes the placement of the parameter whose path ends

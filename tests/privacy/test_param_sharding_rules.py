@@ -71,13 +71,18 @@ def test_tensor_parallel_rules(names, shape, expected):
   assert ps.parameter_spec(names, shape, mesh(4, 1, 2), SMALL) == P()  # Rules off.
 
 
-def test_tensor_then_fsdp_on_the_largest_remaining_axis():
-  assert ps.parameter_spec(('mlp', 'k', 'kernel'), (32, 64), mesh(2, 2, 2), TP) == P(
-    'fsdp', 'tensor'
-  )
-  assert ps.parameter_spec(('attn', 'out', 'kernel'), (4, 8, 32), mesh(2, 2, 2), TP) == P(
-    'tensor', None, 'fsdp'
-  )
+def test_a_tensor_parallel_array_takes_fsdp_on_its_tensor_dimension_only():
+  """Under fsdp × tensor an array a tensor-parallel rule splits takes 'fsdp' on the same
+  dimension, never on another: XLA's SPMD partitioner computes x @ w wrong for w split
+  P('tensor', 'fsdp') on a 2×2×2 mesh (1.1 relative; scripts/xla_spmd_fsdp_tensor_repro.py, jax 0.10.2).
+  Catches the rule going back to 'fsdp' on the largest remaining dimension."""
+  m = mesh(2, 2, 2)
+  assert ps.parameter_spec(('mlp', 'k', 'kernel'), (32, 64), m, TP) == P(None, ('fsdp', 'tensor'))
+  assert ps.parameter_spec(('attn', 'out', 'kernel'), (4, 8, 32), m, TP) == P(('fsdp', 'tensor'))
+  # 2 heads: divisible by tensor = 2, not by fsdp × tensor = 4: 'tensor' only.
+  assert ps.parameter_spec(('attn', 'out', 'kernel'), (2, 8, 32), m, TP) == P('tensor')
+  # No tensor-parallel rule for this array: FSDP as usual.
+  assert ps.parameter_spec(('Dense_0', 'kernel'), (32, 32), m, TP) == P('fsdp')
 
 
 def test_every_spec_is_valid_for_random_shapes():
@@ -89,11 +94,12 @@ def test_every_spec_is_valid_for_random_shapes():
     shape = tuple(int(v) for v in rng.integers(1, 70, rng.integers(1, 4)))
     names = ('x', str(rng.choice(['query', 'out', 'Dense_3', 'key'])), 'kernel')
     spec = ps.parameter_spec(names, shape, m, TP)
-    used = [a for a in spec if a is not None]
+    names_of = lambda entry: () if entry is None else (entry,) if isinstance(entry, str) else entry
+    used = [a for entry in spec for a in names_of(entry)]
     assert len(used) == len(set(used))
-    for axis, name in enumerate(spec):
-      if name is not None:
-        assert shape[axis] % dict(m.shape)[name] == 0
+    for axis, entry in enumerate(spec):
+      size = int(np.prod([dict(m.shape)[a] for a in names_of(entry)]))
+      assert shape[axis] % size == 0
 
 
 def test_state_leaves_follow_their_parameter():
