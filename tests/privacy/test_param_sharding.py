@@ -36,6 +36,7 @@ from dpjax.privacy import (
 )
 from dpjax.privacy import ema as ema_lib
 from dpjax.utils.child_env import child_env
+from tests.privacy.ghost_clipping import harness
 
 P = param_sharding.P
 pytestmark = pytest.mark.slow  # A child process (`make test-unit` skips).
@@ -61,17 +62,12 @@ def _model():
 
 
 def _uncovered_model():
-  """A layer ghost clipping has no rule for (an elementwise gain [108], split over 'fsdp')."""
-
-  class Gain(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      return x * self.param('gain', nn.initializers.ones, (x.shape[-1],))
+  """A layer ghost clipping has no rule for (harness.Scaled: a gain [108], split over 'fsdp')."""
 
   class Uncovered(nn.Module):
     @nn.compact
     def __call__(self, x):
-      return nn.Dense(4)(Gain()(x.reshape(x.shape[0], -1)))
+      return nn.Dense(4)(harness.Scaled()(x.reshape(x.shape[0], -1)))
 
   return Uncovered()
 
