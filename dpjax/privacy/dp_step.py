@@ -54,6 +54,7 @@ from dpjax.privacy import logical_buffer
 from dpjax.privacy import losses
 from dpjax.privacy import noise
 from dpjax.privacy import noise_state
+from dpjax.privacy import param_sharding
 from dpjax.privacy import precision as precision_lib
 from dpjax.privacy import privacy_plan
 from dpjax.privacy import prng
@@ -264,7 +265,11 @@ class DPStep:
     self._train_step = jit(self.logical_step, 'train_step', 'sslssss', (0, 1))
     self._host_add = jit(self._add_slot, 'train_step', 'sslssss', (1,))
     self._host_release = jit(self._release, 'train_step', 'sssss', (0, 1))
-    self._zeros = jax.jit(accumulator_lib.zeros, **program_shardings(self.mesh, ''))
+    self._zeros = jax.jit(lambda p: self.placed(accumulator_lib.zeros(p), p))
+
+  def placed(self, tree, params):
+    """`tree` (traced) held in the state's layout on the mesh (`param_sharding.constrain`)."""
+    return param_sharding.constrain(tree, params, self.mesh, self.options.rules)
 
   def _counted(self, fn, counter: str):
     """fn in the step's precision, its traces (= XLA compilations) counted under `counter`."""
@@ -283,7 +288,7 @@ class DPStep:
     """acc + this physical batch's Σ_i w_i · clip_C(g_i) and statistics."""
     batch = dict(batch, weight=clipping_lib.clamp_weights(batch['weight']))  # As clipped_grad.
     g, stats = self._sum_fn(params, batch)
-    return accumulator_lib.add(acc, g, stats)
+    return self.placed(accumulator_lib.add(acc, g, stats), params)
 
   def _add_slot(self, params, acc, logical, i, step, dataset, keys):
     """acc + physical batch i of the logical buffer (gathered and viewed on the device)."""
@@ -292,9 +297,9 @@ class DPStep:
 
   def _release(self, params, opt_state, acc, step, keys):
     """The privatizer's ĝ of the sum (noise of (seed, t) once, ÷ b), then the optimizer."""
-    return accumulator_lib.release(
-      params, opt_state, acc, step, keys['noise'], self.optimizer, self.privatizer
-    )
+    noise_key, optimizer, privatizer = keys['noise'], self.optimizer, self.privatizer
+    out = accumulator_lib.release(params, opt_state, acc, step, noise_key, optimizer, privatizer)
+    return self.placed(out, params)
 
   def logical_step(self, params, opt_state, logical, num_batches, step, dataset=None, keys=None):
     """The logical step's body: a fori over its K physical batches, then the release.
@@ -304,7 +309,7 @@ class DPStep:
     k = logical_buffer.clamp_num_batches(num_batches, logical_buffer.num_slots(logical))
     add = lambda i, acc: self._add_slot(params, acc, logical, i, step, dataset, keys)
     with precision_lib.matmul_precision(self.precision):
-      acc = jax.lax.fori_loop(0, k, add, accumulator_lib.zeros(params))
+      acc = jax.lax.fori_loop(0, k, add, self.placed(accumulator_lib.zeros(params), params))
       return self._release(params, opt_state, acc, step, keys)
 
   # The entry points.

@@ -162,7 +162,9 @@ class MultiStep:
     self._program = jax.jit(
       self._steps, donate_argnums=(0, 1, 2), **dp_step.program_shardings(mesh, 'ssscsssss')
     )
-    self._update_ema = jax.jit(lambda ema, params: ema_lib.update(ema, params, self.ema_decay))
+    self._update_ema = jax.jit(
+      lambda ema, params: step_fns.placed(ema_lib.update(ema, params, self.ema_decay), params)
+    )
 
   def compile_count(self) -> int:
     """Compilations of the multi-step program (1 in a healthy run, whatever the counts)."""
@@ -221,7 +223,8 @@ class MultiStep:
       return params, opt_state, ema, metrics
 
     count = jnp.clip(jnp.asarray(count, jnp.int32), 0, self.size)
-    return jax.lax.fori_loop(0, count, body, (params, opt_state, ema, metrics))
+    out = jax.lax.fori_loop(0, count, body, (params, opt_state, ema, metrics))
+    return self.step_fns.placed(out, params)
 
 
 def rows_of(metrics: dict[str, Any], count: int) -> list[dict[str, Any]]:

@@ -37,7 +37,7 @@ import numpy as np
 from dpjax.privacy import sharding
 
 P = jax.sharding.PartitionSpec
-MIN_SHARDED_SIZE = 2**14  # Elements: smaller arrays (biases, norms) are replicated.
+MIN_SHARDED_SIZE = 2**10  # Elements (4 KiB in float32): smaller arrays (biases, norms) stay whole.
 ATTENTION_HEAD_PROJECTIONS = ('query', 'key', 'value')
 ATTENTION_OUTPUT = 'out'
 
@@ -153,6 +153,16 @@ def state_shardings(
     state_specs(tree, params, mesh, rules),
     is_leaf=lambda x: isinstance(x, P),
   )
+
+
+def constrain(
+  tree: Any, params: Any, mesh: jax.sharding.Mesh | None, rules: ShardingRules = ShardingRules()
+) -> Any:
+  """`tree` (traced) held to `state_shardings` inside a jitted program, so what a program
+  returns keeps the layout its state came in (no mesh: `tree` unchanged)."""
+  if mesh is None:
+    return tree
+  return jax.lax.with_sharding_constraint(tree, state_shardings(tree, params, mesh, rules))
 
 
 def place(tree: Any, shardings: Any) -> Any:

@@ -9,6 +9,7 @@ import dataclasses
 
 import jax
 
+from dpjax.privacy import param_sharding
 from dpjax.privacy import sharding
 
 PHYSICAL_LOOPS = ('auto', 'device', 'host')
@@ -18,9 +19,13 @@ PHYSICAL_LOOPS = ('auto', 'device', 'host')
 class StepOptions:
   """How the step runs, not what it releases.
 
-  mesh: data-parallel device mesh (`sharding.make_mesh`): batches are sharded over its 'data'
-    axis, params / optimiser state / accumulator replicated, outputs replicated (P must be a
-    multiple of its size). None: run where the inputs are. The same programs either way.
+  mesh: the device mesh ('data', 'fsdp', 'tensor'; `sharding.make_mesh`): batches are split
+    over 'data' × 'fsdp' (P must be a multiple of that), and the state (params, optimiser
+    state, accumulator) stays where `rules` puts it: each program takes it in the layout it
+    comes in and returns it in the same (`param_sharding.constrain`). None: run where the
+    inputs are. The same programs either way.
+  rules: how parameters are placed over 'fsdp' and 'tensor' (`param_sharding.ShardingRules`);
+    with fsdp = tensor = 1 everything but the batch is replicated.
   physical_loop: how `train_step` loops over the K physical batches: 'device' (one program, a
     while loop inside: one dispatch per logical step), 'host' (K dispatches of the physical
     batch's program, then the release's: the same result), or 'auto' = 'host' on the CPU
@@ -32,6 +37,7 @@ class StepOptions:
   """
 
   mesh: jax.sharding.Mesh | None = None
+  rules: param_sharding.ShardingRules = param_sharding.ShardingRules()
   physical_loop: str = 'auto'
   clipping_forms: str = 'flops'
   allow_repeated_steps: bool = False
@@ -42,20 +48,20 @@ class StepOptions:
 
 
 def program_shardings(mesh: jax.sharding.Mesh | None, kinds: str) -> dict:
-  """`jax.jit`'s sharding arguments of a program over `mesh`: argument j by kinds[j] ('s'
-  replicated state, 'b' a physical batch split over 'data', 'l' a logical buffer [K_max, P,
-  ...] split on its row axis, 'c' a chunk of them [S, K_max, P, ...]), outputs replicated.
-  None: none (the program runs where its inputs are)."""
+  """`jax.jit`'s sharding arguments of a program over `mesh`: argument j by kinds[j] ('s' state
+  in the layout it comes in, a host value replicated; 'b' a physical batch split over the
+  example axes, 'l' a logical buffer [K_max, P, ...] split on its row axis, 'c' a chunk of them
+  [S, K_max, P, ...]). The outputs' layout is the program's (`param_sharding.constrain`). No
+  mesh: none (the program runs where its inputs are)."""
   if mesh is None:
     return {}
   by_kind = {
-    's': sharding.replicated(mesh),
+    's': None,
     'b': sharding.batch_sharding(mesh),
     'l': sharding.logical_batch_sharding(mesh),
     'c': sharding.chunk_sharding(mesh),
   }
-  ins = {'in_shardings': tuple(by_kind[k] for k in kinds)} if kinds else {}
-  return {'out_shardings': by_kind['s'], **ins}
+  return {'in_shardings': tuple(by_kind[k] for k in kinds)} if kinds else {}
 
 
 OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(StepOptions))
