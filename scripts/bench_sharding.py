@@ -49,7 +49,7 @@ from dpjax.privacy import sharding
 RESULTS = pathlib.Path(__file__).resolve().parent / 'results'
 TARGET = 1.10  # Per-device state within 10 % of replicated / fsdp.
 EMA_DECAY = 0.999
-RULES = param_sharding.ShardingRules()  # FSDP: arrays >= 2**14 elements split.
+RULES = param_sharding.ShardingRules()  # FSDP only; arrays >= MIN_SHARDED_SIZE elements split.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +82,9 @@ class Setup:
     )
 
 
-def make_step(setup: Setup) -> dp_step.DPStep:
-  """The DP step (Adam) of the setup's model; expected batch size b = K_max · P."""
+def make_step(setup: Setup, mesh=None) -> dp_step.DPStep:
+  """The DP step (Adam) of the setup's model; expected batch size b = K_max · P. With a mesh,
+  the step holds its accumulator and release in `RULES`' layout (`DPStep.placed`)."""
   return dp_step.DPStep.for_model(
     setup.model(),
     optax.adam(setup.learning_rate),
@@ -92,6 +93,8 @@ def make_step(setup: Setup) -> dp_step.DPStep:
     expected_batch_size=setup.num_batches * setup.physical_batch,
     clipping=setup.clipping,
     loss='sequence_cross_entropy',
+    mesh=mesh,
+    rules=RULES,
   )
 
 
@@ -194,6 +197,7 @@ class Layout:
 
   fsdp: int
   mesh: jax.sharding.Mesh
+  step: dp_step.DPStep
   compiled: object
   shardings: tuple
   state: tuple = ()
@@ -201,21 +205,23 @@ class Layout:
   losses: list = dataclasses.field(default_factory=list)
 
 
-def build_layouts(setup: Setup, step, fsdps, num_devices: int = 0) -> list[Layout]:
-  """A compiled step per fsdp (data = devices / fsdp), from abstract shapes."""
-  state, buffer = abstract_state(setup, step), abstract_buffer(setup)
+def build_layouts(setup: Setup, fsdps, num_devices: int = 0) -> list[Layout]:
+  """A step on each mesh (data = devices / fsdp), compiled from abstract shapes."""
   layouts = []
   for fsdp in fsdps:
     mesh = sharding.make_mesh(num_devices, fsdp=fsdp)
-    compiled = compile_step(step, state, buffer, mesh)
-    layouts.append(Layout(fsdp, mesh, compiled, state_shardings(state, mesh)))
+    step = make_step(setup, mesh)
+    state = abstract_state(setup, step)
+    compiled = compile_step(step, state, abstract_buffer(setup), mesh)
+    layouts.append(Layout(fsdp, mesh, step, compiled, state_shardings(state, mesh)))
   return layouts
 
 
-def train_interleaved(setup: Setup, step, layouts: list[Layout], steps: int) -> None:
+def train_interleaved(setup: Setup, layouts: list[Layout], steps: int) -> None:
   """Every layout runs logical steps t = 0..steps−1 from the same initial state and data,
   one step of each layout per round (timed to the outputs' readiness)."""
   params = prng.init_params(setup.model(), 0, (setup.length,))
+  step = layouts[0].step  # Same σ, C, b and seed on every layout: the same noise key.
   host = jax.device_get((params, step.init_opt_state(params), ema_lib.init(params)))
   for layout in layouts:
     layout.state = param_sharding.place(host, layout.shardings)
@@ -239,10 +245,9 @@ def max_relative_difference(a, b) -> float:
 
 def measure(setup: Setup, fsdps, steps: int, budget_fraction: float, num_devices=0) -> dict:
   """Every number of the benchmark, as a dict (the JSON's 'layouts' and 'budget')."""
-  step = make_step(setup)
-  state = abstract_state(setup, step)
-  layouts = build_layouts(setup, step, fsdps, num_devices)
-  train_interleaved(setup, step, layouts, steps)
+  layouts = build_layouts(setup, fsdps, num_devices)
+  state = abstract_state(setup, layouts[0].step)
+  train_interleaved(setup, layouts, steps)
   base = layouts[0]
   rows = []
   for layout in layouts:

@@ -62,9 +62,9 @@ GB = 1e9  # Bytes; the limit is the accelerator's nominal 80 GB (= 74.5 GiB).
 def compile_memory(setup: bench_sharding.Setup, fsdp: int, physical_batch: int) -> dict:
   """XLA's per-device memory of the setup's step (+ EMA) on (data = 8/fsdp, fsdp), from
   shapes only, with the compile time; {'refused': line} if the step refuses the layout."""
-  step = bench_sharding.make_step(setup)
-  state = bench_sharding.abstract_state(setup, step)
   mesh = sharding.make_mesh(fsdp=fsdp)
+  step = bench_sharding.make_step(setup, mesh)
+  state = bench_sharding.abstract_state(setup, step)
   buffer = bench_sharding.abstract_buffer(setup, physical_batch)
   start = time.perf_counter()
   try:

@@ -42,10 +42,10 @@ def test_toy_benchmark_bytes_are_the_states():
     physical_batch=4,
     clipping='vmap',  # Ghost clipping's layer analysis would add seconds of tracing.
   )
-  step = bench.make_step(setup)
+  (layout,) = bench.build_layouts(setup, (1,), num_devices=1)
+  step = layout.step
   state = bench.abstract_state(setup, step)
   n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(state[0]))
-  (layout,) = bench.build_layouts(setup, step, (1,), num_devices=1)
   assert bench.state_bytes(state, layout.shardings)['state'] == 16 * n + 8
   inputs = 4 * (2 * setup.physical_batch * setup.length + setup.physical_batch + 2)
   keys = step.keys['noise'].nbytes  # jit drops the unused augmult key (keep_unused=False).
