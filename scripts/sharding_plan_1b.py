@@ -98,7 +98,7 @@ def largest_batch(measure, groups: int, limit: int, log) -> dict:
     p -= groups
   while total(p + groups) <= limit:
     p += groups
-  line = {'bytes_at_first': total(a), 'bytes_per_row': slope}
+  line = {'bytes_at_first': total(a), 'bytes_per_unit_of_P': slope}
   return {'largest_physical_batch': p, 'fit': line, 'measured': seen}
 
 
@@ -198,8 +198,16 @@ def main():
   parser.add_argument('--layers', type=int, default=0, help='compile this depth (0: 26)')
   parser.add_argument('--depths', default='', help='e.g. 2,3,4: extrapolate to 26 layers')
   parser.add_argument('--verify', default='', help='configs to compile at full depth at their P')
+  parser.add_argument('--merge', default='', help='a.json,b.json: their configs into --out')
   parser.add_argument('--out', default=str(bench_sharding.RESULTS / 'sharding_plan_1b.json'))
   args = parser.parse_args()
+  if args.merge:  # Configs planned by separate processes (the same setup and code) in one file.
+    parts = [json.loads(pathlib.Path(f).read_text()) for f in args.merge.split(',')]
+    results = dict(parts[0], configs={k: v for p in parts for k, v in p['configs'].items()})
+    results['wall_seconds'] = [p['wall_seconds'] for p in parts]
+    pathlib.Path(args.out).write_text(json.dumps(results, indent=1) + '\n')
+    print(table(results))
+    return
   setup = VAULTGEMMA_1B
   if args.layers:
     setup = dataclasses.replace(setup, num_layers=args.layers)
