@@ -134,7 +134,7 @@ CONFIGS = {
 }
 
 
-def plan(setup, configs, limit: int, depths=None, verify=()) -> dict:
+def plan(setup, configs, limit: int, depths=None, verify=(), save=lambda results: None) -> dict:
   """Every config's memory at P = 8 and its largest fitting P; with depths, each P's bytes
   are extrapolated in depth, and the configs named in `verify` are compiled at full depth at
   the P found (the check of the extrapolation)."""
@@ -164,6 +164,7 @@ def plan(setup, configs, limit: int, depths=None, verify=()) -> dict:
       found['verified_full_depth'] = {str(p): m}
     results[name] = {'fsdp': fsdp, 'data': jax.device_count() // fsdp, 'clipping': clipping}
     results[name].update(found)
+    save(results)  # After each config: a long plan stopped midway keeps what it measured.
   return results
 
 
@@ -223,11 +224,13 @@ def main():
     'method': 'extrapolated in depth' if depths else f'compiled at {setup.num_layers} layers',
   }
   print(f'{results["num_parameters"]:,} parameters; {results["method"]}', flush=True)
-  results['configs'] = plan(
-    setup, args.configs.split(','), results['limit_bytes'], depths, args.verify.split(',')
-  )
-  results['wall_seconds'] = time.perf_counter() - start
-  pathlib.Path(args.out).write_text(json.dumps(results, indent=1) + '\n')
+
+  def save(configs):
+    results.update(configs=configs, wall_seconds=time.perf_counter() - start)
+    pathlib.Path(args.out).write_text(json.dumps(results, indent=1) + '\n')
+
+  configs = args.configs.split(',')
+  save(plan(setup, configs, results['limit_bytes'], depths, args.verify.split(','), save))
   print(table(results))
 
 
