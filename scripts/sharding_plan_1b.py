@@ -78,6 +78,13 @@ def compile_memory(setup: bench_sharding.Setup, fsdp: int, physical_batch: int) 
   return out
 
 
+def full_state_bytes(setup: bench_sharding.Setup, fsdp: int) -> dict:
+  """Per-device bytes of params, Adam state and EMA of the full-depth model (shapes only)."""
+  mesh = sharding.make_mesh(fsdp=fsdp)
+  state = bench_sharding.abstract_state(setup, bench_sharding.make_step(setup, mesh))
+  return bench_sharding.state_bytes(state, bench_sharding.state_shardings(state, mesh))
+
+
 def largest_batch(measure, groups: int, limit: int, log) -> dict:
   """The largest P (a multiple of `groups`) with measure(P)['total'] <= limit, and every
   measurement made; `measure(P)` compiles (see the module docstring for the search)."""
@@ -163,31 +170,34 @@ def plan(setup, configs, limit: int, depths=None, verify=(), save=lambda results
       log(p, m, label=f' ({setup.num_layers} layers)')
       found['verified_full_depth'] = {str(p): m}
     results[name] = {'fsdp': fsdp, 'data': jax.device_count() // fsdp, 'clipping': clipping}
-    results[name].update(found)
+    results[name].update(found, state_bytes=full_state_bytes(config, fsdp))
     save(results)  # After each config: a long plan stopped midway keeps what it measured.
   return results
 
 
 def table(results: dict) -> str:
-  """Rows: config; columns: GB per device at P = 8 (state / args / temps / total), largest P."""
+  """Rows: config; columns: GB per device at P = 8 (state, arguments, temporaries, total), the
+  largest P, its total, and its full-depth compile where one was made."""
   lines = [
     (
-      '| layout, clipping | params+Adam+EMA / device | arguments | temporaries | total (P = 8) '
-      '| largest P in 80 GB |'
+      '| layout, clipping | params + Adam + EMA | arguments | temporaries | total (P = 8) '
+      '| largest P in 80 GB | total at that P | 26-layer compile at that P |'
     ),
-    '|---|---|---|---|---|---|',
+    '|---|---|---|---|---|---|---|---|',
   ]
-  for name, r in results.items():
+  gb = lambda b: f'{b / GB:.1f} GB'
+  for name, r in results['configs'].items():
     m = r['measured'].get('8', {})
     if 'refused' in m:
-      lines.append(f'| {name} | refused: {m["refused"]} | | | | |')
+      lines.append(f'| {name} | refused: {m["refused"]} | | | | | | |')
       continue
-    gb = lambda b: f'{b / GB:.2f} GB'
-    state = m.get('state', {}).get('state')
+    p = r['largest_physical_batch']
+    at_p = r['measured'].get(str(p), {}).get('total')
+    full = r.get('verified_full_depth', {}).get(str(p), {}).get('total')
     lines.append(
-      f'| data={r["data"]} fsdp={r["fsdp"]}, {r["clipping"]} '
-      f'| {gb(state) if state else "-"} | {gb(m["arguments"])} | {gb(m["temporaries"])} '
-      f'| {gb(m["total"])} | {r["largest_physical_batch"]} |'
+      f'| data={r["data"]} fsdp={r["fsdp"]}, {r["clipping"]} | {gb(r["state_bytes"]["state"])} '
+      f'| {gb(m["arguments"])} | {gb(m["temporaries"])} | {gb(m["total"])} | {p} '
+      f'| {gb(at_p) if at_p else "-"} | {gb(full) if full else "-"} |'
     )
   return '\n'.join(lines)
 
@@ -206,6 +216,8 @@ def main():
     parts = [json.loads(pathlib.Path(f).read_text()) for f in args.merge.split(',')]
     results = dict(parts[0], configs={k: v for p in parts for k, v in p['configs'].items()})
     results['wall_seconds'] = [p['wall_seconds'] for p in parts]
+    for r in results['configs'].values():  # Files written before state_bytes was recorded.
+      r.setdefault('state_bytes', full_state_bytes(VAULTGEMMA_1B, r['fsdp']))
     pathlib.Path(args.out).write_text(json.dumps(results, indent=1) + '\n')
     print(table(results))
     return
