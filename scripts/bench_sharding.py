@@ -200,6 +200,7 @@ class Layout:
   step: dp_step.DPStep
   compiled: object
   shardings: tuple
+  shapes: tuple  # (params, opt_state, ema) as ShapeDtypeStructs.
   state: tuple = ()
   times: list = dataclasses.field(default_factory=list)
   losses: list = dataclasses.field(default_factory=list)
@@ -213,7 +214,7 @@ def build_layouts(setup: Setup, fsdps, num_devices: int = 0) -> list[Layout]:
     step = make_step(setup, mesh)
     state = abstract_state(setup, step)
     compiled = compile_step(step, state, abstract_buffer(setup), mesh)
-    layouts.append(Layout(fsdp, mesh, step, compiled, state_shardings(state, mesh)))
+    layouts.append(Layout(fsdp, mesh, step, compiled, state_shardings(state, mesh), state))
   return layouts
 
 
@@ -246,7 +247,7 @@ def max_relative_difference(a, b) -> float:
 def measure(setup: Setup, fsdps, steps: int, budget_fraction: float, num_devices=0) -> dict:
   """Every number of the benchmark, as a dict (the JSON's 'layouts' and 'budget')."""
   layouts = build_layouts(setup, fsdps, num_devices)
-  state = abstract_state(setup, layouts[0].step)
+  state = layouts[0].shapes
   train_interleaved(setup, layouts, steps)
   base = layouts[0]
   rows = []

@@ -43,8 +43,7 @@ def test_toy_benchmark_bytes_are_the_states():
     clipping='vmap',  # Ghost clipping's layer analysis would add seconds of tracing.
   )
   (layout,) = bench.build_layouts(setup, (1,), num_devices=1)
-  step = layout.step
-  state = bench.abstract_state(setup, step)
+  step, state = layout.step, layout.shapes
   n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(state[0]))
   assert bench.state_bytes(state, layout.shardings)['state'] == 16 * n + 8
   inputs = 4 * (2 * setup.physical_batch * setup.length + setup.physical_batch + 2)
