@@ -383,7 +383,10 @@ def test_physical_batch_not_a_multiple_of_the_device_count_is_refused(worker):
   results, _ = worker
   message = results['bad_p']
   assert message is not None
-  assert 'sampler.physical_batch_size = 30' in message and 'hold different examples (4 = data × fsdp' in message
+  assert (
+    'sampler.physical_batch_size = 30' in message
+    and 'hold different examples (4 = data × fsdp' in message
+  )
   assert 'num_devices' in results['bad_devices'] and '[0, 4]' in results['bad_devices']
   assert not results['bad_p_wrote'] and not results['bad_devices_wrote']
 
