@@ -79,19 +79,12 @@ def abstract_state(step, params) -> training_loop.TrainState:
   return jax.eval_shape(lambda p: _state(step, p, ema_lib.init(p)), params)
 
 
-def state_shardings(
-  state, params, mesh: jax.sharding.Mesh, rules: param_sharding.ShardingRules
-) -> training_loop.TrainState:
-  """The NamedSharding of every leaf of a state (abstract or not) by the rules."""
-  return param_sharding.state_shardings(state, params, mesh, rules)
-
-
 def state_memory(
   step, params, mesh: jax.sharding.Mesh, rules: param_sharding.ShardingRules
 ) -> StateMemory:
   """Bytes per device of the parameters, optimiser state and EMA on `mesh` (shapes only)."""
   state = abstract_state(step, params)
-  where = state_shardings(state, params, mesh, rules)
+  where = param_sharding.state_shardings(state, params, mesh, rules)
   count = lambda part: param_sharding.bytes_per_device(getattr(state, part), getattr(where, part))
   return StateMemory(count('params'), count('opt_state'), count('ema'))
 
@@ -115,7 +108,7 @@ def initial_state(
   """The state at step 0, each array placed by the rules (every process passes the same
   parameters, from the same seed, and keeps its own devices' shards). The optimiser state and
   the EMA are made on the devices in their layout: no device holds a whole copy."""
-  where = state_shardings(abstract_state(step, params), params, mesh, rules)
+  where = param_sharding.state_shardings(abstract_state(step, params), params, mesh, rules)
   placed = param_sharding.place(params, where.params)
   make = jax.jit(lambda p: _state(step, p, ema_lib.init(p)), out_shardings=where)
   return make(placed)

@@ -63,15 +63,19 @@ def run(
   plan = physical_batch.resolve_physical_batch_size(
     plan, step_fns, state.params, state.opt_state, train_source, dataset, mesh, log
   )
-  temporaries = measure and physical_batch.step_temporaries(
-    plan, step_fns, state.params, state.opt_state, train_source, dataset
+  temporaries = (
+    physical_batch.step_temporaries(
+      plan, step_fns, state.params, state.opt_state, train_source, dataset
+    )
+    if measure
+    else None
   )
   evaluate = build.make_evaluator(plan, model, test_source, mesh)
   manager = checkpoints.make_manager(workdir, plan.schedule.keep_checkpoints)
   restored_step, state = build.restore_or_init(manager, state, plan, workdir, log)
   run_report.announce(plan, workdir, train_source, mesh, params, log)
   log(f'{param_sharding.describe(mesh, rules)}.')
-  log(f'{dataclasses.replace(memory, temporaries=temporaries or None).describe()}.')
+  log(f'{dataclasses.replace(memory, temporaries=temporaries).describe()}.')
   parts = loop_parts.from_plan(
     plan, workdir, step_fns, state.params, train_source, dataset, mesh, manager, restored_step
   )
